@@ -1,0 +1,85 @@
+"""The configuration schema shared by every experiment file in `configs/`.
+
+An experiment file defines `get_config()` that starts from `base_config()` and
+changes what it needs. The returned `ConfigDict` is locked by `finalize()`: a key
+that does not exist (a typo in a file or in `--config.key=value`) raises instead
+of being silently added.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Defaults for every field a run reads. Experiment files override a few."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  # Where checkpoints, metrics.jsonl and TensorBoard events go. Set by --workdir.
+  c.workdir = ""
+
+  c.model = ml_collections.ConfigDict()
+  m = c.model
+  m.vocab_size = 384  # >= tokenizer vocabulary; a multiple of 128 shards evenly.
+  m.d_model = 256
+  m.n_layers = 4
+  m.n_heads = 4
+  m.n_kv_heads = 0  # 0: same as n_heads (plain multi-head); fewer: grouped-query attention.
+  m.head_dim = 0  # 0: d_model // n_heads.
+  m.mlp_hidden = 0  # 0: floor(8/3 * d_model), as in the CASTLE paper's SwiGLU.
+  m.tie_embeddings = True
+  m.rope_theta = 10_000.0
+  m.norm_eps = 1e-6
+  m.attention = "mha"  # key in castle_jax.layers.attention registry
+  m.attention_impl = ml_collections.config_dict.placeholder(str)  # None: best for backend
+  m.sliding_window = 0  # 0: full causal attention; W > 0: each query sees the last W keys.
+  m.dtype = "bfloat16"  # activations / matmul inputs
+  m.param_dtype = "float32"
+  m.remat = False  # rematerialize each block in the backward pass
+  # Attention-specific settings (CASTLE window, power p, ...) live here.
+  m.attention_kwargs = ml_collections.ConfigDict()
+
+  c.data = ml_collections.ConfigDict()
+  d = c.data
+  d.dataset = "python_stdlib"  # any TFDS name; python_stdlib is built locally.
+  d.data_dir = ml_collections.config_dict.placeholder(str)  # None: ~/.cache/castle_jax/tensorflow_datasets
+  d.text_key = "text"
+  d.train_split = "train"
+  d.eval_split = "validation"
+  d.tokenizer = "byte"  # "byte" or a path to a `tokenizers` JSON file (trained BPE)
+  d.seq_len = 256
+  d.batch_size = 16  # global, in sequences
+  d.shuffle_seed = 0
+  d.worker_count = 0  # grain worker processes; 0 reads in the main process
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = -1  # -1: fill with the devices left over
+  c.mesh.fsdp = 1
+  c.mesh.tensor = 1
+
+  c.train = ml_collections.ConfigDict()
+  t = c.train
+  t.steps = 1000
+  t.learning_rate = 6e-4
+  t.warmup_steps = 100
+  t.min_lr_ratio = 0.1  # cosine decays to this fraction of the peak
+  t.b1 = 0.9
+  t.b2 = 0.95
+  t.eps = 1e-8
+  t.weight_decay = 0.1
+  t.grad_clip = 1.0
+  t.grad_accum_steps = 1
+  t.log_every = 10
+  t.eval_every = 200
+  t.eval_batches = 8
+  t.checkpoint_every = 200
+  t.keep_checkpoints = 3
+  t.resume = True  # continue from the latest checkpoint in workdir if there is one
+  t.progress_bar = True
+  return c
+
+
+def finalize(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Locks the config so unknown keys raise, and returns it."""
+  config.lock()
+  return config
