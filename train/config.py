@@ -83,3 +83,29 @@ def finalize(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Locks the config so unknown keys raise, and returns it."""
   config.lock()
   return config
+
+
+# Sub-dicts whose keys are free-form (their meaning depends on another setting).
+_FREE_FORM = ("model.attention_kwargs",)
+
+
+def validate_keys(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming every key that `base_config()` does not define.
+
+  An experiment file that assigns a misspelled key (`c.train.stpes = 10`) would
+  otherwise add it silently to an unlocked ConfigDict.
+  """
+  unknown = _unknown_keys(config, base_config(), "")
+  if unknown:
+    raise ValueError(f"Unknown config keys: {', '.join(unknown)} (see train/config.py for the schema)")
+
+
+def _unknown_keys(config, schema, prefix: str) -> list[str]:
+  unknown = []
+  for key in config.keys():
+    path = f"{prefix}{key}"
+    if key not in schema:
+      unknown.append(path)
+    elif path not in _FREE_FORM and isinstance(schema[key], ml_collections.ConfigDict):
+      unknown.extend(_unknown_keys(config[key], schema[key], path + "."))
+  return unknown

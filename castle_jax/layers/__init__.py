@@ -1,0 +1,1 @@
+"""Flax linen building blocks: norms, RoPE, SwiGLU and the attention registry."""

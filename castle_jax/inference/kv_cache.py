@@ -1,0 +1,57 @@
+"""A fixed-capacity key/value cache: an explicit pytree, so it works under jit,
+can be sharded, and can live in host memory."""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Keys and values of the tokens seen so far.
+
+  Attributes:
+    keys, values: [batch, capacity, kv_heads, head_dim]; slots >= length are empty.
+    length: int32 scalar, number of filled slots (the same for every sequence).
+  """
+
+  keys: jax.Array
+  values: jax.Array
+  length: jax.Array
+
+  @classmethod
+  def create(cls, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype) -> "KVCache":
+    shape = (batch, capacity, kv_heads, head_dim)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+
+  @property
+  def capacity(self) -> int:
+    return self.keys.shape[1]
+
+  def append(self, keys: jax.Array, values: jax.Array) -> "KVCache":
+    """Writes [batch, new, kv_heads, head_dim] keys/values after the filled slots.
+
+    Raises ValueError when `new` exceeds the capacity, or, when the length is a
+    concrete value (outside jit), when the filled slots plus `new` would.
+    Under jit the caller checks the budget up front (see `generate`).
+    """
+    new = keys.shape[1]
+    if new > self.capacity:
+      raise ValueError(f"cannot append {new} tokens to a KV cache of capacity {self.capacity}")
+    if not isinstance(self.length, jax.core.Tracer) and int(self.length) + new > self.capacity:
+      raise ValueError(
+          f"KV cache overflow: {int(self.length)} filled + {new} new > capacity {self.capacity}; "
+          "create the cache with a larger capacity")
+    start = (0, self.length, 0, 0)
+    return KVCache(
+        jax.lax.dynamic_update_slice(self.keys, keys.astype(self.keys.dtype), start),
+        jax.lax.dynamic_update_slice(self.values, values.astype(self.values.dtype), start),
+        self.length + new)
+
+  def key_positions(self) -> jax.Array:
+    """int32 [batch, capacity]: the position of each slot, -1 for empty slots."""
+    slots = jnp.arange(self.capacity, dtype=jnp.int32)
+    positions = jnp.where(slots < self.length, slots, -1)
+    return jnp.broadcast_to(positions, (self.keys.shape[0], self.capacity))

@@ -1,0 +1,114 @@
+"""A LLaMA-style decoder LM with pluggable attention.
+
+Block (pre-norm, residual around each sublayer):
+    h = x + Attention(RMSNorm(x))
+    y = h + SwiGLU(RMSNorm(h))
+The CASTLE paper's Appendix A.1.1 prints Y = Attn(RMSNorm(X)), X' = SwiGLU(RMSNorm(Y))
+without the residual additions; it states that it follows LLaMA, whose block is
+the residual form above, so the residual form is used here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from castle_jax.layers.mlp import SwiGLU
+from castle_jax.layers.norms import RMSNorm
+from castle_jax.layers.registry import get_attention
+from castle_jax.models.config import ModelConfig
+from castle_jax.sharding import constrain, with_axes
+
+
+class DecoderBlock(nn.Module):
+  """One pre-norm block: attention then SwiGLU, each with a residual connection."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array, positions: jax.Array, cache: Any = None):
+    """x: [batch, seq, d_model] -> ([batch, seq, d_model], cache)."""
+    cfg = self.config
+    norm = lambda name: RMSNorm(cfg.norm_eps, cfg.compute_dtype, cfg.weights_dtype, name=name)
+    attention = get_attention(cfg.attention).module(config=cfg, name="attention")
+    h, cache = attention(norm("attention_norm")(x), positions, cache)
+    x = constrain(x + h, ("batch", "act_length", "act_embed"))
+    mlp = SwiGLU(cfg.ffn_hidden, cfg.init_std, cfg.out_init_std, cfg.compute_dtype, cfg.weights_dtype, name="mlp")
+    x = x + mlp(norm("mlp_norm")(x))
+    return constrain(x, ("batch", "act_length", "act_embed")), cache
+
+
+class TransformerLM(nn.Module):
+  """Decoder-only language model.
+
+  Call with tokens int [batch, seq] (and optionally positions int [batch, seq] and
+  per-layer caches from `init_cache`) to get float32 logits [batch, seq, vocab_size]
+  and the updated caches (None when no caches were given).
+  """
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+               caches: Sequence[Any] | None = None):
+    cfg = self.config
+    if tokens.ndim != 2:
+      raise ValueError(f"tokens must be int [batch, seq], got shape {tokens.shape}")
+    if positions is None:
+      if caches is not None:
+        raise ValueError("positions are required when decoding with caches")
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    embed = nn.Embed(
+        cfg.vocab_size, cfg.d_model, dtype=cfg.compute_dtype, param_dtype=cfg.weights_dtype,
+        embedding_init=with_axes(nn.initializers.normal(cfg.init_std), ("vocab", "embed")), name="embed")
+    x = constrain(embed(tokens), ("batch", "act_length", "act_embed"))
+
+    block_cls = DecoderBlock
+    if cfg.remat and caches is None:
+      block_cls = nn.remat(DecoderBlock, prevent_cse=False)
+    new_caches = []
+    for layer in range(cfg.n_layers):
+      x, cache = block_cls(cfg, name=f"block_{layer}")(x, positions, None if caches is None else caches[layer])
+      new_caches.append(cache)
+
+    x = RMSNorm(cfg.norm_eps, cfg.compute_dtype, cfg.weights_dtype, name="final_norm")(x)
+    if cfg.tie_embeddings:
+      logits = embed.attend(x)
+    else:
+      logits = nn.Dense(
+          cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype, param_dtype=cfg.weights_dtype,
+          kernel_init=with_axes(nn.initializers.normal(cfg.init_std), ("embed", "vocab")), name="lm_head")(x)
+    logits = constrain(logits.astype(jnp.float32), ("batch", "act_length", "act_vocab"))
+    return logits, (None if caches is None else new_caches)
+
+  def init_cache(self, batch: int, capacity: int) -> list[Any]:
+    """Empty per-layer decoding caches that hold up to `capacity` tokens."""
+    kind = get_attention(self.config.attention)
+    return [kind.init_cache(self.config, batch, capacity) for _ in range(self.config.n_layers)]
+
+
+def count_parameters(config: ModelConfig) -> int:
+  """Closed-form parameter count (what `init` creates), from the shapes alone."""
+  d = config.d_model
+  attention = get_attention(config.attention).param_count(config)
+  block = attention + 3 * d * config.ffn_hidden + 2 * d  # + two RMSNorm scales
+  embeddings = config.vocab_size * d * (1 if config.tie_embeddings else 2)
+  return embeddings + config.n_layers * block + d  # + final norm
+
+
+def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
+  """Model FLOPs per trained token (forward + backward), for MFU.
+
+  6 per parameter that multiplies an activation (every matrix, the LM head
+  included; embedding lookups and norm scales are not matmuls), plus each layer's
+  attention core, counted with causal masking (a query sees (T+1)/2 keys on average).
+  """
+  d = config.d_model
+  matmul_params = count_parameters(config) - (2 * config.n_layers + 1) * d  # minus norm scales
+  if not config.tie_embeddings:
+    matmul_params -= config.vocab_size * d  # the input table is only a lookup; lm_head is the matmul
+  core = get_attention(config.attention).core_flops_per_token(config, seq_len)
+  return 6 * matmul_params + config.n_layers * core

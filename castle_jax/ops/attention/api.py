@@ -1,0 +1,86 @@
+"""Standard causal multi-head attention: the one entry point.
+
+`implementation`:
+  - "reference": plain jnp with an explicit mask (any backend, float32 math).
+  - "xla": `jax.nn.dot_product_attention(implementation="xla")`.
+  - "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")`, cuDNN flash
+    attention; needs a CUDA GPU, bf16/fp16 inputs and a head dim that is a multiple
+    of 8 and at most 256.
+  - None: "cudnn" where it can run, else "xla"; the choice is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from castle_jax.ops.attention.reference import causal_mask, masked_attention
+
+IMPLEMENTATIONS = ("reference", "xla", "cudnn")
+
+
+def _cudnn_unsupported_reason(q: jax.Array) -> str | None:
+  if jax.default_backend() != "gpu":
+    return f"cuDNN attention needs a CUDA GPU; the default backend is {jax.default_backend()!r}"
+  if q.dtype not in (jnp.bfloat16, jnp.float16):
+    return f"cuDNN attention needs bfloat16 or float16 inputs, got {q.dtype}"
+  head_dim = q.shape[-1]
+  if head_dim % 8 or head_dim > 256:
+    return f"cuDNN attention needs head_dim a multiple of 8 and <= 256, got {head_dim}"
+  return None
+
+
+def _validate(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None) -> None:
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if x.ndim != 4:
+      raise ValueError(f"{name} must have shape [batch, seq, heads, head_dim]; got shape {x.shape}")
+  if k.shape != v.shape:
+    raise ValueError(f"k and v must have the same shape; got k {k.shape} and v {v.shape}")
+  if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+    raise ValueError(
+        f"q {q.shape} and k {k.shape} must agree in batch, seq and head_dim for causal self-attention")
+  if q.shape[2] % k.shape[2]:
+    raise ValueError(
+        f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]}) for grouped-query attention")
+  if window is not None and window < 1:
+    raise ValueError(f"window must be None or >= 1, got {window}")
+
+
+def causal_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    window: int | None = None,
+    implementation: str | None = None,
+) -> jax.Array:
+  """Causal softmax attention, optionally grouped-query and sliding-window.
+
+  Args:
+    q: [batch, seq, heads, head_dim].
+    k, v: [batch, seq, kv_heads, head_dim]; heads % kv_heads == 0.
+    window: None for full causal attention; W >= 1 lets each query see itself and
+      the W-1 keys before it.
+    implementation: one of IMPLEMENTATIONS or None (see module docstring).
+
+  Returns:
+    [batch, seq, heads, head_dim] in q's dtype.
+  """
+  _validate(q, k, v, window)
+  if implementation is None:
+    reason = _cudnn_unsupported_reason(q)
+    implementation = "xla" if reason else "cudnn"
+    logging.debug("causal_attention: implementation=%s%s", implementation, f" ({reason})" if reason else "")
+  elif implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"Unknown attention implementation {implementation!r}; choose one of {IMPLEMENTATIONS} or None")
+  elif implementation == "cudnn" and (reason := _cudnn_unsupported_reason(q)):
+    raise ValueError(f"implementation='cudnn' cannot run: {reason}. Use implementation='xla' or None.")
+
+  if implementation == "reference":
+    positions = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
+    return masked_attention(q, k, v, causal_mask(positions, positions, window))
+  local_window = None if window is None else (window - 1, 0)
+  return jax.nn.dot_product_attention(
+      q, k, v, is_causal=True, local_window_size=local_window, implementation=implementation)

@@ -1,0 +1,152 @@
+"""The decoder LM: causality, cached decoding, generate(), parameter counts, bad input."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from castle_jax.inference import generate, sample_next_token
+from castle_jax.inference.kv_cache import KVCache
+from castle_jax.layers.registry import get_attention, registered_attentions
+from castle_jax.models import ModelConfig, TransformerLM, count_parameters
+from helpers import rel_err
+
+VARIANTS = {
+    "mha": dict(),
+    "gqa_window": dict(n_kv_heads=2, sliding_window=4),
+    "untied_mqa": dict(n_kv_heads=1, tie_embeddings=False),
+}
+
+
+def _model(**overrides):
+  fields = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, dtype="float32") | overrides
+  config = ModelConfig(**fields)
+  model = TransformerLM(config)
+  params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))["params"]
+  # Push the weights off their tiny init so that logits depend strongly on the context.
+  params = jax.tree.map(lambda p: p * 8.0 if p.ndim > 1 else p, params)
+  return model, params
+
+
+def _tokens(seed, batch=2, seq=11, vocab=64):
+  return jax.random.randint(jax.random.key(seed), (batch, seq), 0, vocab)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_future_tokens_never_change_past_logits(variant):
+  model, params = _model(**VARIANTS[variant])
+  tokens = _tokens(1)
+  logits, _ = model.apply({"params": params}, tokens)
+  for t in (0, 5, 9):
+    changed = tokens.at[:, t + 1:].set((tokens[:, t + 1:] + 17) % 64)
+    new_logits, _ = model.apply({"params": params}, changed)
+    np.testing.assert_array_equal(new_logits[:, : t + 1], logits[:, : t + 1])
+    assert np.abs(new_logits[:, t + 1:] - logits[:, t + 1:]).max() > 1e-3  # the test can fail
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_cached_decoding_equals_parallel_forward(variant):
+  model, params = _model(**VARIANTS[variant])
+  tokens = _tokens(2, seq=12)
+  full, _ = model.apply({"params": params}, tokens)
+  caches = model.init_cache(batch=2, capacity=16)
+  positions = jnp.broadcast_to(jnp.arange(12), tokens.shape)
+  # Prefill 5 tokens, then 3 steps of one token, then a chunk of 4.
+  pieces = [(0, 5), (5, 6), (6, 7), (7, 8), (8, 12)]
+  outs = []
+  for start, stop in pieces:
+    logits, caches = model.apply({"params": params}, tokens[:, start:stop], positions[:, start:stop], caches)
+    outs.append(logits)
+  assert rel_err(jnp.concatenate(outs, axis=1), full) < 1e-5
+  assert int(caches[0].length) == 12
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_greedy_generate_matches_parallel_argmax(variant):
+  model, params = _model(**VARIANTS[variant])
+  prompt = _tokens(3, seq=5)
+  out = generate(model, params, prompt, max_new_tokens=10)
+  assert out.shape == (2, 15)
+  np.testing.assert_array_equal(out[:, :5], prompt)
+  logits, _ = model.apply({"params": params}, out)
+  np.testing.assert_array_equal(jnp.argmax(logits[:, 4:-1], -1), out[:, 5:])
+
+
+def test_sampling_modes():
+  model, params = _model()
+  prompt = _tokens(4, seq=3)
+  greedy = generate(model, params, prompt, max_new_tokens=6)
+  top1 = generate(model, params, prompt, max_new_tokens=6, temperature=1.0, top_k=1, rng=jax.random.key(1))
+  tiny_p = generate(model, params, prompt, max_new_tokens=6, temperature=1.0, top_p=1e-6, rng=jax.random.key(2))
+  np.testing.assert_array_equal(top1, greedy)
+  np.testing.assert_array_equal(tiny_p, greedy)
+  a = generate(model, params, prompt, max_new_tokens=6, temperature=1.5, rng=jax.random.key(3))
+  b = generate(model, params, prompt, max_new_tokens=6, temperature=1.5, rng=jax.random.key(3))
+  np.testing.assert_array_equal(a, b)
+
+
+def test_top_k_and_top_p_restrict_support():
+  logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+  keys = jax.random.split(jax.random.key(0), 400)
+  draw = lambda **kw: np.array([int(sample_next_token(logits, k, temperature=1.0, **kw)[0]) for k in keys])
+  assert set(draw(top_k=2)) == {0, 1}
+  assert set(draw(top_p=0.7)) == {0, 1}  # 0.5 < 0.7 so the second token is needed, the third is not
+  assert set(draw()) == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_parameter_count_closed_form(variant):
+  model, params = _model(**VARIANTS[variant])
+  actual = sum(x.size for x in jax.tree.leaves(params))
+  assert actual == count_parameters(model.config)
+
+
+@pytest.mark.parametrize("size, paper", [("s", 160e6), ("m", 353e6), ("l", 756e6), ("xl", 1.310e9)])
+def test_paper_baselines_match_table3_parameter_counts(size, paper):
+  from train.presets import paper_config
+  config = ModelConfig.from_mapping(paper_config(size).model)
+  assert abs(count_parameters(config) / paper - 1) < 0.01
+  if size == "s":  # the closed form equals what init would create
+    model = TransformerLM(config)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
+    assert sum(np.prod(x.shape) for x in jax.tree.leaves(nn.unbox(shapes))) == count_parameters(config)
+
+
+def test_unknown_attention_name_is_reported():
+  assert "mha" in registered_attentions()
+  with pytest.raises(ValueError, match="Unknown attention 'flash'.*registered"):
+    get_attention("flash")
+  with pytest.raises(ValueError, match="Unknown attention"):
+    _model(attention="flash")
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(n_heads=3), "not divisible"),
+    (dict(n_kv_heads=3), "multiple of model.n_kv_heads"),
+    (dict(d_model=0), "model.d_model must be >= 1"),
+    (dict(dtype="float8"), "model.dtype"),
+    (dict(head_dim=7, n_heads=2), "even"),
+])
+def test_bad_model_config(bad, match):
+  with pytest.raises(ValueError, match=match):
+    ModelConfig(**(dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4) | bad))
+
+
+def test_unknown_model_config_key():
+  with pytest.raises(ValueError, match="Unknown model config keys.*n_head"):
+    ModelConfig.from_mapping(dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_head=4))
+
+
+def test_cache_and_generate_capacity_errors():
+  model, params = _model()
+  with pytest.raises(ValueError, match="exceeds the cache capacity"):
+    generate(model, params, _tokens(5, seq=6), max_new_tokens=5, capacity=8)
+  cache = KVCache.create(1, 4, 2, 8, jnp.float32)
+  cache = cache.append(jnp.ones((1, 3, 2, 8)), jnp.ones((1, 3, 2, 8)))
+  with pytest.raises(ValueError, match="KV cache overflow"):
+    cache.append(jnp.ones((1, 2, 2, 8)), jnp.ones((1, 2, 2, 8)))
+  with pytest.raises(ValueError, match="temperature"):
+    generate(model, params, _tokens(5, seq=2), max_new_tokens=2, temperature=-1.0)
+  with pytest.raises(ValueError, match="rng is required"):
+    generate(model, params, _tokens(5, seq=2), max_new_tokens=2, temperature=1.0)

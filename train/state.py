@@ -1,0 +1,67 @@
+"""Train state created directly sharded: shapes from `jax.eval_shape`, shardings
+from the parameters' logical axis names, values from a jitted init."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from castle_jax.models import TransformerLM
+from castle_jax.sharding import LOGICAL_AXIS_RULES
+
+
+@flax.struct.dataclass
+class TrainState:
+  """step: int32 scalar; params: the model's "params" collection; opt_state: optax state."""
+
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+def _boxed_init(model: TransformerLM, tx: optax.GradientTransformation, rng: jax.Array, seq_len: int):
+  tokens = jnp.zeros((1, seq_len), jnp.int32)
+  params = model.init(rng, tokens)["params"]
+  # optax maps over the boxed leaves, so the optimizer state keeps the axis names too.
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+
+def state_shardings(model: TransformerLM, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh,
+                    seq_len: int) -> tuple[TrainState, TrainState]:
+  """(abstract state: ShapeDtypeStructs with shardings, the NamedShardings tree)."""
+  boxed = jax.eval_shape(lambda r: _boxed_init(model, tx, r, seq_len), jax.random.key(0))
+  specs = nn.get_partition_spec(boxed)
+  shardings = nn.logical_to_mesh_sharding(specs, mesh, LOGICAL_AXIS_RULES)
+  abstract = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nn.unbox(boxed), shardings)
+  _check_divisible(abstract)
+  return abstract, shardings
+
+
+def _check_divisible(abstract: TrainState) -> None:
+  """Raises a clear error when a parameter dimension cannot be split over its mesh axes."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(abstract.params):
+    mesh = leaf.sharding.mesh
+    for dim, axes in zip(leaf.shape, leaf.sharding.spec):
+      axes = (axes,) if isinstance(axes, str) else (axes or ())
+      ways = 1
+      for axis in axes:
+        ways *= mesh.shape[axis]
+      if dim % ways:
+        name = jax.tree_util.keystr(path)
+        raise ValueError(
+            f"Parameter {name} {leaf.shape} cannot be sharded: dimension {dim} is split over mesh axes "
+            f"{axes} ({ways} ways). Change the model sizes (e.g. model.n_heads, model.vocab_size) "
+            "or the mesh (config.mesh).")
+
+
+def init_train_state(model: TransformerLM, tx: optax.GradientTransformation, rng: jax.Array,
+                     seq_len: int, shardings: TrainState) -> TrainState:
+  """Initializes parameters and optimizer state directly into their shardings."""
+  init = jax.jit(lambda r: nn.unbox(_boxed_init(model, tx, r, seq_len)), out_shardings=shardings)
+  return init(rng)

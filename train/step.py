@@ -1,0 +1,80 @@
+"""The loss, the jitted train step (with gradient accumulation) and the eval step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from castle_jax.models import TransformerLM
+from train.state import TrainState
+
+
+def token_losses(model: TransformerLM, params: Any, batch: dict[str, jax.Array], pad_id: int):
+  """Per-token negative log-likelihood.
+
+  Args:
+    batch: {"inputs": int [B, T], "targets": int [B, T]}.
+
+  Returns:
+    (nll float32 [B, T], weights float32 [B, T]) with weight 0 at PAD targets.
+  """
+  logits, _ = model.apply({"params": params}, batch["inputs"])
+  targets = batch["targets"]
+  log_z = jax.nn.logsumexp(logits, axis=-1)
+  target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  weights = (targets != pad_id).astype(jnp.float32)
+  return (log_z - target_logits) * weights, weights
+
+
+def _microbatches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Array]:
+  """[B, ...] -> [count, B/count, ...] taking rows i, i+count, ... so that each
+  microbatch is spread over the same devices as the batch (no communication)."""
+  def split(x):
+    return x.reshape(x.shape[0] // count, count, *x.shape[1:]).swapaxes(0, 1)
+  return jax.tree.map(split, batch)
+
+
+def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: TransformerLM,
+               tx: optax.GradientTransformation, schedule: optax.Schedule, pad_id: int,
+               grad_accum_steps: int = 1) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One optimizer update on the mean token loss of the whole (global) batch."""
+
+  def summed_loss(params, micro):
+    nll, weights = token_losses(model, params, micro, pad_id)
+    return jnp.sum(nll), jnp.sum(weights)
+
+  value_and_grad = jax.value_and_grad(summed_loss, has_aux=True)
+  if grad_accum_steps == 1:
+    (loss_sum, count), grads = value_and_grad(state.params, batch)
+  else:
+    def accumulate(carry, micro):
+      loss_sum, count, grads = carry
+      (l, c), g = value_and_grad(state.params, micro)
+      return (loss_sum + l, count + c, jax.tree.map(jnp.add, grads, g)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    (loss_sum, count, grads), _ = jax.lax.scan(
+        accumulate, (jnp.float32(0), jnp.float32(0), zeros), _microbatches(batch, grad_accum_steps))
+
+  count = jnp.maximum(count, 1.0)
+  grads = jax.tree.map(lambda g: g / count, grads)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = {
+      "loss": loss_sum / count,
+      "grad_norm": optax.global_norm(grads),
+      "learning_rate": schedule(state.step),
+      "tokens": count,
+  }
+  return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def eval_step(params: Any, batch: dict[str, jax.Array], *, model: TransformerLM, pad_id: int,
+              token_byte_lengths: jax.Array) -> dict[str, jax.Array]:
+  """Sums for validation: nll (nats), scored tokens and the UTF-8 bytes they stand for."""
+  nll, weights = token_losses(model, params, batch, pad_id)
+  byte_counts = jnp.take(token_byte_lengths, batch["targets"]) * weights
+  return {"nll_sum": jnp.sum(nll), "tokens": jnp.sum(weights), "bytes": jnp.sum(byte_counts)}
