@@ -38,9 +38,15 @@ def state_shardings(model: TransformerLM, tx: optax.GradientTransformation, mesh
   specs = nn.get_partition_spec(boxed)
   shardings = nn.logical_to_mesh_sharding(specs, mesh, LOGICAL_AXIS_RULES)
   abstract = jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nn.unbox(boxed), shardings)
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), _strip_boxes(boxed), shardings)
   _check_divisible(abstract)
   return abstract, shardings
+
+
+def _strip_boxes(tree):
+  """Replaces logical-axis boxes by their values (nn.unbox would also constrain them)."""
+  is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
+  return jax.tree.map(lambda x: x.unbox(apply_constraint=False) if is_box(x) else x, tree, is_leaf=is_box)
 
 
 def _check_divisible(abstract: TrainState) -> None:

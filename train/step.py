@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -78,3 +79,13 @@ def eval_step(params: Any, batch: dict[str, jax.Array], *, model: TransformerLM,
   nll, weights = token_losses(model, params, batch, pad_id)
   byte_counts = jnp.take(token_byte_lengths, batch["targets"]) * weights
   return {"nll_sum": jnp.sum(nll), "tokens": jnp.sum(weights), "bytes": jnp.sum(byte_counts)}
+
+
+def jit_train_step(*, model: TransformerLM, tx: optax.GradientTransformation, schedule: optax.Schedule,
+                   pad_id: int, grad_accum_steps: int, state_shardings: TrainState,
+                   batch_sharding: jax.sharding.Sharding):
+  """`train_step` compiled with explicit in/out shardings; the old state is donated."""
+  step = functools.partial(train_step, model=model, tx=tx, schedule=schedule, pad_id=pad_id,
+                           grad_accum_steps=grad_accum_steps)
+  return jax.jit(step, in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, None),
+                 donate_argnums=0)

@@ -27,7 +27,7 @@ from train.mesh import data_parallel_size, make_mesh
 from train.metrics import MetricsWriter
 from train.optimizer import make_optimizer
 from train.state import TrainState, init_train_state, state_shardings
-from train.step import eval_step, train_step
+from train.step import eval_step, jit_train_step
 from train.throughput import peak_flops_per_device
 
 
@@ -140,10 +140,9 @@ def train(config: ml_collections.ConfigDict, *,
       state = init_train_state(model, tx, jax.random.key(config.seed), config.data.seq_len, shardings)
     start_step = int(jax.device_get(state.step))
 
-    step_fn = jax.jit(
-        functools.partial(train_step, model=model, tx=tx, schedule=schedule, pad_id=tokenizer.pad_id,
-                          grad_accum_steps=t.grad_accum_steps),
-        in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None), donate_argnums=0)
+    step_fn = jit_train_step(model=model, tx=tx, schedule=schedule, pad_id=tokenizer.pad_id,
+                             grad_accum_steps=t.grad_accum_steps, state_shardings=shardings,
+                             batch_sharding=batch_sharding)
     eval_fn = jax.jit(functools.partial(
         eval_step, model=model, pad_id=tokenizer.pad_id,
         token_byte_lengths=jnp.asarray(tokenizer.token_byte_lengths, jnp.float32)))

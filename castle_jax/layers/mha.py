@@ -7,11 +7,12 @@ import flax.linen as nn
 import jax
 
 from castle_jax.inference.kv_cache import KVCache
+from castle_jax.layers.linear import Linear
 from castle_jax.layers.registry import register_attention
 from castle_jax.layers.rope import apply_rope
 from castle_jax.models.config import ModelConfig
 from castle_jax.ops.attention import causal_attention, causal_mask, masked_attention
-from castle_jax.sharding import constrain, with_axes
+from castle_jax.sharding import constrain
 
 
 def _mha_cache(config: ModelConfig, batch: int, capacity: int) -> KVCache:
@@ -36,11 +37,10 @@ def _mha_core_flops(config: ModelConfig, seq_len: int) -> float:
   return 12 * config.n_heads * config.qk_head_dim * mean_visible_keys(seq_len, config.window)
 
 
-def projection(features, axes, std, config: ModelConfig, name: str, axis=-1) -> nn.DenseGeneral:
-  """A bias-free projection whose kernel carries logical axis names."""
-  return nn.DenseGeneral(
-      features, axis=axis, use_bias=False, name=name, dtype=config.compute_dtype,
-      param_dtype=config.weights_dtype, kernel_init=with_axes(nn.initializers.normal(std), axes))
+def projection(features, axes, std, config: ModelConfig, name: str, contract_dims: int = 1) -> Linear:
+  """A bias-free projection in the model's dtypes whose kernel carries logical axis names."""
+  return Linear(tuple(features) if isinstance(features, tuple) else (features,), axes, contract_dims, std,
+                config.compute_dtype, config.weights_dtype, name=name)
 
 
 @register_attention("mha", init_cache=_mha_cache, param_count=_mha_params, core_flops_per_token=_mha_core_flops)
@@ -73,5 +73,5 @@ class MultiHeadAttention(nn.Module):
       out = masked_attention(q, cache.keys, cache.values, mask)
     out = constrain(out, ("batch", "act_length", "act_heads", "head_dim"))
     y = projection(
-        cfg.d_model, ("heads", "head_dim", "embed"), cfg.out_init_std, cfg, "out", axis=(-2, -1))(out)
+        cfg.d_model, ("heads", "head_dim", "embed"), cfg.out_init_std, cfg, "out", contract_dims=2)(out)
     return y, cache

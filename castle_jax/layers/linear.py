@@ -1,0 +1,42 @@
+"""A bias-free linear map over several axes whose kernel carries logical axis names.
+
+Flax's DenseGeneral initializes a flattened 2-D kernel and reshapes it, which does
+not fit a 3-D logical sharding annotation; this creates the kernel in its real shape.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from castle_jax.sharding import with_axes
+
+
+class Linear(nn.Module):
+  """y = tensordot(x, kernel) over the last `contract_dims` axes of x.
+
+  Attributes:
+    features: output shape appended to x's leading axes, e.g. (heads, head_dim).
+    axes: logical names of the kernel axes, [*contracted input axes, *features].
+    contract_dims: number of trailing input axes contracted.
+    init_std: std of the normal initializer.
+  """
+
+  features: Sequence[int]
+  axes: Sequence[str | None]
+  contract_dims: int = 1
+  init_std: float = 0.02
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    shape = (*x.shape[x.ndim - self.contract_dims:], *self.features)
+    if len(self.axes) != len(shape):
+      raise ValueError(f"Linear {self.name}: {len(self.axes)} axis names {self.axes} for a kernel of shape {shape}")
+    kernel = self.param("kernel", with_axes(nn.initializers.normal(self.init_std), self.axes), shape,
+                        self.param_dtype)
+    return jnp.tensordot(x.astype(self.dtype), kernel.astype(self.dtype), axes=self.contract_dims)
