@@ -26,7 +26,8 @@ def base_config() -> ml_collections.ConfigDict:
   m.n_heads = 4
   m.n_kv_heads = 0  # 0: same as n_heads (plain multi-head); fewer: grouped-query attention.
   m.head_dim = 0  # 0: d_model // n_heads.
-  m.mlp_hidden = 0  # 0: floor(8/3 * d_model), as in the CASTLE paper's SwiGLU.
+  m.mlp_hidden = 0  # 0: 8/3 * d_model (the CASTLE paper's SwiGLU) rounded to mlp_multiple_of
+  m.mlp_multiple_of = 64  # matmul-friendly widths; 1 gives floor(8/3 * d_model) exactly
   m.tie_embeddings = True
   m.rope_theta = 10_000.0
   m.norm_eps = 1e-6

@@ -1,0 +1,75 @@
+"""Sample text from a trained checkpoint.
+
+    python -m train.generate --workdir=runs/tiny --prompt="def main(" --max_new_tokens=200
+
+Reads `<workdir>/config.json` (written by training) to rebuild the model and
+tokenizer, restores the parameters of the latest (or `--step`) checkpoint, and
+prints the prompt followed by the generated continuation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import app, flags
+
+from castle_jax.data.tokenizer import load_tokenizer
+from castle_jax.inference import generate
+from castle_jax.models import ModelConfig, TransformerLM
+from train.checkpointing import Checkpointer
+from train.mesh import make_mesh
+from train.optimizer import make_optimizer
+from train.state import state_shardings
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (holds config.json and checkpoints/).")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
+_PROMPT = flags.DEFINE_string("prompt", "def ", "Text to continue.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "0 for greedy decoding.")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0: all).")
+_TOP_P = flags.DEFINE_float("top_p", 0.95, "Nucleus sampling mass (1: off).")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.mark_flags_as_required(["workdir"])
+
+
+def load_trained_model(workdir: str, step: int | None = None):
+  """(model, params, tokenizer, step) from a training workdir."""
+  config_path = os.path.join(workdir, "config.json")
+  if not os.path.exists(config_path):
+    raise FileNotFoundError(f"{config_path} not found: --workdir must be a directory written by `python -m train`")
+  with open(config_path) as f:
+    config = ml_collections.ConfigDict(json.load(f))
+  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=max(1, config.train.keep_checkpoints))
+  steps = checkpointer.all_steps()
+  if not steps:
+    raise FileNotFoundError(f"No checkpoints in {checkpointer.directory}")
+  step = steps[-1] if step is None else step
+  if step not in steps:
+    raise ValueError(f"No checkpoint for step {step} in {checkpointer.directory}; available: {steps}")
+  model = TransformerLM(ModelConfig.from_mapping(config.model))
+  tx, _ = make_optimizer(config.train)
+  mesh = make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)), jax.devices()[:1])
+  abstract, _ = state_shardings(model, tx, mesh, config.data.seq_len)
+  state = checkpointer.restore(step, abstract)
+  checkpointer.close()
+  return model, state.params, load_tokenizer(config.data.tokenizer), step
+
+
+def main(argv):
+  del argv
+  model, params, tokenizer, step = load_trained_model(_WORKDIR.value, _STEP.value)
+  prompt = np.concatenate([[tokenizer.bos_id], tokenizer.encode(_PROMPT.value)]).astype(np.int32)
+  tokens = generate(model, params, jnp.asarray(prompt)[None], max_new_tokens=_MAX_NEW.value,
+                    rng=jax.random.key(_SEED.value), temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
+                    top_p=_TOP_P.value)
+  print(f"# step {step}, temperature {_TEMPERATURE.value}")
+  print(tokenizer.decode(np.asarray(tokens[0, 1:])))
+
+
+if __name__ == "__main__":
+  app.run(main)
