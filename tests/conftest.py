@@ -22,3 +22,26 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def stdlib_data_dir(tmp_path_factory):
+  """A TFDS data dir with the real python_stdlib corpus built in it (~1 s)."""
+  from castle_jax.data.pipeline import get_builder
+  data_dir = str(tmp_path_factory.mktemp("tfds"))
+  get_builder("python_stdlib", data_dir)
+  return data_dir
+
+
+@pytest.fixture(scope="session")
+def small_source_dir(tmp_path_factory):
+  """A directory of 12 small synthetic .py files of different lengths."""
+  root = tmp_path_factory.mktemp("small_src")
+  for i in range(12):
+    package = root / f"pkg{i % 3}"
+    package.mkdir(exist_ok=True)
+    body = "".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}  # é{j}\n" for j in range(3 + 5 * i))
+    (package / f"module_{i}.py").write_text(body, encoding="utf-8")
+  (root / "__pycache__").mkdir()
+  (root / "__pycache__" / "ignored.py").write_text("ignored = True\n")
+  return str(root)

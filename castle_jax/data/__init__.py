@@ -1,0 +1,1 @@
+"""Tokenizers, the embedded python_stdlib corpus and grain LM pipelines."""

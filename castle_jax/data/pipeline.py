@@ -1,0 +1,132 @@
+"""grain input pipelines for language modelling over a TFDS dataset.
+
+source (random access) -> shuffle (train) -> repeat -> this process's shard ->
+tokenize to [BOS] + doc + [EOS] -> concatenate and split into windows of
+seq_len + 1 tokens -> batch -> {"inputs", "targets"} shifted by one token.
+The iterator's position is a small state (get_state/set_state) that checkpoints
+save, so a resumed run reads exactly the batches it would have read.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+import tensorflow_datasets as tfds
+
+from castle_jax.data import python_stdlib
+from castle_jax.data.tokenizer import Tokenizer
+
+DEFAULT_DATA_DIR = os.path.join(os.path.expanduser("~"), ".cache", "castle_jax", "tensorflow_datasets")
+
+
+def resolve_data_dir(data_dir: str | None) -> str:
+  """data.data_dir, else $CASTLE_JAX_DATA_DIR, else ~/.cache/castle_jax/tensorflow_datasets."""
+  return data_dir or os.environ.get("CASTLE_JAX_DATA_DIR") or DEFAULT_DATA_DIR
+
+
+def get_builder(dataset: str, data_dir: str | None = None, source_dir: str | None = None):
+  """The TFDS builder of `dataset`, prepared (built once, then reused from data_dir).
+
+  Args:
+    dataset: "python_stdlib" (built locally from Python sources) or any TFDS name,
+      optionally "name/config:version"; other datasets are prepared by TFDS itself.
+    data_dir: where prepared datasets live (see resolve_data_dir).
+    source_dir: for python_stdlib, a directory of .py files to use instead of the
+      standard library.
+  """
+  data_dir = resolve_data_dir(data_dir)
+  if dataset == "python_stdlib":
+    # The built-in config is passed by name; TFDS rejects an equal-named new instance.
+    config = python_stdlib.directory_config(source_dir) if source_dir else python_stdlib.stdlib_config().name
+    builder = python_stdlib.PythonStdlib(config=config, data_dir=data_dir, file_format="array_record")
+  else:
+    if source_dir:
+      raise ValueError(f"data.source_dir only applies to dataset 'python_stdlib', not {dataset!r}")
+    try:
+      builder = tfds.builder(dataset, data_dir=data_dir, file_format="array_record")
+    except tfds.core.registered.DatasetNotFoundError as e:
+      raise ValueError(
+          f"Unknown dataset {dataset!r} (config data.dataset). Use 'python_stdlib' (the embedded corpus) "
+          "or the name of a TFDS dataset.") from e
+  builder.download_and_prepare()
+  return builder
+
+
+def get_data_source(dataset: str, split: str, data_dir: str | None = None, source_dir: str | None = None):
+  """A random-access source of one split's examples (dicts of features)."""
+  builder = get_builder(dataset, data_dir, source_dir)
+  splits = sorted(builder.info.splits.keys())
+  if split not in splits:
+    raise ValueError(f"Dataset {dataset!r} has no split {split!r} (config data.train_split/eval_split); "
+                     f"available: {splits}")
+  source = builder.as_data_source(split)
+  if len(source) == 0:
+    raise ValueError(f"Split {split!r} of dataset {dataset!r} is empty")
+  return source
+
+
+def _tokenize(example: dict[str, Any], *, tokenizer: Tokenizer, text_key: str) -> dict[str, np.ndarray]:
+  text = example[text_key]
+  if isinstance(text, bytes):
+    text = text.decode("utf-8", errors="replace")
+  tokens = np.concatenate([[tokenizer.bos_id], tokenizer.encode(text), [tokenizer.eos_id]])
+  return {"tokens": tokens.astype(np.int32)}
+
+
+def _to_inputs_and_targets(batch: dict[str, np.ndarray], *, pad_id: int) -> dict[str, np.ndarray]:
+  # Segment id 0 marks packing padding (only in a finite stream's last window).
+  window = np.where(batch["tokens_segment_ids"] > 0, batch["tokens"], pad_id)
+  return {"inputs": window[:, :-1], "targets": window[:, 1:]}
+
+
+def make_lm_dataset(data_config, tokenizer: Tokenizer, *, split: str, shuffle: bool,
+                    process_index: int | None = None, process_count: int | None = None) -> grain.IterDataset:
+  """The packed, batched dataset of one split, for this process.
+
+  Args:
+    data_config: `config.data` (dataset, data_dir, source_dir, text_key, seq_len,
+      batch_size (global), shuffle_seed, worker_count).
+    tokenizer: maps text to ids.
+    split: TFDS split name.
+    shuffle: shuffle documents (reshuffled every epoch); eval streams keep file order.
+    process_index, process_count: this process's shard (default: from jax).
+
+  Yields:
+    {"inputs": int32 [batch_size // process_count, seq_len],
+     "targets": int32 [batch_size // process_count, seq_len]} forever (epochs repeat).
+  """
+  d = data_config
+  process_index = jax.process_index() if process_index is None else process_index
+  process_count = jax.process_count() if process_count is None else process_count
+  if d.seq_len < 1:
+    raise ValueError(f"data.seq_len must be >= 1, got {d.seq_len}")
+  if d.batch_size < 1 or d.batch_size % process_count:
+    raise ValueError(f"data.batch_size ({d.batch_size}) must be a positive multiple of the {process_count} processes")
+  if not 0 <= process_index < process_count:
+    raise ValueError(f"process_index {process_index} is outside [0, {process_count})")
+
+  source = get_data_source(d.dataset, split, d.data_dir, d.get("source_dir"))
+  ds = grain.MapDataset.source(source)
+  if shuffle:
+    ds = ds.shuffle(seed=d.shuffle_seed)
+  ds = ds.repeat()[process_index::process_count]
+  ds = ds.map(functools.partial(_tokenize, tokenizer=tokenizer, text_key=d.text_key))
+  packed = grain.experimental.ConcatThenSplitIterDataset(
+      ds.to_iter_dataset(), length_struct={"tokens": d.seq_len + 1})
+  batched = packed.batch(d.batch_size // process_count, drop_remainder=True)
+  batched = batched.map(functools.partial(_to_inputs_and_targets, pad_id=tokenizer.pad_id))
+  if d.worker_count > 0:
+    batched = batched.mp_prefetch(grain.MultiprocessingOptions(num_workers=d.worker_count))
+  return batched
+
+
+def make_lm_iterator(data_config, tokenizer: Tokenizer, *, split: str, shuffle: bool,
+                     process_index: int | None = None, process_count: int | None = None):
+  """A checkpointable iterator (get_state/set_state) over `make_lm_dataset`."""
+  return iter(make_lm_dataset(data_config, tokenizer, split=split, shuffle=shuffle,
+                              process_index=process_index, process_count=process_count))

@@ -1,0 +1,133 @@
+"""Tokenizers: a byte-level default and trained BPE (the `tokenizers` package)."""
+
+from __future__ import annotations
+
+import abc
+import os
+from typing import Iterable
+
+import numpy as np
+
+SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>")
+
+
+class Tokenizer(abc.ABC):
+  """Text <-> int32 ids, with BOS/EOS/PAD specials.
+
+  Attributes:
+    vocab_size: number of ids (the model's vocab_size must be at least this).
+    bos_id, eos_id, pad_id: ids of the special tokens.
+    token_byte_lengths: int32 [vocab_size], the UTF-8 bytes each id stands for
+      (0 for specials); bits per byte = total nats / ln 2 / total bytes.
+  """
+
+  vocab_size: int
+  bos_id: int
+  eos_id: int
+  pad_id: int
+  token_byte_lengths: np.ndarray
+
+  @abc.abstractmethod
+  def encode(self, text: str) -> np.ndarray:
+    """int32 [n] ids of `text`, without special tokens."""
+
+  @abc.abstractmethod
+  def decode(self, ids) -> str:
+    """Text of `ids`; special tokens are dropped and invalid UTF-8 is replaced."""
+
+
+class ByteTokenizer(Tokenizer):
+  """Ids 0..255 are the UTF-8 bytes; 256, 257, 258 are BOS, EOS, PAD."""
+
+  def __init__(self):
+    self.bos_id, self.eos_id, self.pad_id = 256, 257, 258
+    self.vocab_size = 259
+    self.token_byte_lengths = np.array([1] * 256 + [0, 0, 0], np.int32)
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+
+  def decode(self, ids) -> str:
+    ids = np.asarray(ids).reshape(-1)
+    return bytes(ids[ids < 256].astype(np.uint8)).decode("utf-8", errors="replace")
+
+
+def _import_tokenizers():
+  try:
+    import tokenizers
+  except ImportError as e:
+    raise ImportError("BPE tokenizers need the `tokenizers` package: pip install 'castle_jax[bpe]'") from e
+  return tokenizers
+
+
+class BPETokenizer(Tokenizer):
+  """A byte-level BPE from a `tokenizers` JSON file defining <bos>, <eos> and <pad>."""
+
+  def __init__(self, path: str):
+    tokenizers = _import_tokenizers()
+    self.path = path
+    self._tokenizer = tokenizers.Tokenizer.from_file(path)
+    ids = {t: self._tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
+    missing = [t for t, i in ids.items() if i is None]
+    if missing:
+      raise ValueError(f"Tokenizer file {path} lacks the special tokens {missing}; train it with "
+                       "castle_jax.data.tokenizer.train_bpe_tokenizer or add them")
+    self.bos_id, self.eos_id, self.pad_id = (ids[t] for t in SPECIAL_TOKENS)
+    self.vocab_size = self._tokenizer.get_vocab_size()
+    specials = set(ids.values())
+    self.token_byte_lengths = np.array(
+        [0 if i in specials else len(self._token_bytes(i)) for i in range(self.vocab_size)], np.int32)
+
+  def _token_bytes(self, token_id: int) -> bytes:
+    token = self._tokenizer.id_to_token(token_id) or ""
+    return bytes(_BYTE_OF_CHAR[ch] for ch in token if ch in _BYTE_OF_CHAR)
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
+
+  def decode(self, ids) -> str:
+    return self._tokenizer.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=True)
+
+
+def _gpt2_byte_alphabet() -> dict[str, int]:
+  """Byte-level BPE writes each byte as a printable character (the GPT-2 byte
+  encoder): printable Latin-1 bytes stand for themselves, the other bytes map to
+  chr(256), chr(257), ... in byte order. Returns character -> byte."""
+  printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+  chars, extra = {}, 0
+  for b in range(256):
+    if b in printable:
+      chars[chr(b)] = b
+    else:
+      chars[chr(256 + extra)] = b
+      extra += 1
+  return chars
+
+
+_BYTE_OF_CHAR = _gpt2_byte_alphabet()
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, path: str) -> BPETokenizer:
+  """Trains a byte-level BPE with the three special tokens and saves it to `path`."""
+  tokenizers = _import_tokenizers()
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+  if vocab_size < 256 + len(SPECIAL_TOKENS):
+    raise ValueError(f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} (bytes + specials), got {vocab_size}")
+  tokenizer = tokenizers.Tokenizer(models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+  tokenizer.train_from_iterator(texts, trainer)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tokenizer.save(path)
+  return BPETokenizer(path)
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+  """"byte" for the byte tokenizer, else the path of a BPE JSON file (config data.tokenizer)."""
+  if spec == "byte":
+    return ByteTokenizer()
+  if not os.path.isfile(spec):
+    raise ValueError(f"data.tokenizer={spec!r} is neither 'byte' nor an existing tokenizer JSON file")
+  return BPETokenizer(spec)

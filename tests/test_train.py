@@ -1,0 +1,138 @@
+"""End-to-end training on a tiny corpus: loss falls, exact resume, divergence, checkpoints."""
+
+import copy
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from configs import tiny
+from train.config import finalize, validate_keys
+from train.generate import load_trained_model
+from train.metrics import read_metrics
+from train.trainer import TrainingDivergedError, train
+from castle_jax.inference import generate
+
+
+class Interrupt(Exception):
+  pass
+
+
+@pytest.fixture()
+def config(tmp_path, stdlib_data_dir):
+  c = copy.deepcopy(tiny.get_config())
+  with c.unlocked():
+    c.workdir = str(tmp_path / "run")
+    c.model.d_model, c.model.n_layers, c.model.n_heads = 32, 1, 2
+    c.data.data_dir = stdlib_data_dir
+    c.data.seq_len, c.data.batch_size = 32, 8
+    c.train.steps, c.train.warmup_steps = 8, 2
+    c.train.log_every, c.train.eval_every, c.train.eval_batches = 1, 4, 1
+    c.train.checkpoint_every = 4
+    c.train.progress_bar = False
+  return c
+
+
+def _losses(workdir):
+  return {s: r["loss"] for s, r in read_metrics(os.path.join(workdir, "metrics.jsonl")).items()}
+
+
+def test_loss_decreases_and_metrics_are_written(config):
+  with config.unlocked():
+    config.train.steps, config.train.eval_every = 40, 40
+  result = train(config)
+  losses = _losses(config.workdir)
+  assert np.mean([losses[s] for s in range(36, 41)]) < losses[1] - 1.0
+  assert 0 < result.last_eval_metrics["bits_per_byte"] < 8
+  assert result.last_eval_metrics["perplexity"] == pytest.approx(np.exp(result.last_eval_metrics["loss"]))
+  evals = read_metrics(os.path.join(config.workdir, "metrics.jsonl"), split="eval")
+  assert list(evals) == [40]
+  assert os.listdir(os.path.join(config.workdir, "tensorboard"))
+  assert json.load(open(os.path.join(config.workdir, "config.json")))["model"]["d_model"] == 32
+
+
+def test_interrupted_run_resumes_with_the_same_loss_curve(config, tmp_path):
+  uninterrupted = copy.deepcopy(config)
+  with uninterrupted.unlocked():
+    uninterrupted.workdir = str(tmp_path / "uninterrupted")
+  train(uninterrupted)
+  expected = _losses(uninterrupted.workdir)
+
+  def interrupt_at_6(step):
+    if step == 6:
+      raise Interrupt()
+
+  with pytest.raises(Interrupt):
+    train(config, after_step=interrupt_at_6)
+  result = train(config)  # resumes from the step-4 checkpoint, same data order
+  resumed = _losses(config.workdir)
+  assert sorted(resumed) == list(range(1, 9))
+  for step in range(1, 9):
+    assert resumed[step] == expected[step], step  # bit-for-bit
+  assert int(result.state.step) == 8
+
+  # The final checkpoint restores to the final parameters.
+  model, params, tokenizer, step = load_trained_model(config.workdir)
+  assert step == 8
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(result.state.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  prompt = np.asarray([[tokenizer.bos_id, *tokenizer.encode("def ")]], np.int32)
+  text = tokenizer.decode(np.asarray(generate(model, params, prompt, max_new_tokens=8)[0]))
+  assert text.startswith("def ")
+
+
+def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(config):
+  with config.unlocked():
+    config.train.steps = 4
+  train(config)
+  with config.unlocked():
+    config.train.steps = 8
+    config.train.learning_rate = float("nan")
+  with pytest.raises(TrainingDivergedError, match="step 5.*last good checkpoint is step 4"):
+    train(config)
+  model, params, _, step = load_trained_model(config.workdir)
+  assert step == 4
+  assert all(np.isfinite(np.asarray(p)).all() for p in jax.tree.leaves(params))
+
+
+def test_unknown_config_keys_are_rejected(config):
+  with config.unlocked():
+    config.train.stpes = 10
+    config.model.attention_kwargs.anything = 1  # free-form: allowed
+  with pytest.raises(ValueError, match="Unknown config keys: train.stpes"):
+    validate_keys(config)
+  locked = finalize(copy.deepcopy(tiny.get_config()))
+  with pytest.raises(AttributeError):
+    locked.train.stpes = 10
+
+
+@pytest.mark.parametrize("override, match", [
+    (("data", "batch_size", 7), "data.batch_size"),
+    (("train", "grad_accum_steps", 3), "data.batch_size"),
+    (("data", "seq_len", 0), "data.seq_len"),
+    (("model", "attention", "flash"), "Unknown attention 'flash'"),
+    (("model", "vocab_size", 100), "smaller than the tokenizer"),
+    (("mesh", "data", 3), "does not divide"),
+    (("workdir", None, ""), "workdir"),
+])
+def test_bad_run_configs_fail_before_training(config, override, match):
+  section, key, value = override
+  with config.unlocked():
+    if key is None:
+      config[section] = value
+    else:
+      config[section][key] = value
+  with pytest.raises(ValueError, match=match):
+    train(config)
+
+
+def test_missing_checkpoints_are_reported(tmp_path, config):
+  with pytest.raises(FileNotFoundError, match="config.json"):
+    load_trained_model(str(tmp_path / "nowhere"))
+  os.makedirs(config.workdir)
+  with open(os.path.join(config.workdir, "config.json"), "w") as f:
+    f.write(config.to_json())
+  with pytest.raises(FileNotFoundError, match="No checkpoints"):
+    load_trained_model(config.workdir)
