@@ -1,6 +1,6 @@
 """`python -m train --config=configs/tiny.py --workdir=runs/tiny [--config.key=value ...]`"""
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from train.config import finalize
@@ -14,6 +14,8 @@ flags.mark_flags_as_required(["config"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # keep library INFO chatter out of the progress output
   config = _CONFIG.value
   if _WORKDIR.value:
     with config.unlocked():

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from absl import app, flags
+from absl import app, flags, logging
 
 from castle_jax.data.tokenizer import load_tokenizer
 from castle_jax.inference import generate
@@ -62,6 +62,8 @@ def load_trained_model(workdir: str, step: int | None = None):
 
 def main(argv):
   del argv
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
   model, params, tokenizer, step = load_trained_model(_WORKDIR.value, _STEP.value)
   prompt = np.concatenate([[tokenizer.bos_id], tokenizer.encode(_PROMPT.value)]).astype(np.int32)
   tokens = generate(model, params, jnp.asarray(prompt)[None], max_new_tokens=_MAX_NEW.value,

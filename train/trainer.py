@@ -158,7 +158,7 @@ def train(config: ml_collections.ConfigDict, *,
         pending.append((step, metrics))
         is_last = step == t.steps
         save_now = step % t.checkpoint_every == 0 or is_last
-        if step % t.log_every == 0 or save_now or is_last:
+        if step % t.log_every == 0 or save_now or is_last or step == start_step + 1:
           fetched = jax.device_get(pending)
           pending = []
           for s, m in fetched:
