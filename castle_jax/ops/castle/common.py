@@ -61,7 +61,7 @@ def lookahead_visible(
 def masked_sigmoid(logits: jax.Array, visible: jax.Array) -> jax.Array:
   """sigmoid(logits + M^U) with M^U in {0, -inf}, written as a select so that the
   masked entries are exact zeros with zero gradient."""
-  return jnp.where(visible, jax.nn.sigmoid(logits), 0.0).astype(logits.dtype)
+  return jnp.where(visible, jax.nn.sigmoid(logits), 0.0)
 
 
 def combined_scores(causal_scores: jax.Array, lookahead_scores: jax.Array) -> jax.Array:

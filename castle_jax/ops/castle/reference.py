@@ -58,7 +58,8 @@ def lookahead_keys(
   positions = jnp.arange(num_tokens)
   # Slicing to the first t tokens already enforces j <= t of M^U_t.
   visible = lookahead_visible(positions, positions, window)
-  logits = jnp.einsum("bshd,bjhd->bhsj", q_u, k_u, precision=_PRECISION) * score_scale(q_u.shape[-1])
+  scale = score_scale(q_u.shape[-1])
+  logits = jnp.einsum("bshd,bjhd->bhsj", q_u, k_u, precision=_PRECISION) * scale
   weights = masked_sigmoid(logits, visible)
   return jnp.einsum("bhsj,bjhd->bshd", weights, v_u, precision=_PRECISION)
 
@@ -123,7 +124,8 @@ def lookahead_scores_parallel(
   value_scores = jnp.einsum("bthd,bjhd->bhtj", q_c, v_u, precision=_PRECISION) * scale
   value_scores = jnp.where(causal, value_scores, 0.0)
   lookahead_logits = jnp.einsum("bshd,bjhd->bhsj", q_u, k_u, precision=_PRECISION) * scale
-  lookahead_weights = masked_sigmoid(lookahead_logits, lookahead_visible(positions, positions, window))
+  lookahead_weights = masked_sigmoid(
+      lookahead_logits, lookahead_visible(positions, positions, window))
   return jnp.einsum("bhtj,bhsj->bhts", value_scores, lookahead_weights, precision=_PRECISION)
 
 
@@ -155,6 +157,7 @@ def castle_parallel(
   positions = jnp.arange(q_c.shape[1])
   causal = positions[:, None] >= positions[None, :]
   lookahead = lookahead_scores_parallel(q_u, k_u, v_u, q_c, window=window)
-  causal_scores = jnp.einsum("bthd,bshd->bhts", q_c, k_c, precision=_PRECISION) * score_scale(q_c.shape[-1])
+  scale = score_scale(q_c.shape[-1])
+  causal_scores = jnp.einsum("bthd,bshd->bhts", q_c, k_c, precision=_PRECISION) * scale
   weights = masked_softmax(combined_scores(causal_scores, lookahead), causal)
   return jnp.einsum("bhts,bshd->bthd", weights, v_c, precision=_PRECISION).astype(out_dtype)

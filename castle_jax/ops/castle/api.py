@@ -1,0 +1,79 @@
+"""CASTLE attention: the one public entry point.
+
+`implementation`:
+  - "reference": the naive parallel form of Theorem 1 (O(L^3), plain jnp); a test
+    oracle for tiny sequences.
+  - "xla": the blockwise Algorithms 1/3 (O(L^2 d) time, O(L d) memory) in XLA.
+  - "pallas": a fused GPU kernel; not implemented yet (raises NotImplementedError).
+  - None: the best available path, today "xla"; the choice is logged at debug level.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+
+from castle_jax.ops.castle.blockwise import DEFAULT_BLOCK_SIZE, castle_blockwise
+from castle_jax.ops.castle.common import validate_block_size, validate_inputs
+from castle_jax.ops.castle.reference import castle_parallel
+
+IMPLEMENTATIONS = ("reference", "xla", "pallas")
+
+_logger = logging.getLogger(__name__)
+
+
+def castle_attention(
+    q_u: jax.Array,
+    k_u: jax.Array,
+    v_u: jax.Array,
+    q_c: jax.Array,
+    k_c: jax.Array,
+    v_c: jax.Array,
+    *,
+    window: int | None = None,
+    implementation: str | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> jax.Array:
+  """Causal attention with lookahead keys (CASTLE), or CASTLE-SWL with `window`.
+
+  Per head, token t attends to tokens s <= t with weights
+  softmax_s(q^C_t . k^C_s / sqrt(d) - SiLU(q^C_t . u_s^t / sqrt(d))), where the lookahead
+  key u_s^t = sum_{s < j <= t} sigmoid(q^U_s . k^U_j / sqrt(d)) v^U_j (j <= s + W under
+  SWL), and returns the weighted sum of v^C_s.
+
+  Args:
+    q_u, k_u, v_u: [batch, seq, heads, head_dim] lookahead queries, keys, values.
+    q_c, k_c, v_c: [batch, seq, heads, head_dim] causal queries, keys, values.
+      All six share one shape and dtype; bf16/f16 are computed in float32 (with jax's
+      default matmul precision: TF32 on recent GPUs unless raised with
+      `jax.default_matmul_precision`).
+    window: None for CASTLE; W >= 1 for CASTLE-SWL, where u_s sees tokens s+1 .. s+W.
+    implementation: one of IMPLEMENTATIONS or None (see module docstring).
+    block_size: tokens per block for "xla" (static).
+
+  Returns:
+    [batch, seq, heads, head_dim] in the inputs' dtype.
+
+  Raises:
+    ValueError: bad shapes/dtypes (naming the argument), window <= 0, bad block_size,
+      unknown implementation.
+    NotImplementedError: implementation="pallas".
+  """
+  inputs = (q_u, k_u, v_u, q_c, k_c, v_c)
+  validate_inputs(inputs, window)
+  validate_block_size(block_size)
+  if implementation is None:
+    implementation = "xla"
+    _logger.debug("castle_attention: implementation=None -> 'xla' (no Pallas CASTLE kernel yet)")
+  elif implementation not in IMPLEMENTATIONS:
+    raise ValueError(
+        f"Unknown CASTLE implementation {implementation!r}; "
+        f"choose one of {IMPLEMENTATIONS} or None")
+  if implementation == "pallas":
+    raise NotImplementedError(
+        "implementation='pallas' is not implemented yet for CASTLE; use implementation='xla' "
+        "(or None) for the blockwise path")
+  if implementation == "reference":
+    return castle_parallel(*inputs, window=window)
+  return castle_blockwise(*inputs, window=window, block_size=block_size)

@@ -1,0 +1,258 @@
+"""CASTLE decoding with the UQ-KV cache (Sec. 2.4, Appendix E, Algorithms 4 and 5).
+
+The cache is an explicit pytree of fixed capacity, so `prefill` and `decode_step` run
+under `jax.jit` and the cache can be sharded or kept in host memory.
+
+Decoding token t (0-based; `length` = t tokens are cached):
+  1. rank-1 update (Eq. 12): u_s += sigmoid(q^U_s . k^U_t / sqrt(d)) v^U_t for every
+     cached s whose lookahead mask admits t (s < t, and t <= s + W under SWL);
+  2. append q^U_t, k^C_t, v^C_t and the empty lookahead key u_t^t = 0;
+  3. combine (Eqs. 4-7) with the causal query q^C_t.
+
+CASTLE-SWL: u_s stops changing once t > s + W, so step 1 touches only the W rows
+s = t-W .. t-1, and only those lookahead queries are ever read again. The queries are
+kept in a ring buffer of min(W, capacity) rows (position s in row s mod rows), while
+U, K^C and V^C keep every position because the combining step scores all of them.
+
+Capacity: writing past it is an error. `prefill` checks the prompt length
+statically (ValueError). `decode_step` raises ValueError when the cache length is
+concrete (eager use); under `jax.jit` the length is traced, so the step
+  - registers a `checkify.debug_check`, which becomes an error when the caller wraps
+    the step with `jax.experimental.checkify.checkify`,
+  - and otherwise returns a NaN output and the cache unchanged, never overwriting a
+    slot, so overflow cannot pass unnoticed as plausible numbers.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import flax.struct
+import jax
+from jax.experimental import checkify
+import jax.numpy as jnp
+import numpy as np
+
+from castle_jax.ops.castle.blockwise import DEFAULT_BLOCK_SIZE, castle_blockwise_prefill
+from castle_jax.ops.castle.common import (
+    attend_with_lookahead_keys,
+    compute_dtype,
+    lookahead_visible,
+    masked_sigmoid,
+    score_scale,
+    validate_inputs,
+    validate_window,
+)
+
+
+@flax.struct.dataclass
+class UQKVCache:
+  """The UQ-KV cache of one CASTLE layer.
+
+  Attributes:
+    lookahead_keys: U, [batch, capacity, heads, head_dim]; row s holds u_s^t for
+      s < length, rows >= length are zero.
+    lookahead_queries: Q^U, [batch, query_rows, heads, head_dim]. CASTLE:
+      query_rows = capacity, row s holds q^U_s. CASTLE-SWL: a ring buffer of
+      query_rows = min(window, capacity) rows, position s lives in row s % query_rows.
+    causal_keys, causal_values: K^C, V^C, [batch, capacity, heads, head_dim].
+    length: int32 scalar, the number of cached tokens (the same for every sequence).
+    window: None for CASTLE, W for CASTLE-SWL (static).
+  """
+
+  lookahead_keys: jax.Array
+  lookahead_queries: jax.Array
+  causal_keys: jax.Array
+  causal_values: jax.Array
+  length: jax.Array
+  window: int | None = flax.struct.field(pytree_node=False, default=None)
+
+  @property
+  def capacity(self) -> int:
+    return self.causal_keys.shape[1]
+
+  @property
+  def query_rows(self) -> int:
+    return self.lookahead_queries.shape[1]
+
+
+def _query_rows(capacity: int, window: int | None) -> int:
+  return capacity if window is None else min(window, capacity)
+
+
+def init_cache(
+    batch: int,
+    capacity: int,
+    heads: int,
+    head_dim: int,
+    dtype,
+    window: int | None = None,
+) -> UQKVCache:
+  """An empty UQ-KV cache.
+
+  Args:
+    batch, capacity, heads, head_dim: cache shape; capacity is the most tokens
+      (prompt plus generated) it can hold.
+    dtype: storage dtype (e.g. jnp.bfloat16 as in the paper); the math runs in >= float32.
+    window: None for CASTLE, W >= 1 for CASTLE-SWL.
+
+  Returns:
+    A UQKVCache with length 0.
+  """
+  for name, value in (("batch", batch), ("capacity", capacity), ("heads", heads),
+                      ("head_dim", head_dim)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+      raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+  validate_window(window)
+  full = jnp.zeros((batch, capacity, heads, head_dim), dtype)
+  queries = jnp.zeros((batch, _query_rows(capacity, window), heads, head_dim), dtype)
+  return UQKVCache(full, queries, full, full, jnp.zeros((), jnp.int32), window)
+
+
+def _check_against_cache(cache: UQKVCache, inputs, what: str) -> None:
+  validate_inputs(inputs, cache.window)
+  batch, _, heads, head_dim = inputs[0].shape
+  cache_batch, _, cache_heads, cache_head_dim = cache.causal_keys.shape
+  expected = (cache_batch, cache_heads, cache_head_dim)
+  if (batch, heads, head_dim) != expected:
+    raise ValueError(
+        f"{what}: q_u has shape {inputs[0].shape}, but the cache holds batch, heads, "
+        f"head_dim = {expected}; create the cache with init_cache(batch, capacity, heads, "
+        "head_dim, ...) matching the inputs")
+
+
+def prefill(
+    cache: UQKVCache,
+    q_u: jax.Array,
+    k_u: jax.Array,
+    v_u: jax.Array,
+    q_c: jax.Array,
+    k_c: jax.Array,
+    v_c: jax.Array,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> tuple[jax.Array, UQKVCache]:
+  """Algorithm 5: the prompt's outputs and a cache filled with its UQ-KV state.
+
+  Starts a new sequence: whatever `cache` held is replaced; only its capacity, dtype
+  and window are used. The outputs equal the parallel form (they come from the
+  blockwise forward, Algorithm 1); U^L comes from the same pass.
+
+  Args:
+    cache: an UQKVCache (e.g. from `init_cache`).
+    q_u, k_u, v_u, q_c, k_c, v_c: [batch, prompt_len, heads, head_dim].
+    block_size: block size of the blockwise forward.
+
+  Returns:
+    outputs: [batch, prompt_len, heads, head_dim] in the inputs' dtype.
+    cache: the cache with length = prompt_len.
+
+  Raises:
+    ValueError: prompt_len > capacity, or shapes that do not match the cache.
+  """
+  inputs = (q_u, k_u, v_u, q_c, k_c, v_c)
+  _check_against_cache(cache, inputs, "prefill")
+  prompt_len = q_u.shape[1]
+  if prompt_len > cache.capacity:
+    raise ValueError(
+        f"prefill: the prompt has {prompt_len} tokens but the cache capacity is {cache.capacity}; "
+        "create the cache with a larger capacity")
+  outputs, keys = castle_blockwise_prefill(*inputs, window=cache.window, block_size=block_size)
+
+  def fill(buffer, values, rows):
+    return buffer.at[:, rows].set(values.astype(buffer.dtype))
+
+  prompt_rows = np.arange(prompt_len)
+  # Only the last query_rows lookahead queries are ever read again.
+  kept = np.arange(max(0, prompt_len - cache.query_rows), prompt_len)
+  empty = jnp.zeros_like(cache.lookahead_keys)
+  new_cache = UQKVCache(
+      lookahead_keys=fill(empty, keys, prompt_rows),
+      lookahead_queries=fill(jnp.zeros_like(cache.lookahead_queries), q_u[:, kept],
+                             kept % cache.query_rows),
+      causal_keys=fill(empty, k_c, prompt_rows),
+      causal_values=fill(empty, v_c, prompt_rows),
+      length=jnp.asarray(prompt_len, jnp.int32),
+      window=cache.window)
+  return outputs, new_cache
+
+
+def _overflow_message(capacity: int) -> str:
+  return (f"UQ-KV cache overflow: decode_step on a full cache (capacity {capacity}); "
+          "create the cache with a larger capacity")
+
+
+def decode_step(
+    cache: UQKVCache,
+    q_u: jax.Array,
+    k_u: jax.Array,
+    v_u: jax.Array,
+    q_c: jax.Array,
+    k_c: jax.Array,
+    v_c: jax.Array,
+) -> tuple[jax.Array, UQKVCache]:
+  """Algorithm 4: one new token against the UQ-KV cache.
+
+  Args:
+    cache: the UQKVCache after `length` tokens.
+    q_u, k_u, v_u, q_c, k_c, v_c: [batch, 1, heads, head_dim], the new token's
+      projections.
+
+  Returns:
+    output: [batch, 1, heads, head_dim] in the inputs' dtype.
+    cache: the cache with the token appended (length + 1).
+
+  Raises:
+    ValueError: wrong shapes, or a full cache while the length is concrete. Under jit
+      see the module docstring (checkify / NaN output).
+  """
+  inputs = (q_u, k_u, v_u, q_c, k_c, v_c)
+  _check_against_cache(cache, inputs, "decode_step")
+  if q_u.shape[1] != 1:
+    raise ValueError(f"decode_step takes one token: q_u must have seq = 1, got shape {q_u.shape}")
+  capacity, query_rows = cache.capacity, cache.query_rows
+  if not isinstance(cache.length, jax.core.Tracer) and int(cache.length) >= capacity:
+    raise ValueError(_overflow_message(capacity))
+  position = jnp.asarray(cache.length, jnp.int32)
+  in_bounds = position < capacity
+  checkify.debug_check(in_bounds, _overflow_message(capacity))
+
+  dtype = compute_dtype(jnp.promote_types(q_u.dtype, cache.lookahead_keys.dtype))
+  q_u, k_u, v_u, q_c, k_c, v_c = (x.astype(dtype) for x in inputs)
+
+  # Rank-1 update (Eq. 12) of the rows whose mask admits the new key: all s < t for
+  # CASTLE, the last W for SWL. The slice has query_rows rows (capacity for CASTLE).
+  start = jnp.clip(position - query_rows, 0, capacity - query_rows)
+  updated_positions = start + jnp.arange(query_rows)
+  queries = jnp.take(cache.lookahead_queries, updated_positions % query_rows, axis=1).astype(dtype)
+  logits = jnp.einsum("bshd,bhd->bhs", queries, k_u[:, 0]) * score_scale(q_u.shape[-1])
+  visible = lookahead_visible(updated_positions, position[None], cache.window)[:, 0]
+  weights = masked_sigmoid(logits, visible)
+  keys = jax.lax.dynamic_slice_in_dim(cache.lookahead_keys, start, query_rows, axis=1).astype(dtype)
+  keys = keys + jnp.einsum("bhs,bhd->bshd", weights, v_u[:, 0])
+
+  def write(buffer, values, row):
+    return jax.lax.dynamic_update_slice_in_dim(buffer, values.astype(buffer.dtype), row, axis=1)
+
+  lookahead_keys = write(cache.lookahead_keys, keys, start)
+  # The new token has no successors yet: u_t^t = 0.
+  lookahead_keys = write(lookahead_keys, jnp.zeros_like(k_u), position)
+  new_cache = UQKVCache(
+      lookahead_keys=lookahead_keys,
+      lookahead_queries=write(cache.lookahead_queries, q_u, position % query_rows),
+      causal_keys=write(cache.causal_keys, k_c, position),
+      causal_values=write(cache.causal_values, v_c, position),
+      length=position + 1,
+      window=cache.window)
+
+  # Combining step (Eqs. 4-7), scored with the causal query q^C_t.
+  cached = jnp.arange(capacity) <= position
+  # Empty slots get zero weight, but 0 * garbage is not 0 when the garbage is NaN/inf.
+  values = jnp.where(cached[None, :, None, None], new_cache.causal_values.astype(dtype), 0.0)
+  output = attend_with_lookahead_keys(
+      q_c, new_cache.causal_keys.astype(dtype), values, new_cache.lookahead_keys.astype(dtype),
+      cached[None, :])
+  output = jnp.where(in_bounds, output, jnp.nan).astype(inputs[0].dtype)
+  new_cache = jax.tree.map(lambda new, old: jnp.where(in_bounds, new, old), new_cache, cache)
+  return output, new_cache
+
