@@ -16,6 +16,10 @@ VARIANTS = {
     "mha": dict(),
     "gqa_window": dict(n_kv_heads=2, sliding_window=4),
     "untied_mqa": dict(n_kv_heads=1, tie_embeddings=False),
+    # Block size 4 makes the 11-12 token tests span several blocks and a ragged last one.
+    "castle": dict(attention="castle", n_heads=2, head_dim=16, attention_kwargs=(("block_size", 4),)),
+    "castle_swl": dict(attention="castle_swl", n_heads=2, head_dim=16,
+                       attention_kwargs=(("block_size", 4), ("lookahead_window", 3))),
 }
 
 
@@ -111,6 +115,33 @@ def test_paper_baselines_match_table3_parameter_counts(size, paper):
     model = TransformerLM(config)
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
     assert sum(np.prod(x.shape) for x in jax.tree.leaves(nn.unbox(shapes))) == count_parameters(config)
+
+
+@pytest.mark.parametrize("size, swl, paper", [
+    ("s", False, 160e6), ("m", False, 351e6), ("l", False, 753e6), ("xl", False, 1.304e9),
+    ("s", True, 160e6), ("xl", True, 1.304e9)])
+def test_paper_castle_models_match_table3_parameter_counts(size, swl, paper):
+  from train.presets import castle_paper_config
+  config = ModelConfig.from_mapping(castle_paper_config(size, swl=swl).model)
+  assert config.attention == ("castle_swl" if swl else "castle")
+  assert abs(count_parameters(config) / paper - 1) < 0.01
+  if size == "s":  # the closed form equals what init would create
+    model = TransformerLM(config)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
+    assert sum(np.prod(x.shape) for x in jax.tree.leaves(nn.unbox(shapes))) == count_parameters(config)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(attention="castle_swl"), "needs model.attention_kwargs.lookahead_window"),
+    (dict(attention="castle", attention_kwargs=(("lookahead_window", 4),)), "has no lookahead window"),
+    (dict(attention="castle_swl", attention_kwargs=(("lookahead_window", 0),)), "lookahead_window must be an int >= 1"),
+    (dict(attention="castle", attention_kwargs=(("block", 4),)), r"Unknown model.attention_kwargs \['block'\]"),
+    (dict(attention="castle", n_kv_heads=2), "no grouped-query form"),
+    (dict(attention="castle", sliding_window=4), "model.sliding_window"),
+])
+def test_bad_castle_options_are_reported(bad, match):
+  with pytest.raises(ValueError, match=match):
+    _model(**bad)
 
 
 def test_unknown_attention_name_is_reported():

@@ -24,6 +24,10 @@ PAPER_VOCAB_SIZE = 50304
 PAPER_SEQ_LEN = 2048
 PAPER_BATCH_TOKENS = 2**19  # 0.5M
 PAPER_TOKENS = 50e9
+# CASTLE keeps d_model and head_dim and takes ~4/7 of the heads for parameter parity;
+# CASTLE-SWL slides a window over the lookahead keys (Table 3, Sec. 3.1).
+CASTLE_HEADS = {"s": 8, "m": 9, "l": 9, "xl": 9}
+CASTLE_SWL_WINDOWS = {"s": 128, "m": 512, "l": 512, "xl": 512}
 
 
 def paper_config(size: str, *, attention: str = "mha", n_heads: int | None = None,
@@ -60,4 +64,14 @@ def paper_config(size: str, *, attention: str = "mha", n_heads: int | None = Non
   t.eval_every = 1000
   t.eval_batches = 16
   t.checkpoint_every = 1000
+  return c
+
+
+def castle_paper_config(size: str, *, swl: bool = False, micro_batch: int = 16) -> ml_collections.ConfigDict:
+  """CASTLE-{size} (or CASTLE-SWL-{size} with `swl`) of Table 3: the baseline's recipe
+  with CASTLE_HEADS[size] heads and, for SWL, lookahead window CASTLE_SWL_WINDOWS[size]."""
+  c = paper_config(size, attention="castle_swl" if swl else "castle", n_heads=CASTLE_HEADS.get(size),
+                   micro_batch=micro_batch)
+  if swl:
+    c.model.attention_kwargs.lookahead_window = CASTLE_SWL_WINDOWS[size]
   return c

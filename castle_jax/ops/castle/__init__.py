@@ -10,13 +10,14 @@ from castle_jax.ops.castle.blockwise import (
     castle_blockwise,
     castle_blockwise_prefill,
 )
-from castle_jax.ops.castle.decode import UQKVCache, decode_step, init_cache, prefill
+from castle_jax.ops.castle.decode import UQKVCache, append_tokens, decode_step, init_cache, prefill
 from castle_jax.ops.castle.reference import castle_parallel, castle_recurrent, lookahead_keys
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "IMPLEMENTATIONS",
     "UQKVCache",
+    "append_tokens",
     "castle_attention",
     "castle_blockwise",
     "castle_blockwise_prefill",

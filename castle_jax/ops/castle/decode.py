@@ -256,3 +256,66 @@ def decode_step(
   new_cache = jax.tree.map(lambda new, old: jnp.where(in_bounds, new, old), new_cache, cache)
   return output, new_cache
 
+
+
+def append_tokens(
+    cache: UQKVCache,
+    q_u: jax.Array,
+    k_u: jax.Array,
+    v_u: jax.Array,
+    q_c: jax.Array,
+    k_c: jax.Array,
+    v_c: jax.Array,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> tuple[jax.Array, UQKVCache]:
+  """Appends any number of tokens: a prefill into an empty cache, decoding steps otherwise.
+
+  The outputs equal the parallel form's rows for these positions whatever the cache
+  held, so a prompt can be fed in pieces. An empty cache takes the blockwise prefill
+  (Algorithm 5); a non-empty one runs Algorithm 4 once per token (a `lax.scan`). Under
+  jit both branches are compiled and `lax.cond` picks one by the traced length.
+
+  Args:
+    cache: the UQKVCache after `length` tokens.
+    q_u, k_u, v_u, q_c, k_c, v_c: [batch, new, heads, head_dim], the new tokens'
+      projections (positions length .. length + new - 1).
+    block_size: block size of the prefill.
+
+  Returns:
+    outputs: [batch, new, heads, head_dim] in the inputs' dtype.
+    cache: the cache with length + new tokens.
+
+  Raises:
+    ValueError: new > capacity or shapes that do not match the cache; a cache that
+      would overflow while the length is concrete (under jit: NaN outputs, as
+      `decode_step`).
+  """
+  inputs = (q_u, k_u, v_u, q_c, k_c, v_c)
+  if q_u.ndim == 4 and q_u.shape[1] == 1:
+    return decode_step(cache, *inputs)
+  _check_against_cache(cache, inputs, "append_tokens")
+  new = q_u.shape[1]
+  if new > cache.capacity:
+    raise ValueError(f"append_tokens: {new} tokens do not fit a cache of capacity {cache.capacity}; "
+                     "create the cache with a larger capacity")
+
+  def fresh(cache):
+    return prefill(cache, *inputs, block_size=block_size)
+
+  def extend(cache):
+    def step(cache, token):
+      output, cache = decode_step(cache, *(x[:, None] for x in token))
+      return cache, output[:, 0]
+
+    cache, outputs = jax.lax.scan(step, cache, tuple(jnp.moveaxis(x, 1, 0) for x in inputs))
+    return jnp.moveaxis(outputs, 0, 1), cache
+
+  if not isinstance(cache.length, jax.core.Tracer):
+    length = int(cache.length)
+    if length + new > cache.capacity:
+      raise ValueError(
+          f"UQ-KV cache overflow: {length} cached + {new} new tokens > capacity {cache.capacity}; "
+          "create the cache with a larger capacity")
+    return fresh(cache) if length == 0 else extend(cache)
+  return jax.lax.cond(cache.length == 0, fresh, extend, cache)
