@@ -291,11 +291,6 @@ def test_default_implementation_is_xla_and_logged(caplog):
   assert rel_err(out, castle_attention(*inputs, window=3, implementation="reference")) < 1e-5
 
 
-def test_pallas_is_not_implemented_yet():
-  with pytest.raises(NotImplementedError, match="not implemented yet"):
-    castle_attention(*_inputs(seed=91), implementation="pallas")
-
-
 @pytest.mark.parametrize("index, name", [(1, "k_u"), (4, "k_c"), (5, "v_c")])
 def test_mismatched_shape_or_dtype_names_the_argument(index, name):
   inputs = list(_inputs(seed=92))

@@ -4,8 +4,11 @@
   - "reference": the naive parallel form of Theorem 1 (O(L^3), plain jnp); a test
     oracle for tiny sequences.
   - "xla": the blockwise Algorithms 1/3 (O(L^2 d) time, O(L d) memory) in XLA.
-  - "pallas": a fused GPU kernel; not implemented yet (raises NotImplementedError).
-  - None: the best available path, today "xla"; the choice is logged at debug level.
+  - "pallas": the Pallas (Triton) kernels of `pallas_kernels.castle` (key-block-major
+    forward and backward, O(L d) memory); compiled on a CUDA GPU, run in Pallas
+    interpret mode elsewhere (slow; for tests).
+  - None: "pallas" on a GPU for float32/bfloat16/float16 inputs, else "xla"; the
+    choice is logged at debug level.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import logging
 
 import jax
+
+import jax.numpy as jnp
 
 from castle_jax.ops.castle.blockwise import DEFAULT_BLOCK_SIZE, castle_blockwise
 from castle_jax.ops.castle.common import validate_block_size, validate_inputs
@@ -34,6 +39,7 @@ def castle_attention(
     window: int | None = None,
     implementation: str | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    pallas_config=None,
 ) -> jax.Array:
   """Causal attention with lookahead keys (CASTLE), or CASTLE-SWL with `window`.
 
@@ -51,6 +57,8 @@ def castle_attention(
     window: None for CASTLE; W >= 1 for CASTLE-SWL, where u_s sees tokens s+1 .. s+W.
     implementation: one of IMPLEMENTATIONS or None (see module docstring).
     block_size: tokens per block for "xla" (static).
+    pallas_config: a `pallas_kernels.castle.CastleKernelConfig` for "pallas"; None
+      picks a heuristic default.
 
   Returns:
     [batch, seq, heads, head_dim] in the inputs' dtype.
@@ -58,22 +66,23 @@ def castle_attention(
   Raises:
     ValueError: bad shapes/dtypes (naming the argument), window <= 0, bad block_size,
       unknown implementation.
-    NotImplementedError: implementation="pallas".
   """
   inputs = (q_u, k_u, v_u, q_c, k_c, v_c)
   validate_inputs(inputs, window)
   validate_block_size(block_size)
   if implementation is None:
-    implementation = "xla"
-    _logger.debug("castle_attention: implementation=None -> 'xla' (no Pallas CASTLE kernel yet)")
+    on_gpu = jax.default_backend() == "gpu" and q_u.dtype in (jnp.float32, jnp.bfloat16, jnp.float16)
+    implementation = "pallas" if on_gpu else "xla"
+    _logger.debug("castle_attention: implementation=None -> %r (backend %s, dtype %s)",
+                  implementation, jax.default_backend(), q_u.dtype)
   elif implementation not in IMPLEMENTATIONS:
     raise ValueError(
         f"Unknown CASTLE implementation {implementation!r}; "
         f"choose one of {IMPLEMENTATIONS} or None")
   if implementation == "pallas":
-    raise NotImplementedError(
-        "implementation='pallas' is not implemented yet for CASTLE; use implementation='xla' "
-        "(or None) for the blockwise path")
+    # Imported here: the kernels import this package's math helpers.
+    from pallas_kernels.castle import castle_attention_pallas
+    return castle_attention_pallas(*inputs, window=window, config=pallas_config)
   if implementation == "reference":
     return castle_parallel(*inputs, window=window)
   return castle_blockwise(*inputs, window=window, block_size=block_size)

@@ -1,0 +1,273 @@
+"""CASTLE attention speed and memory next to standard attention, in one run.
+
+    python benchmarks/castle_attention.py [--seq_lens=2048,8192,16384] [--tokens=32768] \
+        [--impls=xla,cudnn] [--window=512] [--json=out.json]
+
+For each sequence length T the batch is tokens // T (the CASTLE paper's XL attention
+shape by default: 9 CASTLE heads, 16 baseline heads, head_dim 128, bf16). Times the
+forward and forward+backward (gradients of all inputs) of each implementation with
+`jax.block_until_ready`, median of --iters runs after warm-up, over two input sets
+in turn. Peak memory is the compiled fwd+bwd program's own (temporaries plus
+arguments and outputs, from XLA's memory analysis), so it is not disturbed by other
+buffers alive in the process.
+
+Model FLOPs (the same convention for every row, so TFLOP/s compare):
+  standard attention forward  = 4 d * causal_pairs per head (q.k and p.v);
+  CASTLE forward = 2 d * (3 causal_pairs + 3 lookahead_pairs) per head (q^C.k^C, p.v^C,
+    q^C.u over causal pairs; q^U.k^U, the lookahead-key update and q^C.v^U over the
+    pairs inside the lookahead window), the blockwise algorithm's in-block term not counted;
+  backward = 2.5 x forward for both.
+Ratios are against the baseline (`cudnn`, else `xla_mha`) measured in the same run.
+Prints a table last and optionally writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from castle_jax.ops.attention import causal_attention
+from castle_jax.ops.castle import castle_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  name: str
+  heads: int
+  num_inputs: int            # 6 for CASTLE, 3 for standard attention
+  fn: Callable               # (*inputs) -> out
+  castle: bool
+
+
+def _castle_case(impl: str, heads: int, window, block_size: int, pallas_config=None, label: str = "") -> Case:
+  def fn(*inputs):
+    return castle_attention(*inputs, window=window, implementation=impl, block_size=block_size,
+                            pallas_config=pallas_config)
+  return Case(f"castle_{impl}{label}", heads, 6, fn, True)
+
+
+def _pallas_config(spec: str):
+  """'bq,bk,warps,stages,bwd_bq,bwd_bk,bwd_warps,bwd_stages[,split]' -> CastleKernelConfig."""
+  from pallas_kernels.castle import CastleKernelConfig
+  fields = ("block_q", "block_k", "num_warps", "num_stages",
+            "bwd_block_q", "bwd_block_k", "bwd_num_warps", "bwd_num_stages")
+  values = [int(v) for v in spec.split(",")]
+  if len(values) not in (len(fields), len(fields) + 1):
+    raise ValueError(f"--pallas_configs entry {spec!r} needs {len(fields)} integers: {','.join(fields)} "
+                     "and optionally split_products (0/1)")
+  kwargs = dict(zip(fields, values))
+  if len(values) > len(fields):
+    kwargs["split_products"] = bool(values[-1])
+  return CastleKernelConfig(**kwargs)
+
+
+def _standard_case(impl: str, heads: int) -> Case:
+  def fn(q, k, v):
+    return causal_attention(q, k, v, implementation=impl)
+  return Case("mha_cudnn" if impl == "cudnn" else "mha_xla", heads, 3, fn, False)
+
+
+def causal_pairs(seq: int) -> int:
+  return seq * (seq + 1) // 2
+
+
+def lookahead_pairs(seq: int, window) -> int:
+  """Pairs (s, j) with s < j <= s + W within the sequence."""
+  if window is None or window >= seq:
+    return seq * (seq - 1) // 2
+  return sum(min(window, seq - 1 - s) for s in range(seq))
+
+
+def forward_flops(case: Case, batch: int, seq: int, head_dim: int, window) -> float:
+  if case.castle:
+    per_head = 2 * head_dim * (3 * causal_pairs(seq) + 3 * lookahead_pairs(seq, window))
+  else:
+    per_head = 4 * head_dim * causal_pairs(seq)
+  return float(per_head * batch * case.heads)
+
+
+def _median_ms(fn, args_sets, iters: int) -> float:
+  out = fn(*args_sets[0])
+  jax.block_until_ready(out)
+  out = fn(*args_sets[1 % len(args_sets)])
+  jax.block_until_ready(out)
+  times = []
+  for i in range(iters):
+    args = args_sets[i % len(args_sets)]
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return 1e3 * statistics.median(times)
+
+
+def _peak_bytes(compiled) -> int | None:
+  try:
+    stats = compiled.memory_analysis()
+  except Exception:  # not every backend reports it
+    return None
+  if stats is None:
+    return None
+  return int(stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
+             - stats.alias_size_in_bytes)
+
+
+def measure(case: Case, batch: int, seq: int, head_dim: int, dtype, iters: int) -> dict:
+  shape = (batch, seq, case.heads, head_dim)
+  args_sets = []
+  for seed in range(2):
+    keys = jax.random.split(jax.random.key(seed), case.num_inputs + 1)
+    inputs = tuple(jax.random.normal(k, shape, jnp.float32).astype(dtype) for k in keys[:-1])
+    cotangent = jax.random.normal(keys[-1], shape, jnp.float32).astype(dtype)
+    args_sets.append(inputs + (cotangent,))
+
+  forward = jax.jit(lambda *a: case.fn(*a[:-1]))
+
+  def loss(*a):
+    return jnp.sum(case.fn(*a[:-1]).astype(jnp.float32) * a[-1].astype(jnp.float32))
+
+  backward = jax.jit(jax.grad(loss, argnums=tuple(range(case.num_inputs))))
+  result = {"impl": case.name, "batch": batch, "seq": seq, "heads": case.heads, "head_dim": head_dim}
+  try:
+    compiled = backward.lower(*args_sets[0]).compile()
+    result["fwd_ms"] = _median_ms(forward, args_sets, iters)
+    result["fwd_bwd_ms"] = _median_ms(compiled, args_sets, iters)
+    result["peak_gib"] = (_peak_bytes(compiled) or 0) / 2**30
+  except Exception as e:  # report and go on: one failing row must not lose the others
+    result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+  return result
+
+
+def measure_peer(batch: int, seq: int, heads: int, head_dim: int, iters: int) -> dict:
+  """Forward time of the PyPI `lookahead-keys-attention` 0.1.2 Triton CASTLE kernel (PyTorch).
+
+  Installed only where the benchmark runs (`pip install lookahead-keys-attention==0.1.2`);
+  its own causal-query/key/value and lookahead inputs, [batch, heads, seq, head_dim] bf16.
+  """
+  result = {"impl": "peer_pypi_triton", "batch": batch, "seq": seq, "heads": heads, "head_dim": head_dim}
+  try:
+    import torch
+    from lookahead_keys_attention.lookahead_keys_attention_triton import castle_attention_triton
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    inputs = [torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+              for _ in range(6)]
+    run = lambda: castle_attention_triton(*inputs, head_dim ** -0.5, False)
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+      start = time.perf_counter()
+      run()
+      torch.cuda.synchronize()
+      times.append(time.perf_counter() - start)
+    result["fwd_ms"] = 1e3 * statistics.median(times)
+  except Exception as e:  # a missing or failing peer must not lose the other rows
+    result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+  return result
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--seq_lens", default="2048,8192,16384")
+  parser.add_argument("--tokens", type=int, default=32768, help="batch * seq for every length")
+  parser.add_argument("--heads", type=int, default=9, help="CASTLE heads")
+  parser.add_argument("--baseline_heads", type=int, default=16)
+  parser.add_argument("--head_dim", type=int, default=128)
+  parser.add_argument("--window", type=int, default=0, help="CASTLE-SWL window; 0 = full CASTLE")
+  parser.add_argument("--block_size", type=int, default=64, help="block size of the XLA blockwise path")
+  parser.add_argument("--impls", default="xla,cudnn",
+                      help="comma list of: xla, pallas, reference (CASTLE); cudnn, xla_mha (standard)")
+  parser.add_argument("--pallas_configs", default="",
+                      help="';'-separated kernel configs 'bq,bk,warps,stages,bwd_bq,bwd_bk,bwd_warps,"
+                           "bwd_stages[,split_products]', each timed as its own row (default: the "
+                           "heuristic config)")
+  parser.add_argument("--peer_seq_lens", default="",
+                      help="comma list of lengths at which to time the PyPI lookahead-keys-attention kernel's "
+                           "forward (slow: ~1.3 s per call at 2K)")
+  parser.add_argument("--peer_iters", type=int, default=3)
+  parser.add_argument("--iters", type=int, default=10)
+  parser.add_argument("--dtype", default="bfloat16")
+  parser.add_argument("--json", default=None)
+  args = parser.parse_args(argv)
+
+  window = args.window or None
+  dtype = jnp.dtype(args.dtype)
+  cases = []
+  for impl in args.impls.split(","):
+    if impl == "pallas" and args.pallas_configs:
+      for spec in args.pallas_configs.split(";"):
+        cases.append(_castle_case(impl, args.heads, window, args.block_size, _pallas_config(spec), f"[{spec}]"))
+    elif impl in ("xla", "pallas", "reference"):
+      cases.append(_castle_case(impl, args.heads, window, args.block_size))
+    elif impl in ("cudnn", "xla_mha"):
+      cases.append(_standard_case("cudnn" if impl == "cudnn" else "xla", args.baseline_heads))
+    else:
+      parser.error(f"--impls: unknown implementation {impl!r}")
+
+  rows = []
+  for seq in (int(s) for s in args.seq_lens.split(",")):
+    if args.tokens % seq:
+      parser.error(f"--tokens ({args.tokens}) must be a multiple of every sequence length ({seq})")
+    batch = args.tokens // seq
+    for case in cases:
+      row = measure(case, batch, seq, args.head_dim, dtype, args.iters)
+      if "error" not in row:
+        flops = forward_flops(case, batch, seq, args.head_dim, window)
+        row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
+        row["fwd_bwd_tflops"] = 3.5 * flops / row["fwd_bwd_ms"] / 1e9
+      rows.append(row)
+      print(json.dumps(row), file=sys.stderr, flush=True)
+
+  for seq in (int(s) for s in args.peer_seq_lens.split(",") if s):
+    row = measure_peer(args.tokens // seq, seq, args.heads, args.head_dim, args.peer_iters)
+    if "error" not in row:
+      row["fwd_tflops"] = forward_flops(cases[0], row["batch"], seq, args.head_dim, window) / row["fwd_ms"] / 1e9
+      ours = next((r for r in rows if r["seq"] == seq and r["impl"].startswith("castle_pallas") and "error" not in r),
+                  None)
+      if ours:
+        row["peer_over_ours_fwd"] = row["fwd_ms"] / ours["fwd_ms"]
+    rows.append(row)
+    print(json.dumps(row), file=sys.stderr, flush=True)
+
+  baseline_name = next((c.name for c in cases if not c.castle), None)
+  for row in rows:
+    base = next((r for r in rows if r["impl"] == baseline_name and r["seq"] == row["seq"] and "error" not in r),
+                None)
+    if base and "error" not in row and "fwd_bwd_ms" in row:
+      row["fwd_ratio"] = row["fwd_ms"] / base["fwd_ms"]
+      row["fwd_bwd_ratio"] = row["fwd_bwd_ms"] / base["fwd_bwd_ms"]
+
+  meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "dtype": args.dtype,
+          "window": window, "tokens": args.tokens, "date": time.strftime("%Y-%m-%d")}
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+  print(f"\n{meta['device']} | jax {meta['jax']} | {args.dtype} | window {window} | {args.tokens} tokens")
+  width = max(18, max(len(c.name) for c in cases) + 1)
+  header = f"{'impl':<{width}}{'B x T':>12}{'H':>4}{'fwd ms':>10}{'fwd+bwd ms':>12}{'fwd TF/s':>10}" \
+           f"{'f+b TF/s':>10}{'x base f+b':>11}{'peak GiB':>10}"
+  print(header)
+  for r in rows:
+    if "error" in r:
+      print(f"{r['impl']:<{width}}{r['batch']:>5} x {r['seq']:<6}{r['heads']:>4}  {r['error']}")
+      continue
+    if r["impl"] == "peer_pypi_triton":
+      print(f"{r['impl']:<{width}}{r['batch']:>5} x {r['seq']:<6}{r['heads']:>4}{r['fwd_ms']:>10.2f}{'-':>12}"
+            f"{r['fwd_tflops']:>10.2f}  peer fwd / ours fwd = {r.get('peer_over_ours_fwd', float('nan')):.0f}x")
+      continue
+    print(f"{r['impl']:<{width}}{r['batch']:>5} x {r['seq']:<6}{r['heads']:>4}{r['fwd_ms']:>10.2f}{r['fwd_bwd_ms']:>12.2f}"
+          f"{r['fwd_tflops']:>10.1f}{r['fwd_bwd_tflops']:>10.1f}{r.get('fwd_bwd_ratio', float('nan')):>11.2f}"
+          f"{r['peak_gib']:>10.2f}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

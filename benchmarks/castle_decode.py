@@ -1,0 +1,124 @@
+"""One-token decoding step: CASTLE's UQ-KV cache next to a standard KV cache, in one run.
+
+    python benchmarks/castle_decode.py [--batch=64] [--length=16384] [--heads=9] \
+        [--baseline_heads=16] [--head_dim=128] [--window=512] [--json=out.json]
+
+Times `castle_jax.ops.castle.decode_step` (rank-1 update of the lookahead keys, then
+the combining step; cache donated so it updates in place) for CASTLE and CASTLE-SWL
+against the mha layer's cached attention step (append k/v, attend over the cache),
+with caches filled to `length` tokens. Reports the step time and the cache memory
+(the paper's Table 30 compares the same two caches). Median of --iters steps after
+warm-up; prints a table last and optionally writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from castle_jax.inference.kv_cache import KVCache
+from castle_jax.ops.attention import causal_mask, masked_attention
+from castle_jax.ops.castle import UQKVCache, decode_step
+
+
+def _cache_bytes(cache) -> int:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+
+
+def _time_steps(step, cache, token_inputs, iters):
+  for _ in range(2):  # compile and warm up
+    out, cache = step(cache, *token_inputs)
+  jax.block_until_ready(out)
+  times = []
+  for _ in range(iters):
+    start = time.perf_counter()
+    out, cache = step(cache, *token_inputs)
+    jax.block_until_ready(out)
+    times.append(time.perf_counter() - start)
+  return 1e3 * statistics.median(times)
+
+
+def _filled(shape, dtype, key):
+  return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+
+
+def castle_row(batch, length, heads, head_dim, window, dtype, iters):
+  capacity = length + 4 + iters
+  keys = jax.random.split(jax.random.key(0), 10)
+  full = (batch, capacity, heads, head_dim)
+  query_rows = capacity if window is None else min(window, capacity)
+  cache = UQKVCache(
+      lookahead_keys=_filled(full, dtype, keys[0]),
+      lookahead_queries=_filled((batch, query_rows, heads, head_dim), dtype, keys[1]),
+      causal_keys=_filled(full, dtype, keys[2]),
+      causal_values=_filled(full, dtype, keys[3]),
+      length=jnp.asarray(length, jnp.int32), window=window)
+  token = tuple(_filled((batch, 1, heads, head_dim), dtype, k) for k in keys[4:10])
+  step = jax.jit(decode_step, donate_argnums=0)
+  name = "castle" if window is None else f"castle_swl(W={window})"
+  return {"impl": name, "heads": heads, "step_ms": _time_steps(step, cache, token, iters),
+          "cache_gib": _cache_bytes(cache) / 2**30}
+
+
+def mha_row(batch, length, heads, head_dim, dtype, iters):
+  capacity = length + 4 + iters
+  keys = jax.random.split(jax.random.key(1), 5)
+  full = (batch, capacity, heads, head_dim)
+  cache = KVCache(_filled(full, dtype, keys[0]), _filled(full, dtype, keys[1]), jnp.asarray(length, jnp.int32))
+  token = tuple(_filled((batch, 1, heads, head_dim), dtype, k) for k in keys[2:5])
+
+  def step(cache, q, k, v):
+    positions = jnp.broadcast_to(cache.length, (batch, 1))
+    cache = cache.append(k, v)
+    return masked_attention(q, cache.keys, cache.values, causal_mask(positions, cache.key_positions())), cache
+
+  return {"impl": "mha_kv_cache", "heads": heads,
+          "step_ms": _time_steps(jax.jit(step, donate_argnums=0), cache, token, iters),
+          "cache_gib": _cache_bytes(cache) / 2**30}
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--batch", type=int, default=64)
+  parser.add_argument("--length", type=int, default=16384, help="tokens already in the cache")
+  parser.add_argument("--heads", type=int, default=9)
+  parser.add_argument("--baseline_heads", type=int, default=16)
+  parser.add_argument("--head_dim", type=int, default=128)
+  parser.add_argument("--window", type=int, default=512, help="CASTLE-SWL window (0: skip SWL)")
+  parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--dtype", default="bfloat16")
+  parser.add_argument("--json", default=None)
+  args = parser.parse_args(argv)
+  dtype = jnp.dtype(args.dtype)
+
+  rows = [mha_row(args.batch, args.length, args.baseline_heads, args.head_dim, dtype, args.iters),
+          castle_row(args.batch, args.length, args.heads, args.head_dim, None, dtype, args.iters)]
+  if args.window:
+    rows.append(castle_row(args.batch, args.length, args.heads, args.head_dim, args.window, dtype, args.iters))
+  base = rows[0]
+  for row in rows:
+    row["step_ratio"] = row["step_ms"] / base["step_ms"]
+    row["cache_ratio"] = row["cache_gib"] / base["cache_gib"]
+  meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "batch": args.batch,
+          "length": args.length, "head_dim": args.head_dim, "dtype": args.dtype,
+          "date": time.strftime("%Y-%m-%d")}
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"meta": meta, "rows": rows}, f, indent=1)
+  print(f"\n{meta['device']} | jax {meta['jax']} | batch {args.batch} | cache length {args.length} | "
+        f"head_dim {args.head_dim} | {args.dtype}")
+  print(f"{'impl':<20}{'heads':>6}{'step ms':>10}{'x mha':>8}{'cache GiB':>11}{'x mha':>8}")
+  for r in rows:
+    print(f"{r['impl']:<20}{r['heads']:>6}{r['step_ms']:>10.3f}{r['step_ratio']:>8.2f}{r['cache_gib']:>11.2f}"
+          f"{r['cache_ratio']:>8.2f}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

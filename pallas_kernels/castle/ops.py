@@ -1,0 +1,195 @@
+"""CASTLE attention through the Pallas kernels, differentiable with a custom VJP.
+
+`castle_attention_pallas` takes the [batch, seq, heads, head_dim] layout of the
+CASTLE entry point, folds heads into the batch, zero-pads the sequence to a multiple
+of the block sizes and the head dim to a power of two, and runs `kernels.forward`;
+the custom VJP runs `kernels.backward`. Padding is exact: padded keys come after
+every real query (causal mask), padded lookahead values are zero, and padded head
+dims add zero to every dot product.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from castle_jax.ops.castle.common import score_scale, validate_inputs
+from pallas_kernels.castle import kernels
+from pallas_kernels.castle.config import CastleKernelConfig, default_config
+
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# SiLU(x) >= -0.2785 for every x, so A[t, s] <= S^C[t, s] + 0.2785.
+_SILU_MIN = 0.27846454276
+# Shifts keep exponents within float32 range: exp(80) ~ 5.5e34 leaves room for sums of
+# up to ~6000x that many terms before the float32 maximum.
+_EXPONENT_HEADROOM = 80.0
+
+
+def _next_power_of_two(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+def _precision(dtype):
+  return lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
+def _in_block_scores(q_c: jax.Array, v_u: jax.Array, scale: float, block_q: int) -> jax.Array:
+  """R_ii = Q^C_i V^U_i^T * scale under the causal mask, per query block.
+
+  Args:
+    q_c, v_u: [BH, L, D], L a multiple of block_q.
+
+  Returns:
+    float32 [BH, L, block_q]; rows of block i hold R_ii.
+  """
+  heads, length, head_dim = q_c.shape
+  blocks = lambda x: x.reshape(heads, length // block_q, block_q, head_dim)
+  scores = jnp.einsum("bntd,bnjd->bntj", blocks(q_c), blocks(v_u), preferred_element_type=jnp.float32,
+                      precision=_precision(q_c.dtype)) * scale
+  causal = jnp.arange(block_q)[:, None] >= jnp.arange(block_q)[None, :]
+  return jnp.where(causal, scores, 0.0).reshape(heads, length, block_q)
+
+
+def _diagonal_scores(q_c: jax.Array, k_c: jax.Array, scale: float) -> jax.Array:
+  """float32 [BH, L]: S^C[t, t], whose term in the softmax sum is exp(0) after the shift."""
+  return jnp.sum(q_c.astype(jnp.float32) * k_c.astype(jnp.float32), axis=-1) * scale
+
+
+def _max_causal_scores(q_c: jax.Array, k_c: jax.Array, scale: float, block: int) -> jax.Array:
+  """float32 [BH, L]: max_{s <= t} S^C[t, s], one query block at a time (memory O(L * block))."""
+  heads, length, head_dim = q_c.shape
+  key_positions = jnp.arange(length)
+
+  def block_max(start):
+    q = lax.dynamic_slice_in_dim(q_c, start, block, axis=1)
+    scores = jnp.einsum("btd,bsd->bts", q, k_c, preferred_element_type=jnp.float32,
+                        precision=_precision(q_c.dtype)) * scale
+    visible = (start + jnp.arange(block))[:, None] >= key_positions[None, :]
+    return jnp.max(jnp.where(visible, scores, -jnp.inf), axis=-1)
+
+  maxima = lax.map(block_max, jnp.arange(0, length, block))  # [L / block, BH, block]
+  return maxima.transpose(1, 0, 2).reshape(heads, length)
+
+
+def _forward(q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpret):
+  """Returns out (float32 [BH, L, D]), lse (float32 [BH, L]) and the final D."""
+  in_block = _in_block_scores(q_c, v_u, scale, config.block_q)
+  run = functools.partial(kernels.forward, q_u, k_u, v_u, q_c, k_c, v_c, in_block=in_block, scale=scale,
+                          window=window, config=config, interpret=interpret)
+  diagonal = _diagonal_scores(q_c, k_c, scale)
+  acc, sums, keys = run(shift=diagonal)
+
+  def rerun_with_row_max(_):
+    # Some score was > ~88 above its row's diagonal score and exp overflowed: shift by
+    # the row maximum instead, but never so far that the diagonal term underflows.
+    row_max = _max_causal_scores(q_c, k_c, scale, config.block_q) + _SILU_MIN
+    shift = jnp.maximum(diagonal, row_max - _EXPONENT_HEADROOM)
+    return run(shift=shift) + (shift,)
+
+  overflowed = jnp.logical_not(jnp.all(jnp.isfinite(sums)))
+  acc, sums, keys, shift = lax.cond(overflowed, rerun_with_row_max, lambda _: (acc, sums, keys, diagonal),
+                                    None)
+  return acc / sums[..., None], shift + jnp.log(sums), keys
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _castle_heads(q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpret):
+  """[BH, L, D] inputs -> [BH, L, D] output in the inputs' dtype."""
+  out, _, _ = _forward(q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpret)
+  return out.astype(q_c.dtype)
+
+
+def _castle_heads_fwd(q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpret):
+  out, lse, keys = _forward(q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpret)
+  # O(L d) residuals: the inputs, the float32 output, the row log-sum-exp and D.
+  return out.astype(q_c.dtype), (q_u, k_u, v_u, q_c, k_c, v_c, out, lse, keys)
+
+
+def _castle_heads_bwd(scale, window, config, interpret, residuals, d_out):
+  q_u, k_u, v_u, q_c, k_c, v_c, out, lse, keys = residuals
+  delta = jnp.sum(out * d_out.astype(jnp.float32), axis=-1)
+  block_q = config.bwd_block_q
+  in_block = _in_block_scores(q_c, v_u, scale, block_q)
+  dq_u, dk_c, dv_c, dq_c, dk_u, dv_u, d_in_block = kernels.backward(
+      q_u, k_u, v_u, q_c, k_c, v_c, keys, d_out.astype(q_c.dtype), lse, delta, in_block,
+      scale=scale, window=window, config=config, interpret=interpret)
+
+  # R_ii = Q^C_i V^U_i^T * scale under the causal mask: its gradient goes to Q^C and V^U.
+  heads, length, head_dim = q_c.shape
+  blocks = lambda x: x.reshape(heads, length // block_q, block_q, x.shape[-1])
+  causal = jnp.arange(block_q)[:, None] >= jnp.arange(block_q)[None, :]
+  d_in_block = jnp.where(causal, blocks(d_in_block), 0.0) * scale
+  precision = _precision(jnp.float32)
+  dq_c = dq_c + jnp.einsum("bntj,bnjd->bntd", d_in_block, blocks(v_u.astype(jnp.float32)),
+                           precision=precision).reshape(dq_c.shape)
+  dv_u = dv_u + jnp.einsum("bntj,bntd->bnjd", d_in_block, blocks(q_c.astype(jnp.float32)),
+                           precision=precision).reshape(dv_u.shape)
+  grads = (dq_u, dk_u, dv_u, dq_c, dk_c, dv_c)
+  return tuple(g.astype(x.dtype) for g, x in zip(grads, (q_u, k_u, v_u, q_c, k_c, v_c)))
+
+
+_castle_heads.defvjp(_castle_heads_fwd, _castle_heads_bwd)
+
+
+def _prepare(inputs, config: CastleKernelConfig):
+  """[B, T, H, D] inputs -> [B * H, L, D'] padded, plus what undoes it."""
+  batch, seq, heads, head_dim = inputs[0].shape
+  padded_head_dim = max(16, _next_power_of_two(head_dim))
+  multiple = max(config.block_q, config.block_k, config.bwd_block_q, config.bwd_block_k)
+  padded_len = -(-seq // multiple) * multiple
+
+  def to_heads(x):
+    x = x.transpose(0, 2, 1, 3).reshape(batch * heads, seq, head_dim)
+    return jnp.pad(x, ((0, 0), (0, padded_len - seq), (0, padded_head_dim - head_dim)))
+
+  def from_heads(x):
+    x = x[:, :seq, :head_dim].reshape(batch, heads, seq, head_dim)
+    return x.transpose(0, 2, 1, 3)
+
+  return tuple(to_heads(x) for x in inputs), from_heads
+
+
+def castle_attention_pallas(
+    q_u: jax.Array,
+    k_u: jax.Array,
+    v_u: jax.Array,
+    q_c: jax.Array,
+    k_c: jax.Array,
+    v_c: jax.Array,
+    *,
+    window: int | None = None,
+    config: CastleKernelConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+  """CASTLE (or CASTLE-SWL with `window`) with the Pallas kernels.
+
+  Args:
+    q_u, k_u, v_u, q_c, k_c, v_c: [batch, seq, heads, head_dim], one shape and one
+      dtype: float32 (full-precision products), bfloat16 or float16 (products in that
+      dtype with float32 accumulation).
+    window: None for CASTLE, W >= 1 for CASTLE-SWL.
+    config: tile sizes; default `default_config(padded head dim)`.
+    interpret: run the kernels in Pallas interpret mode; default True on CPU.
+
+  Returns:
+    [batch, seq, heads, head_dim] in the inputs' dtype.
+
+  Raises:
+    ValueError: bad shapes, dtypes or window (naming the argument).
+  """
+  inputs = (q_u, k_u, v_u, q_c, k_c, v_c)
+  validate_inputs(inputs, window)
+  if q_u.dtype not in SUPPORTED_DTYPES:
+    raise ValueError(f"The CASTLE Pallas kernels take float32, bfloat16 or float16 inputs; got {q_u.dtype}. "
+                     "Cast the inputs or use implementation='xla'")
+  head_dim = q_u.shape[-1]
+  if config is None:
+    config = default_config(_next_power_of_two(head_dim))
+  if interpret is None:
+    interpret = jax.default_backend() == "cpu"
+  heads_inputs, from_heads = _prepare(inputs, config)
+  out = _castle_heads(*heads_inputs, score_scale(head_dim), window, config, interpret)
+  return from_heads(out)

@@ -1,0 +1,111 @@
+"""CASTLE Pallas kernels in interpret mode (CPU): the same kernel code the GPU compiles.
+
+Compared with the naive parallel form (Theorem 1): outputs and all six gradients
+under random cotangents, CASTLE and CASTLE-SWL, a length that is not a multiple of
+any block, unequal query/key blocks, bf16 inputs, length 1, the overflow fallback
+of the softmax shift, and bad input. Shapes are tiny: interpret mode compiles each
+distinct shape once (seconds) and runs the grid one program at a time.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from castle_jax.ops.castle import castle_attention, castle_parallel
+from helpers import rel_err
+from pallas_kernels.castle import CastleKernelConfig, castle_attention_pallas
+
+SHAPE = (2, 45, 3, 24)  # 45 tokens: a ragged last block; head dim 24 padded to 32
+SMALL = CastleKernelConfig(block_q=16, block_k=16, bwd_block_q=16, bwd_block_k=16)
+UNEQUAL = CastleKernelConfig(block_q=16, block_k=32, bwd_block_q=32, bwd_block_k=16)
+
+
+@pytest.fixture(autouse=True)
+def _full_float32_matmuls():
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
+def _inputs(seed, shape=SHAPE, dtype=jnp.float32, scales=(1.0,) * 6):
+  keys = jax.random.split(jax.random.key(seed), 7)
+  inputs = tuple(s * jax.random.normal(k, shape, jnp.float32) for s, k in zip(scales, keys[:6]))
+  return tuple(x.astype(dtype) for x in inputs), jax.random.normal(keys[6], shape, jnp.float32)
+
+
+def _value_and_grads(fn, inputs, cotangent):
+  def loss(*args):
+    return jnp.sum(fn(*args).astype(jnp.float32) * cotangent)
+  out = fn(*inputs)
+  return out, jax.grad(loss, argnums=range(6))(*inputs)
+
+
+def _check_against_parallel(inputs, cotangent, window, config, tol_out, tol_grad):
+  out, grads = _value_and_grads(
+      lambda *a: castle_attention_pallas(*a, window=window, config=config), inputs, cotangent)
+  f32 = tuple(x.astype(jnp.float32) for x in inputs)
+  ref, ref_grads = _value_and_grads(lambda *a: castle_parallel(*a, window=window), f32, cotangent)
+  assert out.dtype == inputs[0].dtype and out.shape == inputs[0].shape
+  assert rel_err(out, ref) < tol_out
+  for name, g, rg in zip(("q_u", "k_u", "v_u", "q_c", "k_c", "v_c"), grads, ref_grads):
+    assert g.dtype == inputs[0].dtype
+    assert rel_err(g, rg) < tol_grad, name
+  return out
+
+
+@pytest.mark.parametrize("window, config", [(None, SMALL), (5, SMALL), (20, UNEQUAL)])
+def test_outputs_and_gradients_match_parallel_form_float32(window, config):
+  inputs, cotangent = _inputs(seed=window or 0)
+  out = _check_against_parallel(inputs, cotangent, window, config, 1e-5, 1e-5)
+  # The window matters for these inputs, so the comparison above can fail.
+  if window is not None:
+    assert rel_err(out, castle_parallel(*inputs)) > 1e-3
+
+
+def test_bf16_inputs():
+  inputs, cotangent = _inputs(seed=3, dtype=jnp.bfloat16)
+  _check_against_parallel(inputs, cotangent, None, SMALL, 1e-2, 2e-2)
+
+
+def test_length_one_and_single_block():
+  inputs, cotangent = _inputs(seed=4, shape=(1, 1, 2, 16))
+  out = _check_against_parallel(inputs, cotangent, None, SMALL, 1e-6, 1e-5)
+  np.testing.assert_allclose(out, inputs[5], rtol=1e-6)  # one token: its own causal value
+
+
+def test_score_overflow_falls_back_to_the_row_maximum():
+  """Scores far above a row's diagonal score overflow exp under the default shift."""
+  inputs, cotangent = _inputs(seed=5, scales=(1.0, 1.0, 1.0, 12.0, 12.0, 1.0))
+  causal_scores = jnp.einsum("bthd,bshd->bhts", inputs[3], inputs[4]) / np.sqrt(SHAPE[-1])
+  visible = np.tril(np.ones(SHAPE[1:2] * 2, bool))
+  above_diagonal = jnp.max(jnp.where(visible, causal_scores, -jnp.inf), -1) - jnp.diagonal(causal_scores, 0, 2, 3)
+  assert float(jnp.max(above_diagonal)) > 100
+  out = _check_against_parallel(inputs, cotangent, None, SMALL, 1e-5, 1e-4)
+  assert np.all(np.isfinite(np.asarray(out)))
+
+
+def test_entry_point_dispatches_to_the_kernels():
+  inputs, _ = _inputs(seed=6, shape=(1, 20, 1, 16))
+  out = castle_attention(*inputs, implementation="pallas", pallas_config=SMALL)
+  assert rel_err(out, castle_parallel(*inputs)) < 1e-5
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(block_q=24), "block_q must be a power of two"),
+    (dict(block_k=8), "block_k must be >= 16"),
+    (dict(num_warps=0), "num_warps must be an int >= 1"),
+])
+def test_bad_kernel_config(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    CastleKernelConfig(**kwargs)
+
+
+def test_bad_inputs_name_the_argument():
+  inputs, _ = _inputs(seed=7, shape=(1, 8, 1, 16))
+  with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+    with jax.enable_x64(True):
+      castle_attention_pallas(*(np.asarray(x, np.float64) for x in inputs))
+  with pytest.raises(ValueError, match="k_c has shape"):
+    castle_attention_pallas(*inputs[:4], inputs[4][:, :4], inputs[5])
+  with pytest.raises(ValueError, match="window"):
+    castle_attention_pallas(*inputs, window=0)
