@@ -100,6 +100,23 @@ class _Tiles:
       out += self.dot(a_hi, b_lo, trans_a, trans_b)
     return out
 
+  def lookahead_scores(self, q_c, keys, in_block=None, weights=None):
+    """S^U tile [block_q, block_k]: Q^C_i D_b^T * scale, plus R_ii W_bi^T inside the window."""
+    scores = self.dot_split(q_c, keys, trans_b=True, split_b=True) * self.scale
+    if weights is not None:
+      scores += self.dot_split(in_block, weights, trans_b=True, split_a=True, split_b=True)
+    return scores
+
+  def probabilities(self, q_c, k_c, lookahead_scores, shift, query_positions):
+    """exp(S^C - SiLU(S^U) - shift) under the causal mask, [block_q, block_k]."""
+    scores = self.dot(q_c, k_c, trans_b=True) * self.scale - _silu(lookahead_scores)
+    return jnp.where(self.causal_visible(query_positions), jnp.exp(scores - shift[:, None]), 0.0)
+
+  def key_state_step(self, weights, v_u):
+    """W_bi V^U_i, D's step over one query block (Eq. 27); the backward subtracts exactly
+    this value (same rounding) to walk D back."""
+    return self.dot_split(weights, v_u, split_a=True)
+
   def query_positions(self, query_block):
     return query_block * self.block_q + jnp.arange(self.block_q)
 
@@ -130,6 +147,22 @@ def _query_block_range(key_block, config_block_q: int, config_block_k: int, num_
   return first, lookahead_end
 
 
+def _block_specs(length: int, head_dim: int, block_q: int, block_k: int):
+  """BlockSpecs of a (key block, batch * head) grid: the program's key tile [block_k, D],
+  whole sequences [L, D] and [L] (swept block by block), and R's [L, block_q]."""
+  return (pl.BlockSpec((None, block_k, head_dim), lambda kb, bh: (bh, kb, 0)),
+          pl.BlockSpec((None, length, head_dim), lambda kb, bh: (bh, 0, 0)),
+          pl.BlockSpec((None, length), lambda kb, bh: (bh, 0)),
+          pl.BlockSpec((None, length, block_q), lambda kb, bh: (bh, 0, 0)))
+
+
+def _bind(kernel_body, q_c, scale, window, block_q, block_k, config: CastleKernelConfig):
+  return functools.partial(
+      kernel_body, scale=scale, window=window, block_q=block_q, block_k=block_k,
+      num_query_blocks=q_c.shape[1] // block_q, operand_dtype=q_c.dtype,
+      split_products=config.split_products)
+
+
 # ---------------------------------------------------------------------------
 # Forward
 
@@ -141,26 +174,22 @@ def _forward_kernel(q_u_ref, k_c_ref, v_c_ref, q_c_ref, k_u_ref, v_u_ref, shift_
   tiles = _Tiles(operand_dtype=operand_dtype, scale=scale, window=window, block_q=block_q,
                  key_positions=key_block * block_k + jnp.arange(block_k),
                  split_products=split_products)
-  q_u_keys = q_u_ref[...]
-  k_c = k_c_ref[...]
-  v_c = v_c_ref[...]
+  q_u_keys, k_c, v_c = q_u_ref[...], k_c_ref[...], v_c_ref[...]
 
   def step(query_block, keys, with_lookahead):
     rows = pl.ds(query_block * block_q, block_q)
     query_positions = tiles.query_positions(query_block)
     q_c = q_c_ref[rows, :]
-    lookahead_scores = tiles.dot_split(q_c, keys, trans_b=True, split_b=True) * scale
+    weights = in_block = None
     if with_lookahead:
       weights = tiles.lookahead_weights(q_u_keys, k_u_ref[rows, :], query_positions)
-      lookahead_scores += tiles.dot_split(in_block_ref[rows, :], weights, trans_b=True, split_a=True,
-                                          split_b=True)
-    scores = tiles.dot(q_c, k_c, trans_b=True) * scale - _silu(lookahead_scores)
-    shifted = scores - shift_ref[rows][:, None]
-    probs = jnp.where(tiles.causal_visible(query_positions), jnp.exp(shifted), 0.0)
+      in_block = in_block_ref[rows, :]
+    lookahead_scores = tiles.lookahead_scores(q_c, keys, in_block, weights)
+    probs = tiles.probabilities(q_c, k_c, lookahead_scores, shift_ref[rows], query_positions)
     relaxed_atomic_add(sum_ref, (rows,), jnp.sum(probs, axis=1))
     relaxed_atomic_add(acc_ref, (rows, slice(None)), tiles.dot(probs, v_c))
     if with_lookahead:
-      keys = keys + tiles.dot_split(weights, v_u_ref[rows, :], split_a=True)
+      keys = keys + tiles.key_state_step(weights, v_u_ref[rows, :])
     return keys
 
   first, lookahead_end = _query_block_range(key_block, block_q, block_k, num_query_blocks, window)
@@ -191,14 +220,8 @@ def forward(q_u, k_u, v_u, q_c, k_c, v_c, shift, in_block, *, scale: float, wind
   """
   heads, length, head_dim = q_c.shape
   block_q, block_k = config.block_q, config.block_k
-  key_tile = pl.BlockSpec((None, block_k, head_dim), lambda kb, bh: (bh, kb, 0))
-  full = pl.BlockSpec((None, length, head_dim), lambda kb, bh: (bh, 0, 0))
-  full_rows = pl.BlockSpec((None, length), lambda kb, bh: (bh, 0))
-  full_in_block = pl.BlockSpec((None, length, block_q), lambda kb, bh: (bh, 0, 0))
-  kernel = functools.partial(
-      _forward_kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
-      num_query_blocks=length // block_q, operand_dtype=q_c.dtype,
-      split_products=config.split_products)
+  key_tile, full, full_rows, full_in_block = _block_specs(length, head_dim, block_q, block_k)
+  kernel = _bind(_forward_kernel, q_c, scale, window, block_q, block_k, config)
   acc = jnp.zeros((heads, length, head_dim), jnp.float32)
   sums = jnp.zeros((heads, length), jnp.float32)
   keys, acc, sums = pl.pallas_call(
@@ -230,9 +253,7 @@ def _backward_kernel(q_u_ref, k_c_ref, v_c_ref, keys_final_ref, q_c_ref, k_u_ref
   tiles = _Tiles(operand_dtype=operand_dtype, scale=scale, window=window, block_q=block_q,
                  key_positions=key_block * block_k + jnp.arange(block_k),
                  split_products=split_products)
-  q_u_keys = q_u_ref[...]
-  k_c = k_c_ref[...]
-  v_c = v_c_ref[...]
+  q_u_keys, k_c, v_c = q_u_ref[...], k_c_ref[...], v_c_ref[...]
 
   def step(query_block, carry, with_lookahead):
     keys, d_keys, dq_u, dk_c, dv_c = carry
@@ -240,21 +261,17 @@ def _backward_kernel(q_u_ref, k_c_ref, v_c_ref, keys_final_ref, q_c_ref, k_u_ref
     query_positions = tiles.query_positions(query_block)
     q_c = q_c_ref[rows, :]
     d_out = d_out_ref[rows, :]
+    weights = in_block = None
     if with_lookahead:
       k_u = k_u_ref[rows, :]
       v_u = v_u_ref[rows, :]
       in_block = in_block_ref[rows, :]
       weights = tiles.lookahead_weights(q_u_keys, k_u, query_positions)
-      # D^(i+1) -> D^(i) (Eq. 37), with the forward's rounding of the update.
-      keys = keys - tiles.dot_split(weights, v_u, split_a=True)
+      keys = keys - tiles.key_state_step(weights, v_u)  # D^(i+1) -> D^(i) (Eq. 37)
 
-    # Recompute the scores and probabilities of the tile.
-    lookahead_scores = tiles.dot_split(q_c, keys, trans_b=True, split_b=True) * scale
-    if with_lookahead:
-      lookahead_scores += tiles.dot_split(in_block, weights, trans_b=True, split_a=True, split_b=True)
-    scores = tiles.dot(q_c, k_c, trans_b=True) * scale - _silu(lookahead_scores)
-    shifted = scores - lse_ref[rows][:, None]
-    probs = jnp.where(tiles.causal_visible(query_positions), jnp.exp(shifted), 0.0)
+    # Recompute the tile's scores and probabilities.
+    lookahead_scores = tiles.lookahead_scores(q_c, keys, in_block, weights)
+    probs = tiles.probabilities(q_c, k_c, lookahead_scores, lse_ref[rows], query_positions)
 
     # Softmax and the causal branch, as in flash attention.
     dv_c = dv_c + tiles.dot(probs, d_out, trans_a=True)
@@ -313,14 +330,8 @@ def backward(q_u, k_u, v_u, q_c, k_c, v_c, keys_final, d_out, lse, delta, in_blo
   """
   heads, length, head_dim = q_c.shape
   block_q, block_k = config.bwd_block_q, config.bwd_block_k
-  key_tile = pl.BlockSpec((None, block_k, head_dim), lambda kb, bh: (bh, kb, 0))
-  full = pl.BlockSpec((None, length, head_dim), lambda kb, bh: (bh, 0, 0))
-  full_rows = pl.BlockSpec((None, length), lambda kb, bh: (bh, 0))
-  full_in_block = pl.BlockSpec((None, length, block_q), lambda kb, bh: (bh, 0, 0))
-  kernel = functools.partial(
-      _backward_kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
-      num_query_blocks=length // block_q, operand_dtype=q_c.dtype,
-      split_products=config.split_products)
+  key_tile, full, full_rows, full_in_block = _block_specs(length, head_dim, block_q, block_k)
+  kernel = _bind(_backward_kernel, q_c, scale, window, block_q, block_k, config)
   f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   full_grad = jnp.zeros((heads, length, head_dim), jnp.float32)
   in_block_grad = jnp.zeros((heads, length, block_q), jnp.float32)
