@@ -138,7 +138,7 @@ class MultiHeadCastle(nn.Module):
     if cache is None:
       out = castle_attention(*inputs, window=window, implementation=cfg.attention_impl, block_size=block_size)
     else:
-      out, cache = append_tokens(cache, *inputs, block_size=block_size)
+      out, cache = append_tokens(cache, *inputs, block_size=block_size, implementation=cfg.attention_impl)
     out = constrain(out, _ACTIVATION_AXES)
     y = projection(
         cfg.d_model, ("heads", "head_dim", "embed"), cfg.out_init_std, cfg, "out", contract_dims=2)(out)

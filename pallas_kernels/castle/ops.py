@@ -152,6 +152,39 @@ def _prepare(inputs, config: CastleKernelConfig):
   return tuple(to_heads(x) for x in inputs), from_heads
 
 
+def _resolve(inputs, window, config, interpret):
+  validate_inputs(inputs, window)
+  if inputs[0].dtype not in SUPPORTED_DTYPES:
+    raise ValueError(f"The CASTLE Pallas kernels take float32, bfloat16 or float16 inputs; got {inputs[0].dtype}. "
+                     "Cast the inputs or use implementation='xla'")
+  if config is None:
+    config = default_config(_next_power_of_two(inputs[0].shape[-1]))
+  if interpret is None:
+    interpret = jax.default_backend() == "cpu"
+  return config, interpret
+
+
+def castle_prefill_pallas(q_u, k_u, v_u, q_c, k_c, v_c, *, window=None, config=None, interpret=None):
+  """The forward kernel's outputs and the prompt's lookahead keys U^L (Algorithm 5).
+
+  The kernel's final D is the sum over every query block of W_bi V^U_i, i.e. u_s^L for
+  each prompt token s, so the UQ-KV cache comes from the same pass as the outputs.
+
+  Args:
+    q_u, k_u, v_u, q_c, k_c, v_c: [batch, seq, heads, head_dim] (see
+      `castle_attention_pallas`).
+
+  Returns:
+    outputs: [batch, seq, heads, head_dim] in the inputs' dtype; lookahead_keys:
+    float32 [batch, seq, heads, head_dim], row s is u_s^L.
+  """
+  inputs = (q_u, k_u, v_u, q_c, k_c, v_c)
+  config, interpret = _resolve(inputs, window, config, interpret)
+  heads_inputs, from_heads = _prepare(inputs, config)
+  out, _, keys = _forward(*heads_inputs, score_scale(q_u.shape[-1]), window, config, interpret)
+  return from_heads(out).astype(q_c.dtype), from_heads(keys)
+
+
 def castle_attention_pallas(
     q_u: jax.Array,
     k_u: jax.Array,
@@ -181,15 +214,7 @@ def castle_attention_pallas(
     ValueError: bad shapes, dtypes or window (naming the argument).
   """
   inputs = (q_u, k_u, v_u, q_c, k_c, v_c)
-  validate_inputs(inputs, window)
-  if q_u.dtype not in SUPPORTED_DTYPES:
-    raise ValueError(f"The CASTLE Pallas kernels take float32, bfloat16 or float16 inputs; got {q_u.dtype}. "
-                     "Cast the inputs or use implementation='xla'")
-  head_dim = q_u.shape[-1]
-  if config is None:
-    config = default_config(_next_power_of_two(head_dim))
-  if interpret is None:
-    interpret = jax.default_backend() == "cpu"
+  config, interpret = _resolve(inputs, window, config, interpret)
   heads_inputs, from_heads = _prepare(inputs, config)
-  out = _castle_heads(*heads_inputs, score_scale(head_dim), window, config, interpret)
+  out = _castle_heads(*heads_inputs, score_scale(q_u.shape[-1]), window, config, interpret)
   return from_heads(out)

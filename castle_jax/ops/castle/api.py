@@ -28,6 +28,21 @@ IMPLEMENTATIONS = ("reference", "xla", "pallas")
 _logger = logging.getLogger(__name__)
 
 
+def resolve_implementation(implementation: str | None, dtype) -> str:
+  """The implementation to run: `implementation` itself (checked), or for None "pallas"
+  on a GPU for float32/bfloat16/float16 and "xla" elsewhere (logged)."""
+  if implementation is None:
+    on_gpu = jax.default_backend() == "gpu" and dtype in (jnp.float32, jnp.bfloat16, jnp.float16)
+    chosen = "pallas" if on_gpu else "xla"
+    _logger.debug("castle: implementation=None -> %r (backend %s, dtype %s)", chosen, jax.default_backend(), dtype)
+    return chosen
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(
+        f"Unknown CASTLE implementation {implementation!r}; "
+        f"choose one of {IMPLEMENTATIONS} or None")
+  return implementation
+
+
 def castle_attention(
     q_u: jax.Array,
     k_u: jax.Array,
@@ -70,15 +85,7 @@ def castle_attention(
   inputs = (q_u, k_u, v_u, q_c, k_c, v_c)
   validate_inputs(inputs, window)
   validate_block_size(block_size)
-  if implementation is None:
-    on_gpu = jax.default_backend() == "gpu" and q_u.dtype in (jnp.float32, jnp.bfloat16, jnp.float16)
-    implementation = "pallas" if on_gpu else "xla"
-    _logger.debug("castle_attention: implementation=None -> %r (backend %s, dtype %s)",
-                  implementation, jax.default_backend(), q_u.dtype)
-  elif implementation not in IMPLEMENTATIONS:
-    raise ValueError(
-        f"Unknown CASTLE implementation {implementation!r}; "
-        f"choose one of {IMPLEMENTATIONS} or None")
+  implementation = resolve_implementation(implementation, q_u.dtype)
   if implementation == "pallas":
     # Imported here: the kernels import this package's math helpers.
     from pallas_kernels.castle import castle_attention_pallas

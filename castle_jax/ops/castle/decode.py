@@ -33,6 +33,7 @@ from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 
+from castle_jax.ops.castle.api import resolve_implementation
 from castle_jax.ops.castle.blockwise import DEFAULT_BLOCK_SIZE, castle_blockwise_prefill
 from castle_jax.ops.castle.common import (
     attend_with_lookahead_keys,
@@ -131,6 +132,7 @@ def prefill(
     v_c: jax.Array,
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    implementation: str | None = None,
 ) -> tuple[jax.Array, UQKVCache]:
   """Algorithm 5: the prompt's outputs and a cache filled with its UQ-KV state.
 
@@ -141,7 +143,10 @@ def prefill(
   Args:
     cache: an UQKVCache (e.g. from `init_cache`).
     q_u, k_u, v_u, q_c, k_c, v_c: [batch, prompt_len, heads, head_dim].
-    block_size: block size of the blockwise forward.
+    block_size: block size of the blockwise forward ("xla").
+    implementation: the forward pass that yields outputs and U^L: "xla" (blockwise
+      Algorithm 1), "pallas" (the forward kernel), "reference" (treated as "xla":
+      the parallel form has no U^L), or None ("pallas" on a GPU, else "xla").
 
   Returns:
     outputs: [batch, prompt_len, heads, head_dim] in the inputs' dtype.
@@ -157,7 +162,11 @@ def prefill(
     raise ValueError(
         f"prefill: the prompt has {prompt_len} tokens but the cache capacity is {cache.capacity}; "
         "create the cache with a larger capacity")
-  outputs, keys = castle_blockwise_prefill(*inputs, window=cache.window, block_size=block_size)
+  if resolve_implementation(implementation, q_u.dtype) == "pallas":
+    from pallas_kernels.castle import castle_prefill_pallas  # the kernels import this package
+    outputs, keys = castle_prefill_pallas(*inputs, window=cache.window)
+  else:
+    outputs, keys = castle_blockwise_prefill(*inputs, window=cache.window, block_size=block_size)
 
   def fill(buffer, values, rows):
     return buffer.at[:, rows].set(values.astype(buffer.dtype))
@@ -268,6 +277,7 @@ def append_tokens(
     v_c: jax.Array,
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    implementation: str | None = None,
 ) -> tuple[jax.Array, UQKVCache]:
   """Appends any number of tokens: a prefill into an empty cache, decoding steps otherwise.
 
@@ -280,7 +290,7 @@ def append_tokens(
     cache: the UQKVCache after `length` tokens.
     q_u, k_u, v_u, q_c, k_c, v_c: [batch, new, heads, head_dim], the new tokens'
       projections (positions length .. length + new - 1).
-    block_size: block size of the prefill.
+    block_size, implementation: of the prefill (see `prefill`).
 
   Returns:
     outputs: [batch, new, heads, head_dim] in the inputs' dtype.
@@ -301,7 +311,7 @@ def append_tokens(
                      "create the cache with a larger capacity")
 
   def fresh(cache):
-    return prefill(cache, *inputs, block_size=block_size)
+    return prefill(cache, *inputs, block_size=block_size, implementation=implementation)
 
   def extend(cache):
     def step(cache, token):
