@@ -1,6 +1,7 @@
 """The decoder LM: causality, cached decoding, generate(), parameter counts, bad input."""
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -29,11 +30,12 @@ VARIANTS = {
 }
 
 
+@functools.lru_cache(maxsize=None)  # one compiled init per variant and test process
 def _model(**overrides):
   fields = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, dtype="float32") | overrides
   config = ModelConfig(**fields)
   model = TransformerLM(config)
-  params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))["params"]
+  params = nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))["params"]
   # Push the weights off their tiny init so that logits depend strongly on the context.
   params = jax.tree.map(lambda p: p * 8.0 if p.ndim > 1 else p, params)
   return model, params
@@ -179,6 +181,15 @@ def test_power_parameter_counts():
   assert abs(count_parameters(config) / 124e6 - 1) < 0.01
   gated = config.n_layers * config.d_model * config.n_heads  # one gate per head and layer
   assert count_parameters(config) - count_parameters(dataclasses.replace(config, attention="mha")) == gated
+
+
+def test_icl_configs_compare_equal_decoding_states():
+  from castle_jax.layers.power import state_size
+  from train.presets import icl_config
+  power, window = (ModelConfig.from_mapping(icl_config(name).model) for name in ("power", "swa"))
+  kv_cache = 2 * window.sliding_window * window.kv_heads * window.qk_head_dim
+  assert abs(kv_cache / state_size(power) - 1) < 0.01
+  assert ModelConfig.from_mapping(icl_config("mha").model).window is None
 
 
 def test_power_cache_size_does_not_depend_on_capacity():
