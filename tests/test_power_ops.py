@@ -223,6 +223,14 @@ def test_length_one_outputs_the_value():
   assert rel_err(_attention_form(*inputs), expected) < 1e-6
   assert rel_err(_chunked(*inputs, chunk_size=4)[0], expected) < 1e-6
   assert rel_err(power_attention_recurrent(*inputs)[0], expected) < 1e-5
+  # A query almost orthogonal to the key: phi(q) . phi(k) = (q . k)^p ~ 1e-12 is a sum of
+  # terms ~1, which float32 cannot resolve; every path must compute the weight directly.
+  q, k, v, log_g = inputs
+  k_per_q = jnp.repeat(k, HQ // HKV, axis=2)
+  q = q - (jnp.sum(q * k_per_q, -1, keepdims=True) / jnp.sum(k_per_q**2, -1, keepdims=True) - 1e-6) * k_per_q
+  for out in (_chunked(q, k, v, log_g, chunk_size=4)[0], power_attention_recurrent(q, k, v, log_g)[0],
+              decode_step(init_cache(B, HKV, D_HEAD, D_VALUE), q, k, v, log_g)[0]):
+    assert rel_err(out, expected) < 1e-5
 
 
 def test_chunked_bf16_inputs():
@@ -255,9 +263,13 @@ def test_gradients_match_definition(p, chunk_size):
   fast_paths = {"chunked": functools.partial(power_attention_chunked, p=p, chunk_size=chunk_size)}
   if p == 2:
     fast_paths["recurrent"] = functools.partial(power_attention_recurrent, p=p)
+  # Earlier chunks reach a query through phi(q) . S, a sum of D signed terms as large as
+  # (sum_i |q_i k_i|)^p for a weight (q . k)^p: float32 keeps fewer digits for p = 4
+  # (worst over 25 random seeds: 9e-6 here, 3e-5 for the outputs of token-by-token decoding).
+  tolerance = 1e-5 if p == 2 else 3e-5
   for path, fast in fast_paths.items():
     for name, got, want in zip(("q", "k", "v", "log_g"), grad(fast), expected):
-      assert rel_err(got, want) < 1e-5, (path, name)
+      assert rel_err(got, want) < tolerance, (path, name)
 
 
 def test_chunked_is_causal():
@@ -301,11 +313,7 @@ def test_recurrent_matches_definition_float64(p, expansion):
     out, state = jax.jit(power_attention_recurrent, static_argnames=("p", "expansion"))(
         *inputs, p=p, expansion=expansion)
     expected, expected_state = _reference(*inputs, p=p, expansion=expansion)
-    # phi(q) . S sums D signed terms whose magnitudes (sum_i |q_i k_i|)^p can dwarf the
-    # weight (q . k)^p: a query nearly orthogonal to every key it sees (here token 0, with
-    # |scale q . k| = 0.02) loses digits in the recurrent form; the chunked form computes
-    # in-chunk weights directly.
-    assert rel_err(out, expected) < (1e-12 if p == 2 else 1e-8)
+    assert rel_err(out, expected) < 1e-12
     assert rel_err(state.state, expected_state.state) < 1e-12
     assert rel_err(state.normalizer, expected_state.normalizer) < 1e-12
 

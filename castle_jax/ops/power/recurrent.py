@@ -2,7 +2,8 @@
 
 The state after token t (see `common`) is updated and queried per token:
   S_t = g_t S_{t-1} + phi(k_t) v_t^T,   z_t = g_t z_{t-1} + phi(k_t),
-  y_t = phi(scale q_t) S_t / phi(scale q_t) . z_t.
+  y_t = phi(scale q_t) S_t / phi(scale q_t) . z_t,
+where the token's own term phi(q_t) . phi(k_t) is computed as (scale q_t . k_t)^p.
 Its size, kv_heads * D * (value_dim + 1) numbers, does not depend on how many tokens
 were seen: decoding costs O(D d_v) per token and head at any context length, which is
 what makes power attention worth having. A prompt fills the state in the chunked
@@ -63,24 +64,31 @@ def init_cache(batch: int, kv_heads: int, head_dim: int, value_dim: int | None =
 
 
 def _token_step(carry: PowerState, token, *, p: int, expansion: str, d_tile: int | None):
-  """Absorbs one token and queries the new state.
+  """Absorbs one token and returns its output.
+
+  The earlier tokens are read through the state, the token's own weight (q_t . k_t)^p
+  directly, as the chunked form does inside a chunk: phi(q) . phi(k) sums D signed terms
+  that can dwarf (q . k)^p, and a token whose own key carries most of its weight (the
+  first token, or after strong forgetting) would otherwise lose its digits to that
+  cancellation.
 
   Args:
-    carry: PowerState ([B, H_kv, D, d_v], [B, H_kv, D]).
+    carry: PowerState ([B, H_kv, D, d_v], [B, H_kv, D]) after the earlier tokens.
     token: q [B, H_kv, group, d] (already scaled), k [B, H_kv, d], v [B, H_kv, d_v],
       log_g [B, H_kv].
 
   Returns:
-    (the new state, output [B, H_kv, group, d_v]).
+    (the state including this token, output [B, H_kv, group, d_v]).
   """
   q, k, v, log_g = token
-  gate = jnp.exp(log_g)
-  phi_k = expand(k, p, expansion, d_tile)
-  state = gate[..., None, None] * carry.state + phi_k[..., :, None] * v[..., None, :]
-  normalizer = gate[..., None] * carry.normalizer + phi_k
+  gate = jnp.exp(log_g)[..., None]  # [B, H_kv, 1]: discounts the earlier tokens for this query
   phi_q = expand(q, p, expansion, d_tile)
-  numerator = jnp.einsum("bhgD,bhDe->bhge", phi_q, state)
-  denominator = jnp.einsum("bhgD,bhD->bhg", phi_q, normalizer)
+  own_weight = jnp.einsum("bhgd,bhd->bhg", q, k) ** p
+  numerator = gate[..., None] * jnp.einsum("bhgD,bhDe->bhge", phi_q, carry.state) + own_weight[..., None] * v[:, :, None]
+  denominator = gate * jnp.einsum("bhgD,bhD->bhg", phi_q, carry.normalizer) + own_weight
+  phi_k = expand(k, p, expansion, d_tile)
+  state = gate[..., None] * carry.state + phi_k[..., :, None] * v[..., None, :]
+  normalizer = gate * carry.normalizer + phi_k
   return PowerState(state, normalizer), normalize(numerator, denominator)
 
 
