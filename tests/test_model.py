@@ -1,5 +1,8 @@
 """The decoder LM: causality, cached decoding, generate(), parameter counts, bad input."""
 
+import dataclasses
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -20,14 +23,19 @@ VARIANTS = {
     "castle": dict(attention="castle", n_heads=2, head_dim=16, attention_kwargs=(("block_size", 4),)),
     "castle_swl": dict(attention="castle_swl", n_heads=2, head_dim=16,
                        attention_kwargs=(("block_size", 4), ("lookahead_window", 3))),
+    # Chunk sizes 3-5 make the 11-12 token tests cross chunk boundaries with a ragged last chunk.
+    "power": dict(attention="power", attention_kwargs=(("chunk_size", 4),)),
+    "power_p4_gqa_tspow": dict(attention="power", n_kv_heads=2, attention_kwargs=(
+        ("chunk_size", 3), ("d_tile", 4), ("expansion", "tspow"), ("p", 4))),
 }
 
 
+@functools.lru_cache(maxsize=None)  # one compiled init per variant and test process
 def _model(**overrides):
   fields = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, dtype="float32") | overrides
   config = ModelConfig(**fields)
   model = TransformerLM(config)
-  params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))["params"]
+  params = nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))["params"]
   # Push the weights off their tiny init so that logits depend strongly on the context.
   params = jax.tree.map(lambda p: p * 8.0 if p.ndim > 1 else p, params)
   return model, params
@@ -142,6 +150,54 @@ def test_paper_castle_models_match_table3_parameter_counts(size, swl, paper):
 def test_bad_castle_options_are_reported(bad, match):
   with pytest.raises(ValueError, match=match):
     _model(**bad)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(p=3), "model.attention_kwargs.p: p must be an even int >= 2"),
+    (dict(p=1), "model.attention_kwargs.p: p must be an even int >= 2"),
+    (dict(chunk_size=0), "model.attention_kwargs.chunk_size must be an int >= 1"),
+    (dict(expansion="sym"), "model.attention_kwargs.expansion must be one of"),
+    (dict(expansion="tspow", d_tile=3), r"model.attention_kwargs.d_tile: d_tile \(3\) must divide the head dim \(8\)"),
+    (dict(scale=-1.0), "model.attention_kwargs.scale"),
+    (dict(gating="yes"), "model.attention_kwargs.gating must be True or False"),
+    (dict(gating=False, gate_bias=1.0), "gate_bias has no effect with gating=False"),
+    (dict(degree=2), r"Unknown model.attention_kwargs \['degree'\]"),
+])
+def test_bad_power_options_are_reported(bad, match):
+  with pytest.raises(ValueError, match=match):
+    _model(attention="power", attention_kwargs=tuple(sorted(bad.items())))
+  with pytest.raises(ValueError, match="model.sliding_window"):
+    _model(attention="power", sliding_window=4)
+
+
+def test_power_parameter_counts():
+  ungated = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, attention="power",
+                        attention_kwargs=(("gating", False),))
+  shapes = jax.eval_shape(lambda: TransformerLM(ungated).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
+  assert sum(np.prod(x.shape) for x in jax.tree.leaves(nn.unbox(shapes))) == count_parameters(ungated)
+  # The power-attention paper's small model has GPT-2 small's widths: 124M parameters.
+  from train.presets import power_paper_config
+  config = ModelConfig.from_mapping(power_paper_config("s").model)
+  assert abs(count_parameters(config) / 124e6 - 1) < 0.01
+  gated = config.n_layers * config.d_model * config.n_heads  # one gate per head and layer
+  assert count_parameters(config) - count_parameters(dataclasses.replace(config, attention="mha")) == gated
+
+
+def test_icl_configs_compare_equal_decoding_states():
+  from castle_jax.layers.power import state_size
+  from train.presets import icl_config
+  power, window = (ModelConfig.from_mapping(icl_config(name).model) for name in ("power", "swa"))
+  kv_cache = 2 * window.sliding_window * window.kv_heads * window.qk_head_dim
+  assert abs(kv_cache / state_size(power) - 1) < 0.01
+  assert ModelConfig.from_mapping(icl_config("mha").model).window is None
+
+
+def test_power_cache_size_does_not_depend_on_capacity():
+  model, _ = _model(**VARIANTS["power_p4_gqa_tspow"])
+  small, large = model.init_cache(batch=2, capacity=16), model.init_cache(batch=2, capacity=1 << 20)
+  assert jax.tree.map(lambda x: x.shape, small) == jax.tree.map(lambda x: x.shape, large)
+  # kv_heads x D x head_dim with D = C(8/4 + 3, 4) * 4^4 for tspow, p = 4, d_tile = 4.
+  assert small[0].state.shape == (2, 2, 5 * 256, 8) and small[0].state.dtype == jnp.float32
 
 
 def test_unknown_attention_name_is_reported():

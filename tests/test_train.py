@@ -10,7 +10,7 @@ import pytest
 
 from configs import tiny
 from train.config import finalize, validate_keys
-from train.generate import load_trained_model
+from train.restore import load_trained_model
 from train.metrics import read_metrics
 from train.trainer import TrainingDivergedError, train
 from castle_jax.inference import generate

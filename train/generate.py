@@ -9,22 +9,13 @@ prints the prompt followed by the generated continuation.
 
 from __future__ import annotations
 
-import json
-import os
-
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from absl import app, flags, logging
 
-from castle_jax.data.tokenizer import load_tokenizer
 from castle_jax.inference import generate
-from castle_jax.models import ModelConfig, TransformerLM
-from train.checkpointing import Checkpointer
-from train.mesh import make_mesh
-from train.optimizer import make_optimizer
-from train.state import state_shardings
+from train.restore import load_trained_model
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (holds config.json and checkpoints/).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
@@ -35,29 +26,6 @@ _TOP_K = flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0: all
 _TOP_P = flags.DEFINE_float("top_p", 0.95, "Nucleus sampling mass (1: off).")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.mark_flags_as_required(["workdir"])
-
-
-def load_trained_model(workdir: str, step: int | None = None):
-  """(model, params, tokenizer, step) from a training workdir."""
-  config_path = os.path.join(workdir, "config.json")
-  if not os.path.exists(config_path):
-    raise FileNotFoundError(f"{config_path} not found: --workdir must be a directory written by `python -m train`")
-  with open(config_path) as f:
-    config = ml_collections.ConfigDict(json.load(f))
-  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=max(1, config.train.keep_checkpoints))
-  steps = checkpointer.all_steps()
-  if not steps:
-    raise FileNotFoundError(f"No checkpoints in {checkpointer.directory}")
-  step = steps[-1] if step is None else step
-  if step not in steps:
-    raise ValueError(f"No checkpoint for step {step} in {checkpointer.directory}; available: {steps}")
-  model = TransformerLM(ModelConfig.from_mapping(config.model))
-  tx, _ = make_optimizer(config.train)
-  mesh = make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)), jax.devices()[:1])
-  abstract, _ = state_shardings(model, tx, mesh, config.data.seq_len)
-  state = checkpointer.restore(step, abstract)
-  checkpointer.close()
-  return model, state.params, load_tokenizer(config.data.tokenizer), step
 
 
 def main(argv):

@@ -9,6 +9,8 @@ matches the paper; point data.tokenizer at a trained BPE to use them.
 
 from __future__ import annotations
 
+import math
+
 import ml_collections
 
 from train.config import base_config
@@ -74,4 +76,111 @@ def castle_paper_config(size: str, *, swl: bool = False, micro_batch: int = 16) 
                    micro_batch=micro_batch)
   if swl:
     c.model.attention_kwargs.lookahead_window = CASTLE_SWL_WINDOWS[size]
+  return c
+
+
+# Power attention paper (Appendix D): GPT-2 model sizes (Radford et al., 2019) with
+# head size 64; context 1024, 32 sequences per batch, lr 3e-4 with 2000 warm-up steps
+# from 0 and a cosine decay to 1e-5 over the run, AdamW beta=(0.9, 0.999), weight
+# decay 0.1, clip 1.0, bf16, activation checkpointing.
+# size -> (n_layers, d_model, n_heads)
+POWER_PAPER_SHAPES = {"s": (12, 768, 12), "m": (24, 1024, 16), "l": (36, 1280, 20)}
+POWER_PAPER_SEQ_LEN = 1024
+POWER_PAPER_BATCH = 32
+POWER_PAPER_LR = 3e-4
+POWER_PAPER_MIN_LR = 1e-5
+# The paper trains "one epoch (or until convergence)" of LongCrawl64 and reports small
+# models at iteration 64K (Fig. 8b); 64K steps is the default run length here.
+POWER_PAPER_STEPS = 64_000
+
+
+def power_paper_config(size: str = "s", *, p: int = 2, attention: str = "power", chunk_size: int = 256,
+                       micro_batch: int = 32) -> ml_collections.ConfigDict:
+  """The power-attention paper's Appendix D setup for one GPT-2 size.
+
+  The block stays this library's (RMSNorm, SwiGLU, RoPE): the paper, too, changes
+  only the attention layer of its architectures. "MLP ratio 4" of a GELU MLP is met at
+  equal parameters and FLOPs by SwiGLU of width 8/3 d_model (2048 for S, a multiple
+  of 64), so S has 124M parameters like GPT-2 small.
+
+  Args:
+    size: "s", "m" or "l".
+    p: the power of attention "power" (ignored for other attentions).
+    attention: "power", or a baseline ("mha", with model.sliding_window for windows).
+    chunk_size: tokens per chunk of the chunked form.
+    micro_batch: sequences per gradient-accumulation step.
+  """
+  if size not in POWER_PAPER_SHAPES:
+    raise ValueError(f"Unknown power-paper model size {size!r}; choose one of {sorted(POWER_PAPER_SHAPES)}")
+  n_layers, d_model, n_heads = POWER_PAPER_SHAPES[size]
+  c = base_config()
+  m = c.model
+  m.vocab_size = PAPER_VOCAB_SIZE
+  m.n_layers, m.d_model, m.n_heads, m.head_dim = n_layers, d_model, n_heads, 64
+  m.mlp_hidden = round(8 * d_model / 3 / 64) * 64
+  m.attention = attention
+  m.tie_embeddings = True  # as GPT-2
+  m.dtype = "bfloat16"
+  m.remat = True
+  if attention == "power":
+    m.attention_kwargs.p = p
+    m.attention_kwargs.chunk_size = chunk_size
+  c.data.seq_len = POWER_PAPER_SEQ_LEN
+  c.data.batch_size = POWER_PAPER_BATCH
+  t = c.train
+  t.grad_accum_steps = max(1, POWER_PAPER_BATCH // micro_batch)
+  t.learning_rate = POWER_PAPER_LR
+  t.min_lr_ratio = POWER_PAPER_MIN_LR / POWER_PAPER_LR
+  t.warmup_steps = 2000
+  t.b2 = 0.999
+  t.steps = POWER_PAPER_STEPS
+  t.log_every = 50
+  t.eval_every = 1000
+  t.eval_batches = 16
+  t.checkpoint_every = 1000
+  return c
+
+
+# In-context-learning comparison at CPU scale (the paper's Sec. 5.1 in miniature): the
+# tiny model's widths, 4096-token context, power p = 2 against full attention and
+# sliding-window attention with the same decoding state. Per head, power keeps
+# D (d + 1) numbers (D = C(d + 1, 2)); a window of W tokens keeps 2 W d, so the
+# equal-state window is W = D (d + 1) / (2 d): 272 for d = 32. (For the paper's d = 64
+# it is 1056, the paper's window-1024 pairing.)
+ICL_SEQ_LEN = 4096
+ICL_HEAD_DIM = 32
+
+
+def equal_state_window(head_dim: int, p: int = 2) -> int:
+  """The sliding window whose KV cache holds as many numbers as a power-attention state."""
+  expanded = math.comb(head_dim + p - 1, p)
+  return round(expanded * (head_dim + 1) / (2 * head_dim))
+
+
+def icl_config(attention: str) -> ml_collections.ConfigDict:
+  """The ICL-curve experiment for `attention` in ("power", "mha", "swa")."""
+  if attention not in ("power", "mha", "swa"):
+    raise ValueError(f"Unknown ICL attention {attention!r}; choose 'power', 'mha' or 'swa'")
+  c = base_config()
+  m = c.model
+  m.d_model, m.n_layers, m.n_heads, m.head_dim = 128, 4, 4, ICL_HEAD_DIM
+  m.dtype = "float32"  # CPU
+  m.attention = "power" if attention == "power" else "mha"
+  if attention == "power":
+    m.attention_kwargs.p = 2
+    m.attention_kwargs.chunk_size = 256
+  if attention == "swa":
+    m.sliding_window = equal_state_window(ICL_HEAD_DIM)
+  c.data.seq_len = ICL_SEQ_LEN
+  c.data.batch_size = 2
+  t = c.train
+  # A few CPU minutes per run (2 cores: 1,100-2,000 tokens/s for power, ~470 for softmax
+  # attention at this context): 246K training tokens. Raise on a GPU.
+  t.steps = 30
+  t.learning_rate = 3e-3
+  t.warmup_steps = 5
+  t.log_every = 5
+  t.eval_every = 30
+  t.eval_batches = 1
+  t.checkpoint_every = 30
   return c

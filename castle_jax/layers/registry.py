@@ -68,4 +68,4 @@ def registered_attentions() -> tuple[str, ...]:
 
 def _import_builtin_attentions() -> None:
   # Imported lazily: the modules import this registry to register themselves.
-  from castle_jax.layers import castle, mha  # noqa: F401
+  from castle_jax.layers import castle, mha, power  # noqa: F401

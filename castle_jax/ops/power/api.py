@@ -1,0 +1,90 @@
+"""Power attention: the one public entry point.
+
+`implementation`:
+  - "reference": the attention form from the definition (O(T^2), plain jnp, full
+    precision); a test oracle and fine for short sequences.
+  - "xla": the chunked form (O(T c d + T D d_v), memory O(T d + (T / c) D d_v) per head).
+  - "pallas": fused GPU kernels; not implemented yet (raises NotImplementedError).
+  - None: the best available path, today "xla"; the choice is logged at debug level.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+
+from castle_jax.ops.power.chunked import power_attention_chunked
+from castle_jax.ops.power.common import PowerState, validate_all, validate_chunk_size
+from castle_jax.ops.power.reference import power_attention_reference, reference_state
+
+IMPLEMENTATIONS = ("reference", "xla", "pallas")
+
+_logger = logging.getLogger(__name__)
+
+
+def power_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    log_g: jax.Array | None = None,
+    *,
+    p: int = 2,
+    scale: float | None = None,
+    chunk_size: int | None = None,
+    expansion: str = "spow",
+    d_tile: int | None = None,
+    initial_state: PowerState | None = None,
+    return_final_state: bool = False,
+    implementation: str | None = None,
+) -> jax.Array | tuple[jax.Array, PowerState]:
+  """Causal power attention with optional per-head gating (paper Sec. 4).
+
+  Per head, query i weighs key j <= i by w_ij = (scale q_i . k_j)^p exp(sum_{l=j+1..i} log_g_l)
+  and returns sum_j w_ij v_j / sum_j w_ij. Equivalently: gated linear attention with the
+  state expansion phi = `expansion` of dimension D (spow: C(d + p - 1, p)).
+
+  Args:
+    q: [batch, seq, heads, head_dim].
+    k: [batch, seq, kv_heads, head_dim]; heads must be a multiple of kv_heads (GQA).
+    v: [batch, seq, kv_heads, value_dim].
+    log_g: [batch, seq, kv_heads] log-gates (e.g. log_sigmoid of a projection), or None.
+    p: even power >= 2 (2 and 4 are the paper's).
+    scale: score scale; None means 1/sqrt(head_dim), as in the authors' code.
+    chunk_size: tokens per chunk of "xla" (static; default 128); seq need not be a multiple.
+    expansion: "spow", "tpow" or "tspow": the phi of the chunked form and of the state.
+    d_tile: tile size of "tspow" (default 8 for p = 2, else 4).
+    initial_state: PowerState from earlier tokens (e.g. a prompt), or None.
+    return_final_state: also return the PowerState after the last token.
+    implementation: one of IMPLEMENTATIONS or None (see module docstring).
+
+  Returns:
+    outputs [batch, seq, heads, value_dim] in q's dtype (bf16 inputs are computed in
+    float32), and with return_final_state the PowerState (state [batch, kv_heads, D,
+    value_dim], normalizer [batch, kv_heads, D], float32).
+
+  Raises:
+    ValueError: bad shapes/dtypes (naming the argument), odd or small p, bad scale,
+      chunk_size, expansion or d_tile, unknown implementation.
+    NotImplementedError: implementation="pallas".
+  """
+  p, scale, d_tile = validate_all(q, k, v, log_g, p, scale, expansion, d_tile, initial_state)
+  chunk_size = validate_chunk_size(chunk_size)
+  if implementation is None:
+    implementation = "xla"
+    _logger.debug("power_attention: implementation=None -> 'xla' (no Pallas power-attention kernel yet)")
+  elif implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"Unknown power-attention implementation {implementation!r}; "
+                     f"choose one of {IMPLEMENTATIONS} or None")
+  if implementation == "pallas":
+    raise NotImplementedError(
+        "implementation='pallas' is not implemented yet for power attention; use implementation='xla' "
+        "(or None) for the chunked form")
+  options = dict(p=p, scale=scale, expansion=expansion, d_tile=d_tile, initial_state=initial_state)
+  if implementation == "reference":
+    out = power_attention_reference(q, k, v, log_g, **options)
+    if not return_final_state:
+      return out
+    return out, reference_state(k, v, log_g, p=p, expansion=expansion, d_tile=d_tile, initial_state=initial_state)
+  out, final_state = power_attention_chunked(q, k, v, log_g, chunk_size=chunk_size, **options)
+  return (out, final_state) if return_final_state else out

@@ -1,0 +1,12 @@
+"""In-context-learning curve experiment (CPU scale): gated power attention (p = 2) at 4096-token context.
+
+See train.presets.icl_config; compare with the other icl_* configs via
+benchmarks/icl_curve.py (loss vs position in context).
+"""
+
+from train.config import finalize
+from train.presets import icl_config
+
+
+def get_config():
+  return finalize(icl_config("power"))
