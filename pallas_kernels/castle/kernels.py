@@ -172,9 +172,8 @@ def _forward_kernel(q_u_ref, k_c_ref, v_c_ref, q_c_ref, k_u_ref, v_u_ref, shift_
                     scale, window, block_q, block_k, num_query_blocks, operand_dtype, split_products):
   key_block = pl.program_id(0)
   tiles = _Tiles(operand_dtype=operand_dtype, scale=scale, window=window, block_q=block_q,
-                 key_positions=key_block * block_k + jnp.arange(block_k),
-                 split_products=split_products)
-  q_u_keys, k_c, v_c = q_u_ref[...], k_c_ref[...], v_c_ref[...]
+                 key_positions=key_block * block_k + jnp.arange(block_k), split_products=split_products)
+  q_u_keys, k_c, v_c = q_u_ref[...], k_c_ref[...], v_c_ref[...]  # this program's key block
 
   def step(query_block, keys, with_lookahead):
     rows = pl.ds(query_block * block_q, block_q)
@@ -251,9 +250,8 @@ def _backward_kernel(q_u_ref, k_c_ref, v_c_ref, keys_final_ref, q_c_ref, k_u_ref
                      scale, window, block_q, block_k, num_query_blocks, operand_dtype, split_products):
   key_block = pl.program_id(0)
   tiles = _Tiles(operand_dtype=operand_dtype, scale=scale, window=window, block_q=block_q,
-                 key_positions=key_block * block_k + jnp.arange(block_k),
-                 split_products=split_products)
-  q_u_keys, k_c, v_c = q_u_ref[...], k_c_ref[...], v_c_ref[...]
+                 key_positions=key_block * block_k + jnp.arange(block_k), split_products=split_products)
+  q_u_keys, k_c, v_c = q_u_ref[...], k_c_ref[...], v_c_ref[...]  # this program's key block
 
   def step(query_block, carry, with_lookahead):
     keys, d_keys, dq_u, dk_c, dv_c = carry
