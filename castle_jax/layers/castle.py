@@ -30,7 +30,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
-from castle_jax.layers.mha import mean_visible_keys, projection
+from castle_jax.layers.mha import mean_visible_keys, output_projection, projection
 from castle_jax.layers.registry import register_attention
 from castle_jax.layers.rope import apply_rope
 from castle_jax.models.config import ModelConfig
@@ -139,10 +139,7 @@ class MultiHeadCastle(nn.Module):
       out = castle_attention(*inputs, window=window, implementation=cfg.attention_impl, block_size=block_size)
     else:
       out, cache = append_tokens(cache, *inputs, block_size=block_size, implementation=cfg.attention_impl)
-    out = constrain(out, _ACTIVATION_AXES)
-    y = projection(
-        cfg.d_model, ("heads", "head_dim", "embed"), cfg.out_init_std, cfg, "out", contract_dims=2)(out)
-    return y, cache
+    return output_projection(cfg, out), cache
 
 
 @register_attention("castle_swl", init_cache=_castle_cache, param_count=_castle_params,

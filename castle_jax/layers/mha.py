@@ -43,6 +43,32 @@ def projection(features, axes, std, config: ModelConfig, name: str, contract_dim
                 config.compute_dtype, config.weights_dtype, name=name)
 
 
+def rotary_qkv(config: ModelConfig, x: jax.Array, positions: jax.Array):
+  """Projections "query", "key", "value" of x: [batch, seq, d_model], RoPE on q and k.
+
+  Must be called inside a module's compact method (the projections become its
+  submodules). Returns q [batch, seq, heads, head_dim], k and v [batch, seq, kv_heads,
+  head_dim], with logical-axis constraints.
+  """
+  heads, kv_heads, head_dim = config.n_heads, config.kv_heads, config.qk_head_dim
+  q = projection((heads, head_dim), ("embed", "heads", "head_dim"), config.init_std, config, "query")(x)
+  k = projection((kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), config.init_std, config, "key")(x)
+  v = projection((kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), config.init_std, config, "value")(x)
+  q = constrain(apply_rope(q, positions, config.rope_theta), ("batch", "act_length", "act_heads", "head_dim"))
+  k = constrain(apply_rope(k, positions, config.rope_theta), ("batch", "act_length", "act_kv_heads", "head_dim"))
+  return q, k, constrain(v, ("batch", "act_length", "act_kv_heads", "head_dim"))
+
+
+def output_projection(config: ModelConfig, out: jax.Array) -> jax.Array:
+  """W^O ("out"): attention output [batch, seq, heads, head_dim] -> [batch, seq, d_model].
+
+  Must be called inside a module's compact method.
+  """
+  out = constrain(out, ("batch", "act_length", "act_heads", "head_dim"))
+  return projection(config.d_model, ("heads", "head_dim", "embed"), config.out_init_std, config, "out",
+                    contract_dims=2)(out)
+
+
 @register_attention("mha", init_cache=_mha_cache, param_count=_mha_params, core_flops_per_token=_mha_core_flops)
 class MultiHeadAttention(nn.Module):
   """Causal softmax attention.
@@ -58,20 +84,11 @@ class MultiHeadAttention(nn.Module):
   def __call__(self, x: jax.Array, positions: jax.Array, cache: KVCache | None = None):
     """x: [batch, seq, d_model], positions: int [batch, seq] -> ([batch, seq, d_model], cache)."""
     cfg = self.config
-    heads, kv_heads, head_dim = cfg.n_heads, cfg.kv_heads, cfg.qk_head_dim
-    q = projection((heads, head_dim), ("embed", "heads", "head_dim"), cfg.init_std, cfg, "query")(x)
-    k = projection((kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), cfg.init_std, cfg, "key")(x)
-    v = projection((kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), cfg.init_std, cfg, "value")(x)
-    q = constrain(apply_rope(q, positions, cfg.rope_theta), ("batch", "act_length", "act_heads", "head_dim"))
-    k = constrain(apply_rope(k, positions, cfg.rope_theta), ("batch", "act_length", "act_kv_heads", "head_dim"))
-    v = constrain(v, ("batch", "act_length", "act_kv_heads", "head_dim"))
+    q, k, v = rotary_qkv(cfg, x, positions)
     if cache is None:
       out = causal_attention(q, k, v, window=cfg.window, implementation=cfg.attention_impl)
     else:
       cache = cache.append(k, v)
       mask = causal_mask(positions, cache.key_positions(), cfg.window)
       out = masked_attention(q, cache.keys, cache.values, mask)
-    out = constrain(out, ("batch", "act_length", "act_heads", "head_dim"))
-    y = projection(
-        cfg.d_model, ("heads", "head_dim", "embed"), cfg.out_init_std, cfg, "out", contract_dims=2)(out)
-    return y, cache
+    return output_projection(cfg, out), cache

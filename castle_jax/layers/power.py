@@ -39,9 +39,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from castle_jax.layers.mha import mean_visible_keys, projection
+from castle_jax.layers.mha import mean_visible_keys, output_projection, projection, rotary_qkv
 from castle_jax.layers.registry import register_attention
-from castle_jax.layers.rope import apply_rope
 from castle_jax.models.config import ModelConfig
 from castle_jax.ops.power import (
     DEFAULT_CHUNK_SIZE,
@@ -169,16 +168,10 @@ class PowerAttention(nn.Module):
     """x: [batch, seq, d_model], positions: int [batch, seq] -> ([batch, seq, d_model], cache)."""
     cfg = self.config
     options = power_options(cfg)
-    heads, kv_heads, head_dim = cfg.n_heads, cfg.kv_heads, cfg.qk_head_dim
-    q = projection((heads, head_dim), ("embed", "heads", "head_dim"), cfg.init_std, cfg, "query")(x)
-    k = projection((kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), cfg.init_std, cfg, "key")(x)
-    v = projection((kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), cfg.init_std, cfg, "value")(x)
-    q = constrain(apply_rope(q, positions, cfg.rope_theta), ("batch", "act_length", "act_heads", "head_dim"))
-    k = constrain(apply_rope(k, positions, cfg.rope_theta), ("batch", "act_length", "act_kv_heads", "head_dim"))
-    v = constrain(v, ("batch", "act_length", "act_kv_heads", "head_dim"))
+    q, k, v = rotary_qkv(cfg, x, positions)
     log_g = None
     if options.gating:
-      gate_logits = projection(kv_heads, ("embed", "kv_heads"), cfg.init_std, cfg, "gate")(x)
+      gate_logits = projection(cfg.kv_heads, ("embed", "kv_heads"), cfg.init_std, cfg, "gate")(x)
       # Gates are summed over the whole context: keep them in float32 even under bf16.
       log_g = jax.nn.log_sigmoid(gate_logits.astype(jnp.float32) + options.gate_bias)
       log_g = constrain(log_g, ("batch", "act_length", "act_kv_heads"))
@@ -188,7 +181,4 @@ class PowerAttention(nn.Module):
       out = power_attention(q, k, v, log_g, implementation=cfg.attention_impl, **op_options)
     else:
       out, cache = append_tokens(cache, q, k, v, log_g, **op_options)
-    out = constrain(out, ("batch", "act_length", "act_heads", "head_dim"))
-    y = projection(
-        cfg.d_model, ("heads", "head_dim", "embed"), cfg.out_init_std, cfg, "out", contract_dims=2)(out)
-    return y, cache
+    return output_projection(cfg, out), cache

@@ -266,7 +266,6 @@ def decode_step(
   return output, new_cache
 
 
-
 def append_tokens(
     cache: UQKVCache,
     q_u: jax.Array,
