@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 import time
 from typing import Callable
@@ -36,6 +35,7 @@ import jax.numpy as jnp
 
 from castle_jax.ops.attention import causal_attention
 from castle_jax.ops.castle import castle_attention
+from timing import median_ms, peak_bytes, torch_median_ms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,31 +94,6 @@ def forward_flops(case: Case, batch: int, seq: int, head_dim: int, window) -> fl
   return float(per_head * batch * case.heads)
 
 
-def _median_ms(fn, args_sets, iters: int) -> float:
-  out = fn(*args_sets[0])
-  jax.block_until_ready(out)
-  out = fn(*args_sets[1 % len(args_sets)])
-  jax.block_until_ready(out)
-  times = []
-  for i in range(iters):
-    args = args_sets[i % len(args_sets)]
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return 1e3 * statistics.median(times)
-
-
-def _peak_bytes(compiled) -> int | None:
-  try:
-    stats = compiled.memory_analysis()
-  except Exception:  # not every backend reports it
-    return None
-  if stats is None:
-    return None
-  return int(stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
-             - stats.alias_size_in_bytes)
-
-
 def measure(case: Case, batch: int, seq: int, head_dim: int, dtype, iters: int) -> dict:
   shape = (batch, seq, case.heads, head_dim)
   args_sets = []
@@ -137,9 +112,9 @@ def measure(case: Case, batch: int, seq: int, head_dim: int, dtype, iters: int) 
   result = {"impl": case.name, "batch": batch, "seq": seq, "heads": case.heads, "head_dim": head_dim}
   try:
     compiled = backward.lower(*args_sets[0]).compile()
-    result["fwd_ms"] = _median_ms(forward, args_sets, iters)
-    result["fwd_bwd_ms"] = _median_ms(compiled, args_sets, iters)
-    result["peak_gib"] = (_peak_bytes(compiled) or 0) / 2**30
+    result["fwd_ms"] = median_ms(forward, args_sets, iters)
+    result["fwd_bwd_ms"] = median_ms(compiled, args_sets, iters)
+    result["peak_gib"] = (peak_bytes(compiled) or 0) / 2**30
   except Exception as e:  # report and go on: one failing row must not lose the others
     result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
   return result
@@ -158,16 +133,8 @@ def measure_peer(batch: int, seq: int, heads: int, head_dim: int, iters: int) ->
     generator = torch.Generator(device="cuda").manual_seed(0)
     inputs = [torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=generator)
               for _ in range(6)]
-    run = lambda: castle_attention_triton(*inputs, head_dim ** -0.5, False)
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-      start = time.perf_counter()
-      run()
-      torch.cuda.synchronize()
-      times.append(time.perf_counter() - start)
-    result["fwd_ms"] = 1e3 * statistics.median(times)
+    result["fwd_ms"] = torch_median_ms(lambda: castle_attention_triton(*inputs, head_dim ** -0.5, False), iters,
+                                       warmup=1)
   except Exception as e:  # a missing or failing peer must not lose the other rows
     result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
   return result

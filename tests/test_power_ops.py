@@ -378,11 +378,6 @@ def test_default_implementation_is_xla_and_logged(caplog):
   assert rel_err(out, expected) < 1e-5 and rel_err(state.state, expected_state.state) < 1e-5
 
 
-def test_pallas_is_not_implemented_yet():
-  with pytest.raises(NotImplementedError, match="not implemented yet"):
-    power_attention(*_inputs(seed=111), implementation="pallas")
-
-
 def _bad_cases():
   q, k, v, log_g = _inputs(seed=112)
   ok = dict(q=q, k=k, v=v, log_g=log_g)

@@ -4,7 +4,10 @@
   - "reference": the attention form from the definition (O(T^2), plain jnp, full
     precision); a test oracle and fine for short sequences.
   - "xla": the chunked form (O(T c d + T D d_v), memory O(T d + (T / c) D d_v) per head).
-  - "pallas": fused GPU kernels; not implemented yet (raises NotImplementedError).
+  - "pallas": fused Pallas GPU kernels (pallas_kernels/power), p = 2, power-of-two head
+    dims >= 16, chunk_size a multiple of the kernels' largest block (64 by default); runs
+    in interpret mode on CPU (slow: for tests). States cross the boundary in `expansion`'s
+    layout (the kernels use tspow with 16-feature tiles inside).
   - None: the best available path, today "xla"; the choice is logged at debug level.
 """
 
@@ -16,6 +19,7 @@ import jax
 
 from castle_jax.ops.power.chunked import power_attention_chunked
 from castle_jax.ops.power.common import PowerState, validate_all, validate_chunk_size
+from castle_jax.ops.power.expansion import convert_expanded
 from castle_jax.ops.power.reference import power_attention_reference, reference_state
 
 IMPLEMENTATIONS = ("reference", "xla", "pallas")
@@ -66,7 +70,6 @@ def power_attention(
   Raises:
     ValueError: bad shapes/dtypes (naming the argument), odd or small p, bad scale,
       chunk_size, expansion or d_tile, unknown implementation.
-    NotImplementedError: implementation="pallas".
   """
   p, scale, d_tile = validate_all(q, k, v, log_g, p, scale, expansion, d_tile, initial_state)
   chunk_size = validate_chunk_size(chunk_size)
@@ -77,9 +80,8 @@ def power_attention(
     raise ValueError(f"Unknown power-attention implementation {implementation!r}; "
                      f"choose one of {IMPLEMENTATIONS} or None")
   if implementation == "pallas":
-    raise NotImplementedError(
-        "implementation='pallas' is not implemented yet for power attention; use implementation='xla' "
-        "(or None) for the chunked form")
+    return _pallas(q, k, v, log_g, p=p, scale=scale, chunk_size=chunk_size, expansion=expansion, d_tile=d_tile,
+                   initial_state=initial_state, return_final_state=return_final_state)
   options = dict(p=p, scale=scale, expansion=expansion, d_tile=d_tile, initial_state=initial_state)
   if implementation == "reference":
     out = power_attention_reference(q, k, v, log_g, **options)
@@ -88,3 +90,25 @@ def power_attention(
     return out, reference_state(k, v, log_g, p=p, expansion=expansion, d_tile=d_tile, initial_state=initial_state)
   out, final_state = power_attention_chunked(q, k, v, log_g, chunk_size=chunk_size, **options)
   return (out, final_state) if return_final_state else out
+
+
+def _pallas(q, k, v, log_g, *, p, scale, chunk_size, expansion, d_tile, initial_state, return_final_state):
+  from pallas_kernels.power import power_attention_pallas
+  from pallas_kernels.power.ops import EXPANSION
+
+  if p != 2:
+    raise ValueError(f"implementation='pallas' supports p=2 only, got p={p}; use implementation='xla'")
+  head_dim = q.shape[-1]
+  layout = (expansion, d_tile)
+
+  def convert(state: PowerState, source, target) -> PowerState:
+    return PowerState(convert_expanded(state.state, head_dim, p, source, target),
+                      convert_expanded(state.normalizer[..., None], head_dim, p, source, target)[..., 0])
+
+  if initial_state is not None:
+    initial_state = convert(initial_state, layout, EXPANSION)
+  out, final_state = power_attention_pallas(q, k, v, log_g, scale=scale, chunk_size=chunk_size,
+                                            initial_state=initial_state)
+  if not return_final_state:
+    return out
+  return out, convert(final_state, EXPANSION, layout)

@@ -153,3 +153,38 @@ def spow(x: jax.Array, p: int) -> jax.Array:
 def tspow(x: jax.Array, p: int, d_tile: int | None = None) -> jax.Array:
   """tspow_p(x): [..., d] -> [..., C(d / d_tile + p - 1, p) * d_tile^p], the tiled symmetric power."""
   return expand(x, p, "tspow", d_tile)
+
+
+@functools.lru_cache(maxsize=64)
+def _conversion_table(head_dim: int, p: int, source: tuple, target: tuple) -> tuple[np.ndarray, np.ndarray]:
+  """(rows int32 [D_target], factors float64 [D_target]): target[i] = factors[i] * source[rows[i]]."""
+  source_idx, source_w = expansion_table(head_dim, p, *source)
+  target_idx, target_w = expansion_table(head_dim, p, *target)
+  # Every expansion holds each sorted multi-index at least once; its entry is w * (the
+  # symmetric tensor's entry), so one source row per multi-index serves every target row.
+  row_of = {}
+  for row, key in enumerate(map(tuple, np.sort(source_idx, axis=1))):
+    row_of.setdefault(key, row)
+  rows = np.asarray([row_of[key] for key in map(tuple, np.sort(target_idx, axis=1))], np.int32)
+  return rows, target_w / source_w[rows]
+
+
+def convert_expanded(x: jax.Array, head_dim: int, p: int, source: tuple[str, int | None],
+                     target: tuple[str, int | None]) -> jax.Array:
+  """Re-lays an expanded quantity (a state's D axis) from one expansion to another.
+
+  Valid for anything linear in phi(k) (states S = sum phi(k) v^T, normalizers sum phi(k)),
+  because every expansion's entry is a fixed weight times the same symmetric tensor entry.
+
+  Args:
+    x: [..., D_source, *trailing] with the expanded axis at `-1` (normalizer) or `-2` (state);
+      pass states as [..., D, d_v] and normalizers as [..., D, 1].
+    source, target: (expansion, d_tile) pairs as accepted by `expansion_table`.
+
+  Returns:
+    [..., D_target, *trailing] in x's dtype.
+  """
+  if source == target:
+    return x
+  rows, factors = _conversion_table(head_dim, p, tuple(source), tuple(target))
+  return jnp.take(x, rows, axis=-2) * jnp.asarray(factors, x.dtype)[:, None]

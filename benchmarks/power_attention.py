@@ -1,0 +1,221 @@
+"""Power attention speed next to standard attention and the paper authors' kernels, in one run.
+
+    python benchmarks/power_attention.py [--seq_lens=4096,16384,65536] [--tokens=65536] \
+        [--impls=pallas,xla,cudnn,authors] [--chunk_sizes=1024] [--json=out.json]
+
+For each sequence length T the batch is tokens // T (the power-attention paper's
+shape by default: 12 heads, head_dim 64, p = 2, per-head gating, bf16). Times the
+forward and forward+backward (gradients of q, k, v and the log-gates) of each
+implementation, median of --iters runs after warm-up over two input sets:
+  pallas  : ours, `power_attention(implementation="pallas")` (fused kernels);
+  xla     : ours, the chunked XLA form (`implementation="xla"`);
+  cudnn   : `jax.nn.dot_product_attention(implementation="cudnn")`, causal, same heads/dims;
+  authors : PyPI `retention` 1.0.7 (`retention.triton.power_retention`, PyTorch + Triton),
+            installed only where the benchmark runs; TRITON_NO_AUTOTUNE=1 unless
+            --authors_autotune, so its kernels use their default configs (warm-up calls
+            are not timed either way).
+Chunked rows run once per chunk size in --chunk_sizes (a size >= T is the attention form).
+
+Model FLOPs (one convention for every row, so TFLOP/s compare):
+  power forward per token and head = 2 D d_v (update state) + 2 D d_v (query state)
+    + 2 (c + 1) d (intra-chunk q.k and w.v over the causal pairs), D = C(d + 1, 2)
+    (spow, the smallest exact expansion), c = min(chunk, T);
+  standard attention forward = 4 d (T + 1) / 2 per token and head (causal);
+  backward = 2.5 x forward for both.
+Ratios are against cudnn and the authors' best chunk size at that T, measured in the same
+run. Prints a table last and optionally writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from castle_jax.ops.attention import causal_attention
+from castle_jax.ops.power import power_attention
+from timing import median_ms, peak_bytes, torch_median_ms
+
+
+def power_forward_flops(batch: int, seq: int, heads: int, head_dim: int, chunk: int) -> float:
+  chunk = min(chunk, seq)
+  expanded = math.comb(head_dim + 1, 2)
+  per_token = 4 * expanded * head_dim + 2 * (chunk + 1) * head_dim
+  if chunk >= seq:  # the attention form: no state at all
+    per_token = 2 * (seq + 1) * head_dim
+  return float(batch * seq * heads * per_token)
+
+
+def standard_forward_flops(batch: int, seq: int, heads: int, head_dim: int) -> float:
+  return float(batch * heads * 2 * head_dim * seq * (seq + 1))
+
+
+def _jax_inputs(batch, seq, heads, head_dim, dtype, gated: bool):
+  args_sets = []
+  for seed in range(2):
+    keys = jax.random.split(jax.random.key(seed), 5)
+    shape = (batch, seq, heads, head_dim)
+    q, k, v, cotangent = (jax.random.normal(key, shape, jnp.float32).astype(dtype) for key in keys[:4])
+    inputs = (q, k, v)
+    if gated:
+      inputs += (jax.nn.log_sigmoid(6.9 + jax.random.normal(keys[4], (batch, seq, heads), jnp.float32)),)
+    args_sets.append(inputs + (cotangent,))
+  return args_sets
+
+
+def measure_jax(name: str, fn, batch, seq, heads, head_dim, dtype, iters, gated: bool) -> dict:
+  """fwd and fwd+bwd of fn(q, k, v[, log_g]) -> [B, T, H, d]."""
+  args_sets = _jax_inputs(batch, seq, heads, head_dim, dtype, gated)
+  num_inputs = 4 if gated else 3
+  forward = jax.jit(lambda *a: fn(*a[:-1]))
+
+  def loss(*a):
+    return jnp.sum(fn(*a[:-1]).astype(jnp.float32) * a[-1].astype(jnp.float32))
+
+  backward = jax.jit(jax.grad(loss, argnums=tuple(range(num_inputs))))
+  row = {"impl": name, "batch": batch, "seq": seq, "heads": heads, "head_dim": head_dim}
+  try:
+    compiled = backward.lower(*args_sets[0]).compile()
+    row["fwd_ms"] = median_ms(forward, args_sets, iters)
+    row["fwd_bwd_ms"] = median_ms(compiled, args_sets, iters)
+    row["peak_gib"] = (peak_bytes(compiled) or 0) / 2**30
+  except Exception as e:  # report and go on: one failing row must not lose the others
+    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+  return row
+
+
+def measure_authors(batch, seq, heads, head_dim, chunk, iters) -> dict:
+  """The authors' kernels (PyPI `retention`), bf16, p = 2, gating, fwd and fwd+bwd."""
+  row = {"impl": f"authors[c={chunk}]", "batch": batch, "seq": seq, "heads": heads, "head_dim": head_dim,
+         "chunk": chunk}
+  try:
+    import torch
+    import torch.nn.functional as F
+    from retention.triton import power_retention
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    randn = lambda *shape: torch.randn(*shape, device="cuda", generator=generator)
+    q, k, v = (randn(batch, seq, heads, head_dim).to(torch.bfloat16).requires_grad_() for _ in range(3))
+    log_g = F.logsigmoid(6.9 + randn(batch, seq, heads)).requires_grad_()
+    cotangent = randn(batch, seq, heads, head_dim).to(torch.bfloat16)
+    chunk_size = None if chunk >= seq else chunk
+
+    def forward():
+      with torch.no_grad():
+        return power_retention(q, k, v, log_g, deg=2, chunk_size=chunk_size)
+
+    def forward_backward():
+      out = power_retention(q, k, v, log_g, deg=2, chunk_size=chunk_size)
+      torch.autograd.grad(out, (q, k, v, log_g), cotangent)
+
+    row["fwd_ms"] = torch_median_ms(forward, iters)
+    row["fwd_bwd_ms"] = torch_median_ms(forward_backward, iters)
+    row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+  except Exception as e:  # a missing or failing peer must not lose the other rows
+    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+  return row
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--seq_lens", default="4096,16384,65536")
+  parser.add_argument("--tokens", type=int, default=65536, help="batch * seq for every length")
+  parser.add_argument("--heads", type=int, default=12)
+  parser.add_argument("--head_dim", type=int, default=64)
+  parser.add_argument("--impls", default="pallas,xla,cudnn,authors",
+                      help="comma list of: pallas, xla, cudnn, authors")
+  parser.add_argument("--chunk_sizes", default="1024", help="chunk sizes of our chunked rows")
+  parser.add_argument("--authors_chunk_sizes", default="1024", help="chunk sizes of the authors' rows")
+  parser.add_argument("--authors_autotune", action="store_true",
+                      help="let the authors' kernels autotune (minutes on the first call)")
+  parser.add_argument("--no_gating", action="store_true")
+  parser.add_argument("--iters", type=int, default=10)
+  parser.add_argument("--dtype", default="bfloat16")
+  parser.add_argument("--json", default=None)
+  args = parser.parse_args(argv)
+  if not args.authors_autotune:
+    os.environ.setdefault("TRITON_NO_AUTOTUNE", "1")
+
+  dtype = jnp.dtype(args.dtype)
+  gated = not args.no_gating
+  impls = args.impls.split(",")
+  for impl in impls:
+    if impl not in ("pallas", "xla", "cudnn", "authors"):
+      parser.error(f"--impls: unknown implementation {impl!r}")
+  chunks = [int(c) for c in args.chunk_sizes.split(",")]
+  authors_chunks = [int(c) for c in args.authors_chunk_sizes.split(",")]
+
+  rows = []
+  for seq in (int(s) for s in args.seq_lens.split(",")):
+    if args.tokens % seq:
+      parser.error(f"--tokens ({args.tokens}) must be a multiple of every sequence length ({seq})")
+    batch = args.tokens // seq
+    shape = (batch, seq, args.heads, args.head_dim)
+    for impl in impls:
+      if impl == "cudnn":
+        row = measure_jax("cudnn", lambda q, k, v: causal_attention(q, k, v, implementation="cudnn"), *shape,
+                          dtype, args.iters, gated=False)
+        if "error" not in row:
+          row["fwd_flops"] = standard_forward_flops(*shape)
+        rows.append(row)
+      elif impl == "authors":
+        for chunk in authors_chunks:
+          row = measure_authors(*shape, chunk, args.iters)
+          if "error" not in row:
+            row["fwd_flops"] = power_forward_flops(*shape, chunk)
+          rows.append(row)
+      else:
+        for chunk in chunks:
+          fn = lambda q, k, v, log_g=None, chunk=chunk, impl=impl: power_attention(
+              q, k, v, log_g, p=2, chunk_size=chunk, implementation=impl)
+          row = measure_jax(f"{impl}[c={chunk}]", fn, *shape, dtype, args.iters, gated)
+          row["chunk"] = chunk
+          if "error" not in row:
+            row["fwd_flops"] = power_forward_flops(*shape, chunk)
+          rows.append(row)
+      print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+
+  for row in rows:
+    if "error" in row:
+      continue
+    row["fwd_tflops"] = row["fwd_flops"] / row["fwd_ms"] / 1e9
+    row["fwd_bwd_tflops"] = 3.5 * row["fwd_flops"] / row["fwd_bwd_ms"] / 1e9
+    same_seq = [r for r in rows if r["seq"] == row["seq"] and "error" not in r]
+    cudnn = next((r for r in same_seq if r["impl"] == "cudnn"), None)
+    authors = min((r for r in same_seq if r["impl"].startswith("authors")), key=lambda r: r["fwd_bwd_ms"],
+                  default=None)
+    if cudnn:
+      row["cudnn_over_this_fwd_bwd"] = cudnn["fwd_bwd_ms"] / row["fwd_bwd_ms"]
+    if authors:
+      row["authors_best_over_this_fwd_bwd"] = authors["fwd_bwd_ms"] / row["fwd_bwd_ms"]
+
+  meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "dtype": args.dtype, "p": 2,
+          "gating": gated, "tokens": args.tokens, "date": time.strftime("%Y-%m-%d"),
+          "authors_autotune": args.authors_autotune}
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+  print(f"\n{meta['device']} | jax {meta['jax']} | {args.dtype} | p=2 | gating {gated} | {args.tokens} tokens"
+        f" | speed-ups: >1 means this row is faster")
+  width = max(16, max(len(r["impl"]) for r in rows) + 1)
+  print(f"{'impl':<{width}}{'B x T':>13}{'fwd ms':>9}{'f+b ms':>9}{'fwd TF/s':>9}{'f+b TF/s':>9}"
+        f"{'vs cudnn':>9}{'vs authors':>11}{'peak GiB':>9}")
+  for r in rows:
+    if "error" in r:
+      print(f"{r['impl']:<{width}}{r['batch']:>5} x {r['seq']:<6}  {r['error']}")
+      continue
+    print(f"{r['impl']:<{width}}{r['batch']:>5} x {r['seq']:<6}{r['fwd_ms']:>9.2f}{r['fwd_bwd_ms']:>9.2f}"
+          f"{r['fwd_tflops']:>9.1f}{r['fwd_bwd_tflops']:>9.1f}{r.get('cudnn_over_this_fwd_bwd', math.nan):>9.2f}"
+          f"{r.get('authors_best_over_this_fwd_bwd', math.nan):>11.2f}{r['peak_gib']:>9.2f}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

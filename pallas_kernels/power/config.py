@@ -1,0 +1,59 @@
+"""Tile sizes and launch parameters of the power-attention Pallas kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+
+# Features per tile of the kernels' expansion: tspow with d_tile = 16 (the smallest tile
+# whose tensor-core products are well shaped). D = C(d / 16 + 1, 2) * 256.
+FEATURE_TILE = 16
+
+
+def _is_power_of_two(n: int) -> bool:
+  return n >= 1 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PowerKernelConfig:
+  """Block sizes, warps and pipeline stages of the power-attention kernels.
+
+  Attributes:
+    block_t: tokens per step of the update-state reduction over a chunk.
+    block_q: query rows per program of the query-state + attention kernel (and of the
+      state-gradient kernel).
+    block_k: key rows per step of the intra-chunk attention sweep.
+    row_group: rows a of the first tile expanded per step (row_group * 16 expanded
+      features per product: 4 gives [.., 64] expanded tiles).
+    num_warps, num_stages: Triton launch parameters.
+  """
+
+  block_t: int = 64
+  block_q: int = 64
+  block_k: int = 64
+  row_group: int = 4
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if isinstance(value, bool) or not isinstance(value, int) or not _is_power_of_two(value):
+        raise ValueError(f"PowerKernelConfig.{field.name} must be a power-of-two int, got {value!r}")
+    for name in ("block_t", "block_q", "block_k"):
+      if getattr(self, name) < 16:
+        raise ValueError(f"PowerKernelConfig.{name} must be >= 16 (the smallest tensor-core tile), "
+                         f"got {getattr(self, name)}")
+    if self.row_group > FEATURE_TILE:
+      raise ValueError(f"PowerKernelConfig.row_group must be <= {FEATURE_TILE}, got {self.row_group}")
+    if self.block_q % self.block_k and self.block_k % self.block_q:
+      raise ValueError(f"PowerKernelConfig.block_q ({self.block_q}) and block_k ({self.block_k}) must divide "
+                       "one another")
+
+  @property
+  def chunk_multiple(self) -> int:
+    """Every chunk size must be a multiple of this (all blocks tile a chunk exactly)."""
+    return max(self.block_t, self.block_q, self.block_k)
+
+
+def default_config() -> PowerKernelConfig:
+  return PowerKernelConfig()

@@ -1,0 +1,169 @@
+"""Power attention (p = 2) through the Pallas kernels, differentiable with a custom VJP.
+
+`power_attention_pallas` takes the [batch, seq, heads, dim] layout of the power-attention
+entry point, folds heads into the batch, zero-pads the sequence to a multiple of the
+chunk size (zero keys and zero log-gates change neither real outputs nor the final
+state), and runs per chunk:
+
+  1. `kernels.update_state`: each chunk's own state dS_c = phi(K_c)^T diag(e^{G_c,last - G}) V_c
+     and normalizer dz_c;
+  2. discumsum (XLA, a scan over chunks of [D, d_v] adds): the state entering chunk c,
+     S_c = e^{G_{c-1},last} S_{c-1} + dS_{c-1};
+  3. `kernels.query_state_attention`: outputs from S_c plus the intra-chunk attention,
+     normalized.
+
+States are kept float32 and use the tspow layout with 16-feature tiles
+(`kernels.expanded_dim`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from castle_jax.ops.power.chunked import power_attention_chunked
+from castle_jax.ops.power.common import PowerState
+from pallas_kernels.power import kernels
+from pallas_kernels.power.config import FEATURE_TILE, PowerKernelConfig, default_config
+
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+EXPANSION = ("tspow", FEATURE_TILE)
+
+
+def kernel_chunk_size(chunk_size: int, seq: int, config: PowerKernelConfig) -> int:
+  """The chunk the kernels use: `chunk_size` (a multiple of config.chunk_multiple), or
+  the sequence rounded up to that multiple when it is shorter (one chunk: the attention form)."""
+  multiple = config.chunk_multiple
+  if chunk_size % multiple:
+    raise ValueError(f"chunk_size ({chunk_size}) must be a multiple of {multiple} (the kernels' largest block) "
+                     f"for implementation='pallas'; try {max(multiple, chunk_size // multiple * multiple)}")
+  return min(chunk_size, -(-seq // multiple) * multiple)
+
+
+def _fold(x: jax.Array, length: int) -> jax.Array:
+  """[B, T, H, ...] -> [B * H, length, ...], zero-padded along T."""
+  batch, seq, heads = x.shape[:3]
+  x = jnp.pad(x, [(0, 0), (0, length - seq)] + [(0, 0)] * (x.ndim - 2))
+  return jnp.moveaxis(x, 2, 1).reshape(batch * heads, length, *x.shape[3:])
+
+
+def _chunk_gates(log_g: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
+  """Cumulative log-gates within each chunk [BH, T] and each chunk's total [BH, n]."""
+  bh, length = log_g.shape
+  cumulative = jnp.cumsum(log_g.astype(jnp.float32).reshape(bh, length // chunk, chunk), axis=-1)
+  return cumulative.reshape(bh, length), cumulative[..., -1]
+
+
+def _discumsum(chunk_states: jax.Array, chunk_normalizers: jax.Array, totals: jax.Array, state: jax.Array,
+               normalizer: jax.Array):
+  """States entering each chunk [BH, n, D, d_v], [BH, n, D] and the final state.
+
+  S_0 = the initial state, S_{c+1} = e^{total_c} S_c + dS_c.
+  """
+  def step(carry, chunk):
+    state, normalizer = carry
+    delta_state, delta_normalizer, total = chunk
+    decay = jnp.exp(total)
+    return (decay[:, None, None] * state + delta_state, decay[:, None] * normalizer + delta_normalizer), carry
+
+  final, entering = lax.scan(step, (state, normalizer),
+                             (jnp.moveaxis(chunk_states, 1, 0), jnp.moveaxis(chunk_normalizers, 1, 0),
+                              jnp.moveaxis(totals, 1, 0)))
+  return jnp.moveaxis(entering[0], 0, 1), jnp.moveaxis(entering[1], 0, 1), final
+
+
+def _forward(q, k, v, log_g, state, normalizer, *, scale, chunk, config, interpret):
+  batch, seq, heads, head_dim = q.shape
+  kv_heads = k.shape[2]
+  length = -(-seq // chunk) * chunk
+  q_folded = _fold((q.astype(jnp.float32) * scale).astype(q.dtype), length)
+  k_folded, v_folded = _fold(k, length), _fold(v, length)
+  g, totals = _chunk_gates(_fold(log_g, length), chunk)
+  decay = jnp.exp(jnp.repeat(totals, chunk, axis=1) - g)
+  chunk_states, chunk_normalizers = kernels.update_state(k_folded, v_folded, decay, decay, chunk=chunk,
+                                                         config=config, interpret=interpret)
+  dim = chunk_states.shape[2]
+  entering, entering_normalizers, (final_state, final_normalizer) = _discumsum(
+      chunk_states, chunk_normalizers, totals, state.reshape(batch * kv_heads, dim, -1),
+      normalizer.reshape(batch * kv_heads, dim))
+  out, _ = kernels.query_state_attention(q_folded, k_folded, v_folded, g, entering.astype(q.dtype),
+                                         entering_normalizers, heads=heads, kv_heads=kv_heads, chunk=chunk,
+                                         config=config, interpret=interpret)
+  out = jnp.moveaxis(out.reshape(batch, heads, length, -1), 1, 2)[:, :seq]
+  return out, final_state.reshape(state.shape), final_normalizer.reshape(normalizer.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _power_attention(q, k, v, log_g, state, normalizer, scale, chunk, config, interpret):
+  return _forward(q, k, v, log_g, state, normalizer, scale=scale, chunk=chunk, config=config, interpret=interpret)
+
+
+def _power_attention_fwd(q, k, v, log_g, state, normalizer, scale, chunk, config, interpret):
+  outputs = _forward(q, k, v, log_g, state, normalizer, scale=scale, chunk=chunk, config=config,
+                     interpret=interpret)
+  return outputs, (q, k, v, log_g, state, normalizer)
+
+
+def _power_attention_bwd(scale, chunk, config, interpret, residuals, cotangents):
+  q, k, v, log_g, state, normalizer = residuals
+
+  def xla(q, k, v, log_g, state, normalizer):
+    out, final = power_attention_chunked(q, k, v, log_g, p=2, scale=scale, chunk_size=chunk,
+                                         expansion=EXPANSION[0], d_tile=EXPANSION[1],
+                                         initial_state=PowerState(state, normalizer))
+    return out, final.state, final.normalizer
+
+  _, vjp = jax.vjp(xla, q, k, v, log_g, state, normalizer)
+  return vjp(cotangents)
+
+
+_power_attention.defvjp(_power_attention_fwd, _power_attention_bwd)
+
+
+def power_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, log_g: jax.Array | None, *, scale: float,
+                           chunk_size: int, initial_state: PowerState | None = None,
+                           config: PowerKernelConfig | None = None,
+                           interpret: bool | None = None) -> tuple[jax.Array, PowerState]:
+  """Causal power attention, p = 2, through the Pallas kernels (inputs already validated).
+
+  Args:
+    q: [batch, seq, heads, head_dim]; head_dim a power of two >= 16.
+    k: [batch, seq, kv_heads, head_dim]; v: [batch, seq, kv_heads, value_dim], value_dim a
+      power of two >= 16.
+    log_g: [batch, seq, kv_heads] or None.
+    scale: the score scale.
+    chunk_size: a multiple of `config.chunk_multiple` (a longer one than seq is clipped).
+    initial_state: PowerState in the kernels' layout (tspow, d_tile 16) or None.
+    config: kernel tiles; None means `default_config()`.
+    interpret: run the kernels in Pallas interpret mode; None means on CPU.
+
+  Returns:
+    outputs [batch, seq, heads, value_dim] in q's dtype and the final PowerState
+    (float32, tspow layout with d_tile 16).
+  """
+  config = config or default_config()
+  if interpret is None:
+    interpret = jax.default_backend() == "cpu"
+  batch, seq, _, head_dim = q.shape
+  kv_heads, value_dim = k.shape[2], v.shape[3]
+  for name, size in (("head_dim", head_dim), ("value_dim", value_dim)):
+    if size < FEATURE_TILE or size & (size - 1):
+      raise ValueError(f"implementation='pallas' needs a power-of-two {name} >= {FEATURE_TILE}, got {size}; "
+                       "use implementation='xla'")
+  if q.dtype not in SUPPORTED_DTYPES:
+    raise ValueError(f"implementation='pallas' supports {[jnp.dtype(d).name for d in SUPPORTED_DTYPES]}, "
+                     f"got {q.dtype}; use implementation='xla'")
+  chunk = kernel_chunk_size(chunk_size, seq, config)
+  if log_g is None:
+    log_g = jnp.zeros((batch, seq, kv_heads), jnp.float32)
+  dim = kernels.expanded_dim(head_dim)
+  if initial_state is None:
+    initial_state = PowerState(jnp.zeros((batch, kv_heads, dim, value_dim), jnp.float32),
+                               jnp.zeros((batch, kv_heads, dim), jnp.float32))
+  out, state, normalizer = _power_attention(q, k, v, log_g, initial_state.state.astype(jnp.float32),
+                                            initial_state.normalizer.astype(jnp.float32), scale, chunk, config,
+                                            interpret)
+  return out, PowerState(state, normalizer)

@@ -1,0 +1,134 @@
+"""Power attention Pallas kernels in interpret mode (CPU): the same kernel code the GPU compiles.
+
+Compared with the attention form from the definition: outputs, final states and the
+gradients of q, k, v, the log-gates and the initial state, with grouped-query heads,
+gating on and off, a length that is no multiple of the chunk, length 1, states handed
+in and out in another expansion's layout, bf16 inputs, and bad input.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from castle_jax.ops.power import PowerState, expand, expanded_dim, power_attention
+from helpers import rel_err
+from pallas_kernels.power import PowerKernelConfig, kernels, power_attention_pallas
+
+B, HQ, HKV, D_HEAD, D_VALUE = 2, 4, 2, 32, 16
+SMALL = PowerKernelConfig(block_t=16, block_q=16, block_k=16)
+
+
+@pytest.fixture(autouse=True)
+def _full_float32_matmuls():
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
+def _inputs(seed, seq, dtype=jnp.float32, gating=True):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal((B, seq, HQ, D_HEAD)), dtype)
+  k = jnp.asarray(rng.standard_normal((B, seq, HKV, D_HEAD)), dtype)
+  v = jnp.asarray(rng.standard_normal((B, seq, HKV, D_VALUE)), dtype)
+  log_g = jnp.asarray(-np.logaddexp(0.0, -(2.0 + rng.standard_normal((B, seq, HKV)))), jnp.float32)
+  return q, k, v, (log_g if gating else None)
+
+
+def _state(seed, expansion="spow", d_tile=None):
+  rng = np.random.default_rng(seed)
+  dim = expanded_dim(D_HEAD, 2, expansion, d_tile)
+  # A state some real tokens could have left: sums of phi(k) v^T, so the normalizer is positive.
+  keys = jnp.asarray(rng.standard_normal((B, HKV, 5, D_HEAD)), jnp.float32)
+  values = jnp.asarray(rng.standard_normal((B, HKV, 5, D_VALUE)), jnp.float32)
+  phi = expand(keys * D_HEAD**-0.25, 2, expansion, d_tile)
+  assert phi.shape[-1] == dim
+  return PowerState(jnp.einsum("bhtD,bhte->bhDe", phi, values), jnp.sum(phi, axis=2))
+
+
+def test_tile_pairs_give_the_tspow_layout():
+  assert kernels.expanded_dim(64) == expanded_dim(64, 2, "tspow", 16) == 2560
+  assert [(s, t) for s, t, _ in kernels.tile_pairs(48)] == [(0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (2, 2)]
+
+
+@pytest.mark.parametrize("gating", [True, False])
+def test_outputs_and_final_state_match_the_definition(gating):
+  inputs = _inputs(0, seq=40, gating=gating)
+  out, state = power_attention_pallas(*inputs, scale=D_HEAD**-0.5, chunk_size=16, config=SMALL)
+  expected, expected_state = power_attention(*inputs, implementation="reference", expansion="tspow", d_tile=16,
+                                             return_final_state=True)
+  assert rel_err(out, expected) < 1e-5
+  assert rel_err(state.state, expected_state.state) < 1e-5
+  assert rel_err(state.normalizer, expected_state.normalizer) < 1e-5
+  # The check can fail: dropping the gates or the cross-chunk state changes the outputs.
+  other = power_attention(*_inputs(0, seq=40, gating=not gating), implementation="reference")
+  assert rel_err(other, expected) > 1e-2
+  one_chunk_each = jnp.concatenate([power_attention(*(None if x is None else x[:, s:s + 16] for x in inputs),
+                                                    implementation="reference")
+                                    for s in range(0, 40, 16)], axis=1)
+  assert rel_err(one_chunk_each, expected) > 1e-2
+
+
+def test_entry_point_with_states_in_another_layout_and_length_one():
+  inputs = _inputs(1, seq=70)
+  initial = _state(2)
+  run = functools.partial(power_attention, chunk_size=64, initial_state=initial, return_final_state=True)
+  out, state = run(*inputs, implementation="pallas")
+  expected, expected_state = run(*inputs, implementation="reference")
+  assert state.state.shape == initial.state.shape  # spow layout out, as in
+  assert rel_err(out, expected) < 1e-5
+  assert rel_err(state.state, expected_state.state) < 1e-5
+  assert rel_err(state.normalizer, expected_state.normalizer) < 1e-5
+  single = tuple(x[:, :1] for x in inputs)
+  assert rel_err(power_attention(*single, implementation="pallas"),
+                 power_attention(*single, implementation="reference")) < 1e-5
+
+
+def test_gradients_match_the_definition():
+  inputs = _inputs(3, seq=40)
+  initial = _state(4, expansion="tspow", d_tile=16)
+  cotangent = jnp.asarray(np.random.default_rng(5).standard_normal((B, 40, HQ, D_VALUE)), jnp.float32)
+  state_cotangent = jax.tree.map(lambda x: jnp.asarray(np.random.default_rng(6).standard_normal(x.shape),
+                                                       jnp.float32), initial)
+
+  def loss(fn, q, k, v, log_g, state, normalizer):
+    out, final = fn(q, k, v, log_g, PowerState(state, normalizer))
+    return (jnp.sum(out * cotangent) + jnp.sum(final.state * state_cotangent.state)
+            + jnp.sum(final.normalizer * state_cotangent.normalizer))
+
+  ours = lambda q, k, v, g, s: power_attention_pallas(q, k, v, g, scale=D_HEAD**-0.5, chunk_size=16,
+                                                       initial_state=s, config=SMALL)
+  reference = lambda q, k, v, g, s: power_attention(q, k, v, g, implementation="reference", expansion="tspow",
+                                                    d_tile=16, initial_state=s, return_final_state=True)
+  args = inputs + tuple(initial)
+  grads = jax.grad(functools.partial(loss, ours), argnums=range(6))(*args)
+  expected = jax.grad(functools.partial(loss, reference), argnums=range(6))(*args)
+  for name, g, e in zip(("q", "k", "v", "log_g", "state", "normalizer"), grads, expected):
+    assert rel_err(g, e) < 1e-4, name
+
+
+def test_bf16_outputs():
+  inputs = _inputs(7, seq=64, dtype=jnp.bfloat16)
+  out = power_attention(*inputs, chunk_size=64, implementation="pallas")
+  expected = power_attention(*(x.astype(jnp.float32) for x in inputs), implementation="reference")
+  assert out.dtype == jnp.bfloat16
+  assert rel_err(out, expected) < 1e-2
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(p=4), "p=2 only"),
+    (dict(chunk_size=100), "multiple of 64"),
+])
+def test_bad_options(change, match):
+  options = dict(chunk_size=64, implementation="pallas") | change
+  with pytest.raises(ValueError, match=match):
+    power_attention(*_inputs(8, seq=8), **options)
+
+
+def test_bad_head_dims():
+  q, k, v, log_g = _inputs(9, seq=8)
+  with pytest.raises(ValueError, match="power-of-two head_dim"):
+    power_attention(q[..., :24], k[..., :24], v, log_g, chunk_size=64, implementation="pallas")
+  with pytest.raises(ValueError, match="power-of-two value_dim"):
+    power_attention(q, k, v[..., :12], log_g, chunk_size=64, implementation="pallas")
