@@ -240,3 +240,209 @@ def query_state_attention(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array
       interpret=interpret,
       name="power_query_state_attention",
   )(q, k, v, g, state, normalizer)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward: gradients through a state product, and the intra-chunk attention.
+
+
+def _state_gradient_kernel(x_ref, cotangent_ref, cotangent_normalizer_ref, state_ref, normalizer_ref, dx_ref,
+                           phi_dot_ref, *product_refs, head_dim: int, precision):
+  """dx and phi(x) . M for M_i = S c_i + z c^z_i, per whole tile pair; optionally phi(x) S."""
+  rows = x_ref.shape[0]
+  pair_rows = FEATURE_TILE**2
+  cotangent = cotangent_ref[...]
+  cotangent_normalizer = cotangent_normalizer_ref[...]
+  tiles = [jnp.zeros((rows, FEATURE_TILE), jnp.float32) for _ in range(head_dim // FEATURE_TILE)]
+  phi_dot = jnp.zeros((rows,), jnp.float32)
+  product = jnp.zeros((rows, state_ref.shape[-1]), jnp.float32)
+  for pair, (s, t, weight) in enumerate(tile_pairs(head_dim)):
+    x_s = x_ref[:, pl.ds(s * FEATURE_TILE, FEATURE_TILE)].astype(jnp.float32)
+    x_t = x_ref[:, pl.ds(t * FEATURE_TILE, FEATURE_TILE)].astype(jnp.float32)
+    state = state_ref[pl.ds(pair * pair_rows, pair_rows), :]                          # [256, d_v]
+    m = jnp.dot(cotangent, state.T, precision=precision, preferred_element_type=jnp.float32)
+    m += cotangent_normalizer[:, None] * normalizer_ref[pl.ds(pair * pair_rows, pair_rows)][None, :]
+    m = m.reshape(rows, FEATURE_TILE, FEATURE_TILE) * weight                         # [rows, a, b]
+    along_b = jnp.sum(m * x_t[:, None, :], axis=2)                                   # [rows, a]
+    tiles[s] += along_b
+    tiles[t] += jnp.sum(m * x_s[:, :, None], axis=1)
+    phi_dot += jnp.sum(along_b * x_s, axis=1)
+    if product_refs:
+      phi = (x_s[:, :, None] * x_t[:, None, :]).reshape(rows, pair_rows) * weight
+      product += jnp.dot(phi.astype(state.dtype), state, precision=precision, preferred_element_type=jnp.float32)
+  for tile, value in enumerate(tiles):
+    dx_ref[:, pl.ds(tile * FEATURE_TILE, FEATURE_TILE)] = value
+  phi_dot_ref[...] = phi_dot
+  if product_refs:
+    product_refs[0][...] = product
+
+
+def state_gradient(x: jax.Array, cotangent: jax.Array, cotangent_normalizer: jax.Array, state: jax.Array,
+                   normalizer: jax.Array, *, heads: int, kv_heads: int, chunk: int, config: PowerKernelConfig,
+                   interpret: bool, with_product: bool = False):
+  """Gradient through f_i = phi(x_i) . (S c_i + z c^z_i) with S, z the state of x_i's chunk.
+
+  Args:
+    x: [B * heads, T, d]; cotangent c: [B * heads, T, d_v] (product dtype);
+    cotangent_normalizer c^z: [B * heads, T] float32.
+    state: [B * kv_heads, n, D, d_v] (product dtype); normalizer: [B * kv_heads, n, D] float32.
+    with_product: also return phi(x_i) S (the forward state product).
+
+  Returns:
+    dx [B * heads, T, d] float32 (d f / d x), phi(x) . M [B * heads, T] float32 (= f), and
+    with_product phi(x) S [B * heads, T, d_v] float32.
+  """
+  bh, length, head_dim = x.shape
+  value_dim = cotangent.shape[-1]
+  dim = state.shape[2]
+  block = config.block_q
+  blocks_per_chunk = chunk // block
+  kv = _kv_index(heads // kv_heads, heads, kv_heads)
+  rows_spec = lambda width: pl.BlockSpec((None, block, width), lambda i, b: (b, i, 0))
+  vector_spec = pl.BlockSpec((None, block), lambda i, b: (b, i))
+  out_specs = [rows_spec(head_dim), vector_spec]
+  out_shape = [jax.ShapeDtypeStruct((bh, length, head_dim), jnp.float32),
+               jax.ShapeDtypeStruct((bh, length), jnp.float32)]
+  if with_product:
+    out_specs.append(rows_spec(value_dim))
+    out_shape.append(jax.ShapeDtypeStruct((bh, length, value_dim), jnp.float32))
+  kernel = functools.partial(_state_gradient_kernel, head_dim=head_dim, precision=_precision(x.dtype))
+  return pl.pallas_call(
+      kernel,
+      grid=(length // block, bh),
+      in_specs=[rows_spec(head_dim), rows_spec(value_dim), vector_spec,
+                pl.BlockSpec((None, None, dim, value_dim), lambda i, b: (kv(b), i // blocks_per_chunk, 0, 0)),
+                pl.BlockSpec((None, None, dim), lambda i, b: (kv(b), i // blocks_per_chunk, 0))],
+      out_specs=out_specs,
+      out_shape=out_shape,
+      compiler_params=_compiler_params(config),
+      interpret=interpret,
+      name="power_state_gradient",
+  )(x, cotangent, cotangent_normalizer, state, normalizer)
+
+
+def _attention_terms(q, k, v, d_num, d_den, g_q, g_k, q_start, k_start, precision):
+  """For one block pair: the weights A, dA = dN V^T + dden, and d scores (float32)."""
+  scores = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32)
+  rows = q_start + lax.broadcasted_iota(jnp.int32, scores.shape, 0)
+  cols = k_start + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
+  causal = rows >= cols
+  decay = jnp.where(causal, jnp.exp(jnp.where(causal, g_q[:, None] - g_k[None, :], 0.0)), 0.0)
+  weights = scores * scores * decay
+  d_weights = jnp.dot(d_num, v.T, precision=precision, preferred_element_type=jnp.float32) + d_den[:, None]
+  return weights, d_weights, 2.0 * scores * decay * d_weights
+
+
+def _attention_dq_kernel(q_ref, k_ref, v_ref, g_ref, d_num_ref, d_den_ref, dq_ref, dg_ref, *, chunk: int,
+                         block_k: int, precision):
+  block_q = q_ref.shape[0]
+  q_start = pl.program_id(0) * block_q
+  chunk_start = (q_start // chunk) * chunk
+  q, d_num, d_den = q_ref[...], d_num_ref[...], d_den_ref[...]
+  g_q = g_ref[pl.ds(q_start, block_q)]
+
+  def step(j, carry):
+    dq, dg = carry
+    k_start = chunk_start + j * block_k
+    keys = pl.ds(k_start, block_k)
+    k = k_ref[keys, :]
+    weights, d_weights, d_scores = _attention_terms(q, k, v_ref[keys, :], d_num, d_den, g_q, g_ref[keys], q_start,
+                                                    k_start, precision)
+    dq += jnp.dot(d_scores.astype(k.dtype), k, precision=precision, preferred_element_type=jnp.float32)
+    return dq, dg + jnp.sum(weights * d_weights, axis=1)
+
+  num_key_blocks = (q_start + block_q - chunk_start + block_k - 1) // block_k
+  dq, dg = lax.fori_loop(0, num_key_blocks, step, (jnp.zeros(q.shape, jnp.float32),
+                                                   jnp.zeros((block_q,), jnp.float32)))
+  dq_ref[...] = dq
+  dg_ref[...] = dg
+
+
+def _attention_dkv_kernel(q_ref, k_ref, v_ref, g_ref, d_num_ref, d_den_ref, dk_ref, dv_ref, dg_ref, *, chunk: int,
+                          block_q: int, group: int, precision):
+  block_k = k_ref.shape[0]
+  k_start = pl.program_id(0) * block_k
+  chunk_end = (k_start // chunk + 1) * chunk
+  k, v = k_ref[...], v_ref[...]
+  g_k = g_ref[pl.ds(k_start, block_k)]
+  first = (k_start // block_q) * block_q
+  num_query_blocks = (chunk_end - first) // block_q
+
+  def step(j, carry):
+    dk, dv, dg = carry
+    head, i = j // num_query_blocks, j % num_query_blocks
+    q_start = first + i * block_q
+    queries = pl.ds(q_start, block_q)
+    q, d_num = q_ref[head, queries, :], d_num_ref[head, queries, :]
+    weights, d_weights, d_scores = _attention_terms(q, k, v, d_num, d_den_ref[head, queries], g_ref[queries], g_k,
+                                                    q_start, k_start, precision)
+    dk += jnp.dot(d_scores.T.astype(q.dtype), q, precision=precision, preferred_element_type=jnp.float32)
+    dv += jnp.dot(weights.T.astype(d_num.dtype), d_num, precision=precision, preferred_element_type=jnp.float32)
+    return dk, dv, dg - jnp.sum(weights * d_weights, axis=0)
+
+  init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32), jnp.zeros((block_k,), jnp.float32))
+  dk, dv, dg = lax.fori_loop(0, group * num_query_blocks, step, init)
+  dk_ref[...] = dk
+  dv_ref[...] = dv
+  dg_ref[...] = dg
+
+
+def attention_backward(q, k, v, g, d_num, d_den, *, heads: int, kv_heads: int, chunk: int,
+                       config: PowerKernelConfig, interpret: bool):
+  """Gradients of the intra-chunk attention sum_j A_ij [v_j, 1] (the numerator and denominator).
+
+  Args:
+    q: [B * heads, T, d] (scaled); k: [B * kv_heads, T, d]; v: [B * kv_heads, T, d_v].
+    g: [B * kv_heads, T] float32 cumulative log-gates within each chunk.
+    d_num: [B * heads, T, d_v] numerator cotangents (product dtype); d_den: [B * heads, T] float32.
+
+  Returns:
+    dq [B * heads, T, d], dG from the query side [B * heads, T], dk [B * kv_heads, T, d],
+    dv [B * kv_heads, T, d_v], dG from the key side [B * kv_heads, T]; all float32.
+  """
+  bhq, length, head_dim = q.shape
+  bhk, value_dim = k.shape[0], v.shape[-1]
+  group = heads // kv_heads
+  block_q, block_k = config.block_q, config.block_k
+  precision = _precision(q.dtype)
+  kv = _kv_index(group, heads, kv_heads)
+  full = lambda width, index: pl.BlockSpec((None, length, width), lambda i, b: (index(b), 0, 0))
+  same = lambda b: b
+  dq, dg_q = pl.pallas_call(
+      functools.partial(_attention_dq_kernel, chunk=chunk, block_k=block_k, precision=precision),
+      grid=(length // block_q, bhq),
+      in_specs=[pl.BlockSpec((None, block_q, head_dim), lambda i, b: (b, i, 0)),
+                full(head_dim, kv), full(value_dim, kv),
+                pl.BlockSpec((None, length), lambda i, b: (kv(b), 0)),
+                pl.BlockSpec((None, block_q, value_dim), lambda i, b: (b, i, 0)),
+                pl.BlockSpec((None, block_q), lambda i, b: (b, i))],
+      out_specs=[pl.BlockSpec((None, block_q, head_dim), lambda i, b: (b, i, 0)),
+                 pl.BlockSpec((None, block_q), lambda i, b: (b, i))],
+      out_shape=[jax.ShapeDtypeStruct((bhq, length, head_dim), jnp.float32),
+                 jax.ShapeDtypeStruct((bhq, length), jnp.float32)],
+      compiler_params=_compiler_params(config),
+      interpret=interpret,
+      name="power_attention_dq",
+  )(q, k, v, g, d_num, d_den)
+  # A kv head's query heads are `group` consecutive rows of the folded q: one block of that size.
+  grouped = lambda width: pl.BlockSpec((group, length, width), lambda i, b: (b, 0, 0))
+  dk, dv, dg_k = pl.pallas_call(
+      functools.partial(_attention_dkv_kernel, chunk=chunk, block_q=block_q, group=group, precision=precision),
+      grid=(length // block_k, bhk),
+      in_specs=[grouped(head_dim),
+                pl.BlockSpec((None, block_k, head_dim), lambda i, b: (b, i, 0)),
+                pl.BlockSpec((None, block_k, value_dim), lambda i, b: (b, i, 0)),
+                pl.BlockSpec((None, length), lambda i, b: (same(b), 0)),
+                grouped(value_dim),
+                pl.BlockSpec((group, length), lambda i, b: (b, 0))],
+      out_specs=[pl.BlockSpec((None, block_k, head_dim), lambda i, b: (b, i, 0)),
+                 pl.BlockSpec((None, block_k, value_dim), lambda i, b: (b, i, 0)),
+                 pl.BlockSpec((None, block_k), lambda i, b: (b, i))],
+      out_shape=[jax.ShapeDtypeStruct((bhk, length, head_dim), jnp.float32),
+                 jax.ShapeDtypeStruct((bhk, length, value_dim), jnp.float32),
+                 jax.ShapeDtypeStruct((bhk, length), jnp.float32)],
+      compiler_params=_compiler_params(config),
+      interpret=interpret,
+      name="power_attention_dkv",
+  )(q, k, v, g, d_num, d_den)
+  return dq, dg_q, dk, dv, dg_k

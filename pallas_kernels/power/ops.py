@@ -24,7 +24,6 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from castle_jax.ops.power.chunked import power_attention_chunked
 from castle_jax.ops.power.common import PowerState
 from pallas_kernels.power import kernels
 from pallas_kernels.power.config import FEATURE_TILE, PowerKernelConfig, default_config
@@ -75,7 +74,18 @@ def _discumsum(chunk_states: jax.Array, chunk_normalizers: jax.Array, totals: ja
   return jnp.moveaxis(entering[0], 0, 1), jnp.moveaxis(entering[1], 0, 1), final
 
 
+def _expand_to_q_heads(x: jax.Array, batch: int, kv_heads: int, group: int) -> jax.Array:
+  """[B * kv_heads, ...] -> [B * heads, ...]: each kv head's row repeated for its query heads."""
+  return jnp.repeat(x, group, axis=0) if group > 1 else x
+
+
+def _sum_over_group(x: jax.Array, group: int) -> jax.Array:
+  """[B * heads, ...] -> [B * kv_heads, ...]: sums a kv head's query heads."""
+  return x.reshape(x.shape[0] // group, group, *x.shape[1:]).sum(axis=1) if group > 1 else x
+
+
 def _forward(q, k, v, log_g, state, normalizer, *, scale, chunk, config, interpret):
+  """Outputs [B, T, H, d_v], the final state and normalizer, and the residuals of the backward."""
   batch, seq, heads, head_dim = q.shape
   kv_heads = k.shape[2]
   length = -(-seq // chunk) * chunk
@@ -89,35 +99,118 @@ def _forward(q, k, v, log_g, state, normalizer, *, scale, chunk, config, interpr
   entering, entering_normalizers, (final_state, final_normalizer) = _discumsum(
       chunk_states, chunk_normalizers, totals, state.reshape(batch * kv_heads, dim, -1),
       normalizer.reshape(batch * kv_heads, dim))
-  out, _ = kernels.query_state_attention(q_folded, k_folded, v_folded, g, entering.astype(q.dtype),
-                                         entering_normalizers, heads=heads, kv_heads=kv_heads, chunk=chunk,
-                                         config=config, interpret=interpret)
-  out = jnp.moveaxis(out.reshape(batch, heads, length, -1), 1, 2)[:, :seq]
-  return out, final_state.reshape(state.shape), final_normalizer.reshape(normalizer.shape)
+  entering = entering.astype(q.dtype)
+  out_folded, denominator = kernels.query_state_attention(
+      q_folded, k_folded, v_folded, g, entering, entering_normalizers, heads=heads, kv_heads=kv_heads, chunk=chunk,
+      config=config, interpret=interpret)
+  out = jnp.moveaxis(out_folded.reshape(batch, heads, length, -1), 1, 2)[:, :seq]
+  residuals = (out_folded, denominator, entering, entering_normalizers, g, totals)
+  return (out, final_state.reshape(state.shape), final_normalizer.reshape(normalizer.shape)), residuals
+
+
+def _reverse_discumsum(query_states, query_normalizers, totals, entering, entering_normalizers, d_final,
+                       d_final_normalizer):
+  """Backward of `_discumsum`.
+
+  With Shat_c the gradient of the state entering chunk c (Shat_n = the final state's):
+  grad of chunk c's own state = Shat_{c+1}, Shat_c = (direct gradient of S_c) + e^{total_c} Shat_{c+1},
+  grad of total_c = e^{total_c} <Shat_{c+1}, S_c>.
+
+  Returns:
+    the gradients of each chunk's own state [BH, n, D, d_v] and normalizer [BH, n, D], of
+    the totals [BH, n], and of the initial state and normalizer.
+  """
+  def step(carry, chunk):
+    d_next, d_next_normalizer = carry
+    d_state, d_normalizer, total, state, normalizer = chunk
+    decay = jnp.exp(total)
+    d_total = decay * (jnp.sum(d_next * state.astype(jnp.float32), axis=(1, 2))
+                       + jnp.sum(d_next_normalizer * normalizer, axis=1))
+    carry = (d_state + decay[:, None, None] * d_next, d_normalizer + decay[:, None] * d_next_normalizer)
+    return carry, (d_next, d_next_normalizer, d_total)
+
+  moved = [jnp.moveaxis(x, 1, 0) for x in (query_states, query_normalizers, totals, entering, entering_normalizers)]
+  (d_initial, d_initial_normalizer), (d_own, d_own_normalizer, d_totals) = lax.scan(
+      step, (d_final, d_final_normalizer), moved, reverse=True)
+  return (jnp.moveaxis(d_own, 0, 1), jnp.moveaxis(d_own_normalizer, 0, 1), jnp.moveaxis(d_totals, 0, 1),
+          d_initial, d_initial_normalizer)
+
+
+def _backward(q, k, v, log_g, state, normalizer, residuals, cotangents, *, scale, chunk, config, interpret):
+  out_folded, denominator, entering, entering_normalizers, g, totals = residuals
+  d_out, d_final, d_final_normalizer = cotangents
+  batch, seq, heads, head_dim = q.shape
+  kv_heads = k.shape[2]
+  group = heads // kv_heads
+  length = out_folded.shape[1]
+  dtype = q.dtype
+  options = dict(chunk=chunk, config=config, interpret=interpret)
+  q_folded = _fold((q.astype(jnp.float32) * scale).astype(dtype), length)
+  k_folded, v_folded = _fold(k, length), _fold(v, length)
+
+  # y = N / den: dN = dy / den, dden = -(dy . y) / den.
+  d_y = _fold(d_out.astype(jnp.float32), length)
+  zero = denominator == 0.0
+  safe = jnp.where(zero, 1.0, denominator)
+  d_num = jnp.where(zero[..., None], 0.0, d_y / safe[..., None])
+  d_den = jnp.where(zero, 0.0, -jnp.sum(d_y * out_folded.astype(jnp.float32), axis=-1) / safe)
+
+  # Query state e^{G_i} phi(q_i) [S, z]: gradients of q, of G and of the entering states.
+  discount = jnp.exp(_expand_to_q_heads(g, batch, kv_heads, group))
+  dq, dg_q = kernels.state_gradient(q_folded, (d_num * discount[..., None]).astype(dtype), d_den * discount,
+                                    entering, entering_normalizers, heads=heads, kv_heads=kv_heads, **options)
+  query_states, query_normalizers = kernels.update_state(q_folded, d_num.astype(dtype), discount,
+                                                         discount * d_den, **options)
+  d_own, d_own_normalizer, d_totals, d_initial, d_initial_normalizer = _reverse_discumsum(
+      _sum_over_group(query_states, group), _sum_over_group(query_normalizers, group), totals, entering,
+      entering_normalizers, d_final.reshape(batch * kv_heads, *d_final.shape[2:]).astype(jnp.float32),
+      d_final_normalizer.reshape(batch * kv_heads, -1).astype(jnp.float32))
+
+  # Each chunk's own state sum_j r_j phi(k_j) [v_j, 1], r_j = e^{total - G_j}.
+  decay = jnp.exp(jnp.repeat(totals, chunk, axis=1) - g)
+  dk, d_log_decay, dv_product = kernels.state_gradient(
+      k_folded, (v_folded.astype(jnp.float32) * decay[..., None]).astype(dtype), decay, d_own.astype(dtype),
+      d_own_normalizer, heads=kv_heads, kv_heads=kv_heads, with_product=True, **options)
+  dv = dv_product * decay[..., None]
+
+  # Intra-chunk attention.
+  dq_att, dg_q_att, dk_att, dv_att, dg_k_att = kernels.attention_backward(
+      q_folded, k_folded, v_folded, g, d_num.astype(dtype), d_den, heads=heads, kv_heads=kv_heads, **options)
+  dq = (dq + dq_att) * scale
+  dk = dk + dk_att
+  dv = dv + dv_att
+
+  # Log-gates: G_i is the cumulative sum within the chunk, total_c its last entry.
+  bh = batch * kv_heads
+  d_g = _sum_over_group(dg_q + dg_q_att, group) + dg_k_att - d_log_decay
+  d_totals = d_totals + d_log_decay.reshape(bh, -1, chunk).sum(axis=-1)
+  d_g = d_g.reshape(bh, -1, chunk).at[..., -1].add(d_totals)
+  d_log_g = jnp.flip(jnp.cumsum(jnp.flip(d_g, axis=-1), axis=-1), axis=-1).reshape(bh, length)
+
+  def unfold(x, heads_):
+    return jnp.moveaxis(x.reshape(batch, heads_, length, *x.shape[2:]), 1, 2)[:, :seq]
+
+  return (unfold(dq, heads).astype(q.dtype), unfold(dk, kv_heads).astype(k.dtype),
+          unfold(dv, kv_heads).astype(v.dtype), unfold(d_log_g, kv_heads).astype(log_g.dtype),
+          d_initial.reshape(state.shape), d_initial_normalizer.reshape(normalizer.shape))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
 def _power_attention(q, k, v, log_g, state, normalizer, scale, chunk, config, interpret):
-  return _forward(q, k, v, log_g, state, normalizer, scale=scale, chunk=chunk, config=config, interpret=interpret)
+  outputs, _ = _forward(q, k, v, log_g, state, normalizer, scale=scale, chunk=chunk, config=config,
+                        interpret=interpret)
+  return outputs
 
 
 def _power_attention_fwd(q, k, v, log_g, state, normalizer, scale, chunk, config, interpret):
-  outputs = _forward(q, k, v, log_g, state, normalizer, scale=scale, chunk=chunk, config=config,
-                     interpret=interpret)
-  return outputs, (q, k, v, log_g, state, normalizer)
+  outputs, residuals = _forward(q, k, v, log_g, state, normalizer, scale=scale, chunk=chunk, config=config,
+                                interpret=interpret)
+  return outputs, (q, k, v, log_g, state, normalizer, residuals)
 
 
-def _power_attention_bwd(scale, chunk, config, interpret, residuals, cotangents):
-  q, k, v, log_g, state, normalizer = residuals
-
-  def xla(q, k, v, log_g, state, normalizer):
-    out, final = power_attention_chunked(q, k, v, log_g, p=2, scale=scale, chunk_size=chunk,
-                                         expansion=EXPANSION[0], d_tile=EXPANSION[1],
-                                         initial_state=PowerState(state, normalizer))
-    return out, final.state, final.normalizer
-
-  _, vjp = jax.vjp(xla, q, k, v, log_g, state, normalizer)
-  return vjp(cotangents)
+def _power_attention_bwd(scale, chunk, config, interpret, saved, cotangents):
+  *inputs, residuals = saved
+  return _backward(*inputs, residuals, cotangents, scale=scale, chunk=chunk, config=config, interpret=interpret)
 
 
 _power_attention.defvjp(_power_attention_fwd, _power_attention_bwd)
