@@ -122,6 +122,64 @@ def measure_authors(batch, seq, heads, head_dim, chunk, iters) -> dict:
   return row
 
 
+def pallas_config(spec: str):
+  """'block_t,block_q,block_k,row_group,warps,stages,grad_block,grad_warps' -> PowerKernelConfig."""
+  from pallas_kernels.power import PowerKernelConfig
+  fields = ("block_t", "block_q", "block_k", "row_group", "num_warps", "num_stages", "grad_block", "grad_num_warps")
+  values = [int(x) for x in spec.split(",")]
+  if len(values) != len(fields):
+    raise ValueError(f"--pallas_configs entry {spec!r} needs {len(fields)} ints: {','.join(fields)}")
+  return PowerKernelConfig(**dict(zip(fields, values)))
+
+
+def kernel_breakdown(batch, seq, heads, head_dim, chunk, dtype, iters, config=None) -> list[dict]:
+  """Each Pallas kernel (and the XLA discumsum) timed alone on the shapes one call uses.
+
+  FLOPs count the tensor-core products the kernel does (D = the kernels' tspow dimension,
+  not spow's): update state 2 D d_v per token; query state + attention 2 D d_v + 2 (c + 1) d;
+  state gradient 4 D d_v (two products per pair: the cotangent product and, for keys,
+  phi(k) S); attention backward 5 (c + 1) d (q.k twice, dN.v twice, and three products for
+  dq, dk, dv, halved by causality). The discumsum is memory-bound: GB/s instead.
+  """
+  from pallas_kernels.power import default_config, kernels
+  from pallas_kernels.power.ops import _discumsum
+  config = config or default_config()
+  bh, tokens = batch * heads, batch * seq * heads
+  dim = kernels.expanded_dim(head_dim)
+  n = seq // chunk
+  keys = jax.random.split(jax.random.key(0), 6)
+  x = jax.random.normal(keys[0], (bh, seq, head_dim), jnp.float32).astype(dtype)
+  w = jax.random.normal(keys[1], (bh, seq, head_dim), jnp.float32).astype(dtype)
+  g = jnp.cumsum(jax.nn.log_sigmoid(6.9 + jax.random.normal(keys[2], (bh, n, chunk))), -1).reshape(bh, seq)
+  r = jnp.exp(g)
+  state = jax.random.normal(keys[3], (bh, n, dim, head_dim), jnp.float32).astype(dtype)
+  normalizer = jnp.abs(jax.random.normal(keys[4], (bh, n, dim), jnp.float32))
+  opts = dict(chunk=chunk, config=config, interpret=False)
+  mha = dict(heads=heads, kv_heads=heads)
+  cases = [
+      ("update_state", lambda: kernels.update_state(x, w, r, r, **opts), 2 * dim * head_dim * tokens),
+      ("query_state_attention", lambda: kernels.query_state_attention(x, x, w, g, state, normalizer, **mha, **opts),
+       (2 * dim * head_dim + 2 * (chunk + 1) * head_dim) * tokens),
+      ("state_gradient(keys)", lambda: kernels.state_gradient(x, w, r, state, normalizer, **mha, with_product=True,
+                                                              **opts), 4 * dim * head_dim * tokens),
+      ("attention_backward", lambda: kernels.attention_backward(x, x, w, g, w, r, **mha, **opts),
+       5 * (chunk + 1) * head_dim * tokens),
+  ]
+  rows = []
+  for name, fn, flops in cases:
+    compiled = jax.jit(fn)
+    ms = median_ms(lambda *_: compiled(), [()], iters)
+    rows.append({"kernel": name, "batch": batch, "seq": seq, "chunk": chunk, "ms": ms, "tflops": flops / ms / 1e9})
+  states = jnp.zeros((bh, n, dim, head_dim), jnp.float32)
+  totals = g[:, chunk - 1::chunk]
+  scan = jax.jit(lambda: _discumsum(states, normalizer, totals, states[:, 0], normalizer[:, 0]))
+  ms = median_ms(lambda *_: scan(), [()], iters)
+  moved = 3 * states.size * 4  # read own states, write entering states, + the carry's traffic
+  rows.append({"kernel": "discumsum (XLA scan)", "batch": batch, "seq": seq, "chunk": chunk, "ms": ms,
+               "gb_per_s": moved / ms / 1e6})
+  return rows
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--seq_lens", default="4096,16384,65536")
@@ -134,6 +192,11 @@ def main(argv=None) -> int:
   parser.add_argument("--authors_chunk_sizes", default="1024", help="chunk sizes of the authors' rows")
   parser.add_argument("--authors_autotune", action="store_true",
                       help="let the authors' kernels autotune (minutes on the first call)")
+  parser.add_argument("--pallas_configs", default="",
+                      help="';'-separated kernel configs 'block_t,block_q,block_k,row_group,warps,stages,"
+                           "grad_block,grad_warps', each its own row (default: the default config)")
+  parser.add_argument("--breakdown", action="store_true",
+                      help="also time each Pallas kernel alone (at the first chunk size)")
   parser.add_argument("--no_gating", action="store_true")
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--dtype", default="bfloat16")
@@ -171,15 +234,30 @@ def main(argv=None) -> int:
             row["fwd_flops"] = power_forward_flops(*shape, chunk)
           rows.append(row)
       else:
+        configs = [(spec, pallas_config(spec)) for spec in args.pallas_configs.split(";")] \
+            if impl == "pallas" and args.pallas_configs else [("", None)]
         for chunk in chunks:
-          fn = lambda q, k, v, log_g=None, chunk=chunk, impl=impl: power_attention(
-              q, k, v, log_g, p=2, chunk_size=chunk, implementation=impl)
-          row = measure_jax(f"{impl}[c={chunk}]", fn, *shape, dtype, args.iters, gated)
-          row["chunk"] = chunk
-          if "error" not in row:
-            row["fwd_flops"] = power_forward_flops(*shape, chunk)
-          rows.append(row)
+          for spec, config in configs:
+            if config is None:
+              fn = lambda q, k, v, log_g=None, chunk=chunk, impl=impl: power_attention(
+                  q, k, v, log_g, p=2, chunk_size=chunk, implementation=impl)
+            else:
+              from pallas_kernels.power import power_attention_pallas
+              fn = lambda q, k, v, log_g=None, chunk=chunk, config=config: power_attention_pallas(
+                  q, k, v, log_g, scale=args.head_dim**-0.5, chunk_size=chunk, config=config)[0]
+            row = measure_jax(f"{impl}[c={chunk}{';' + spec if spec else ''}]", fn, *shape, dtype, args.iters,
+                              gated)
+            row["chunk"] = chunk
+            if "error" not in row:
+              row["fwd_flops"] = power_forward_flops(*shape, chunk)
+            rows.append(row)
       print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+
+  breakdown = []
+  if args.breakdown and "pallas" in impls:
+    for seq in (int(s) for s in args.seq_lens.split(",")):
+      breakdown += kernel_breakdown(args.tokens // seq, seq, args.heads, args.head_dim, min(chunks[0], seq), dtype,
+                                    args.iters)
 
   for row in rows:
     if "error" in row:
@@ -200,7 +278,7 @@ def main(argv=None) -> int:
           "authors_autotune": args.authors_autotune}
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"meta": meta, "rows": rows}, f, indent=1)
+      json.dump({"meta": meta, "rows": rows, "kernels": breakdown}, f, indent=1)
 
   print(f"\n{meta['device']} | jax {meta['jax']} | {args.dtype} | p=2 | gating {gated} | {args.tokens} tokens"
         f" | speed-ups: >1 means this row is faster")
@@ -214,6 +292,11 @@ def main(argv=None) -> int:
     print(f"{r['impl']:<{width}}{r['batch']:>5} x {r['seq']:<6}{r['fwd_ms']:>9.2f}{r['fwd_bwd_ms']:>9.2f}"
           f"{r['fwd_tflops']:>9.1f}{r['fwd_bwd_tflops']:>9.1f}{r.get('cudnn_over_this_fwd_bwd', math.nan):>9.2f}"
           f"{r.get('authors_best_over_this_fwd_bwd', math.nan):>11.2f}{r['peak_gib']:>9.2f}")
+  if breakdown:
+    print(f"\n{'kernel (alone)':<24}{'B x T':>13}{'chunk':>7}{'ms':>9}{'TF/s or GB/s':>14}")
+    for r in breakdown:
+      rate = f"{r['tflops']:.1f} TF/s" if "tflops" in r else f"{r['gb_per_s']:.0f} GB/s"
+      print(f"{r['kernel']:<24}{r['batch']:>5} x {r['seq']:<6}{r['chunk']:>7}{r['ms']:>9.3f}{rate:>14}")
   return 0
 
 

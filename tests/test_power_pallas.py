@@ -18,7 +18,7 @@ from helpers import rel_err
 from pallas_kernels.power import PowerKernelConfig, kernels, power_attention_pallas
 
 B, HQ, HKV, D_HEAD, D_VALUE = 2, 4, 2, 32, 16
-SMALL = PowerKernelConfig(block_t=16, block_q=16, block_k=16)
+SMALL = PowerKernelConfig(block_t=16, block_q=16, block_k=16, grad_block=16)
 
 
 @pytest.fixture(autouse=True)

@@ -25,6 +25,9 @@ class PowerKernelConfig:
     row_group: rows a of the first tile expanded per step (row_group * 16 expanded
       features per product: 4 gives [.., 64] expanded tiles).
     num_warps, num_stages: Triton launch parameters.
+    grad_block: rows per program of the state-gradient kernel (it holds a [rows, 256]
+      float32 tile per tile pair).
+    grad_num_warps: warps of the state-gradient kernel.
   """
 
   block_t: int = 64
@@ -33,13 +36,15 @@ class PowerKernelConfig:
   row_group: int = 4
   num_warps: int = 4
   num_stages: int = 2
+  grad_block: int = 32
+  grad_num_warps: int = 4
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
       if isinstance(value, bool) or not isinstance(value, int) or not _is_power_of_two(value):
         raise ValueError(f"PowerKernelConfig.{field.name} must be a power-of-two int, got {value!r}")
-    for name in ("block_t", "block_q", "block_k"):
+    for name in ("block_t", "block_q", "block_k", "grad_block"):
       if getattr(self, name) < 16:
         raise ValueError(f"PowerKernelConfig.{name} must be >= 16 (the smallest tensor-core tile), "
                          f"got {getattr(self, name)}")
@@ -52,7 +57,7 @@ class PowerKernelConfig:
   @property
   def chunk_multiple(self) -> int:
     """Every chunk size must be a multiple of this (all blocks tile a chunk exactly)."""
-    return max(self.block_t, self.block_q, self.block_k)
+    return max(self.block_t, self.block_q, self.block_k, self.grad_block)
 
 
 def default_config() -> PowerKernelConfig:

@@ -295,7 +295,7 @@ def state_gradient(x: jax.Array, cotangent: jax.Array, cotangent_normalizer: jax
   bh, length, head_dim = x.shape
   value_dim = cotangent.shape[-1]
   dim = state.shape[2]
-  block = config.block_q
+  block = config.grad_block
   blocks_per_chunk = chunk // block
   kv = _kv_index(heads // kv_heads, heads, kv_heads)
   rows_spec = lambda width: pl.BlockSpec((None, block, width), lambda i, b: (b, i, 0))
@@ -315,7 +315,7 @@ def state_gradient(x: jax.Array, cotangent: jax.Array, cotangent_normalizer: jax
                 pl.BlockSpec((None, None, dim), lambda i, b: (kv(b), i // blocks_per_chunk, 0))],
       out_specs=out_specs,
       out_shape=out_shape,
-      compiler_params=_compiler_params(config),
+      compiler_params=pltriton.CompilerParams(num_warps=config.grad_num_warps, num_stages=config.num_stages),
       interpret=interpret,
       name="power_state_gradient",
   )(x, cotangent, cotangent_normalizer, state, normalizer)
