@@ -195,8 +195,9 @@ def main(argv=None) -> int:
   parser.add_argument("--pallas_configs", default="",
                       help="';'-separated kernel configs 'block_t,block_q,block_k,row_group,warps,stages,"
                            "grad_block,grad_warps', each its own row (default: the default config)")
-  parser.add_argument("--breakdown", action="store_true",
-                      help="also time each Pallas kernel alone (at the first chunk size)")
+  parser.add_argument("--breakdown_seq_lens", default="",
+                      help="comma list of lengths at which to also time each Pallas kernel alone (at the first "
+                           "chunk size)")
   parser.add_argument("--no_gating", action="store_true")
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--dtype", default="bfloat16")
@@ -214,7 +215,7 @@ def main(argv=None) -> int:
   chunks = [int(c) for c in args.chunk_sizes.split(",")]
   authors_chunks = [int(c) for c in args.authors_chunk_sizes.split(",")]
 
-  rows = []
+  rows, printed = [], 0
   for seq in (int(s) for s in args.seq_lens.split(",")):
     if args.tokens % seq:
       parser.error(f"--tokens ({args.tokens}) must be a multiple of every sequence length ({seq})")
@@ -251,11 +252,13 @@ def main(argv=None) -> int:
             if "error" not in row:
               row["fwd_flops"] = power_forward_flops(*shape, chunk)
             rows.append(row)
-      print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+      for row in rows[printed:]:
+        print(json.dumps(row), file=sys.stderr, flush=True)
+      printed = len(rows)
 
   breakdown = []
-  if args.breakdown and "pallas" in impls:
-    for seq in (int(s) for s in args.seq_lens.split(",")):
+  if "pallas" in impls:
+    for seq in (int(s) for s in args.breakdown_seq_lens.split(",") if s):
       breakdown += kernel_breakdown(args.tokens // seq, seq, args.heads, args.head_dim, min(chunks[0], seq), dtype,
                                     args.iters)
 

@@ -11,9 +11,19 @@ The expansion phi is tspow with 16-feature tiles (`FEATURE_TILE`): for every til
 s <= t, the 256 features x_{s,a} x_{t,b} weighted by sqrt(2) when s < t, laid out as
 castle_jax.ops.power.expansion's "tspow" with d_tile = 16 (pair-major, then a, then b),
 so states move between these kernels, the XLA chunked path and the recurrent decoder
-unchanged. No kernel writes phi to memory: a program builds `row_group * 16` expanded
-features at a time, x[:, a-group] (x) x[:, tile t], as an outer product in registers,
-and feeds it straight into a tensor-core product.
+unchanged. No kernel writes phi to memory: a program builds W = `row_group * 16`
+expanded features at a time in registers and feeds them straight into a tensor-core
+product.
+
+How phi is built: phi[:, c] = w * x[:, a0 + c // 16] * x[:, t0 + c % 16] for the W columns
+of a row block. Both factors come out of tensor-core products with 0/1 selection
+matrices, (x E_group) * (x E_tile), exact because each column of E holds a single 1.
+That costs two small extra products per block but keeps every tile in the layout the
+products use: the alternatives (a [rows, A, 16] outer product reshaped to [rows, W], or
+gathered column loads) go through shared memory or uncoalesced loads on every block.
+The backward maps gradients of phi's columns back to x's features with the transposed
+selections. Sums over phi's columns (normalizers) accumulate elementwise in a [rows, W]
+tile and are reduced once at the end.
 
 Why float32 arithmetic for phi: the product of two bf16 numbers rounded once to bf16
 (2^-9 relative) is the only rounding phi adds before the product.
@@ -56,11 +66,20 @@ def _precision(dtype):
   return lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
-def _expand(x_group: jax.Array, x_tile: jax.Array, weight) -> jax.Array:
-  """[rows, A] and [rows, 16] -> [rows, A * 16] float32: weight * x_group[:, a] * x_tile[:, b] at a * 16 + b."""
-  rows, group = x_group.shape
-  outer = x_group.astype(jnp.float32)[:, :, None] * x_tile.astype(jnp.float32)[:, None, :]
-  return outer.reshape(rows, group * FEATURE_TILE) * weight
+def _selectors(first_col, tile_col, head_dim: int, width: int, dtype):
+  """0/1 matrices [d, width]: x E_group repeats x[:, first_col + c // 16], x E_tile is x[:, tile_col + c % 16]."""
+  feature = lax.broadcasted_iota(jnp.int32, (head_dim, width), 0)
+  column = lax.broadcasted_iota(jnp.int32, (head_dim, width), 1)
+  group = jnp.where(feature == first_col + column // FEATURE_TILE, 1.0, 0.0).astype(dtype)
+  tile = jnp.where(feature == tile_col + column % FEATURE_TILE, 1.0, 0.0).astype(dtype)
+  return group, tile
+
+
+def _factors(x, selectors, precision):
+  """(x E_group, x E_tile), float32 [rows, width]: the two factors of phi's columns."""
+  group, tile = selectors
+  return (jnp.dot(x, group, precision=precision, preferred_element_type=jnp.float32),
+          jnp.dot(x, tile, precision=precision, preferred_element_type=jnp.float32))
 
 
 def _compiler_params(config: PowerKernelConfig):
@@ -72,25 +91,25 @@ def _compiler_params(config: PowerKernelConfig):
 
 
 def _update_state_kernel(first_col_ref, tile_col_ref, weight_ref, x_ref, w_ref, r_ref, u_ref, state_ref,
-                         normalizer_ref, *, chunk: int, block_t: int, row_group: int, precision):
+                         normalizer_ref, *, chunk: int, block_t: int, width: int, precision):
   block = pl.program_id(0)
-  first_col, tile_col, weight = first_col_ref[block], tile_col_ref[block], weight_ref[block]
+  weight = weight_ref[block]
   dtype = x_ref.dtype
-  rows = row_group * FEATURE_TILE
+  selectors = _selectors(first_col_ref[block], tile_col_ref[block], x_ref.shape[-1], width, dtype)
 
   def step(i, carry):
     state, normalizer = carry
     tokens = pl.ds(i * block_t, block_t)
-    phi = _expand(x_ref[tokens, pl.ds(first_col, row_group)], x_ref[tokens, pl.ds(tile_col, FEATURE_TILE)], weight)
+    group, tile = _factors(x_ref[tokens, :], selectors, precision)
+    phi = group * tile * weight
     weighted = (w_ref[tokens, :].astype(jnp.float32) * r_ref[tokens][:, None]).astype(dtype)
     state += jnp.dot(phi.astype(dtype).T, weighted, precision=precision, preferred_element_type=jnp.float32)
-    normalizer += jnp.sum(phi * u_ref[tokens][:, None], axis=0)
-    return state, normalizer
+    return state, normalizer + phi * u_ref[tokens][:, None]
 
-  init = (jnp.zeros((rows, w_ref.shape[-1]), jnp.float32), jnp.zeros((rows,), jnp.float32))
+  init = (jnp.zeros((width, w_ref.shape[-1]), jnp.float32), jnp.zeros((block_t, width), jnp.float32))
   state, normalizer = lax.fori_loop(0, chunk // block_t, step, init)
   state_ref[...] = state
-  normalizer_ref[...] = normalizer
+  normalizer_ref[...] = jnp.sum(normalizer, axis=0)
 
 
 def update_state(x: jax.Array, w: jax.Array, r: jax.Array, u: jax.Array, *, chunk: int,
@@ -116,7 +135,7 @@ def update_state(x: jax.Array, w: jax.Array, r: jax.Array, u: jax.Array, *, chun
   tile_col = jnp.asarray([b[2] for b in blocks], jnp.int32)
   weight = jnp.asarray([b[3] for b in blocks], jnp.float32)
   table = pl.BlockSpec((len(blocks),), lambda rb, n, b: (0,))
-  kernel = functools.partial(_update_state_kernel, chunk=chunk, block_t=config.block_t, row_group=config.row_group,
+  kernel = functools.partial(_update_state_kernel, chunk=chunk, block_t=config.block_t, width=rows,
                              precision=_precision(x.dtype))
   return pl.pallas_call(
       kernel,
@@ -142,16 +161,17 @@ def update_state(x: jax.Array, w: jax.Array, r: jax.Array, u: jax.Array, *, chun
 
 def _query_state_products(x_ref, state_ref, normalizer_ref, *, head_dim: int, row_group: int, precision):
   """phi(x) S [rows, d_v] and phi(x) . z [rows] for the program's rows x_ref [rows, d]."""
-  rows = x_ref.shape[0]
+  x = x_ref[...]
   width = row_group * FEATURE_TILE
-  product = jnp.zeros((rows, state_ref.shape[-1]), jnp.float32)
-  dot_normalizer = jnp.zeros((rows,), jnp.float32)
+  product = jnp.zeros((x.shape[0], state_ref.shape[-1]), jnp.float32)
+  dot_normalizer = jnp.zeros((x.shape[0], width), jnp.float32)
   for first_row, first_col, tile_col, weight in _row_blocks(head_dim, row_group):
-    phi = _expand(x_ref[:, pl.ds(first_col, row_group)], x_ref[:, pl.ds(tile_col, FEATURE_TILE)], weight)
+    group, tile = _factors(x, _selectors(first_col, tile_col, head_dim, width, x.dtype), precision)
+    phi = group * tile * weight
     state = state_ref[pl.ds(first_row, width), :]
     product += jnp.dot(phi.astype(state.dtype), state, precision=precision, preferred_element_type=jnp.float32)
-    dot_normalizer += jnp.sum(phi * normalizer_ref[pl.ds(first_row, width)][None, :], axis=1)
-  return product, dot_normalizer
+    dot_normalizer += phi * normalizer_ref[pl.ds(first_row, width)][None, :]
+  return product, jnp.sum(dot_normalizer, axis=1)
 
 
 def _causal_power_weights(q, k, g_q, g_k, q_start, k_start, precision):
@@ -247,32 +267,33 @@ def query_state_attention(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array
 
 
 def _state_gradient_kernel(x_ref, cotangent_ref, cotangent_normalizer_ref, state_ref, normalizer_ref, dx_ref,
-                           phi_dot_ref, *product_refs, head_dim: int, precision):
-  """dx and phi(x) . M for M_i = S c_i + z c^z_i, per whole tile pair; optionally phi(x) S."""
-  rows = x_ref.shape[0]
-  pair_rows = FEATURE_TILE**2
+                           phi_dot_ref, *product_refs, head_dim: int, row_group: int, precision):
+  """dx and phi(x) . M for M_i = S c_i + z c^z_i; optionally phi(x) S."""
+  x = x_ref[...]
+  rows = x.shape[0]
+  width = row_group * FEATURE_TILE
   cotangent = cotangent_ref[...]
   cotangent_normalizer = cotangent_normalizer_ref[...]
-  tiles = [jnp.zeros((rows, FEATURE_TILE), jnp.float32) for _ in range(head_dim // FEATURE_TILE)]
-  phi_dot = jnp.zeros((rows,), jnp.float32)
+  dx = jnp.zeros((rows, head_dim), jnp.float32)
+  phi_dot = jnp.zeros((rows, width), jnp.float32)
   product = jnp.zeros((rows, state_ref.shape[-1]), jnp.float32)
-  for pair, (s, t, weight) in enumerate(tile_pairs(head_dim)):
-    x_s = x_ref[:, pl.ds(s * FEATURE_TILE, FEATURE_TILE)].astype(jnp.float32)
-    x_t = x_ref[:, pl.ds(t * FEATURE_TILE, FEATURE_TILE)].astype(jnp.float32)
-    state = state_ref[pl.ds(pair * pair_rows, pair_rows), :]                          # [256, d_v]
+  for first_row, first_col, tile_col, weight in _row_blocks(head_dim, row_group):
+    selectors = _selectors(first_col, tile_col, head_dim, width, x.dtype)
+    group, tile = _factors(x, selectors, precision)
+    state = state_ref[pl.ds(first_row, width), :]                                     # [W, d_v]
     m = jnp.dot(cotangent, state.T, precision=precision, preferred_element_type=jnp.float32)
-    m += cotangent_normalizer[:, None] * normalizer_ref[pl.ds(pair * pair_rows, pair_rows)][None, :]
-    m = m.reshape(rows, FEATURE_TILE, FEATURE_TILE) * weight                         # [rows, a, b]
-    along_b = jnp.sum(m * x_t[:, None, :], axis=2)                                   # [rows, a]
-    tiles[s] += along_b
-    tiles[t] += jnp.sum(m * x_s[:, :, None], axis=1)
-    phi_dot += jnp.sum(along_b * x_s, axis=1)
+    m = (m + cotangent_normalizer[:, None] * normalizer_ref[pl.ds(first_row, width)][None, :]) * weight
+    # d/dx of sum_c m_c (x E_group)_c (x E_tile)_c, through the transposed selections.
+    dx += jnp.dot((m * tile).astype(x.dtype), selectors[0].T, precision=precision,
+                  preferred_element_type=jnp.float32)
+    dx += jnp.dot((m * group).astype(x.dtype), selectors[1].T, precision=precision,
+                  preferred_element_type=jnp.float32)
+    phi_dot += m * group * tile
     if product_refs:
-      phi = (x_s[:, :, None] * x_t[:, None, :]).reshape(rows, pair_rows) * weight
-      product += jnp.dot(phi.astype(state.dtype), state, precision=precision, preferred_element_type=jnp.float32)
-  for tile, value in enumerate(tiles):
-    dx_ref[:, pl.ds(tile * FEATURE_TILE, FEATURE_TILE)] = value
-  phi_dot_ref[...] = phi_dot
+      phi = (group * tile * weight).astype(state.dtype)
+      product += jnp.dot(phi, state, precision=precision, preferred_element_type=jnp.float32)
+  dx_ref[...] = dx
+  phi_dot_ref[...] = jnp.sum(phi_dot, axis=1)
   if product_refs:
     product_refs[0][...] = product
 
@@ -306,7 +327,8 @@ def state_gradient(x: jax.Array, cotangent: jax.Array, cotangent_normalizer: jax
   if with_product:
     out_specs.append(rows_spec(value_dim))
     out_shape.append(jax.ShapeDtypeStruct((bh, length, value_dim), jnp.float32))
-  kernel = functools.partial(_state_gradient_kernel, head_dim=head_dim, precision=_precision(x.dtype))
+  kernel = functools.partial(_state_gradient_kernel, head_dim=head_dim, row_group=config.row_group,
+                             precision=_precision(x.dtype))
   return pl.pallas_call(
       kernel,
       grid=(length // block, bh),
