@@ -62,6 +62,18 @@ def _row_blocks(head_dim: int, row_group: int) -> list[tuple[int, int, int, floa
   return blocks
 
 
+def _block_tables(head_dim: int, row_group: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Per row block: the first column of its a-group, the first column of its tile t, its weight."""
+  blocks = _row_blocks(head_dim, row_group)
+  return (jnp.asarray([b[1] for b in blocks], jnp.int32), jnp.asarray([b[2] for b in blocks], jnp.int32),
+          jnp.asarray([b[3] for b in blocks], jnp.float32))
+
+
+def _table_specs(num_blocks: int) -> list:
+  """BlockSpecs handing every program the whole [num_blocks] tables, for any grid rank."""
+  return [pl.BlockSpec((num_blocks,), lambda *program: (0,))] * 3
+
+
 def _precision(dtype):
   return lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
@@ -129,48 +141,51 @@ def update_state(x: jax.Array, w: jax.Array, r: jax.Array, u: jax.Array, *, chun
   bh, length, head_dim = x.shape
   value_dim = w.shape[-1]
   num_chunks = length // chunk
-  blocks = _row_blocks(head_dim, config.row_group)
+  tables = _block_tables(head_dim, config.row_group)
+  num_blocks = tables[0].shape[0]
   rows = config.row_group * FEATURE_TILE
-  first_col = jnp.asarray([b[1] for b in blocks], jnp.int32)
-  tile_col = jnp.asarray([b[2] for b in blocks], jnp.int32)
-  weight = jnp.asarray([b[3] for b in blocks], jnp.float32)
-  table = pl.BlockSpec((len(blocks),), lambda rb, n, b: (0,))
   kernel = functools.partial(_update_state_kernel, chunk=chunk, block_t=config.block_t, width=rows,
                              precision=_precision(x.dtype))
   return pl.pallas_call(
       kernel,
-      grid=(len(blocks), num_chunks, bh),
-      in_specs=[table, table, table,
+      grid=(num_blocks, num_chunks, bh),
+      in_specs=[*_table_specs(num_blocks),
                 pl.BlockSpec((None, chunk, head_dim), lambda rb, n, b: (b, n, 0)),
                 pl.BlockSpec((None, chunk, value_dim), lambda rb, n, b: (b, n, 0)),
                 pl.BlockSpec((None, chunk), lambda rb, n, b: (b, n)),
                 pl.BlockSpec((None, chunk), lambda rb, n, b: (b, n))],
       out_specs=[pl.BlockSpec((None, None, rows, value_dim), lambda rb, n, b: (b, n, rb, 0)),
                  pl.BlockSpec((None, None, rows), lambda rb, n, b: (b, n, rb))],
-      out_shape=[jax.ShapeDtypeStruct((bh, num_chunks, len(blocks) * rows, value_dim), jnp.float32),
-                 jax.ShapeDtypeStruct((bh, num_chunks, len(blocks) * rows), jnp.float32)],
+      out_shape=[jax.ShapeDtypeStruct((bh, num_chunks, num_blocks * rows, value_dim), jnp.float32),
+                 jax.ShapeDtypeStruct((bh, num_chunks, num_blocks * rows), jnp.float32)],
       compiler_params=_compiler_params(config),
       interpret=interpret,
       name="power_update_state",
-  )(first_col, tile_col, weight, x, w, r, u)
+  )(*tables, x, w, r, u)
 
 
 # ----------------------------------------------------------------------------------------------
 # Query state + intra-chunk attention + normalization: one program per (query block, batch * head).
 
 
-def _query_state_products(x_ref, state_ref, normalizer_ref, *, head_dim: int, row_group: int, precision):
+def _query_state_products(tables, x_ref, state_ref, normalizer_ref, *, row_group: int, precision):
   """phi(x) S [rows, d_v] and phi(x) . z [rows] for the program's rows x_ref [rows, d]."""
+  first_col_ref, tile_col_ref, weight_ref = tables
   x = x_ref[...]
   width = row_group * FEATURE_TILE
-  product = jnp.zeros((x.shape[0], state_ref.shape[-1]), jnp.float32)
-  dot_normalizer = jnp.zeros((x.shape[0], width), jnp.float32)
-  for first_row, first_col, tile_col, weight in _row_blocks(head_dim, row_group):
-    group, tile = _factors(x, _selectors(first_col, tile_col, head_dim, width, x.dtype), precision)
-    phi = group * tile * weight
-    state = state_ref[pl.ds(first_row, width), :]
+
+  def step(block, carry):
+    product, dot_normalizer = carry
+    group, tile = _factors(x, _selectors(first_col_ref[block], tile_col_ref[block], x.shape[1], width, x.dtype),
+                           precision)
+    phi = group * tile * weight_ref[block]
+    rows = pl.ds(block * width, width)
+    state = state_ref[rows, :]
     product += jnp.dot(phi.astype(state.dtype), state, precision=precision, preferred_element_type=jnp.float32)
-    dot_normalizer += phi * normalizer_ref[pl.ds(first_row, width)][None, :]
+    return product, dot_normalizer + phi * normalizer_ref[rows][None, :]
+
+  init = (jnp.zeros((x.shape[0], state_ref.shape[-1]), jnp.float32), jnp.zeros((x.shape[0], width), jnp.float32))
+  product, dot_normalizer = lax.fori_loop(0, first_col_ref.shape[0], step, init)
   return product, jnp.sum(dot_normalizer, axis=1)
 
 
@@ -184,15 +199,16 @@ def _causal_power_weights(q, k, g_q, g_k, q_start, k_start, precision):
   return jnp.where(causal, scores * scores * decay, 0.0)
 
 
-def _query_state_attention_kernel(q_ref, k_ref, v_ref, g_ref, state_ref, normalizer_ref, out_ref, denominator_ref,
-                                  *, chunk: int, block_k: int, row_group: int, precision):
-  block_q, head_dim = q_ref.shape
+def _query_state_attention_kernel(first_col_ref, tile_col_ref, weight_ref, q_ref, k_ref, v_ref, g_ref, state_ref,
+                                  normalizer_ref, out_ref, denominator_ref, *, chunk: int, block_k: int,
+                                  row_group: int, precision):
+  block_q = q_ref.shape[0]
   q_start = pl.program_id(0) * block_q
   chunk_start = (q_start // chunk) * chunk
   g_q = g_ref[pl.ds(q_start, block_q)]
 
-  numerator, denominator = _query_state_products(q_ref, state_ref, normalizer_ref, head_dim=head_dim,
-                                                 row_group=row_group, precision=precision)
+  numerator, denominator = _query_state_products((first_col_ref, tile_col_ref, weight_ref), q_ref, state_ref,
+                                                 normalizer_ref, row_group=row_group, precision=precision)
   discount = jnp.exp(g_q)
   numerator *= discount[:, None]
   denominator *= discount
@@ -241,12 +257,14 @@ def query_state_attention(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array
   block_q = config.block_q
   blocks_per_chunk = chunk // block_q
   kv = _kv_index(heads // kv_heads, heads, kv_heads)
+  tables = _block_tables(head_dim, config.row_group)
   kernel = functools.partial(_query_state_attention_kernel, chunk=chunk, block_k=config.block_k,
                              row_group=config.row_group, precision=_precision(q.dtype))
   return pl.pallas_call(
       kernel,
       grid=(length // block_q, bhq),
-      in_specs=[pl.BlockSpec((None, block_q, head_dim), lambda i, b: (b, i, 0)),
+      in_specs=[*_table_specs(tables[0].shape[0]),
+                pl.BlockSpec((None, block_q, head_dim), lambda i, b: (b, i, 0)),
                 pl.BlockSpec((None, length, head_dim), lambda i, b: (kv(b), 0, 0)),
                 pl.BlockSpec((None, length, value_dim), lambda i, b: (kv(b), 0, 0)),
                 pl.BlockSpec((None, length), lambda i, b: (kv(b), 0)),
@@ -259,39 +277,45 @@ def query_state_attention(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array
       compiler_params=_compiler_params(config),
       interpret=interpret,
       name="power_query_state_attention",
-  )(q, k, v, g, state, normalizer)
+  )(*tables, q, k, v, g, state, normalizer)
 
 
 # ----------------------------------------------------------------------------------------------
 # Backward: gradients through a state product, and the intra-chunk attention.
 
 
-def _state_gradient_kernel(x_ref, cotangent_ref, cotangent_normalizer_ref, state_ref, normalizer_ref, dx_ref,
-                           phi_dot_ref, *product_refs, head_dim: int, row_group: int, precision):
+def _state_gradient_kernel(first_col_ref, tile_col_ref, weight_ref, x_ref, cotangent_ref, cotangent_normalizer_ref,
+                           state_ref, normalizer_ref, dx_ref, phi_dot_ref, *product_refs, row_group: int, precision):
   """dx and phi(x) . M for M_i = S c_i + z c^z_i; optionally phi(x) S."""
   x = x_ref[...]
-  rows = x.shape[0]
+  rows, head_dim = x.shape
   width = row_group * FEATURE_TILE
   cotangent = cotangent_ref[...]
   cotangent_normalizer = cotangent_normalizer_ref[...]
-  dx = jnp.zeros((rows, head_dim), jnp.float32)
-  phi_dot = jnp.zeros((rows, width), jnp.float32)
-  product = jnp.zeros((rows, state_ref.shape[-1]), jnp.float32)
-  for first_row, first_col, tile_col, weight in _row_blocks(head_dim, row_group):
-    selectors = _selectors(first_col, tile_col, head_dim, width, x.dtype)
+
+  def step(block, carry):
+    dx, phi_dot, product = carry
+    selectors = _selectors(first_col_ref[block], tile_col_ref[block], head_dim, width, x.dtype)
     group, tile = _factors(x, selectors, precision)
-    state = state_ref[pl.ds(first_row, width), :]                                     # [W, d_v]
+    block_rows = pl.ds(block * width, width)
+    state = state_ref[block_rows, :]                                                  # [W, d_v]
+    weight = weight_ref[block]
     m = jnp.dot(cotangent, state.T, precision=precision, preferred_element_type=jnp.float32)
-    m = (m + cotangent_normalizer[:, None] * normalizer_ref[pl.ds(first_row, width)][None, :]) * weight
+    m = (m + cotangent_normalizer[:, None] * normalizer_ref[block_rows][None, :]) * weight
     # d/dx of sum_c m_c (x E_group)_c (x E_tile)_c, through the transposed selections.
     dx += jnp.dot((m * tile).astype(x.dtype), selectors[0].T, precision=precision,
                   preferred_element_type=jnp.float32)
     dx += jnp.dot((m * group).astype(x.dtype), selectors[1].T, precision=precision,
                   preferred_element_type=jnp.float32)
-    phi_dot += m * group * tile
     if product_refs:
       phi = (group * tile * weight).astype(state.dtype)
       product += jnp.dot(phi, state, precision=precision, preferred_element_type=jnp.float32)
+    return dx, phi_dot + m * group * tile, product
+
+  value_dim = state_ref.shape[-1] if product_refs else FEATURE_TILE
+  init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.zeros((rows, width), jnp.float32),
+          jnp.zeros((rows, value_dim), jnp.float32))
+  dx, phi_dot, product = lax.fori_loop(0, first_col_ref.shape[0], step, init)
   dx_ref[...] = dx
   phi_dot_ref[...] = jnp.sum(phi_dot, axis=1)
   if product_refs:
@@ -327,12 +351,12 @@ def state_gradient(x: jax.Array, cotangent: jax.Array, cotangent_normalizer: jax
   if with_product:
     out_specs.append(rows_spec(value_dim))
     out_shape.append(jax.ShapeDtypeStruct((bh, length, value_dim), jnp.float32))
-  kernel = functools.partial(_state_gradient_kernel, head_dim=head_dim, row_group=config.row_group,
-                             precision=_precision(x.dtype))
+  tables = _block_tables(head_dim, config.row_group)
+  kernel = functools.partial(_state_gradient_kernel, row_group=config.row_group, precision=_precision(x.dtype))
   return pl.pallas_call(
       kernel,
       grid=(length // block, bh),
-      in_specs=[rows_spec(head_dim), rows_spec(value_dim), vector_spec,
+      in_specs=[*_table_specs(tables[0].shape[0]), rows_spec(head_dim), rows_spec(value_dim), vector_spec,
                 pl.BlockSpec((None, None, dim, value_dim), lambda i, b: (kv(b), i // blocks_per_chunk, 0, 0)),
                 pl.BlockSpec((None, None, dim), lambda i, b: (kv(b), i // blocks_per_chunk, 0))],
       out_specs=out_specs,
@@ -340,7 +364,7 @@ def state_gradient(x: jax.Array, cotangent: jax.Array, cotangent_normalizer: jax
       compiler_params=pltriton.CompilerParams(num_warps=config.grad_num_warps, num_stages=config.num_stages),
       interpret=interpret,
       name="power_state_gradient",
-  )(x, cotangent, cotangent_normalizer, state, normalizer)
+  )(*tables, x, cotangent, cotangent_normalizer, state, normalizer)
 
 
 def _attention_terms(q, k, v, d_num, d_den, g_q, g_k, q_start, k_start, precision):
