@@ -172,9 +172,9 @@ def kernel_breakdown(batch, seq, heads, head_dim, chunk, dtype, iters, config=No
     rows.append({"kernel": name, "batch": batch, "seq": seq, "chunk": chunk, "ms": ms, "tflops": flops / ms / 1e9})
   states = jnp.zeros((bh, n, dim, head_dim), jnp.float32)
   totals = g[:, chunk - 1::chunk]
-  scan = jax.jit(lambda: _discumsum(states, normalizer, totals, states[:, 0], normalizer[:, 0]))
+  scan = jax.jit(lambda: _discumsum(states, normalizer, totals, states[:, 0], normalizer[:, 0], state_dtype=dtype))
   ms = median_ms(lambda *_: scan(), [()], iters)
-  moved = 3 * states.size * 4  # read own states, write entering states, + the carry's traffic
+  moved = states.size * (4 + jnp.dtype(dtype).itemsize)  # read own states, write entering states
   rows.append({"kernel": "discumsum (XLA scan)", "batch": batch, "seq": seq, "chunk": chunk, "ms": ms,
                "gb_per_s": moved / ms / 1e6})
   return rows

@@ -57,16 +57,19 @@ def _chunk_gates(log_g: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
 
 
 def _discumsum(chunk_states: jax.Array, chunk_normalizers: jax.Array, totals: jax.Array, state: jax.Array,
-               normalizer: jax.Array):
-  """States entering each chunk [BH, n, D, d_v], [BH, n, D] and the final state.
+               normalizer: jax.Array, state_dtype=jnp.float32):
+  """States entering each chunk [BH, n, D, d_v] (in `state_dtype`), [BH, n, D] and the final state.
 
-  S_0 = the initial state, S_{c+1} = e^{total_c} S_c + dS_c.
+  S_0 = the initial state, S_{c+1} = e^{total_c} S_c + dS_c, carried in float32; the
+  entering states are written in the dtype the query-state products read (half the bytes
+  for bf16).
   """
   def step(carry, chunk):
     state, normalizer = carry
     delta_state, delta_normalizer, total = chunk
     decay = jnp.exp(total)
-    return (decay[:, None, None] * state + delta_state, decay[:, None] * normalizer + delta_normalizer), carry
+    new = (decay[:, None, None] * state + delta_state, decay[:, None] * normalizer + delta_normalizer)
+    return new, (state.astype(state_dtype), normalizer)
 
   final, entering = lax.scan(step, (state, normalizer),
                              (jnp.moveaxis(chunk_states, 1, 0), jnp.moveaxis(chunk_normalizers, 1, 0),
@@ -98,8 +101,7 @@ def _forward(q, k, v, log_g, state, normalizer, *, scale, chunk, config, interpr
   dim = chunk_states.shape[2]
   entering, entering_normalizers, (final_state, final_normalizer) = _discumsum(
       chunk_states, chunk_normalizers, totals, state.reshape(batch * kv_heads, dim, -1),
-      normalizer.reshape(batch * kv_heads, dim))
-  entering = entering.astype(q.dtype)
+      normalizer.reshape(batch * kv_heads, dim), state_dtype=q.dtype)
   out_folded, denominator = kernels.query_state_attention(
       q_folded, k_folded, v_folded, g, entering, entering_normalizers, heads=heads, kv_heads=kv_heads, chunk=chunk,
       config=config, interpret=interpret)
