@@ -132,3 +132,29 @@ def test_bad_head_dims():
     power_attention(q[..., :24], k[..., :24], v, log_g, chunk_size=64, implementation="pallas")
   with pytest.raises(ValueError, match="power-of-two value_dim"):
     power_attention(q, k, v[..., :12], log_g, chunk_size=64, implementation="pallas")
+
+
+def test_gradients_through_the_entry_point_with_the_default_config():
+  inputs = _inputs(10, seq=70)
+  cotangent = jnp.asarray(np.random.default_rng(11).standard_normal((B, 70, HQ, D_VALUE)), jnp.float32)
+
+  def loss(impl, *args):
+    return jnp.sum(power_attention(*args, chunk_size=64, implementation=impl) * cotangent)
+
+  grads = jax.grad(functools.partial(loss, "pallas"), argnums=range(4))(*inputs)
+  expected = jax.grad(functools.partial(loss, "reference"), argnums=range(4))(*inputs)
+  for name, g, e in zip(("q", "k", "v", "log_g"), grads, expected):
+    assert rel_err(g, e) < 1e-4, name
+
+
+def test_default_implementation_on_a_gpu_picks_the_kernels_when_they_apply(monkeypatch):
+  from castle_jax.ops.power import api
+  q, _, v, _ = _inputs(12, seq=8)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert api._default_implementation(2, q, v, 128)[0] == "pallas"
+  implementation, reason = api._default_implementation(4, q, v, 128)
+  assert implementation == "xla" and "p=2 only" in reason
+  assert api._default_implementation(2, q, v, 100)[0] == "xla"
+  assert api._default_implementation(2, q[..., :24], v, 128)[0] == "xla"
+  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+  assert api._default_implementation(2, q, v, 128)[0] == "xla"

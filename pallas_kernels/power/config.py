@@ -35,15 +35,17 @@ class PowerKernelConfig:
   block_k: int = 64
   row_group: int = 4
   num_warps: int = 4
-  num_stages: int = 2
-  grad_block: int = 32
+  num_stages: int = 3
+  grad_block: int = 64
   grad_num_warps: int = 4
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
-      if isinstance(value, bool) or not isinstance(value, int) or not _is_power_of_two(value):
-        raise ValueError(f"PowerKernelConfig.{field.name} must be a power-of-two int, got {value!r}")
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"PowerKernelConfig.{field.name} must be an int >= 1, got {value!r}")
+      if field.name != "num_stages" and not _is_power_of_two(value):
+        raise ValueError(f"PowerKernelConfig.{field.name} must be a power of two, got {value}")
     for name in ("block_t", "block_q", "block_k", "grad_block"):
       if getattr(self, name) < 16:
         raise ValueError(f"PowerKernelConfig.{name} must be >= 16 (the smallest tensor-core tile), "

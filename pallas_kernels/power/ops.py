@@ -32,13 +32,30 @@ SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 EXPANSION = ("tspow", FEATURE_TILE)
 
 
+def unsupported_reason(p: int, q: jax.Array, v: jax.Array, chunk_size: int,
+                       config: PowerKernelConfig | None = None) -> str | None:
+  """Why the kernels cannot run these inputs (a message naming the argument and the fix), or None."""
+  config = config or default_config()
+  if p != 2:
+    return f"implementation='pallas' supports p=2 only, got p={p}; use implementation='xla'"
+  for name, size in (("head_dim", q.shape[-1]), ("value_dim", v.shape[-1])):
+    if size < FEATURE_TILE or size & (size - 1):
+      return (f"implementation='pallas' needs a power-of-two {name} >= {FEATURE_TILE}, got {size}; "
+              "use implementation='xla'")
+  if q.dtype not in SUPPORTED_DTYPES:
+    return (f"implementation='pallas' supports {[jnp.dtype(d).name for d in SUPPORTED_DTYPES]}, got {q.dtype}; "
+            "use implementation='xla'")
+  multiple = config.chunk_multiple
+  if chunk_size % multiple:
+    return (f"chunk_size ({chunk_size}) must be a multiple of {multiple} (the kernels' largest block) for "
+            f"implementation='pallas'; try {max(multiple, chunk_size // multiple * multiple)}")
+  return None
+
+
 def kernel_chunk_size(chunk_size: int, seq: int, config: PowerKernelConfig) -> int:
   """The chunk the kernels use: `chunk_size` (a multiple of config.chunk_multiple), or
   the sequence rounded up to that multiple when it is shorter (one chunk: the attention form)."""
   multiple = config.chunk_multiple
-  if chunk_size % multiple:
-    raise ValueError(f"chunk_size ({chunk_size}) must be a multiple of {multiple} (the kernels' largest block) "
-                     f"for implementation='pallas'; try {max(multiple, chunk_size // multiple * multiple)}")
   return min(chunk_size, -(-seq // multiple) * multiple)
 
 
@@ -244,13 +261,9 @@ def power_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, log_g: jax.
     interpret = jax.default_backend() == "cpu"
   batch, seq, _, head_dim = q.shape
   kv_heads, value_dim = k.shape[2], v.shape[3]
-  for name, size in (("head_dim", head_dim), ("value_dim", value_dim)):
-    if size < FEATURE_TILE or size & (size - 1):
-      raise ValueError(f"implementation='pallas' needs a power-of-two {name} >= {FEATURE_TILE}, got {size}; "
-                       "use implementation='xla'")
-  if q.dtype not in SUPPORTED_DTYPES:
-    raise ValueError(f"implementation='pallas' supports {[jnp.dtype(d).name for d in SUPPORTED_DTYPES]}, "
-                     f"got {q.dtype}; use implementation='xla'")
+  reason = unsupported_reason(2, q, v, chunk_size, config)
+  if reason:
+    raise ValueError(reason)
   chunk = kernel_chunk_size(chunk_size, seq, config)
   if log_g is None:
     log_g = jnp.zeros((batch, seq, kv_heads), jnp.float32)

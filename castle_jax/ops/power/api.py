@@ -8,7 +8,8 @@
     dims >= 16, chunk_size a multiple of the kernels' largest block (64 by default); runs
     in interpret mode on CPU (slow: for tests). States cross the boundary in `expansion`'s
     layout (the kernels use tspow with 16-feature tiles inside).
-  - None: the best available path, today "xla"; the choice is logged at debug level.
+  - None: "pallas" on a GPU when the kernels support the inputs (p = 2, power-of-two
+    dims, chunk_size a multiple of 64), else "xla"; the choice is logged at debug level.
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ def power_attention(
   p, scale, d_tile = validate_all(q, k, v, log_g, p, scale, expansion, d_tile, initial_state)
   chunk_size = validate_chunk_size(chunk_size)
   if implementation is None:
-    implementation = "xla"
-    _logger.debug("power_attention: implementation=None -> 'xla' (no Pallas power-attention kernel yet)")
+    implementation, why = _default_implementation(p, q, v, chunk_size)
+    _logger.debug("power_attention: implementation=None -> %r (%s)", implementation, why)
   elif implementation not in IMPLEMENTATIONS:
     raise ValueError(f"Unknown power-attention implementation {implementation!r}; "
                      f"choose one of {IMPLEMENTATIONS} or None")
@@ -92,11 +93,19 @@ def power_attention(
   return (out, final_state) if return_final_state else out
 
 
+def _default_implementation(p, q, v, chunk_size) -> tuple[str, str]:
+  if jax.default_backend() != "gpu":
+    return "xla", f"the Pallas kernels are GPU kernels; backend is {jax.default_backend()!r}"
+  from pallas_kernels.power.ops import unsupported_reason
+  reason = unsupported_reason(p, q, v, chunk_size)
+  return ("xla", reason) if reason else ("pallas", "GPU and supported inputs")
+
+
 def _pallas(q, k, v, log_g, *, p, scale, chunk_size, expansion, d_tile, initial_state, return_final_state):
   from pallas_kernels.power import power_attention_pallas
   from pallas_kernels.power.ops import EXPANSION
 
-  if p != 2:
+  if p != 2:  # checked here too: the kernels' tables assume p = 2
     raise ValueError(f"implementation='pallas' supports p=2 only, got p={p}; use implementation='xla'")
   head_dim = q.shape[-1]
   layout = (expansion, d_tile)
