@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from castle_jax.ops.attention import causal_attention
 from castle_jax.ops.castle import castle_attention
-from timing import median_ms, peak_bytes, torch_median_ms
+from timing import error_text, time_forward_and_gradients, torch_median_ms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,20 +103,8 @@ def measure(case: Case, batch: int, seq: int, head_dim: int, dtype, iters: int) 
     cotangent = jax.random.normal(keys[-1], shape, jnp.float32).astype(dtype)
     args_sets.append(inputs + (cotangent,))
 
-  forward = jax.jit(lambda *a: case.fn(*a[:-1]))
-
-  def loss(*a):
-    return jnp.sum(case.fn(*a[:-1]).astype(jnp.float32) * a[-1].astype(jnp.float32))
-
-  backward = jax.jit(jax.grad(loss, argnums=tuple(range(case.num_inputs))))
   result = {"impl": case.name, "batch": batch, "seq": seq, "heads": case.heads, "head_dim": head_dim}
-  try:
-    compiled = backward.lower(*args_sets[0]).compile()
-    result["fwd_ms"] = median_ms(forward, args_sets, iters)
-    result["fwd_bwd_ms"] = median_ms(compiled, args_sets, iters)
-    result["peak_gib"] = (peak_bytes(compiled) or 0) / 2**30
-  except Exception as e:  # report and go on: one failing row must not lose the others
-    result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+  result.update(time_forward_and_gradients(case.fn, case.num_inputs, args_sets, iters))
   return result
 
 
@@ -136,7 +124,7 @@ def measure_peer(batch: int, seq: int, heads: int, head_dim: int, iters: int) ->
     result["fwd_ms"] = torch_median_ms(lambda: castle_attention_triton(*inputs, head_dim ** -0.5, False), iters,
                                        warmup=1)
   except Exception as e:  # a missing or failing peer must not lose the other rows
-    result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    result["error"] = error_text(e)
   return result
 
 

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from castle_jax.ops.attention import causal_attention
 from castle_jax.ops.power import power_attention
-from timing import median_ms, peak_bytes, torch_median_ms
+from timing import error_text, median_ms, time_forward_and_gradients, torch_median_ms
 
 
 def power_forward_flops(batch: int, seq: int, heads: int, head_dim: int, chunk: int) -> float:
@@ -73,20 +73,8 @@ def measure_jax(name: str, fn, batch, seq, heads, head_dim, dtype, iters, gated:
   """fwd and fwd+bwd of fn(q, k, v[, log_g]) -> [B, T, H, d]."""
   args_sets = _jax_inputs(batch, seq, heads, head_dim, dtype, gated)
   num_inputs = 4 if gated else 3
-  forward = jax.jit(lambda *a: fn(*a[:-1]))
-
-  def loss(*a):
-    return jnp.sum(fn(*a[:-1]).astype(jnp.float32) * a[-1].astype(jnp.float32))
-
-  backward = jax.jit(jax.grad(loss, argnums=tuple(range(num_inputs))))
   row = {"impl": name, "batch": batch, "seq": seq, "heads": heads, "head_dim": head_dim}
-  try:
-    compiled = backward.lower(*args_sets[0]).compile()
-    row["fwd_ms"] = median_ms(forward, args_sets, iters)
-    row["fwd_bwd_ms"] = median_ms(compiled, args_sets, iters)
-    row["peak_gib"] = (peak_bytes(compiled) or 0) / 2**30
-  except Exception as e:  # report and go on: one failing row must not lose the others
-    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+  row.update(time_forward_and_gradients(fn, num_inputs, args_sets, iters))
   return row
 
 
@@ -118,7 +106,7 @@ def measure_authors(batch, seq, heads, head_dim, chunk, iters) -> dict:
     row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     torch.cuda.reset_peak_memory_stats()
   except Exception as e:  # a missing or failing peer must not lose the other rows
-    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    row["error"] = error_text(e)
   return row
 
 

@@ -50,3 +50,30 @@ def peak_bytes(compiled) -> int | None:
     return None
   return int(stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
              - stats.alias_size_in_bytes)
+
+
+def error_text(e: Exception) -> str:
+  """One short line for a failed benchmark row."""
+  return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def time_forward_and_gradients(fn: Callable, num_inputs: int, args_sets: Sequence[tuple], iters: int) -> dict:
+  """fwd_ms, fwd_bwd_ms (gradients of the first `num_inputs` arguments) and peak_gib of fn.
+
+  Each args tuple is (*inputs, cotangent); the backward differentiates sum(fn(*inputs) *
+  cotangent). A failure is reported as {"error": ...} so that one row cannot lose the others.
+  """
+  import jax
+  import jax.numpy as jnp
+  forward = jax.jit(lambda *a: fn(*a[:-1]))
+
+  def loss(*a):
+    return jnp.sum(fn(*a[:-1]).astype(jnp.float32) * a[-1].astype(jnp.float32))
+
+  backward = jax.jit(jax.grad(loss, argnums=tuple(range(num_inputs))))
+  try:
+    compiled = backward.lower(*args_sets[0]).compile()
+    return {"fwd_ms": median_ms(forward, args_sets, iters), "fwd_bwd_ms": median_ms(compiled, args_sets, iters),
+            "peak_gib": (peak_bytes(compiled) or 0) / 2**30}
+  except Exception as e:  # report and go on
+    return {"error": error_text(e)}
