@@ -2,7 +2,7 @@
 
 Against the XLA chunked form in float32 with full-precision matmuls (itself checked
 against the definition on CPU): outputs, final states and the gradients of q, k, v and
-the log-gates, for head dims 32 and 64, grouped-query heads, a length that is not a
+the log-gates, for head dims 32/64/128, grouped-query heads, a length that is not a
 multiple of the chunk, several chunk sizes, float32 and bf16 inputs.
 """
 
@@ -42,7 +42,7 @@ def _run(impl, chunk, inputs, cotangent):
 # Few cases: each compiles every kernel anew (tens of seconds on the GPU machine).
 @pytest.mark.parametrize("head_dim, seq, chunk, heads, kv_heads, dtype", [
     (64, 1000, 256, 4, 4, jnp.float32), (64, 2048, 1024, 6, 2, jnp.bfloat16), (32, 700, 128, 2, 2, jnp.bfloat16),
-    (64, 1, 64, 2, 2, jnp.bfloat16)])
+    (64, 1, 64, 2, 2, jnp.bfloat16), (128, 512, 256, 2, 1, jnp.bfloat16)])
 def test_compiled_kernels_match_the_chunked_form(head_dim, seq, chunk, heads, kv_heads, dtype):
   inputs, cotangent = _inputs(head_dim + seq, 2, seq, heads, kv_heads, head_dim, dtype)
   with jax.default_matmul_precision("highest"):
