@@ -158,3 +158,20 @@ def test_default_implementation_on_a_gpu_picks_the_kernels_when_they_apply(monke
   assert api._default_implementation(2, q[..., :24], v, 128)[0] == "xla"
   monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
   assert api._default_implementation(2, q, v, 128)[0] == "xla"
+
+
+def test_pallas_default_chunk_is_large(monkeypatch):
+  import pallas_kernels.power as kernels_package
+  from castle_jax.ops.power import api
+  seen = {}
+
+  def spy(*args, chunk_size, **kwargs):
+    seen["chunk_size"] = chunk_size
+    return kernels_package.ops.power_attention_pallas(*args, chunk_size=chunk_size, **kwargs)
+
+  monkeypatch.setattr(kernels_package, "power_attention_pallas", spy)
+  inputs = _inputs(13, seq=8)
+  power_attention(*inputs, implementation="pallas")
+  assert seen["chunk_size"] == api.PALLAS_DEFAULT_CHUNK_SIZE == 1024
+  power_attention(*inputs, implementation="pallas", chunk_size=64)
+  assert seen["chunk_size"] == 64

@@ -24,6 +24,7 @@ from castle_jax.ops.power.expansion import convert_expanded
 from castle_jax.ops.power.reference import power_attention_reference, reference_state
 
 IMPLEMENTATIONS = ("reference", "xla", "pallas")
+PALLAS_DEFAULT_CHUNK_SIZE = 1024
 
 _logger = logging.getLogger(__name__)
 
@@ -56,7 +57,8 @@ def power_attention(
     log_g: [batch, seq, kv_heads] log-gates (e.g. log_sigmoid of a projection), or None.
     p: even power >= 2 (2 and 4 are the paper's).
     scale: score scale; None means 1/sqrt(head_dim), as in the authors' code.
-    chunk_size: tokens per chunk of "xla" (static; default 128); seq need not be a multiple.
+    chunk_size: tokens per chunk (static); seq need not be a multiple. None: 128 for "xla",
+      1024 for "pallas" (the kernels' measured sweet spot; clipped to the sequence).
     expansion: "spow", "tpow" or "tspow": the phi of the chunked form and of the state.
     d_tile: tile size of "tspow" (default 8 for p = 2, else 4).
     initial_state: PowerState from earlier tokens (e.g. a prompt), or None.
@@ -73,6 +75,7 @@ def power_attention(
       chunk_size, expansion or d_tile, unknown implementation.
   """
   p, scale, d_tile = validate_all(q, k, v, log_g, p, scale, expansion, d_tile, initial_state)
+  requested_chunk = chunk_size
   chunk_size = validate_chunk_size(chunk_size)
   if implementation is None:
     implementation, why = _default_implementation(p, q, v, chunk_size)
@@ -81,6 +84,8 @@ def power_attention(
     raise ValueError(f"Unknown power-attention implementation {implementation!r}; "
                      f"choose one of {IMPLEMENTATIONS} or None")
   if implementation == "pallas":
+    if requested_chunk is None:
+      chunk_size = PALLAS_DEFAULT_CHUNK_SIZE
     return _pallas(q, k, v, log_g, p=p, scale=scale, chunk_size=chunk_size, expansion=expansion, d_tile=d_tile,
                    initial_state=initial_state, return_final_state=return_final_state)
   options = dict(p=p, scale=scale, expansion=expansion, d_tile=d_tile, initial_state=initial_state)
