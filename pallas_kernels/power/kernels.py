@@ -189,14 +189,17 @@ def _query_state_products(tables, x_ref, state_ref, normalizer_ref, *, row_group
   return product, jnp.sum(dot_normalizer, axis=1)
 
 
-def _causal_power_weights(q, k, g_q, g_k, q_start, k_start, precision):
-  """A = (q . k)^2 e^{G_i - G_j} on and below the diagonal, 0 above; float32 [block_q, block_k]."""
+def _scores_and_decay(q, k, g_q, g_k, q_start, k_start, precision):
+  """q . k and the causal decay e^{G_i - G_j} (0 above the diagonal); float32 [block_q, block_k].
+
+  The power weights of the block are A = scores^2 * decay.
+  """
   scores = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32)
   rows = q_start + lax.broadcasted_iota(jnp.int32, scores.shape, 0)
   cols = k_start + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
   causal = rows >= cols
-  decay = jnp.exp(jnp.where(causal, g_q[:, None] - g_k[None, :], 0.0))
-  return jnp.where(causal, scores * scores * decay, 0.0)
+  # Above the diagonal G_i - G_j >= 0 could overflow exp: select before exponentiating.
+  return scores, jnp.where(causal, jnp.exp(jnp.where(causal, g_q[:, None] - g_k[None, :], 0.0)), 0.0)
 
 
 def _query_state_attention_kernel(first_col_ref, tile_col_ref, weight_ref, q_ref, k_ref, v_ref, g_ref, state_ref,
@@ -218,7 +221,8 @@ def _query_state_attention_kernel(first_col_ref, tile_col_ref, weight_ref, q_ref
     numerator, denominator = carry
     k_start = chunk_start + j * block_k
     keys = pl.ds(k_start, block_k)
-    weights = _causal_power_weights(q, k_ref[keys, :], g_q, g_ref[keys], q_start, k_start, precision)
+    scores, decay = _scores_and_decay(q, k_ref[keys, :], g_q, g_ref[keys], q_start, k_start, precision)
+    weights = scores * scores * decay
     numerator += jnp.dot(weights.astype(v_ref.dtype), v_ref[keys, :], precision=precision,
                          preferred_element_type=jnp.float32)
     return numerator, denominator + jnp.sum(weights, axis=1)
@@ -369,11 +373,7 @@ def state_gradient(x: jax.Array, cotangent: jax.Array, cotangent_normalizer: jax
 
 def _attention_terms(q, k, v, d_num, d_den, g_q, g_k, q_start, k_start, precision):
   """For one block pair: the weights A, dA = dN V^T + dden, and d scores (float32)."""
-  scores = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32)
-  rows = q_start + lax.broadcasted_iota(jnp.int32, scores.shape, 0)
-  cols = k_start + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
-  causal = rows >= cols
-  decay = jnp.where(causal, jnp.exp(jnp.where(causal, g_q[:, None] - g_k[None, :], 0.0)), 0.0)
+  scores, decay = _scores_and_decay(q, k, g_q, g_k, q_start, k_start, precision)
   weights = scores * scores * decay
   d_weights = jnp.dot(d_num, v.T, precision=precision, preferred_element_type=jnp.float32) + d_den[:, None]
   return weights, d_weights, 2.0 * scores * decay * d_weights

@@ -66,11 +66,26 @@ def _fold(x: jax.Array, length: int) -> jax.Array:
   return jnp.moveaxis(x, 2, 1).reshape(batch * heads, length, *x.shape[3:])
 
 
+def _unfold(x: jax.Array, batch: int, heads: int, seq: int) -> jax.Array:
+  """[B * H, length, ...] -> [B, seq, H, ...]: the inverse of `_fold`."""
+  return jnp.moveaxis(x.reshape(batch, heads, x.shape[1], *x.shape[2:]), 1, 2)[:, :seq]
+
+
+def _fold_inputs(q, k, v, scale: float, length: int):
+  """q (times scale, in q's dtype), k and v folded to [B * H, length, ...]."""
+  return _fold((q.astype(jnp.float32) * scale).astype(q.dtype), length), _fold(k, length), _fold(v, length)
+
+
 def _chunk_gates(log_g: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
   """Cumulative log-gates within each chunk [BH, T] and each chunk's total [BH, n]."""
   bh, length = log_g.shape
   cumulative = jnp.cumsum(log_g.astype(jnp.float32).reshape(bh, length // chunk, chunk), axis=-1)
   return cumulative.reshape(bh, length), cumulative[..., -1]
+
+
+def _key_decay(g: jax.Array, totals: jax.Array, chunk: int) -> jax.Array:
+  """r_j = e^{total - G_j} [BH, T]: how much key j is discounted by the end of its chunk."""
+  return jnp.exp(jnp.repeat(totals, chunk, axis=1) - g)
 
 
 def _discumsum(chunk_states: jax.Array, chunk_normalizers: jax.Array, totals: jax.Array, state: jax.Array,
@@ -94,7 +109,7 @@ def _discumsum(chunk_states: jax.Array, chunk_normalizers: jax.Array, totals: ja
   return jnp.moveaxis(entering[0], 0, 1), jnp.moveaxis(entering[1], 0, 1), final
 
 
-def _expand_to_q_heads(x: jax.Array, batch: int, kv_heads: int, group: int) -> jax.Array:
+def _expand_to_q_heads(x: jax.Array, group: int) -> jax.Array:
   """[B * kv_heads, ...] -> [B * heads, ...]: each kv head's row repeated for its query heads."""
   return jnp.repeat(x, group, axis=0) if group > 1 else x
 
@@ -109,10 +124,9 @@ def _forward(q, k, v, log_g, state, normalizer, *, scale, chunk, config, interpr
   batch, seq, heads, head_dim = q.shape
   kv_heads = k.shape[2]
   length = -(-seq // chunk) * chunk
-  q_folded = _fold((q.astype(jnp.float32) * scale).astype(q.dtype), length)
-  k_folded, v_folded = _fold(k, length), _fold(v, length)
+  q_folded, k_folded, v_folded = _fold_inputs(q, k, v, scale, length)
   g, totals = _chunk_gates(_fold(log_g, length), chunk)
-  decay = jnp.exp(jnp.repeat(totals, chunk, axis=1) - g)
+  decay = _key_decay(g, totals, chunk)
   chunk_states, chunk_normalizers = kernels.update_state(k_folded, v_folded, decay, decay, chunk=chunk,
                                                          config=config, interpret=interpret)
   dim = chunk_states.shape[2]
@@ -122,7 +136,7 @@ def _forward(q, k, v, log_g, state, normalizer, *, scale, chunk, config, interpr
   out_folded, denominator = kernels.query_state_attention(
       q_folded, k_folded, v_folded, g, entering, entering_normalizers, heads=heads, kv_heads=kv_heads, chunk=chunk,
       config=config, interpret=interpret)
-  out = jnp.moveaxis(out_folded.reshape(batch, heads, length, -1), 1, 2)[:, :seq]
+  out = _unfold(out_folded, batch, heads, seq)
   residuals = (out_folded, denominator, entering, entering_normalizers, g, totals)
   return (out, final_state.reshape(state.shape), final_normalizer.reshape(normalizer.shape)), residuals
 
@@ -164,8 +178,7 @@ def _backward(q, k, v, log_g, state, normalizer, residuals, cotangents, *, scale
   length = out_folded.shape[1]
   dtype = q.dtype
   options = dict(chunk=chunk, config=config, interpret=interpret)
-  q_folded = _fold((q.astype(jnp.float32) * scale).astype(dtype), length)
-  k_folded, v_folded = _fold(k, length), _fold(v, length)
+  q_folded, k_folded, v_folded = _fold_inputs(q, k, v, scale, length)
 
   # y = N / den: dN = dy / den, dden = -(dy . y) / den.
   d_y = _fold(d_out.astype(jnp.float32), length)
@@ -175,7 +188,7 @@ def _backward(q, k, v, log_g, state, normalizer, residuals, cotangents, *, scale
   d_den = jnp.where(zero, 0.0, -jnp.sum(d_y * out_folded.astype(jnp.float32), axis=-1) / safe)
 
   # Query state e^{G_i} phi(q_i) [S, z]: gradients of q, of G and of the entering states.
-  discount = jnp.exp(_expand_to_q_heads(g, batch, kv_heads, group))
+  discount = jnp.exp(_expand_to_q_heads(g, group))
   dq, dg_q = kernels.state_gradient(q_folded, (d_num * discount[..., None]).astype(dtype), d_den * discount,
                                     entering, entering_normalizers, heads=heads, kv_heads=kv_heads, **options)
   query_states, query_normalizers = kernels.update_state(q_folded, d_num.astype(dtype), discount,
@@ -186,7 +199,7 @@ def _backward(q, k, v, log_g, state, normalizer, residuals, cotangents, *, scale
       d_final_normalizer.reshape(batch * kv_heads, -1).astype(jnp.float32))
 
   # Each chunk's own state sum_j r_j phi(k_j) [v_j, 1], r_j = e^{total - G_j}.
-  decay = jnp.exp(jnp.repeat(totals, chunk, axis=1) - g)
+  decay = _key_decay(g, totals, chunk)
   dk, d_log_decay, dv_product = kernels.state_gradient(
       k_folded, (v_folded.astype(jnp.float32) * decay[..., None]).astype(dtype), decay, d_own.astype(dtype),
       d_own_normalizer, heads=kv_heads, kv_heads=kv_heads, with_product=True, **options)
@@ -206,11 +219,9 @@ def _backward(q, k, v, log_g, state, normalizer, residuals, cotangents, *, scale
   d_g = d_g.reshape(bh, -1, chunk).at[..., -1].add(d_totals)
   d_log_g = jnp.flip(jnp.cumsum(jnp.flip(d_g, axis=-1), axis=-1), axis=-1).reshape(bh, length)
 
-  def unfold(x, heads_):
-    return jnp.moveaxis(x.reshape(batch, heads_, length, *x.shape[2:]), 1, 2)[:, :seq]
-
-  return (unfold(dq, heads).astype(q.dtype), unfold(dk, kv_heads).astype(k.dtype),
-          unfold(dv, kv_heads).astype(v.dtype), unfold(d_log_g, kv_heads).astype(log_g.dtype),
+  return (_unfold(dq, batch, heads, seq).astype(q.dtype), _unfold(dk, batch, kv_heads, seq).astype(k.dtype),
+          _unfold(dv, batch, kv_heads, seq).astype(v.dtype),
+          _unfold(d_log_g, batch, kv_heads, seq).astype(log_g.dtype),
           d_initial.reshape(state.shape), d_initial_normalizer.reshape(normalizer.shape))
 
 

@@ -108,10 +108,11 @@ def _default_implementation(p, q, v, chunk_size) -> tuple[str, str]:
 
 def _pallas(q, k, v, log_g, *, p, scale, chunk_size, expansion, d_tile, initial_state, return_final_state):
   from pallas_kernels.power import power_attention_pallas
-  from pallas_kernels.power.ops import EXPANSION
+  from pallas_kernels.power.ops import EXPANSION, unsupported_reason
 
-  if p != 2:  # checked here too: the kernels' tables assume p = 2
-    raise ValueError(f"implementation='pallas' supports p=2 only, got p={p}; use implementation='xla'")
+  reason = unsupported_reason(p, q, v, chunk_size)  # the kernels themselves take no p
+  if reason:
+    raise ValueError(reason)
   head_dim = q.shape[-1]
   layout = (expansion, d_tile)
 
