@@ -121,16 +121,16 @@ def pallas_config(spec: str):
 
 
 def kernel_breakdown(batch, seq, heads, head_dim, chunk, dtype, iters, config=None) -> list[dict]:
-  """Each Pallas kernel (and the XLA discumsum) timed alone on the shapes one call uses.
+  """Each Pallas kernel timed alone on the shapes one call uses.
 
-  FLOPs count the tensor-core products the kernel does (D = the kernels' tspow dimension,
-  not spow's): update state 2 D d_v per token; query state + attention 2 D d_v + 2 (c + 1) d;
-  state gradient 4 D d_v (two products per pair: the cotangent product and, for keys,
-  phi(k) S); attention backward 5 (c + 1) d (q.k twice, dN.v twice, and three products for
-  dq, dk, dv, halved by causality). The discumsum is memory-bound: GB/s instead.
+  FLOPs count the useful tensor-core products (D = the kernels' tspow dimension, not
+  spow's; the selection products that build phi are not counted): update state 2 D d_v per
+  token; query state + attention 2 D d_v + 2 (c + 1) d; state gradient 2 D d_v for queries
+  (the cotangent product) and 4 D d_v for keys (also phi(k) S); attention backward
+  5 (c + 1) d (q.k twice, dN.v twice, and three products for dq, dk, dv, halved by
+  causality). The discumsums are memory-bound: GB/s instead.
   """
-  from pallas_kernels.power import default_config, kernels
-  from pallas_kernels.power.ops import _discumsum
+  from pallas_kernels.power import default_config, discumsum, kernels
   config = config or default_config()
   bh, tokens = batch * heads, batch * seq * heads
   dim = kernels.expanded_dim(head_dim)
@@ -145,9 +145,11 @@ def kernel_breakdown(batch, seq, heads, head_dim, chunk, dtype, iters, config=No
   opts = dict(chunk=chunk, config=config, interpret=False)
   mha = dict(heads=heads, kv_heads=heads)
   cases = [
-      ("update_state", lambda: kernels.update_state(x, w, r, r, **opts), 2 * dim * head_dim * tokens),
+      ("update_state", lambda: kernels.update_state(x, w, r, **opts), 2 * dim * head_dim * tokens),
       ("query_state_attention", lambda: kernels.query_state_attention(x, x, w, g, state, normalizer, **mha, **opts),
        (2 * dim * head_dim + 2 * (chunk + 1) * head_dim) * tokens),
+      ("state_gradient(queries)", lambda: kernels.state_gradient(x, w, r, state, normalizer, **mha, **opts),
+       2 * dim * head_dim * tokens),
       ("state_gradient(keys)", lambda: kernels.state_gradient(x, w, r, state, normalizer, **mha, with_product=True,
                                                               **opts), 4 * dim * head_dim * tokens),
       ("attention_backward", lambda: kernels.attention_backward(x, x, w, g, w, r, **mha, **opts),
@@ -158,13 +160,21 @@ def kernel_breakdown(batch, seq, heads, head_dim, chunk, dtype, iters, config=No
     compiled = jax.jit(fn)
     ms = median_ms(lambda *_: compiled(), [()], iters)
     rows.append({"kernel": name, "batch": batch, "seq": seq, "chunk": chunk, "ms": ms, "tflops": flops / ms / 1e9})
-  states = jnp.zeros((bh, n, dim, head_dim), jnp.float32)
+  states = jax.random.normal(keys[5], (bh, n, dim, head_dim), jnp.float32)
   totals = g[:, chunk - 1::chunk]
-  scan = jax.jit(lambda: _discumsum(states, normalizer, totals, states[:, 0], normalizer[:, 0], state_dtype=dtype))
-  ms = median_ms(lambda *_: scan(), [()], iters)
-  moved = states.size * (4 + jnp.dtype(dtype).itemsize)  # read own states, write entering states
-  rows.append({"kernel": "discumsum (XLA scan)", "batch": batch, "seq": seq, "chunk": chunk, "ms": ms,
-               "gb_per_s": moved / ms / 1e6})
+  size = jnp.dtype(dtype).itemsize
+  scans = [
+      # Reads the own states, writes the entering states.
+      ("discumsum", lambda: discumsum.discumsum(states, totals, states[:, 0], entering_dtype=dtype, interpret=False),
+       states.size * (4 + size)),
+      # Reads the direct gradients and the entering states, writes the own states' gradients.
+      ("reverse_discumsum", lambda: discumsum.reverse_discumsum(states, totals, state, states[:, 0], interpret=False),
+       states.size * (4 + size + 4)),
+  ]
+  for name, fn, moved in scans:
+    compiled = jax.jit(fn)
+    ms = median_ms(lambda *_: compiled(), [()], iters)
+    rows.append({"kernel": name, "batch": batch, "seq": seq, "chunk": chunk, "ms": ms, "gb_per_s": moved / ms / 1e6})
   return rows
 
 

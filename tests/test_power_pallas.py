@@ -15,7 +15,7 @@ import pytest
 
 from castle_jax.ops.power import PowerState, expand, expanded_dim, power_attention
 from helpers import rel_err
-from pallas_kernels.power import PowerKernelConfig, kernels, power_attention_pallas
+from pallas_kernels.power import PowerKernelConfig, discumsum, kernels, power_attention_pallas
 
 B, HQ, HKV, D_HEAD, D_VALUE = 2, 4, 2, 32, 16
 SMALL = PowerKernelConfig(block_t=16, block_q=16, block_k=16, grad_block=16)
@@ -106,6 +106,32 @@ def test_gradients_match_the_definition():
   expected = jax.grad(functools.partial(loss, reference), argnums=range(6))(*args)
   for name, g, e in zip(("q", "k", "v", "log_g", "state", "normalizer"), grads, expected):
     assert rel_err(g, e) < 1e-4, name
+
+
+def test_discumsum_kernels_match_a_scan_and_its_gradient():
+  # 3 chunks (not a power of two), rows 48 (slabs of 16, three per head).
+  rng = np.random.default_rng(14)
+  deltas, d_entering = (jnp.asarray(rng.standard_normal((2, 3, 48, 16)), jnp.float32) for _ in range(2))
+  initial, d_final = (jnp.asarray(rng.standard_normal((2, 48, 16)), jnp.float32) for _ in range(2))
+  totals = jnp.asarray(-rng.uniform(0.0, 2.0, (2, 3)), jnp.float32)
+
+  def scan(deltas, totals, initial):
+    def step(state, chunk):
+      delta, total = chunk
+      return jnp.exp(total)[:, None, None] * state + delta, state
+    final, entering = jax.lax.scan(step, initial, (jnp.moveaxis(deltas, 1, 0), jnp.moveaxis(totals, 1, 0)))
+    return jnp.moveaxis(entering, 0, 1), final
+
+  entering, final = discumsum.discumsum(deltas, totals, initial, interpret=True)
+  expected_entering, expected_final = scan(deltas, totals, initial)
+  assert rel_err(entering, expected_entering) < 1e-6 and rel_err(final, expected_final) < 1e-6
+  assert rel_err(entering[:, 1:], deltas[:, :-1]) > 1e-1  # the check can fail: decay and carry matter
+
+  _, pullback = jax.vjp(scan, deltas, totals, initial)
+  expected_grads = pullback((d_entering, d_final))
+  grads = discumsum.reverse_discumsum(d_entering, totals, entering, d_final, interpret=True)
+  for name, g, e in zip(("deltas", "totals", "initial"), grads, expected_grads):
+    assert rel_err(g, e) < 1e-5, name
 
 
 def test_bf16_outputs():

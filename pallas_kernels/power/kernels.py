@@ -16,14 +16,17 @@ expanded features at a time in registers and feeds them straight into a tensor-c
 product.
 
 How phi is built: phi[:, c] = w * x[:, a0 + c // 16] * x[:, t0 + c % 16] for the W columns
-of a row block. Both factors come out of tensor-core products with 0/1 selection
-matrices, (x E_group) * (x E_tile), exact because each column of E holds a single 1.
-That costs two small extra products per block but keeps every tile in the layout the
-products use: the alternatives (a [rows, A, 16] outer product reshaped to [rows, W], or
-gathered column loads) go through shared memory or uncoalesced loads on every block.
-The backward maps gradients of phi's columns back to x's features with the transposed
-selections. Sums over phi's columns (normalizers) accumulate elementwise in a [rows, W]
-tile and are reduced once at the end.
+of a row block (a0 in tile s). Both factors come out of tensor-core products of one
+16-column tile of x with a 0/1 selection matrix, (x_s E_group) * (x_t E_tile), exact
+because each column of E holds a single 1 (E_tile is the same for every block). That
+costs two K = 16 products per block (a quarter of a state product each) but keeps every
+tile in the layout the products use: the alternatives (a [rows, A, 16] outer product
+reshaped to [rows, W], or gathered column loads) go through shared memory or uncoalesced
+loads on every block. The backward maps gradients of phi's columns back to x's features
+with the transposed selections (to [rows, 16]) and a 0/1 placement into x's d columns
+(the [rows, 16] partial sums are rounded once to the product dtype for it).
+Sums over phi's columns (normalizers) accumulate elementwise in a [rows, W] tile and are
+reduced once at the end.
 
 Why float32 arithmetic for phi: the product of two bf16 numbers rounded once to bf16
 (2^-9 relative) is the only rounding phi adds before the product.
@@ -78,20 +81,33 @@ def _precision(dtype):
   return lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
-def _selectors(first_col, tile_col, head_dim: int, width: int, dtype):
-  """0/1 matrices [d, width]: x E_group repeats x[:, first_col + c // 16], x E_tile is x[:, tile_col + c % 16]."""
-  feature = lax.broadcasted_iota(jnp.int32, (head_dim, width), 0)
-  column = lax.broadcasted_iota(jnp.int32, (head_dim, width), 1)
-  group = jnp.where(feature == first_col + column // FEATURE_TILE, 1.0, 0.0).astype(dtype)
-  tile = jnp.where(feature == tile_col + column % FEATURE_TILE, 1.0, 0.0).astype(dtype)
+def _selectors(first_col, width: int, dtype):
+  """0/1 matrices [16, width]: x_s E_group repeats x_s[:, first_col % 16 + c // 16], x_t E_tile is x_t[:, c % 16]."""
+  feature = lax.broadcasted_iota(jnp.int32, (FEATURE_TILE, width), 0)
+  column = lax.broadcasted_iota(jnp.int32, (FEATURE_TILE, width), 1)
+  group = jnp.where(feature == first_col % FEATURE_TILE + column // FEATURE_TILE, 1.0, 0.0).astype(dtype)
+  tile = jnp.where(feature == column % FEATURE_TILE, 1.0, 0.0).astype(dtype)
   return group, tile
 
 
-def _factors(x, selectors, precision):
-  """(x E_group, x E_tile), float32 [rows, width]: the two factors of phi's columns."""
-  group, tile = selectors
-  return (jnp.dot(x, group, precision=precision, preferred_element_type=jnp.float32),
-          jnp.dot(x, tile, precision=precision, preferred_element_type=jnp.float32))
+def _tile_columns(x_ref, rows, first_col, tile_col):
+  """x_s, x_t [rows, 16]: the 16-feature tiles holding a row block's a-group and its tile t."""
+  group_start = pl.multiple_of(first_col // FEATURE_TILE * FEATURE_TILE, FEATURE_TILE)
+  return (x_ref[rows, pl.ds(group_start, FEATURE_TILE)],
+          x_ref[rows, pl.ds(pl.multiple_of(tile_col, FEATURE_TILE), FEATURE_TILE)])
+
+
+def _factors(tiles, selectors, precision):
+  """(x_s E_group, x_t E_tile), float32 [rows, width]: the two factors of phi's columns."""
+  return tuple(jnp.dot(x, selector, precision=precision, preferred_element_type=jnp.float32)
+               for x, selector in zip(tiles, selectors))
+
+
+def _placement(start, head_dim: int, dtype):
+  """0/1 matrix [16, head_dim] that puts 16 features at columns start .. start + 15."""
+  feature = lax.broadcasted_iota(jnp.int32, (FEATURE_TILE, head_dim), 0)
+  column = lax.broadcasted_iota(jnp.int32, (FEATURE_TILE, head_dim), 1)
+  return jnp.where(column == start + feature, 1.0, 0.0).astype(dtype)
 
 
 def _compiler_params(config: PowerKernelConfig):
@@ -102,41 +118,42 @@ def _compiler_params(config: PowerKernelConfig):
 # Update state: one program per (row block of phi, chunk, batch * kv head).
 
 
-def _update_state_kernel(first_col_ref, tile_col_ref, weight_ref, x_ref, w_ref, r_ref, u_ref, state_ref,
-                         normalizer_ref, *, chunk: int, block_t: int, width: int, precision):
+def _update_state_kernel(first_col_ref, tile_col_ref, weight_ref, x_ref, w_ref, u_ref, state_ref, normalizer_ref, *,
+                         chunk: int, block_t: int, width: int, precision):
   block = pl.program_id(0)
-  weight = weight_ref[block]
+  first_col, tile_col = first_col_ref[block], tile_col_ref[block]
   dtype = x_ref.dtype
-  selectors = _selectors(first_col_ref[block], tile_col_ref[block], x_ref.shape[-1], width, dtype)
+  selectors = _selectors(first_col, width, dtype)
 
   def step(i, carry):
     state, normalizer = carry
     tokens = pl.ds(i * block_t, block_t)
-    group, tile = _factors(x_ref[tokens, :], selectors, precision)
-    phi = group * tile * weight
-    weighted = (w_ref[tokens, :].astype(jnp.float32) * r_ref[tokens][:, None]).astype(dtype)
-    state += jnp.dot(phi.astype(dtype).T, weighted, precision=precision, preferred_element_type=jnp.float32)
+    group, tile = _factors(_tile_columns(x_ref, tokens, first_col, tile_col), selectors, precision)
+    phi = group * tile
+    state += jnp.dot(phi.astype(dtype).T, w_ref[tokens, :], precision=precision, preferred_element_type=jnp.float32)
     return state, normalizer + phi * u_ref[tokens][:, None]
 
   init = (jnp.zeros((width, w_ref.shape[-1]), jnp.float32), jnp.zeros((block_t, width), jnp.float32))
   state, normalizer = lax.fori_loop(0, chunk // block_t, step, init)
-  state_ref[...] = state
-  normalizer_ref[...] = jnp.sum(normalizer, axis=0)
+  # The block's weight (sqrt(2) off the diagonal) is applied once, to the sums.
+  weight = weight_ref[block]
+  state_ref[...] = state * weight
+  normalizer_ref[...] = jnp.sum(normalizer, axis=0) * weight
 
 
-def update_state(x: jax.Array, w: jax.Array, r: jax.Array, u: jax.Array, *, chunk: int,
-                 config: PowerKernelConfig, interpret: bool) -> tuple[jax.Array, jax.Array]:
+def update_state(x: jax.Array, w: jax.Array, u: jax.Array, *, chunk: int, config: PowerKernelConfig,
+                 interpret: bool) -> tuple[jax.Array, jax.Array]:
   """Per-chunk states of the expanded rows of x.
 
   Args:
     x: [BH, T, d] (keys; queries in the backward), T a multiple of `chunk`.
-    w: [BH, T, d_v] (values; output cotangents in the backward).
-    r: [BH, T] float32 row weights of w.
+    w: [BH, T, d_v] in x's dtype, rows already weighted (decayed values; output
+      cotangents in the backward).
     u: [BH, T] float32 row weights of the normalizer.
 
   Returns:
-    state [BH, n, D, d_v] = phi(x_c)^T diag(r_c) w_c and normalizer [BH, n, D] = phi(x_c)^T u_c
-    per chunk c, float32, D = `expanded_dim(d)`.
+    state [BH, n, D, d_v] = phi(x_c)^T w_c and normalizer [BH, n, D] = phi(x_c)^T u_c per
+    chunk c, float32, D = `expanded_dim(d)`.
   """
   bh, length, head_dim = x.shape
   value_dim = w.shape[-1]
@@ -152,7 +169,6 @@ def update_state(x: jax.Array, w: jax.Array, r: jax.Array, u: jax.Array, *, chun
       in_specs=[*_table_specs(num_blocks),
                 pl.BlockSpec((None, chunk, head_dim), lambda rb, n, b: (b, n, 0)),
                 pl.BlockSpec((None, chunk, value_dim), lambda rb, n, b: (b, n, 0)),
-                pl.BlockSpec((None, chunk), lambda rb, n, b: (b, n)),
                 pl.BlockSpec((None, chunk), lambda rb, n, b: (b, n))],
       out_specs=[pl.BlockSpec((None, None, rows, value_dim), lambda rb, n, b: (b, n, rb, 0)),
                  pl.BlockSpec((None, None, rows), lambda rb, n, b: (b, n, rb))],
@@ -161,7 +177,7 @@ def update_state(x: jax.Array, w: jax.Array, r: jax.Array, u: jax.Array, *, chun
       compiler_params=_compiler_params(config),
       interpret=interpret,
       name="power_update_state",
-  )(*tables, x, w, r, u)
+  )(*tables, x, w, u)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,20 +187,22 @@ def update_state(x: jax.Array, w: jax.Array, r: jax.Array, u: jax.Array, *, chun
 def _query_state_products(tables, x_ref, state_ref, normalizer_ref, *, row_group: int, precision):
   """phi(x) S [rows, d_v] and phi(x) . z [rows] for the program's rows x_ref [rows, d]."""
   first_col_ref, tile_col_ref, weight_ref = tables
-  x = x_ref[...]
+  rows = x_ref.shape[0]
   width = row_group * FEATURE_TILE
+  every_row = pl.ds(0, rows)
 
   def step(block, carry):
     product, dot_normalizer = carry
-    group, tile = _factors(x, _selectors(first_col_ref[block], tile_col_ref[block], x.shape[1], width, x.dtype),
-                           precision)
+    first_col = first_col_ref[block]
+    group, tile = _factors(_tile_columns(x_ref, every_row, first_col, tile_col_ref[block]),
+                           _selectors(first_col, width, x_ref.dtype), precision)
     phi = group * tile * weight_ref[block]
-    rows = pl.ds(block * width, width)
-    state = state_ref[rows, :]
+    block_rows = pl.ds(block * width, width)
+    state = state_ref[block_rows, :]
     product += jnp.dot(phi.astype(state.dtype), state, precision=precision, preferred_element_type=jnp.float32)
-    return product, dot_normalizer + phi * normalizer_ref[rows][None, :]
+    return product, dot_normalizer + phi * normalizer_ref[block_rows][None, :]
 
-  init = (jnp.zeros((x.shape[0], state_ref.shape[-1]), jnp.float32), jnp.zeros((x.shape[0], width), jnp.float32))
+  init = (jnp.zeros((rows, state_ref.shape[-1]), jnp.float32), jnp.zeros((rows, width), jnp.float32))
   product, dot_normalizer = lax.fori_loop(0, first_col_ref.shape[0], step, init)
   return product, jnp.sum(dot_normalizer, axis=1)
 
@@ -291,37 +309,43 @@ def query_state_attention(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array
 def _state_gradient_kernel(first_col_ref, tile_col_ref, weight_ref, x_ref, cotangent_ref, cotangent_normalizer_ref,
                            state_ref, normalizer_ref, dx_ref, phi_dot_ref, *product_refs, row_group: int, precision):
   """dx and phi(x) . M for M_i = S c_i + z c^z_i; optionally phi(x) S."""
-  x = x_ref[...]
-  rows, head_dim = x.shape
+  rows, head_dim = x_ref.shape
+  dtype = x_ref.dtype
   width = row_group * FEATURE_TILE
+  every_row = pl.ds(0, rows)
   cotangent = cotangent_ref[...]
   cotangent_normalizer = cotangent_normalizer_ref[...]
 
   def step(block, carry):
-    dx, phi_dot, product = carry
-    selectors = _selectors(first_col_ref[block], tile_col_ref[block], head_dim, width, x.dtype)
-    group, tile = _factors(x, selectors, precision)
+    dx, product = carry
+    first_col, tile_col = first_col_ref[block], tile_col_ref[block]
+    selectors = _selectors(first_col, width, dtype)
+    group, tile = _factors(_tile_columns(x_ref, every_row, first_col, tile_col), selectors, precision)
     block_rows = pl.ds(block * width, width)
     state = state_ref[block_rows, :]                                                  # [W, d_v]
     weight = weight_ref[block]
     m = jnp.dot(cotangent, state.T, precision=precision, preferred_element_type=jnp.float32)
     m = (m + cotangent_normalizer[:, None] * normalizer_ref[block_rows][None, :]) * weight
-    # d/dx of sum_c m_c (x E_group)_c (x E_tile)_c, through the transposed selections.
-    dx += jnp.dot((m * tile).astype(x.dtype), selectors[0].T, precision=precision,
-                  preferred_element_type=jnp.float32)
-    dx += jnp.dot((m * group).astype(x.dtype), selectors[1].T, precision=precision,
-                  preferred_element_type=jnp.float32)
+    # d/dx of sum_c m_c (x_s E_group)_c (x_t E_tile)_c: through the transposed selections
+    # to each tile's 16 features, then a 0/1 placement into x's d columns.
+    for factor, selector, start in ((tile, selectors[0], first_col // FEATURE_TILE * FEATURE_TILE),
+                                    (group, selectors[1], tile_col)):
+      d_features = jnp.dot((m * factor).astype(dtype), selector.T, precision=precision,
+                           preferred_element_type=jnp.float32)
+      dx += jnp.dot(d_features.astype(dtype), _placement(start, head_dim, dtype), precision=precision,
+                    preferred_element_type=jnp.float32)
     if product_refs:
       phi = (group * tile * weight).astype(state.dtype)
       product += jnp.dot(phi, state, precision=precision, preferred_element_type=jnp.float32)
-    return dx, phi_dot + m * group * tile, product
+    return dx, product
 
   value_dim = state_ref.shape[-1] if product_refs else FEATURE_TILE
-  init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.zeros((rows, width), jnp.float32),
-          jnp.zeros((rows, value_dim), jnp.float32))
-  dx, phi_dot, product = lax.fori_loop(0, first_col_ref.shape[0], step, init)
+  init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.zeros((rows, value_dim), jnp.float32))
+  dx, product = lax.fori_loop(0, first_col_ref.shape[0], step, init)
   dx_ref[...] = dx
-  phi_dot_ref[...] = jnp.sum(phi_dot, axis=1)
+  # phi(x) . M is a homogeneous quadratic in x, so x . d/dx = 2 phi(x) . M (Euler): no
+  # running sum over phi's columns needed.
+  phi_dot_ref[...] = 0.5 * jnp.sum(x_ref[...].astype(jnp.float32) * dx, axis=1)
   if product_refs:
     product_refs[0][...] = product
 

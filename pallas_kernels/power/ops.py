@@ -7,7 +7,7 @@ state), and runs per chunk:
 
   1. `kernels.update_state`: each chunk's own state dS_c = phi(K_c)^T diag(e^{G_c,last - G}) V_c
      and normalizer dz_c;
-  2. discumsum (XLA, a scan over chunks of [D, d_v] adds): the state entering chunk c,
+  2. `discumsum.discumsum` (one launch walking the chunks): the state entering chunk c,
      S_c = e^{G_{c-1},last} S_{c-1} + dS_{c-1};
   3. `kernels.query_state_attention`: outputs from S_c plus the intra-chunk attention,
      normalized.
@@ -21,11 +21,10 @@ from __future__ import annotations
 import functools
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 
 from castle_jax.ops.power.common import PowerState
-from pallas_kernels.power import kernels
+from pallas_kernels.power import discumsum, kernels
 from pallas_kernels.power.config import FEATURE_TILE, PowerKernelConfig, default_config
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -83,30 +82,31 @@ def _chunk_gates(log_g: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
   return cumulative.reshape(bh, length), cumulative[..., -1]
 
 
+def _weighted(rows: jax.Array, weights: jax.Array, dtype) -> jax.Array:
+  """rows [BH, T, d] times weights [BH, T], rounded once to the kernels' product dtype."""
+  return (rows.astype(jnp.float32) * weights[..., None]).astype(dtype)
+
+
 def _key_decay(g: jax.Array, totals: jax.Array, chunk: int) -> jax.Array:
   """r_j = e^{total - G_j} [BH, T]: how much key j is discounted by the end of its chunk."""
   return jnp.exp(jnp.repeat(totals, chunk, axis=1) - g)
 
 
-def _discumsum(chunk_states: jax.Array, chunk_normalizers: jax.Array, totals: jax.Array, state: jax.Array,
-               normalizer: jax.Array, state_dtype=jnp.float32):
-  """States entering each chunk [BH, n, D, d_v] (in `state_dtype`), [BH, n, D] and the final state.
+def _as_rows(normalizers: jax.Array) -> jax.Array:
+  """[..., D] -> [..., D / 16, 16]: normalizers in the [rows, cols] form the discumsum kernels take."""
+  return normalizers.reshape(*normalizers.shape[:-1], -1, FEATURE_TILE)
 
-  S_0 = the initial state, S_{c+1} = e^{total_c} S_c + dS_c, carried in float32; the
-  entering states are written in the dtype the query-state products read (half the bytes
-  for bf16).
-  """
-  def step(carry, chunk):
-    state, normalizer = carry
-    delta_state, delta_normalizer, total = chunk
-    decay = jnp.exp(total)
-    new = (decay[:, None, None] * state + delta_state, decay[:, None] * normalizer + delta_normalizer)
-    return new, (state.astype(state_dtype), normalizer)
 
-  final, entering = lax.scan(step, (state, normalizer),
-                             (jnp.moveaxis(chunk_states, 1, 0), jnp.moveaxis(chunk_normalizers, 1, 0),
-                              jnp.moveaxis(totals, 1, 0)))
-  return jnp.moveaxis(entering[0], 0, 1), jnp.moveaxis(entering[1], 0, 1), final
+def _states_entering_chunks(chunk_states, chunk_normalizers, totals, state, normalizer, *, state_dtype, interpret):
+  """States entering each chunk [BH, n, D, d_v] (in `state_dtype`), normalizers [BH, n, D]
+  (float32), and the final state and normalizer: S_0 = the initial state,
+  S_{c+1} = e^{total_c} S_c + dS_c, carried in float32."""
+  entering, final_state = discumsum.discumsum(chunk_states, totals, state, entering_dtype=state_dtype,
+                                              interpret=interpret)
+  entering_normalizers, final_normalizer = discumsum.discumsum(_as_rows(chunk_normalizers), totals,
+                                                               _as_rows(normalizer), interpret=interpret)
+  return (entering, entering_normalizers.reshape(chunk_normalizers.shape), final_state,
+          final_normalizer.reshape(normalizer.shape))
 
 
 def _expand_to_q_heads(x: jax.Array, group: int) -> jax.Array:
@@ -127,12 +127,12 @@ def _forward(q, k, v, log_g, state, normalizer, *, scale, chunk, config, interpr
   q_folded, k_folded, v_folded = _fold_inputs(q, k, v, scale, length)
   g, totals = _chunk_gates(_fold(log_g, length), chunk)
   decay = _key_decay(g, totals, chunk)
-  chunk_states, chunk_normalizers = kernels.update_state(k_folded, v_folded, decay, decay, chunk=chunk,
+  chunk_states, chunk_normalizers = kernels.update_state(k_folded, _weighted(v_folded, decay, q.dtype), decay, chunk=chunk,
                                                          config=config, interpret=interpret)
   dim = chunk_states.shape[2]
-  entering, entering_normalizers, (final_state, final_normalizer) = _discumsum(
+  entering, entering_normalizers, final_state, final_normalizer = _states_entering_chunks(
       chunk_states, chunk_normalizers, totals, state.reshape(batch * kv_heads, dim, -1),
-      normalizer.reshape(batch * kv_heads, dim), state_dtype=q.dtype)
+      normalizer.reshape(batch * kv_heads, dim), state_dtype=q.dtype, interpret=interpret)
   out_folded, denominator = kernels.query_state_attention(
       q_folded, k_folded, v_folded, g, entering, entering_normalizers, heads=heads, kv_heads=kv_heads, chunk=chunk,
       config=config, interpret=interpret)
@@ -141,32 +141,18 @@ def _forward(q, k, v, log_g, state, normalizer, *, scale, chunk, config, interpr
   return (out, final_state.reshape(state.shape), final_normalizer.reshape(normalizer.shape)), residuals
 
 
-def _reverse_discumsum(query_states, query_normalizers, totals, entering, entering_normalizers, d_final,
-                       d_final_normalizer):
-  """Backward of `_discumsum`.
-
-  With Shat_c the gradient of the state entering chunk c (Shat_n = the final state's):
-  grad of chunk c's own state = Shat_{c+1}, Shat_c = (direct gradient of S_c) + e^{total_c} Shat_{c+1},
-  grad of total_c = e^{total_c} <Shat_{c+1}, S_c>.
-
-  Returns:
-    the gradients of each chunk's own state [BH, n, D, d_v] and normalizer [BH, n, D], of
-    the totals [BH, n], and of the initial state and normalizer.
-  """
-  def step(carry, chunk):
-    d_next, d_next_normalizer = carry
-    d_state, d_normalizer, total, state, normalizer = chunk
-    decay = jnp.exp(total)
-    d_total = decay * (jnp.sum(d_next * state.astype(jnp.float32), axis=(1, 2))
-                       + jnp.sum(d_next_normalizer * normalizer, axis=1))
-    carry = (d_state + decay[:, None, None] * d_next, d_normalizer + decay[:, None] * d_next_normalizer)
-    return carry, (d_next, d_next_normalizer, d_total)
-
-  moved = [jnp.moveaxis(x, 1, 0) for x in (query_states, query_normalizers, totals, entering, entering_normalizers)]
-  (d_initial, d_initial_normalizer), (d_own, d_own_normalizer, d_totals) = lax.scan(
-      step, (d_final, d_final_normalizer), moved, reverse=True)
-  return (jnp.moveaxis(d_own, 0, 1), jnp.moveaxis(d_own_normalizer, 0, 1), jnp.moveaxis(d_totals, 0, 1),
-          d_initial, d_initial_normalizer)
+def _reverse_states_entering_chunks(query_states, query_normalizers, totals, entering, entering_normalizers,
+                                    d_final, d_final_normalizer, *, interpret):
+  """Backward of `_states_entering_chunks`: the gradients of each chunk's own state
+  [BH, n, D, d_v] and normalizer [BH, n, D], of the totals [BH, n], and of the initial
+  state and normalizer, from the direct gradients of the entering states (the query side's)."""
+  d_own, d_totals, d_initial = discumsum.reverse_discumsum(query_states, totals, entering, d_final,
+                                                            interpret=interpret)
+  d_own_normalizer, d_totals_normalizer, d_initial_normalizer = discumsum.reverse_discumsum(
+      _as_rows(query_normalizers), totals, _as_rows(entering_normalizers), _as_rows(d_final_normalizer),
+      interpret=interpret)
+  return (d_own, d_own_normalizer.reshape(query_normalizers.shape), d_totals + d_totals_normalizer, d_initial,
+          d_initial_normalizer.reshape(d_final_normalizer.shape))
 
 
 def _backward(q, k, v, log_g, state, normalizer, residuals, cotangents, *, scale, chunk, config, interpret):
@@ -189,19 +175,20 @@ def _backward(q, k, v, log_g, state, normalizer, residuals, cotangents, *, scale
 
   # Query state e^{G_i} phi(q_i) [S, z]: gradients of q, of G and of the entering states.
   discount = jnp.exp(_expand_to_q_heads(g, group))
-  dq, dg_q = kernels.state_gradient(q_folded, (d_num * discount[..., None]).astype(dtype), d_den * discount,
-                                    entering, entering_normalizers, heads=heads, kv_heads=kv_heads, **options)
-  query_states, query_normalizers = kernels.update_state(q_folded, d_num.astype(dtype), discount,
-                                                         discount * d_den, **options)
-  d_own, d_own_normalizer, d_totals, d_initial, d_initial_normalizer = _reverse_discumsum(
+  weighted_d_num = _weighted(d_num, discount, dtype)
+  d_den_discounted = d_den * discount
+  dq, dg_q = kernels.state_gradient(q_folded, weighted_d_num, d_den_discounted, entering, entering_normalizers,
+                                    heads=heads, kv_heads=kv_heads, **options)
+  query_states, query_normalizers = kernels.update_state(q_folded, weighted_d_num, d_den_discounted, **options)
+  d_own, d_own_normalizer, d_totals, d_initial, d_initial_normalizer = _reverse_states_entering_chunks(
       _sum_over_group(query_states, group), _sum_over_group(query_normalizers, group), totals, entering,
       entering_normalizers, d_final.reshape(batch * kv_heads, *d_final.shape[2:]).astype(jnp.float32),
-      d_final_normalizer.reshape(batch * kv_heads, -1).astype(jnp.float32))
+      d_final_normalizer.reshape(batch * kv_heads, -1).astype(jnp.float32), interpret=interpret)
 
   # Each chunk's own state sum_j r_j phi(k_j) [v_j, 1], r_j = e^{total - G_j}.
   decay = _key_decay(g, totals, chunk)
   dk, d_log_decay, dv_product = kernels.state_gradient(
-      k_folded, (v_folded.astype(jnp.float32) * decay[..., None]).astype(dtype), decay, d_own.astype(dtype),
+      k_folded, _weighted(v_folded, decay, dtype), decay, d_own.astype(dtype),
       d_own_normalizer, heads=kv_heads, kv_heads=kv_heads, with_product=True, **options)
   dv = dv_product * decay[..., None]
 
