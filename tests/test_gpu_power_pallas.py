@@ -3,9 +3,10 @@
 Against the XLA chunked form in float32 with full-precision matmuls (itself checked
 against the definition on CPU): outputs, final states and the gradients of q, k, v and
 the log-gates, for head dims 32/64/128, grouped-query heads, a length that is not a
-multiple of the chunk, several chunk sizes, float32 and bf16 inputs, and one token after
-an initial state (without one, a single token's output is v whatever q, k and the gate,
-so their gradients vanish and only rounding is left to compare).
+multiple of the chunk, several chunk sizes, float32 and bf16 inputs, the attention form
+alone (one chunk, no state), and one token after an initial state (without one, a single
+token's output is v whatever q, k and the gate, so their gradients vanish and only
+rounding is left to compare).
 """
 
 import functools
@@ -42,7 +43,9 @@ def _initial_state(seed, batch, kv_heads, head_dim):
 def _run(impl, chunk, inputs, cotangent, initial_state):
   attention = functools.partial(power_attention, chunk_size=chunk, implementation=impl, expansion="tspow",
                                 d_tile=16, initial_state=initial_state)
-  out, state = jax.jit(functools.partial(attention, return_final_state=True))(*inputs)
+  _, state = jax.jit(functools.partial(attention, return_final_state=True))(*inputs)
+  # Without the state a sequence within one chunk runs the attention form alone.
+  out = jax.jit(attention)(*inputs)
 
   def loss(*args):
     return jnp.sum(attention(*args).astype(jnp.float32) * cotangent)
@@ -53,7 +56,7 @@ def _run(impl, chunk, inputs, cotangent, initial_state):
 # Few cases: each compiles every kernel anew (tens of seconds on the GPU machine).
 @pytest.mark.parametrize("head_dim, seq, chunk, heads, kv_heads, dtype", [
     (64, 1000, 256, 4, 4, jnp.float32), (64, 2048, 1024, 6, 2, jnp.bfloat16), (32, 700, 128, 2, 2, jnp.bfloat16),
-    (64, 1, 64, 2, 2, jnp.bfloat16), (128, 512, 256, 2, 1, jnp.bfloat16)])
+    (64, 1, 64, 2, 2, jnp.bfloat16), (128, 512, 256, 2, 1, jnp.bfloat16), (64, 1000, 1024, 4, 2, jnp.bfloat16)])
 def test_compiled_kernels_match_the_chunked_form(head_dim, seq, chunk, heads, kv_heads, dtype):
   inputs, cotangent = _inputs(head_dim + seq, 2, seq, heads, kv_heads, head_dim, dtype)
   initial_state = _initial_state(seq, 2, kv_heads, head_dim) if seq == 1 else None

@@ -155,7 +155,7 @@ def test_bad_castle_options_are_reported(bad, match):
 @pytest.mark.parametrize("bad, match", [
     (dict(p=3), "model.attention_kwargs.p: p must be an even int >= 2"),
     (dict(p=1), "model.attention_kwargs.p: p must be an even int >= 2"),
-    (dict(chunk_size=0), "model.attention_kwargs.chunk_size must be an int >= 1"),
+    (dict(chunk_size=0), "model.attention_kwargs.chunk_size must be None or an int >= 1"),
     (dict(expansion="sym"), "model.attention_kwargs.expansion must be one of"),
     (dict(expansion="tspow", d_tile=3), r"model.attention_kwargs.d_tile: d_tile \(3\) must divide the head dim \(8\)"),
     (dict(scale=-1.0), "model.attention_kwargs.scale"),

@@ -134,6 +134,28 @@ def test_discumsum_kernels_match_a_scan_and_its_gradient():
     assert rel_err(g, e) < 1e-5, name
 
 
+def test_one_chunk_without_states_runs_the_attention_form_alone(monkeypatch):
+  inputs = _inputs(15, seq=40)
+  cotangent = jnp.asarray(np.random.default_rng(16).standard_normal((B, 40, HQ, D_VALUE)), jnp.float32)
+  state_kernel_calls = []
+  update_state = kernels.update_state
+  monkeypatch.setattr(kernels, "update_state", lambda *a, **kw: state_kernel_calls.append(1) or update_state(*a, **kw))
+
+  def loss(impl, *args):
+    return jnp.sum(power_attention(*args, chunk_size=64, implementation=impl) * cotangent)
+
+  out = power_attention(*inputs, chunk_size=64, implementation="pallas")
+  grads = jax.grad(functools.partial(loss, "pallas"), argnums=range(4))(*inputs)
+  assert not state_kernel_calls
+  assert rel_err(out, power_attention(*inputs, implementation="reference")) < 1e-5
+  expected = jax.grad(functools.partial(loss, "reference"), argnums=range(4))(*inputs)
+  for name, g, e in zip(("q", "k", "v", "log_g"), grads, expected):
+    assert rel_err(g, e) < 1e-4, name
+  # Asking for the final state (or a longer sequence) takes the chunked path again.
+  power_attention(*inputs, chunk_size=64, implementation="pallas", return_final_state=True)
+  assert state_kernel_calls
+
+
 def test_bf16_outputs():
   inputs = _inputs(7, seq=64, dtype=jnp.bfloat16)
   out = power_attention(*inputs, chunk_size=64, implementation="pallas")

@@ -20,7 +20,8 @@ the paper does not mention it, and it is not used here.
 
 Options (`model.attention_kwargs`):
   p: even power (default 2);
-  chunk_size: tokens per chunk of the chunked form (default 128);
+  chunk_size: tokens per chunk of the chunked form (default None: the implementation's own,
+    1024 for the Pallas kernels, 128 for XLA);
   expansion: "spow" (default), "tpow" or "tspow" (state size D: C(d+p-1, p), d^p, or
     C(d/d_tile+p-1, p) d_tile^p);
   d_tile: tile size of "tspow";
@@ -51,6 +52,7 @@ from castle_jax.ops.power import (
     init_cache,
     power_attention,
 )
+from castle_jax.ops.power.api import PALLAS_DEFAULT_CHUNK_SIZE
 from castle_jax.ops.power.common import resolve_scale, validate_power
 from castle_jax.ops.power.expansion import validate_expansion
 from castle_jax.sharding import constrain
@@ -61,7 +63,7 @@ DEFAULT_GATE_BIAS = 6.906768
 
 class PowerOptions(NamedTuple):
   p: int
-  chunk_size: int
+  chunk_size: int | None
   expansion: str
   d_tile: int | None
   scale: float
@@ -90,9 +92,10 @@ def power_options(config: ModelConfig) -> PowerOptions:
       raise ValueError(f"model.attention_kwargs.{name}: {error}") from None
 
   p = checked("p", lambda: validate_power(options.get("p", 2)))
-  chunk_size = options.get("chunk_size", DEFAULT_CHUNK_SIZE)
-  if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
-    raise ValueError(f"model.attention_kwargs.chunk_size must be an int >= 1, got {chunk_size!r}")
+  chunk_size = options.get("chunk_size")
+  if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral)
+                                 or chunk_size < 1):
+    raise ValueError(f"model.attention_kwargs.chunk_size must be None or an int >= 1, got {chunk_size!r}")
   expansion = options.get("expansion", "spow")
   if expansion not in EXPANSIONS:
     raise ValueError(f"model.attention_kwargs.expansion must be one of {EXPANSIONS}, got {expansion!r}")
@@ -109,7 +112,7 @@ def power_options(config: ModelConfig) -> PowerOptions:
   if config.sliding_window:
     raise ValueError("model.sliding_window limits the keys of 'mha'; power attention keeps a state of every key. "
                      "Set it to 0 (gates decide what is forgotten)")
-  return PowerOptions(p, int(chunk_size), expansion, d_tile, scale, gating, float(gate_bias))
+  return PowerOptions(p, chunk_size if chunk_size is None else int(chunk_size), expansion, d_tile, scale, gating, float(gate_bias))
 
 
 def state_size(config: ModelConfig) -> int:
@@ -133,6 +136,15 @@ def _power_params(config: ModelConfig) -> int:
   return projections + gate
 
 
+def _chunk_size(config: ModelConfig) -> int:
+  """The chunk the training path uses: the configured one, else the implementation's default."""
+  chunk_size = power_options(config).chunk_size
+  if chunk_size is not None:
+    return chunk_size
+  on_kernels = config.attention_impl == "pallas" or (config.attention_impl is None and jax.default_backend() == "gpu")
+  return PALLAS_DEFAULT_CHUNK_SIZE if on_kernels else DEFAULT_CHUNK_SIZE
+
+
 def _power_core_flops(config: ModelConfig, seq_len: int) -> float:
   """Forward + backward (3x forward) FLOPs per token of the chunked form.
 
@@ -146,7 +158,7 @@ def _power_core_flops(config: ModelConfig, seq_len: int) -> float:
   head_dim = config.qk_head_dim
   dim = expanded_dim(head_dim, options.p, options.expansion, options.d_tile)
   state = 2 * dim * head_dim + 2 * dim
-  in_chunk = 2 * 2 * head_dim * mean_visible_keys(min(options.chunk_size, seq_len), None)
+  in_chunk = 2 * 2 * head_dim * mean_visible_keys(min(_chunk_size(config), seq_len), None)
   return 3 * (config.kv_heads * state + config.n_heads * (state + in_chunk))
 
 

@@ -220,19 +220,23 @@ def _scores_and_decay(q, k, g_q, g_k, q_start, k_start, precision):
   return scores, jnp.where(causal, jnp.exp(jnp.where(causal, g_q[:, None] - g_k[None, :], 0.0)), 0.0)
 
 
-def _query_state_attention_kernel(first_col_ref, tile_col_ref, weight_ref, q_ref, k_ref, v_ref, g_ref, state_ref,
-                                  normalizer_ref, out_ref, denominator_ref, *, chunk: int, block_k: int,
-                                  row_group: int, precision):
+def _query_state_attention_kernel(first_col_ref, tile_col_ref, weight_ref, q_ref, k_ref, v_ref, g_ref, *refs,
+                                  chunk: int, block_k: int, row_group: int, with_state: bool, precision):
+  state_refs, (out_ref, denominator_ref) = refs[:-2], refs[-2:]
   block_q = q_ref.shape[0]
   q_start = pl.program_id(0) * block_q
   chunk_start = (q_start // chunk) * chunk
   g_q = g_ref[pl.ds(q_start, block_q)]
 
-  numerator, denominator = _query_state_products((first_col_ref, tile_col_ref, weight_ref), q_ref, state_ref,
-                                                 normalizer_ref, row_group=row_group, precision=precision)
-  discount = jnp.exp(g_q)
-  numerator *= discount[:, None]
-  denominator *= discount
+  if with_state:
+    numerator, denominator = _query_state_products((first_col_ref, tile_col_ref, weight_ref), q_ref, *state_refs,
+                                                   row_group=row_group, precision=precision)
+    discount = jnp.exp(g_q)
+    numerator *= discount[:, None]
+    denominator *= discount
+  else:
+    numerator = jnp.zeros((block_q, v_ref.shape[-1]), jnp.float32)
+    denominator = jnp.zeros((block_q,), jnp.float32)
   q = q_ref[...]
 
   def step(j, carry):
@@ -258,8 +262,8 @@ def _kv_index(group: int, heads: int, kv_heads: int):
   return lambda bh: (bh // heads) * kv_heads + (bh % heads) // group
 
 
-def query_state_attention(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, state: jax.Array,
-                          normalizer: jax.Array, *, heads: int, kv_heads: int, chunk: int,
+def query_state_attention(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, state: jax.Array | None,
+                          normalizer: jax.Array | None, *, heads: int, kv_heads: int, chunk: int,
                           config: PowerKernelConfig, interpret: bool) -> tuple[jax.Array, jax.Array]:
   """Normalized outputs from the incoming chunk states plus the intra-chunk attention.
 
@@ -267,21 +271,28 @@ def query_state_attention(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array
     q: [B * heads, T, d], already multiplied by the score scale.
     k: [B * kv_heads, T, d]; v: [B * kv_heads, T, d_v].
     g: [B * kv_heads, T] float32 cumulative log-gates within each chunk.
-    state: [B * kv_heads, n, D, d_v], the state before each chunk (cast to the product dtype).
-    normalizer: [B * kv_heads, n, D] float32.
+    state: [B * kv_heads, n, D, d_v], the state before each chunk (cast to the product
+      dtype), or None: no state enters any chunk (the attention form alone).
+    normalizer: [B * kv_heads, n, D] float32, or None with state None.
 
   Returns:
     outputs [B * heads, T, d_v] in q's dtype and the denominators [B * heads, T] float32.
   """
   bhq, length, head_dim = q.shape
   value_dim = v.shape[-1]
-  dim = state.shape[2]
   block_q = config.block_q
-  blocks_per_chunk = chunk // block_q
   kv = _kv_index(heads // kv_heads, heads, kv_heads)
   tables = _block_tables(head_dim, config.row_group)
+  with_state = state is not None
+  state_specs, state_args = [], []
+  if with_state:
+    dim = state.shape[2]
+    blocks_per_chunk = chunk // block_q
+    state_specs = [pl.BlockSpec((None, None, dim, value_dim), lambda i, b: (kv(b), i // blocks_per_chunk, 0, 0)),
+                   pl.BlockSpec((None, None, dim), lambda i, b: (kv(b), i // blocks_per_chunk, 0))]
+    state_args = [state, normalizer]
   kernel = functools.partial(_query_state_attention_kernel, chunk=chunk, block_k=config.block_k,
-                             row_group=config.row_group, precision=_precision(q.dtype))
+                             row_group=config.row_group, with_state=with_state, precision=_precision(q.dtype))
   return pl.pallas_call(
       kernel,
       grid=(length // block_q, bhq),
@@ -290,16 +301,15 @@ def query_state_attention(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array
                 pl.BlockSpec((None, length, head_dim), lambda i, b: (kv(b), 0, 0)),
                 pl.BlockSpec((None, length, value_dim), lambda i, b: (kv(b), 0, 0)),
                 pl.BlockSpec((None, length), lambda i, b: (kv(b), 0)),
-                pl.BlockSpec((None, None, dim, value_dim), lambda i, b: (kv(b), i // blocks_per_chunk, 0, 0)),
-                pl.BlockSpec((None, None, dim), lambda i, b: (kv(b), i // blocks_per_chunk, 0))],
+                *state_specs],
       out_specs=[pl.BlockSpec((None, block_q, value_dim), lambda i, b: (b, i, 0)),
                  pl.BlockSpec((None, block_q), lambda i, b: (b, i))],
       out_shape=[jax.ShapeDtypeStruct((bhq, length, value_dim), q.dtype),
                  jax.ShapeDtypeStruct((bhq, length), jnp.float32)],
       compiler_params=_compiler_params(config),
       interpret=interpret,
-      name="power_query_state_attention",
-  )(*tables, q, k, v, g, state, normalizer)
+      name="power_query_state_attention" if with_state else "power_attention_form",
+  )(*tables, q, k, v, g, *state_args)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -155,6 +155,24 @@ def _reverse_states_entering_chunks(query_states, query_normalizers, totals, ent
           d_initial_normalizer.reshape(d_final_normalizer.shape))
 
 
+def _output_cotangents(d_out, out_folded, denominator, length):
+  """y = N / den: dN = dy / den and dden = -(dy . y) / den, [B * H, length, d_v] and [B * H, length]."""
+  d_y = _fold(d_out.astype(jnp.float32), length)
+  zero = denominator == 0.0
+  safe = jnp.where(zero, 1.0, denominator)
+  d_num = jnp.where(zero[..., None], 0.0, d_y / safe[..., None])
+  d_den = jnp.where(zero, 0.0, -jnp.sum(d_y * out_folded.astype(jnp.float32), axis=-1) / safe)
+  return d_num, d_den
+
+
+def _log_gate_gradient(d_g, d_totals, chunk):
+  """Gradient of the log-gates [BH, T] from those of G [BH, T] (the cumulative sum within each
+  chunk) and of each chunk's total [BH, n] (G's last entry)."""
+  bh, length = d_g.shape
+  d_g = d_g.reshape(bh, -1, chunk).at[..., -1].add(d_totals)
+  return jnp.flip(jnp.cumsum(jnp.flip(d_g, axis=-1), axis=-1), axis=-1).reshape(bh, length)
+
+
 def _backward(q, k, v, log_g, state, normalizer, residuals, cotangents, *, scale, chunk, config, interpret):
   out_folded, denominator, entering, entering_normalizers, g, totals = residuals
   d_out, d_final, d_final_normalizer = cotangents
@@ -166,12 +184,7 @@ def _backward(q, k, v, log_g, state, normalizer, residuals, cotangents, *, scale
   options = dict(chunk=chunk, config=config, interpret=interpret)
   q_folded, k_folded, v_folded = _fold_inputs(q, k, v, scale, length)
 
-  # y = N / den: dN = dy / den, dden = -(dy . y) / den.
-  d_y = _fold(d_out.astype(jnp.float32), length)
-  zero = denominator == 0.0
-  safe = jnp.where(zero, 1.0, denominator)
-  d_num = jnp.where(zero[..., None], 0.0, d_y / safe[..., None])
-  d_den = jnp.where(zero, 0.0, -jnp.sum(d_y * out_folded.astype(jnp.float32), axis=-1) / safe)
+  d_num, d_den = _output_cotangents(d_out, out_folded, denominator, length)
 
   # Query state e^{G_i} phi(q_i) [S, z]: gradients of q, of G and of the entering states.
   discount = jnp.exp(_expand_to_q_heads(g, group))
@@ -202,9 +215,7 @@ def _backward(q, k, v, log_g, state, normalizer, residuals, cotangents, *, scale
   # Log-gates: G_i is the cumulative sum within the chunk, total_c its last entry.
   bh = batch * kv_heads
   d_g = _sum_over_group(dg_q + dg_q_att, group) + dg_k_att - d_log_decay
-  d_totals = d_totals + d_log_decay.reshape(bh, -1, chunk).sum(axis=-1)
-  d_g = d_g.reshape(bh, -1, chunk).at[..., -1].add(d_totals)
-  d_log_g = jnp.flip(jnp.cumsum(jnp.flip(d_g, axis=-1), axis=-1), axis=-1).reshape(bh, length)
+  d_log_g = _log_gate_gradient(d_g, d_totals + d_log_decay.reshape(bh, -1, chunk).sum(axis=-1), chunk)
 
   return (_unfold(dq, batch, heads, seq).astype(q.dtype), _unfold(dk, batch, kv_heads, seq).astype(k.dtype),
           _unfold(dv, batch, kv_heads, seq).astype(v.dtype),
@@ -233,10 +244,51 @@ def _power_attention_bwd(scale, chunk, config, interpret, saved, cotangents):
 _power_attention.defvjp(_power_attention_fwd, _power_attention_bwd)
 
 
+def _attention_form_forward(q, k, v, log_g, *, scale, chunk, config, interpret):
+  """One chunk and no state: outputs [B, T, H, d_v] and the residuals of the backward."""
+  batch, seq, heads, _ = q.shape
+  q_folded, k_folded, v_folded = _fold_inputs(q, k, v, scale, chunk)
+  g, _ = _chunk_gates(_fold(log_g, chunk), chunk)
+  out_folded, denominator = kernels.query_state_attention(
+      q_folded, k_folded, v_folded, g, None, None, heads=heads, kv_heads=k.shape[2], chunk=chunk, config=config,
+      interpret=interpret)
+  return _unfold(out_folded, batch, heads, seq), (out_folded, denominator, g)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _power_attention_form(q, k, v, log_g, scale, chunk, config, interpret):
+  return _attention_form_forward(q, k, v, log_g, scale=scale, chunk=chunk, config=config, interpret=interpret)[0]
+
+
+def _power_attention_form_fwd(q, k, v, log_g, scale, chunk, config, interpret):
+  out, residuals = _attention_form_forward(q, k, v, log_g, scale=scale, chunk=chunk, config=config,
+                                           interpret=interpret)
+  return out, (q, k, v, log_g, residuals)
+
+
+def _power_attention_form_bwd(scale, chunk, config, interpret, saved, d_out):
+  q, k, v, log_g, (out_folded, denominator, g) = saved
+  batch, seq, heads, _ = q.shape
+  kv_heads = k.shape[2]
+  q_folded, k_folded, v_folded = _fold_inputs(q, k, v, scale, chunk)
+  d_num, d_den = _output_cotangents(d_out, out_folded, denominator, chunk)
+  dq, dg_q, dk, dv, dg_k = kernels.attention_backward(
+      q_folded, k_folded, v_folded, g, d_num.astype(q.dtype), d_den, heads=heads, kv_heads=kv_heads, chunk=chunk,
+      config=config, interpret=interpret)
+  d_g = _sum_over_group(dg_q, heads // kv_heads) + dg_k
+  d_log_g = _log_gate_gradient(d_g, jnp.zeros((d_g.shape[0], 1), jnp.float32), chunk)
+  return (_unfold(dq * scale, batch, heads, seq).astype(q.dtype), _unfold(dk, batch, kv_heads, seq).astype(k.dtype),
+          _unfold(dv, batch, kv_heads, seq).astype(v.dtype),
+          _unfold(d_log_g, batch, kv_heads, seq).astype(log_g.dtype))
+
+
+_power_attention_form.defvjp(_power_attention_form_fwd, _power_attention_form_bwd)
+
+
 def power_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, log_g: jax.Array | None, *, scale: float,
                            chunk_size: int, initial_state: PowerState | None = None,
-                           config: PowerKernelConfig | None = None,
-                           interpret: bool | None = None) -> tuple[jax.Array, PowerState]:
+                           return_final_state: bool = True, config: PowerKernelConfig | None = None,
+                           interpret: bool | None = None) -> tuple[jax.Array, PowerState | None]:
   """Causal power attention, p = 2, through the Pallas kernels (inputs already validated).
 
   Args:
@@ -247,12 +299,14 @@ def power_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, log_g: jax.
     scale: the score scale.
     chunk_size: a multiple of `config.chunk_multiple` (a longer one than seq is clipped).
     initial_state: PowerState in the kernels' layout (tspow, d_tile 16) or None.
+    return_final_state: False skips what only the final state needs; with no initial state
+      and seq within one chunk that is every state kernel (the attention form alone).
     config: kernel tiles; None means `default_config()`.
     interpret: run the kernels in Pallas interpret mode; None means on CPU.
 
   Returns:
     outputs [batch, seq, heads, value_dim] in q's dtype and the final PowerState
-    (float32, tspow layout with d_tile 16).
+    (float32, tspow layout with d_tile 16), None when not return_final_state.
   """
   config = config or default_config()
   if interpret is None:
@@ -265,6 +319,8 @@ def power_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, log_g: jax.
   chunk = kernel_chunk_size(chunk_size, seq, config)
   if log_g is None:
     log_g = jnp.zeros((batch, seq, kv_heads), jnp.float32)
+  if not return_final_state and initial_state is None and seq <= chunk:
+    return _power_attention_form(q, k, v, log_g, scale, chunk, config, interpret), None
   dim = kernels.expanded_dim(head_dim)
   if initial_state is None:
     initial_state = PowerState(jnp.zeros((batch, kv_heads, dim, value_dim), jnp.float32),
@@ -272,4 +328,4 @@ def power_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, log_g: jax.
   out, state, normalizer = _power_attention(q, k, v, log_g, initial_state.state.astype(jnp.float32),
                                             initial_state.normalizer.astype(jnp.float32), scale, chunk, config,
                                             interpret)
-  return out, PowerState(state, normalizer)
+  return out, (PowerState(state, normalizer) if return_final_state else None)

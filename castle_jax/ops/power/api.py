@@ -123,7 +123,7 @@ def _pallas(q, k, v, log_g, *, p, scale, chunk_size, expansion, d_tile, initial_
   if initial_state is not None:
     initial_state = convert(initial_state, layout, EXPANSION)
   out, final_state = power_attention_pallas(q, k, v, log_g, scale=scale, chunk_size=chunk_size,
-                                            initial_state=initial_state)
+                                            initial_state=initial_state, return_final_state=return_final_state)
   if not return_final_state:
     return out
   return out, convert(final_state, EXPANSION, layout)
