@@ -112,7 +112,8 @@ def power_options(config: ModelConfig) -> PowerOptions:
   if config.sliding_window:
     raise ValueError("model.sliding_window limits the keys of 'mha'; power attention keeps a state of every key. "
                      "Set it to 0 (gates decide what is forgotten)")
-  return PowerOptions(p, chunk_size if chunk_size is None else int(chunk_size), expansion, d_tile, scale, gating, float(gate_bias))
+  chunk_size = None if chunk_size is None else int(chunk_size)
+  return PowerOptions(p, chunk_size, expansion, d_tile, scale, gating, float(gate_bias))
 
 
 def state_size(config: ModelConfig) -> int:

@@ -25,8 +25,8 @@ class PowerKernelConfig:
     row_group: rows a of the first tile expanded per step (row_group * 16 expanded
       features per product: 4 gives [.., 64] expanded tiles).
     num_warps, num_stages: Triton launch parameters.
-    grad_block: rows per program of the state-gradient kernel (six products per row block
-      of phi, so more registers per row than the forward).
+    grad_block: rows per program of the state-gradient kernel (up to 3.5 products' worth of
+      tensor work per row block of phi, so more registers per row than the forward).
     grad_num_warps: warps of the state-gradient kernel.
   """
 

@@ -29,10 +29,11 @@ def _slab_rows(rows: int, cols: int) -> int:
   return slab
 
 
-def _specs(bh_rows: int, cols: int, num_chunks: int):
-  per_chunk = pl.BlockSpec((None, num_chunks, bh_rows, cols), lambda b, r: (b, 0, r, 0))
+def _specs(slab: int, cols: int, num_chunks: int):
+  """BlockSpecs of a [slab, cols] piece of a head's state: all chunks, the totals, one state."""
+  per_chunk = pl.BlockSpec((None, num_chunks, slab, cols), lambda b, r: (b, 0, r, 0))
   totals = pl.BlockSpec((None, num_chunks), lambda b, r: (b, 0))
-  state = pl.BlockSpec((None, bh_rows, cols), lambda b, r: (b, r, 0))
+  state = pl.BlockSpec((None, slab, cols), lambda b, r: (b, r, 0))
   return per_chunk, totals, state
 
 

@@ -127,8 +127,8 @@ def _forward(q, k, v, log_g, state, normalizer, *, scale, chunk, config, interpr
   q_folded, k_folded, v_folded = _fold_inputs(q, k, v, scale, length)
   g, totals = _chunk_gates(_fold(log_g, length), chunk)
   decay = _key_decay(g, totals, chunk)
-  chunk_states, chunk_normalizers = kernels.update_state(k_folded, _weighted(v_folded, decay, q.dtype), decay, chunk=chunk,
-                                                         config=config, interpret=interpret)
+  chunk_states, chunk_normalizers = kernels.update_state(k_folded, _weighted(v_folded, decay, q.dtype), decay,
+                                                         chunk=chunk, config=config, interpret=interpret)
   dim = chunk_states.shape[2]
   entering, entering_normalizers, final_state, final_normalizer = _states_entering_chunks(
       chunk_states, chunk_normalizers, totals, state.reshape(batch * kv_heads, dim, -1),
