@@ -174,6 +174,19 @@ def test_bad_options(change, match):
     power_attention(*_inputs(8, seq=8), **options)
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(block_t=48), "block_t must be a power of two"),
+    (dict(grad_block=8), "grad_block must be >= 16"),
+    (dict(num_stages=0), "num_stages must be an int >= 1"),
+    (dict(row_group=32), "row_group must be <= 16"),
+    (dict(block_q=True), "block_q must be an int >= 1"),
+])
+def test_bad_kernel_config(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    PowerKernelConfig(**kwargs)
+  PowerKernelConfig(num_stages=5)  # stages need not be a power of two
+
+
 def test_bad_head_dims():
   q, k, v, log_g = _inputs(9, seq=8)
   with pytest.raises(ValueError, match="power-of-two head_dim"):

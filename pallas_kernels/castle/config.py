@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-
-def _is_power_of_two(n: int) -> bool:
-  return n >= 1 and n & (n - 1) == 0
+from pallas_kernels.config_checks import check_int_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,20 +43,9 @@ class CastleKernelConfig:
   def __post_init__(self):
     if not isinstance(self.split_products, bool):
       raise ValueError(f"CastleKernelConfig.split_products must be a bool, got {self.split_products!r}")
-    for field in dataclasses.fields(self):
-      if field.name == "split_products":
-        continue
-      value = getattr(self, field.name)
-      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"CastleKernelConfig.{field.name} must be an int >= 1, got {value!r}")
-    for name in ("block_q", "block_k", "bwd_block_q", "bwd_block_k", "num_warps", "bwd_num_warps"):
-      value = getattr(self, name)
-      if not _is_power_of_two(value):
-        raise ValueError(f"CastleKernelConfig.{name} must be a power of two, got {value}")
-    for name in ("block_q", "block_k", "bwd_block_q", "bwd_block_k"):
-      if getattr(self, name) < 16:
-        raise ValueError(f"CastleKernelConfig.{name} must be >= 16 (the smallest tile the GPU's "
-                         f"matrix units take), got {getattr(self, name)}")
+    blocks = ("block_q", "block_k", "bwd_block_q", "bwd_block_k")
+    check_int_fields(self, power_of_two=blocks + ("num_warps", "bwd_num_warps"), tiles=blocks,
+                     skip=("split_products",))
 
 
 def default_config(head_dim: int) -> CastleKernelConfig:

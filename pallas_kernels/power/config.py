@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels.config_checks import check_int_fields
+
 # Features per tile of the kernels' expansion: tspow with d_tile = 16 (the smallest tile
 # whose tensor-core products are well shaped). D = C(d / 16 + 1, 2) * 256.
 FEATURE_TILE = 16
-
-
-def _is_power_of_two(n: int) -> bool:
-  return n >= 1 and n & (n - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,16 +38,8 @@ class PowerKernelConfig:
   grad_num_warps: int = 4
 
   def __post_init__(self):
-    for field in dataclasses.fields(self):
-      value = getattr(self, field.name)
-      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"PowerKernelConfig.{field.name} must be an int >= 1, got {value!r}")
-      if field.name != "num_stages" and not _is_power_of_two(value):
-        raise ValueError(f"PowerKernelConfig.{field.name} must be a power of two, got {value}")
-    for name in ("block_t", "block_q", "block_k", "grad_block"):
-      if getattr(self, name) < 16:
-        raise ValueError(f"PowerKernelConfig.{name} must be >= 16 (the smallest tensor-core tile), "
-                         f"got {getattr(self, name)}")
+    check_int_fields(self, power_of_two=tuple(f.name for f in dataclasses.fields(self) if f.name != "num_stages"),
+                     tiles=("block_t", "block_q", "block_k", "grad_block"))
     if self.row_group > FEATURE_TILE:
       raise ValueError(f"PowerKernelConfig.row_group must be <= {FEATURE_TILE}, got {self.row_group}")
     if self.block_q % self.block_k and self.block_k % self.block_q:

@@ -1,0 +1,29 @@
+"""Checks shared by the kernels' config dataclasses; each message names the class and the field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+# The smallest block the GPU's matrix units take (a tensor-core tile side).
+SMALLEST_TILE = 16
+
+
+def is_power_of_two(n: int) -> bool:
+  return n >= 1 and n & (n - 1) == 0
+
+
+def check_int_fields(config, *, power_of_two: tuple[str, ...], tiles: tuple[str, ...], skip: tuple[str, ...] = ()):
+  """Raises ValueError unless every field (but `skip`) is an int >= 1, the `power_of_two`
+  fields are powers of two and the `tiles` fields are at least SMALLEST_TILE."""
+  kind = type(config).__name__
+  for field in dataclasses.fields(config):
+    value = getattr(config, field.name)
+    if field.name not in skip and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+      raise ValueError(f"{kind}.{field.name} must be an int >= 1, got {value!r}")
+  for name in power_of_two:
+    if not is_power_of_two(getattr(config, name)):
+      raise ValueError(f"{kind}.{name} must be a power of two, got {getattr(config, name)}")
+  for name in tiles:
+    if getattr(config, name) < SMALLEST_TILE:
+      raise ValueError(f"{kind}.{name} must be >= {SMALLEST_TILE} (the smallest tile the GPU's matrix units "
+                       f"take), got {getattr(config, name)}")
