@@ -27,7 +27,6 @@ import argparse
 import dataclasses
 import json
 import sys
-import time
 from typing import Callable
 
 import jax
@@ -35,7 +34,7 @@ import jax.numpy as jnp
 
 from castle_jax.ops.attention import causal_attention
 from castle_jax.ops.castle import castle_attention
-from timing import error_text, time_forward_and_gradients, torch_median_ms
+from timing import error_text, run_meta, time_forward_and_gradients, torch_median_ms, write_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,11 +198,8 @@ def main(argv=None) -> int:
       row["fwd_ratio"] = row["fwd_ms"] / base["fwd_ms"]
       row["fwd_bwd_ratio"] = row["fwd_bwd_ms"] / base["fwd_bwd_ms"]
 
-  meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "dtype": args.dtype,
-          "window": window, "tokens": args.tokens, "date": time.strftime("%Y-%m-%d")}
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump({"meta": meta, "rows": rows}, f, indent=1)
+  meta = run_meta(dtype=args.dtype, window=window, tokens=args.tokens)
+  write_json(args.json, meta, rows=rows)
 
   print(f"\n{meta['device']} | jax {meta['jax']} | {args.dtype} | window {window} | {args.tokens} tokens")
   width = max(18, max(len(c.name) for c in cases) + 1)

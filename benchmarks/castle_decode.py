@@ -14,7 +14,6 @@ warm-up; prints a table last and optionally writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ import jax.numpy as jnp
 from castle_jax.inference.kv_cache import KVCache
 from castle_jax.ops.attention import causal_mask, masked_attention
 from castle_jax.ops.castle import UQKVCache, decode_step
+from timing import run_meta, write_json
 
 
 def _cache_bytes(cache) -> int:
@@ -105,12 +105,8 @@ def main(argv=None) -> int:
   for row in rows:
     row["step_ratio"] = row["step_ms"] / base["step_ms"]
     row["cache_ratio"] = row["cache_gib"] / base["cache_gib"]
-  meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "batch": args.batch,
-          "length": args.length, "head_dim": args.head_dim, "dtype": args.dtype,
-          "date": time.strftime("%Y-%m-%d")}
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump({"meta": meta, "rows": rows}, f, indent=1)
+  meta = run_meta(batch=args.batch, length=args.length, head_dim=args.head_dim, dtype=args.dtype)
+  write_json(args.json, meta, rows=rows)
   print(f"\n{meta['device']} | jax {meta['jax']} | batch {args.batch} | cache length {args.length} | "
         f"head_dim {args.head_dim} | {args.dtype}")
   print(f"{'impl':<20}{'heads':>6}{'step ms':>10}{'x mha':>8}{'cache GiB':>11}{'x mha':>8}")

@@ -33,14 +33,13 @@ import json
 import math
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 from castle_jax.ops.attention import causal_attention
 from castle_jax.ops.power import power_attention
-from timing import error_text, median_ms, time_forward_and_gradients, torch_median_ms
+from timing import error_text, median_ms, run_meta, time_forward_and_gradients, torch_median_ms, write_json
 
 
 def power_forward_flops(batch: int, seq: int, heads: int, head_dim: int, chunk: int) -> float:
@@ -274,12 +273,8 @@ def main(argv=None) -> int:
     if authors:
       row["authors_best_over_this_fwd_bwd"] = authors["fwd_bwd_ms"] / row["fwd_bwd_ms"]
 
-  meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "dtype": args.dtype, "p": 2,
-          "gating": gated, "tokens": args.tokens, "date": time.strftime("%Y-%m-%d"),
-          "authors_autotune": args.authors_autotune}
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump({"meta": meta, "rows": rows, "kernels": breakdown}, f, indent=1)
+  meta = run_meta(dtype=args.dtype, p=2, gating=gated, tokens=args.tokens, authors_autotune=args.authors_autotune)
+  write_json(args.json, meta, rows=rows, kernels=breakdown)
 
   print(f"\n{meta['device']} | jax {meta['jax']} | {args.dtype} | p=2 | gating {gated} | {args.tokens} tokens"
         f" | speed-ups: >1 means this row is faster")

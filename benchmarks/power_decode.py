@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 from castle_decode import _cache_bytes, _filled, _time_steps, mha_row
 from castle_jax.ops.power import decode_step, init_cache
+from timing import run_meta, write_json
 
 
 def power_row(batch, length, heads, head_dim, dtype, iters):
@@ -61,11 +61,8 @@ def main(argv=None) -> int:
       rows.append(dict(row, length=length))
     rows.append(power_row(args.batch, length, args.heads, args.head_dim, dtype, args.iters))
     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-  meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "batch": args.batch,
-          "head_dim": args.head_dim, "heads": args.heads, "dtype": args.dtype, "date": time.strftime("%Y-%m-%d")}
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump({"meta": meta, "rows": rows}, f, indent=1)
+  meta = run_meta(batch=args.batch, head_dim=args.head_dim, heads=args.heads, dtype=args.dtype)
+  write_json(args.json, meta, rows=rows)
   print(f"\n{meta['device']} | jax {meta['jax']} | batch {args.batch} | {args.heads} heads x {args.head_dim} | "
         f"{args.dtype}")
   print(f"{'impl':<18}{'length':>8}{'step ms':>10}{'cache GiB':>11}")

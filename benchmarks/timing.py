@@ -1,11 +1,14 @@
-"""Timing and memory helpers shared by the benchmark scripts (run from the repo root as
-`python benchmarks/<name>.py`, which puts this folder on sys.path)."""
+"""Timing, memory and JSON-record helpers shared by the benchmark scripts (run from the repo
+root as `python benchmarks/<name>.py`, which puts this folder on sys.path)."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from typing import Callable, Sequence
+
+import jax
 
 
 def median_ms(fn: Callable, args_sets: Sequence[tuple], iters: int) -> float:
@@ -77,3 +80,16 @@ def time_forward_and_gradients(fn: Callable, num_inputs: int, args_sets: Sequenc
             "peak_gib": (peak_bytes(compiled) or 0) / 2**30}
   except Exception as e:  # report and go on
     return {"error": error_text(e)}
+
+
+def run_meta(**options) -> dict:
+  """The header of a run's JSON record: device, jax version, the run's options, date."""
+  return {"device": jax.devices()[0].device_kind, "jax": jax.__version__, **options,
+          "date": time.strftime("%Y-%m-%d")}
+
+
+def write_json(path: str | None, meta: dict, **sections) -> None:
+  """Writes {"meta": meta, **sections} to `path` (nothing when path is None)."""
+  if path:
+    with open(path, "w") as f:
+      json.dump({"meta": meta, **sections}, f, indent=1)
