@@ -54,17 +54,20 @@ def _castle_case(impl: str, heads: int, window, block_size: int, pallas_config=N
 
 
 def _pallas_config(spec: str):
-  """'bq,bk,warps,stages,bwd_bq,bwd_bk,bwd_warps,bwd_stages[,split]' -> CastleKernelConfig."""
+  """'bq,bk,warps,stages,bwd_bq,bwd_bk,bwd_warps,bwd_stages[,lookahead_operands]' -> CastleKernelConfig."""
   from pallas_kernels.castle import CastleKernelConfig
   fields = ("block_q", "block_k", "num_warps", "num_stages",
             "bwd_block_q", "bwd_block_k", "bwd_num_warps", "bwd_num_stages")
-  values = [int(v) for v in spec.split(",")]
+  values = spec.split(",")
   if len(values) not in (len(fields), len(fields) + 1):
     raise ValueError(f"--pallas_configs entry {spec!r} needs {len(fields)} integers: {','.join(fields)} "
-                     "and optionally split_products (0/1)")
-  kwargs = dict(zip(fields, values))
+                     "and optionally lookahead_operands (split, float16 or input)")
+  try:
+    kwargs = {field: int(value) for field, value in zip(fields, values)}
+  except ValueError:
+    raise ValueError(f"--pallas_configs entry {spec!r}: the first {len(fields)} fields must be integers") from None
   if len(values) > len(fields):
-    kwargs["split_products"] = bool(values[-1])
+    kwargs["lookahead_operands"] = values[-1]
   return CastleKernelConfig(**kwargs)
 
 
@@ -140,7 +143,7 @@ def main(argv=None) -> int:
                       help="comma list of: xla, pallas, reference (CASTLE); cudnn, xla_mha (standard)")
   parser.add_argument("--pallas_configs", default="",
                       help="';'-separated kernel configs 'bq,bk,warps,stages,bwd_bq,bwd_bk,bwd_warps,"
-                           "bwd_stages[,split_products]', each timed as its own row (default: the "
+                           "bwd_stages[,lookahead_operands]', each timed as its own row (default: the "
                            "heuristic config)")
   parser.add_argument("--peer_seq_lens", default="",
                       help="comma list of lengths at which to time the PyPI lookahead-keys-attention kernel's "

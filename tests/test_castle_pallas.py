@@ -21,6 +21,7 @@ from pallas_kernels.castle import CastleKernelConfig, castle_attention_pallas, k
 SHAPE = (2, 45, 3, 24)  # 45 tokens: a ragged last block; head dim 24 padded to 32
 SMALL = CastleKernelConfig(block_q=16, block_k=16, bwd_block_q=16, bwd_block_k=16)
 UNEQUAL = CastleKernelConfig(block_q=16, block_k=32, bwd_block_q=32, bwd_block_k=16)
+TWO_BACKWARD_KERNELS = dataclasses.replace(UNEQUAL, split_backward=True)
 
 
 @pytest.fixture(autouse=True)
@@ -55,7 +56,8 @@ def _check_against_parallel(inputs, cotangent, window, config, tol_out, tol_grad
   return out
 
 
-@pytest.mark.parametrize("window, config", [(None, SMALL), (5, SMALL), (20, UNEQUAL)])
+@pytest.mark.parametrize("window, config", [(None, SMALL), (5, SMALL), (20, UNEQUAL), (None, TWO_BACKWARD_KERNELS),
+                                            (5, TWO_BACKWARD_KERNELS)])
 def test_outputs_and_gradients_match_parallel_form_float32(window, config):
   inputs, cotangent = _inputs(seed=window or 0)
   out = _check_against_parallel(inputs, cotangent, window, config, 1e-5, 1e-5)
@@ -64,10 +66,10 @@ def test_outputs_and_gradients_match_parallel_form_float32(window, config):
     assert rel_err(out, castle_parallel(*inputs)) > 1e-3
 
 
-@pytest.mark.parametrize("split_products", [True, False])
-def test_bf16_inputs(split_products):
+@pytest.mark.parametrize("lookahead_operands", ["split", "float16", "input"])
+def test_bf16_inputs(lookahead_operands):
   inputs, cotangent = _inputs(seed=3, dtype=jnp.bfloat16)
-  config = dataclasses.replace(SMALL, split_products=split_products)
+  config = dataclasses.replace(SMALL, lookahead_operands=lookahead_operands)
   _check_against_parallel(inputs, cotangent, None, config, 1e-2, 1e-2)
 
 
@@ -106,6 +108,8 @@ def test_entry_point_dispatches_to_the_kernels():
     (dict(block_q=24), "block_q must be a power of two"),
     (dict(block_k=8), "block_k must be >= 16"),
     (dict(num_warps=0), "num_warps must be an int >= 1"),
+    (dict(lookahead_operands="fp16"), "lookahead_operands must be one of"),
+    (dict(split_backward=1), "split_backward must be a bool"),
 ])
 def test_bad_kernel_config(kwargs, match):
   with pytest.raises(ValueError, match=match):

@@ -6,6 +6,8 @@ import dataclasses
 
 from pallas_kernels.config_checks import check_int_fields
 
+LOOKAHEAD_OPERANDS = ("split", "float16", "input")
+
 
 @dataclasses.dataclass(frozen=True)
 class CastleKernelConfig:
@@ -20,12 +22,21 @@ class CastleKernelConfig:
     block_k: key rows per forward program (rows of D held in registers).
     num_warps, num_stages: Triton launch parameters of the forward kernel.
     bwd_block_q, bwd_block_k, bwd_num_warps, bwd_num_stages: the same for the backward.
-    split_products: with 16-bit inputs, the float32 intermediates of the lookahead
-      branch that set the lookahead scores (the state D, the in-block scores R and
-      the lookahead weights W) enter their matrix products as hi + lo 16-bit parts,
-      keeping ~16 mantissa bits instead of 8. Their rounding otherwise shifts the
-      scores by ~1e-2 and the gradients by a few percent at long lengths; the
-      price is more matrix products in both kernels.
+    lookahead_operands: with 16-bit inputs, how the float32 intermediates of the
+      lookahead branch that set the lookahead scores (the state D, the in-block
+      scores R and the lookahead weights W) enter their matrix products:
+      "split": as hi + lo parts in the inputs' dtype (~16 significant bits; one or
+        two extra products each);
+      "float16": as float16 (11 significant bits, one product; D is scaled by
+        2^-8 on the way in, so sums of up to ~16M unit values stay in range);
+      "input": rounded to the inputs' dtype (bfloat16: 8 bits; fastest, least
+        accurate).
+      Rounding in bfloat16 shifts the lookahead scores by ~1e-2 and the gradients
+      by a few percent at long lengths (benchmarks/RESULTS.md, "Precision").
+      Float32 inputs always use full float32 products.
+    split_backward: run the backward as two kernels, one carrying D, dK^C and dV^C,
+      the other D, dD and dQ^U, each recomputing the probabilities: more matrix
+      products, fewer live accumulators per program.
   """
 
   # Defaults: the fastest of the configurations measured on an H100 at d = 128
@@ -38,14 +49,18 @@ class CastleKernelConfig:
   bwd_block_k: int = 32
   bwd_num_warps: int = 4
   bwd_num_stages: int = 1
-  split_products: bool = True
+  lookahead_operands: str = "split"
+  split_backward: bool = False
 
   def __post_init__(self):
-    if not isinstance(self.split_products, bool):
-      raise ValueError(f"CastleKernelConfig.split_products must be a bool, got {self.split_products!r}")
+    if not isinstance(self.split_backward, bool):
+      raise ValueError(f"CastleKernelConfig.split_backward must be a bool, got {self.split_backward!r}")
+    if self.lookahead_operands not in LOOKAHEAD_OPERANDS:
+      raise ValueError(f"CastleKernelConfig.lookahead_operands must be one of {LOOKAHEAD_OPERANDS}, "
+                       f"got {self.lookahead_operands!r}")
     blocks = ("block_q", "block_k", "bwd_block_q", "bwd_block_k")
     check_int_fields(self, power_of_two=blocks + ("num_warps", "bwd_num_warps"), tiles=blocks,
-                     skip=("split_products",))
+                     skip=("lookahead_operands", "split_backward"))
 
 
 def default_config(head_dim: int) -> CastleKernelConfig:

@@ -48,6 +48,9 @@ from pallas_kernels.castle.config import CastleKernelConfig
 from pallas_kernels.triton_atomics import relaxed_atomic_add
 
 
+_FLOAT16_KEY_STATE_SCALE = 2.0 ** -8
+
+
 def _sigmoid(x):
   return 1.0 / (1.0 + jnp.exp(-x))
 
@@ -65,9 +68,13 @@ class _Tiles:
   """Matmuls and masks shared by both kernels, for one (key block, head) program."""
 
   def __init__(self, *, operand_dtype, scale: float, window: int | None, block_q: int,
-               key_positions: jax.Array, split_products: bool):
+               key_positions: jax.Array, lookahead_operands: str):
     self.operand_dtype = operand_dtype
-    self.split_products = split_products and operand_dtype != jnp.float32
+    self.lookahead_operands = "input" if operand_dtype == jnp.float32 else lookahead_operands
+    # D is a sum of up to L weighted values: scaled into float16's range when it enters a
+    # float16 product (a power of two, so exact), and scaled back after.
+    float16_keys = self.lookahead_operands == "float16" or operand_dtype == jnp.float16
+    self.key_state_scale = _FLOAT16_KEY_STATE_SCALE if float16_keys else 1.0
     # float32 operands: full-precision products (no TF32), to match the references.
     self.precision = lax.Precision.HIGHEST if operand_dtype == jnp.float32 else None
     self.scale = scale
@@ -80,19 +87,22 @@ class _Tiles:
     return pltriton.dot(a.astype(self.operand_dtype), b.astype(self.operand_dtype),
                         trans_a=trans_a, trans_b=trans_b, precision=self.precision)
 
-  def dot_split(self, a, b, trans_a=False, trans_b=False, split_a=False, split_b=False):
-    """Like `dot` for float32 intermediates of the lookahead branch (D, R, W): with
-    16-bit operands, each operand marked split enters as hi + lo 16-bit parts
-    (hi*hi + lo*hi + hi*lo), keeping ~16 mantissa bits instead of 8."""
-    if not self.split_products or not (split_a or split_b):
+  def dot_lookahead(self, a, b, trans_a=False, trans_b=False, wide_a=False, wide_b=False):
+    """Like `dot` for products that take float32 intermediates of the lookahead branch
+    (D, R, W; marked wide), which enter as `lookahead_operands` says: "split" takes
+    each wide operand as hi + lo parts (hi*hi + lo*hi + hi*lo), "float16" casts both
+    operands to float16, "input" to the operand dtype."""
+    if self.lookahead_operands == "input" or not (wide_a or wide_b):
       return self.dot(a, b, trans_a, trans_b)
+    if self.lookahead_operands == "float16":
+      return pltriton.dot(a.astype(jnp.float16), b.astype(jnp.float16), trans_a=trans_a, trans_b=trans_b)
 
-    def parts(x, split):
+    def parts(x, wide):
       hi = x.astype(self.operand_dtype)
-      return hi, ((x - hi.astype(jnp.float32)).astype(self.operand_dtype) if split else None)
+      return hi, ((x - hi.astype(jnp.float32)).astype(self.operand_dtype) if wide else None)
 
-    a_hi, a_lo = parts(a, split_a)
-    b_hi, b_lo = parts(b, split_b)
+    a_hi, a_lo = parts(a, wide_a)
+    b_hi, b_lo = parts(b, wide_b)
     out = self.dot(a_hi, b_hi, trans_a, trans_b)
     if a_lo is not None:
       out += self.dot(a_lo, b_hi, trans_a, trans_b)
@@ -102,9 +112,12 @@ class _Tiles:
 
   def lookahead_scores(self, q_c, keys, in_block=None, weights=None):
     """S^U tile [block_q, block_k]: Q^C_i D_b^T * scale, plus R_ii W_bi^T inside the window."""
-    scores = self.dot_split(q_c, keys, trans_b=True, split_b=True) * self.scale
+    key_scale = self.key_state_scale
+    if key_scale != 1.0:
+      keys = keys * key_scale
+    scores = self.dot_lookahead(q_c, keys, trans_b=True, wide_b=True) * (self.scale / key_scale)
     if weights is not None:
-      scores += self.dot_split(in_block, weights, trans_b=True, split_a=True, split_b=True)
+      scores += self.dot_lookahead(in_block, weights, trans_b=True, wide_a=True, wide_b=True)
     return scores
 
   def probabilities(self, q_c, k_c, lookahead_scores, shift, query_positions):
@@ -115,7 +128,7 @@ class _Tiles:
   def key_state_step(self, weights, v_u):
     """W_bi V^U_i, D's step over one query block (Eq. 27); the backward subtracts exactly
     this value (same rounding) to walk D back."""
-    return self.dot_split(weights, v_u, split_a=True)
+    return self.dot_lookahead(weights, v_u, wide_a=True)
 
   def query_positions(self, query_block):
     return query_block * self.block_q + jnp.arange(self.block_q)
@@ -160,7 +173,7 @@ def _bind(kernel_body, q_c, scale, window, block_q, block_k, config: CastleKerne
   return functools.partial(
       kernel_body, scale=scale, window=window, block_q=block_q, block_k=block_k,
       num_query_blocks=q_c.shape[1] // block_q, operand_dtype=q_c.dtype,
-      split_products=config.split_products)
+      lookahead_operands=config.lookahead_operands)
 
 
 # ---------------------------------------------------------------------------
@@ -169,10 +182,11 @@ def _bind(kernel_body, q_c, scale, window, block_q, block_k, config: CastleKerne
 
 def _forward_kernel(q_u_ref, k_c_ref, v_c_ref, q_c_ref, k_u_ref, v_u_ref, shift_ref, in_block_ref,
                     _acc_in_ref, _sum_in_ref, keys_ref, acc_ref, sum_ref, *,
-                    scale, window, block_q, block_k, num_query_blocks, operand_dtype, split_products):
+                    scale, window, block_q, block_k, num_query_blocks, operand_dtype, lookahead_operands):
   key_block = pl.program_id(0)
   tiles = _Tiles(operand_dtype=operand_dtype, scale=scale, window=window, block_q=block_q,
-                 key_positions=key_block * block_k + jnp.arange(block_k), split_products=split_products)
+                 key_positions=key_block * block_k + jnp.arange(block_k),
+                 lookahead_operands=lookahead_operands)
   q_u_keys, k_c, v_c = q_u_ref[...], k_c_ref[...], v_c_ref[...]  # this program's key block
 
   def step(query_block, keys, with_lookahead):
@@ -243,18 +257,38 @@ def forward(q_u, k_u, v_u, q_c, k_c, v_c, shift, in_block, *, scale: float, wind
 # Backward
 
 
+# The backward's parts: the key-side gradients a program carries through its sweep and
+# the query-side gradients it adds with atomics. "all" is one kernel; "causal" and
+# "lookahead" split it in two kernels that each recompute the probabilities but carry
+# fewer [block_k, D] accumulators (D, plus dK^C and dV^C, or dD and dQ^U).
+BACKWARD_PARTS = {
+    "all": (("dq_u", "dk_c", "dv_c"), ("dq_c", "dk_u", "dv_u", "d_in_block")),
+    "causal": (("dk_c", "dv_c"), ("dq_c", "d_in_block")),
+    "lookahead": (("dq_u",), ("dk_u", "dv_u")),
+}
+_BACKWARD_INPUTS = 11
+
+
 def _backward_kernel(q_u_ref, k_c_ref, v_c_ref, keys_final_ref, q_c_ref, k_u_ref, v_u_ref, d_out_ref,
-                     lse_ref, delta_ref, in_block_ref,
-                     _dq_c_in, _dk_u_in, _dv_u_in, _d_in_block_in,
-                     dq_u_ref, dk_c_ref, dv_c_ref, dq_c_ref, dk_u_ref, dv_u_ref, d_in_block_ref, *,
-                     scale, window, block_q, block_k, num_query_blocks, operand_dtype, split_products):
+                     lse_ref, delta_ref, in_block_ref, *grad_refs,
+                     part, scale, window, block_q, block_k, num_query_blocks, operand_dtype,
+                     lookahead_operands):
+  carried_names, atomic_names = BACKWARD_PARTS[part]
+  # grad_refs: the atomic outputs' zero-filled inputs (aliased), then the outputs.
+  outputs = dict(zip(carried_names + atomic_names, grad_refs[len(atomic_names):]))
+  with_d_keys = "dq_u" in carried_names
   key_block = pl.program_id(0)
   tiles = _Tiles(operand_dtype=operand_dtype, scale=scale, window=window, block_q=block_q,
-                 key_positions=key_block * block_k + jnp.arange(block_k), split_products=split_products)
+                 key_positions=key_block * block_k + jnp.arange(block_k),
+                 lookahead_operands=lookahead_operands)
   q_u_keys, k_c, v_c = q_u_ref[...], k_c_ref[...], v_c_ref[...]  # this program's key block
 
+  def add(name, rows, value):
+    relaxed_atomic_add(outputs[name], (rows, slice(None)), value)
+
   def step(query_block, carry, with_lookahead):
-    keys, d_keys, dq_u, dk_c, dv_c = carry
+    keys, d_keys, grads = carry
+    grads = dict(grads)
     rows = pl.ds(query_block * block_q, block_q)
     query_positions = tiles.query_positions(query_block)
     q_c = q_c_ref[rows, :]
@@ -267,32 +301,34 @@ def _backward_kernel(q_u_ref, k_c_ref, v_c_ref, keys_final_ref, q_c_ref, k_u_ref
       weights = tiles.lookahead_weights(q_u_keys, k_u, query_positions)
       keys = keys - tiles.key_state_step(weights, v_u)  # D^(i+1) -> D^(i) (Eq. 37)
 
-    # Recompute the tile's scores and probabilities.
+    # Recompute the tile's scores and probabilities; the softmax's gradient as in flash attention.
     lookahead_scores = tiles.lookahead_scores(q_c, keys, in_block, weights)
     probs = tiles.probabilities(q_c, k_c, lookahead_scores, lse_ref[rows], query_positions)
-
-    # Softmax and the causal branch, as in flash attention.
-    dv_c = dv_c + tiles.dot(probs, d_out, trans_a=True)
     d_probs = tiles.dot(d_out, v_c, trans_b=True)
     d_scores = probs * (d_probs - delta_ref[rows][:, None])
     d_lookahead = -d_scores * _silu_grad(lookahead_scores)
-    dk_c = dk_c + tiles.dot(d_scores, q_c, trans_a=True) * scale
-    dq_c = (tiles.dot(d_scores, k_c) + tiles.dot(d_lookahead, keys)) * scale
-    relaxed_atomic_add(dq_c_ref, (rows, slice(None)), dq_c)
 
-    if with_lookahead:
-      # The in-block term R_ii W_bi^T, and W_bi's share in D^(i') for i' > i via dD.
-      relaxed_atomic_add(d_in_block_ref, (rows, slice(None)), tiles.dot(d_lookahead, weights))
-      d_weights = (tiles.dot(d_lookahead, in_block, trans_a=True)
-                   + tiles.dot(d_keys, v_u, trans_b=True))
-      relaxed_atomic_add(dv_u_ref, (rows, slice(None)), tiles.dot(weights, d_keys, trans_a=True))
-    # After this, d_keys holds dL/dD^(i): what the tiles of query blocks >= i read from D.
-    d_keys = d_keys + tiles.dot(d_lookahead, q_c, trans_a=True) * scale
-    if with_lookahead:
-      d_logits = d_weights * weights * (1.0 - weights) * scale
-      dq_u = dq_u + tiles.dot(d_logits, k_u)
-      relaxed_atomic_add(dk_u_ref, (rows, slice(None)), tiles.dot(d_logits, q_u_keys, trans_a=True))
-    return keys, d_keys, dq_u, dk_c, dv_c
+    if "dv_c" in grads:
+      grads["dv_c"] += tiles.dot(probs, d_out, trans_a=True)
+      grads["dk_c"] += tiles.dot(d_scores, q_c, trans_a=True) * scale
+    if "dq_c" in outputs:
+      add("dq_c", rows, (tiles.dot(d_scores, k_c) + tiles.dot(d_lookahead, keys)) * scale)
+    if with_lookahead and "d_in_block" in outputs:
+      # The in-block term R_ii W_bi^T.
+      add("d_in_block", rows, tiles.dot(d_lookahead, weights))
+    if with_d_keys:
+      if with_lookahead:
+        # W_bi's share in S^U through R_ii, and in D^(i') for i' > i through dD.
+        d_weights = (tiles.dot(d_lookahead, in_block, trans_a=True)
+                     + tiles.dot(d_keys, v_u, trans_b=True))
+        add("dv_u", rows, tiles.dot(weights, d_keys, trans_a=True))
+      # After this, d_keys holds dL/dD^(i): what the tiles of query blocks >= i read from D.
+      d_keys = d_keys + tiles.dot(d_lookahead, q_c, trans_a=True) * scale
+      if with_lookahead:
+        d_logits = d_weights * weights * (1.0 - weights) * scale
+        grads["dq_u"] += tiles.dot(d_logits, k_u)
+        add("dk_u", rows, tiles.dot(d_logits, q_u_keys, trans_a=True))
+    return keys, d_keys, grads
 
   def reverse(start, stop, with_lookahead, carry):
     def body(r, carry):
@@ -300,19 +336,19 @@ def _backward_kernel(q_u_ref, k_c_ref, v_c_ref, keys_final_ref, q_c_ref, k_u_ref
     return lax.fori_loop(0, stop - start, body, carry)
 
   first, lookahead_end = _query_block_range(key_block, block_q, block_k, num_query_blocks, window)
-  zeros = jnp.zeros(dq_u_ref.shape, jnp.float32)
-  carry = (keys_final_ref[...], zeros, zeros, zeros, zeros)
+  zeros = jnp.zeros(keys_final_ref.shape, jnp.float32)
+  carry = (keys_final_ref[...], zeros if with_d_keys else None, {name: zeros for name in carried_names})
   if window is not None:
     carry = reverse(lookahead_end, num_query_blocks, False, carry)
-  _, _, dq_u, dk_c, dv_c = reverse(first, lookahead_end, True, carry)
-  dq_u_ref[...] = dq_u
-  dk_c_ref[...] = dk_c
-  dv_c_ref[...] = dv_c
+  _, _, grads = reverse(first, lookahead_end, True, carry)
+  for name in carried_names:
+    outputs[name][...] = grads[name]
 
 
 def backward(q_u, k_u, v_u, q_c, k_c, v_c, keys_final, d_out, lse, delta, in_block, *, scale: float,
              window: int | None, config: CastleKernelConfig, interpret: bool):
-  """The backward kernel on padded [BH, L, D] arrays.
+  """The backward kernels on padded [BH, L, D] arrays: one kernel, or two with
+  `config.split_backward` (parts "causal" and "lookahead" of BACKWARD_PARTS).
 
   Args:
     q_u, k_u, v_u, q_c, k_c, v_c: [BH, L, D] in the operand dtype.
@@ -326,24 +362,36 @@ def backward(q_u, k_u, v_u, q_c, k_c, v_c, keys_final, d_out, lse, delta, in_blo
     dq_u, dk_c, dv_c, dq_c, dk_u, dv_u: float32 [BH, L, D] (dq_c and dv_u without the
     in-block term's share), d_in_block: float32 [BH, L, bwd_block_q], dL/dR_ii.
   """
+  inputs = (q_u, k_c, v_c, keys_final, q_c, k_u, v_u, d_out, lse, delta, in_block)
+  parts = ("causal", "lookahead") if config.split_backward else ("all",)
+  grads = {}
+  for part in parts:
+    grads.update(_backward_part(part, inputs, scale=scale, window=window, config=config, interpret=interpret))
+  return tuple(grads[name] for name in ("dq_u", "dk_c", "dv_c", "dq_c", "dk_u", "dv_u", "d_in_block"))
+
+
+def _backward_part(part, inputs, *, scale, window, config, interpret) -> dict:
+  q_c = inputs[4]
   heads, length, head_dim = q_c.shape
   block_q, block_k = config.bwd_block_q, config.bwd_block_k
   key_tile, full, full_rows, full_in_block = _block_specs(length, head_dim, block_q, block_k)
   kernel = _bind(_backward_kernel, q_c, scale, window, block_q, block_k, config)
-  f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  full_grad = jnp.zeros((heads, length, head_dim), jnp.float32)
-  in_block_grad = jnp.zeros((heads, length, block_q), jnp.float32)
-  return tuple(pl.pallas_call(
-      kernel,
+  carried_names, atomic_names = BACKWARD_PARTS[part]
+  atomic_specs = [full_in_block if name == "d_in_block" else full for name in atomic_names]
+  atomic_zeros = [jnp.zeros((heads, length, block_q if name == "d_in_block" else head_dim), jnp.float32)
+                  for name in atomic_names]
+  out_shapes = ([jax.ShapeDtypeStruct((heads, length, head_dim), jnp.float32)] * len(carried_names)
+                + [jax.ShapeDtypeStruct(z.shape, z.dtype) for z in atomic_zeros])
+  outputs = pl.pallas_call(
+      functools.partial(kernel, part=part),
       grid=(length // block_k, heads),
-      in_specs=[key_tile, key_tile, key_tile, key_tile, full, full, full, full, full_rows, full_rows,
-                full_in_block, full, full, full, full_in_block],
-      out_specs=[key_tile, key_tile, key_tile, full, full, full, full_in_block],
-      out_shape=[f32(full_grad.shape)] * 6 + [f32(in_block_grad.shape)],
-      input_output_aliases={11: 3, 12: 4, 13: 5, 14: 6},
+      in_specs=[key_tile] * 4 + [full] * 4 + [full_rows] * 2 + [full_in_block] + atomic_specs,
+      out_specs=[key_tile] * len(carried_names) + atomic_specs,
+      out_shape=out_shapes,
+      input_output_aliases={_BACKWARD_INPUTS + i: len(carried_names) + i for i in range(len(atomic_names))},
       compiler_params=pltriton.CompilerParams(num_warps=config.bwd_num_warps,
                                               num_stages=config.bwd_num_stages),
       interpret=interpret,
-      name="castle_backward",
-  )(q_u, k_c, v_c, keys_final, q_c, k_u, v_u, d_out, lse, delta, in_block,
-    full_grad, full_grad, full_grad, in_block_grad))
+      name=f"castle_backward_{part}",
+  )(*inputs, *atomic_zeros)
+  return dict(zip(carried_names + atomic_names, outputs))
