@@ -111,7 +111,8 @@ def measure(case: Case, batch: int, seq: int, head_dim: int, dtype, iters: int) 
 
 
 def measure_peer(batch: int, seq: int, heads: int, head_dim: int, iters: int) -> dict:
-  """Forward time of the PyPI `lookahead-keys-attention` 0.1.2 Triton CASTLE kernel (PyTorch).
+  """Forward and forward+backward times of the PyPI `lookahead-keys-attention` 0.1.2
+  Triton CASTLE kernel (PyTorch autograd; gradients of all six inputs).
 
   Installed only where the benchmark runs (`pip install lookahead-keys-attention==0.1.2`);
   its own causal-query/key/value and lookahead inputs, [batch, heads, seq, head_dim] bf16.
@@ -121,10 +122,20 @@ def measure_peer(batch: int, seq: int, heads: int, head_dim: int, iters: int) ->
     import torch
     from lookahead_keys_attention.lookahead_keys_attention_triton import castle_attention_triton
     generator = torch.Generator(device="cuda").manual_seed(0)
-    inputs = [torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+    shape = (batch, heads, seq, head_dim)
+    inputs = [torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=generator).requires_grad_()
               for _ in range(6)]
-    result["fwd_ms"] = torch_median_ms(lambda: castle_attention_triton(*inputs, head_dim ** -0.5, False), iters,
-                                       warmup=1)
+    cotangent = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=generator)
+    with torch.no_grad():
+      result["fwd_ms"] = torch_median_ms(lambda: castle_attention_triton(*inputs, head_dim ** -0.5, False), iters,
+                                         warmup=1)
+
+    def forward_backward():
+      for x in inputs:
+        x.grad = None
+      castle_attention_triton(*inputs, head_dim ** -0.5, False).backward(cotangent)
+
+    result["fwd_bwd_ms"] = torch_median_ms(forward_backward, iters, warmup=1)
   except Exception as e:  # a missing or failing peer must not lose the other rows
     result["error"] = error_text(e)
   return result
@@ -147,7 +158,7 @@ def main(argv=None) -> int:
                            "heuristic config)")
   parser.add_argument("--peer_seq_lens", default="",
                       help="comma list of lengths at which to time the PyPI lookahead-keys-attention kernel's "
-                           "forward (slow: ~1.3 s per call at 2K)")
+                           "forward and forward+backward (slow: ~1.3 s per forward at 2K)")
   parser.add_argument("--peer_iters", type=int, default=3)
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--dtype", default="bfloat16")
@@ -190,6 +201,8 @@ def main(argv=None) -> int:
                   None)
       if ours:
         row["peer_over_ours_fwd"] = row["fwd_ms"] / ours["fwd_ms"]
+        if "fwd_bwd_ms" in row:
+          row["peer_over_ours_fwd_bwd"] = row["fwd_bwd_ms"] / ours["fwd_bwd_ms"]
     rows.append(row)
     print(json.dumps(row), file=sys.stderr, flush=True)
 
@@ -214,8 +227,10 @@ def main(argv=None) -> int:
       print(f"{r['impl']:<{width}}{r['batch']:>5} x {r['seq']:<6}{r['heads']:>4}  {r['error']}")
       continue
     if r["impl"] == "peer_pypi_triton":
-      print(f"{r['impl']:<{width}}{r['batch']:>5} x {r['seq']:<6}{r['heads']:>4}{r['fwd_ms']:>10.2f}{'-':>12}"
-            f"{r['fwd_tflops']:>10.2f}  peer fwd / ours fwd = {r.get('peer_over_ours_fwd', float('nan')):.0f}x")
+      nan = float("nan")
+      print(f"{r['impl']:<{width}}{r['batch']:>5} x {r['seq']:<6}{r['heads']:>4}{r['fwd_ms']:>10.2f}"
+            f"{r.get('fwd_bwd_ms', nan):>12.2f}{r['fwd_tflops']:>10.2f}  peer / ours: fwd "
+            f"{r.get('peer_over_ours_fwd', nan):.0f}x, fwd+bwd {r.get('peer_over_ours_fwd_bwd', nan):.0f}x")
       continue
     print(f"{r['impl']:<{width}}{r['batch']:>5} x {r['seq']:<6}{r['heads']:>4}{r['fwd_ms']:>10.2f}{r['fwd_bwd_ms']:>12.2f}"
           f"{r['fwd_tflops']:>10.1f}{r['fwd_bwd_tflops']:>10.1f}{r.get('fwd_bwd_ratio', float('nan')):>11.2f}"

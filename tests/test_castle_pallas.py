@@ -21,7 +21,6 @@ from pallas_kernels.castle import CastleKernelConfig, castle_attention_pallas, k
 SHAPE = (2, 45, 3, 24)  # 45 tokens: a ragged last block; head dim 24 padded to 32
 SMALL = CastleKernelConfig(block_q=16, block_k=16, bwd_block_q=16, bwd_block_k=16)
 UNEQUAL = CastleKernelConfig(block_q=16, block_k=32, bwd_block_q=32, bwd_block_k=16)
-TWO_BACKWARD_KERNELS = dataclasses.replace(UNEQUAL, split_backward=True)
 
 
 @pytest.fixture(autouse=True)
@@ -56,8 +55,7 @@ def _check_against_parallel(inputs, cotangent, window, config, tol_out, tol_grad
   return out
 
 
-@pytest.mark.parametrize("window, config", [(None, SMALL), (5, SMALL), (20, UNEQUAL), (None, TWO_BACKWARD_KERNELS),
-                                            (5, TWO_BACKWARD_KERNELS)])
+@pytest.mark.parametrize("window, config", [(None, SMALL), (5, SMALL), (20, UNEQUAL)])
 def test_outputs_and_gradients_match_parallel_form_float32(window, config):
   inputs, cotangent = _inputs(seed=window or 0)
   out = _check_against_parallel(inputs, cotangent, window, config, 1e-5, 1e-5)
@@ -66,11 +64,22 @@ def test_outputs_and_gradients_match_parallel_form_float32(window, config):
     assert rel_err(out, castle_parallel(*inputs)) > 1e-3
 
 
-@pytest.mark.parametrize("lookahead_operands", ["split", "float16", "input"])
-def test_bf16_inputs(lookahead_operands):
-  inputs, cotangent = _inputs(seed=3, dtype=jnp.bfloat16)
-  config = dataclasses.replace(SMALL, lookahead_operands=lookahead_operands)
-  _check_against_parallel(inputs, cotangent, None, config, 1e-2, 1e-2)
+def test_bf16_inputs_and_lookahead_operand_precision():
+  """bf16 inputs against the float32 parallel form, for each way the lookahead branch's
+  float32 intermediates enter the products: "split" and "float16" keep ~3x more of the
+  gradients' accuracy than rounding them to bfloat16 ("input")."""
+  inputs, cotangent = _inputs(seed=3, shape=(1, 120, 2, 64), dtype=jnp.bfloat16)
+  f32 = tuple(x.astype(jnp.float32) for x in inputs)
+  ref, ref_grads = _value_and_grads(lambda *a: castle_parallel(*a), f32, cotangent)
+  worst = {}
+  for mode in ("split", "float16", "input"):
+    config = dataclasses.replace(SMALL, lookahead_operands=mode)
+    out, grads = _value_and_grads(lambda *a: castle_attention_pallas(*a, config=config), inputs, cotangent)
+    assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < 1e-2, mode
+    worst[mode] = max(rel_err(g, rg) for g, rg in zip(grads, ref_grads))
+    assert worst[mode] < 1.5e-2, (mode, worst[mode])
+  assert worst["split"] < 5e-3 and worst["float16"] < 5e-3, worst
+  assert worst["input"] > 1.5 * worst["float16"], worst
 
 
 def test_length_one_and_single_block():
@@ -109,7 +118,6 @@ def test_entry_point_dispatches_to_the_kernels():
     (dict(block_k=8), "block_k must be >= 16"),
     (dict(num_warps=0), "num_warps must be an int >= 1"),
     (dict(lookahead_operands="fp16"), "lookahead_operands must be one of"),
-    (dict(split_backward=1), "split_backward must be a bool"),
 ])
 def test_bad_kernel_config(kwargs, match):
   with pytest.raises(ValueError, match=match):

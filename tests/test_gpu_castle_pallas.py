@@ -30,7 +30,8 @@ def _grads(impl, window, inputs, cotangent):
 
 @pytest.mark.parametrize("head_dim, window, dtype, seq", [
     (128, None, jnp.bfloat16, 1000), (96, 64, jnp.bfloat16, 1000), (64, 1024, jnp.bfloat16, 1000),
-    (128, None, jnp.float32, 700), (64, 200, jnp.float32, 700), (128, None, jnp.bfloat16, 1)])
+    (128, None, jnp.float32, 700), (64, 200, jnp.float32, 700), (128, None, jnp.bfloat16, 1),
+    (128, None, jnp.bfloat16, 4096)])
 def test_pallas_matches_parallel_form(head_dim, window, dtype, seq):
   shape = (2, seq, 3, head_dim)
   inputs, cotangent = _inputs(head_dim + (window or 0), shape, dtype)

@@ -34,9 +34,6 @@ class CastleKernelConfig:
       Rounding in bfloat16 shifts the lookahead scores by ~1e-2 and the gradients
       by a few percent at long lengths (benchmarks/RESULTS.md, "Precision").
       Float32 inputs always use full float32 products.
-    split_backward: run the backward as two kernels, one carrying D, dK^C and dV^C,
-      the other D, dD and dQ^U, each recomputing the probabilities: more matrix
-      products, fewer live accumulators per program.
   """
 
   # Defaults: the fastest of the configurations measured on an H100 at d = 128
@@ -49,18 +46,15 @@ class CastleKernelConfig:
   bwd_block_k: int = 32
   bwd_num_warps: int = 4
   bwd_num_stages: int = 1
-  lookahead_operands: str = "split"
-  split_backward: bool = False
+  lookahead_operands: str = "float16"
 
   def __post_init__(self):
-    if not isinstance(self.split_backward, bool):
-      raise ValueError(f"CastleKernelConfig.split_backward must be a bool, got {self.split_backward!r}")
     if self.lookahead_operands not in LOOKAHEAD_OPERANDS:
       raise ValueError(f"CastleKernelConfig.lookahead_operands must be one of {LOOKAHEAD_OPERANDS}, "
                        f"got {self.lookahead_operands!r}")
     blocks = ("block_q", "block_k", "bwd_block_q", "bwd_block_k")
     check_int_fields(self, power_of_two=blocks + ("num_warps", "bwd_num_warps"), tiles=blocks,
-                     skip=("lookahead_operands", "split_backward"))
+                     skip=("lookahead_operands",))
 
 
 def default_config(head_dim: int) -> CastleKernelConfig:

@@ -257,38 +257,19 @@ def forward(q_u, k_u, v_u, q_c, k_c, v_c, shift, in_block, *, scale: float, wind
 # Backward
 
 
-# The backward's parts: the key-side gradients a program carries through its sweep and
-# the query-side gradients it adds with atomics. "all" is one kernel; "causal" and
-# "lookahead" split it in two kernels that each recompute the probabilities but carry
-# fewer [block_k, D] accumulators (D, plus dK^C and dV^C, or dD and dQ^U).
-BACKWARD_PARTS = {
-    "all": (("dq_u", "dk_c", "dv_c"), ("dq_c", "dk_u", "dv_u", "d_in_block")),
-    "causal": (("dk_c", "dv_c"), ("dq_c", "d_in_block")),
-    "lookahead": (("dq_u",), ("dk_u", "dv_u")),
-}
-_BACKWARD_INPUTS = 11
-
-
 def _backward_kernel(q_u_ref, k_c_ref, v_c_ref, keys_final_ref, q_c_ref, k_u_ref, v_u_ref, d_out_ref,
-                     lse_ref, delta_ref, in_block_ref, *grad_refs,
-                     part, scale, window, block_q, block_k, num_query_blocks, operand_dtype,
-                     lookahead_operands):
-  carried_names, atomic_names = BACKWARD_PARTS[part]
-  # grad_refs: the atomic outputs' zero-filled inputs (aliased), then the outputs.
-  outputs = dict(zip(carried_names + atomic_names, grad_refs[len(atomic_names):]))
-  with_d_keys = "dq_u" in carried_names
+                     lse_ref, delta_ref, in_block_ref,
+                     _dq_c_in, _dk_u_in, _dv_u_in, _d_in_block_in,
+                     dq_u_ref, dk_c_ref, dv_c_ref, dq_c_ref, dk_u_ref, dv_u_ref, d_in_block_ref, *,
+                     scale, window, block_q, block_k, num_query_blocks, operand_dtype, lookahead_operands):
   key_block = pl.program_id(0)
   tiles = _Tiles(operand_dtype=operand_dtype, scale=scale, window=window, block_q=block_q,
                  key_positions=key_block * block_k + jnp.arange(block_k),
                  lookahead_operands=lookahead_operands)
   q_u_keys, k_c, v_c = q_u_ref[...], k_c_ref[...], v_c_ref[...]  # this program's key block
 
-  def add(name, rows, value):
-    relaxed_atomic_add(outputs[name], (rows, slice(None)), value)
-
   def step(query_block, carry, with_lookahead):
-    keys, d_keys, grads = carry
-    grads = dict(grads)
+    keys, d_keys, dq_u, dk_c, dv_c = carry
     rows = pl.ds(query_block * block_q, block_q)
     query_positions = tiles.query_positions(query_block)
     q_c = q_c_ref[rows, :]
@@ -301,34 +282,32 @@ def _backward_kernel(q_u_ref, k_c_ref, v_c_ref, keys_final_ref, q_c_ref, k_u_ref
       weights = tiles.lookahead_weights(q_u_keys, k_u, query_positions)
       keys = keys - tiles.key_state_step(weights, v_u)  # D^(i+1) -> D^(i) (Eq. 37)
 
-    # Recompute the tile's scores and probabilities; the softmax's gradient as in flash attention.
+    # Recompute the tile's scores and probabilities.
     lookahead_scores = tiles.lookahead_scores(q_c, keys, in_block, weights)
     probs = tiles.probabilities(q_c, k_c, lookahead_scores, lse_ref[rows], query_positions)
+
+    # Softmax and the causal branch, as in flash attention.
+    dv_c = dv_c + tiles.dot(probs, d_out, trans_a=True)
     d_probs = tiles.dot(d_out, v_c, trans_b=True)
     d_scores = probs * (d_probs - delta_ref[rows][:, None])
     d_lookahead = -d_scores * _silu_grad(lookahead_scores)
+    dk_c = dk_c + tiles.dot(d_scores, q_c, trans_a=True) * scale
+    dq_c = (tiles.dot(d_scores, k_c) + tiles.dot(d_lookahead, keys)) * scale
+    relaxed_atomic_add(dq_c_ref, (rows, slice(None)), dq_c)
 
-    if "dv_c" in grads:
-      grads["dv_c"] += tiles.dot(probs, d_out, trans_a=True)
-      grads["dk_c"] += tiles.dot(d_scores, q_c, trans_a=True) * scale
-    if "dq_c" in outputs:
-      add("dq_c", rows, (tiles.dot(d_scores, k_c) + tiles.dot(d_lookahead, keys)) * scale)
-    if with_lookahead and "d_in_block" in outputs:
-      # The in-block term R_ii W_bi^T.
-      add("d_in_block", rows, tiles.dot(d_lookahead, weights))
-    if with_d_keys:
-      if with_lookahead:
-        # W_bi's share in S^U through R_ii, and in D^(i') for i' > i through dD.
-        d_weights = (tiles.dot(d_lookahead, in_block, trans_a=True)
-                     + tiles.dot(d_keys, v_u, trans_b=True))
-        add("dv_u", rows, tiles.dot(weights, d_keys, trans_a=True))
-      # After this, d_keys holds dL/dD^(i): what the tiles of query blocks >= i read from D.
-      d_keys = d_keys + tiles.dot(d_lookahead, q_c, trans_a=True) * scale
-      if with_lookahead:
-        d_logits = d_weights * weights * (1.0 - weights) * scale
-        grads["dq_u"] += tiles.dot(d_logits, k_u)
-        add("dk_u", rows, tiles.dot(d_logits, q_u_keys, trans_a=True))
-    return keys, d_keys, grads
+    if with_lookahead:
+      # The in-block term R_ii W_bi^T, and W_bi's share in D^(i') for i' > i via dD.
+      relaxed_atomic_add(d_in_block_ref, (rows, slice(None)), tiles.dot(d_lookahead, weights))
+      d_weights = (tiles.dot(d_lookahead, in_block, trans_a=True)
+                   + tiles.dot(d_keys, v_u, trans_b=True))
+      relaxed_atomic_add(dv_u_ref, (rows, slice(None)), tiles.dot(weights, d_keys, trans_a=True))
+    # After this, d_keys holds dL/dD^(i): what the tiles of query blocks >= i read from D.
+    d_keys = d_keys + tiles.dot(d_lookahead, q_c, trans_a=True) * scale
+    if with_lookahead:
+      d_logits = d_weights * weights * (1.0 - weights) * scale
+      dq_u = dq_u + tiles.dot(d_logits, k_u)
+      relaxed_atomic_add(dk_u_ref, (rows, slice(None)), tiles.dot(d_logits, q_u_keys, trans_a=True))
+    return keys, d_keys, dq_u, dk_c, dv_c
 
   def reverse(start, stop, with_lookahead, carry):
     def body(r, carry):
@@ -336,19 +315,19 @@ def _backward_kernel(q_u_ref, k_c_ref, v_c_ref, keys_final_ref, q_c_ref, k_u_ref
     return lax.fori_loop(0, stop - start, body, carry)
 
   first, lookahead_end = _query_block_range(key_block, block_q, block_k, num_query_blocks, window)
-  zeros = jnp.zeros(keys_final_ref.shape, jnp.float32)
-  carry = (keys_final_ref[...], zeros if with_d_keys else None, {name: zeros for name in carried_names})
+  zeros = jnp.zeros(dq_u_ref.shape, jnp.float32)
+  carry = (keys_final_ref[...], zeros, zeros, zeros, zeros)
   if window is not None:
     carry = reverse(lookahead_end, num_query_blocks, False, carry)
-  _, _, grads = reverse(first, lookahead_end, True, carry)
-  for name in carried_names:
-    outputs[name][...] = grads[name]
+  _, _, dq_u, dk_c, dv_c = reverse(first, lookahead_end, True, carry)
+  dq_u_ref[...] = dq_u
+  dk_c_ref[...] = dk_c
+  dv_c_ref[...] = dv_c
 
 
 def backward(q_u, k_u, v_u, q_c, k_c, v_c, keys_final, d_out, lse, delta, in_block, *, scale: float,
              window: int | None, config: CastleKernelConfig, interpret: bool):
-  """The backward kernels on padded [BH, L, D] arrays: one kernel, or two with
-  `config.split_backward` (parts "causal" and "lookahead" of BACKWARD_PARTS).
+  """The backward kernel on padded [BH, L, D] arrays.
 
   Args:
     q_u, k_u, v_u, q_c, k_c, v_c: [BH, L, D] in the operand dtype.
@@ -362,36 +341,24 @@ def backward(q_u, k_u, v_u, q_c, k_c, v_c, keys_final, d_out, lse, delta, in_blo
     dq_u, dk_c, dv_c, dq_c, dk_u, dv_u: float32 [BH, L, D] (dq_c and dv_u without the
     in-block term's share), d_in_block: float32 [BH, L, bwd_block_q], dL/dR_ii.
   """
-  inputs = (q_u, k_c, v_c, keys_final, q_c, k_u, v_u, d_out, lse, delta, in_block)
-  parts = ("causal", "lookahead") if config.split_backward else ("all",)
-  grads = {}
-  for part in parts:
-    grads.update(_backward_part(part, inputs, scale=scale, window=window, config=config, interpret=interpret))
-  return tuple(grads[name] for name in ("dq_u", "dk_c", "dv_c", "dq_c", "dk_u", "dv_u", "d_in_block"))
-
-
-def _backward_part(part, inputs, *, scale, window, config, interpret) -> dict:
-  q_c = inputs[4]
   heads, length, head_dim = q_c.shape
   block_q, block_k = config.bwd_block_q, config.bwd_block_k
   key_tile, full, full_rows, full_in_block = _block_specs(length, head_dim, block_q, block_k)
   kernel = _bind(_backward_kernel, q_c, scale, window, block_q, block_k, config)
-  carried_names, atomic_names = BACKWARD_PARTS[part]
-  atomic_specs = [full_in_block if name == "d_in_block" else full for name in atomic_names]
-  atomic_zeros = [jnp.zeros((heads, length, block_q if name == "d_in_block" else head_dim), jnp.float32)
-                  for name in atomic_names]
-  out_shapes = ([jax.ShapeDtypeStruct((heads, length, head_dim), jnp.float32)] * len(carried_names)
-                + [jax.ShapeDtypeStruct(z.shape, z.dtype) for z in atomic_zeros])
-  outputs = pl.pallas_call(
-      functools.partial(kernel, part=part),
+  f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  full_grad = jnp.zeros((heads, length, head_dim), jnp.float32)
+  in_block_grad = jnp.zeros((heads, length, block_q), jnp.float32)
+  return tuple(pl.pallas_call(
+      kernel,
       grid=(length // block_k, heads),
-      in_specs=[key_tile] * 4 + [full] * 4 + [full_rows] * 2 + [full_in_block] + atomic_specs,
-      out_specs=[key_tile] * len(carried_names) + atomic_specs,
-      out_shape=out_shapes,
-      input_output_aliases={_BACKWARD_INPUTS + i: len(carried_names) + i for i in range(len(atomic_names))},
+      in_specs=[key_tile, key_tile, key_tile, key_tile, full, full, full, full, full_rows, full_rows,
+                full_in_block, full, full, full, full_in_block],
+      out_specs=[key_tile, key_tile, key_tile, full, full, full, full_in_block],
+      out_shape=[f32(full_grad.shape)] * 6 + [f32(in_block_grad.shape)],
+      input_output_aliases={11: 3, 12: 4, 13: 5, 14: 6},
       compiler_params=pltriton.CompilerParams(num_warps=config.bwd_num_warps,
                                               num_stages=config.bwd_num_stages),
       interpret=interpret,
-      name=f"castle_backward_{part}",
-  )(*inputs, *atomic_zeros)
-  return dict(zip(carried_names + atomic_names, outputs))
+      name="castle_backward",
+  )(q_u, k_c, v_c, keys_final, q_c, k_u, v_u, d_out, lse, delta, in_block,
+    full_grad, full_grad, full_grad, in_block_grad))
