@@ -1,11 +1,13 @@
 """One-token decoding step: CASTLE's UQ-KV cache next to a standard KV cache, in one run.
 
     python benchmarks/castle_decode.py [--batch=64] [--length=16384] [--heads=9] \
-        [--baseline_heads=16] [--head_dim=128] [--window=512] [--json=out.json]
+        [--baseline_heads=16] [--head_dim=128] [--window=512] [--impls=xla,pallas] \
+        [--decode_configs=64/0/4/2,128/0/8/2] [--json=out.json]
 
 Times `castle_jax.ops.castle.decode_step` (rank-1 update of the lookahead keys, then
-the combining step; cache donated so it updates in place) for CASTLE and CASTLE-SWL
-against the mha layer's cached attention step (append k/v, attend over the cache),
+the combining step; cache donated so it updates in place) for CASTLE and CASTLE-SWL,
+as XLA ops and as the fused Pallas kernel (one row per --decode_configs entry
+block_rows/splits/num_warps/num_stages, splits 0 = the default), against the mha layer's cached attention step (append k/v, attend over the cache),
 with caches filled to `length` tokens. Reports the step time and the cache memory
 (the paper's Table 30 compares the same two caches). Median of --iters steps after
 warm-up; prints a table last and optionally writes JSON.
@@ -14,6 +16,8 @@ warm-up; prints a table last and optionally writes JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import statistics
 import sys
 import time
@@ -24,6 +28,7 @@ import jax.numpy as jnp
 from castle_jax.inference.kv_cache import KVCache
 from castle_jax.ops.attention import causal_mask, masked_attention
 from castle_jax.ops.castle import UQKVCache, decode_step
+from pallas_kernels.castle import CastleDecodeConfig
 from timing import run_meta, write_json
 
 
@@ -48,7 +53,7 @@ def _filled(shape, dtype, key):
   return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
 
-def castle_row(batch, length, heads, head_dim, window, dtype, iters):
+def castle_row(batch, length, heads, head_dim, window, dtype, iters, implementation="xla", config=None):
   capacity = length + 4 + iters
   keys = jax.random.split(jax.random.key(0), 10)
   full = (batch, capacity, heads, head_dim)
@@ -60,10 +65,26 @@ def castle_row(batch, length, heads, head_dim, window, dtype, iters):
       causal_values=_filled(full, dtype, keys[3]),
       length=jnp.asarray(length, jnp.int32), window=window)
   token = tuple(_filled((batch, 1, heads, head_dim), dtype, k) for k in keys[4:10])
-  step = jax.jit(decode_step, donate_argnums=0)
+  step = jax.jit(functools.partial(decode_step, implementation=implementation, pallas_config=config),
+                 donate_argnums=0)
   name = "castle" if window is None else f"castle_swl(W={window})"
-  return {"impl": name, "heads": heads, "step_ms": _time_steps(step, cache, token, iters),
+  name += f" {implementation}" + (f" {_config_label(config)}" if config else "")
+  return {"impl": name, "implementation": implementation, "config": config and dataclasses.asdict(config),
+          "heads": heads, "step_ms": _time_steps(step, cache, token, iters),
           "cache_gib": _cache_bytes(cache) / 2**30}
+
+
+def _config_label(config):
+  return f"{config.block_rows}/{config.splits or 0}/{config.num_warps}/{config.num_stages}"
+
+
+def _parse_configs(text):
+  configs = []
+  for entry in filter(None, text.split(",")):
+    block_rows, splits, num_warps, num_stages = (int(x) for x in entry.split("/"))
+    configs.append(CastleDecodeConfig(block_rows=block_rows, splits=splits or None, num_warps=num_warps,
+                                      num_stages=num_stages))
+  return configs
 
 
 def mha_row(batch, length, heads, head_dim, dtype, iters):
@@ -91,16 +112,23 @@ def main(argv=None) -> int:
   parser.add_argument("--baseline_heads", type=int, default=16)
   parser.add_argument("--head_dim", type=int, default=128)
   parser.add_argument("--window", type=int, default=512, help="CASTLE-SWL window (0: skip SWL)")
+  parser.add_argument("--impls", default="xla,pallas", help="CASTLE decoding steps to time: xla, pallas")
+  parser.add_argument("--decode_configs", default="32/0/4/2",
+                      help="Pallas kernel tilings, block_rows/splits/num_warps/num_stages (splits 0: default)")
   parser.add_argument("--iters", type=int, default=20)
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--json", default=None)
   args = parser.parse_args(argv)
   dtype = jnp.dtype(args.dtype)
 
-  rows = [mha_row(args.batch, args.length, args.baseline_heads, args.head_dim, dtype, args.iters),
-          castle_row(args.batch, args.length, args.heads, args.head_dim, None, dtype, args.iters)]
-  if args.window:
-    rows.append(castle_row(args.batch, args.length, args.heads, args.head_dim, args.window, dtype, args.iters))
+  rows = [mha_row(args.batch, args.length, args.baseline_heads, args.head_dim, dtype, args.iters)]
+  windows = [None] + ([args.window] if args.window else [])
+  for window in windows:
+    for implementation in args.impls.split(","):
+      configs = _parse_configs(args.decode_configs) if implementation == "pallas" else [None]
+      for config in configs:
+        rows.append(castle_row(args.batch, args.length, args.heads, args.head_dim, window, dtype, args.iters,
+                               implementation, config))
   base = rows[0]
   for row in rows:
     row["step_ratio"] = row["step_ms"] / base["step_ms"]
@@ -109,9 +137,9 @@ def main(argv=None) -> int:
   write_json(args.json, meta, rows=rows)
   print(f"\n{meta['device']} | jax {meta['jax']} | batch {args.batch} | cache length {args.length} | "
         f"head_dim {args.head_dim} | {args.dtype}")
-  print(f"{'impl':<20}{'heads':>6}{'step ms':>10}{'x mha':>8}{'cache GiB':>11}{'x mha':>8}")
+  print(f"{'impl':<36}{'heads':>6}{'step ms':>10}{'x mha':>8}{'cache GiB':>11}{'x mha':>8}")
   for r in rows:
-    print(f"{r['impl']:<20}{r['heads']:>6}{r['step_ms']:>10.3f}{r['step_ratio']:>8.2f}{r['cache_gib']:>11.2f}"
+    print(f"{r['impl']:<36}{r['heads']:>6}{r['step_ms']:>10.3f}{r['step_ratio']:>8.2f}{r['cache_gib']:>11.2f}"
           f"{r['cache_ratio']:>8.2f}")
   return 0
 

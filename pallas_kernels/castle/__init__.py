@@ -1,6 +1,6 @@
 """CASTLE Pallas GPU kernels (Triton backend): key-block-major forward and backward."""
 
-from pallas_kernels.castle.config import CastleKernelConfig, default_config
+from pallas_kernels.castle.config import CastleDecodeConfig, CastleKernelConfig, default_config
 from pallas_kernels.castle.ops import castle_attention_pallas, castle_prefill_pallas
 
-__all__ = ["CastleKernelConfig", "castle_attention_pallas", "castle_prefill_pallas", "default_config"]
+__all__ = ["CastleDecodeConfig", "CastleKernelConfig", "castle_attention_pallas", "castle_prefill_pallas", "default_config"]

@@ -191,6 +191,48 @@ def _overflow_message(capacity: int) -> str:
           "create the cache with a larger capacity")
 
 
+def _write_row(buffer: jax.Array, values: jax.Array, row: jax.Array, in_bounds: jax.Array) -> jax.Array:
+  """buffer[:, row] = values, or unchanged when not in_bounds (row is clamped into the
+  buffer, so an overflowing step rewrites a cached row with its own value)."""
+  row = jnp.minimum(row, buffer.shape[1] - 1)
+  old = jax.lax.dynamic_slice_in_dim(buffer, row, 1, axis=1)
+  values = jnp.where(in_bounds, values.astype(buffer.dtype), old)
+  return jax.lax.dynamic_update_slice_in_dim(buffer, values, row, axis=1)
+
+
+def _update_lookahead_keys(cache: UQKVCache, position, in_bounds, k_u, v_u, dtype) -> jax.Array:
+  """Eq. (12) in XLA: u_s += sigmoid(q^U_s . k^U_t / sqrt(d)) v^U_t for the rows whose
+  mask admits t (all s < t for CASTLE, the last W for SWL; the slice has query_rows rows).
+
+  Returns the cache's lookahead keys with those rows updated (unchanged if not in_bounds).
+  """
+  capacity, query_rows = cache.capacity, cache.query_rows
+  start = jnp.clip(position - query_rows, 0, capacity - query_rows)
+  updated_positions = start + jnp.arange(query_rows)
+  queries = jnp.take(cache.lookahead_queries, updated_positions % query_rows, axis=1).astype(dtype)
+  logits = jnp.einsum("bshd,bhd->bhs", queries, k_u[:, 0]) * score_scale(k_u.shape[-1])
+  visible = lookahead_visible(updated_positions, position[None], cache.window)[:, 0] & in_bounds
+  weights = masked_sigmoid(logits, visible)
+  keys = jax.lax.dynamic_slice_in_dim(cache.lookahead_keys, start, query_rows, axis=1).astype(dtype)
+  keys = keys + jnp.einsum("bhs,bhd->bshd", weights, v_u[:, 0])
+  return jax.lax.dynamic_update_slice_in_dim(
+      cache.lookahead_keys, keys.astype(cache.lookahead_keys.dtype), start, axis=1)
+
+
+def _decode_implementation(implementation: str | None, cache: UQKVCache, dtype) -> str:
+  """"pallas" or "xla" for a decoding step ("reference" has no step of its own)."""
+  chosen = resolve_implementation(implementation, dtype)
+  if chosen == "pallas":
+    from pallas_kernels.castle import decode as pallas_decode  # the kernels import this package
+    if not pallas_decode.supports_head_dim(cache.causal_keys.shape[-1]):
+      if implementation == "pallas":
+        raise ValueError(
+            f"decode_step: the Pallas decoding kernel takes power-of-two head dims >= 16, got "
+            f"{cache.causal_keys.shape[-1]}; use implementation='xla'")
+      return "xla"
+  return "pallas" if chosen == "pallas" else "xla"
+
+
 def decode_step(
     cache: UQKVCache,
     q_u: jax.Array,
@@ -199,6 +241,9 @@ def decode_step(
     q_c: jax.Array,
     k_c: jax.Array,
     v_c: jax.Array,
+    *,
+    implementation: str | None = None,
+    pallas_config=None,
 ) -> tuple[jax.Array, UQKVCache]:
   """Algorithm 4: one new token against the UQ-KV cache.
 
@@ -206,6 +251,11 @@ def decode_step(
     cache: the UQKVCache after `length` tokens.
     q_u, k_u, v_u, q_c, k_c, v_c: [batch, 1, heads, head_dim], the new token's
       projections.
+    implementation: "xla" (rank-1 update and combining step as XLA ops), "pallas"
+      (`pallas_kernels.castle.decode`: one kernel updates U and attends in a single
+      pass; SWL updates its W rows in XLA first; power-of-two head dims), "reference"
+      (as "xla"), or None ("pallas" on a GPU where it applies, else "xla").
+    pallas_config: a `pallas_kernels.castle.CastleDecodeConfig` for "pallas".
 
   Returns:
     output: [batch, 1, heads, head_dim] in the inputs' dtype.
@@ -227,42 +277,43 @@ def decode_step(
   checkify.debug_check(in_bounds, _overflow_message(capacity))
 
   dtype = compute_dtype(jnp.promote_types(q_u.dtype, cache.lookahead_keys.dtype))
-  q_u, k_u, v_u, q_c, k_c, v_c = (x.astype(dtype) for x in inputs)
-
-  # Rank-1 update (Eq. 12) of the rows whose mask admits the new key: all s < t for
-  # CASTLE, the last W for SWL. The slice has query_rows rows (capacity for CASTLE).
-  start = jnp.clip(position - query_rows, 0, capacity - query_rows)
-  updated_positions = start + jnp.arange(query_rows)
-  queries = jnp.take(cache.lookahead_queries, updated_positions % query_rows, axis=1).astype(dtype)
-  logits = jnp.einsum("bshd,bhd->bhs", queries, k_u[:, 0]) * score_scale(q_u.shape[-1])
-  visible = lookahead_visible(updated_positions, position[None], cache.window)[:, 0]
-  weights = masked_sigmoid(logits, visible)
-  keys = jax.lax.dynamic_slice_in_dim(cache.lookahead_keys, start, query_rows, axis=1).astype(dtype)
-  keys = keys + jnp.einsum("bhs,bhd->bshd", weights, v_u[:, 0])
-
-  def write(buffer, values, row):
-    return jax.lax.dynamic_update_slice_in_dim(buffer, values.astype(buffer.dtype), row, axis=1)
-
-  lookahead_keys = write(cache.lookahead_keys, keys, start)
-  # The new token has no successors yet: u_t^t = 0.
-  lookahead_keys = write(lookahead_keys, jnp.zeros_like(k_u), position)
+  implementation = _decode_implementation(implementation, cache, dtype)
+  # CASTLE's update touches every cached row: the Pallas kernel fuses it with attending.
+  fused_update = implementation == "pallas" and cache.window is None
+  lookahead_keys = cache.lookahead_keys
+  if not fused_update:
+    lookahead_keys = _update_lookahead_keys(cache, position, in_bounds, k_u.astype(dtype), v_u.astype(dtype),
+                                            dtype)
+  # Append the token; it has no successors yet: u_t^t = 0. Every write is one row, so an
+  # overflowing step (not in_bounds) costs nothing and changes nothing.
   new_cache = UQKVCache(
-      lookahead_keys=lookahead_keys,
-      lookahead_queries=write(cache.lookahead_queries, q_u, position % query_rows),
-      causal_keys=write(cache.causal_keys, k_c, position),
-      causal_values=write(cache.causal_values, v_c, position),
-      length=position + 1,
+      lookahead_keys=_write_row(lookahead_keys, jnp.zeros_like(k_u), position, in_bounds),
+      lookahead_queries=_write_row(cache.lookahead_queries, q_u, position % query_rows, in_bounds),
+      causal_keys=_write_row(cache.causal_keys, k_c, position, in_bounds),
+      causal_values=_write_row(cache.causal_values, v_c, position, in_bounds),
+      length=jnp.where(in_bounds, position + 1, position),
       window=cache.window)
 
-  # Combining step (Eqs. 4-7), scored with the causal query q^C_t.
-  cached = jnp.arange(capacity) <= position
-  # Empty slots get zero weight, but 0 * garbage is not 0 when the garbage is NaN/inf.
-  values = jnp.where(cached[None, :, None, None], new_cache.causal_values.astype(dtype), 0.0)
-  output = attend_with_lookahead_keys(
-      q_c, new_cache.causal_keys.astype(dtype), values, new_cache.lookahead_keys.astype(dtype),
-      cached[None, :])
+  if implementation == "pallas":
+    from pallas_kernels.castle import decode as pallas_decode
+    last_row = jnp.minimum(position, capacity - 1)
+    output, keys = pallas_decode.decode_attend(
+        q_c[:, 0], k_u[:, 0], v_u[:, 0],
+        new_cache.lookahead_queries if fused_update else new_cache.causal_keys,
+        new_cache.causal_keys, new_cache.causal_values, new_cache.lookahead_keys,
+        last_row, jnp.where(in_bounds, position, 0), update_lookahead_keys=fused_update,
+        config=pallas_config, interpret=jax.default_backend() == "cpu")
+    new_cache = new_cache.replace(lookahead_keys=keys)
+    output = output[:, None]
+  else:
+    # Combining step (Eqs. 4-7), scored with the causal query q^C_t.
+    cached = jnp.arange(capacity) <= position
+    # Empty slots get zero weight, but 0 * garbage is not 0 when the garbage is NaN/inf.
+    values = jnp.where(cached[None, :, None, None], new_cache.causal_values.astype(dtype), 0.0)
+    output = attend_with_lookahead_keys(
+        q_c.astype(dtype), new_cache.causal_keys.astype(dtype), values,
+        new_cache.lookahead_keys.astype(dtype), cached[None, :])
   output = jnp.where(in_bounds, output, jnp.nan).astype(inputs[0].dtype)
-  new_cache = jax.tree.map(lambda new, old: jnp.where(in_bounds, new, old), new_cache, cache)
   return output, new_cache
 
 
@@ -289,7 +340,8 @@ def append_tokens(
     cache: the UQKVCache after `length` tokens.
     q_u, k_u, v_u, q_c, k_c, v_c: [batch, new, heads, head_dim], the new tokens'
       projections (positions length .. length + new - 1).
-    block_size, implementation: of the prefill (see `prefill`).
+    block_size: of the prefill (see `prefill`).
+    implementation: of the prefill and the decoding steps (see `prefill`, `decode_step`).
 
   Returns:
     outputs: [batch, new, heads, head_dim] in the inputs' dtype.
@@ -302,7 +354,7 @@ def append_tokens(
   """
   inputs = (q_u, k_u, v_u, q_c, k_c, v_c)
   if q_u.ndim == 4 and q_u.shape[1] == 1:
-    return decode_step(cache, *inputs)
+    return decode_step(cache, *inputs, implementation=implementation)
   _check_against_cache(cache, inputs, "append_tokens")
   new = q_u.shape[1]
   if new > cache.capacity:
@@ -314,7 +366,7 @@ def append_tokens(
 
   def extend(cache):
     def step(cache, token):
-      output, cache = decode_step(cache, *(x[:, None] for x in token))
+      output, cache = decode_step(cache, *(x[:, None] for x in token), implementation=implementation)
       return cache, output[:, 0]
 
     cache, outputs = jax.lax.scan(step, cache, tuple(jnp.moveaxis(x, 1, 0) for x in inputs))
