@@ -38,6 +38,11 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("norm", None),
 )
 
+# Logical layouts of per-head activations as attention ops take them.
+SEQUENCE_HEADS_AXES = ("batch", None, "act_heads", None)  # [batch, seq, heads, head_dim]
+KV_SEQUENCE_HEADS_AXES = ("batch", None, "act_kv_heads", None)  # the same with key/value heads
+TOKEN_HEADS_AXES = ("batch", "act_heads", None)  # [batch, heads, head_dim]
+
 
 def with_axes(init: Callable, axes: Sequence[str | None]) -> Callable:
   """Wraps a parameter initializer so the parameter carries logical axis names."""
@@ -47,3 +52,62 @@ def with_axes(init: Callable, axes: Sequence[str | None]) -> Callable:
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   """Pins an activation's sharding by logical names (a no-op outside a mesh context)."""
   return nn.with_logical_constraint(x, tuple(axes))
+
+
+def _mesh_axes(logical: str | None, mesh) -> tuple[str, ...]:
+  """The mesh axes (of size > 1) that LOGICAL_AXIS_RULES maps a logical axis onto."""
+  if logical is None:
+    return ()
+  target = dict(LOGICAL_AXIS_RULES)[logical]
+  axes = (target,) if isinstance(target, str) else tuple(target or ())
+  return tuple(a for a in axes if a in mesh.axis_names and mesh.shape[a] > 1)
+
+
+def map_over_shards(fn: Callable, args: Sequence, in_axes: Sequence, out_axes, *, what: str):
+  """fn(*args), run on every device's shard when a device mesh is set (`jax.set_mesh`).
+
+  Pallas kernels are custom calls that XLA's partitioner cannot split: under a mesh it
+  would gather their operands and run the whole batch on every device. Ops that are
+  independent per batch row and head run through `jax.shard_map` instead, each
+  device on its own rows and heads. Without a mesh (or a mesh of one device) this is
+  fn(*args).
+
+  Args:
+    fn: the per-shard computation (it sees shard shapes).
+    args: arrays (or pytrees of arrays with one layout each).
+    in_axes: per arg, the logical axis name per dimension ("batch", "act_heads" or
+      None, see LOGICAL_AXIS_RULES), or None for an arg every device holds whole.
+    out_axes: the same for fn's output, or a list of them for several outputs.
+    what: the op's name, for error messages.
+
+  Raises:
+    ValueError: a dimension that does not divide over its mesh axes (naming the op,
+      the argument and the fix).
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return fn(*args)
+
+  def spec(names):
+    if names is None:
+      return jax.sharding.PartitionSpec()
+    return jax.sharding.PartitionSpec(*(_mesh_axes(n, mesh) or None for n in names))
+
+  if not any(_mesh_axes(name, mesh) for names in in_axes for name in (names or ())):
+    return fn(*args)
+  for index, (arg, names) in enumerate(zip(args, in_axes)):
+    for leaf in jax.tree.leaves(arg):
+      for dim, name in enumerate(names or ()):
+        ways = 1
+        for axis in _mesh_axes(name, mesh):
+          ways *= mesh.shape[axis]
+        if leaf.shape[dim] % ways:
+          raise ValueError(
+              f"{what}: argument {index} has shape {leaf.shape}; its dimension {dim} ({name}) is split over "
+              f"mesh axes {_mesh_axes(name, mesh)} ({ways} ways) and must be a multiple of {ways}. Change the "
+              "batch size / head count or the mesh")
+  in_specs = tuple(spec(names) for names in in_axes)
+  out_specs = [spec(names) for names in out_axes] if isinstance(out_axes, list) else spec(out_axes)
+  if isinstance(out_specs, list):
+    out_specs = tuple(out_specs)
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 from castle_jax.ops.castle.blockwise import DEFAULT_BLOCK_SIZE, castle_blockwise
 from castle_jax.ops.castle.common import validate_block_size, validate_inputs
 from castle_jax.ops.castle.reference import castle_parallel
+from castle_jax.sharding import SEQUENCE_HEADS_AXES, map_over_shards
 
 IMPLEMENTATIONS = ("reference", "xla", "pallas")
 
@@ -89,7 +91,8 @@ def castle_attention(
   if implementation == "pallas":
     # Imported here: the kernels import this package's math helpers.
     from pallas_kernels.castle import castle_attention_pallas
-    return castle_attention_pallas(*inputs, window=window, config=pallas_config)
+    run = functools.partial(castle_attention_pallas, window=window, config=pallas_config)
+    return map_over_shards(run, inputs, [SEQUENCE_HEADS_AXES] * 6, SEQUENCE_HEADS_AXES, what="castle_attention")
   if implementation == "reference":
     return castle_parallel(*inputs, window=window)
   return castle_blockwise(*inputs, window=window, block_size=block_size)

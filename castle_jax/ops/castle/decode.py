@@ -25,6 +25,7 @@ concrete (eager use); under `jax.jit` the length is traced, so the step
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import flax.struct
@@ -44,6 +45,7 @@ from castle_jax.ops.castle.common import (
     validate_inputs,
     validate_window,
 )
+from castle_jax.sharding import SEQUENCE_HEADS_AXES, TOKEN_HEADS_AXES, map_over_shards
 
 
 @flax.struct.dataclass
@@ -164,7 +166,8 @@ def prefill(
         "create the cache with a larger capacity")
   if resolve_implementation(implementation, q_u.dtype) == "pallas":
     from pallas_kernels.castle import castle_prefill_pallas  # the kernels import this package
-    outputs, keys = castle_prefill_pallas(*inputs, window=cache.window)
+    outputs, keys = map_over_shards(functools.partial(castle_prefill_pallas, window=cache.window), inputs,
+                                    [SEQUENCE_HEADS_AXES] * 6, [SEQUENCE_HEADS_AXES] * 2, what="prefill")
   else:
     outputs, keys = castle_blockwise_prefill(*inputs, window=cache.window, block_size=block_size)
 
@@ -297,12 +300,16 @@ def decode_step(
   if implementation == "pallas":
     from pallas_kernels.castle import decode as pallas_decode
     last_row = jnp.minimum(position, capacity - 1)
-    output, keys = pallas_decode.decode_attend(
-        q_c[:, 0], k_u[:, 0], v_u[:, 0],
-        new_cache.lookahead_queries if fused_update else new_cache.causal_keys,
-        new_cache.causal_keys, new_cache.causal_values, new_cache.lookahead_keys,
-        last_row, jnp.where(in_bounds, position, 0), update_lookahead_keys=fused_update,
-        config=pallas_config, interpret=jax.default_backend() == "cpu")
+    attend = functools.partial(pallas_decode.decode_attend, update_lookahead_keys=fused_update,
+                               config=pallas_config, interpret=jax.default_backend() == "cpu")
+    output, keys = map_over_shards(
+        attend,
+        (q_c[:, 0], k_u[:, 0], v_u[:, 0],
+         new_cache.lookahead_queries if fused_update else new_cache.causal_keys,
+         new_cache.causal_keys, new_cache.causal_values, new_cache.lookahead_keys,
+         last_row, jnp.where(in_bounds, position, 0)),
+        [TOKEN_HEADS_AXES] * 3 + [SEQUENCE_HEADS_AXES] * 4 + [None, None],
+        [TOKEN_HEADS_AXES, SEQUENCE_HEADS_AXES], what="decode_step")
     new_cache = new_cache.replace(lookahead_keys=keys)
     output = output[:, None]
   else:

@@ -22,6 +22,7 @@ from castle_jax.ops.power.chunked import power_attention_chunked
 from castle_jax.ops.power.common import PowerState, validate_all, validate_chunk_size
 from castle_jax.ops.power.expansion import convert_expanded
 from castle_jax.ops.power.reference import power_attention_reference, reference_state
+from castle_jax.sharding import KV_SEQUENCE_HEADS_AXES, SEQUENCE_HEADS_AXES, map_over_shards
 
 IMPLEMENTATIONS = ("reference", "xla", "pallas")
 PALLAS_DEFAULT_CHUNK_SIZE = 1024
@@ -122,8 +123,16 @@ def _pallas(q, k, v, log_g, *, p, scale, chunk_size, expansion, d_tile, initial_
 
   if initial_state is not None:
     initial_state = convert(initial_state, layout, EXPANSION)
-  out, final_state = power_attention_pallas(q, k, v, log_g, scale=scale, chunk_size=chunk_size,
-                                            initial_state=initial_state, return_final_state=return_final_state)
+  def per_shard(q, k, v, log_g, initial_state):
+    return power_attention_pallas(q, k, v, log_g, scale=scale, chunk_size=chunk_size, initial_state=initial_state,
+                                  return_final_state=return_final_state)
+
+  state_axes = ("batch", "act_kv_heads")  # a prefix of PowerState's [batch, kv_heads, ...] leaves
+  out, final_state = map_over_shards(
+      per_shard, (q, k, v, log_g, initial_state),
+      [SEQUENCE_HEADS_AXES, KV_SEQUENCE_HEADS_AXES, KV_SEQUENCE_HEADS_AXES, ("batch", None, "act_kv_heads"),
+       state_axes],
+      [SEQUENCE_HEADS_AXES, state_axes], what="power_attention")
   if not return_final_state:
     return out
   return out, convert(final_state, EXPANSION, layout)

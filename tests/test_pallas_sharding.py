@@ -1,0 +1,135 @@
+"""Pallas kernels under a device mesh (8 fake CPU devices, interpret mode).
+
+XLA cannot partition a Pallas custom call, so the ops run the kernels per shard with
+`jax.shard_map` when a mesh is set: every device computes its own batch rows and
+heads. Checked: the sharded results equal the unsharded ones (outputs, gradients,
+decoding outputs and caches), the kernels sit inside a shard_map, and a batch that
+does not divide over the mesh is a clear error.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import pytest
+
+from castle_jax.ops.castle import castle_attention, decode_step, init_cache, prefill
+from castle_jax.sharding import SEQUENCE_HEADS_AXES, map_over_shards
+from helpers import rel_err
+from pallas_kernels.castle import CastleDecodeConfig, CastleKernelConfig
+
+SHAPE = (4, 24, 2, 16)  # batch over data x fsdp = 2 x 2, heads over tensor = 2
+KERNELS = CastleKernelConfig(block_q=16, block_k=16, bwd_block_q=16, bwd_block_k=16)
+HEADS_SPEC = P(("data", "fsdp"), None, "tensor", None)
+
+
+@pytest.fixture(autouse=True)
+def _full_float32_matmuls():
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
+def _mesh():
+  return jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), devices=jax.devices()[:8],
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def _inputs(seed, shape=SHAPE):
+  keys = jax.random.split(jax.random.key(seed), 7)
+  return tuple(jax.random.normal(k, shape, jnp.float32) for k in keys[:6]), jax.random.normal(keys[6], shape)
+
+
+def _attention_and_grads(inputs, cotangent):
+  def loss(*args):
+    return jnp.sum(castle_attention(*args, window=5, implementation="pallas", pallas_config=KERNELS) * cotangent)
+  out = castle_attention(*inputs, window=5, implementation="pallas", pallas_config=KERNELS)
+  return out, jax.grad(loss, argnums=range(6))(*inputs)
+
+
+def test_castle_kernels_run_per_shard_and_match_unsharded():
+  inputs, cotangent = _inputs(seed=0)
+  expected, expected_grads = jax.jit(_attention_and_grads)(inputs, cotangent)
+  mesh = _mesh()
+  with jax.set_mesh(mesh):
+    sharded = jax.device_put((inputs, cotangent), NamedSharding(mesh, HEADS_SPEC))
+    assert "shard_map" in str(jax.make_jaxpr(_attention_and_grads)(*sharded))
+    out, grads = jax.jit(_attention_and_grads)(*sharded)
+  assert out.sharding.spec == HEADS_SPEC
+  assert rel_err(out, expected) < 1e-6
+  for g, eg in zip(grads, expected_grads):
+    assert rel_err(g, eg) < 1e-6
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_pallas_prefill_and_decoding_per_shard(window):
+  inputs, _ = _inputs(seed=1)
+  batch, seq, heads, head_dim = SHAPE
+  step = jax.jit(lambda c, *a: decode_step(c, *a, implementation="pallas",
+                                           pallas_config=CastleDecodeConfig(block_rows=16, splits=2)))
+  fill = jax.jit(lambda c, *a: prefill(c, *a, implementation="pallas"))
+
+  def run(inputs):
+    cache = init_cache(batch, seq, heads, head_dim, jnp.float32, window=window)
+    outs, cache = fill(cache, *(x[:, :20] for x in inputs))
+    for t in range(20, seq):
+      out, cache = step(cache, *(x[:, t:t + 1] for x in inputs))
+      outs = jnp.concatenate([outs, out], axis=1)
+    return outs, cache
+
+  expected, expected_cache = run(inputs)
+  mesh = _mesh()
+  with jax.set_mesh(mesh):
+    token = tuple(x[:, :1] for x in inputs)
+    cache = init_cache(batch, seq, heads, head_dim, jnp.float32, window=window)
+    assert "shard_map" in str(jax.make_jaxpr(step)(cache, *token))
+    outs, cache = run(jax.device_put(inputs, NamedSharding(mesh, HEADS_SPEC)))
+  assert rel_err(outs, expected) < 1e-6
+  assert rel_err(cache.lookahead_keys, expected_cache.lookahead_keys) < 1e-6
+
+
+def test_batch_that_does_not_divide_names_the_fix():
+  inputs, _ = _inputs(seed=2, shape=(3, 16, 2, 16))
+  with jax.set_mesh(_mesh()):
+    with pytest.raises(ValueError, match=r"castle_attention: argument 0 .* multiple of 4.*batch size"):
+      castle_attention(*inputs, implementation="pallas", pallas_config=KERNELS)
+
+
+def test_without_a_mesh_nothing_is_wrapped():
+  x = jnp.ones((2, 4, 2, 16))
+  text = str(jax.make_jaxpr(lambda y: map_over_shards(jnp.sin, (y,), [SEQUENCE_HEADS_AXES], SEQUENCE_HEADS_AXES,
+                                                      what="sin"))(x))
+  assert "shard_map" not in text
+
+
+def test_power_kernels_run_per_shard_with_states():
+  """Grouped heads (4 query heads on 2 key/value heads) split over tensor = 2, with an
+  initial state and the final state."""
+  from castle_jax.ops.power import PowerState, power_attention
+  rng = jax.random.split(jax.random.key(3), 6)
+  batch, seq, heads, kv_heads, dim = 4, 128, 4, 2, 16
+  q = jax.random.normal(rng[0], (batch, seq, heads, dim))
+  k = jax.random.normal(rng[1], (batch, seq, kv_heads, dim))
+  v = jax.random.normal(rng[2], (batch, seq, kv_heads, dim))
+  log_g = -jax.nn.softplus(-2.0 - jax.random.normal(rng[3], (batch, seq, kv_heads)))
+  _, state = power_attention(q, k, v, log_g, implementation="reference", return_final_state=True)
+
+  def run(q, k, v, log_g, state):
+    out, final = power_attention(q, k, v, log_g, implementation="pallas", chunk_size=64, initial_state=state,
+                                 return_final_state=True)
+    return jnp.sum(out * out), (out, final)
+
+  (_, (expected, expected_state)), expected_grads = jax.jit(jax.value_and_grad(run, argnums=(0, 1, 2), has_aux=True))(
+      q, k, v, log_g, state)
+  mesh = _mesh()
+  with jax.set_mesh(mesh):
+    heads_sharding = NamedSharding(mesh, HEADS_SPEC)
+    args = (*jax.device_put((q, k, v), heads_sharding),
+            jax.device_put(log_g, NamedSharding(mesh, P(("data", "fsdp"), None, "tensor"))),
+            jax.device_put(state, NamedSharding(mesh, P(("data", "fsdp"), "tensor"))))
+    grad_fn = jax.jit(jax.value_and_grad(run, argnums=(0, 1, 2), has_aux=True))
+    assert "shard_map" in str(jax.make_jaxpr(grad_fn)(*args))
+    (_, (out, final)), grads = grad_fn(*args)
+  assert isinstance(final, PowerState)
+  assert rel_err(out, expected) < 1e-5
+  assert rel_err(final.state, expected_state.state) < 1e-5
+  for g, eg in zip(grads, expected_grads):
+    assert rel_err(g, eg) < 1e-5
