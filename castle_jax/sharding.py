@@ -66,8 +66,8 @@ def _mesh_axes(logical: str | None, mesh) -> tuple[str, ...]:
 def map_over_shards(fn: Callable, args: Sequence, in_axes: Sequence, out_axes, *, what: str):
   """fn(*args), run on every device's shard when a device mesh is set (`jax.set_mesh`).
 
-  Pallas kernels are custom calls that XLA's partitioner cannot split: under a mesh it
-  would gather their operands and run the whole batch on every device. Ops that are
+  Pallas kernels are custom calls for which XLA's partitioner has no rule: under a mesh
+  it would have to gather their operands and run the whole batch on every device. Ops that are
   independent per batch row and head run through `jax.shard_map` instead, each
   device on its own rows and heads. Without a mesh (or a mesh of one device) this is
   fn(*args).
