@@ -12,6 +12,7 @@ because a parameter's embed axis is sharded over fsdp while activations keep it 
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import flax.linen as nn
@@ -98,16 +99,13 @@ def map_over_shards(fn: Callable, args: Sequence, in_axes: Sequence, out_axes, *
   for index, (arg, names) in enumerate(zip(args, in_axes)):
     for leaf in jax.tree.leaves(arg):
       for dim, name in enumerate(names or ()):
-        ways = 1
-        for axis in _mesh_axes(name, mesh):
-          ways *= mesh.shape[axis]
+        axes = _mesh_axes(name, mesh)
+        ways = math.prod(mesh.shape[axis] for axis in axes)
         if leaf.shape[dim] % ways:
           raise ValueError(
               f"{what}: argument {index} has shape {leaf.shape}; its dimension {dim} ({name}) is split over "
-              f"mesh axes {_mesh_axes(name, mesh)} ({ways} ways) and must be a multiple of {ways}. Change the "
+              f"mesh axes {axes} ({ways} ways) and must be a multiple of {ways}. Change the "
               "batch size / head count or the mesh")
   in_specs = tuple(spec(names) for names in in_axes)
-  out_specs = [spec(names) for names in out_axes] if isinstance(out_axes, list) else spec(out_axes)
-  if isinstance(out_specs, list):
-    out_specs = tuple(out_specs)
+  out_specs = tuple(spec(names) for names in out_axes) if isinstance(out_axes, list) else spec(out_axes)
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)

@@ -24,6 +24,13 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(skip_gpu)
 
 
+@pytest.fixture
+def full_float32_matmuls():
+  """float32 tolerances assume float32 matmuls; GPUs default to TF32 for them."""
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
 @pytest.fixture(scope="session")
 def stdlib_data_dir(tmp_path_factory):
   """A TFDS data dir with the real python_stdlib corpus built in it (~1 s)."""

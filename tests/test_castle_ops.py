@@ -34,11 +34,7 @@ SHAPE = (2, 11, 3, 8)
 WINDOWS = [None, 1, 3, 30]  # 30 > seq: SWL that never bites.
 
 
-@pytest.fixture(autouse=True)
-def _full_float32_matmuls():
-  """float32 tolerances assume float32 matmuls; GPUs default to TF32 for them."""
-  with jax.default_matmul_precision("highest"):
-    yield
+pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
 
 
 def _inputs(seed, shape=SHAPE, dtype=jnp.float32):

@@ -23,10 +23,7 @@ SMALL = CastleKernelConfig(block_q=16, block_k=16, bwd_block_q=16, bwd_block_k=1
 UNEQUAL = CastleKernelConfig(block_q=16, block_k=32, bwd_block_q=32, bwd_block_k=16)
 
 
-@pytest.fixture(autouse=True)
-def _full_float32_matmuls():
-  with jax.default_matmul_precision("highest"):
-    yield
+pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
 
 
 def _inputs(seed, shape=SHAPE, dtype=jnp.float32, scales=(1.0,) * 6):

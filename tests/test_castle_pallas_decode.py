@@ -24,10 +24,7 @@ CAPACITY = 43  # not a multiple of the 16-row blocks
 CONFIG = CastleDecodeConfig(block_rows=16, splits=3)
 
 
-@pytest.fixture(autouse=True)
-def _full_float32_matmuls():
-  with jax.default_matmul_precision("highest"):
-    yield
+pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
 
 
 def _inputs(seed, shape=SHAPE, dtype=jnp.float32):

@@ -22,10 +22,7 @@ KERNELS = CastleKernelConfig(block_q=16, block_k=16, bwd_block_q=16, bwd_block_k
 HEADS_SPEC = P(("data", "fsdp"), None, "tensor", None)
 
 
-@pytest.fixture(autouse=True)
-def _full_float32_matmuls():
-  with jax.default_matmul_precision("highest"):
-    yield
+pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
 
 
 def _mesh():

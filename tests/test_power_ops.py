@@ -42,11 +42,7 @@ from helpers import rel_err
 B, T, HQ, HKV, D_HEAD, D_VALUE = 2, 11, 6, 2, 8, 6
 
 
-@pytest.fixture(autouse=True)
-def _full_float32_matmuls():
-  """float32 tolerances assume float32 matmuls; GPUs default to TF32 for them."""
-  with jax.default_matmul_precision("highest"):
-    yield
+pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
 
 
 def _inputs(seed, seq=T, dtype=jnp.float32, gating=True):

@@ -21,10 +21,7 @@ B, HQ, HKV, D_HEAD, D_VALUE = 2, 4, 2, 32, 16
 SMALL = PowerKernelConfig(block_t=16, block_q=16, block_k=16, grad_block=16)
 
 
-@pytest.fixture(autouse=True)
-def _full_float32_matmuls():
-  with jax.default_matmul_precision("highest"):
-    yield
+pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
 
 
 def _inputs(seed, seq, dtype=jnp.float32, gating=True):

@@ -25,10 +25,7 @@ retention_reference = pytest.importorskip("retention.reference")
 BATCH, SEQ, HEAD_DIM = 2, 32, 32
 
 
-@pytest.fixture(autouse=True)
-def _full_float32_matmuls():
-  with jax.default_matmul_precision("highest"):
-    yield
+pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
 
 
 def _inputs(seed, heads, kv_heads, gating):

@@ -32,16 +32,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 
+from castle_jax.ops.castle.common import score_scale
 from pallas_kernels.castle.config import CastleDecodeConfig
+from pallas_kernels.castle.kernels import sigmoid, silu
 from pallas_kernels.config_checks import is_power_of_two
 
 # Programs the default split count aims for: ~30 per SM of an H100, so that enough row
 # loads are in flight to saturate memory (measured: 8 splits of 576 heads beat 1-2).
 _TARGET_PROGRAMS = 4096
-
-
-def _sigmoid(x):
-  return 1.0 / (1.0 + jnp.exp(-x))
 
 
 def supports_head_dim(head_dim: int) -> bool:
@@ -58,7 +56,7 @@ def default_splits(batch_heads: int, capacity: int, block_rows: int) -> int:
 
 def _decode_kernel(last_row_ref, update_end_ref, q_c_ref, k_u_ref, v_u_ref, q_u_ref, k_c_ref, v_c_ref,
                    keys_in_ref, keys_ref, max_ref, sum_ref, acc_ref, *, scale: float, block_rows: int,
-                   splits: int, capacity: int, update_lookahead_keys: bool):
+                   splits: int, update_lookahead_keys: bool):
   split = pl.program_id(0)
   last_row = last_row_ref[()]      # rows 0..last_row are attended
   update_end = update_end_ref[()]  # rows < update_end get the rank-1 update
@@ -86,12 +84,12 @@ def _decode_kernel(last_row_ref, update_end_ref, q_c_ref, k_u_ref, v_u_ref, q_u_
     if update_lookahead_keys:
       updated = (positions < update_end)[:, None]
       logits = jnp.sum(load(q_u_ref) * k_u, axis=1, keepdims=True) * scale
-      keys = keys + jnp.where(updated, _sigmoid(logits), 0.0) * v_u
+      keys = keys + jnp.where(updated, sigmoid(logits), 0.0) * v_u
       keys = keys.astype(keys_ref.dtype)
       pltriton.store(keys_ref.at[rows], keys, mask=updated)
       keys = keys.astype(f32)
     lookahead = jnp.sum(keys * q_c, axis=1, keepdims=True) * scale
-    scores = jnp.sum(load(k_c_ref) * q_c, axis=1, keepdims=True) * scale - lookahead * _sigmoid(lookahead)
+    scores = jnp.sum(load(k_c_ref) * q_c, axis=1, keepdims=True) * scale - silu(lookahead)
     scores = jnp.where(cached, scores, -jnp.inf)  # [block_rows, 1]
     new_max = jnp.maximum(running_max, jnp.max(scores, axis=0, keepdims=True))
     correction = jnp.exp(running_max - new_max)
@@ -139,13 +137,12 @@ def decode_attend(q_c, k_u, v_u, lookahead_queries, causal_keys, causal_values, 
                      "use the XLA decoding step for other head dims")
   block_rows = config.block_rows
   splits = config.splits or default_splits(batch * heads, capacity, block_rows)
-  scale = 1.0 / float(head_dim) ** 0.5
   token = pl.BlockSpec((None, None, head_dim), lambda s, b, h: (b, h, 0))
   rows = pl.BlockSpec((None, capacity, None, head_dim), lambda s, b, h: (b, 0, h, 0))
   scalar = pl.BlockSpec((), lambda s, b, h: ())
   per_program = pl.BlockSpec((None, None, None, 1), lambda s, b, h: (s, b, h, 0))
-  kernel = functools.partial(_decode_kernel, scale=scale, block_rows=block_rows, splits=splits,
-                             capacity=capacity, update_lookahead_keys=update_lookahead_keys)
+  kernel = functools.partial(_decode_kernel, scale=score_scale(head_dim), block_rows=block_rows, splits=splits,
+                             update_lookahead_keys=update_lookahead_keys)
   stats = jax.ShapeDtypeStruct((splits, batch, heads, 1), jnp.float32)
   keys, maxima, sums, acc = pl.pallas_call(
       kernel,

@@ -51,16 +51,16 @@ from pallas_kernels.triton_atomics import relaxed_atomic_add
 _FLOAT16_KEY_STATE_SCALE = 2.0 ** -8
 
 
-def _sigmoid(x):
+def sigmoid(x):
   return 1.0 / (1.0 + jnp.exp(-x))
 
 
-def _silu(x):
-  return x * _sigmoid(x)
+def silu(x):
+  return x * sigmoid(x)
 
 
 def _silu_grad(x):
-  sig = _sigmoid(x)
+  sig = sigmoid(x)
   return sig * (1.0 + x * (1.0 - sig))
 
 
@@ -122,7 +122,7 @@ class _Tiles:
 
   def probabilities(self, q_c, k_c, lookahead_scores, shift, query_positions):
     """exp(S^C - SiLU(S^U) - shift) under the causal mask, [block_q, block_k]."""
-    scores = self.dot(q_c, k_c, trans_b=True) * self.scale - _silu(lookahead_scores)
+    scores = self.dot(q_c, k_c, trans_b=True) * self.scale - silu(lookahead_scores)
     return jnp.where(self.causal_visible(query_positions), jnp.exp(scores - shift[:, None]), 0.0)
 
   def key_state_step(self, weights, v_u):
@@ -145,7 +145,7 @@ class _Tiles:
     visible = j > s
     if self.window is not None:
       visible &= j <= s + self.window
-    return jnp.where(visible, _sigmoid(logits), 0.0)
+    return jnp.where(visible, sigmoid(logits), 0.0)
 
 
 def _query_block_range(key_block, config_block_q: int, config_block_k: int, num_query_blocks: int,
