@@ -1,0 +1,124 @@
+"""The jitted, sharded train step of a config timed on synthetic tokens (no input pipeline):
+`measure` and the per-op GPU time of a trace, shared by train_throughput.py and train_loop.py."""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import statistics
+import time
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from castle_jax.models import ModelConfig, TransformerLM, count_parameters, training_flops_per_token
+from castle_jax.sharding import LOGICAL_AXIS_RULES
+from train.mesh import make_mesh
+from train.optimizer import make_optimizer
+from train.state import init_train_state, state_shardings
+from train.step import jit_train_step
+from train.throughput import peak_flops_per_device
+
+
+def measure(config, steps: int, profile_dir: str | None = None, token_ids: int | None = None,
+            host_batches: list[dict] | None = None) -> dict:
+  """Times `steps` train steps of `config` (median, after 2 warm-up steps) on random tokens.
+
+  Args:
+    token_ids: draw tokens from [0, token_ids) (default: the whole vocabulary). Real text
+      uses a few hundred ids of a 50K vocabulary (all of them with the byte tokenizer),
+      which makes the embedding gradient's scatter-add collide far more than uniform ids do.
+    host_batches: time on these {"inputs", "targets"} batches (e.g. from the real input
+      pipeline, already read) instead of random tokens.
+    profile_dir: also trace 2 more steps there.
+  """
+  model_config = ModelConfig.from_mapping(config.model)
+  model = TransformerLM(model_config)
+  mesh = make_mesh(config.mesh)
+  tx, schedule = make_optimizer(config.train)
+  seq_len, batch = config.data.seq_len, config.data.batch_size
+  batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"), None))
+  rng = np.random.default_rng(0)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
+    _, shardings = state_shardings(model, tx, mesh, seq_len)
+    state = init_train_state(model, tx, jax.random.key(0), seq_len, shardings)
+    step = jit_train_step(model=model, tx=tx, schedule=schedule, pad_id=-1,
+                          grad_accum_steps=config.train.grad_accum_steps, state_shardings=shardings,
+                          batch_sharding=batch_sharding)
+    # Several distinct batches, so repeated steps do not replay one buffer.
+    if host_batches is None:
+      host_batches = []
+      for _ in range(3):
+        tokens = rng.integers(0, token_ids or model_config.vocab_size, (batch, seq_len + 1), dtype=np.int32)
+        host_batches.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+    batches = [jax.device_put(b, batch_sharding) for b in host_batches[:3]]
+    compile_start = time.perf_counter()
+    for i in range(2):
+      state, metrics = step(state, batches[i % 3])
+    jax.block_until_ready(metrics)
+    warmup_s = time.perf_counter() - compile_start
+    times = []
+    for i in range(steps):
+      start = time.perf_counter()
+      state, metrics = step(state, batches[i % 3])
+      jax.block_until_ready(metrics)
+      times.append(time.perf_counter() - start)
+    if profile_dir:
+      with jax.profiler.trace(profile_dir):
+        for i in range(2):
+          state, metrics = step(state, batches[i % 3])
+        jax.block_until_ready(metrics)
+  step_s = statistics.median(times)
+  tokens_per_s = batch * seq_len / step_s
+  flops_per_token = training_flops_per_token(model_config, seq_len)
+  peak = peak_flops_per_device()
+  memory = jax.devices()[0].memory_stats() or {}
+  return {
+      "device": jax.devices()[0].device_kind,
+      "devices": jax.device_count(),
+      "jax": jax.__version__,
+      "attention": model_config.attention,
+      "attention_impl": model_config.attention_impl,
+      "params": count_parameters(model_config),
+      "seq_len": seq_len,
+      "batch": batch,
+      "grad_accum_steps": config.train.grad_accum_steps,
+      "dtype": model_config.dtype,
+      "step_s_median": step_s,
+      "step_s_min": min(times),
+      "step_s_max": max(times),
+      "warmup_s": warmup_s,
+      "tokens_per_s": tokens_per_s,
+      "model_tflops_per_s_per_device": tokens_per_s * flops_per_token / jax.device_count() / 1e12,
+      "mfu": None if peak is None else tokens_per_s * flops_per_token / (peak * jax.device_count()),
+      "peak_bytes_in_use": memory.get("peak_bytes_in_use"),
+      "final_loss": float(metrics["loss"]),
+      "token_ids": token_ids or model_config.vocab_size,
+  }
+
+
+def device_time_by_op(profile_dir: str, top: int = 25) -> list[tuple[str, str, float, int]]:
+  """(line, op or kernel name, total ms, count) of the device planes of a trace, largest first.
+
+  Reads the "XLA Ops"/"XLA Modules" lines where the trace has them; traces from the CUDA
+  plugin of jax 0.11.2 have only per-stream lines ("Stream #N(...)") of kernel names.
+  """
+  paths = glob.glob(os.path.join(profile_dir, "**", "*.xplane.pb"), recursive=True)
+  planes = [p for p in jax.profiler.ProfileData.from_file(max(paths, key=os.path.getmtime)).planes
+            if p.name.startswith("/device:")]
+  lines = [(p, l) for p in planes for l in p.lines]
+  wanted = [(p, l) for p, l in lines if l.name in ("XLA Ops", "XLA Modules")]
+  wanted = wanted or [(p, l) for p, l in lines if l.name.startswith("Stream")]
+  totals = collections.defaultdict(lambda: [0.0, 0])
+  for _, line in wanted:
+    label = "stream" if line.name.startswith("Stream") else line.name
+    for event in line.events:
+      entry = totals[(label, event.name)]
+      entry[0] += event.duration_ns / 1e6
+      entry[1] += 1
+  if not totals:
+    print(f"no device op lines in the trace; planes/lines found: {sorted((p.name, l.name) for p, l in lines)[:40]}")
+  rows = sorted(((l, n, ms, c) for (l, n), (ms, c) in totals.items()), key=lambda r: -r[2])
+  return rows[:top]
