@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from castle_jax.layers.embedding import Embedding
 from castle_jax.layers.mlp import SwiGLU
 from castle_jax.layers.norms import RMSNorm
 from castle_jax.layers.registry import get_attention
@@ -61,7 +62,7 @@ class TransformerLM(nn.Module):
       if caches is not None:
         raise ValueError("positions are required when decoding with caches")
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    embed = nn.Embed(
+    embed = Embedding(
         cfg.vocab_size, cfg.d_model, dtype=cfg.compute_dtype, param_dtype=cfg.weights_dtype,
         embedding_init=with_axes(nn.initializers.normal(cfg.init_std), ("vocab", "embed")), name="embed")
     x = constrain(embed(tokens), ("batch", "act_length", "act_embed"))
