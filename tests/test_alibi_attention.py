@@ -1,0 +1,44 @@
+"""Sliding-window ALiBi attention: the blockwise path against the full-mask definition."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from castle_jax.ops.attention.alibi import alibi_slopes, alibi_window_attention, alibi_window_reference
+from helpers import rel_err
+
+
+def test_slopes_follow_the_formula():
+  np.testing.assert_allclose(alibi_slopes(8), [2.0 ** -(i + 1) for i in range(8)])
+  np.testing.assert_allclose(alibi_slopes(12)[:2], [2 ** (-8 / 12), 2 ** (-16 / 12)], rtol=1e-6)
+
+
+@pytest.mark.parametrize("seq, window, heads, kv_heads", [(37, 8, 4, 2), (16, 16, 3, 3), (5, 9, 2, 1), (24, 1, 2, 2)])
+def test_blockwise_matches_definition_with_gradients(seq, window, heads, kv_heads, full_float32_matmuls):
+  keys = jax.random.split(jax.random.key(seq + window), 4)
+  q = jax.random.normal(keys[0], (2, seq, heads, 8))
+  k, v = (jax.random.normal(key, (2, seq, kv_heads, 8)) for key in keys[1:3])
+  cotangent = jax.random.normal(keys[3], q.shape)
+  expected = alibi_window_reference(q, k, v, window=window)
+  assert rel_err(alibi_window_attention(q, k, v, window=window), expected) < 1e-5
+  loss = lambda fn: (lambda q, k, v: jnp.sum(fn(q, k, v, window=window) * cotangent))
+  got = jax.grad(loss(alibi_window_attention), argnums=(0, 1, 2))(q, k, v)
+  want = jax.grad(loss(alibi_window_reference), argnums=(0, 1, 2))(q, k, v)
+  for name, g, w in zip("qkv", got, want):
+    assert rel_err(g, w) < 1e-5, name
+
+
+def test_keys_outside_the_window_do_not_matter():
+  q, k, v = (jax.random.normal(jax.random.key(i), (1, 20, 2, 4)) for i in range(3))
+  out = alibi_window_attention(q, k, v, window=4)
+  # Position 10 sees 7..10: changing keys/values at 0..6 and 11.. leaves it unchanged.
+  k2 = k.at[:, :7].add(3.0).at[:, 11:].add(3.0)
+  v2 = v.at[:, :7].add(3.0).at[:, 11:].add(3.0)
+  np.testing.assert_allclose(alibi_window_attention(q, k2, v2, window=4)[:, 10], out[:, 10], rtol=1e-6)
+
+
+def test_unknown_implementation_is_named():
+  x = jnp.zeros((1, 4, 1, 2))
+  with pytest.raises(ValueError, match="'pallas'"):
+    alibi_window_attention(x, x, x, window=2, implementation="pallas")
