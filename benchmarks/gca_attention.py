@@ -1,8 +1,8 @@
-"""Grouped cross attention (GCA) forward and forward+backward, next to cuDNN sliding-window
-attention over the same tokens.
+"""Grouped cross attention (GCA) forward and forward+backward, next to the decoder's
+sliding-window ALiBi self-attention over the same tokens.
 
     python benchmarks/gca_attention.py [--tokens=16384,65536] [--batch=4] [--heads=12] \
-        [--head_dim=64] [--chunk=64] [--top_k=8] [--impls=xla,reference] [--json=out.json]
+        [--head_dim=64] [--chunk=64] [--top_k=8] [--impls=xla,reference] [--window_impls=cudnn,cudnn_plain,xla] [--json=out.json]
 
 The DRT layout: each chunk of `--chunk` real tokens plus its landmark is one query chunk
 (chunk + 1 positions); each query chunk attends to `--top_k` memory chunks of `--chunk`
@@ -22,6 +22,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from castle_jax.ops.attention.alibi import alibi_window_attention
 from castle_jax.ops.gca import gca_attention
 from timing import error_text, run_meta, time_forward_and_gradients, write_json
 
@@ -57,8 +58,10 @@ def gca_row(impl, batch, tokens, heads, head_dim, chunk, top_k, dtype, iters):
   return row
 
 
-def window_row(batch, tokens, heads, head_dim, chunk, window, dtype, iters):
-  """cuDNN causal sliding-window attention over the same positions (the decoder's self-attention)."""
+def window_row(impl, batch, tokens, heads, head_dim, chunk, window, dtype, iters):
+  """The decoder's self-attention over the same positions: sliding window with ALiBi
+  (`alibi_window_attention`, impl "xla" or "cudnn"), or "cudnn_plain", cuDNN's own
+  causal local window without ALiBi (what the blockwise layout costs on top)."""
   positions = tokens // chunk * (chunk + 1)
   sets = []
   for seed in range(2):
@@ -66,11 +69,19 @@ def window_row(batch, tokens, heads, head_dim, chunk, window, dtype, iters):
     sets.append(tuple(jax.random.normal(k, (batch, positions, heads, head_dim), dtype) for k in keys))
 
   def fn(q, k, v):
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(window, 0),
-                                        implementation="cudnn")
+    if impl == "cudnn_plain":
+      return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(window - 1, 0),
+                                          implementation="cudnn")
+    return alibi_window_attention(q, k, v, window=window, implementation=impl)
 
-  return {"impl": f"cudnn_window_{window}", "tokens": tokens, "positions": positions,
-          **time_forward_and_gradients(fn, 3, sets, iters)}
+  # Visible keys per query ~ window: 4 * window * head_dim FLOPs per query and head.
+  flops = 4 * batch * positions * heads * window * head_dim
+  timings = time_forward_and_gradients(fn, 3, sets, iters)
+  row = {"impl": f"window_{window}_{impl}", "tokens": tokens, "positions": positions, **timings}
+  if "fwd_ms" in timings:
+    row["fwd_tflops"] = flops / timings["fwd_ms"] / 1e9
+    row["fwd_bwd_tflops"] = 3.5 * flops / timings["fwd_bwd_ms"] / 1e9
+  return row
 
 
 def main(argv=None) -> int:
@@ -81,7 +92,9 @@ def main(argv=None) -> int:
   parser.add_argument("--head_dim", type=int, default=64)
   parser.add_argument("--chunk", type=int, default=64)
   parser.add_argument("--top_k", type=int, default=8)
-  parser.add_argument("--window", type=int, default=512, help="cuDNN sliding window of the comparison row")
+  parser.add_argument("--window", type=int, default=512, help="sliding window of the self-attention rows")
+  parser.add_argument("--window_impls", default="cudnn,cudnn_plain,xla",
+                      help="self-attention rows: ALiBi window on 'cudnn'/'xla', 'cudnn_plain' (no ALiBi); '' for none")
   parser.add_argument("--impls", default="xla", help="comma-separated GCA implementations")
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--dtype", default="bfloat16")
@@ -94,12 +107,12 @@ def main(argv=None) -> int:
       rows.append(gca_row(impl, args.batch, tokens, args.heads, args.head_dim, args.chunk, args.top_k, dtype,
                           args.iters))
       print(rows[-1], flush=True)
-    if jax.default_backend() == "gpu":
+    for impl in args.window_impls.split(",") if args.window_impls else ():
       try:
-        rows.append(window_row(args.batch, tokens, args.heads, args.head_dim, args.chunk, args.window, dtype,
+        rows.append(window_row(impl, args.batch, tokens, args.heads, args.head_dim, args.chunk, args.window, dtype,
                                args.iters))
       except Exception as e:  # report and go on
-        rows.append({"impl": "cudnn_window", "tokens": tokens, "error": error_text(e)})
+        rows.append({"impl": f"window_{args.window}_{impl}", "tokens": tokens, "error": error_text(e)})
       print(rows[-1], flush=True)
   write_json(args.json, run_meta(**vars(args)), rows=rows)
   print(f"\n| {jax.devices()[0].device_kind} | batch {args.batch} | {args.heads} x {args.head_dim} | chunk "
