@@ -1,0 +1,282 @@
+"""DRT: the Differentiable Retrieval Transformer (Hu et al., "Efficient Length-Generalizable
+Attention via Causal Retrieval", Sec. 3.1; engineering choices from the authors' code).
+
+Layout. The tokens are cut into chunks of S real tokens and a learned landmark (LMK) is
+appended to each chunk, so the decoder runs over chunks * (S + 1) positions. The model
+takes and returns real tokens only: logits [batch, seq, vocab] line up with the input
+tokens, the landmark positions are dropped before the LM head, so they carry no loss and
+a trainer needs no special case. seq need not be a multiple of S (the last chunk is
+padded after the real tokens; by causality the padding changes nothing before it).
+
+    x = embed(tokens) with an LMK after every S tokens
+    N/2 lower blocks:  h = x + SWA(RMSNorm(x)); x = h + MLP(RMSNorm(h))
+    chunk encoder:     C_c = RMSNorm(bidirectional blocks with RoPE at 0..S over
+                       RMSNorm(x) of chunk c); landmark l_c = C_c[LMK]
+    memory:            K_c = C_c[:S] W_K, V_c = C_c[:S] W_V, one pair shared by every
+                       upper layer (Eq. 3)
+    per group g of upper blocks:
+      retrieval:       r[t, c] = <RMSNorm_g(x_t[LMK]), l_c> / sqrt(d_model) for c < t
+                       (the authors' code; the paper's W_h, W_l projections are not used),
+                       top-k with Gumbel noise in training, weights = softmax of the
+                       selected noise-free scores; chunk t's retrieval serves chunk t+1,
+                       chunk 0 retrieves nothing
+      upper block:     h = x + SWA(RMSNorm(x)); a = GCA(RMSNorm(h)) over the retrieved
+                       memory; x = h + MLP(RMSNorm(h + a))
+                       (the authors' code: the GCA output enters the residual stream
+                       only through the MLP input; the paper's Eq. 2 reads Norm(H + O))
+    logits = LM head(RMSNorm(x)) at the real positions
+
+SWA: causal sliding-window attention with ALiBi, no RoPE (`ops.attention.alibi`); GCA:
+softmax_1 per retrieved chunk (`ops.gca`), whose implicit zero logit is the authors'
+zeroed landmark row of K and V.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from castle_jax.layers.embedding import Embedding
+from castle_jax.layers.mha import output_projection, projection
+from castle_jax.layers.mlp import SwiGLU
+from castle_jax.layers.norms import RMSNorm
+from castle_jax.layers.rope import apply_rope
+from castle_jax.models.config import ModelConfig
+from castle_jax.ops.attention.alibi import alibi_window_attention
+from castle_jax.ops.gca import gca_attention, retrieval_scores, select_chunks
+from castle_jax.sharding import constrain, with_axes
+
+RETRIEVERS = ("learned", "random")
+
+
+@dataclasses.dataclass(frozen=True)
+class DRTOptions:
+  """What DRT adds to the decoder's shapes (`ModelConfig`).
+
+  Attributes:
+    chunk_size: S, real tokens per chunk (the landmark comes on top).
+    top_k: chunks retrieved per group and chunk (k; min(k, chunks) are used).
+    retrieval_groups: G, groups of upper layers, one retrieval each (1: "retrieval x1").
+    encoder_layers: bidirectional layers of the chunk encoder.
+    window: sliding window of the decoder's self-attention (query and window - 1 earlier
+      positions; landmarks count as positions).
+    gumbel: add Gumbel noise before the top-k in training (False: the ablation).
+    retriever: "learned", or "random" (chunks picked uniformly at random, still mixed by
+      the softmax of their learned scores: the paper's random-retriever ablation).
+  """
+
+  chunk_size: int = 64
+  top_k: int = 8
+  retrieval_groups: int = 1
+  encoder_layers: int = 2
+  window: int = 512
+  gumbel: bool = True
+  retriever: str = "learned"
+
+  def __post_init__(self):
+    for name in ("chunk_size", "top_k", "retrieval_groups", "encoder_layers", "window"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"DRT option {name} must be an int >= 1, got {value!r}")
+    if not isinstance(self.gumbel, bool):
+      raise ValueError(f"DRT option gumbel must be True or False, got {self.gumbel!r}")
+    if self.retriever not in RETRIEVERS:
+      raise ValueError(f"DRT option retriever must be one of {RETRIEVERS}, got {self.retriever!r}")
+
+  def upper_layer_groups(self, n_layers: int) -> list[int]:
+    """Upper layers per retrieval group: n_layers // 2 upper layers split evenly."""
+    upper = n_layers - n_layers // 2
+    if n_layers < 2 or upper % self.retrieval_groups:
+      raise ValueError(f"model.n_layers ({n_layers}) must give n_layers - n_layers // 2 upper layers divisible by "
+                       f"retrieval_groups ({self.retrieval_groups}), with at least one lower layer")
+    return [upper // self.retrieval_groups] * self.retrieval_groups
+
+
+def _attention_implementation(dtype) -> str:
+  """cuDNN for the blockwise ALiBi window on a GPU with half-precision inputs, else XLA."""
+  return "cudnn" if jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16) else "xla"
+
+
+class AlibiSelfAttention(nn.Module):
+  """Causal sliding-window self-attention with ALiBi, no rotary embedding."""
+
+  config: ModelConfig
+  window: int
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """x: [batch, positions, d_model] -> [batch, positions, d_model]."""
+    cfg = self.config
+    heads, kv_heads, head_dim = cfg.n_heads, cfg.kv_heads, cfg.qk_head_dim
+    q = projection((heads, head_dim), ("embed", "heads", "head_dim"), cfg.init_std, cfg, "query")(x)
+    k = projection((kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), cfg.init_std, cfg, "key")(x)
+    v = projection((kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), cfg.init_std, cfg, "value")(x)
+    out = alibi_window_attention(q, k, v, window=self.window, implementation=_attention_implementation(q.dtype))
+    return output_projection(cfg, out)
+
+
+class ChunkEncoderBlock(nn.Module):
+  """Bidirectional pre-norm block over one chunk, RoPE at in-chunk positions 0..S."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """x: [chunks, S + 1, d_model] -> same."""
+    cfg = self.config
+    norm = lambda name: RMSNorm(cfg.norm_eps, cfg.compute_dtype, cfg.weights_dtype, name=name)
+    heads, head_dim = cfg.n_heads, cfg.qk_head_dim
+    h = norm("attention_norm")(x)
+    positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+    q, k, v = (projection((heads, head_dim), ("embed", "heads", "head_dim"), cfg.init_std, cfg, name)(h)
+               for name in ("query", "key", "value"))
+    q, k = apply_rope(q, positions, cfg.rope_theta), apply_rope(k, positions, cfg.rope_theta)
+    x = x + output_projection(cfg, jax.nn.dot_product_attention(q, k, v))
+    mlp = SwiGLU(cfg.ffn_hidden, cfg.init_std, cfg.out_init_std, cfg.compute_dtype, cfg.weights_dtype, name="mlp")
+    return x + mlp(norm("mlp_norm")(x))
+
+
+class GroupedCrossAttention(nn.Module):
+  """The GCA sublayer: per-layer queries and output projection over the shared memory."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, memory_k, memory_v, weights, indices):
+    """x: [batch, positions, d_model]; memory_k/v: [batch, chunks, S, kv_heads, head_dim];
+    weights, indices: [batch, chunks, k] (row c is what query chunk c reads)."""
+    cfg = self.config
+    q = projection((cfg.n_heads, cfg.qk_head_dim), ("embed", "heads", "head_dim"), cfg.init_std, cfg, "query")(x)
+    return output_projection(cfg, gca_attention(q, memory_k, memory_v, weights, indices))
+
+
+class DRTBlock(nn.Module):
+  """A decoder block; with `cross_attention` an upper block (GCA between attention and MLP)."""
+
+  config: ModelConfig
+  window: int
+  cross_attention: bool = False
+
+  @nn.compact
+  def __call__(self, x, memory=None):
+    """x: [batch, positions, d_model]; memory: (memory_k, memory_v, weights, indices) or None."""
+    cfg = self.config
+    norm = lambda name: RMSNorm(cfg.norm_eps, cfg.compute_dtype, cfg.weights_dtype, name=name)
+    x = x + AlibiSelfAttention(cfg, self.window, name="attention")(norm("attention_norm")(x))
+    x = constrain(x, ("batch", "act_length", "act_embed"))
+    mlp_input = x
+    if self.cross_attention:
+      mlp_input = x + GroupedCrossAttention(cfg, name="cross_attention")(norm("cross_attention_norm")(x), *memory)
+    mlp = SwiGLU(cfg.ffn_hidden, cfg.init_std, cfg.out_init_std, cfg.compute_dtype, cfg.weights_dtype, name="mlp")
+    return constrain(x + mlp(norm("mlp_norm")(mlp_input)), ("batch", "act_length", "act_embed"))
+
+
+def insert_landmarks(x: jax.Array, landmark: jax.Array, chunk_size: int) -> jax.Array:
+  """[batch, chunks * S, d] real-token states -> [batch, chunks * (S + 1), d] with `landmark` [d]
+  after every chunk."""
+  batch, length, dim = x.shape
+  chunks = x.reshape(batch, length // chunk_size, chunk_size, dim)
+  marks = jnp.broadcast_to(landmark.astype(x.dtype), (batch, chunks.shape[1], 1, dim))
+  return jnp.concatenate([chunks, marks], axis=2).reshape(batch, -1, dim)
+
+
+def real_positions(x: jax.Array, chunk_size: int) -> jax.Array:
+  """[batch, chunks * (S + 1), ...] -> [batch, chunks * S, ...]: the landmark positions dropped."""
+  batch, positions = x.shape[:2]
+  chunked = x.reshape(batch, positions // (chunk_size + 1), chunk_size + 1, *x.shape[2:])
+  return chunked[:, :, :chunk_size].reshape(batch, -1, *x.shape[2:])
+
+
+def serve_next_chunk(indices: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Chunk t's retrieval serves chunk t + 1: shift [batch, chunks, k] one chunk later;
+  chunk 0 gets index 0 with weight 0 (no GCA)."""
+  shift = lambda a: jnp.pad(a, ((0, 0), (1, 0), (0, 0)))[:, :-1]
+  return shift(indices), shift(weights)
+
+
+class DRT(nn.Module):
+  """The Differentiable Retrieval Transformer LM.
+
+  Call with tokens int [batch, seq] to get float32 logits [batch, seq, vocab] (and None:
+  the cache slot of the decoder interface). `train=True` draws the Gumbel noise of the
+  retrieval from the "gumbel" RNG stream.
+  """
+
+  config: ModelConfig
+  options: DRTOptions
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, caches=None, *, train: bool = False):
+    cfg, opt = self.config, self.options
+    if tokens.ndim != 2:
+      raise ValueError(f"tokens must be int [batch, seq], got shape {tokens.shape}")
+    if caches is not None:
+      raise NotImplementedError("DRT decoding with caches is not available yet; call without caches")
+    del positions  # ALiBi and the landmark layout define the positions
+    groups = opt.upper_layer_groups(cfg.n_layers)
+    batch, seq = tokens.shape
+    size = opt.chunk_size
+    padded = -(-seq // size) * size
+    num_chunks = padded // size
+    tokens = jnp.pad(tokens, ((0, 0), (0, padded - seq)))
+
+    embed = Embedding(cfg.vocab_size, cfg.d_model, dtype=cfg.compute_dtype, param_dtype=cfg.weights_dtype,
+                      embedding_init=with_axes(nn.initializers.normal(cfg.init_std), ("vocab", "embed")),
+                      name="embed")
+    landmark = self.param("landmark", with_axes(nn.initializers.normal(cfg.init_std), ("embed",)), (cfg.d_model,),
+                          cfg.weights_dtype)
+    x = insert_landmarks(embed(tokens), landmark, size)
+    x = constrain(x, ("batch", "act_length", "act_embed"))
+    norm = lambda name: RMSNorm(cfg.norm_eps, cfg.compute_dtype, cfg.weights_dtype, name=name)
+    block = nn.remat(DRTBlock, prevent_cse=False) if cfg.remat else DRTBlock
+
+    lower = cfg.n_layers // 2
+    for layer in range(lower):
+      x = block(cfg, opt.window, name=f"block_{layer}")(x)
+
+    encoded = norm("encoder_input_norm")(x).reshape(batch * num_chunks, size + 1, cfg.d_model)
+    for layer in range(opt.encoder_layers):
+      encoded = ChunkEncoderBlock(cfg, name=f"encoder_{layer}")(encoded)
+    encoded = norm("encoder_norm")(encoded).reshape(batch, num_chunks, size + 1, cfg.d_model)
+    landmarks = encoded[:, :, size]
+    memory_shape = (cfg.kv_heads, cfg.qk_head_dim)
+    memory_k = projection(memory_shape, ("embed", "kv_heads", "head_dim"), cfg.init_std, cfg,
+                          "memory_key")(encoded[:, :, :size])
+    memory_v = projection(memory_shape, ("embed", "kv_heads", "head_dim"), cfg.init_std, cfg,
+                          "memory_value")(encoded[:, :, :size])
+
+    top_k = min(opt.top_k, num_chunks)
+    layer = lower
+    for group, group_layers in enumerate(groups):
+      states = norm(f"retrieval_norm_{group}")(x.reshape(batch, num_chunks, size + 1, cfg.d_model)[:, :, size])
+      scores = retrieval_scores(states, landmarks, scale=cfg.d_model ** -0.5)
+      noise = self.make_rng("gumbel") if train and (opt.gumbel or opt.retriever == "random") else None
+      indices, weights = self._select(scores, top_k, noise)
+      served_indices, served_weights = serve_next_chunk(indices, weights)
+      memory = (memory_k, memory_v, served_weights, served_indices)
+      for _ in range(group_layers):
+        x = block(cfg, opt.window, cross_attention=True, name=f"block_{layer}")(x, memory)
+        layer += 1
+
+    x = real_positions(norm("final_norm")(x), size)[:, :seq]
+    if cfg.tie_embeddings:
+      logits = embed.attend(x)
+    else:
+      logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype, param_dtype=cfg.weights_dtype,
+                        kernel_init=with_axes(nn.initializers.normal(cfg.init_std), ("embed", "vocab")),
+                        name="lm_head")(x)
+    return constrain(logits.astype(jnp.float32), ("batch", "act_length", "act_vocab")), None
+
+  def _select(self, scores, top_k, rng):
+    if self.options.retriever == "random":
+      # Uniformly random chunks (Gumbel noise over equal scores), mixed by their learned scores.
+      pick = jnp.where(jnp.isfinite(scores), 0.0, -jnp.inf)
+      indices, _ = select_chunks(pick, top_k, gumbel_rng=rng)
+      selected = jnp.take_along_axis(scores, indices, axis=-1)
+      valid = jnp.isfinite(jnp.take_along_axis(pick, indices, axis=-1))
+      weights = jax.nn.softmax(jnp.where(valid, selected, -1e30), axis=-1) * valid
+      return indices, weights
+    return select_chunks(scores, top_k, gumbel_rng=rng if self.options.gumbel else None)
