@@ -1,0 +1,1 @@
+"""Evaluations: passkey retrieval."""
