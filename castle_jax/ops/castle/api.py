@@ -21,9 +21,10 @@ import jax
 import jax.numpy as jnp
 
 from castle_jax.ops.castle.blockwise import DEFAULT_BLOCK_SIZE, castle_blockwise
-from castle_jax.ops.castle.common import validate_block_size, validate_inputs
+from castle_jax.ops.castle.common import score_scale, validate_block_size, validate_inputs
 from castle_jax.ops.castle.reference import castle_parallel
 from castle_jax.sharding import SEQUENCE_HEADS_AXES, map_over_shards
+from pallas_kernels.castle import castle_attention_pallas
 
 IMPLEMENTATIONS = ("reference", "xla", "pallas")
 
@@ -89,9 +90,8 @@ def castle_attention(
   validate_block_size(block_size)
   implementation = resolve_implementation(implementation, q_u.dtype)
   if implementation == "pallas":
-    # Imported here: the kernels import this package's math helpers.
-    from pallas_kernels.castle import castle_attention_pallas
-    run = functools.partial(castle_attention_pallas, window=window, config=pallas_config)
+    run = functools.partial(castle_attention_pallas, scale=score_scale(q_u.shape[-1]), window=window,
+                            config=pallas_config)
     return map_over_shards(run, inputs, [SEQUENCE_HEADS_AXES] * 6, SEQUENCE_HEADS_AXES, what="castle_attention")
   if implementation == "reference":
     return castle_parallel(*inputs, window=window)

@@ -46,6 +46,8 @@ from castle_jax.ops.castle.common import (
     validate_window,
 )
 from castle_jax.sharding import SEQUENCE_HEADS_AXES, TOKEN_HEADS_AXES, map_over_shards
+from pallas_kernels.castle import castle_prefill_pallas
+from pallas_kernels.castle import decode as pallas_decode
 
 
 @flax.struct.dataclass
@@ -165,8 +167,8 @@ def prefill(
         f"prefill: the prompt has {prompt_len} tokens but the cache capacity is {cache.capacity}; "
         "create the cache with a larger capacity")
   if resolve_implementation(implementation, q_u.dtype) == "pallas":
-    from pallas_kernels.castle import castle_prefill_pallas  # the kernels import this package
-    outputs, keys = map_over_shards(functools.partial(castle_prefill_pallas, window=cache.window), inputs,
+    run = functools.partial(castle_prefill_pallas, scale=score_scale(q_u.shape[-1]), window=cache.window)
+    outputs, keys = map_over_shards(run, inputs,
                                     [SEQUENCE_HEADS_AXES] * 6, [SEQUENCE_HEADS_AXES] * 2, what="prefill")
   else:
     outputs, keys = castle_blockwise_prefill(*inputs, window=cache.window, block_size=block_size)
@@ -226,7 +228,6 @@ def _decode_implementation(implementation: str | None, cache: UQKVCache, dtype) 
   """"pallas" or "xla" for a decoding step ("reference" has no step of its own)."""
   chosen = resolve_implementation(implementation, dtype)
   if chosen == "pallas":
-    from pallas_kernels.castle import decode as pallas_decode  # the kernels import this package
     if not pallas_decode.supports_head_dim(cache.causal_keys.shape[-1]):
       if implementation == "pallas":
         raise ValueError(
@@ -298,9 +299,9 @@ def decode_step(
       window=cache.window)
 
   if implementation == "pallas":
-    from pallas_kernels.castle import decode as pallas_decode
     last_row = jnp.minimum(position, capacity - 1)
-    attend = functools.partial(pallas_decode.decode_attend, update_lookahead_keys=fused_update,
+    attend = functools.partial(pallas_decode.decode_attend, scale=score_scale(q_c.shape[-1]),
+                               update_lookahead_keys=fused_update,
                                config=pallas_config, interpret=jax.default_backend() == "cpu")
     output, keys = map_over_shards(
         attend,

@@ -23,6 +23,8 @@ from castle_jax.ops.power.common import PowerState, validate_all, validate_chunk
 from castle_jax.ops.power.expansion import convert_expanded
 from castle_jax.ops.power.reference import power_attention_reference, reference_state
 from castle_jax.sharding import KV_SEQUENCE_HEADS_AXES, SEQUENCE_HEADS_AXES, map_over_shards
+from pallas_kernels.power import power_attention_pallas
+from pallas_kernels.power.ops import EXPANSION, unsupported_reason
 
 IMPLEMENTATIONS = ("reference", "xla", "pallas")
 PALLAS_DEFAULT_CHUNK_SIZE = 1024
@@ -102,16 +104,12 @@ def power_attention(
 def _default_implementation(p, q, v, chunk_size) -> tuple[str, str]:
   if jax.default_backend() != "gpu":
     return "xla", f"the Pallas kernels are GPU kernels; backend is {jax.default_backend()!r}"
-  from pallas_kernels.power.ops import unsupported_reason
-  reason = unsupported_reason(p, q, v, chunk_size)
+  reason = unsupported_reason(p, q.shape[-1], v.shape[-1], q.dtype, chunk_size)
   return ("xla", reason) if reason else ("pallas", "GPU and supported inputs")
 
 
 def _pallas(q, k, v, log_g, *, p, scale, chunk_size, expansion, d_tile, initial_state, return_final_state):
-  from pallas_kernels.power import power_attention_pallas
-  from pallas_kernels.power.ops import EXPANSION, unsupported_reason
-
-  reason = unsupported_reason(p, q, v, chunk_size)  # the kernels themselves take no p
+  reason = unsupported_reason(p, q.shape[-1], v.shape[-1], q.dtype, chunk_size)  # the kernels take no p
   if reason:
     raise ValueError(reason)
   head_dim = q.shape[-1]
@@ -124,8 +122,9 @@ def _pallas(q, k, v, log_g, *, p, scale, chunk_size, expansion, d_tile, initial_
   if initial_state is not None:
     initial_state = convert(initial_state, layout, EXPANSION)
   def per_shard(q, k, v, log_g, initial_state):
-    return power_attention_pallas(q, k, v, log_g, scale=scale, chunk_size=chunk_size, initial_state=initial_state,
-                                  return_final_state=return_final_state)
+    out, final = power_attention_pallas(q, k, v, log_g, scale=scale, chunk_size=chunk_size,
+                                        initial_state=initial_state, return_final_state=return_final_state)
+    return out, (None if final is None else PowerState(*final))
 
   state_axes = ("batch", "act_kv_heads")  # a prefix of PowerState's [batch, kv_heads, ...] leaves
   out, final_state = map_over_shards(
