@@ -25,7 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from castle_jax.inference.kv_cache import KVCache
+from castle_jax.ops.attention import KVCache
 from castle_jax.ops.attention import causal_mask, masked_attention
 from castle_jax.ops.castle import UQKVCache, decode_step
 from pallas_kernels.castle import CastleDecodeConfig

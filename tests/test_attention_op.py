@@ -67,7 +67,7 @@ def test_default_on_cpu_is_xla_and_cudnn_is_refused():
 
 @pytest.mark.parametrize("bad, match", [
     (dict(window=0), "window"),
-    (dict(implementation="flash"), "Unknown attention implementation"),
+    (dict(implementation="flash"), "causal_attention: unknown implementation .flash."),
 ])
 def test_bad_arguments(bad, match):
   q, k, v = _qkv(seed=5)

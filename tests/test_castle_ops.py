@@ -281,7 +281,7 @@ def test_lookahead_score_uses_the_causal_query():
 
 def test_default_implementation_is_xla_and_logged(caplog):
   inputs = _inputs(seed=90)
-  with caplog.at_level(logging.DEBUG, logger="castle_jax.ops.castle.api"):
+  with caplog.at_level(logging.DEBUG, logger="castle_jax.ops.backend"):
     out = castle_attention(*inputs, window=3, block_size=4)
   assert "xla" in caplog.text
   assert rel_err(out, castle_attention(*inputs, window=3, implementation="reference")) < 1e-5
@@ -304,7 +304,7 @@ def test_mismatched_shape_or_dtype_names_the_argument(index, name):
     (dict(window=0), "window"),
     (dict(window=-2), "window"),
     (dict(window=2.5), "window"),
-    (dict(implementation="flash"), "Unknown CASTLE implementation"),
+    (dict(implementation="flash"), "castle_attention: unknown implementation .flash."),
     (dict(block_size=0), "block_size"),
 ])
 def test_bad_arguments(kwargs, match):

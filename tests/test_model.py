@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from castle_jax.inference import generate, sample_next_token
-from castle_jax.inference.kv_cache import KVCache
+from castle_jax.ops.attention import KVCache
 from castle_jax.layers.registry import get_attention, registered_attentions
 from castle_jax.models import ModelConfig, TransformerLM, count_parameters
 from helpers import rel_err
@@ -180,7 +180,8 @@ def test_power_parameter_counts():
   config = ModelConfig.from_mapping(power_paper_config("s").model)
   assert abs(count_parameters(config) / 124e6 - 1) < 0.01
   gated = config.n_layers * config.d_model * config.n_heads  # one gate per head and layer
-  assert count_parameters(config) - count_parameters(dataclasses.replace(config, attention="mha")) == gated
+  baseline = dataclasses.replace(config, attention="mha", attention_kwargs=())
+  assert count_parameters(config) - count_parameters(baseline) == gated
 
 
 def test_icl_configs_compare_equal_decoding_states():

@@ -206,16 +206,19 @@ def test_gradients_through_the_entry_point_with_the_default_config():
 
 
 def test_default_implementation_on_a_gpu_picks_the_kernels_when_they_apply(monkeypatch):
-  from castle_jax.ops.power import api
-  q, _, v, _ = _inputs(12, seq=8)
+  from castle_jax.ops.power import resolve
+  sizes = dict(p=2, head_dim=D_HEAD, value_dim=D_VALUE, dtype=jnp.float32)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  assert api._default_implementation(2, q, v, 128)[0] == "pallas"
-  implementation, reason = api._default_implementation(4, q, v, 128)
-  assert implementation == "xla" and "p=2 only" in reason
-  assert api._default_implementation(2, q, v, 100)[0] == "xla"
-  assert api._default_implementation(2, q[..., :24], v, 128)[0] == "xla"
+  assert resolve(None, 128, **sizes) == ("pallas", 128)
+  assert resolve(None, None, **sizes) == ("pallas", 1024)  # the kernels' own chunk
+  assert resolve(None, 128, **(sizes | dict(p=4))) == ("xla", 128)
+  assert resolve(None, None, **(sizes | dict(p=4))) == ("xla", 128)  # the XLA path's own chunk
+  assert resolve(None, 100, **sizes) == ("xla", 100)
+  assert resolve(None, 128, **(sizes | dict(head_dim=24))) == ("xla", 128)
+  with pytest.raises(ValueError, match="implementation='pallas' cannot run: .*p=2 only.*Alternatives"):
+    resolve("pallas", 128, **(sizes | dict(p=4)))
   monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-  assert api._default_implementation(2, q, v, 128)[0] == "xla"
+  assert resolve(None, 128, **sizes) == ("xla", 128)
 
 
 def test_pallas_default_chunk_is_large(monkeypatch):
