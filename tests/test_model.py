@@ -238,3 +238,24 @@ def test_cache_and_generate_capacity_errors():
     generate(model, params, _tokens(5, seq=2), max_new_tokens=2, temperature=-1.0)
   with pytest.raises(ValueError, match="rng is required"):
     generate(model, params, _tokens(5, seq=2), max_new_tokens=2, temperature=1.0)
+
+
+def test_mha_decoding_takes_a_mask_over_the_cache():
+  """A mask over new tokens (tree verification): a slot hidden from a token changes its output,
+  an all-True mask changes nothing."""
+  from castle_jax.layers.mha import MultiHeadAttention
+  config = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, dtype="float32")
+  layer = MultiHeadAttention(config)
+  x = jax.random.normal(jax.random.key(0), (1, 3, 32))
+  positions = jnp.arange(3)[None]
+  cache = KVCache.create(1, 4, 4, 8, jnp.float32)
+  params = layer.init(jax.random.key(1), x, positions, cache)
+  plain, _ = layer.apply(params, x, positions, cache)
+  same, _ = layer.apply(params, x, positions, cache, mask=jnp.ones((1, 3, 4), bool))
+  np.testing.assert_array_equal(same, plain)
+  hide_first = jnp.ones((1, 3, 4), bool).at[:, 2, 0].set(False)
+  masked, _ = layer.apply(params, x, positions, cache, mask=hide_first)
+  np.testing.assert_array_equal(masked[:, :2], plain[:, :2])
+  assert float(jnp.abs(masked[:, 2] - plain[:, 2]).max()) > 1e-4
+  with pytest.raises(ValueError, match="mask is a decoding argument"):
+    layer.apply(params, x, positions, mask=hide_first)

@@ -48,14 +48,25 @@ class MultiHeadAttention(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array, cache: KVCache | None = None):
-    """x: [batch, seq, d_model], positions: int [batch, seq] -> ([batch, seq, d_model], cache)."""
+  def __call__(self, x: jax.Array, positions: jax.Array, cache: KVCache | None = None,
+               mask: jax.Array | None = None):
+    """x: [batch, seq, d_model], positions: int [batch, seq] -> ([batch, seq, d_model], cache).
+
+    mask: with a cache, an optional bool [batch, seq, capacity] of which cache slots
+      (after appending these tokens) each new token may see, ANDed with the positional
+      causal mask; for tree verification, where sibling candidates must not see each
+      other. Training (no cache) takes none.
+    """
     cfg = self.config
     q, k, v = rotary_qkv(cfg, x, positions)
     if cache is None:
+      if mask is not None:
+        raise ValueError("mask is a decoding argument: training attention is causal (pass a cache to decode)")
       out = causal_attention(q, k, v, window=cfg.window, implementation=cfg.attention_impl)
     else:
       cache = cache.append(k, v)
-      mask = causal_mask(positions, cache.key_positions(), cfg.window)
-      out = masked_attention(q, cache.keys, cache.values, mask)
+      visible = causal_mask(positions, cache.key_positions(), cfg.window)
+      if mask is not None:
+        visible &= mask
+      out = masked_attention(q, cache.keys, cache.values, visible)
     return output_projection(cfg, out), cache
