@@ -259,3 +259,18 @@ def test_mha_decoding_takes_a_mask_over_the_cache():
   assert float(jnp.abs(masked[:, 2] - plain[:, 2]).max()) > 1e-4
   with pytest.raises(ValueError, match="mask is a decoding argument"):
     layer.apply(params, x, positions, mask=hide_first)
+
+
+def test_model_families_and_config_defaults():
+  from castle_jax.models import MODEL_FAMILIES, build_model, family_of
+  from train.config import base_config
+  assert set(MODEL_FAMILIES) == {"transformer"}
+  with pytest.raises(ValueError, match=r"Unknown model family 'drt' \(config model.family\)"):
+    build_model(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, family="drt"))
+  model = build_model(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2))
+  assert isinstance(model, TransformerLM) and family_of(model).name == "transformer"
+  # The training config's model block is ModelConfig's defaults, so they cannot drift.
+  assert ModelConfig.from_mapping(base_config().model) == ModelConfig()
+  model_block = base_config().model
+  model_block.init_std = 0.01
+  assert ModelConfig.from_mapping(model_block).init_std == 0.01

@@ -23,8 +23,9 @@ import jax.numpy as jnp
 
 from castle_jax.ops.backend import Implementation, choose
 from castle_jax.ops.castle.blockwise import DEFAULT_BLOCK_SIZE, castle_blockwise
-from castle_jax.ops.castle.common import score_scale, validate_block_size, validate_inputs
+from castle_jax.ops.castle.common import validate_block_size, validate_inputs
 from castle_jax.ops.castle.reference import castle_parallel
+from castle_jax.ops.numerics import score_scale
 from castle_jax.sharding import SEQUENCE_HEADS_AXES, map_over_shards
 from pallas_kernels.castle import castle_attention_pallas
 from pallas_kernels.castle.ops import SUPPORTED_DTYPES

@@ -16,7 +16,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from castle_jax.ops.numerics import compute_dtype, score_scale  # noqa: F401  (re-exported to the CASTLE paths)
+from castle_jax.ops.numerics import score_scale
 
 INPUT_NAMES = ("q_u", "k_u", "v_u", "q_c", "k_c", "v_c")
 

@@ -37,12 +37,11 @@ import numpy as np
 from castle_jax.ops.backend import choose
 from castle_jax.ops.castle.api import DEFAULT_ORDER, implementations
 from castle_jax.ops.castle.blockwise import DEFAULT_BLOCK_SIZE, castle_blockwise_prefill
+from castle_jax.ops.numerics import compute_dtype, score_scale
 from castle_jax.ops.castle.common import (
     attend_with_lookahead_keys,
-    compute_dtype,
     lookahead_visible,
     masked_sigmoid,
-    score_scale,
     validate_inputs,
     validate_window,
 )

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from castle_jax.ops.numerics import compute_dtype, score_scale  # noqa: F401  (compute_dtype re-exported)
+from castle_jax.ops.numerics import score_scale
 from castle_jax.ops.power.expansion import expanded_dim, validate_expansion
 
 DEFAULT_CHUNK_SIZE = 128

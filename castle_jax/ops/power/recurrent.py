@@ -23,9 +23,9 @@ import jax.numpy as jnp
 from castle_jax.ops.backend import Implementation, choose
 from castle_jax.ops.power.api import power_attention
 from castle_jax.ops.power.chunked import empty_state
+from castle_jax.ops.numerics import compute_dtype
 from castle_jax.ops.power.common import (
     PowerState,
-    compute_dtype,
     group_queries,
     normalize,
     validate_all,
