@@ -25,7 +25,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from castle_jax.models import ModelConfig, TransformerLM, count_parameters, training_flops_per_token
+from castle_jax.models import ModelConfig, build_model, count_parameters, training_flops_per_token
 from castle_jax.sharding import LOGICAL_AXIS_RULES
 from train.mesh import make_mesh
 from train.optimizer import make_optimizer
@@ -41,7 +41,7 @@ _PROFILE = flags.DEFINE_string("profile", None, "Trace 2 more steps into this di
 
 def measure(config, steps: int, profile_dir: str | None = None) -> dict:
   model_config = ModelConfig.from_mapping(config.model)
-  model = TransformerLM(model_config)
+  model = build_model(model_config)
   mesh = make_mesh(config.mesh)
   tx, schedule = make_optimizer(config.train)
   seq_len, batch = config.data.seq_len, config.data.batch_size
