@@ -154,7 +154,8 @@ def main(argv=None) -> int:
   for impl in args.impls.split(","):
     if impl == "pallas" and args.pallas_configs:
       for spec in args.pallas_configs.split(";"):
-        cases.append(_castle_case(impl, args.heads, window, args.block_size, CastleKernelConfig.from_string(spec), f"[{spec}]"))
+        config = CastleKernelConfig.from_string(spec)
+        cases.append(_castle_case(impl, args.heads, window, args.block_size, config, f"[{spec}]"))
     elif impl in ("xla", "pallas", "reference"):
       cases.append(_castle_case(impl, args.heads, window, args.block_size))
     elif impl in ("cudnn", "xla_mha"):
