@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from castle_jax.ops.attention import causal_attention
 from castle_jax.ops.castle import castle_attention
+from pallas_kernels.castle import CastleKernelConfig
 from timing import error_text, run_meta, time_forward_and_gradients, torch_median_ms, write_json
 
 
@@ -51,24 +52,6 @@ def _castle_case(impl: str, heads: int, window, block_size: int, pallas_config=N
     return castle_attention(*inputs, window=window, implementation=impl, block_size=block_size,
                             pallas_config=pallas_config)
   return Case(f"castle_{impl}{label}", heads, 6, fn, True)
-
-
-def _pallas_config(spec: str):
-  """'bq,bk,warps,stages,bwd_bq,bwd_bk,bwd_warps,bwd_stages[,lookahead_operands]' -> CastleKernelConfig."""
-  from pallas_kernels.castle import CastleKernelConfig
-  fields = ("block_q", "block_k", "num_warps", "num_stages",
-            "bwd_block_q", "bwd_block_k", "bwd_num_warps", "bwd_num_stages")
-  values = spec.split(",")
-  if len(values) not in (len(fields), len(fields) + 1):
-    raise ValueError(f"--pallas_configs entry {spec!r} needs {len(fields)} integers: {','.join(fields)} "
-                     "and optionally lookahead_operands (split, float16 or input)")
-  try:
-    kwargs = {field: int(value) for field, value in zip(fields, values)}
-  except ValueError:
-    raise ValueError(f"--pallas_configs entry {spec!r}: the first {len(fields)} fields must be integers") from None
-  if len(values) > len(fields):
-    kwargs["lookahead_operands"] = values[-1]
-  return CastleKernelConfig(**kwargs)
 
 
 def _standard_case(impl: str, heads: int) -> Case:
@@ -153,9 +136,9 @@ def main(argv=None) -> int:
   parser.add_argument("--impls", default="xla,cudnn",
                       help="comma list of: xla, pallas, reference (CASTLE); cudnn, xla_mha (standard)")
   parser.add_argument("--pallas_configs", default="",
-                      help="';'-separated kernel configs 'bq,bk,warps,stages,bwd_bq,bwd_bk,bwd_warps,"
-                           "bwd_stages[,lookahead_operands]', each timed as its own row (default: the "
-                           "heuristic config)")
+                      help="';'-separated kernel configs of CastleKernelConfig fields as key=value, e.g. "
+                           "'block_q=32,block_k=64;block_q=64,lookahead_operands=split', each timed as its own "
+                           "row (default: the heuristic config)")
   parser.add_argument("--peer_seq_lens", default="",
                       help="comma list of lengths at which to time the PyPI lookahead-keys-attention kernel's "
                            "forward and forward+backward (slow: ~1.3 s per forward at 2K)")
@@ -171,7 +154,8 @@ def main(argv=None) -> int:
   for impl in args.impls.split(","):
     if impl == "pallas" and args.pallas_configs:
       for spec in args.pallas_configs.split(";"):
-        cases.append(_castle_case(impl, args.heads, window, args.block_size, _pallas_config(spec), f"[{spec}]"))
+        config = CastleKernelConfig.from_string(spec)
+        cases.append(_castle_case(impl, args.heads, window, args.block_size, config, f"[{spec}]"))
     elif impl in ("xla", "pallas", "reference"):
       cases.append(_castle_case(impl, args.heads, window, args.block_size))
     elif impl in ("cudnn", "xla_mha"):

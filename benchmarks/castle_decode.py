@@ -2,12 +2,12 @@
 
     python benchmarks/castle_decode.py [--batch=64] [--length=16384] [--heads=9] \
         [--baseline_heads=16] [--head_dim=128] [--window=512] [--impls=xla,pallas] \
-        [--decode_configs=64/0/4/2,128/0/8/2] [--json=out.json]
+        [--decode_configs='block_rows=64;block_rows=128,num_warps=8'] [--json=out.json]
 
 Times `castle_jax.ops.castle.decode_step` (rank-1 update of the lookahead keys, then
 the combining step; cache donated so it updates in place) for CASTLE and CASTLE-SWL,
-as XLA ops and as the fused Pallas kernel (one row per --decode_configs entry
-block_rows/splits/num_warps/num_stages, splits 0 = the default), against the mha layer's cached attention step (append k/v, attend over the cache),
+as XLA ops and as the fused Pallas kernel (one row per --decode_configs entry of
+CastleDecodeConfig fields as key=value, ';'-separated), against the mha layer's cached attention step (append k/v, attend over the cache),
 with caches filled to `length` tokens. Reports the step time and the cache memory
 (the paper's Table 30 compares the same two caches). Median of --iters steps after
 warm-up; prints a table last and optionally writes JSON.
@@ -25,7 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from castle_jax.inference.kv_cache import KVCache
+from castle_jax.ops.attention import KVCache
 from castle_jax.ops.attention import causal_mask, masked_attention
 from castle_jax.ops.castle import UQKVCache, decode_step
 from pallas_kernels.castle import CastleDecodeConfig
@@ -79,12 +79,8 @@ def _config_label(config):
 
 
 def _parse_configs(text):
-  configs = []
-  for entry in filter(None, text.split(",")):
-    block_rows, splits, num_warps, num_stages = (int(x) for x in entry.split("/"))
-    configs.append(CastleDecodeConfig(block_rows=block_rows, splits=splits or None, num_warps=num_warps,
-                                      num_stages=num_stages))
-  return configs
+  """';'-separated CastleDecodeConfig fields as key=value ('' entries are the default)."""
+  return [CastleDecodeConfig.from_string(entry) for entry in text.split(";")]
 
 
 def mha_row(batch, length, heads, head_dim, dtype, iters):
@@ -113,8 +109,9 @@ def main(argv=None) -> int:
   parser.add_argument("--head_dim", type=int, default=128)
   parser.add_argument("--window", type=int, default=512, help="CASTLE-SWL window (0: skip SWL)")
   parser.add_argument("--impls", default="xla,pallas", help="CASTLE decoding steps to time: xla, pallas")
-  parser.add_argument("--decode_configs", default="32/0/4/2",
-                      help="Pallas kernel tilings, block_rows/splits/num_warps/num_stages (splits 0: default)")
+  parser.add_argument("--decode_configs", default="",
+                      help="';'-separated Pallas kernel tilings, CastleDecodeConfig fields as key=value, e.g. "
+                           "'block_rows=64,splits=8;block_rows=128' (default: one row with the default)")
   parser.add_argument("--iters", type=int, default=20)
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--json", default=None)

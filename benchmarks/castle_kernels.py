@@ -1,7 +1,7 @@
 """CASTLE Pallas kernels timed alone (forward kernel, backward kernel), per kernel config.
 
     python benchmarks/castle_kernels.py [--seq=16384] [--tokens=32768] \\
-        [--configs='32,64,4,2,32,32,4,1,float16;32,64,4,2,32,32,4,1,split'] \\
+        [--configs='block_q=32,block_k=64;block_q=32,block_k=64,lookahead_operands=split'] \\
         [--without_atomics] [--flash_reference] [--json=out.json]
 
 For tuning and for finding where the time goes: each config's forward kernel and
@@ -22,7 +22,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from castle_attention import _pallas_config
+from pallas_kernels.castle import CastleKernelConfig, kernels, ops
 from timing import error_text, median_ms, run_meta, write_json
 
 
@@ -31,7 +31,6 @@ def _store_instead_of_atomic_add(ref, idx, val):
 
 
 def time_kernels(config, batch_heads: int, seq: int, head_dim: int, iters: int, without_atomics: bool) -> dict:
-  from pallas_kernels.castle import kernels, ops
   scale = head_dim ** -0.5
   sets = []
   for seed in range(2):
@@ -84,8 +83,9 @@ def main(argv=None) -> int:
   parser.add_argument("--tokens", type=int, default=32768, help="batch * seq")
   parser.add_argument("--heads", type=int, default=9)
   parser.add_argument("--head_dim", type=int, default=128)
-  parser.add_argument("--configs", default="32,64,4,2,32,32,4,1,float16",
-                      help="';'-separated 'bq,bk,warps,stages,bwd_bq,bwd_bk,bwd_warps,bwd_stages[,lookahead_operands]'")
+  parser.add_argument("--configs", default="",
+                      help="';'-separated CastleKernelConfig fields as key=value, e.g. 'block_q=32,block_k=64;"
+                           "bwd_block_k=16' (default: one row with the default config)")
   parser.add_argument("--without_atomics", action="store_true", help="also time each config with plain stores")
   parser.add_argument("--flash_reference", action="store_true")
   parser.add_argument("--iters", type=int, default=10)
@@ -98,8 +98,8 @@ def main(argv=None) -> int:
   batch = args.tokens // args.seq
 
   rows = []
-  for spec in args.configs.split(";"):
-    config = _pallas_config(spec)
+  for spec in args.configs.split(";"):  # "" is the default config
+    config = CastleKernelConfig.from_string(spec)
     for without_atomics in ((False, True) if args.without_atomics else (False,)):
       row = {"config": spec, "without_atomics": without_atomics}
       row.update(time_kernels(config, batch * args.heads, args.seq, args.head_dim, args.iters, without_atomics))

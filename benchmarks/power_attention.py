@@ -39,6 +39,7 @@ import jax.numpy as jnp
 
 from castle_jax.ops.attention import causal_attention
 from castle_jax.ops.power import power_attention
+from pallas_kernels.power import PowerKernelConfig, default_config, discumsum, kernels, power_attention_pallas
 from timing import error_text, median_ms, run_meta, time_forward_and_gradients, torch_median_ms, write_json
 
 
@@ -109,16 +110,6 @@ def measure_authors(batch, seq, heads, head_dim, chunk, iters) -> dict:
   return row
 
 
-def pallas_config(spec: str):
-  """'block_t,block_q,block_k,row_group,warps,stages,grad_block,grad_warps' -> PowerKernelConfig."""
-  from pallas_kernels.power import PowerKernelConfig
-  fields = ("block_t", "block_q", "block_k", "row_group", "num_warps", "num_stages", "grad_block", "grad_num_warps")
-  values = [int(x) for x in spec.split(",")]
-  if len(values) != len(fields):
-    raise ValueError(f"--pallas_configs entry {spec!r} needs {len(fields)} ints: {','.join(fields)}")
-  return PowerKernelConfig(**dict(zip(fields, values)))
-
-
 def kernel_breakdown(batch, seq, heads, head_dim, chunk, dtype, iters, config=None) -> list[dict]:
   """Each Pallas kernel timed alone on the shapes one call uses.
 
@@ -129,7 +120,6 @@ def kernel_breakdown(batch, seq, heads, head_dim, chunk, dtype, iters, config=No
   5 (c + 1) d (q.k twice, dN.v twice, and three products for dq, dk, dv, halved by
   causality). The discumsums are memory-bound: GB/s instead.
   """
-  from pallas_kernels.power import default_config, discumsum, kernels
   config = config or default_config()
   bh, tokens = batch * heads, batch * seq * heads
   dim = kernels.expanded_dim(head_dim)
@@ -190,8 +180,8 @@ def main(argv=None) -> int:
   parser.add_argument("--authors_autotune", action="store_true",
                       help="let the authors' kernels autotune (minutes on the first call)")
   parser.add_argument("--pallas_configs", default="",
-                      help="';'-separated kernel configs 'block_t,block_q,block_k,row_group,warps,stages,"
-                           "grad_block,grad_warps', each its own row (default: the default config)")
+                      help="';'-separated kernel configs of PowerKernelConfig fields as key=value, e.g. "
+                           "'block_t=32,num_warps=8;row_group=2', each its own row (default: the default config)")
   parser.add_argument("--breakdown_seq_lens", default="",
                       help="comma list of lengths at which to also time each Pallas kernel alone (at the first "
                            "chunk size)")
@@ -232,7 +222,7 @@ def main(argv=None) -> int:
             row["fwd_flops"] = power_forward_flops(*shape, chunk)
           rows.append(row)
       else:
-        configs = [(spec, pallas_config(spec)) for spec in args.pallas_configs.split(";")] \
+        configs = [(spec, PowerKernelConfig.from_string(spec)) for spec in args.pallas_configs.split(";")] \
             if impl == "pallas" and args.pallas_configs else [("", None)]
         for chunk in chunks:
           for spec, config in configs:
@@ -240,7 +230,6 @@ def main(argv=None) -> int:
               fn = lambda q, k, v, log_g=None, chunk=chunk, impl=impl: power_attention(
                   q, k, v, log_g, p=2, chunk_size=chunk, implementation=impl)
             else:
-              from pallas_kernels.power import power_attention_pallas
               fn = lambda q, k, v, log_g=None, chunk=chunk, config=config: power_attention_pallas(
                   q, k, v, log_g, scale=args.head_dim**-0.5, chunk_size=chunk, config=config)[0]
             row = measure_jax(f"{impl}[c={chunk}{';' + spec if spec else ''}]", fn, *shape, dtype, args.iters,

@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from castle_jax.models import ModelConfig, TransformerLM, count_parameters, training_flops_per_token
+from castle_jax.models import ModelConfig, build_model, count_parameters, training_flops_per_token
 from castle_jax.sharding import LOGICAL_AXIS_RULES
 from train.mesh import make_mesh
 from train.optimizer import make_optimizer
@@ -35,7 +35,7 @@ def measure(config, steps: int, profile_dir: str | None = None, token_ids: int |
     profile_dir: also trace 2 more steps there.
   """
   model_config = ModelConfig.from_mapping(config.model)
-  model = TransformerLM(model_config)
+  model = build_model(model_config)
   mesh = make_mesh(config.mesh)
   tx, schedule = make_optimizer(config.train)
   seq_len, batch = config.data.seq_len, config.data.batch_size

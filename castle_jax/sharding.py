@@ -64,6 +64,23 @@ def _mesh_axes(logical: str | None, mesh) -> tuple[str, ...]:
   return tuple(a for a in axes if a in mesh.axis_names and mesh.shape[a] > 1)
 
 
+def check_divisible(shape: Sequence[int], mesh_axes: Sequence[tuple[str, ...]], mesh, what: str, fix: str) -> None:
+  """Raises ValueError unless every dimension divides over the mesh axes it is split over.
+
+  Args:
+    shape: the array's shape.
+    mesh_axes: per dimension, the mesh axes it is split over (() for none).
+    mesh: the (abstract) mesh.
+    what: the array's name in the message (e.g. "Parameter ['params']['embed']").
+    fix: what to change, appended to the message.
+  """
+  for dim, (size, axes) in enumerate(zip(shape, mesh_axes)):
+    ways = math.prod(mesh.shape[axis] for axis in axes)
+    if size % ways:
+      raise ValueError(f"{what} cannot be sharded: shape {tuple(shape)}, dimension {dim} is split over mesh axes "
+                       f"{tuple(axes)} ({ways} ways) and must be a multiple of {ways}. {fix}")
+
+
 def map_over_shards(fn: Callable, args: Sequence, in_axes: Sequence, out_axes, *, what: str):
   """fn(*args), run on every device's shard when a device mesh is set (`jax.set_mesh`).
 
@@ -98,14 +115,8 @@ def map_over_shards(fn: Callable, args: Sequence, in_axes: Sequence, out_axes, *
     return fn(*args)
   for index, (arg, names) in enumerate(zip(args, in_axes)):
     for leaf in jax.tree.leaves(arg):
-      for dim, name in enumerate(names or ()):
-        axes = _mesh_axes(name, mesh)
-        ways = math.prod(mesh.shape[axis] for axis in axes)
-        if leaf.shape[dim] % ways:
-          raise ValueError(
-              f"{what}: argument {index} has shape {leaf.shape}; its dimension {dim} ({name}) is split over "
-              f"mesh axes {axes} ({ways} ways) and must be a multiple of {ways}. Change the "
-              "batch size / head count or the mesh")
+      check_divisible(leaf.shape, [_mesh_axes(name, mesh) for name in names or ()], mesh, f"{what}: argument {index}",
+                      "Change the batch size / head count or the mesh")
   in_specs = tuple(spec(names) for names in in_axes)
   out_specs = tuple(spec(names) for names in out_axes) if isinstance(out_axes, list) else spec(out_axes)
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)

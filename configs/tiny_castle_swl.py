@@ -7,6 +7,6 @@ from configs.tiny_castle import get_config as tiny_castle_config
 def get_config():
   c = tiny_castle_config()
   c.model.attention = "castle_swl"
-  with c.unlocked():
-    c.model.attention_kwargs.lookahead_window = 64
+  # A whole dict: its keys depend on the attention, so it is assigned, not extended.
+  c.model.attention_kwargs = dict(lookahead_window=64)
   return c

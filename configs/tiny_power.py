@@ -12,7 +12,6 @@ from configs.tiny import get_config as tiny_config
 def get_config():
   c = tiny_config()
   c.model.attention = "power"
-  with c.unlocked():
-    c.model.attention_kwargs.p = 2
-    c.model.attention_kwargs.chunk_size = 64
+  # A whole dict: its keys depend on the attention, so it is assigned, not extended.
+  c.model.attention_kwargs = dict(p=2, chunk_size=64)
   return c

@@ -27,3 +27,32 @@ def check_int_fields(config, *, power_of_two: tuple[str, ...], tiles: tuple[str,
     if getattr(config, name) < SMALLEST_TILE:
       raise ValueError(f"{kind}.{name} must be >= {SMALLEST_TILE} (the smallest tile the GPU's matrix units "
                        f"take), got {getattr(config, name)}")
+
+
+def parse_config(cls, text: str):
+  """A kernel config dataclass from "key=value,key=value" (e.g. "block_q=64,num_warps=8").
+
+  Values are ints where they read as ints, None for "none"/"None", else strings; the
+  class's own checks then run. One parser for the benchmarks' command lines and the
+  `model.attention_kwargs.kernel_config` strings of training configs.
+
+  Raises:
+    ValueError: an entry without "=", or a key the class does not have (naming it and
+      the known keys); and whatever the class's checks raise.
+  """
+  known = [field.name for field in dataclasses.fields(cls)]
+  values = {}
+  for entry in filter(None, (part.strip() for part in text.split(","))):
+    key, sep, value = (s.strip() for s in entry.partition("="))
+    if not sep:
+      raise ValueError(f"{cls.__name__}: {entry!r} is not key=value (in {text!r}); known keys: {known}")
+    if key not in known:
+      raise ValueError(f"{cls.__name__} has no key {key!r} (in {text!r}); known keys: {known}")
+    if value.lower() == "none":
+      values[key] = None
+    else:
+      try:
+        values[key] = int(value)
+      except ValueError:
+        values[key] = value
+  return cls(**values)

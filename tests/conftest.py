@@ -1,17 +1,14 @@
 """Test-wide set-up: 8 fake CPU devices so sharding tests run on any machine.
 
-XLA reads the flag once, when the backend starts, so it is set here before any
-test module imports jax.
+XLA reads the device count once, when the backend starts, so it is set here, before
+any test runs a jax operation.
 """
 
-import os
+import chex
+import jax
+import pytest
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
-
-import jax  # noqa: E402
-import pytest  # noqa: E402
+chex.set_n_cpu_devices(8)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,14 @@
-"""Small shared utilities for the tests."""
+"""Small shared utilities for the tests: the relative-norm error and the tolerance policy."""
 
+import chex
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+# The house tolerance policy (DESIGN.md, chain of trust): relative-norm error against a
+# float32/float64 reference, by the dtype the compared path computes in.
+TOLERANCES = {jnp.dtype(jnp.float64): 1e-12, jnp.dtype(jnp.float32): 1e-5,
+              jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 1e-2}
 
 
 def rel_err(x, y) -> float:
@@ -8,3 +16,20 @@ def rel_err(x, y) -> float:
   x = np.asarray(x, np.float64)
   y = np.asarray(y, np.float64)
   return float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))
+
+
+def assert_close(actual, expected, tol: float | None = None) -> None:
+  """Relative-norm closeness of two pytrees of arrays, leaf by leaf.
+
+  Structures and shapes must match (chex); each leaf's ||actual - expected|| / ||expected||
+  must stay below `tol`, by default TOLERANCES[the actual leaf's dtype]. The message names
+  the leaf and the error.
+  """
+  chex.assert_trees_all_equal_shapes(actual, expected)
+
+  def check(path, a, e):
+    limit = TOLERANCES[jnp.dtype(a.dtype)] if tol is None else tol
+    error = rel_err(a, e)
+    assert error < limit, f"{jax.tree_util.keystr(path) or 'value'}: relative error {error:.3g} >= {limit:.3g}"
+
+  jax.tree_util.tree_map_with_path(check, actual, expected)

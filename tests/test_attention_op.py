@@ -1,12 +1,16 @@
 """Standard causal attention: fast paths against the masked reference."""
 
+import functools
+
+from absl.testing import parameterized
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from castle_jax.ops.attention import causal_attention, causal_mask
-from helpers import rel_err
+from helpers import assert_close, rel_err
 
 
 def _qkv(seed, batch=2, seq=13, heads=4, kv_heads=2, head_dim=16, dtype=jnp.float32):
@@ -24,22 +28,25 @@ def test_mask_counts_window_keys_including_self():
   assert not mask[0, 5, 2] and mask[0, 5, 3]
 
 
-@pytest.mark.parametrize("window", [None, 1, 4, 40])
-@pytest.mark.parametrize("kv_heads", [4, 2, 1])
-def test_xla_matches_reference_outputs_and_grads(window, kv_heads):
-  q, k, v = _qkv(seed=kv_heads * 100 + (window or 0), kv_heads=kv_heads)
-  cot = jax.random.normal(jax.random.key(7), q.shape)
+class XlaMatchesReferenceTest(chex.TestCase):
+  """The XLA path against the masked reference, outputs and gradients, with and
+  without jit (chex variants: the op must not depend on being traced)."""
 
-  def loss(impl):
-    return lambda q, k, v: jnp.sum(causal_attention(q, k, v, window=window, implementation=impl) * cot)
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.product(window=[None, 1, 4, 40], kv_heads=[4, 2, 1])
+  def test_outputs_and_grads(self, window, kv_heads):
+    q, k, v = _qkv(seed=kv_heads * 100 + (window or 0), kv_heads=kv_heads)
+    cot = jax.random.normal(jax.random.key(7), q.shape)
 
-  ref_out = causal_attention(q, k, v, window=window, implementation="reference")
-  out = causal_attention(q, k, v, window=window, implementation="xla")
-  assert rel_err(out, ref_out) < 1e-5
-  ref_grads = jax.grad(loss("reference"), argnums=(0, 1, 2))(q, k, v)
-  grads = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
-  for g, rg in zip(grads, ref_grads):
-    assert rel_err(g, rg) < 1e-5
+    def attention(impl):
+      return self.variant(functools.partial(causal_attention, window=window, implementation=impl))
+
+    def loss(impl):
+      return lambda q, k, v: jnp.sum(attention(impl)(q, k, v) * cot)
+
+    assert_close(attention("xla")(q, k, v), attention("reference")(q, k, v))
+    assert_close(jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v),
+                 jax.grad(loss("reference"), argnums=(0, 1, 2))(q, k, v))
 
 
 def test_reference_matches_softmax_definition_brute_force():
@@ -67,7 +74,7 @@ def test_default_on_cpu_is_xla_and_cudnn_is_refused():
 
 @pytest.mark.parametrize("bad, match", [
     (dict(window=0), "window"),
-    (dict(implementation="flash"), "Unknown attention implementation"),
+    (dict(implementation="flash"), "causal_attention: unknown implementation .flash."),
 ])
 def test_bad_arguments(bad, match):
   q, k, v = _qkv(seed=5)

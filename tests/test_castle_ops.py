@@ -9,6 +9,8 @@ the definition at every step.
 import functools
 import logging
 
+from absl.testing import parameterized
+import chex
 import jax
 from jax.experimental import checkify
 import jax.numpy as jnp
@@ -178,22 +180,27 @@ def test_blockwise_memory_is_linear_in_length():
 # --- UQ-KV cache decoding -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("window", [None, 1, 3])  # window > capacity: see the prefill test.
-def test_decode_from_empty_cache_matches_definition(window):
-  """Token-by-token decoding: outputs vs the recurrent form, cache U vs U^t from Eq. (2)."""
-  with jax.enable_x64(True):
-    inputs = _inputs(seed=50 + (window or 0), dtype=jnp.float64)
-    seq = SHAPE[1]
-    expected = _recurrent(inputs, window)
-    cache = init_cache(SHAPE[0], seq + 2, SHAPE[2], SHAPE[3], jnp.float64, window=window)
-    step = jax.jit(decode_step)
-    for t in range(seq):
-      out, cache = step(cache, *(x[:, t:t + 1] for x in inputs))
-      assert int(cache.length) == t + 1
-      assert rel_err(out, expected[:, t:t + 1]) < 1e-12, t
-      keys_t = lookahead_keys(*inputs[:3], t + 1, window=window)
-      assert rel_err(cache.lookahead_keys[:, :t + 1], keys_t) < 1e-12, t
-      assert np.all(np.asarray(cache.lookahead_keys[:, t + 1:]) == 0)
+class DecodeFromEmptyCacheTest(chex.TestCase):
+  """Token-by-token decoding: outputs vs the recurrent form, cache U vs U^t from Eq. (2);
+  with and without jit (chex variants), since the step checks a concrete cache length
+  eagerly and a traced one under jit."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.parameters(None, 1, 3)  # window > capacity: see the prefill test.
+  def test_matches_definition(self, window):
+    with jax.enable_x64(True):
+      inputs = _inputs(seed=50 + (window or 0), dtype=jnp.float64)
+      seq = SHAPE[1]
+      expected = _recurrent(inputs, window)
+      cache = init_cache(SHAPE[0], seq + 2, SHAPE[2], SHAPE[3], jnp.float64, window=window)
+      step = self.variant(decode_step)
+      for t in range(seq):
+        out, cache = step(cache, *(x[:, t:t + 1] for x in inputs))
+        assert int(cache.length) == t + 1
+        assert rel_err(out, expected[:, t:t + 1]) < 1e-12, t
+        keys_t = lookahead_keys(*inputs[:3], t + 1, window=window)
+        assert rel_err(cache.lookahead_keys[:, :t + 1], keys_t) < 1e-12, t
+        assert np.all(np.asarray(cache.lookahead_keys[:, t + 1:]) == 0)
 
 
 @pytest.mark.parametrize("window, prompt_len", [(None, 4), (3, 6), (30, 4), (2, 1), (None, 11)])
@@ -281,7 +288,7 @@ def test_lookahead_score_uses_the_causal_query():
 
 def test_default_implementation_is_xla_and_logged(caplog):
   inputs = _inputs(seed=90)
-  with caplog.at_level(logging.DEBUG, logger="castle_jax.ops.castle.api"):
+  with caplog.at_level(logging.DEBUG, logger="castle_jax.ops.backend"):
     out = castle_attention(*inputs, window=3, block_size=4)
   assert "xla" in caplog.text
   assert rel_err(out, castle_attention(*inputs, window=3, implementation="reference")) < 1e-5
@@ -304,7 +311,7 @@ def test_mismatched_shape_or_dtype_names_the_argument(index, name):
     (dict(window=0), "window"),
     (dict(window=-2), "window"),
     (dict(window=2.5), "window"),
-    (dict(implementation="flash"), "Unknown CASTLE implementation"),
+    (dict(implementation="flash"), "castle_attention: unknown implementation .flash."),
     (dict(block_size=0), "block_size"),
 ])
 def test_bad_arguments(kwargs, match):

@@ -32,6 +32,11 @@ def _inputs(seed, shape=SHAPE, dtype=jnp.float32, scales=(1.0,) * 6):
   return tuple(x.astype(dtype) for x in inputs), jax.random.normal(keys[6], shape, jnp.float32)
 
 
+def _kernels(*inputs, **kwargs):
+  """castle_attention_pallas with the op's score scale 1/sqrt(head_dim)."""
+  return castle_attention_pallas(*inputs, scale=inputs[0].shape[-1] ** -0.5, **kwargs)
+
+
 def _value_and_grads(fn, inputs, cotangent):
   def loss(*args):
     return jnp.sum(fn(*args).astype(jnp.float32) * cotangent)
@@ -41,7 +46,7 @@ def _value_and_grads(fn, inputs, cotangent):
 
 def _check_against_parallel(inputs, cotangent, window, config, tol_out, tol_grad):
   out, grads = _value_and_grads(
-      lambda *a: castle_attention_pallas(*a, window=window, config=config), inputs, cotangent)
+      lambda *a: _kernels(*a, window=window, config=config), inputs, cotangent)
   f32 = tuple(x.astype(jnp.float32) for x in inputs)
   ref, ref_grads = _value_and_grads(lambda *a: castle_parallel(*a, window=window), f32, cotangent)
   assert out.dtype == inputs[0].dtype and out.shape == inputs[0].shape
@@ -71,7 +76,7 @@ def test_bf16_inputs_and_lookahead_operand_precision():
   worst = {}
   for mode in ("split", "float16", "input"):
     config = dataclasses.replace(SMALL, lookahead_operands=mode)
-    out, grads = _value_and_grads(lambda *a: castle_attention_pallas(*a, config=config), inputs, cotangent)
+    out, grads = _value_and_grads(lambda *a: _kernels(*a, config=config), inputs, cotangent)
     assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < 1e-2, mode
     worst[mode] = max(rel_err(g, rg) for g, rg in zip(grads, ref_grads))
     assert worst[mode] < 1.5e-2, (mode, worst[mode])
@@ -125,11 +130,12 @@ def test_bad_inputs_name_the_argument():
   inputs, _ = _inputs(seed=7, shape=(1, 8, 1, 16))
   with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
     with jax.enable_x64(True):
-      castle_attention_pallas(*(np.asarray(x, np.float64) for x in inputs))
+      _kernels(*(np.asarray(x, np.float64) for x in inputs))
+  # Shapes and the window are checked by the op's entry point, before the kernels run.
   with pytest.raises(ValueError, match="k_c has shape"):
-    castle_attention_pallas(*inputs[:4], inputs[4][:, :4], inputs[5])
+    castle_attention(*inputs[:4], inputs[4][:, :4], inputs[5], implementation="pallas")
   with pytest.raises(ValueError, match="window"):
-    castle_attention_pallas(*inputs, window=0)
+    castle_attention(*inputs, window=0, implementation="pallas")
 
 
 @pytest.mark.parametrize("window", [None, 3])

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from castle_jax.models.config import ModelConfig
+from castle_jax.config import ModelConfig
 from castle_jax.models.drt import DRT, DRTOptions, insert_landmarks, real_positions, serve_next_chunk
 
 CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, dtype="float32")

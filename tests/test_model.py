@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from castle_jax.inference import generate, sample_next_token
-from castle_jax.inference.kv_cache import KVCache
+from castle_jax.ops.attention import KVCache
 from castle_jax.layers.registry import get_attention, registered_attentions
 from castle_jax.models import ModelConfig, TransformerLM, count_parameters
 from helpers import rel_err
@@ -180,7 +180,8 @@ def test_power_parameter_counts():
   config = ModelConfig.from_mapping(power_paper_config("s").model)
   assert abs(count_parameters(config) / 124e6 - 1) < 0.01
   gated = config.n_layers * config.d_model * config.n_heads  # one gate per head and layer
-  assert count_parameters(config) - count_parameters(dataclasses.replace(config, attention="mha")) == gated
+  baseline = dataclasses.replace(config, attention="mha", attention_kwargs=())
+  assert count_parameters(config) - count_parameters(baseline) == gated
 
 
 def test_icl_configs_compare_equal_decoding_states():
@@ -237,3 +238,39 @@ def test_cache_and_generate_capacity_errors():
     generate(model, params, _tokens(5, seq=2), max_new_tokens=2, temperature=-1.0)
   with pytest.raises(ValueError, match="rng is required"):
     generate(model, params, _tokens(5, seq=2), max_new_tokens=2, temperature=1.0)
+
+
+def test_mha_decoding_takes_a_mask_over_the_cache():
+  """A mask over new tokens (tree verification): a slot hidden from a token changes its output,
+  an all-True mask changes nothing."""
+  from castle_jax.layers.mha import MultiHeadAttention
+  config = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, dtype="float32")
+  layer = MultiHeadAttention(config)
+  x = jax.random.normal(jax.random.key(0), (1, 3, 32))
+  positions = jnp.arange(3)[None]
+  cache = KVCache.create(1, 4, 4, 8, jnp.float32)
+  params = layer.init(jax.random.key(1), x, positions, cache)
+  plain, _ = layer.apply(params, x, positions, cache)
+  same, _ = layer.apply(params, x, positions, cache, mask=jnp.ones((1, 3, 4), bool))
+  np.testing.assert_array_equal(same, plain)
+  hide_first = jnp.ones((1, 3, 4), bool).at[:, 2, 0].set(False)
+  masked, _ = layer.apply(params, x, positions, cache, mask=hide_first)
+  np.testing.assert_array_equal(masked[:, :2], plain[:, :2])
+  assert float(jnp.abs(masked[:, 2] - plain[:, 2]).max()) > 1e-4
+  with pytest.raises(ValueError, match="mask is a decoding argument"):
+    layer.apply(params, x, positions, mask=hide_first)
+
+
+def test_model_families_and_config_defaults():
+  from castle_jax.models import MODEL_FAMILIES, build_model, family_of
+  from train.config import base_config
+  assert set(MODEL_FAMILIES) == {"transformer"}
+  with pytest.raises(ValueError, match=r"Unknown model family 'drt' \(config model.family\)"):
+    build_model(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, family="drt"))
+  model = build_model(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2))
+  assert isinstance(model, TransformerLM) and family_of(model).name == "transformer"
+  # The training config's model block is ModelConfig's defaults, so they cannot drift.
+  assert ModelConfig.from_mapping(base_config().model) == ModelConfig()
+  model_block = base_config().model
+  model_block.init_std = 0.01
+  assert ModelConfig.from_mapping(model_block).init_std == 0.01

@@ -366,7 +366,7 @@ def test_gating_and_power_change_the_outputs_and_scale_cancels():
 
 def test_default_implementation_is_xla_and_logged(caplog):
   inputs = _inputs(seed=110)
-  with caplog.at_level(logging.DEBUG, logger="castle_jax.ops.power.api"):
+  with caplog.at_level(logging.DEBUG, logger="castle_jax.ops.backend"):
     out, state = jax.jit(functools.partial(power_attention, chunk_size=4, return_final_state=True))(*inputs)
   assert "xla" in caplog.text
   expected, expected_state = jax.jit(functools.partial(
@@ -395,7 +395,7 @@ def _bad_cases():
       (dict(expansion="tspow", d_tile=3), r"d_tile \(3\) must divide the head dim \(8\)"),
       (dict(expansion="spow", d_tile=2), "d_tile=2 only applies to expansion='tspow'"),
       (dict(scale=0.0), "scale must be None"),
-      (dict(implementation="flash"), "Unknown power-attention implementation 'flash'"),
+      (dict(implementation="flash"), "power_attention: unknown implementation 'flash'"),
       (dict(initial_state=state), r"initial_state.state has shape \(2, 2, 7, 6\), expected \(2, 2, 36, 6\)"),
       (dict(initial_state=(state.state, state.normalizer)), "initial_state must be a PowerState"),
   ], ok

@@ -52,12 +52,12 @@ def test_tile_pairs_give_the_tspow_layout():
 @pytest.mark.parametrize("gating", [True, False])
 def test_outputs_and_final_state_match_the_definition(gating):
   inputs = _inputs(0, seq=40, gating=gating)
-  out, state = power_attention_pallas(*inputs, scale=D_HEAD**-0.5, chunk_size=16, config=SMALL)
+  out, (state, normalizer) = power_attention_pallas(*inputs, scale=D_HEAD**-0.5, chunk_size=16, config=SMALL)
   expected, expected_state = power_attention(*inputs, implementation="reference", expansion="tspow", d_tile=16,
                                              return_final_state=True)
   assert rel_err(out, expected) < 1e-5
-  assert rel_err(state.state, expected_state.state) < 1e-5
-  assert rel_err(state.normalizer, expected_state.normalizer) < 1e-5
+  assert rel_err(state, expected_state.state) < 1e-5
+  assert rel_err(normalizer, expected_state.normalizer) < 1e-5
   # The check can fail: dropping the gates or the cross-chunk state changes the outputs.
   other = power_attention(*_inputs(0, seq=40, gating=not gating), implementation="reference")
   assert rel_err(other, expected) > 1e-2
@@ -90,9 +90,9 @@ def test_gradients_match_the_definition():
                                                        jnp.float32), initial)
 
   def loss(fn, q, k, v, log_g, state, normalizer):
-    out, final = fn(q, k, v, log_g, PowerState(state, normalizer))
-    return (jnp.sum(out * cotangent) + jnp.sum(final.state * state_cotangent.state)
-            + jnp.sum(final.normalizer * state_cotangent.normalizer))
+    out, (final_state, final_normalizer) = fn(q, k, v, log_g, PowerState(state, normalizer))
+    return (jnp.sum(out * cotangent) + jnp.sum(final_state * state_cotangent.state)
+            + jnp.sum(final_normalizer * state_cotangent.normalizer))
 
   ours = lambda q, k, v, g, s: power_attention_pallas(q, k, v, g, scale=D_HEAD**-0.5, chunk_size=16,
                                                        initial_state=s, config=SMALL)
@@ -206,16 +206,19 @@ def test_gradients_through_the_entry_point_with_the_default_config():
 
 
 def test_default_implementation_on_a_gpu_picks_the_kernels_when_they_apply(monkeypatch):
-  from castle_jax.ops.power import api
-  q, _, v, _ = _inputs(12, seq=8)
+  from castle_jax.ops.power import resolve
+  sizes = dict(p=2, head_dim=D_HEAD, value_dim=D_VALUE, dtype=jnp.float32)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  assert api._default_implementation(2, q, v, 128)[0] == "pallas"
-  implementation, reason = api._default_implementation(4, q, v, 128)
-  assert implementation == "xla" and "p=2 only" in reason
-  assert api._default_implementation(2, q, v, 100)[0] == "xla"
-  assert api._default_implementation(2, q[..., :24], v, 128)[0] == "xla"
+  assert resolve(None, 128, **sizes) == ("pallas", 128)
+  assert resolve(None, None, **sizes) == ("pallas", 1024)  # the kernels' own chunk
+  assert resolve(None, 128, **(sizes | dict(p=4))) == ("xla", 128)
+  assert resolve(None, None, **(sizes | dict(p=4))) == ("xla", 128)  # the XLA path's own chunk
+  assert resolve(None, 100, **sizes) == ("xla", 100)
+  assert resolve(None, 128, **(sizes | dict(head_dim=24))) == ("xla", 128)
+  with pytest.raises(ValueError, match="implementation='pallas' cannot run: .*p=2 only.*Alternatives"):
+    resolve("pallas", 128, **(sizes | dict(p=4)))
   monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-  assert api._default_implementation(2, q, v, 128)[0] == "xla"
+  assert resolve(None, 128, **sizes) == ("xla", 128)
 
 
 def test_pallas_default_chunk_is_large(monkeypatch):
@@ -227,7 +230,7 @@ def test_pallas_default_chunk_is_large(monkeypatch):
     seen["chunk_size"] = chunk_size
     return kernels_package.ops.power_attention_pallas(*args, chunk_size=chunk_size, **kwargs)
 
-  monkeypatch.setattr(kernels_package, "power_attention_pallas", spy)
+  monkeypatch.setattr(api, "power_attention_pallas", spy)
   inputs = _inputs(13, seq=8)
   power_attention(*inputs, implementation="pallas")
   assert seen["chunk_size"] == api.PALLAS_DEFAULT_CHUNK_SIZE == 1024

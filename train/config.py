@@ -8,7 +8,30 @@ of being silently added.
 
 from __future__ import annotations
 
+import dataclasses
+
 import ml_collections
+
+from castle_jax.config import ModelConfig
+
+
+def model_defaults() -> ml_collections.ConfigDict:
+  """`config.model`: ModelConfig's fields and defaults, so the two cannot drift.
+
+  A field whose default is None (model.attention_impl) becomes a str placeholder;
+  model.attention_kwargs is a ConfigDict whose keys depend on model.attention
+  (assign a dict to it, e.g. `c.model.attention_kwargs = dict(p=2)`, which also works
+  on a locked config; ModelConfig rejects keys the attention does not know).
+  """
+  m = ml_collections.ConfigDict()
+  for field in dataclasses.fields(ModelConfig):
+    if field.name == "attention_kwargs":
+      m.attention_kwargs = ml_collections.ConfigDict()
+    elif field.default is None:
+      m[field.name] = ml_collections.config_dict.placeholder(str)
+    else:
+      m[field.name] = field.default
+  return m
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -18,27 +41,8 @@ def base_config() -> ml_collections.ConfigDict:
   # Where checkpoints, metrics.jsonl and TensorBoard events go. Set by --workdir.
   c.workdir = ""
 
-  c.model = ml_collections.ConfigDict()
-  m = c.model
-  m.vocab_size = 384  # >= tokenizer vocabulary; a multiple of 128 shards evenly.
-  m.d_model = 256
-  m.n_layers = 4
-  m.n_heads = 4
-  m.n_kv_heads = 0  # 0: same as n_heads (plain multi-head); fewer: grouped-query attention.
-  m.head_dim = 0  # 0: d_model // n_heads.
-  m.mlp_hidden = 0  # 0: 8/3 * d_model (the CASTLE paper's SwiGLU) rounded to mlp_multiple_of
-  m.mlp_multiple_of = 64  # matmul-friendly widths; 1 gives floor(8/3 * d_model) exactly
-  m.tie_embeddings = True
-  m.rope_theta = 10_000.0
-  m.norm_eps = 1e-6
-  m.attention = "mha"  # key in castle_jax.layers.attention registry
-  m.attention_impl = ml_collections.config_dict.placeholder(str)  # None: best for backend
-  m.sliding_window = 0  # 0: full causal attention; W > 0: each query sees the last W keys.
-  m.dtype = "bfloat16"  # activations / matmul inputs
-  m.param_dtype = "float32"
-  m.remat = False  # rematerialize each block in the backward pass
-  # Attention-specific settings (CASTLE window, power p, ...) live here.
-  m.attention_kwargs = ml_collections.ConfigDict()
+  # Every field of castle_jax.config.ModelConfig, with its defaults (documented there).
+  c.model = model_defaults()
 
   c.data = ml_collections.ConfigDict()
   d = c.data

@@ -9,7 +9,7 @@ import jax
 import ml_collections
 
 from castle_jax.data.tokenizer import load_tokenizer
-from castle_jax.models import ModelConfig, TransformerLM
+from castle_jax.models import ModelConfig, build_model
 from train.checkpointing import Checkpointer
 from train.mesh import make_mesh
 from train.optimizer import make_optimizer
@@ -30,7 +30,7 @@ def load_trained_model(workdir: str, step: int | None = None):
   step = steps[-1] if step is None else step
   if step not in steps:
     raise ValueError(f"No checkpoint for step {step} in {checkpointer.directory}; available: {steps}")
-  model = TransformerLM(ModelConfig.from_mapping(config.model))
+  model = build_model(ModelConfig.from_mapping(config.model))
   tx, _ = make_optimizer(config.train)
   mesh = make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)), jax.devices()[:1])
   abstract, _ = state_shardings(model, tx, mesh, config.data.seq_len)

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from castle_jax.models import TransformerLM
-from castle_jax.sharding import LOGICAL_AXIS_RULES
+from castle_jax.models import family_of
+from castle_jax.sharding import LOGICAL_AXIS_RULES, check_divisible
 
 
 @flax.struct.dataclass
@@ -24,14 +24,13 @@ class TrainState:
   opt_state: Any
 
 
-def _boxed_init(model: TransformerLM, tx: optax.GradientTransformation, rng: jax.Array, seq_len: int):
-  tokens = jnp.zeros((1, seq_len), jnp.int32)
-  params = model.init(rng, tokens)["params"]
+def _boxed_init(model: nn.Module, tx: optax.GradientTransformation, rng: jax.Array, seq_len: int):
+  params = family_of(model).init_variables(model, rng, seq_len)["params"]
   # optax maps over the boxed leaves, so the optimizer state keeps the axis names too.
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
 
-def state_shardings(model: TransformerLM, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh,
+def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh,
                     seq_len: int) -> tuple[TrainState, TrainState]:
   """(abstract state: ShapeDtypeStructs with shardings, the NamedShardings tree)."""
   boxed = jax.eval_shape(lambda r: _boxed_init(model, tx, r, seq_len), jax.random.key(0))
@@ -52,21 +51,12 @@ def _strip_boxes(tree):
 def _check_divisible(abstract: TrainState) -> None:
   """Raises a clear error when a parameter dimension cannot be split over its mesh axes."""
   for path, leaf in jax.tree_util.tree_leaves_with_path(abstract.params):
-    mesh = leaf.sharding.mesh
-    for dim, axes in zip(leaf.shape, leaf.sharding.spec):
-      axes = (axes,) if isinstance(axes, str) else (axes or ())
-      ways = 1
-      for axis in axes:
-        ways *= mesh.shape[axis]
-      if dim % ways:
-        name = jax.tree_util.keystr(path)
-        raise ValueError(
-            f"Parameter {name} {leaf.shape} cannot be sharded: dimension {dim} is split over mesh axes "
-            f"{axes} ({ways} ways). Change the model sizes (e.g. model.n_heads, model.vocab_size) "
-            "or the mesh (config.mesh).")
+    axes = [(axis,) if isinstance(axis, str) else tuple(axis or ()) for axis in leaf.sharding.spec]
+    check_divisible(leaf.shape, axes, leaf.sharding.mesh, f"Parameter {jax.tree_util.keystr(path)}",
+                    "Change the model sizes (e.g. model.n_heads, model.vocab_size) or the mesh (config.mesh).")
 
 
-def init_train_state(model: TransformerLM, tx: optax.GradientTransformation, rng: jax.Array,
+def init_train_state(model: nn.Module, tx: optax.GradientTransformation, rng: jax.Array,
                      seq_len: int, shardings: TrainState) -> TrainState:
   """Initializes parameters and optimizer state directly into their shardings."""
   init = jax.jit(lambda r: nn.unbox(_boxed_init(model, tx, r, seq_len)), out_shardings=shardings)

@@ -5,29 +5,25 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 
-from castle_jax.models import TransformerLM
+from castle_jax.models import family_of
 from train.state import TrainState
 
 
-def token_losses(model: TransformerLM, params: Any, batch: dict[str, jax.Array], pad_id: int):
-  """Per-token negative log-likelihood.
+def token_losses(model: nn.Module, params: Any, batch: dict[str, jax.Array], pad_id: int):
+  """Per-token loss and weights of the model's family (`castle_jax.models.registry`).
 
   Args:
     batch: {"inputs": int [B, T], "targets": int [B, T]}.
 
   Returns:
-    (nll float32 [B, T], weights float32 [B, T]) with weight 0 at PAD targets.
+    (loss float32 [B, T] already weighted, weights float32 [B, T]; 0 at PAD targets).
   """
-  logits, _ = model.apply({"params": params}, batch["inputs"])
-  targets = batch["targets"]
-  log_z = jax.nn.logsumexp(logits, axis=-1)
-  target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-  weights = (targets != pad_id).astype(jnp.float32)
-  return (log_z - target_logits) * weights, weights
+  return family_of(model).token_losses(model, params, batch, pad_id)
 
 
 def _microbatches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Array]:
@@ -38,7 +34,7 @@ def _microbatches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Arra
   return jax.tree.map(split, batch)
 
 
-def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: TransformerLM,
+def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: nn.Module,
                tx: optax.GradientTransformation, schedule: optax.Schedule, pad_id: int,
                grad_accum_steps: int = 1) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer update on the mean token loss of the whole (global) batch."""
@@ -73,7 +69,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: Transfo
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def eval_step(params: Any, batch: dict[str, jax.Array], *, model: TransformerLM, pad_id: int,
+def eval_step(params: Any, batch: dict[str, jax.Array], *, model: nn.Module, pad_id: int,
               token_byte_lengths: jax.Array) -> dict[str, jax.Array]:
   """Sums for validation: nll (nats), scored tokens and the UTF-8 bytes they stand for."""
   nll, weights = token_losses(model, params, batch, pad_id)
@@ -81,7 +77,7 @@ def eval_step(params: Any, batch: dict[str, jax.Array], *, model: TransformerLM,
   return {"nll_sum": jnp.sum(nll), "tokens": jnp.sum(weights), "bytes": jnp.sum(byte_counts)}
 
 
-def jit_train_step(*, model: TransformerLM, tx: optax.GradientTransformation, schedule: optax.Schedule,
+def jit_train_step(*, model: nn.Module, tx: optax.GradientTransformation, schedule: optax.Schedule,
                    pad_id: int, grad_accum_steps: int, state_shardings: TrainState,
                    batch_sharding: jax.sharding.Sharding):
   """`train_step` compiled with explicit in/out shardings; the old state is donated."""

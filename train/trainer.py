@@ -19,7 +19,7 @@ import tqdm
 
 from castle_jax.data.pipeline import make_lm_iterator
 from castle_jax.data.tokenizer import Tokenizer, load_tokenizer
-from castle_jax.models import ModelConfig, TransformerLM, training_flops_per_token
+from castle_jax.models import ModelConfig, build_model, training_flops_per_token
 from castle_jax.sharding import LOGICAL_AXIS_RULES
 from train.checkpointing import Checkpointer
 from train.config import validate_keys
@@ -116,7 +116,7 @@ def train(config: ml_collections.ConfigDict, *,
         f"({tokenizer.vocab_size}); raise model.vocab_size")
   mesh = make_mesh(config.mesh)
   _validate_batching(config, mesh)
-  model = TransformerLM(model_config)
+  model = build_model(model_config)
   tx, schedule = make_optimizer(t)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))

@@ -1,7 +1,9 @@
-"""Decoding: caches, sampling and generate()."""
+"""Decoding: sampling and generate(). The caches live next to their ops (KVCache in
+castle_jax.ops.attention, UQKVCache in castle_jax.ops.castle, PowerCache in
+castle_jax.ops.power); KVCache is re-exported here for convenience."""
 
 from castle_jax.inference.generate import generate
-from castle_jax.inference.kv_cache import KVCache
 from castle_jax.inference.sampling import sample_next_token
+from castle_jax.ops.attention import KVCache
 
 __all__ = ["KVCache", "generate", "sample_next_token"]

@@ -5,14 +5,15 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from castle_jax.inference.sampling import sample_next_token, validate_sampling
-from castle_jax.models.transformer import TransformerLM
+from castle_jax.models.registry import family_of
 
 
-def generate(model: TransformerLM, params: Any, prompt: jax.Array, *, max_new_tokens: int,
+def generate(model: nn.Module, params: Any, prompt: jax.Array, *, max_new_tokens: int,
              rng: jax.Array | None = None, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, capacity: int | None = None) -> jax.Array:
   """Continues each prompt by `max_new_tokens` tokens.
@@ -22,7 +23,8 @@ def generate(model: TransformerLM, params: Any, prompt: jax.Array, *, max_new_to
   repeatedly taking the argmax of the parallel forward pass.
 
   Args:
-    model: the TransformerLM (any registered attention with a cache).
+    model: a module built from a ModelConfig (`castle_jax.models.build_model`); its
+      family (`castle_jax.models.registry`) supplies init_cache and decode.
     params: its parameters (the "params" collection, unboxed).
     prompt: int [batch, prompt_len], prompt_len >= 1; all rows the same length.
     max_new_tokens: number of tokens to append (>= 1).
@@ -54,10 +56,11 @@ def generate(model: TransformerLM, params: Any, prompt: jax.Array, *, max_new_to
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8))
 def _generate(model, params, prompt, rng, max_new_tokens, capacity, temperature, top_k, top_p):
+  family = family_of(model)
   batch, prompt_len = prompt.shape
-  caches = model.init_cache(batch, capacity)
+  caches = family.init_cache(model, batch, capacity)
   positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), prompt.shape)
-  logits, caches = model.apply({"params": params}, prompt, positions, caches)
+  logits, caches = family.decode(model, params, prompt, positions, caches)
   sample = functools.partial(sample_next_token, temperature=temperature, top_k=top_k, top_p=top_p)
   rng, step_rng = jax.random.split(rng)
   first = sample(logits[:, -1], step_rng)
@@ -65,8 +68,7 @@ def _generate(model, params, prompt, rng, max_new_tokens, capacity, temperature,
   def step(carry, _):
     token, caches, position, rng = carry
     rng, step_rng = jax.random.split(rng)
-    logits, caches = model.apply(
-        {"params": params}, token[:, None], jnp.full((batch, 1), position, jnp.int32), caches)
+    logits, caches = family.decode(model, params, token[:, None], jnp.full((batch, 1), position, jnp.int32), caches)
     next_token = sample(logits[:, -1], step_rng)
     return (next_token, caches, position + 1, rng), token
 

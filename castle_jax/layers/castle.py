@@ -19,21 +19,32 @@ Theorem 1's parallel form, the blockwise path and the UQ-KV cache alike, so trai
 prefill and decoding agree exactly (the cache stores rotated q^U and u_s built from
 rotated v^U).
 
-Options (`model.attention_kwargs`):
+Options (`model.attention_kwargs`, `CastleOptions`):
   lookahead_window: W, the CASTLE-SWL window (required for `castle_swl`, rejected
-    for `castle`);
-  block_size: tokens per block of the blockwise training path (default 64).
+    for `castle`; the attention table pairs each name with its options class);
+  block_size: tokens per block of the blockwise training path (default 64);
+  kernel_config: the Pallas kernels' tiles for training and prefill, as
+    "block_q=64,block_k=32,..." (`CastleKernelConfig` fields) or None for the default;
+  decode_kernel_config: the Pallas decoding kernel's tiles ("block_rows=64,splits=4",
+    `CastleDecodeConfig` fields) or None.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING, ClassVar
+
 import flax.linen as nn
 import jax
 
-from castle_jax.layers.mha import mean_visible_keys, output_projection, projection
-from castle_jax.layers.registry import register_attention
+from castle_jax.layers.options import (
+    AttentionOptions,
+    check_positive_int,
+    kernel_config_option,
+    reject_sliding_window,
+)
 from castle_jax.layers.rope import apply_rope
-from castle_jax.models.config import ModelConfig
+from castle_jax.layers.shared import mean_visible_keys, output_projection, projection
 from castle_jax.ops.castle import (
     DEFAULT_BLOCK_SIZE,
     UQKVCache,
@@ -42,8 +53,11 @@ from castle_jax.ops.castle import (
     init_cache,
 )
 from castle_jax.sharding import constrain
+from pallas_kernels.castle import CastleDecodeConfig, CastleKernelConfig
 
-_OPTIONS = ("lookahead_window", "block_size")
+if TYPE_CHECKING:  # layers read the config's attributes only; castle_jax.config imports the attention table
+  from castle_jax.config import ModelConfig
+
 _ACTIVATION_AXES = ("batch", "act_length", "act_heads", "head_dim")
 # The six per-head projections, in the op's argument order.
 _PROJECTIONS = ("lookahead_query", "lookahead_key", "lookahead_value",
@@ -51,50 +65,60 @@ _PROJECTIONS = ("lookahead_query", "lookahead_key", "lookahead_value",
 _ROTATED = frozenset(("lookahead_query", "lookahead_key", "lookahead_value", "causal_query", "causal_key"))
 
 
-def castle_options(config: ModelConfig) -> tuple[int | None, int]:
-  """(lookahead window or None, block size) of a `castle`/`castle_swl` config.
+@dataclasses.dataclass(frozen=True)
+class CastleOptions(AttentionOptions):
+  """Options of `castle` (see the module docstring); `CastleSWLOptions` for `castle_swl`."""
 
-  Raises:
-    ValueError: unknown options, a window on `castle` or none on `castle_swl`,
-      non-positive values, GQA or a causal sliding window (not part of CASTLE).
-  """
-  options = config.attention_options
-  unknown = sorted(set(options) - set(_OPTIONS))
-  if unknown:
-    raise ValueError(f"Unknown model.attention_kwargs {unknown} for attention {config.attention!r}; "
-                     f"known: {list(_OPTIONS)}")
-  window = options.get("lookahead_window")
-  swl = config.attention == "castle_swl"
-  if swl and window is None:
-    raise ValueError("attention 'castle_swl' needs model.attention_kwargs.lookahead_window = W >= 1 "
-                     "(the paper uses 128 for S and 512 for M/L/XL)")
-  if not swl and window is not None:
-    raise ValueError(f"attention {config.attention!r} has no lookahead window; use attention 'castle_swl' "
-                     "to slide a window over the lookahead keys")
-  block_size = options.get("block_size", DEFAULT_BLOCK_SIZE)
-  for name, value in (("lookahead_window", window), ("block_size", block_size)):
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-      raise ValueError(f"model.attention_kwargs.{name} must be an int >= 1, got {value!r}")
-  if config.n_kv_heads not in (0, config.n_heads):
-    raise ValueError(f"CASTLE has no grouped-query form: model.n_kv_heads must be 0 or n_heads "
-                     f"({config.n_heads}), got {config.n_kv_heads}")
-  if config.sliding_window:
-    raise ValueError("model.sliding_window limits causal keys of 'mha'; CASTLE attends to every causal key. "
-                     "Set it to 0 (for CASTLE-SWL use attention 'castle_swl' with "
-                     "model.attention_kwargs.lookahead_window)")
-  return window, block_size
+  # Whether lookahead keys see a sliding window of W later tokens (CASTLE-SWL, Eq. 8).
+  sliding: ClassVar[bool] = False
 
+  lookahead_window: int | None = None
+  block_size: int = DEFAULT_BLOCK_SIZE
+  kernel_config: CastleKernelConfig | str | None = None
+  decode_kernel_config: CastleDecodeConfig | str | None = None
 
-def _castle_cache(config: ModelConfig, batch: int, capacity: int) -> UQKVCache:
-  window, _ = castle_options(config)
-  return init_cache(batch, capacity, config.n_heads, config.qk_head_dim, config.compute_dtype, window)
+  def __post_init__(self):
+    if self.sliding and self.lookahead_window is None:
+      raise ValueError("attention 'castle_swl' needs model.attention_kwargs.lookahead_window = W >= 1 "
+                       "(the paper uses 128 for S and 512 for M/L/XL)")
+    if not self.sliding and self.lookahead_window is not None:
+      raise ValueError("attention 'castle' has no lookahead window; use attention 'castle_swl' "
+                       "to slide a window over the lookahead keys")
+    if self.lookahead_window is not None:  # None was checked above, against the attention
+      check_positive_int("lookahead_window", self.lookahead_window)
+    check_positive_int("block_size", self.block_size)
+    # Strings from a config file become kernel configs once, here.
+    object.__setattr__(self, "kernel_config", kernel_config_option("kernel_config", self.kernel_config,
+                                                             CastleKernelConfig))
+    object.__setattr__(self, "decode_kernel_config", kernel_config_option("decode_kernel_config",
+                                                                    self.decode_kernel_config, CastleDecodeConfig))
+
+  def for_model(self, config: ModelConfig) -> "CastleOptions":
+    if config.n_kv_heads not in (0, config.n_heads):
+      raise ValueError(f"CASTLE has no grouped-query form: model.n_kv_heads must be 0 or n_heads "
+                       f"({config.n_heads}), got {config.n_kv_heads}")
+    reject_sliding_window(config, "CASTLE attends to every causal key. Set it to 0 (for CASTLE-SWL use "
+                                  "attention 'castle_swl' with model.attention_kwargs.lookahead_window)")
+    return self
 
 
-def _castle_params(config: ModelConfig) -> int:
+@dataclasses.dataclass(frozen=True)
+class CastleSWLOptions(CastleOptions):
+  """Options of `castle_swl`: as `castle`, with lookahead_window required."""
+
+  sliding: ClassVar[bool] = True
+
+
+def cache_for(config: ModelConfig, batch: int, capacity: int) -> UQKVCache:
+  return init_cache(batch, capacity, config.n_heads, config.qk_head_dim, config.compute_dtype,
+                    config.options.lookahead_window)
+
+
+def param_count(config: ModelConfig) -> int:
   return 7 * config.n_heads * config.qk_head_dim * config.d_model
 
 
-def _castle_core_flops(config: ModelConfig, seq_len: int) -> float:
+def core_flops_per_token(config: ModelConfig, seq_len: int) -> float:
   """Forward + backward (3x forward) FLOPs per token of the attention core.
 
   Per (query t, key s) pair the forward does six d-long products: q^C.k^C, p.v^C and
@@ -102,17 +126,15 @@ def _castle_core_flops(config: ModelConfig, seq_len: int) -> float:
   q^C.v^U (only within the lookahead window under SWL). The in-block term of the
   blockwise algorithm (block_size-long products) is an implementation cost, not counted.
   """
-  window, _ = castle_options(config)
   causal = mean_visible_keys(seq_len, None)
-  lookahead = mean_visible_keys(seq_len, window)
+  lookahead = mean_visible_keys(seq_len, config.options.lookahead_window)
   per_head = 2 * config.qk_head_dim * (3 * causal + 3 * lookahead)
   return 3 * config.n_heads * per_head
 
 
-@register_attention("castle", init_cache=_castle_cache, param_count=_castle_params,
-                    core_flops_per_token=_castle_core_flops)
 class MultiHeadCastle(nn.Module):
-  """Multi-head causal attention with lookahead keys.
+  """Multi-head causal attention with lookahead keys (CASTLE, or CASTLE-SWL when the
+  options carry a lookahead window).
 
   Training (cache=None) goes through `castle_jax.ops.castle.castle_attention`
   (implementation from model.attention_impl). With a `UQKVCache`, the tokens are
@@ -127,7 +149,7 @@ class MultiHeadCastle(nn.Module):
   def __call__(self, x: jax.Array, positions: jax.Array, cache: UQKVCache | None = None):
     """x: [batch, seq, d_model], positions: int [batch, seq] -> ([batch, seq, d_model], cache)."""
     cfg = self.config
-    window, block_size = castle_options(cfg)
+    options = cfg.options
     heads, head_dim = cfg.n_heads, cfg.qk_head_dim
     inputs = []
     for name in _PROJECTIONS:
@@ -136,14 +158,10 @@ class MultiHeadCastle(nn.Module):
         y = apply_rope(y, positions, cfg.rope_theta)
       inputs.append(constrain(y, _ACTIVATION_AXES))
     if cache is None:
-      out = castle_attention(*inputs, window=window, implementation=cfg.attention_impl, block_size=block_size)
+      out = castle_attention(*inputs, window=options.lookahead_window, implementation=cfg.attention_impl,
+                             block_size=options.block_size, pallas_config=options.kernel_config)
     else:
-      out, cache = append_tokens(cache, *inputs, block_size=block_size, implementation=cfg.attention_impl)
+      out, cache = append_tokens(cache, *inputs, block_size=options.block_size, implementation=cfg.attention_impl,
+                                 pallas_config=options.kernel_config,
+                                 decode_pallas_config=options.decode_kernel_config)
     return output_projection(cfg, out), cache
-
-
-@register_attention("castle_swl", init_cache=_castle_cache, param_count=_castle_params,
-                    core_flops_per_token=_castle_core_flops)
-class MultiHeadCastleSWL(MultiHeadCastle):
-  """CASTLE-SWL: lookahead keys see only the next W tokens (Eq. 8); W is
-  model.attention_kwargs.lookahead_window."""

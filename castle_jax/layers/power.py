@@ -18,160 +18,160 @@ see the same rotated vectors and agree exactly.
 The authors' training code also applies a per-head LayerNorm to the attention output;
 the paper does not mention it, and it is not used here.
 
-Options (`model.attention_kwargs`):
+Options (`model.attention_kwargs`, `PowerOptions`):
   p: even power (default 2);
   chunk_size: tokens per chunk of the chunked form (default None: the implementation's own,
-    1024 for the Pallas kernels, 128 for XLA);
+    1024 for the Pallas kernels, 128 for XLA; `castle_jax.ops.power.resolve` decides);
   expansion: "spow" (default), "tpow" or "tspow" (state size D: C(d+p-1, p), d^p, or
     C(d/d_tile+p-1, p) d_tile^p);
   d_tile: tile size of "tspow";
   scale: score scale (default 1/sqrt(head_dim); it cancels in the normalized output and
     only sets the magnitude of the numbers);
   gating: learn per-head gates (default True); False drops W_g and never forgets;
-  gate_bias: the constant added before log_sigmoid (default 6.906768).
+  gate_bias: the constant added before log_sigmoid (default None: 6.906768);
+  kernel_config: the Pallas kernels' tiles, "block_t=64,block_q=64,..."
+    (`PowerKernelConfig` fields) or None for the default.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
-from typing import NamedTuple
+from typing import TYPE_CHECKING
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from castle_jax.layers.mha import mean_visible_keys, output_projection, projection, rotary_qkv
-from castle_jax.layers.registry import register_attention
-from castle_jax.models.config import ModelConfig
-from castle_jax.ops.power import (
-    DEFAULT_CHUNK_SIZE,
-    EXPANSIONS,
-    PowerCache,
-    append_tokens,
-    expanded_dim,
-    init_cache,
-    power_attention,
+from castle_jax.layers.options import (
+    AttentionOptions,
+    check_positive_int,
+    kernel_config_option,
+    option_error,
+    reject_sliding_window,
 )
-from castle_jax.ops.power.api import PALLAS_DEFAULT_CHUNK_SIZE
+from castle_jax.layers.shared import mean_visible_keys, output_projection, projection, rotary_qkv
+from castle_jax.ops.power import EXPANSIONS, PowerCache, append_tokens, expanded_dim, init_cache, power_attention
+from castle_jax.ops.power.api import resolve
 from castle_jax.ops.power.common import resolve_scale, validate_power
 from castle_jax.ops.power.expansion import validate_expansion
 from castle_jax.sharding import constrain
+from pallas_kernels.power import PowerKernelConfig
+
+if TYPE_CHECKING:  # layers read the config's attributes only; castle_jax.config imports the attention table
+  from castle_jax.config import ModelConfig
 
 # log(0.999 / 0.001): the gate is 0.999 at initialization (authors' training code).
 DEFAULT_GATE_BIAS = 6.906768
 
 
-class PowerOptions(NamedTuple):
-  p: int
-  chunk_size: int | None
-  expansion: str
-  d_tile: int | None
-  scale: float
-  gating: bool
-  gate_bias: float
+def _checked(name: str, check):
+  """check(), with its ValueError prefixed by the option's config path."""
+  try:
+    return check()
+  except ValueError as error:
+    raise ValueError(f"model.attention_kwargs.{name}: {error}") from None
 
 
-def power_options(config: ModelConfig) -> PowerOptions:
-  """The validated `model.attention_kwargs` of a `power` config (see module docstring).
+@dataclasses.dataclass(frozen=True)
+class PowerOptions(AttentionOptions):
+  """Options of `power` (see the module docstring). After `for_model`, d_tile and scale
+  are resolved for the model's head dim."""
 
-  Raises:
-    ValueError: unknown options, bad values (naming model.attention_kwargs.<name>), or a
-      causal sliding window (not part of power attention).
-  """
-  options = config.attention_options
-  unknown = sorted(set(options) - set(PowerOptions._fields))
-  if unknown:
-    raise ValueError(f"Unknown model.attention_kwargs {unknown} for attention {config.attention!r}; "
-                     f"known: {list(PowerOptions._fields)}")
-  head_dim = config.qk_head_dim
+  p: int = 2
+  chunk_size: int | None = None
+  expansion: str = "spow"
+  d_tile: int | None = None
+  scale: float | None = None
+  gating: bool = True
+  gate_bias: float | None = None
+  kernel_config: PowerKernelConfig | str | None = None
 
-  def checked(name, check):
-    try:
-      return check()
-    except ValueError as error:
-      raise ValueError(f"model.attention_kwargs.{name}: {error}") from None
+  def __post_init__(self):
+    _checked("p", lambda: validate_power(self.p))
+    check_positive_int("chunk_size", self.chunk_size, allow_none=True)
+    if self.expansion not in EXPANSIONS:
+      raise option_error("expansion", f"must be one of {EXPANSIONS}, got {self.expansion!r}")
+    if not isinstance(self.gating, bool):
+      raise option_error("gating", f"must be True or False, got {self.gating!r}")
+    if self.gate_bias is not None and (isinstance(self.gate_bias, bool)
+                                       or not isinstance(self.gate_bias, numbers.Real)):
+      raise option_error("gate_bias", f"must be a float, got {self.gate_bias!r}")
+    if self.gate_bias is not None and not self.gating:
+      raise ValueError("model.attention_kwargs.gate_bias has no effect with gating=False; drop one of them")
+    # Strings from a config file become a kernel config once, here.
+    object.__setattr__(self, "kernel_config", kernel_config_option("kernel_config", self.kernel_config,
+                                                                   PowerKernelConfig))
 
-  p = checked("p", lambda: validate_power(options.get("p", 2)))
-  chunk_size = options.get("chunk_size")
-  if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral)
-                                 or chunk_size < 1):
-    raise ValueError(f"model.attention_kwargs.chunk_size must be None or an int >= 1, got {chunk_size!r}")
-  expansion = options.get("expansion", "spow")
-  if expansion not in EXPANSIONS:
-    raise ValueError(f"model.attention_kwargs.expansion must be one of {EXPANSIONS}, got {expansion!r}")
-  d_tile = checked("d_tile", lambda: validate_expansion(expansion, head_dim, p, options.get("d_tile")))
-  scale = checked("scale", lambda: resolve_scale(options.get("scale"), head_dim))
-  gating = options.get("gating", True)
-  if not isinstance(gating, bool):
-    raise ValueError(f"model.attention_kwargs.gating must be True or False, got {gating!r}")
-  gate_bias = options.get("gate_bias", DEFAULT_GATE_BIAS)
-  if isinstance(gate_bias, bool) or not isinstance(gate_bias, numbers.Real):
-    raise ValueError(f"model.attention_kwargs.gate_bias must be a float, got {gate_bias!r}")
-  if "gate_bias" in options and not gating:
-    raise ValueError("model.attention_kwargs.gate_bias has no effect with gating=False; drop one of them")
-  if config.sliding_window:
-    raise ValueError("model.sliding_window limits the keys of 'mha'; power attention keeps a state of every key. "
-                     "Set it to 0 (gates decide what is forgotten)")
-  chunk_size = None if chunk_size is None else int(chunk_size)
-  return PowerOptions(p, chunk_size, expansion, d_tile, scale, gating, float(gate_bias))
+  @property
+  def bias(self) -> float:
+    return DEFAULT_GATE_BIAS if self.gate_bias is None else float(self.gate_bias)
+
+  def for_model(self, config: ModelConfig) -> "PowerOptions":
+    head_dim = config.qk_head_dim
+    d_tile = _checked("d_tile", lambda: validate_expansion(self.expansion, head_dim, self.p, self.d_tile))
+    scale = _checked("scale", lambda: resolve_scale(self.scale, head_dim))
+    reject_sliding_window(config, "power attention keeps a state of every key. Set it to 0 (gates decide what "
+                                  "is forgotten)")
+    return dataclasses.replace(self, d_tile=d_tile, scale=scale)
 
 
 def state_size(config: ModelConfig) -> int:
   """Numbers in one layer's decoding state per sequence: kv_heads * D * (head_dim + 1)."""
-  options = power_options(config)
+  options = config.options
   dim = expanded_dim(config.qk_head_dim, options.p, options.expansion, options.d_tile)
   return config.kv_heads * dim * (config.qk_head_dim + 1)
 
 
-def _power_cache(config: ModelConfig, batch: int, capacity: int) -> PowerCache:
+def cache_for(config: ModelConfig, batch: int, capacity: int) -> PowerCache:
   del capacity  # the state has the same size after any number of tokens
-  options = power_options(config)
+  options = config.options
   return init_cache(batch, config.kv_heads, config.qk_head_dim, p=options.p, expansion=options.expansion,
                     d_tile=options.d_tile)
 
 
-def _power_params(config: ModelConfig) -> int:
+def param_count(config: ModelConfig) -> int:
   head_dim = config.qk_head_dim
   projections = 2 * config.d_model * (config.n_heads + config.kv_heads) * head_dim
-  gate = config.d_model * config.kv_heads if power_options(config).gating else 0
+  gate = config.d_model * config.kv_heads if config.options.gating else 0
   return projections + gate
 
 
-def _chunk_size(config: ModelConfig) -> int:
-  """The chunk the training path uses: the configured one, else the implementation's default."""
-  chunk_size = power_options(config).chunk_size
-  if chunk_size is not None:
-    return chunk_size
-  on_kernels = config.attention_impl == "pallas" or (config.attention_impl is None and jax.default_backend() == "gpu")
-  return PALLAS_DEFAULT_CHUNK_SIZE if on_kernels else DEFAULT_CHUNK_SIZE
+def training_chunk_size(config: ModelConfig) -> int:
+  """The chunk the training path runs: `castle_jax.ops.power.resolve` for the model's
+  head dims, dtype, options and model.attention_impl (the same call the op makes)."""
+  options = config.options
+  _, chunk_size = resolve(config.attention_impl, options.chunk_size, p=options.p, head_dim=config.qk_head_dim,
+                          value_dim=config.qk_head_dim, dtype=config.compute_dtype,
+                          pallas_config=options.kernel_config)
+  return chunk_size
 
 
-def _power_core_flops(config: ModelConfig, seq_len: int) -> float:
+def core_flops_per_token(config: ModelConfig, seq_len: int) -> float:
   """Forward + backward (3x forward) FLOPs per token of the chunked form.
 
-  Per token, with D the expanded dimension and c the chunk size (at most seq_len):
-  per k/v head the state update phi(k) v^T and the normalizer sum (2 D d + 2 D); per
-  query head the query state phi(q) S and phi(q) . z (2 D d + 2 D) and the intra-chunk
-  attention over (c + 1) / 2 keys on average (2 d per q . k and per p . v). The
-  expansions themselves (p - 1 multiplies per entry) are not counted.
+  Per token, with D the expanded dimension and c the chunk size that runs (at most
+  seq_len): per k/v head the state update phi(k) v^T and the normalizer sum (2 D d + 2 D);
+  per query head the query state phi(q) S and phi(q) . z (2 D d + 2 D) and the
+  intra-chunk attention over (c + 1) / 2 keys on average (2 d per q . k and per p . v).
+  The expansions themselves (p - 1 multiplies per entry) are not counted.
   """
-  options = power_options(config)
+  options = config.options
   head_dim = config.qk_head_dim
   dim = expanded_dim(head_dim, options.p, options.expansion, options.d_tile)
   state = 2 * dim * head_dim + 2 * dim
-  in_chunk = 2 * 2 * head_dim * mean_visible_keys(min(_chunk_size(config), seq_len), None)
+  in_chunk = 2 * 2 * head_dim * mean_visible_keys(min(training_chunk_size(config), seq_len), None)
   return 3 * (config.kv_heads * state + config.n_heads * (state + in_chunk))
 
 
-@register_attention("power", init_cache=_power_cache, param_count=_power_params,
-                    core_flops_per_token=_power_core_flops)
 class PowerAttention(nn.Module):
   """Gated multi-head power attention.
 
   Training (cache=None) runs `castle_jax.ops.power.power_attention` (implementation from
   model.attention_impl). With a `PowerCache`, the tokens are appended at positions
-  cache.length..: one token is a recurrent step, several run the chunked form from the
-  cached state (`castle_jax.ops.power.append_tokens`); either way the cache keeps its size.
+  cache.length..: one token is a recurrent step, several run the op's chunked form
+  from the cached state, with the same implementation choice as training
+  (`castle_jax.ops.power.append_tokens`); either way the cache keeps its size.
   """
 
   config: ModelConfig
@@ -180,18 +180,19 @@ class PowerAttention(nn.Module):
   def __call__(self, x: jax.Array, positions: jax.Array, cache: PowerCache | None = None):
     """x: [batch, seq, d_model], positions: int [batch, seq] -> ([batch, seq, d_model], cache)."""
     cfg = self.config
-    options = power_options(cfg)
+    options = cfg.options
     q, k, v = rotary_qkv(cfg, x, positions)
     log_g = None
     if options.gating:
       gate_logits = projection(cfg.kv_heads, ("embed", "kv_heads"), cfg.init_std, cfg, "gate")(x)
       # Gates are summed over the whole context: keep them in float32 even under bf16.
-      log_g = jax.nn.log_sigmoid(gate_logits.astype(jnp.float32) + options.gate_bias)
+      log_g = jax.nn.log_sigmoid(gate_logits.astype(jnp.float32) + options.bias)
       log_g = constrain(log_g, ("batch", "act_length", "act_kv_heads"))
     op_options = dict(p=options.p, scale=options.scale, chunk_size=options.chunk_size,
-                      expansion=options.expansion, d_tile=options.d_tile)
+                      expansion=options.expansion, d_tile=options.d_tile, implementation=cfg.attention_impl,
+                      pallas_config=options.kernel_config)
     if cache is None:
-      out = power_attention(q, k, v, log_g, implementation=cfg.attention_impl, **op_options)
+      out = power_attention(q, k, v, log_g, **op_options)
     else:
       out, cache = append_tokens(cache, q, k, v, log_g, **op_options)
     return output_projection(cfg, out), cache

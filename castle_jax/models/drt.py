@@ -40,11 +40,11 @@ import jax
 import jax.numpy as jnp
 
 from castle_jax.layers.embedding import Embedding
-from castle_jax.layers.mha import output_projection, projection
+from castle_jax.layers.shared import output_projection, projection
 from castle_jax.layers.mlp import SwiGLU
 from castle_jax.layers.norms import RMSNorm
 from castle_jax.layers.rope import apply_rope
-from castle_jax.models.config import ModelConfig
+from castle_jax.config import ModelConfig
 from castle_jax.ops.attention.alibi import alibi_window_attention
 from castle_jax.ops.gca import gca_attention, retrieval_scores, select_chunks
 from castle_jax.sharding import constrain, with_axes

@@ -16,11 +16,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from castle_jax.config import ModelConfig
 from castle_jax.layers.embedding import Embedding
 from castle_jax.layers.mlp import SwiGLU
 from castle_jax.layers.norms import RMSNorm
 from castle_jax.layers.registry import get_attention
-from castle_jax.models.config import ModelConfig
 from castle_jax.sharding import constrain, with_axes
 
 
@@ -113,3 +113,20 @@ def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
     matmul_params -= config.vocab_size * d  # the input table is only a lookup; lm_head is the matmul
   core = get_attention(config.attention).core_flops_per_token(config, seq_len)
   return 6 * matmul_params + config.n_layers * core
+
+
+def token_losses(model: TransformerLM, params: Any, batch: dict[str, jax.Array], pad_id: int):
+  """Per-token negative log-likelihood of next-token prediction.
+
+  Args:
+    batch: {"inputs": int [B, T], "targets": int [B, T]}.
+
+  Returns:
+    (nll float32 [B, T], weights float32 [B, T]) with weight 0 at PAD targets.
+  """
+  logits, _ = model.apply({"params": params}, batch["inputs"])
+  targets = batch["targets"]
+  log_z = jax.nn.logsumexp(logits, axis=-1)
+  target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  weights = (targets != pad_id).astype(jnp.float32)
+  return (log_z - target_logits) * weights, weights

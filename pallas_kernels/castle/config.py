@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.config_checks import check_int_fields
+from pallas_kernels.config_checks import check_int_fields, parse_config
 
 LOOKAHEAD_OPERANDS = ("split", "float16", "input")
 
@@ -56,6 +56,11 @@ class CastleKernelConfig:
     check_int_fields(self, power_of_two=blocks + ("num_warps", "bwd_num_warps"), tiles=blocks,
                      skip=("lookahead_operands",))
 
+  @classmethod
+  def from_string(cls, text: str) -> "CastleKernelConfig":
+    """From "key=value,..." (`pallas_kernels.config_checks.parse_config`)."""
+    return parse_config(cls, text)
+
 
 def default_config(head_dim: int) -> CastleKernelConfig:
   """A heuristic default for a (padded) head dimension."""
@@ -88,3 +93,8 @@ class CastleDecodeConfig:
   def __post_init__(self):
     check_int_fields(self, power_of_two=("block_rows", "num_warps"), tiles=("block_rows",),
                      skip=("splits",) if self.splits is None else ())
+
+  @classmethod
+  def from_string(cls, text: str) -> "CastleDecodeConfig":
+    """From "key=value,..." (`pallas_kernels.config_checks.parse_config`)."""
+    return parse_config(cls, text)

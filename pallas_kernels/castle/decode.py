@@ -32,7 +32,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 
-from castle_jax.ops.castle.common import score_scale
 from pallas_kernels.castle.config import CastleDecodeConfig
 from pallas_kernels.castle.kernels import sigmoid, silu
 from pallas_kernels.config_checks import is_power_of_two
@@ -107,7 +106,7 @@ def _decode_kernel(last_row_ref, update_end_ref, q_c_ref, k_u_ref, v_u_ref, q_u_
 
 
 def decode_attend(q_c, k_u, v_u, lookahead_queries, causal_keys, causal_values, lookahead_keys, last_row,
-                  update_end, *, update_lookahead_keys: bool, config: CastleDecodeConfig | None = None,
+                  update_end, *, scale: float, update_lookahead_keys: bool, config: CastleDecodeConfig | None = None,
                   interpret: bool = False):
   """One decoding step's attention over the UQ-KV cache, optionally updating U on the way.
 
@@ -122,6 +121,7 @@ def decode_attend(q_c, k_u, v_u, lookahead_queries, causal_keys, causal_values, 
     last_row: int32 scalar, the new token's row t; rows 0..t are attended.
     update_end: int32 scalar; rows s < update_end get the rank-1 update (t, or 0 to
       update nothing).
+    scale: the score scale (the CASTLE op passes 1/sqrt(head_dim)).
     update_lookahead_keys: False: attend only (U already updated by the caller).
     config: tiling; default `CastleDecodeConfig()`.
     interpret: run in Pallas interpret mode.
@@ -141,7 +141,7 @@ def decode_attend(q_c, k_u, v_u, lookahead_queries, causal_keys, causal_values, 
   rows = pl.BlockSpec((None, capacity, None, head_dim), lambda s, b, h: (b, 0, h, 0))
   scalar = pl.BlockSpec((), lambda s, b, h: ())
   per_program = pl.BlockSpec((None, None, None, 1), lambda s, b, h: (s, b, h, 0))
-  kernel = functools.partial(_decode_kernel, scale=score_scale(head_dim), block_rows=block_rows, splits=splits,
+  kernel = functools.partial(_decode_kernel, scale=scale, block_rows=block_rows, splits=splits,
                              update_lookahead_keys=update_lookahead_keys)
   stats = jax.ShapeDtypeStruct((splits, batch, heads, 1), jnp.float32)
   keys, maxima, sums, acc = pl.pallas_call(

@@ -16,7 +16,6 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from castle_jax.ops.castle.common import score_scale, validate_inputs
 from pallas_kernels.castle import kernels
 from pallas_kernels.castle.config import CastleKernelConfig, default_config
 
@@ -152,8 +151,10 @@ def _prepare(inputs, config: CastleKernelConfig):
   return tuple(to_heads(x) for x in inputs), from_heads
 
 
-def _resolve(inputs, window, config, interpret):
-  validate_inputs(inputs, window)
+def _resolve(inputs, config, interpret):
+  """The kernel config and interpret flag; shapes and the window are the caller's to check
+  (`castle_jax.ops.castle.castle_attention` validates them), only the dtypes the kernels
+  take are checked here."""
   if inputs[0].dtype not in SUPPORTED_DTYPES:
     raise ValueError(f"The CASTLE Pallas kernels take float32, bfloat16 or float16 inputs; got {inputs[0].dtype}. "
                      "Cast the inputs or use implementation='xla'")
@@ -164,24 +165,24 @@ def _resolve(inputs, window, config, interpret):
   return config, interpret
 
 
-def castle_prefill_pallas(q_u, k_u, v_u, q_c, k_c, v_c, *, window=None, config=None, interpret=None):
+def castle_prefill_pallas(q_u, k_u, v_u, q_c, k_c, v_c, *, scale: float, window=None, config=None, interpret=None):
   """The forward kernel's outputs and the prompt's lookahead keys U^L (Algorithm 5).
 
   The kernel's final D is the sum over every query block of W_bi V^U_i, i.e. u_s^L for
   each prompt token s, so the UQ-KV cache comes from the same pass as the outputs.
 
   Args:
-    q_u, k_u, v_u, q_c, k_c, v_c: [batch, seq, heads, head_dim] (see
-      `castle_attention_pallas`).
+    q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpret: see
+      `castle_attention_pallas`.
 
   Returns:
     outputs: [batch, seq, heads, head_dim] in the inputs' dtype; lookahead_keys:
     float32 [batch, seq, heads, head_dim], row s is u_s^L.
   """
   inputs = (q_u, k_u, v_u, q_c, k_c, v_c)
-  config, interpret = _resolve(inputs, window, config, interpret)
+  config, interpret = _resolve(inputs, config, interpret)
   heads_inputs, from_heads = _prepare(inputs, config)
-  out, _, keys = _forward(*heads_inputs, score_scale(q_u.shape[-1]), window, config, interpret)
+  out, _, keys = _forward(*heads_inputs, scale, window, config, interpret)
   return from_heads(out).astype(q_c.dtype), from_heads(keys)
 
 
@@ -193,6 +194,7 @@ def castle_attention_pallas(
     k_c: jax.Array,
     v_c: jax.Array,
     *,
+    scale: float,
     window: int | None = None,
     config: CastleKernelConfig | None = None,
     interpret: bool | None = None,
@@ -202,8 +204,9 @@ def castle_attention_pallas(
   Args:
     q_u, k_u, v_u, q_c, k_c, v_c: [batch, seq, heads, head_dim], one shape and one
       dtype: float32 (full-precision products), bfloat16 or float16 (products in that
-      dtype with float32 accumulation).
-    window: None for CASTLE, W >= 1 for CASTLE-SWL.
+      dtype with float32 accumulation); shapes already checked by the caller.
+    scale: the score scale (the CASTLE op passes 1/sqrt(head_dim)).
+    window: None for CASTLE, W >= 1 for CASTLE-SWL (checked by the caller).
     config: tile sizes; default `default_config(padded head dim)`.
     interpret: run the kernels in Pallas interpret mode; default True on CPU.
 
@@ -211,10 +214,10 @@ def castle_attention_pallas(
     [batch, seq, heads, head_dim] in the inputs' dtype.
 
   Raises:
-    ValueError: bad shapes, dtypes or window (naming the argument).
+    ValueError: a dtype the kernels do not take.
   """
   inputs = (q_u, k_u, v_u, q_c, k_c, v_c)
-  config, interpret = _resolve(inputs, window, config, interpret)
+  config, interpret = _resolve(inputs, config, interpret)
   heads_inputs, from_heads = _prepare(inputs, config)
-  out = _castle_heads(*heads_inputs, score_scale(q_u.shape[-1]), window, config, interpret)
+  out = _castle_heads(*heads_inputs, scale, window, config, interpret)
   return from_heads(out)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.config_checks import check_int_fields
+from pallas_kernels.config_checks import check_int_fields, parse_config
 
 # Features per tile of the kernels' expansion: tspow with d_tile = 16 (the smallest tile
 # whose tensor-core products are well shaped). D = C(d / 16 + 1, 2) * 256.
@@ -50,6 +50,11 @@ class PowerKernelConfig:
   def chunk_multiple(self) -> int:
     """Every chunk size must be a multiple of this (all blocks tile a chunk exactly)."""
     return max(self.block_t, self.block_q, self.block_k, self.grad_block)
+
+  @classmethod
+  def from_string(cls, text: str) -> "PowerKernelConfig":
+    """From "key=value,..." (`pallas_kernels.config_checks.parse_config`)."""
+    return parse_config(cls, text)
 
 
 def default_config() -> PowerKernelConfig:

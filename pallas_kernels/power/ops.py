@@ -13,7 +13,9 @@ state), and runs per chunk:
      normalized.
 
 States are kept float32 and use the tspow layout with 16-feature tiles
-(`kernels.expanded_dim`).
+(`kernels.expanded_dim`). They cross this module's boundary as plain (state,
+normalizer) tuples, so the kernels depend on jax alone; the power-attention op
+wraps them in its PowerState and converts between expansions.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from castle_jax.ops.power.common import PowerState
 from pallas_kernels.power import discumsum, kernels
 from pallas_kernels.power.config import FEATURE_TILE, PowerKernelConfig, default_config
 
@@ -31,19 +32,23 @@ SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 EXPANSION = ("tspow", FEATURE_TILE)
 
 
-def unsupported_reason(p: int, q: jax.Array, v: jax.Array, chunk_size: int,
+def unsupported_reason(p: int, head_dim: int, value_dim: int, dtype, chunk_size: int,
                        config: PowerKernelConfig | None = None) -> str | None:
-  """Why the kernels cannot run these inputs (a message naming the argument and the fix), or None."""
+  """Why the kernels cannot run these inputs (a message naming the argument and the fix), or None.
+
+  Takes sizes, not arrays, so that a FLOP count can ask the same question from a
+  model config before any array exists.
+  """
   config = config or default_config()
   if p != 2:
     return f"implementation='pallas' supports p=2 only, got p={p}; use implementation='xla'"
-  for name, size in (("head_dim", q.shape[-1]), ("value_dim", v.shape[-1])):
+  for name, size in (("head_dim", head_dim), ("value_dim", value_dim)):
     if size < FEATURE_TILE or size & (size - 1):
       return (f"implementation='pallas' needs a power-of-two {name} >= {FEATURE_TILE}, got {size}; "
               "use implementation='xla'")
-  if q.dtype not in SUPPORTED_DTYPES:
-    return (f"implementation='pallas' supports {[jnp.dtype(d).name for d in SUPPORTED_DTYPES]}, got {q.dtype}; "
-            "use implementation='xla'")
+  if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+    return (f"implementation='pallas' supports {[jnp.dtype(d).name for d in SUPPORTED_DTYPES]}, got "
+            f"{jnp.dtype(dtype).name}; use implementation='xla'")
   multiple = config.chunk_multiple
   if chunk_size % multiple:
     return (f"chunk_size ({chunk_size}) must be a multiple of {multiple} (the kernels' largest block) for "
@@ -286,9 +291,9 @@ _power_attention_form.defvjp(_power_attention_form_fwd, _power_attention_form_bw
 
 
 def power_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, log_g: jax.Array | None, *, scale: float,
-                           chunk_size: int, initial_state: PowerState | None = None,
+                           chunk_size: int, initial_state: tuple[jax.Array, jax.Array] | None = None,
                            return_final_state: bool = True, config: PowerKernelConfig | None = None,
-                           interpret: bool | None = None) -> tuple[jax.Array, PowerState | None]:
+                           interpret: bool | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
   """Causal power attention, p = 2, through the Pallas kernels (inputs already validated).
 
   Args:
@@ -298,14 +303,15 @@ def power_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, log_g: jax.
     log_g: [batch, seq, kv_heads] or None.
     scale: the score scale.
     chunk_size: a multiple of `config.chunk_multiple` (a longer one than seq is clipped).
-    initial_state: PowerState in the kernels' layout (tspow, d_tile 16) or None.
+    initial_state: (state [batch, kv_heads, D, value_dim], normalizer [batch, kv_heads, D]) in
+      the kernels' layout (tspow, d_tile 16; D = `kernels.expanded_dim(head_dim)`), or None.
     return_final_state: False skips what only the final state needs; with no initial state
       and seq within one chunk that is every state kernel (the attention form alone).
     config: kernel tiles; None means `default_config()`.
     interpret: run the kernels in Pallas interpret mode; None means on CPU.
 
   Returns:
-    outputs [batch, seq, heads, value_dim] in q's dtype and the final PowerState
+    outputs [batch, seq, heads, value_dim] in q's dtype and the final (state, normalizer)
     (float32, tspow layout with d_tile 16), None when not return_final_state.
   """
   config = config or default_config()
@@ -313,7 +319,7 @@ def power_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, log_g: jax.
     interpret = jax.default_backend() == "cpu"
   batch, seq, _, head_dim = q.shape
   kv_heads, value_dim = k.shape[2], v.shape[3]
-  reason = unsupported_reason(2, q, v, chunk_size, config)
+  reason = unsupported_reason(2, head_dim, value_dim, q.dtype, chunk_size, config)
   if reason:
     raise ValueError(reason)
   chunk = kernel_chunk_size(chunk_size, seq, config)
@@ -323,9 +329,10 @@ def power_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, log_g: jax.
     return _power_attention_form(q, k, v, log_g, scale, chunk, config, interpret), None
   dim = kernels.expanded_dim(head_dim)
   if initial_state is None:
-    initial_state = PowerState(jnp.zeros((batch, kv_heads, dim, value_dim), jnp.float32),
-                               jnp.zeros((batch, kv_heads, dim), jnp.float32))
-  out, state, normalizer = _power_attention(q, k, v, log_g, initial_state.state.astype(jnp.float32),
-                                            initial_state.normalizer.astype(jnp.float32), scale, chunk, config,
+    initial_state = (jnp.zeros((batch, kv_heads, dim, value_dim), jnp.float32),
+                     jnp.zeros((batch, kv_heads, dim), jnp.float32))
+  initial, initial_normalizer = initial_state
+  out, state, normalizer = _power_attention(q, k, v, log_g, initial.astype(jnp.float32),
+                                            initial_normalizer.astype(jnp.float32), scale, chunk, config,
                                             interpret)
-  return out, (PowerState(state, normalizer) if return_final_state else None)
+  return out, ((state, normalizer) if return_final_state else None)

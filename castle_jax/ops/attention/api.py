@@ -6,22 +6,35 @@
   - "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")`, cuDNN flash
     attention; needs a CUDA GPU, bf16/fp16 inputs and a head dim that is a multiple
     of 8 and at most 256.
-  - None: "cudnn" where it can run, else "xla"; the choice is logged.
+  - None: "cudnn" where it can run, else "xla" (`castle_jax.ops.backend.choose`: logged
+    at debug level; an explicit "cudnn" that cannot run raises).
+
+Signatures of what comes next (not implemented yet):
+  - explicit positions (ALiBi): `causal_attention(..., q_positions=None, k_positions=None)`,
+    int [batch, seq], the positions biases are computed from; `masked_attention` already
+    takes any mask built from positions (`causal_mask`).
+  - cross-attention over a given cache (LongSpec's draft): `masked_attention(q,
+    cache.keys, cache.values, mask)` with the other model's `KVCache` and a mask from
+    its `key_positions()`; no new op is needed.
+  - a small boolean mask over new tokens (tree verification): `masked_attention`'s
+    mask [batch, q_len, k_len] is arbitrary; the decode path of `mha` combines it with
+    the cache's causal mask (`MultiHeadAttention(..., mask=...)` later).
 """
 
 from __future__ import annotations
-
-import logging
 
 import jax
 import jax.numpy as jnp
 
 from castle_jax.ops.attention.reference import causal_mask, masked_attention
+from castle_jax.ops.backend import Implementation, choose
 
 IMPLEMENTATIONS = ("reference", "xla", "cudnn")
+_DEFAULT_ORDER = ("cudnn", "xla")
 
 
-def _cudnn_unsupported_reason(q: jax.Array) -> str | None:
+def cudnn_unsupported_reason(q: jax.Array) -> str | None:
+  """Why cuDNN flash attention cannot run q (None: it can)."""
   if jax.default_backend() != "gpu":
     return f"cuDNN attention needs a CUDA GPU; the default backend is {jax.default_backend()!r}"
   if q.dtype not in (jnp.bfloat16, jnp.float16):
@@ -69,14 +82,9 @@ def causal_attention(
     [batch, seq, heads, head_dim] in q's dtype.
   """
   _validate(q, k, v, window)
-  if implementation is None:
-    reason = _cudnn_unsupported_reason(q)
-    implementation = "xla" if reason else "cudnn"
-    logging.debug("causal_attention: implementation=%s%s", implementation, f" ({reason})" if reason else "")
-  elif implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"Unknown attention implementation {implementation!r}; choose one of {IMPLEMENTATIONS} or None")
-  elif implementation == "cudnn" and (reason := _cudnn_unsupported_reason(q)):
-    raise ValueError(f"implementation='cudnn' cannot run: {reason}. Use implementation='xla' or None.")
+  implementations = {"reference": Implementation(), "xla": Implementation(),
+                     "cudnn": Implementation(lambda: cudnn_unsupported_reason(q))}
+  implementation = choose("causal_attention", implementation, implementations, _DEFAULT_ORDER)
 
   if implementation == "reference":
     positions = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])

@@ -7,42 +7,52 @@
   - "pallas": the Pallas (Triton) kernels of `pallas_kernels.castle` (key-block-major
     forward and backward, O(L d) memory); compiled on a CUDA GPU, run in Pallas
     interpret mode elsewhere (slow; for tests).
-  - None: "pallas" on a GPU for float32/bfloat16/float16 inputs, else "xla"; the
-    choice is logged at debug level.
+  - None: "pallas" on a GPU for float32/bfloat16/float16 inputs, else "xla"
+    (`castle_jax.ops.backend.choose`: logged at debug level; an explicit choice that
+    cannot run raises). Prefill and decoding (`castle_jax.ops.castle.decode`) choose the
+    same way, from `implementations`.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
+from typing import Callable
 
 import jax
-
 import jax.numpy as jnp
 
+from castle_jax.ops.backend import Implementation, choose
 from castle_jax.ops.castle.blockwise import DEFAULT_BLOCK_SIZE, castle_blockwise
 from castle_jax.ops.castle.common import validate_block_size, validate_inputs
 from castle_jax.ops.castle.reference import castle_parallel
+from castle_jax.ops.numerics import score_scale
 from castle_jax.sharding import SEQUENCE_HEADS_AXES, map_over_shards
+from pallas_kernels.castle import castle_attention_pallas
+from pallas_kernels.castle.ops import SUPPORTED_DTYPES
 
 IMPLEMENTATIONS = ("reference", "xla", "pallas")
+DEFAULT_ORDER = ("pallas", "xla")
 
-_logger = logging.getLogger(__name__)
+
+def _kernel_dtype_reason(dtype) -> str | None:
+  if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+    return (f"the CASTLE Pallas kernels take float32, bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}; "
+            "cast the inputs or use implementation='xla'")
+  return None
 
 
-def resolve_implementation(implementation: str | None, dtype) -> str:
-  """The implementation to run: `implementation` itself (checked), or for None "pallas"
-  on a GPU for float32/bfloat16/float16 and "xla" elsewhere (logged)."""
-  if implementation is None:
-    on_gpu = jax.default_backend() == "gpu" and dtype in (jnp.float32, jnp.bfloat16, jnp.float16)
-    chosen = "pallas" if on_gpu else "xla"
-    _logger.debug("castle: implementation=None -> %r (backend %s, dtype %s)", chosen, jax.default_backend(), dtype)
-    return chosen
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(
-        f"Unknown CASTLE implementation {implementation!r}; "
-        f"choose one of {IMPLEMENTATIONS} or None")
-  return implementation
+def implementations(dtype, pallas_reason: Callable[[], str | None] | None = None) -> dict[str, Implementation]:
+  """The CASTLE implementations for inputs of `dtype` (training, prefill and decoding).
+
+  Args:
+    dtype: the inputs' dtype.
+    pallas_reason: a further check of the Pallas path (the decoding kernel's head dims).
+  """
+  def pallas_unsupported() -> str | None:
+    return _kernel_dtype_reason(dtype) or (pallas_reason() if pallas_reason else None)
+
+  return {"reference": Implementation(), "xla": Implementation(),
+          "pallas": Implementation(pallas_unsupported, default_backends=("gpu",))}
 
 
 def castle_attention(
@@ -82,16 +92,15 @@ def castle_attention(
 
   Raises:
     ValueError: bad shapes/dtypes (naming the argument), window <= 0, bad block_size,
-      unknown implementation.
+      unknown implementation or an explicit one that cannot run.
   """
   inputs = (q_u, k_u, v_u, q_c, k_c, v_c)
   validate_inputs(inputs, window)
   validate_block_size(block_size)
-  implementation = resolve_implementation(implementation, q_u.dtype)
+  implementation = choose("castle_attention", implementation, implementations(q_u.dtype), DEFAULT_ORDER)
   if implementation == "pallas":
-    # Imported here: the kernels import this package's math helpers.
-    from pallas_kernels.castle import castle_attention_pallas
-    run = functools.partial(castle_attention_pallas, window=window, config=pallas_config)
+    run = functools.partial(castle_attention_pallas, scale=score_scale(q_u.shape[-1]), window=window,
+                            config=pallas_config)
     return map_over_shards(run, inputs, [SEQUENCE_HEADS_AXES] * 6, SEQUENCE_HEADS_AXES, what="castle_attention")
   if implementation == "reference":
     return castle_parallel(*inputs, window=window)

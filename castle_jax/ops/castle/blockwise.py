@@ -36,12 +36,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from castle_jax.ops.numerics import compute_dtype, score_scale
 from castle_jax.ops.castle.common import (
     combined_scores,
-    compute_dtype,
     lookahead_visible,
     masked_sigmoid,
-    score_scale,
     silu_derivative,
     validate_block_size,
     validate_inputs,

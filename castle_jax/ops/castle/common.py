@@ -16,16 +16,9 @@ import numbers
 import jax
 import jax.numpy as jnp
 
+from castle_jax.ops.numerics import score_scale
+
 INPUT_NAMES = ("q_u", "k_u", "v_u", "q_c", "k_c", "v_c")
-
-
-def compute_dtype(dtype) -> jnp.dtype:
-  """The dtype the math runs in: at least float32 (bf16 inputs are upcast)."""
-  return jnp.promote_types(dtype, jnp.float32)
-
-
-def score_scale(head_dim: int) -> float:
-  return 1.0 / float(head_dim) ** 0.5
 
 
 def lookahead_visible(

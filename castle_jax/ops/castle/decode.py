@@ -34,18 +34,20 @@ from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 
-from castle_jax.ops.castle.api import resolve_implementation
+from castle_jax.ops.backend import choose
+from castle_jax.ops.castle.api import DEFAULT_ORDER, implementations
 from castle_jax.ops.castle.blockwise import DEFAULT_BLOCK_SIZE, castle_blockwise_prefill
+from castle_jax.ops.numerics import compute_dtype, score_scale
 from castle_jax.ops.castle.common import (
     attend_with_lookahead_keys,
-    compute_dtype,
     lookahead_visible,
     masked_sigmoid,
-    score_scale,
     validate_inputs,
     validate_window,
 )
 from castle_jax.sharding import SEQUENCE_HEADS_AXES, TOKEN_HEADS_AXES, map_over_shards
+from pallas_kernels.castle import castle_prefill_pallas
+from pallas_kernels.castle import decode as pallas_decode
 
 
 @flax.struct.dataclass
@@ -135,6 +137,7 @@ def prefill(
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
     implementation: str | None = None,
+    pallas_config=None,
 ) -> tuple[jax.Array, UQKVCache]:
   """Algorithm 5: the prompt's outputs and a cache filled with its UQ-KV state.
 
@@ -148,7 +151,9 @@ def prefill(
     block_size: block size of the blockwise forward ("xla").
     implementation: the forward pass that yields outputs and U^L: "xla" (blockwise
       Algorithm 1), "pallas" (the forward kernel), "reference" (treated as "xla":
-      the parallel form has no U^L), or None ("pallas" on a GPU, else "xla").
+      the parallel form has no U^L), or None ("pallas" on a GPU, else "xla"); chosen
+      as in `castle_attention`.
+    pallas_config: a `pallas_kernels.castle.CastleKernelConfig` for "pallas" (None: default).
 
   Returns:
     outputs: [batch, prompt_len, heads, head_dim] in the inputs' dtype.
@@ -164,9 +169,10 @@ def prefill(
     raise ValueError(
         f"prefill: the prompt has {prompt_len} tokens but the cache capacity is {cache.capacity}; "
         "create the cache with a larger capacity")
-  if resolve_implementation(implementation, q_u.dtype) == "pallas":
-    from pallas_kernels.castle import castle_prefill_pallas  # the kernels import this package
-    outputs, keys = map_over_shards(functools.partial(castle_prefill_pallas, window=cache.window), inputs,
+  if choose("prefill", implementation, implementations(q_u.dtype), DEFAULT_ORDER) == "pallas":
+    run = functools.partial(castle_prefill_pallas, scale=score_scale(q_u.shape[-1]), window=cache.window,
+                            config=pallas_config)
+    outputs, keys = map_over_shards(run, inputs,
                                     [SEQUENCE_HEADS_AXES] * 6, [SEQUENCE_HEADS_AXES] * 2, what="prefill")
   else:
     outputs, keys = castle_blockwise_prefill(*inputs, window=cache.window, block_size=block_size)
@@ -223,16 +229,16 @@ def _update_lookahead_keys(cache: UQKVCache, position, in_bounds, k_u, v_u, dtyp
 
 
 def _decode_implementation(implementation: str | None, cache: UQKVCache, dtype) -> str:
-  """"pallas" or "xla" for a decoding step ("reference" has no step of its own)."""
-  chosen = resolve_implementation(implementation, dtype)
-  if chosen == "pallas":
-    from pallas_kernels.castle import decode as pallas_decode  # the kernels import this package
-    if not pallas_decode.supports_head_dim(cache.causal_keys.shape[-1]):
-      if implementation == "pallas":
-        raise ValueError(
-            f"decode_step: the Pallas decoding kernel takes power-of-two head dims >= 16, got "
-            f"{cache.causal_keys.shape[-1]}; use implementation='xla'")
-      return "xla"
+  """"pallas" or "xla" for a decoding step ("reference" has no step of its own and runs
+  the XLA step); the default falls back to "xla" (logged) where the kernel cannot run."""
+  head_dim = cache.causal_keys.shape[-1]
+
+  def head_dim_reason() -> str | None:
+    if pallas_decode.supports_head_dim(head_dim):
+      return None
+    return f"the Pallas decoding kernel takes power-of-two head dims >= 16, got {head_dim}; use implementation='xla'"
+
+  chosen = choose("decode_step", implementation, implementations(dtype, head_dim_reason), DEFAULT_ORDER)
   return "pallas" if chosen == "pallas" else "xla"
 
 
@@ -298,9 +304,9 @@ def decode_step(
       window=cache.window)
 
   if implementation == "pallas":
-    from pallas_kernels.castle import decode as pallas_decode
     last_row = jnp.minimum(position, capacity - 1)
-    attend = functools.partial(pallas_decode.decode_attend, update_lookahead_keys=fused_update,
+    attend = functools.partial(pallas_decode.decode_attend, scale=score_scale(q_c.shape[-1]),
+                               update_lookahead_keys=fused_update,
                                config=pallas_config, interpret=jax.default_backend() == "cpu")
     output, keys = map_over_shards(
         attend,
@@ -335,6 +341,8 @@ def append_tokens(
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
     implementation: str | None = None,
+    pallas_config=None,
+    decode_pallas_config=None,
 ) -> tuple[jax.Array, UQKVCache]:
   """Appends any number of tokens: a prefill into an empty cache, decoding steps otherwise.
 
@@ -349,6 +357,8 @@ def append_tokens(
       projections (positions length .. length + new - 1).
     block_size: of the prefill (see `prefill`).
     implementation: of the prefill and the decoding steps (see `prefill`, `decode_step`).
+    pallas_config, decode_pallas_config: kernel configs of the Pallas prefill and decoding
+      step (None: their defaults).
 
   Returns:
     outputs: [batch, new, heads, head_dim] in the inputs' dtype.
@@ -361,7 +371,7 @@ def append_tokens(
   """
   inputs = (q_u, k_u, v_u, q_c, k_c, v_c)
   if q_u.ndim == 4 and q_u.shape[1] == 1:
-    return decode_step(cache, *inputs, implementation=implementation)
+    return decode_step(cache, *inputs, implementation=implementation, pallas_config=decode_pallas_config)
   _check_against_cache(cache, inputs, "append_tokens")
   new = q_u.shape[1]
   if new > cache.capacity:
@@ -369,11 +379,12 @@ def append_tokens(
                      "create the cache with a larger capacity")
 
   def fresh(cache):
-    return prefill(cache, *inputs, block_size=block_size, implementation=implementation)
+    return prefill(cache, *inputs, block_size=block_size, implementation=implementation, pallas_config=pallas_config)
 
   def extend(cache):
     def step(cache, token):
-      output, cache = decode_step(cache, *(x[:, None] for x in token), implementation=implementation)
+      output, cache = decode_step(cache, *(x[:, None] for x in token), implementation=implementation,
+                                  pallas_config=decode_pallas_config)
       return cache, output[:, 0]
 
     cache, outputs = jax.lax.scan(step, cache, tuple(jnp.moveaxis(x, 1, 0) for x in inputs))

@@ -15,14 +15,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from castle_jax.ops.numerics import compute_dtype, score_scale
 from castle_jax.ops.castle.common import (
     attend_with_lookahead_keys,
     combined_scores,
-    compute_dtype,
     lookahead_visible,
     masked_sigmoid,
     masked_softmax,
-    score_scale,
 )
 
 # The oracles must not lose digits to reduced-precision matmul passes on accelerators.

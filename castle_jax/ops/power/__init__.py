@@ -5,7 +5,7 @@ oracles in `reference`; the chunked XLA path in `chunked`; decoding with a const
 state in `recurrent`.
 """
 
-from castle_jax.ops.power.api import IMPLEMENTATIONS, power_attention
+from castle_jax.ops.power.api import IMPLEMENTATIONS, power_attention, resolve
 from castle_jax.ops.power.chunked import empty_state, power_attention_chunked
 from castle_jax.ops.power.common import DEFAULT_CHUNK_SIZE, PowerState
 from castle_jax.ops.power.expansion import EXPANSIONS, expand, expanded_dim, spow, tpow, tspow
@@ -38,6 +38,7 @@ __all__ = [
     "power_attention_reference",
     "prefill",
     "reference_state",
+    "resolve",
     "spow",
     "tpow",
     "tspow",

@@ -9,25 +9,63 @@
     in interpret mode on CPU (slow: for tests). States cross the boundary in `expansion`'s
     layout (the kernels use tspow with 16-feature tiles inside).
   - None: "pallas" on a GPU when the kernels support the inputs (p = 2, power-of-two
-    dims, chunk_size a multiple of 64), else "xla"; the choice is logged at debug level.
+    dims, chunk_size a multiple of 64), else "xla" (`castle_jax.ops.backend.choose`:
+    logged at debug level; an explicit choice that cannot run raises).
+
+The implementation and the chunk size are decided together, once, by `resolve`: the op
+calls it with the inputs' sizes, and a model's FLOP count calls it with the config's,
+so the reported MFU counts the chunk that actually runs.
 """
 
 from __future__ import annotations
 
-import logging
-
 import jax
 
+from castle_jax.ops.backend import Implementation, choose
 from castle_jax.ops.power.chunked import power_attention_chunked
-from castle_jax.ops.power.common import PowerState, validate_all, validate_chunk_size
+from castle_jax.ops.power.common import DEFAULT_CHUNK_SIZE, PowerState, validate_all, validate_chunk_size
 from castle_jax.ops.power.expansion import convert_expanded
 from castle_jax.ops.power.reference import power_attention_reference, reference_state
 from castle_jax.sharding import KV_SEQUENCE_HEADS_AXES, SEQUENCE_HEADS_AXES, map_over_shards
+from pallas_kernels.power import power_attention_pallas
+from pallas_kernels.power.ops import EXPANSION, unsupported_reason
 
 IMPLEMENTATIONS = ("reference", "xla", "pallas")
+DEFAULT_ORDER = ("pallas", "xla")
+# The kernels' measured sweet spot (benchmarks/RESULTS.md); the XLA path's is DEFAULT_CHUNK_SIZE.
 PALLAS_DEFAULT_CHUNK_SIZE = 1024
 
-_logger = logging.getLogger(__name__)
+
+def resolve(implementation: str | None, chunk_size: int | None, *, p: int, head_dim: int, value_dim: int, dtype,
+            pallas_config=None) -> tuple[str, int]:
+  """(implementation, chunk size) that `power_attention` runs for inputs of these sizes.
+
+  chunk_size None means the implementation's own: PALLAS_DEFAULT_CHUNK_SIZE for "pallas",
+  DEFAULT_CHUNK_SIZE for "xla" (and "reference", which has no chunks). The default
+  implementation is "pallas" on a GPU where the kernels take p, the dims, the dtype and
+  that chunk, else "xla".
+
+  Raises:
+    ValueError: a bad chunk_size, an unknown implementation, or an explicit one that
+      cannot run (naming why and the alternatives).
+  """
+  if chunk_size is not None:
+    chunk_size = validate_chunk_size(chunk_size)
+
+  def chunk_for(name: str) -> int:
+    if chunk_size is not None:
+      return chunk_size
+    return PALLAS_DEFAULT_CHUNK_SIZE if name == "pallas" else DEFAULT_CHUNK_SIZE
+
+  implementations = {
+      "reference": Implementation(),
+      "xla": Implementation(),
+      "pallas": Implementation(
+          lambda: unsupported_reason(p, head_dim, value_dim, dtype, chunk_for("pallas"), pallas_config),
+          default_backends=("gpu",)),
+  }
+  chosen = choose("power_attention", implementation, implementations, DEFAULT_ORDER)
+  return chosen, chunk_for(chosen)
 
 
 def power_attention(
@@ -44,6 +82,7 @@ def power_attention(
     initial_state: PowerState | None = None,
     return_final_state: bool = False,
     implementation: str | None = None,
+    pallas_config=None,
 ) -> jax.Array | tuple[jax.Array, PowerState]:
   """Causal power attention with optional per-head gating (paper Sec. 4).
 
@@ -65,6 +104,7 @@ def power_attention(
     initial_state: PowerState from earlier tokens (e.g. a prompt), or None.
     return_final_state: also return the PowerState after the last token.
     implementation: one of IMPLEMENTATIONS or None (see module docstring).
+    pallas_config: a `pallas_kernels.power.PowerKernelConfig` for "pallas" (None: default).
 
   Returns:
     outputs [batch, seq, heads, value_dim] in q's dtype (bf16 inputs are computed in
@@ -76,19 +116,11 @@ def power_attention(
       chunk_size, expansion or d_tile, unknown implementation.
   """
   p, scale, d_tile = validate_all(q, k, v, log_g, p, scale, expansion, d_tile, initial_state)
-  requested_chunk = chunk_size
-  chunk_size = validate_chunk_size(chunk_size)
-  if implementation is None:
-    implementation, why = _default_implementation(p, q, v, chunk_size)
-    _logger.debug("power_attention: implementation=None -> %r (%s)", implementation, why)
-  elif implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"Unknown power-attention implementation {implementation!r}; "
-                     f"choose one of {IMPLEMENTATIONS} or None")
+  implementation, chunk_size = resolve(implementation, chunk_size, p=p, head_dim=q.shape[-1], value_dim=v.shape[-1],
+                                       dtype=q.dtype, pallas_config=pallas_config)
   if implementation == "pallas":
-    if requested_chunk is None:
-      chunk_size = PALLAS_DEFAULT_CHUNK_SIZE
     return _pallas(q, k, v, log_g, p=p, scale=scale, chunk_size=chunk_size, expansion=expansion, d_tile=d_tile,
-                   initial_state=initial_state, return_final_state=return_final_state)
+                   initial_state=initial_state, return_final_state=return_final_state, config=pallas_config)
   options = dict(p=p, scale=scale, expansion=expansion, d_tile=d_tile, initial_state=initial_state)
   if implementation == "reference":
     out = power_attention_reference(q, k, v, log_g, **options)
@@ -99,21 +131,7 @@ def power_attention(
   return (out, final_state) if return_final_state else out
 
 
-def _default_implementation(p, q, v, chunk_size) -> tuple[str, str]:
-  if jax.default_backend() != "gpu":
-    return "xla", f"the Pallas kernels are GPU kernels; backend is {jax.default_backend()!r}"
-  from pallas_kernels.power.ops import unsupported_reason
-  reason = unsupported_reason(p, q, v, chunk_size)
-  return ("xla", reason) if reason else ("pallas", "GPU and supported inputs")
-
-
-def _pallas(q, k, v, log_g, *, p, scale, chunk_size, expansion, d_tile, initial_state, return_final_state):
-  from pallas_kernels.power import power_attention_pallas
-  from pallas_kernels.power.ops import EXPANSION, unsupported_reason
-
-  reason = unsupported_reason(p, q, v, chunk_size)  # the kernels themselves take no p
-  if reason:
-    raise ValueError(reason)
+def _pallas(q, k, v, log_g, *, p, scale, chunk_size, expansion, d_tile, initial_state, return_final_state, config):
   head_dim = q.shape[-1]
   layout = (expansion, d_tile)
 
@@ -124,8 +142,10 @@ def _pallas(q, k, v, log_g, *, p, scale, chunk_size, expansion, d_tile, initial_
   if initial_state is not None:
     initial_state = convert(initial_state, layout, EXPANSION)
   def per_shard(q, k, v, log_g, initial_state):
-    return power_attention_pallas(q, k, v, log_g, scale=scale, chunk_size=chunk_size, initial_state=initial_state,
-                                  return_final_state=return_final_state)
+    out, final = power_attention_pallas(q, k, v, log_g, scale=scale, chunk_size=chunk_size,
+                                        initial_state=initial_state, return_final_state=return_final_state,
+                                        config=config)
+    return out, (None if final is None else PowerState(*final))
 
   state_axes = ("batch", "act_kv_heads")  # a prefix of PowerState's [batch, kv_heads, ...] leaves
   out, final_state = map_over_shards(

@@ -34,11 +34,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from castle_jax.ops.numerics import compute_dtype
 from castle_jax.ops.power.common import (
     DEFAULT_CHUNK_SIZE,
     PowerState,
     causal_power_weights,
-    compute_dtype,
     group_queries,
     normalize,
     validate_all,

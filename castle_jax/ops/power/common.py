@@ -23,6 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from castle_jax.ops.numerics import score_scale
 from castle_jax.ops.power.expansion import expanded_dim, validate_expansion
 
 DEFAULT_CHUNK_SIZE = 128
@@ -41,15 +42,6 @@ class PowerState(NamedTuple):
   normalizer: jax.Array
 
 
-def compute_dtype(dtype) -> jnp.dtype:
-  """The dtype the math runs in: at least float32 (bf16 inputs are upcast)."""
-  return jnp.promote_types(dtype, jnp.float32)
-
-
-def default_scale(head_dim: int) -> float:
-  return 1.0 / float(head_dim) ** 0.5
-
-
 def validate_power(p) -> int:
   if isinstance(p, bool) or not isinstance(p, numbers.Integral):
     raise ValueError(f"p must be an even int >= 2, got {p!r}")
@@ -63,17 +55,16 @@ def validate_power(p) -> int:
 def resolve_scale(scale, head_dim: int) -> float:
   """The score scale: 1/sqrt(head_dim) by default (the authors' convention), else a float > 0."""
   if scale is None:
-    return default_scale(head_dim)
+    return score_scale(head_dim)
   if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not 0 < float(scale) < float("inf"):
     raise ValueError(f"scale must be None (1/sqrt(head_dim)) or a finite float > 0, got {scale!r}")
   return float(scale)
 
 
 def validate_chunk_size(chunk_size) -> int:
-  if chunk_size is None:
-    return DEFAULT_CHUNK_SIZE
+  """chunk_size as an int >= 1 (the default for None is `castle_jax.ops.power.resolve`'s to decide)."""
   if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
-    raise ValueError(f"chunk_size must be None (default {DEFAULT_CHUNK_SIZE}) or an int >= 1, got {chunk_size!r}")
+    raise ValueError(f"chunk_size must be None (the implementation's default) or an int >= 1, got {chunk_size!r}")
   return int(chunk_size)
 
 

@@ -20,11 +20,12 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from castle_jax.ops.power.chunked import empty_state, power_attention_chunked
+from castle_jax.ops.backend import Implementation, choose
+from castle_jax.ops.power.api import power_attention
+from castle_jax.ops.power.chunked import empty_state
+from castle_jax.ops.numerics import compute_dtype
 from castle_jax.ops.power.common import (
-    DEFAULT_CHUNK_SIZE,
     PowerState,
-    compute_dtype,
     group_queries,
     normalize,
     validate_all,
@@ -139,15 +140,21 @@ def _recurrent_form(q, k, v, log_g, initial_state, *, p, scale, expansion, d_til
   return outputs.astype(q.dtype), final_state
 
 
+# The recurrent step is the only decoding step: a memory-bound O(D d_v) update per head
+# with no Pallas kernel of its own ("reference" is the same step).
+_DECODE_IMPLEMENTATIONS = {"reference": Implementation(), "xla": Implementation()}
+
+
 def decode_step(cache: PowerCache, q: jax.Array, k: jax.Array, v: jax.Array, log_g: jax.Array | None = None, *,
                 p: int = 2, scale: float | None = None, expansion: str = "spow",
-                d_tile: int | None = None) -> tuple[jax.Array, PowerCache]:
+                d_tile: int | None = None, implementation: str | None = None) -> tuple[jax.Array, PowerCache]:
   """One new token: O(D d_v) per head whatever the length.
 
   Args:
     cache: the PowerCache after `length` tokens.
     q: [batch, 1, heads, head_dim]; k: [batch, 1, kv_heads, head_dim];
     v: [batch, 1, kv_heads, value_dim]; log_g: [batch, 1, kv_heads] or None.
+    implementation: "xla" or "reference" (both the recurrent step), or None ("xla").
 
   Returns:
     output [batch, 1, heads, value_dim] in q's dtype, and the cache with length + 1.
@@ -155,39 +162,47 @@ def decode_step(cache: PowerCache, q: jax.Array, k: jax.Array, v: jax.Array, log
   if q.ndim == 4 and q.shape[1] != 1:
     raise ValueError(f"decode_step takes one token (q of shape [batch, 1, heads, head_dim]); got {q.shape}. "
                      "Use prefill or append_tokens for several")
+  choose("power decode_step", implementation, _DECODE_IMPLEMENTATIONS, ("xla",))
   outputs, state = power_attention_recurrent(q, k, v, log_g, p=p, scale=scale, expansion=expansion, d_tile=d_tile,
                                              initial_state=cache.power_state)
   return outputs, cache.advanced(state, 1)
 
 
 def prefill(cache: PowerCache, q: jax.Array, k: jax.Array, v: jax.Array, log_g: jax.Array | None = None, *,
-            p: int = 2, scale: float | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE, expansion: str = "spow",
-            d_tile: int | None = None) -> tuple[jax.Array, PowerCache]:
-  """Absorbs a block of tokens in the chunked form, starting from the cache's state.
+            p: int = 2, scale: float | None = None, chunk_size: int | None = None, expansion: str = "spow",
+            d_tile: int | None = None, implementation: str | None = None,
+            pallas_config=None) -> tuple[jax.Array, PowerCache]:
+  """Absorbs a block of tokens starting from the cache's state, through `power_attention`.
 
   Args:
     cache: the PowerCache after `length` tokens (empty for a prompt).
-    q, k, v, log_g: [batch, new, ...] as in `power_attention_chunked`.
-    chunk_size: chunk length of the chunked form.
+    q, k, v, log_g: [batch, new, ...] as in `power_attention`.
+    chunk_size, implementation, pallas_config: as in `power_attention` (the same choice
+      as training: `castle_jax.ops.power.resolve`).
 
   Returns:
     outputs [batch, new, heads, value_dim] in q's dtype, and the cache with length + new.
   """
-  outputs, state = power_attention_chunked(q, k, v, log_g, p=p, scale=scale, chunk_size=chunk_size,
-                                           expansion=expansion, d_tile=d_tile, initial_state=cache.power_state)
+  outputs, state = power_attention(q, k, v, log_g, p=p, scale=scale, chunk_size=chunk_size, expansion=expansion,
+                                   d_tile=d_tile, initial_state=cache.power_state, return_final_state=True,
+                                   implementation=implementation, pallas_config=pallas_config)
   return outputs, cache.advanced(state, q.shape[1])
 
 
 def append_tokens(cache: PowerCache, q: jax.Array, k: jax.Array, v: jax.Array, log_g: jax.Array | None = None, *,
-                  p: int = 2, scale: float | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                  expansion: str = "spow", d_tile: int | None = None) -> tuple[jax.Array, PowerCache]:
+                  p: int = 2, scale: float | None = None, chunk_size: int | None = None,
+                  expansion: str = "spow", d_tile: int | None = None, implementation: str | None = None,
+                  pallas_config=None) -> tuple[jax.Array, PowerCache]:
   """Any number of new tokens on any cache: one token takes `decode_step`, more take `prefill`.
 
   The choice depends only on the (static) number of new tokens; both give the rows of
-  the attention form for these positions.
+  the attention form for these positions. `implementation` and `pallas_config` choose
+  the prefill's path as `power_attention` does; a single token always takes the
+  recurrent step (there is no other decoding step).
   """
   options = dict(p=p, scale=scale, expansion=expansion, d_tile=d_tile)
   validate_all(q, k, v, log_g, p, scale, expansion, d_tile, cache.power_state)
   if q.shape[1] == 1:
     return decode_step(cache, q, k, v, log_g, **options)
-  return prefill(cache, q, k, v, log_g, chunk_size=chunk_size, **options)
+  return prefill(cache, q, k, v, log_g, chunk_size=chunk_size, implementation=implementation,
+                 pallas_config=pallas_config, **options)

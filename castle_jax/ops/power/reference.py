@@ -17,10 +17,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from castle_jax.ops.numerics import compute_dtype
 from castle_jax.ops.power.common import (
     PowerState,
     causal_power_weights,
-    compute_dtype,
     group_queries,
     normalize,
     validate_all,

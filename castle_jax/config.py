@@ -1,30 +1,57 @@
-"""ModelConfig: the frozen, validated description of a decoder LM."""
+"""ModelConfig: the frozen, validated description of a model.
+
+The one place model defaults are written: `train/config.py:base_config().model` is
+derived from these fields' defaults.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Mapping
 
 import jax.numpy as jnp
+
+from castle_jax.layers.options import AttentionOptions
+from castle_jax.layers.registry import get_attention
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Shapes and numerics of a LLaMA-style decoder LM.
+  """Shapes and numerics of a model (by default a LLaMA-style decoder LM).
 
   Zero-valued fields are derived: n_kv_heads=0 means n_heads, head_dim=0 means
   d_model // n_heads, mlp_hidden=0 means 8/3 * d_model rounded to the nearest
   multiple of mlp_multiple_of (an odd width such as 8/3 * 896 = 2389 runs the MLP
-  matmuls ~1.5x slower on an H100), sliding_window=0
-  means full causal attention.
+  matmuls ~1.5x slower on an H100), sliding_window=0 means full causal attention.
+
+  Attributes:
+    family: the model family (`castle_jax.models.registry.MODEL_FAMILIES`).
+    vocab_size: >= the tokenizer's vocabulary; a multiple of 128 shards evenly.
+    d_model, n_layers, n_heads: widths and depth.
+    n_kv_heads: 0 for plain multi-head; fewer than n_heads for grouped-query attention.
+    head_dim: 0 for d_model // n_heads.
+    mlp_hidden, mlp_multiple_of: SwiGLU width (0: 8/3 * d_model rounded to the multiple).
+    tie_embeddings: the LM head is the embedding table.
+    rope_theta, norm_eps: RoPE base and RMSNorm epsilon.
+    attention: a name in the attention table (`castle_jax.layers.registry.ATTENTIONS`).
+    attention_impl: the attention op's implementation, one of that attention's
+      implementations, or None for the best the backend runs.
+    sliding_window: 0 for full causal attention; W > 0: each `mha` query sees the last W keys.
+    dtype: activations and matmul inputs; param_dtype: parameters.
+    remat: rematerialize each block in the backward pass.
+    init_std: std of the normal initializers (output projections are scaled down with depth).
+    attention_kwargs: (key, value) pairs of the attention's options, parsed into its
+      options dataclass (`options`); unknown keys are errors.
   """
 
-  vocab_size: int
-  d_model: int
-  n_layers: int
-  n_heads: int
+  family: str = "transformer"
+  vocab_size: int = 384
+  d_model: int = 256
+  n_layers: int = 4
+  n_heads: int = 4
   n_kv_heads: int = 0
   head_dim: int = 0
   mlp_hidden: int = 0
@@ -39,7 +66,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   remat: bool = False
   init_std: float = 0.02
-  # Hashable (key, value) pairs of attention-specific options.
+  # Hashable (key, value) pairs: the config is a static argument of compiled functions.
   attention_kwargs: tuple[tuple[str, Any], ...] = ()
 
   def __post_init__(self):
@@ -61,6 +88,11 @@ class ModelConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"model.{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
+    kind = get_attention(self.attention)
+    if self.attention_impl is not None and self.attention_impl not in kind.implementations:
+      raise ValueError(f"model.attention_impl={self.attention_impl!r} is not an implementation of attention "
+                       f"{self.attention!r}; choose one of {kind.implementations} or None (the best the backend runs)")
+    self.options  # parses and checks model.attention_kwargs now, not at the first forward pass
 
   @classmethod
   def from_mapping(cls, fields: Mapping[str, Any]) -> "ModelConfig":
@@ -72,6 +104,13 @@ class ModelConfig:
       raise ValueError(f"Unknown model config keys {unknown}; known keys: {sorted(known)}")
     kwargs = fields.pop("attention_kwargs", None) or {}
     return cls(**fields, attention_kwargs=tuple(sorted(dict(kwargs).items())))
+
+  @functools.cached_property
+  def options(self) -> AttentionOptions:
+    """model.attention_kwargs parsed into the attention's options dataclass and checked
+    against the rest of this config."""
+    kind = get_attention(self.attention)
+    return kind.options.from_kwargs(dict(self.attention_kwargs), self.attention).for_model(self)
 
   @property
   def kv_heads(self) -> int:
@@ -99,10 +138,6 @@ class ModelConfig:
   @property
   def weights_dtype(self):
     return _DTYPES[self.param_dtype]
-
-  @property
-  def attention_options(self) -> dict[str, Any]:
-    return dict(self.attention_kwargs)
 
   @property
   def out_init_std(self) -> float:

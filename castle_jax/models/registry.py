@@ -1,0 +1,113 @@
+"""The model-family table, next to the attention table: one entry per `model.family`.
+
+The trainer (`train/`) and `castle_jax.inference.generate` reach a model only through
+its family, so a new kind of model (DRT: lower and upper layers, a chunk encoder and
+landmark tokens; LongSpec's draft: cross-attention over another model's KV cache)
+trains through `python -m train` and decodes through `generate()` by adding one entry
+here, with no special case in either.
+
+A family's module is a Flax module built from a ModelConfig and called as
+  `module.apply({"params": params}, tokens, positions=None, caches=None)
+      -> (logits float32 [batch, seq, vocab], caches or None)`,
+with `module.init_cache(batch, capacity)` giving its decoding caches (a pytree,
+explicit so it can be sharded or kept in host memory). Everything else the trainer
+and generate() need is a function of the family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from castle_jax.config import ModelConfig
+from castle_jax.models import transformer
+
+
+def _init_variables(module: nn.Module, rng: jax.Array, seq_len: int):
+  """The module's variables (boxed with logical axis names) for [1, seq_len] tokens."""
+  return module.init(rng, jnp.zeros((1, seq_len), jnp.int32))
+
+
+def _init_cache(module: nn.Module, batch: int, capacity: int) -> Any:
+  return module.init_cache(batch, capacity)
+
+
+def _decode(module: nn.Module, params: Any, tokens: jax.Array, positions: jax.Array, caches: Any):
+  return module.apply({"params": params}, tokens, positions, caches)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFamily:
+  """What the trainer and generate() need from a kind of model.
+
+  Attributes:
+    name: the config name (`model.family`).
+    build: ModelConfig -> the Flax module.
+    init_variables: (module, rng, seq_len) -> variables ({"params": ...}, boxed with
+      logical axis names), traced under `jax.eval_shape` for the sharded train state.
+    token_losses: (module, params, batch, pad_id) -> (loss float32 [B, T], weights
+      float32 [B, T]): the per-token loss already multiplied by the weights, and the
+      weights (which tokens count: 0 at padding; a family may also zero landmark or
+      draft-only positions). The trainer averages sum(loss) / sum(weights).
+    init_cache: (module, batch, capacity) -> the decoding caches.
+    decode: (module, params, tokens [B, n], positions [B, n], caches) -> (logits
+      [B, n, vocab], caches): a prompt (prefill) or new tokens appended to the caches.
+    param_count: ModelConfig -> parameter count (closed form).
+    training_flops_per_token: (ModelConfig, seq_len) -> forward + backward FLOPs per
+      token, for MFU.
+  """
+
+  name: str
+  build: Callable[[ModelConfig], nn.Module]
+  init_variables: Callable[[nn.Module, jax.Array, int], Any]
+  token_losses: Callable[..., tuple[jax.Array, jax.Array]]
+  init_cache: Callable[[nn.Module, int, int], Any]
+  decode: Callable[..., tuple[jax.Array, Any]]
+  param_count: Callable[[ModelConfig], int]
+  training_flops_per_token: Callable[[ModelConfig, int], float]
+
+
+MODEL_FAMILIES: dict[str, ModelFamily] = {
+    "transformer": ModelFamily(
+        name="transformer",
+        build=transformer.TransformerLM,
+        init_variables=_init_variables,
+        token_losses=transformer.token_losses,
+        init_cache=_init_cache,
+        decode=_decode,
+        param_count=transformer.count_parameters,
+        training_flops_per_token=transformer.training_flops_per_token,
+    ),
+}
+
+
+def get_family(name: str) -> ModelFamily:
+  """Looks up a model family, with an error listing the known names."""
+  if name not in MODEL_FAMILIES:
+    raise ValueError(f"Unknown model family {name!r} (config model.family); known: {sorted(MODEL_FAMILIES)}")
+  return MODEL_FAMILIES[name]
+
+
+def family_of(module_or_config) -> ModelFamily:
+  """The family of a ModelConfig or of a module built from one (it has `.config`)."""
+  config = module_or_config if isinstance(module_or_config, ModelConfig) else module_or_config.config
+  return get_family(config.family)
+
+
+def build_model(config: ModelConfig) -> nn.Module:
+  """The Flax module of config's family."""
+  return get_family(config.family).build(config)
+
+
+def count_parameters(config: ModelConfig) -> int:
+  """Closed-form parameter count of config's model."""
+  return get_family(config.family).param_count(config)
+
+
+def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
+  """Forward + backward FLOPs per trained token of config's model, for MFU."""
+  return get_family(config.family).training_flops_per_token(config, seq_len)
