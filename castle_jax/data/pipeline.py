@@ -85,7 +85,8 @@ def _to_inputs_and_targets(batch: dict[str, np.ndarray], *, pad_id: int) -> dict
 
 
 def make_lm_dataset(data_config, tokenizer: Tokenizer, *, split: str, shuffle: bool,
-                    process_index: int | None = None, process_count: int | None = None) -> grain.IterDataset:
+                    process_index: int | None = None, process_count: int | None = None,
+                    prefetch: int = 0) -> grain.IterDataset:
   """The packed, batched dataset of one split, for this process.
 
   Args:
@@ -95,6 +96,9 @@ def make_lm_dataset(data_config, tokenizer: Tokenizer, *, split: str, shuffle: b
     split: TFDS split name.
     shuffle: shuffle documents (reshuffled every epoch); eval streams keep file order.
     process_index, process_count: this process's shard (default: from jax).
+    prefetch: batches a background thread reads ahead (0: none). The iterator's
+      state still records the position of the batches handed out, so a checkpoint
+      resumes exactly where the consumer was.
 
   Yields:
     {"inputs": int32 [batch_size // process_count, seq_len],
@@ -122,11 +126,14 @@ def make_lm_dataset(data_config, tokenizer: Tokenizer, *, split: str, shuffle: b
   batched = batched.map(functools.partial(_to_inputs_and_targets, pad_id=tokenizer.pad_id))
   if d.worker_count > 0:
     batched = batched.mp_prefetch(grain.MultiprocessingOptions(num_workers=d.worker_count))
+  if prefetch > 0:
+    batched = grain.experimental.ThreadPrefetchIterDataset(batched, prefetch_buffer_size=prefetch)
   return batched
 
 
 def make_lm_iterator(data_config, tokenizer: Tokenizer, *, split: str, shuffle: bool,
-                     process_index: int | None = None, process_count: int | None = None):
-  """A checkpointable iterator (get_state/set_state) over `make_lm_dataset`."""
+                     process_index: int | None = None, process_count: int | None = None, prefetch: int = 0):
+  """A checkpointable iterator (get_state/set_state) over `make_lm_dataset`; call
+  its `close()` when done (it stops a prefetch thread or worker processes)."""
   return iter(make_lm_dataset(data_config, tokenizer, split=split, shuffle=shuffle,
-                              process_index=process_index, process_count=process_count))
+                              process_index=process_index, process_count=process_count, prefetch=prefetch))
