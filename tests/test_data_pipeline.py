@@ -4,6 +4,7 @@ import contextlib
 import copy
 import os
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -190,3 +191,30 @@ def test_real_stdlib_corpus(stdlib_data_dir):
   assert splits["train"].num_examples > 1000 and splits["validation"].num_examples > 20
   source = builder.as_data_source("validation")
   assert sum(len(source[i]["text"]) for i in range(len(source))) > 200_000
+
+
+@pytest.mark.parametrize("worker_count", [0, pytest.param(1, marks=pytest.mark.slow)])
+def test_prefetch_keeps_the_batches_and_the_resume_position(data_config, worker_count):
+  if worker_count:
+    from absl import flags
+    if not flags.FLAGS.is_parsed():
+      flags.FLAGS.mark_as_parsed()  # grain's worker processes read absl flags (`python -m train` parses them)
+  def iterator(prefetch):
+    data_config.worker_count = worker_count
+    return make_lm_iterator(data_config, TOKENIZER, split="train", shuffle=True, process_index=0, process_count=1,
+                            prefetch=prefetch)
+
+  plain = iterator(0)
+  expected = [next(plain)["inputs"] for _ in range(12)]
+  plain.close()
+  ahead = iterator(3)
+  for batch in expected[:5]:
+    np.testing.assert_array_equal(next(ahead)["inputs"], batch)
+  time.sleep(0.2)  # let the thread read ahead past the consumed position
+  state = ahead.get_state()
+  ahead.close()
+  resumed = iterator(3)
+  resumed.set_state(state)
+  for batch in expected[5:]:
+    np.testing.assert_array_equal(next(resumed)["inputs"], batch)
+  resumed.close()

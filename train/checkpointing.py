@@ -13,8 +13,10 @@ used instead, with a loud warning. `resume_step=N` picks a step.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -88,6 +90,17 @@ def verify_step(step_dir: str) -> str | None:
   return None
 
 
+@contextlib.contextmanager
+def _quiet_absl():
+  logger = logging.getLogger("absl")
+  level = logger.level
+  logger.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    logger.setLevel(level)
+
+
 def _one_line(error: BaseException) -> str:
   text = " ".join(str(error).split())
   return f"{type(error).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
@@ -107,7 +120,8 @@ class Checkpointer:
     self.directory = os.path.abspath(directory)
     self._options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=not read_only, enable_async_checkpointing=async_save, read_only=read_only)
-    self._manager = ocp.CheckpointManager(self.directory, options=self._options)
+    with _quiet_absl() if read_only else contextlib.nullcontext():  # read_only logs 3 warnings about itself
+      self._manager = ocp.CheckpointManager(self.directory, options=self._options)
     self._pending: list[int] = []  # saved steps whose manifest is not written yet
     self._hasher = futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-manifest")
     self._hashing: list[futures.Future] = []

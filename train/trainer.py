@@ -218,6 +218,9 @@ class StepLogger:
   def add(self, step: int, metrics: Any, data_wait_s: float) -> None:
     self._pending.append((step, metrics, data_wait_s))
 
+  def has_pending(self) -> bool:
+    return bool(self._pending)
+
   def log_train(self, step: int) -> dict[str, float]:
     fetched = jax.device_get([m for _, m, _ in self._pending])
     record = {}
@@ -267,22 +270,25 @@ def run_loop(run: Run, state: TrainState, shardings: TrainState, train_iter, che
       state, metrics = step_fn(state, batch)
       logger.add(step, metrics, data_wait)
       is_last = step == t.steps
-      stopping = stop.requested is not None
-      save_now = is_last or stopping or (t.checkpoint_every > 0 and step % t.checkpoint_every == 0)
+      save_now = is_last or (t.checkpoint_every > 0 and step % t.checkpoint_every == 0)
       if step % t.log_every == 0 or save_now or step == start_step + 1:
         last_train = logger.log_train(step)
-      if t.eval_batches > 0 and (is_last or (t.eval_every > 0 and step % t.eval_every == 0)) and not stopping:
+      if t.eval_batches > 0 and (is_last or (t.eval_every > 0 and step % t.eval_every == 0)):
         eval_start = time.perf_counter()
         last_eval = evaluate(state.params, eval_fn, config, run.tokenizer, run.batch_sharding)
         logger.log_eval(step, last_eval, time.perf_counter() - eval_start)
       if save_now:
         checkpointer.save(step, state, train_iter)
-      if stopping:
-        checkpointer.wait()
-        raise TrainingInterrupted(stop.requested, step, checkpointer.directory)
       logger.progress.update(1)
       if after_step is not None:
         after_step(step)
+      if stop.requested is not None:  # SIGINT/SIGTERM: keep this step (if finite), then stop
+        if logger.has_pending():
+          last_train = logger.log_train(step)
+        if not save_now:
+          checkpointer.save(step, state, train_iter)
+        checkpointer.wait()
+        raise TrainingInterrupted(stop.requested, step, checkpointer.directory)
   finally:
     logger.close()
   return TrainResult(state, last_train, last_eval)
