@@ -220,6 +220,15 @@ def test_resume_step_picks_a_step_and_all_bad_is_a_clear_error(tmp_path):
   checkpointer.close()
 
 
+def test_params_are_restored_without_the_optimizer_state(tmp_path):
+  directory = str(tmp_path / "checkpoints")
+  _saved_checkpoints(directory).close()
+  checkpointer = Checkpointer(directory, read_only=True)
+  params = checkpointer.restore_params(4, _abstract(_small_state(0)).params)
+  checkpointer.close()
+  assert set(params) == {"w", "b"} and float(params["w"][0, 0]) == 4.0
+
+
 def test_unverified_step_that_orbax_cannot_read_is_a_clean_error(tmp_path):
   directory = str(tmp_path / "checkpoints")
   checkpointer = _saved_checkpoints(directory)

@@ -247,6 +247,19 @@ class StepLogger:
     self.progress.close()
 
 
+def _agreed_stop(stop: StopSignals, log_step: bool) -> int | None:
+  """The stop signal to act on now. With several processes they must stop at the
+  same step (checkpoint saves are collective), so they agree at log steps: any
+  process's signal stops all of them."""
+  if jax.process_count() == 1:
+    return stop.requested
+  if not log_step:
+    return None
+  from jax.experimental import multihost_utils
+  signum = int(np.max(multihost_utils.process_allgather(np.int32(stop.requested or 0))))
+  return signum or None
+
+
 def run_loop(run: Run, state: TrainState, shardings: TrainState, train_iter, checkpointer: Checkpointer,
              writer: MetricsWriter, resumed_step: int | None, stop: StopSignals,
              after_step: Callable[[int], None] | None) -> TrainResult:
@@ -271,7 +284,8 @@ def run_loop(run: Run, state: TrainState, shardings: TrainState, train_iter, che
       logger.add(step, metrics, data_wait)
       is_last = step == t.steps
       save_now = is_last or (t.checkpoint_every > 0 and step % t.checkpoint_every == 0)
-      if step % t.log_every == 0 or save_now or step == start_step + 1:
+      log_now = step % t.log_every == 0 or save_now or step == start_step + 1
+      if log_now:
         last_train = logger.log_train(step)
       if t.eval_batches > 0 and (is_last or (t.eval_every > 0 and step % t.eval_every == 0)):
         eval_start = time.perf_counter()
@@ -282,13 +296,14 @@ def run_loop(run: Run, state: TrainState, shardings: TrainState, train_iter, che
       logger.progress.update(1)
       if after_step is not None:
         after_step(step)
-      if stop.requested is not None:  # SIGINT/SIGTERM: keep this step (if finite), then stop
+      signum = _agreed_stop(stop, log_now)
+      if signum is not None:  # SIGINT/SIGTERM: keep this step (if finite), then stop
         if logger.has_pending():
           last_train = logger.log_train(step)
         if not save_now:
           checkpointer.save(step, state, train_iter)
         checkpointer.wait()
-        raise TrainingInterrupted(stop.requested, step, checkpointer.directory)
+        raise TrainingInterrupted(signum, step, checkpointer.directory)
   finally:
     logger.close()
   return TrainResult(state, last_train, last_eval)
