@@ -11,7 +11,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from configs import tiny
@@ -337,4 +336,11 @@ def test_stop_signal_in_process_raises_training_interrupted(config):
   assert error.value.exit_code == 143
   checkpointer = Checkpointer(os.path.join(config.workdir, "checkpoints"), read_only=True)
   assert checkpointer.all_steps() == [3]  # the step the signal arrived after, nothing later
+  checkpointer.close()
+
+
+def test_a_save_orbax_would_skip_is_an_error(tmp_path):
+  checkpointer = _saved_checkpoints(str(tmp_path / "checkpoints"))
+  with pytest.raises(CheckpointError, match=r"step 3 was not written: .* already holds steps \[2, 4\]"):
+    checkpointer.save(3, _small_state(3))
   checkpointer.close()

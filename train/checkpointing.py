@@ -141,8 +141,12 @@ class Checkpointer:
     items = {"state": ocp.args.StandardSave(state)}
     if data_iterator is not None:
       items["data_iter"] = grain.checkpoint.CheckpointSave(data_iterator)
-    if self._manager.save(step, args=ocp.args.Composite(**items)):
-      self._pending.append(step)
+    if not self._manager.save(step, args=ocp.args.Composite(**items)):
+      # Orbax skips a step that is not newer than its latest one; never lose a save silently.
+      raise CheckpointError(
+          f"Checkpoint step {step} was not written: {self.directory} already holds steps {self.all_steps()}. "
+          "Use a new --workdir, or --config.train.resume=False --config.train.overwrite=True to start over.")
+    self._pending.append(step)
 
   def _finish_pending(self) -> None:
     """Waits for the running save, then hashes the finished steps in the background."""
@@ -159,8 +163,16 @@ class Checkpointer:
       pass  # Orbax removed the step (max_to_keep) meanwhile
 
   def verify(self, step: int) -> str | None:
-    """None if step `step` matches its manifest, else what is wrong (one line)."""
-    return verify_step(self.step_dir(step))
+    """None if step `step` matches its manifest, else what is wrong (one line).
+
+    With several processes only process 0 reads and hashes the files; the
+    verdict is broadcast so that every process takes the same decision."""
+    if jax.process_count() == 1:
+      return verify_step(self.step_dir(step))
+    from jax.experimental import multihost_utils
+    problem = verify_step(self.step_dir(step)) if self._is_main else None
+    ok = bool(multihost_utils.broadcast_one_to_all(jax.numpy.asarray(problem is None)))
+    return None if ok else (problem or f"step {step} failed verification on process 0 (see its log)")
 
   def restore(self, step: int, abstract_state: Any, data_iterator: Any | None = None) -> Any:
     """Restores the state into the shardings of `abstract_state`; restores the

@@ -9,8 +9,8 @@ process killed by that signal. A second SIGINT aborts at once (KeyboardInterrupt
 
 from __future__ import annotations
 
+import os
 import signal
-import sys
 import threading
 
 
@@ -41,8 +41,9 @@ class StopSignals:
     if self.requested is not None and signum == signal.SIGINT:
       raise KeyboardInterrupt  # second Ctrl-C: stop without waiting for the checkpoint
     self.requested = signum
-    print(f"\n{signal.Signals(signum).name} received: finishing this step and saving a checkpoint "
-          "(Ctrl-C again to abort without saving)", file=sys.stderr, flush=True)
+    # os.write, not print: the handler may interrupt a print to the same stream.
+    os.write(2, f"\n{signal.Signals(signum).name} received: finishing this step and saving a checkpoint "
+                "(Ctrl-C again to abort without saving)\n".encode())
 
   def __enter__(self):
     # Handlers can only be installed from the main thread (notebooks may run elsewhere).
