@@ -150,18 +150,8 @@ def test_bad_run_configs_fail_before_training(config, override, match):
     train(config)
 
 
-def test_zero_eval_batches_and_checkpoint_every_mean_none_until_the_end(config):
-  with config.unlocked():
-    config.train.steps, config.train.eval_batches, config.train.eval_every = 3, 0, 0
-    config.train.checkpoint_every = 0
-  result = train(config)
-  assert result.last_eval_metrics == {}
-  assert read_metrics(os.path.join(config.workdir, "metrics.jsonl"), split="eval") == {}  # no fake eval loss
-  assert sorted(os.listdir(os.path.join(config.workdir, "checkpoints"))) == ["3"]  # only the last step
-
-
 def test_config_help_lists_every_key_with_its_default():
-  from train.__main__ import config_help_text
+  from train.config_help import config_help_text
   text = config_help_text()
   for line in ("train.learning_rate = 0.0006", "train.overwrite = False", "train.resume_step = None",
                "data.prefetch = 2", "model.d_model = 256"):

@@ -62,23 +62,40 @@ def _losses(workdir):
 
 # --- ownership -----------------------------------------------------------------------------------
 
-def test_fresh_run_in_a_used_workdir_is_refused_and_overwrite_moves_it_aside(config, tmp_path):
+def test_a_rerun_never_mixes_runs_nor_replaces_config_json_and_overwrite_moves_the_old_run(config, tmp_path):
   _set(config, train__steps=4)
   train(config)
   first_losses = _losses(config.workdir)
   checkpoint_mtime = os.path.getmtime(os.path.join(config.workdir, "checkpoints", "4"))
+  config_path = os.path.join(config.workdir, "config.json")
+  saved = open(config_path).read()
 
-  _set(config, train__resume=False)
+  # A changed model is one line listing the keys, before Orbax reads anything.
+  changed = _set(copy.deepcopy(config), model__d_model=64, model__attention="castle")
+  with pytest.raises(ConfigMismatchError) as error:
+    train(changed)
+  message = str(error.value)
+  assert "\n" not in message
+  assert "model.d_model: 32 -> 64" in message and "model.attention: 'mha' -> 'castle'" in message
+  with pytest.raises(ValueError, match="Unknown attention 'flash'"):
+    train(_set(copy.deepcopy(config), model__attention="flash"))
+  # Extending the run would rebuild the LR schedule: explicit only.
+  with pytest.raises(ValueError, match="train.steps: 4 -> 8.*allow_schedule_change=True"):
+    train(_set(copy.deepcopy(config), train__steps=8))
+  # resume=False would mix two runs.
   with pytest.raises(WorkdirNotEmptyError, match="train.resume=False.*new --workdir.*train.overwrite=True"):
-    train(config)
+    train(_set(copy.deepcopy(config), train__resume=False))
+  assert open(config_path).read() == saved
   assert os.path.getmtime(os.path.join(config.workdir, "checkpoints", "4")) == checkpoint_mtime
+  assert load_trained_model(config.workdir)[3] == 4  # still loadable
 
-  _set(config, train__overwrite=True, train__steps=2)
+  _set(config, train__resume=False, train__overwrite=True, train__steps=2)
   train(config)
   aside = [p for p in os.listdir(tmp_path) if p.startswith("run.old-")]
   assert len(aside) == 1
   old = os.path.join(tmp_path, aside[0])
   assert sorted(os.listdir(os.path.join(old, "checkpoints"))) == ["4"]  # nothing deleted
+  assert open(os.path.join(old, "config.json")).read() == saved
   assert _losses(old) == first_losses
   assert sorted(_losses(config.workdir)) == [1, 2]  # the new run's metrics only
   assert load_trained_model(config.workdir)[3] == 2
@@ -104,35 +121,19 @@ def test_a_locked_workdir_is_refused_at_once_and_a_stale_lock_is_taken_over(conf
   lock.release()
 
 
-def test_changed_model_or_schedule_is_refused_and_config_json_is_kept(config):
-  _set(config, train__steps=4)
-  train(config)
-  config_path = os.path.join(config.workdir, "config.json")
-  saved = open(config_path).read()
-
-  changed = _set(copy.deepcopy(config), model__d_model=64, model__attention="castle")
-  with pytest.raises(ConfigMismatchError) as error:
-    train(changed)
-  message = str(error.value)
-  assert "\n" not in message
-  assert "model.d_model: 32 -> 64" in message and "model.attention: 'mha' -> 'castle'" in message
-  with pytest.raises(ValueError, match="Unknown attention 'flash'"):
-    train(_set(copy.deepcopy(config), model__attention="flash"))
-  longer = _set(copy.deepcopy(config), train__steps=8)
-  with pytest.raises(ValueError, match="train.steps: 4 -> 8.*allow_schedule_change=True"):
-    train(longer)
-  assert open(config_path).read() == saved
-  assert load_trained_model(config.workdir)[3] == 4  # still loadable
-
-
-def test_bpe_workdir_is_self_contained(config, tmp_path, monkeypatch):
+def test_bpe_workdir_is_self_contained_and_zero_means_none(config, tmp_path, monkeypatch):
   pytest.importorskip("tokenizers")
   from castle_jax.data.tokenizer import train_bpe_tokenizer
   corpus = ["def f(x):\n    return x + 1\n" * 20, "class A:\n    pass\n" * 20]
   original = tmp_path / "elsewhere" / "tok.json"
   train_bpe_tokenizer(corpus, vocab_size=300, path=str(original))
-  _set(config, data__tokenizer=str(original), train__steps=2)
-  train(config)
+  # Also: eval_batches=0 is no evaluation (not a fake loss), checkpoint_every=0 only the last step.
+  _set(config, data__tokenizer=str(original), train__steps=2, train__eval_batches=0, train__eval_every=0,
+       train__checkpoint_every=0)
+  result = train(config)
+  assert result.last_eval_metrics == {}
+  assert read_metrics(os.path.join(config.workdir, "metrics.jsonl"), split="eval") == {}
+  assert sorted(os.listdir(os.path.join(config.workdir, "checkpoints"))) == ["2"]
   saved = json.load(open(os.path.join(config.workdir, "config.json")))
   assert saved["data"]["tokenizer"] == "tokenizer.json"
   original.unlink()
@@ -326,6 +327,7 @@ def test_a_signal_saves_a_checkpoint_and_exits_cleanly(config, signum, code):
   assert started == [saved + 1]
 
 
+@pytest.mark.slow
 def test_stop_signal_in_process_raises_training_interrupted(config):
   def send_sigterm(step):
     if step == 3:

@@ -12,7 +12,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from train.checkpointing import CheckpointError
-from train.config import base_config, finalize
+from train.config import finalize
+from train.config_help import config_help_text
 from train.signals import TrainingInterrupted
 from train.trainer import TrainingDivergedError, train
 from train.workdir import ConfigMismatchError, WorkdirBusyError, WorkdirNotEmptyError
@@ -25,24 +26,6 @@ _TRACEBACK = flags.DEFINE_bool("traceback", False, "Show the full traceback of a
 # Errors whose message says what to change: shown as one line.
 _CLEAR_ERRORS = (ValueError, FileNotFoundError, CheckpointError, ConfigMismatchError, WorkdirBusyError,
                  WorkdirNotEmptyError, TrainingDivergedError)
-
-
-def config_help_text() -> str:
-  """Every key of `base_config()` with its default, one per line."""
-  lines = ["Config keys (override with --config.KEY=VALUE; defaults from train/config.py):"]
-
-  def walk(config, prefix):
-    for key in sorted(config.keys()):
-      value = config[key]
-      if hasattr(value, "keys") and not isinstance(value, dict):
-        if not value.keys():
-          lines.append(f"  {prefix}{key} = {{}}")
-        walk(value, f"{prefix}{key}.")
-      else:
-        lines.append(f"  {prefix}{key} = {value!r}")
-
-  walk(base_config(), "")
-  return "\n".join(lines)
 
 
 def main(argv):

@@ -120,6 +120,7 @@ def open_workdir(run: Run) -> tuple[workdir_lib.WorkdirLock | None, Checkpointer
   before Orbax reads anything. Returns (lock, checkpointer)."""
   t = run.config.train
   lock = workdir_lib.acquire_lock(run.workdir)
+  checkpointer = None
   try:
     moved = workdir_lib.claim_for_fresh_run(run.workdir, resume=t.resume, overwrite=t.overwrite)
     if moved:
@@ -135,8 +136,12 @@ def open_workdir(run: Run) -> tuple[workdir_lib.WorkdirLock | None, Checkpointer
     elif t.resume_step is not None:
       raise ValueError(f"train.resume_step={t.resume_step} but there are no checkpoints in {checkpointer.directory}")
   except BaseException:
-    if lock is not None:
-      lock.release()
+    try:
+      if checkpointer is not None:
+        checkpointer.close()
+    finally:
+      if lock is not None:
+        lock.release()
     raise
   return lock, checkpointer
 
