@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from configs import tiny
-from train.checkpointing import MANIFEST_NAME, Checkpointer, CheckpointError
+from train.checkpointing import MANIFEST_NAME, Checkpointer, CheckpointError, verify_step
 from train.metrics import MetricsWriter, read_metrics
 from train.restore import load_trained_model
 from train.signals import TrainingInterrupted
@@ -346,3 +346,17 @@ def test_a_save_orbax_would_skip_is_an_error(tmp_path):
   with pytest.raises(CheckpointError, match=r"step 3 was not written: .* already holds steps \[2, 4\]"):
     checkpointer.save(3, _small_state(3))
   checkpointer.close()
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_every_kept_step_gets_a_manifest(tmp_path, keep):
+  directory = str(tmp_path / "checkpoints")
+  checkpointer = Checkpointer(directory, keep=keep)
+  for step in range(1, 6):
+    checkpointer.save(step, _small_state(step))
+  checkpointer.close()
+  kept = sorted(int(name) for name in os.listdir(directory))
+  assert kept == list(range(6 - keep, 6))
+  for step in kept:
+    assert verify_step(os.path.join(directory, str(step))) is None
+    assert os.path.exists(os.path.join(directory, str(step), MANIFEST_NAME))

@@ -118,6 +118,7 @@ class Checkpointer:
     if keep < 1:
       raise ValueError(f"train.keep_checkpoints must be >= 1, got {keep}")
     self.directory = os.path.abspath(directory)
+    self._keep = keep
     self._options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=not read_only, enable_async_checkpointing=async_save, read_only=read_only)
     with _quiet_absl() if read_only else contextlib.nullcontext():  # read_only logs 3 warnings about itself
@@ -149,12 +150,24 @@ class Checkpointer:
     self._pending.append(step)
 
   def _finish_pending(self) -> None:
-    """Waits for the running save, then hashes the finished steps in the background."""
+    """Waits for the running save, then hashes the finished steps in the background.
+
+    Hashes submitted earlier are awaited first: their steps may be the ones the
+    next save removes (max_to_keep), and a manifest must not be written into a
+    directory being deleted. With keep=1 the step just finished is removed by
+    the next save, so its hash is awaited too."""
     self._manager.wait_until_finished()
+    for future in self._hashing:
+      future.result()
+    self._hashing = []
     if self._is_main:
       for step in self._pending:
         self._hashing.append(self._hasher.submit(self._write_manifest, step))
     self._pending = []
+    if self._keep == 1:
+      for future in self._hashing:
+        future.result()
+      self._hashing = []
 
   def _write_manifest(self, step: int) -> None:
     try:
