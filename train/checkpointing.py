@@ -119,10 +119,10 @@ class Checkpointer:
       raise ValueError(f"train.keep_checkpoints must be >= 1, got {keep}")
     self.directory = os.path.abspath(directory)
     self._keep = keep
-    self._options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, create=not read_only, enable_async_checkpointing=async_save, read_only=read_only)
     with _quiet_absl() if read_only else contextlib.nullcontext():  # read_only logs 3 warnings about itself
-      self._manager = ocp.CheckpointManager(self.directory, options=self._options)
+      options = ocp.CheckpointManagerOptions(
+          max_to_keep=keep, create=not read_only, enable_async_checkpointing=async_save, read_only=read_only)
+      self._manager = ocp.CheckpointManager(self.directory, options=options)
     self._pending: list[int] = []  # saved steps whose manifest is not written yet
     self._hasher = futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-manifest")
     self._hashing: list[futures.Future] = []
