@@ -145,7 +145,8 @@ def test_bpe_workdir_is_self_contained_and_zero_means_none(config, tmp_path, mon
 # --- checkpoint integrity ------------------------------------------------------------------------
 
 def _small_state(value):
-  return TrainState(step=jnp.int32(value), params={"w": jnp.full((64, 64), float(value)), "b": jnp.zeros(64)},
+  noise = jax.random.normal(jax.random.key(value), (64, 64))  # incompressible: a real data file
+  return TrainState(step=jnp.int32(value), params={"w": noise.at[0, 0].set(value), "b": jnp.zeros(64)},
                     opt_state=({"mu": jnp.ones(64)},))
 
 
@@ -155,8 +156,9 @@ def _abstract(state):
 
 
 def _largest_data_file(step_dir):
-  files = [os.path.join(root, f) for root, _, names in os.walk(os.path.join(step_dir, "state")) for f in names]
-  return max(files, key=os.path.getsize)
+  """The largest array-data file of the step's train state (Orbax's OCDBT data files)."""
+  data = os.path.join(step_dir, "state", "ocdbt.process_0", "d")
+  return max((os.path.join(data, f) for f in os.listdir(data)), key=os.path.getsize)
 
 
 def _flip(path):
@@ -212,7 +214,7 @@ def test_resume_step_picks_a_step_and_all_bad_is_a_clear_error(tmp_path):
   assert checkpointer.all_steps() == [2, 4]  # step 6 moved aside, kept
   for step in (2, 4):
     os.remove(_largest_data_file(os.path.join(directory, str(step))))
-  with pytest.raises(CheckpointError, match="No usable checkpoint .* every step is damaged") as error:
+  with pytest.raises(CheckpointError, match=r"No usable checkpoint .* every step \(4, 2\) is damaged") as error:
     checkpointer.restore_good(abstract, log=lambda _: None)
   assert "\n" not in str(error.value)
   with pytest.raises(CheckpointError, match="Checkpoint step 4 .* is damaged: file .* is missing"):

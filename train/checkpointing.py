@@ -102,7 +102,7 @@ def _quiet_absl():
 
 
 def _one_line(error: BaseException) -> str:
-  text = " ".join(str(error).split())
+  text = " ".join(str(error).split()).split(" See full TensorStore details")[0]
   return f"{type(error).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
 
 
@@ -258,8 +258,9 @@ class Checkpointer:
     if not steps:
       raise CheckpointError(f"No checkpoints in {self.directory}")
     raise CheckpointError(
-        f"No usable checkpoint in {self.directory}: every step is damaged ({damaged[-1][1]}). Start over "
-        "with a new --workdir or --config.train.resume=False --config.train.overwrite=True.")
+        f"No usable checkpoint in {self.directory}: every step ({', '.join(str(s) for s, _ in damaged)}) is "
+        "damaged (see the lines above). Start over with a new --workdir or --config.train.resume=False "
+        "--config.train.overwrite=True (the damaged run is moved aside, not deleted).")
 
   def set_aside(self, steps: list[int], reason: str) -> str:
     """Moves step directories to `<workdir>/checkpoints_set_aside/` (process 0)."""
