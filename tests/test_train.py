@@ -138,6 +138,7 @@ def test_unknown_config_keys_are_rejected(config):
     (("train", "min_lr_ratio", 2.0), "train.min_lr_ratio must be"),
     (("train", "steps", 0), "train.steps must be"),
     (("data", "prefetch", -1), "data.prefetch must be"),
+    (("train", "overwrite", True), "train.overwrite must be used with train.resume=False"),
 ])
 def test_bad_run_configs_fail_before_training(config, override, match):
   section, key, value = override

@@ -38,6 +38,8 @@ def validate_train_config(config) -> None:
   _require(t.resume_step is None or t.resume_step >= 0, "train.resume_step", ">= 0 or None", t.resume_step)
   _require(t.resume_step is None or t.resume, "train.resume_step", "unset when train.resume=False",
            t.resume_step)
+  _require(not (t.overwrite and t.resume), "train.overwrite", "used with train.resume=False (it starts over)",
+           t.overwrite)
   _require(d.prefetch >= 0, "data.prefetch", ">= 0 (0: no background reading)", d.prefetch)
   _require(d.worker_count >= 0, "data.worker_count", ">= 0", d.worker_count)
 

@@ -173,16 +173,20 @@ def _check_finite(step: int, metrics: dict[str, float], checkpointer: Checkpoint
   if not bad:
     return
   checkpointer.wait()
+  latest = checkpointer.latest_step()
   message = (f"Training diverged at step {step}: {bad}. No checkpoint was written from this point on; "
-             f"the last good checkpoint is step {checkpointer.latest_step()} in {checkpointer.directory}.")
-  if resumed_step is not None and step - resumed_step <= RECENT_RESUME_STEPS:
+             + (f"the last good checkpoint is step {latest} in {checkpointer.directory}." if latest is not None
+                else f"no checkpoint had been written yet in {checkpointer.directory}."))
+  suspect = resumed_step is not None and step - resumed_step <= RECENT_RESUME_STEPS
+  if suspect:
     older = [s for s in checkpointer.all_steps() if s < resumed_step]
     message += (f" This run resumed from checkpoint step {resumed_step} "
                 f"({checkpointer.step_dir(resumed_step)}) only {step - resumed_step} step(s) earlier: suspect "
                 "that checkpoint first"
                 + (f" and resume from an older one with --config.train.resume_step=N (available: {older})."
                    if older else "."))
-  message += " Otherwise lower train.learning_rate, raise train.warmup_steps or check the data, then resume."
+  message += (" Otherwise l" if suspect else " L") + \
+      "ower train.learning_rate, raise train.warmup_steps or check the data, then resume."
   raise TrainingDivergedError(message)
 
 
