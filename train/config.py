@@ -73,11 +73,11 @@ def base_config() -> ml_collections.ConfigDict:
   t.grad_clip = 1.0
   t.grad_accum_steps = 1
   t.log_every = 10  # >= 1
-  t.eval_every = 200  # 0: never (but eval still runs at the last step if eval_batches > 0)
+  t.eval_every = 200  # 0: only at the last step
   t.eval_batches = 8  # 0: no evaluation at all
   t.checkpoint_every = 200  # 0: only at the last step (and on SIGINT/SIGTERM)
   t.keep_checkpoints = 3
-  t.resume = True  # continue from the latest checkpoint in workdir if there is one
+  t.resume = True  # continue from the newest good checkpoint in workdir if there is one
   # resume=False on a workdir that holds a run is an error unless overwrite=True,
   # which moves the old run to <workdir>.old-<time> (nothing is deleted).
   t.overwrite = False
