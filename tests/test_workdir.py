@@ -362,3 +362,18 @@ def test_every_kept_step_gets_a_manifest(tmp_path, keep):
   for step in kept:
     assert verify_step(os.path.join(directory, str(step))) is None
     assert os.path.exists(os.path.join(directory, str(step), MANIFEST_NAME))
+
+
+def test_model_check_names_changed_keys_and_accepts_keys_added_later_at_their_default(tmp_path):
+  from train.config import base_config
+  from train.workdir import check_model_unchanged
+  config = base_config()
+  saved = json.loads(config.to_json_best_effort())
+  del saved["model"]["sliding_window"]  # as if the run predates this key
+  os.makedirs(tmp_path / "run")
+  with open(tmp_path / "run" / "config.json", "w") as f:
+    json.dump(saved, f)
+  check_model_unchanged(str(tmp_path / "run"), config.model)  # the default: unchanged
+  config.model.sliding_window, config.model.n_layers = 64, 6
+  with pytest.raises(ConfigMismatchError, match=r"model.n_layers: 4 -> 6; model.sliding_window: 0 -> 64"):
+    check_model_unchanged(str(tmp_path / "run"), config.model)

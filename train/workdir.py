@@ -37,6 +37,8 @@ from typing import Any, Mapping
 
 import jax
 
+from train.config import base_config
+
 LOCK_NAME = ".lock"
 CONFIG_NAME = "config.json"
 TOKENIZER_NAME = "tokenizer.json"
@@ -245,17 +247,26 @@ def saved_config(workdir: str) -> dict[str, Any] | None:
     return json.load(f)
 
 
-def check_model_unchanged(workdir: str, model_config: Mapping[str, Any]) -> None:
+def check_model_unchanged(workdir: str, model_config) -> None:
   """Raises ConfigMismatchError (one line listing `model.key: old -> new`) when the
-  workdir's saved config.json has a different model."""
+  workdir's saved config.json has a different model.
+
+  A key the saved config lacks (added to the schema after that run) counts as
+  unchanged when the new value is the schema default, which by convention keeps
+  the old behaviour."""
   saved = saved_config(workdir)
   if saved is None or "model" not in saved:
     return
   old = _flat(saved["model"], "model.")
-  new = _flat(json.loads(json.dumps(model_config.to_dict() if hasattr(model_config, "to_dict")
-                                    else dict(model_config))), "model.")
-  differing = [f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}"
-               for k in sorted(set(old) | set(new)) if old.get(k, "<unset>") != new.get(k, "<unset>")]
+  new = _flat(json.loads(model_config.to_json_best_effort()), "model.")
+  defaults = _flat(json.loads(base_config().model.to_json_best_effort()), "model.")
+  unset = "<unset>"
+  differing = []
+  for key in sorted(set(old) | set(new)):
+    before = old.get(key, defaults.get(key, unset))
+    after = new.get(key, unset)
+    if before != after:
+      differing.append(f"{key}: {before!r} -> {after!r}")
   if differing:
     raise ConfigMismatchError(
         f"The checkpoints in {workdir} were trained with another model config ({'; '.join(differing)}). "
