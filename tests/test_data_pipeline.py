@@ -1,7 +1,10 @@
 """The python_stdlib TFDS corpus and the grain LM pipeline."""
 
+import contextlib
 import copy
 import os
+import shutil
+import time
 
 import numpy as np
 import pytest
@@ -117,13 +120,69 @@ def test_bad_dataset_split_and_corpus(data_config, tmp_path):
     get_builder("no_such_dataset_xyz", str(tmp_path))
   with pytest.raises(ValueError, match="no split 'test'.*available"):
     get_data_source("python_stdlib", "test", data_config.data_dir, data_config.source_dir)
-  empty = tmp_path / "empty"
-  empty.mkdir()
-  (empty / "README.txt").write_text("no python here")
-  with pytest.raises(ValueError, match="corpus would be empty"):
-    get_builder("python_stdlib", str(tmp_path / "tfds"), str(empty))
-  with pytest.raises(ValueError, match="does not exist"):
-    get_builder("python_stdlib", str(tmp_path / "tfds"), str(tmp_path / "missing"))
+
+
+def _tree(root, files):
+  for relative, content in files.items():
+    path = root / relative
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+  return root
+
+
+@pytest.mark.parametrize("files, match", [
+    (None, "does not exist"),
+    ({}, "no .py files: the corpus would be empty"),
+    ({"README.txt": "no python here"}, "no .py files: the corpus would be empty"),
+    ({"only.py": "x = 1\n"}, "only one .py file \\(only.py\\)"),
+    ({"a.py": b"\xff\xfe\x00binary", "b.py": b"\x80\x81"}, "0 usable"),
+    ({"a.py": "x = 1\n", "b.py": b"\x80\x81", "c.py": ""}, "1 usable"),
+])
+def test_bad_corpora_are_one_line_errors_and_leave_no_cache(tmp_path, files, match):
+  source = tmp_path / "src"
+  if files is not None:
+    _tree(source, files) if files else source.mkdir()
+  data_dir = tmp_path / "tfds"
+  with pytest.warns(UserWarning, match="not UTF-8") if files and any(
+      isinstance(v, bytes) for v in files.values()) else contextlib.nullcontext():
+    with pytest.raises(ValueError, match="data.source_dir .*" + match) as error:
+      get_builder("python_stdlib", str(data_dir), str(source))
+  assert "\n" not in str(error.value)
+  assert not os.path.exists(data_dir)  # no (empty) cache folder is left behind
+
+
+def test_corpus_cache_follows_the_directory_contents(tmp_path, small_source_dir):
+  source = tmp_path / "src"
+  shutil.copytree(small_source_dir, source)
+  data_dir = str(tmp_path / "tfds")
+
+  def documents():
+    builder = get_builder("python_stdlib", data_dir, str(source))
+    return builder.builder_config.name, sum(builder.info.splits[s].num_examples for s in ("train", "validation"))
+
+  name, count = documents()
+  assert count == 12 and documents() == (name, count)  # unchanged: the cache is reused
+  (source / "pkg0" / "added.py").write_text("def added():\n    return 1\n")
+  name2, count2 = documents()
+  assert count2 == 13 and name2 != name
+  (source / "pkg0" / "module_0.py").unlink()
+  name3, count3 = documents()
+  assert count3 == 12 and name3 not in (name, name2)
+  (source / "pkg0" / "added.py").write_text("def added():\n    return 2  # edited\n")
+  name4, _ = documents()
+  assert name4 != name3
+  # Old caches are kept (nothing is deleted).
+  assert {name, name2, name3, name4} <= set(os.listdir(os.path.join(data_dir, "python_stdlib")))
+
+
+def test_non_utf8_files_are_reported_and_left_out(tmp_path, small_source_dir):
+  source = tmp_path / "src"
+  shutil.copytree(small_source_dir, source)
+  (source / "latin1.py").write_bytes("# caf\xe9\n".encode("latin-1"))
+  (source / "pkg1" / "blob.py").write_bytes(bytes(range(256)))
+  with pytest.warns(UserWarning, match=r"2 \.py file\(s\) .*not UTF-8.*latin1.py|2 \.py file\(s\) .*pkg1/blob.py"):
+    builder = get_builder("python_stdlib", str(tmp_path / "tfds"), str(source))
+  assert builder.info.splits["train"].num_examples + builder.info.splits["validation"].num_examples == 12
 
 
 def test_real_stdlib_corpus(stdlib_data_dir):
@@ -132,3 +191,30 @@ def test_real_stdlib_corpus(stdlib_data_dir):
   assert splits["train"].num_examples > 1000 and splits["validation"].num_examples > 20
   source = builder.as_data_source("validation")
   assert sum(len(source[i]["text"]) for i in range(len(source))) > 200_000
+
+
+@pytest.mark.parametrize("worker_count", [0, pytest.param(1, marks=pytest.mark.slow)])
+def test_prefetch_keeps_the_batches_and_the_resume_position(data_config, worker_count):
+  if worker_count:
+    from absl import flags
+    if not flags.FLAGS.is_parsed():
+      flags.FLAGS.mark_as_parsed()  # grain's worker processes read absl flags (`python -m train` parses them)
+  def iterator(prefetch):
+    data_config.worker_count = worker_count
+    return make_lm_iterator(data_config, TOKENIZER, split="train", shuffle=True, process_index=0, process_count=1,
+                            prefetch=prefetch)
+
+  plain = iterator(0)
+  expected = [next(plain)["inputs"] for _ in range(12)]
+  plain.close()
+  ahead = iterator(3)
+  for batch in expected[:5]:
+    np.testing.assert_array_equal(next(ahead)["inputs"], batch)
+  time.sleep(0.2)  # let the thread read ahead past the consumed position
+  state = ahead.get_state()
+  ahead.close()
+  resumed = iterator(3)
+  resumed.set_state(state)
+  for batch in expected[5:]:
+    np.testing.assert_array_equal(next(resumed)["inputs"], batch)
+  resumed.close()

@@ -49,11 +49,18 @@ def test_loss_decreases_and_metrics_are_written(config):
   assert result.last_eval_metrics["perplexity"] == pytest.approx(np.exp(result.last_eval_metrics["loss"]))
   evals = read_metrics(os.path.join(config.workdir, "metrics.jsonl"), split="eval")
   assert list(evals) == [40]
+  records = read_metrics(os.path.join(config.workdir, "metrics.jsonl"))
+  assert all(0 <= r["data_wait_s"] < 60 for r in records.values())  # input wait per step, seconds
   assert os.listdir(os.path.join(config.workdir, "tensorboard"))
   assert json.load(open(os.path.join(config.workdir, "config.json")))["model"]["d_model"] == 32
 
 
-def test_interrupted_run_resumes_with_the_same_loss_curve(config, tmp_path):
+@pytest.mark.parametrize("prefetch", [2])
+def test_interrupted_run_resumes_with_the_same_loss_curve(config, tmp_path, prefetch):
+  # A background thread reads batches ahead; the checkpointed iterator state is
+  # still the position of the batches the steps consumed.
+  with config.unlocked():
+    config.data.prefetch = prefetch
   uninterrupted = copy.deepcopy(config)
   with uninterrupted.unlocked():
     uninterrupted.workdir = str(tmp_path / "uninterrupted")
@@ -89,8 +96,10 @@ def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(config):
   train(config)
   with config.unlocked():
     config.train.steps = 8
-    config.train.learning_rate = float("nan")
-  with pytest.raises(TrainingDivergedError, match="step 5.*last good checkpoint is step 4"):
+    config.train.learning_rate = 1e30  # finite, so accepted; the first update blows the weights up
+    config.train.allow_schedule_change = True
+  with pytest.raises(TrainingDivergedError,
+                     match=r"step [56]: .*last good checkpoint is step 4.*resumed from checkpoint step 4"):
     train(config)
   model, params, _, step = load_trained_model(config.workdir)
   assert step == 4
@@ -116,6 +125,20 @@ def test_unknown_config_keys_are_rejected(config):
     (("model", "vocab_size", 100), "smaller than the tokenizer"),
     (("mesh", "data", 3), "does not divide"),
     (("workdir", None, ""), "workdir"),
+    (("train", "log_every", 0), "train.log_every must be >= 1"),
+    (("train", "eval_every", -1), "train.eval_every must be >= 0"),
+    (("train", "checkpoint_every", -5), "train.checkpoint_every must be >= 0"),
+    (("train", "eval_batches", -1), "train.eval_batches must be >= 0"),
+    (("train", "learning_rate", -1e-3), "train.learning_rate must be a finite number > 0"),
+    (("train", "learning_rate", float("nan")), "train.learning_rate must be a finite number > 0"),
+    (("train", "b2", 1.0), r"train.b2 must be in \[0, 1\)"),
+    (("train", "eps", 0.0), "train.eps must be"),
+    (("train", "weight_decay", -0.1), "train.weight_decay must be"),
+    (("train", "grad_clip", 0.0), "train.grad_clip must be"),
+    (("train", "min_lr_ratio", 2.0), "train.min_lr_ratio must be"),
+    (("train", "steps", 0), "train.steps must be"),
+    (("data", "prefetch", -1), "data.prefetch must be"),
+    (("train", "overwrite", True), "train.overwrite must be used with train.resume=False"),
 ])
 def test_bad_run_configs_fail_before_training(config, override, match):
   section, key, value = override
@@ -126,6 +149,14 @@ def test_bad_run_configs_fail_before_training(config, override, match):
       config[section][key] = value
   with pytest.raises(ValueError, match=match):
     train(config)
+
+
+def test_config_help_lists_every_key_with_its_default():
+  from train.config_help import config_help_text
+  text = config_help_text()
+  for line in ("train.learning_rate = 0.0006", "train.overwrite = False", "train.resume_step = None",
+               "data.prefetch = 2", "model.d_model = 256"):
+    assert line in text
 
 
 def test_missing_checkpoints_are_reported(tmp_path, config):

@@ -1,14 +1,31 @@
-"""`python -m train --config=configs/tiny.py --workdir=runs/tiny [--config.key=value ...]`"""
+"""`python -m train --config=configs/tiny.py --workdir=runs/tiny [--config.key=value ...]`
+
+`python -m train --config_help` lists every config key with its default.
+Exit status: 0 done, 1 a clear error (one line; `--traceback` shows the trace),
+130 after SIGINT (Ctrl-C) and 143 after SIGTERM, each once a checkpoint of the
+last finished step is saved.
+"""
+
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from train.checkpointing import CheckpointError
 from train.config import finalize
-from train.trainer import train
+from train.config_help import config_help_text
+from train.signals import TrainingInterrupted
+from train.trainer import TrainingDivergedError, train
+from train.workdir import ConfigMismatchError, WorkdirBusyError, WorkdirNotEmptyError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file in configs/.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics (overrides config.workdir).")
-flags.mark_flags_as_required(["config"])
+_CONFIG_HELP = flags.DEFINE_bool("config_help", False, "Print every config key with its default and exit.")
+_TRACEBACK = flags.DEFINE_bool("traceback", False, "Show the full traceback of an error instead of one line.")
+
+# Errors whose message says what to change: shown as one line.
+_CLEAR_ERRORS = (ValueError, FileNotFoundError, CheckpointError, ConfigMismatchError, WorkdirBusyError,
+                 WorkdirNotEmptyError, TrainingDivergedError)
 
 
 def main(argv):
@@ -20,8 +37,28 @@ def main(argv):
   if _WORKDIR.value:
     with config.unlocked():
       config.workdir = _WORKDIR.value
-  train(finalize(config))
+  try:
+    train(finalize(config))
+  except TrainingInterrupted as e:
+    print(e, file=sys.stderr, flush=True)
+    sys.exit(e.exit_code)
+  except _CLEAR_ERRORS as e:
+    if _TRACEBACK.value:
+      raise
+    print(f"ERROR: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+# `--help` prints this module's docstring first: make it list the config keys too.
+__doc__ = f"{__doc__}\n{config_help_text()}\n"
+
+
+def run():
+  if "--config_help" in sys.argv[1:]:  # before flag parsing, which requires --config
+    print(config_help_text())
+    sys.exit(0)
+  app.run(main)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  run()

@@ -57,6 +57,7 @@ def base_config() -> ml_collections.ConfigDict:
   d.batch_size = 16  # global, in sequences
   d.shuffle_seed = 0
   d.worker_count = 0  # grain worker processes; 0 reads in the main process
+  d.prefetch = 2  # train batches read ahead by a background thread; 0: read on the step's path
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1  # -1: fill with the devices left over
@@ -75,12 +76,19 @@ def base_config() -> ml_collections.ConfigDict:
   t.weight_decay = 0.1
   t.grad_clip = 1.0
   t.grad_accum_steps = 1
-  t.log_every = 10
-  t.eval_every = 200
-  t.eval_batches = 8
-  t.checkpoint_every = 200
+  t.log_every = 10  # >= 1
+  t.eval_every = 200  # 0: only at the last step
+  t.eval_batches = 8  # 0: no evaluation at all
+  t.checkpoint_every = 200  # 0: only at the last step (and on SIGINT/SIGTERM)
   t.keep_checkpoints = 3
-  t.resume = True  # continue from the latest checkpoint in workdir if there is one
+  t.resume = True  # continue from the newest good checkpoint in workdir if there is one
+  # resume=False on a workdir that holds a run is an error unless overwrite=True,
+  # which moves the old run to <workdir>.old-<time> (nothing is deleted).
+  t.overwrite = False
+  t.resume_step = ml_collections.config_dict.placeholder(int)  # None: newest good checkpoint
+  # Resuming with other steps/learning_rate/warmup_steps/min_lr_ratio than the
+  # checkpoint's run changes the LR schedule mid-run: an error unless this is True.
+  t.allow_schedule_change = False
   t.progress_bar = True
   return c
 

@@ -9,12 +9,15 @@ prints the prompt followed by the generated continuation.
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
 from castle_jax.inference import generate
+from train.checkpointing import CheckpointError
 from train.restore import load_trained_model
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (holds config.json and checkpoints/).")
@@ -32,7 +35,11 @@ def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
-  model, params, tokenizer, step = load_trained_model(_WORKDIR.value, _STEP.value)
+  try:
+    model, params, tokenizer, step = load_trained_model(_WORKDIR.value, _STEP.value)
+  except (FileNotFoundError, ValueError, CheckpointError) as e:
+    print(f"ERROR: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
   prompt = np.concatenate([[tokenizer.bos_id], tokenizer.encode(_PROMPT.value)]).astype(np.int32)
   tokens = generate(model, params, jnp.asarray(prompt)[None], max_new_tokens=_MAX_NEW.value,
                     rng=jax.random.key(_SEED.value), temperature=_TEMPERATURE.value, top_k=_TOP_K.value,

@@ -1,4 +1,4 @@
-"""Metrics sinks: stdout, a JSONL file and TensorBoard event files."""
+"""Metrics: a throughput window, the console/JSONL/TensorBoard sinks."""
 
 from __future__ import annotations
 
@@ -14,7 +14,10 @@ class MetricsWriter:
   """Writes scalar metrics from process 0; other processes write nothing.
 
   Files: `<workdir>/metrics.jsonl` (one JSON object per line with "step", "split"
-  and the scalars) and TensorBoard events under `<workdir>/tensorboard/`.
+  and the scalars, line-buffered) and TensorBoard events under
+  `<workdir>/tensorboard/`, flushed at every `write` so a killed run loses nothing
+  that was logged. `close()` (always call it, e.g. in a `finally`) stops the
+  event writer's thread before the interpreter shuts down.
   """
 
   def __init__(self, workdir: str, *, tensorboard: bool = True):
@@ -27,7 +30,7 @@ class MetricsWriter:
     self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", buffering=1)
     if tensorboard:
       from tensorboardX import SummaryWriter  # imported here: only process 0 writes events
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), flush_secs=5)
 
   def write(self, step: int, split: str, scalars: Mapping[str, float]) -> None:
     if not self.enabled:
@@ -37,12 +40,65 @@ class MetricsWriter:
     if self._tb is not None:
       for key, value in scalars.items():
         self._tb.add_scalar(f"{split}/{key}", float(value), int(step))
+      self._tb.flush()
 
   def close(self) -> None:
     if self._jsonl is not None:
       self._jsonl.close()
+      self._jsonl = None
     if self._tb is not None:
       self._tb.close()
+      self._tb = None
+
+
+class ThroughputWindow:
+  """Tokens/s, MFU and input wait over the steps since the last log.
+
+  `add(tokens, data_wait_s)` per step (once its metrics are on the host);
+  `pause()`/`resume()` around work that is not training (eval); `summary()`
+  then `reset()` at each log step.
+  """
+
+  def __init__(self, flops_per_token: float, peak_flops: float | None, device_count: int):
+    self._flops_per_token = flops_per_token
+    self._peak_total = peak_flops * device_count if peak_flops else None
+    self.reset()
+
+  def reset(self) -> None:
+    self._start = time.perf_counter()
+    self._paused = 0.0
+    self._tokens = 0.0
+    self._data_wait = 0.0
+    self._steps = 0
+
+  def add(self, tokens: float, data_wait_s: float) -> None:
+    self._tokens += tokens
+    self._data_wait += data_wait_s
+    self._steps += 1
+
+  def exclude(self, seconds: float) -> None:
+    """Takes `seconds` (eval, checkpoint waits) out of the window's elapsed time."""
+    self._paused += seconds
+
+  def summary(self) -> dict[str, float]:
+    elapsed = max(time.perf_counter() - self._start - self._paused, 1e-9)
+    out = {"tokens_per_sec": self._tokens / elapsed,
+           "data_wait_s": self._data_wait / max(self._steps, 1)}
+    if self._peak_total is not None:
+      out["mfu"] = out["tokens_per_sec"] * self._flops_per_token / self._peak_total
+    return out
+
+
+def format_train_line(step: int, record: Mapping[str, float]) -> str:
+  return (f"step {step:6d} | loss {record['loss']:.4f} | grad_norm {record['grad_norm']:.3f} | "
+          f"lr {record['learning_rate']:.2e} | {record['tokens_per_sec']:.0f} tok/s"
+          + (f" | MFU {record['mfu']:.1%}" if "mfu" in record else "")
+          + f" | data wait {record['data_wait_s'] * 1e3:.1f} ms/step")
+
+
+def format_eval_line(step: int, record: Mapping[str, float]) -> str:
+  return (f"step {step:6d} | eval loss {record['loss']:.4f} | ppl {record['perplexity']:.2f} | "
+          f"{record['bits_per_byte']:.4f} bits/byte")
 
 
 def read_metrics(path: str, split: str = "train") -> dict[int, dict]:

@@ -1,34 +1,52 @@
-"""The training loop: sharded state, jitted step, eval, metrics, Orbax checkpoints."""
+"""The training loop: sharded state, jitted step, eval, metrics, Orbax checkpoints.
+
+`train(config)` is four pieces, each with one job:
+  `build_run`        validate the config and build model, tokenizer, mesh, optimizer
+                     (touches no file);
+  `open_workdir`     lock the workdir and apply the resume/overwrite rules;
+  `restore_or_init`  the train state and data position (newest good checkpoint or
+                     fresh), after which config.json is written;
+  `run_loop`         the steps, with `StepLogger` (metrics, console) and the
+                     `ThroughputWindow` (tokens/s, MFU, input wait).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-import json
 import math
 import os
+import sys
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import tqdm
 
 from castle_jax.data.pipeline import make_lm_iterator
 from castle_jax.data.tokenizer import Tokenizer, load_tokenizer
 from castle_jax.models import ModelConfig, build_model, training_flops_per_token
 from castle_jax.sharding import LOGICAL_AXIS_RULES
+from train import workdir as workdir_lib
 from train.checkpointing import Checkpointer
 from train.config import validate_keys
 from train.mesh import data_parallel_size, make_mesh
-from train.metrics import MetricsWriter
+from train.metrics import MetricsWriter, ThroughputWindow, format_eval_line, format_train_line
 from train.optimizer import make_optimizer
+from train.run_checks import check_schedule_unchanged, validate_train_config
+from train.signals import StopSignals, TrainingInterrupted
 from train.state import TrainState, init_train_state, state_shardings
 from train.step import eval_step, jit_train_step
 from train.throughput import peak_flops_per_device
+
+# A divergence this many steps after a resume points at the restored checkpoint.
+RECENT_RESUME_STEPS = 20
 
 
 class TrainingDivergedError(FloatingPointError):
@@ -40,6 +58,22 @@ class TrainResult:
   state: TrainState
   last_train_metrics: dict[str, float]
   last_eval_metrics: dict[str, float]
+
+
+@dataclasses.dataclass
+class Run:
+  """Everything built from the config before any file is touched."""
+
+  config: ml_collections.ConfigDict
+  workdir: str
+  model_config: ModelConfig
+  model: nn.Module
+  tokenizer: Tokenizer
+  mesh: jax.sharding.Mesh
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+  batch_sharding: jax.sharding.NamedSharding
+  flops_per_token: float
 
 
 def _validate_batching(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> None:
@@ -58,18 +92,102 @@ def _validate_batching(config: ml_collections.ConfigDict, mesh: jax.sharding.Mes
     raise ValueError(f"data.batch_size ({d.batch_size}) must be divisible by the {jax.process_count()} processes")
 
 
+def build_run(config: ml_collections.ConfigDict) -> Run:
+  """Validates `config` and builds what the run needs; writes nothing."""
+  validate_keys(config)
+  if not config.workdir:
+    raise ValueError("config.workdir is empty: pass --workdir=DIR (checkpoints and metrics go there)")
+  validate_train_config(config)
+  model_config = ModelConfig.from_mapping(config.model)
+  tokenizer = load_tokenizer(config.data.tokenizer)
+  if model_config.vocab_size < tokenizer.vocab_size:
+    raise ValueError(
+        f"model.vocab_size ({model_config.vocab_size}) is smaller than the tokenizer's vocabulary "
+        f"({tokenizer.vocab_size}); raise model.vocab_size")
+  mesh = make_mesh(config.mesh)
+  _validate_batching(config, mesh)
+  model = build_model(model_config)
+  tx, schedule = make_optimizer(config.train)
+  batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"), None))
+  return Run(config=config, workdir=os.path.abspath(config.workdir), model_config=model_config, model=model,
+             tokenizer=tokenizer, mesh=mesh, tx=tx, schedule=schedule, batch_sharding=batch_sharding,
+             flops_per_token=training_flops_per_token(model_config, config.data.seq_len))
+
+
+def open_workdir(run: Run) -> tuple[workdir_lib.WorkdirLock | None, Checkpointer]:
+  """Takes the workdir lock (process 0) and applies the resume/overwrite rules;
+  when resuming, checks the model and schedule against the saved config.json
+  before Orbax reads anything. Returns (lock, checkpointer)."""
+  t = run.config.train
+  lock = workdir_lib.acquire_lock(run.workdir)
+  checkpointer = None
+  try:
+    moved = workdir_lib.claim_for_fresh_run(run.workdir, resume=t.resume, overwrite=t.overwrite)
+    if moved:
+      _print(f"train.overwrite=True: moved the previous run in {run.workdir} to {moved}")
+    checkpointer = Checkpointer(os.path.join(run.workdir, "checkpoints"), keep=t.keep_checkpoints)
+    if t.resume and checkpointer.all_steps():
+      workdir_lib.check_model_unchanged(run.workdir, run.config.model)
+      workdir_lib.check_tokenizer_unchanged(run.workdir, run.config.data.tokenizer)
+      changed = check_schedule_unchanged(workdir_lib.saved_config(run.workdir), run.config, run.workdir)
+      if changed:
+        _print(f"WARNING: {'!' * 60}\nWARNING: the learning-rate schedule changes at the resumed step "
+               f"({'; '.join(changed)}; train.allow_schedule_change=True)\nWARNING: {'!' * 60}")
+    elif t.resume_step is not None:
+      raise ValueError(f"train.resume_step={t.resume_step} but there are no checkpoints in {checkpointer.directory}")
+  except BaseException:
+    try:
+      if checkpointer is not None:
+        checkpointer.close()
+    finally:
+      if lock is not None:
+        lock.release()
+    raise
+  return lock, checkpointer
+
+
+def restore_or_init(run: Run, checkpointer: Checkpointer, abstract_state: TrainState, shardings: TrainState,
+                    train_iter) -> tuple[TrainState, int | None]:
+  """(state, the checkpoint step resumed from or None); restores `train_iter` in place."""
+  t = run.config.train
+  if t.resume and checkpointer.all_steps():
+    state, step, _ = checkpointer.restore_good(abstract_state, train_iter, step=t.resume_step, log=_print)
+    _print(f"Resumed from step {step} in {checkpointer.directory}")
+    return state, step
+  return init_train_state(run.model, run.tx, jax.random.key(run.config.seed), run.config.data.seq_len,
+                          shardings), None
+
+
+def _print(text: str) -> None:
+  if jax.process_index() == 0:
+    print(text, file=sys.stderr, flush=True)
+
+
 def _global_batch(local_batch: dict[str, np.ndarray], sharding: jax.sharding.NamedSharding):
   return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local_batch.items()}
 
 
-def _check_finite(step: int, metrics: dict[str, float], checkpointer: Checkpointer) -> None:
+def _check_finite(step: int, metrics: dict[str, float], checkpointer: Checkpointer,
+                  resumed_step: int | None) -> None:
   bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
-  if bad:
-    checkpointer.wait()
-    raise TrainingDivergedError(
-        f"Training diverged at step {step}: {bad}. No checkpoint was written from this point on; "
-        f"the last good checkpoint is step {checkpointer.latest_step()} in {checkpointer.directory}. "
-        "Lower train.learning_rate, raise train.warmup_steps or check the data, then resume.")
+  if not bad:
+    return
+  checkpointer.wait()
+  latest = checkpointer.latest_step()
+  message = (f"Training diverged at step {step}: {bad}. No checkpoint was written from this point on; "
+             + (f"the last good checkpoint is step {latest} in {checkpointer.directory}." if latest is not None
+                else f"no checkpoint had been written yet in {checkpointer.directory}."))
+  suspect = resumed_step is not None and step - resumed_step <= RECENT_RESUME_STEPS
+  if suspect:
+    older = [s for s in checkpointer.all_steps() if s < resumed_step]
+    message += (f" This run resumed from checkpoint step {resumed_step} "
+                f"({checkpointer.step_dir(resumed_step)}) only {step - resumed_step} step(s) earlier: suspect "
+                "that checkpoint first"
+                + (f" and resume from an older one with --config.train.resume_step=N (available: {older})."
+                   if older else "."))
+  message += (" Otherwise l" if suspect else " L") + \
+      "ower train.learning_rate, raise train.warmup_steps or check the data, then resume."
+  raise TrainingDivergedError(message)
 
 
 def evaluate(params, eval_fn: Callable, config: ml_collections.ConfigDict, tokenizer: Tokenizer,
@@ -78,15 +196,126 @@ def evaluate(params, eval_fn: Callable, config: ml_collections.ConfigDict, token
   read from the start of the eval split (the same batches every time)."""
   iterator = make_lm_iterator(config.data, tokenizer, split=config.data.eval_split, shuffle=False)
   totals = {"nll_sum": 0.0, "tokens": 0.0, "bytes": 0.0}
-  for _ in range(config.train.eval_batches):
-    sums = jax.device_get(eval_fn(params, _global_batch(next(iterator), batch_sharding)))
-    totals = {k: totals[k] + float(sums[k]) for k in totals}
+  try:
+    for _ in range(config.train.eval_batches):
+      sums = jax.device_get(eval_fn(params, _global_batch(next(iterator), batch_sharding)))
+      totals = {k: totals[k] + float(sums[k]) for k in totals}
+  finally:
+    iterator.close()
   loss = totals["nll_sum"] / max(totals["tokens"], 1.0)
   return {
       "loss": loss,
       "perplexity": math.exp(min(loss, 80.0)),
       "bits_per_byte": totals["nll_sum"] / math.log(2) / max(totals["bytes"], 1.0),
   }
+
+
+class StepLogger:
+  """Fetches the pending step metrics at log steps, checks them, adds throughput
+  and writes them to metrics.jsonl, TensorBoard and the console."""
+
+  def __init__(self, run: Run, writer: MetricsWriter, checkpointer: Checkpointer, start_step: int,
+               resumed_step: int | None):
+    t = run.config.train
+    self._writer, self._checkpointer, self._resumed_step = writer, checkpointer, resumed_step
+    self._is_main = jax.process_index() == 0
+    self._window = ThroughputWindow(run.flops_per_token, peak_flops_per_device(), jax.device_count())
+    self._pending: list[tuple[int, Any, float]] = []  # (step, metrics on device, data wait s)
+    self.progress = tqdm.tqdm(total=t.steps, initial=start_step, disable=not (t.progress_bar and self._is_main),
+                              unit="step", dynamic_ncols=True)
+
+  def add(self, step: int, metrics: Any, data_wait_s: float) -> None:
+    self._pending.append((step, metrics, data_wait_s))
+
+  def has_pending(self) -> bool:
+    return bool(self._pending)
+
+  def log_train(self, step: int) -> dict[str, float]:
+    fetched = jax.device_get([m for _, m, _ in self._pending])
+    record = {}
+    for (s, _, wait), m in zip(self._pending, fetched):
+      record = {k: float(v) for k, v in m.items()}
+      _check_finite(s, record, self._checkpointer, self._resumed_step)
+      self._window.add(record["tokens"], wait)
+    self._pending = []
+    record.update(self._window.summary())
+    self._window.reset()
+    self._writer.write(step, "train", record)
+    self.progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_sec']:.0f}")
+    if self._is_main:
+      self.progress.write(format_train_line(step, record))
+    return record
+
+  def log_eval(self, step: int, record: dict[str, float], seconds: float) -> None:
+    self._window.exclude(seconds)  # eval time is not training throughput
+    self._writer.write(step, "eval", record)
+    if self._is_main:
+      self.progress.write(format_eval_line(step, record))
+
+  def close(self) -> None:
+    self.progress.close()
+
+
+def _agreed_stop(stop: StopSignals, log_step: bool) -> int | None:
+  """The stop signal to act on now. With several processes they must stop at the
+  same step (checkpoint saves are collective), so they agree at log steps: any
+  process's signal stops all of them."""
+  if jax.process_count() == 1:
+    return stop.requested
+  if not log_step:
+    return None
+  from jax.experimental import multihost_utils
+  signum = int(np.max(multihost_utils.process_allgather(np.int32(stop.requested or 0))))
+  return signum or None
+
+
+def run_loop(run: Run, state: TrainState, shardings: TrainState, train_iter, checkpointer: Checkpointer,
+             writer: MetricsWriter, resumed_step: int | None, stop: StopSignals,
+             after_step: Callable[[int], None] | None) -> TrainResult:
+  """Steps from the state's step to `train.steps`: fetch, step, log, eval, save."""
+  config, t = run.config, run.config.train
+  start_step = int(jax.device_get(state.step))
+  step_fn = jit_train_step(model=run.model, tx=run.tx, schedule=run.schedule, pad_id=run.tokenizer.pad_id,
+                           grad_accum_steps=t.grad_accum_steps, state_shardings=shardings,
+                           batch_sharding=run.batch_sharding)
+  eval_fn = jax.jit(functools.partial(
+      eval_step, model=run.model, pad_id=run.tokenizer.pad_id,
+      token_byte_lengths=jnp.asarray(run.tokenizer.token_byte_lengths, jnp.float32)))
+  logger = StepLogger(run, writer, checkpointer, start_step, resumed_step)
+  last_train, last_eval = {}, {}
+  try:
+    for step in range(start_step + 1, t.steps + 1):
+      # The previous step is still running on the device while the host reads this batch.
+      fetch_start = time.perf_counter()
+      batch = _global_batch(next(train_iter), run.batch_sharding)
+      data_wait = time.perf_counter() - fetch_start
+      state, metrics = step_fn(state, batch)
+      logger.add(step, metrics, data_wait)
+      is_last = step == t.steps
+      save_now = is_last or (t.checkpoint_every > 0 and step % t.checkpoint_every == 0)
+      log_now = step % t.log_every == 0 or save_now or step == start_step + 1
+      if log_now:
+        last_train = logger.log_train(step)
+      if t.eval_batches > 0 and (is_last or (t.eval_every > 0 and step % t.eval_every == 0)):
+        eval_start = time.perf_counter()
+        last_eval = evaluate(state.params, eval_fn, config, run.tokenizer, run.batch_sharding)
+        logger.log_eval(step, last_eval, time.perf_counter() - eval_start)
+      if save_now:
+        checkpointer.save(step, state, train_iter)
+      logger.progress.update(1)
+      if after_step is not None:
+        after_step(step)
+      signum = _agreed_stop(stop, log_now)
+      if signum is not None:  # SIGINT/SIGTERM: keep this step (if finite), then stop
+        if logger.has_pending():
+          last_train = logger.log_train(step)
+        if not save_now:
+          checkpointer.save(step, state, train_iter)
+        checkpointer.wait()
+        raise TrainingInterrupted(signum, step, checkpointer.directory)
+  finally:
+    logger.close()
+  return TrainResult(state, last_train, last_eval)
 
 
 def train(config: ml_collections.ConfigDict, *,
@@ -100,97 +329,34 @@ def train(config: ml_collections.ConfigDict, *,
 
   Returns:
     The final state and the last train/eval metrics.
+
+  Raises:
+    TrainingInterrupted: on SIGINT/SIGTERM, after saving a checkpoint.
+    TrainingDivergedError, CheckpointError, WorkdirBusyError, WorkdirNotEmptyError,
+    ConfigMismatchError, ValueError: with a message naming the setting to change.
   """
-  validate_keys(config)
-  if not config.workdir:
-    raise ValueError("config.workdir is empty: pass --workdir=DIR (checkpoints and metrics go there)")
-  workdir = os.path.abspath(config.workdir)
-  os.makedirs(workdir, exist_ok=True)
-  t = config.train
-
-  model_config = ModelConfig.from_mapping(config.model)
-  tokenizer = load_tokenizer(config.data.tokenizer)
-  if model_config.vocab_size < tokenizer.vocab_size:
-    raise ValueError(
-        f"model.vocab_size ({model_config.vocab_size}) is smaller than the tokenizer's vocabulary "
-        f"({tokenizer.vocab_size}); raise model.vocab_size")
-  mesh = make_mesh(config.mesh)
-  _validate_batching(config, mesh)
-  model = build_model(model_config)
-  tx, schedule = make_optimizer(t)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2))
-
-  batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"), None))
-  flops_per_token = training_flops_per_token(model_config, config.data.seq_len)
-  peak = peak_flops_per_device()
-  writer = MetricsWriter(workdir)
-  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
-  is_main = jax.process_index() == 0
-
-  with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
-    abstract_state, shardings = state_shardings(model, tx, mesh, config.data.seq_len)
-    train_iter = make_lm_iterator(config.data, tokenizer, split=config.data.train_split, shuffle=True)
-    latest = checkpointer.latest_step() if t.resume else None
-    if latest is not None:
-      state = checkpointer.restore(latest, abstract_state, train_iter)
-      if is_main:
-        print(f"Resumed from step {latest} in {checkpointer.directory}", flush=True)
-    else:
-      state = init_train_state(model, tx, jax.random.key(config.seed), config.data.seq_len, shardings)
-    start_step = int(jax.device_get(state.step))
-
-    step_fn = jit_train_step(model=model, tx=tx, schedule=schedule, pad_id=tokenizer.pad_id,
-                             grad_accum_steps=t.grad_accum_steps, state_shardings=shardings,
-                             batch_sharding=batch_sharding)
-    eval_fn = jax.jit(functools.partial(
-        eval_step, model=model, pad_id=tokenizer.pad_id,
-        token_byte_lengths=jnp.asarray(tokenizer.token_byte_lengths, jnp.float32)))
-
-    progress = tqdm.tqdm(total=t.steps, initial=start_step, disable=not (t.progress_bar and is_main),
-                         unit="step", dynamic_ncols=True)
-    pending: list[tuple[int, dict]] = []  # metrics still on device, fetched at log/checkpoint steps
-    last_train, last_eval = {}, {}
-    window_start, window_tokens = time.perf_counter(), 0.0
+  run = build_run(config)
+  lock, checkpointer = open_workdir(run)
+  writer = train_iter = None
+  try:
+    with contextlib.ExitStack() as stack:
+      stop = stack.enter_context(StopSignals())
+      stack.enter_context(jax.set_mesh(run.mesh))
+      stack.enter_context(nn.logical_axis_rules(LOGICAL_AXIS_RULES))
+      abstract_state, shardings = state_shardings(run.model, run.tx, run.mesh, config.data.seq_len)
+      train_iter = make_lm_iterator(config.data, run.tokenizer, split=config.data.train_split, shuffle=True,
+                                    prefetch=config.data.prefetch)
+      state, resumed_step = restore_or_init(run, checkpointer, abstract_state, shardings, train_iter)
+      workdir_lib.write_run_files(run.workdir, config)
+      writer = MetricsWriter(run.workdir)
+      return run_loop(run, state, shardings, train_iter, checkpointer, writer, resumed_step, stop, after_step)
+  finally:
     try:
-      for step in range(start_step + 1, t.steps + 1):
-        state, metrics = step_fn(state, _global_batch(next(train_iter), batch_sharding))
-        pending.append((step, metrics))
-        is_last = step == t.steps
-        save_now = step % t.checkpoint_every == 0 or is_last
-        if step % t.log_every == 0 or save_now or is_last or step == start_step + 1:
-          fetched = jax.device_get(pending)
-          pending = []
-          for s, m in fetched:
-            m = {k: float(v) for k, v in m.items()}
-            _check_finite(s, m, checkpointer)
-            window_tokens += m["tokens"]
-          elapsed = time.perf_counter() - window_start
-          last_train = dict(m)
-          last_train["tokens_per_sec"] = window_tokens / elapsed
-          if peak is not None:
-            last_train["mfu"] = last_train["tokens_per_sec"] * flops_per_token / (peak * jax.device_count())
-          writer.write(step, "train", last_train)
-          progress.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{last_train['tokens_per_sec']:.0f}")
-          if is_main:
-            progress.write(f"step {step:6d} | loss {m['loss']:.4f} | grad_norm {m['grad_norm']:.3f} | "
-                           f"lr {m['learning_rate']:.2e} | {last_train['tokens_per_sec']:.0f} tok/s"
-                           + (f" | MFU {last_train['mfu']:.1%}" if "mfu" in last_train else ""))
-          window_start, window_tokens = time.perf_counter(), 0.0
-        if step % t.eval_every == 0 or is_last:
-          last_eval = evaluate(state.params, eval_fn, config, tokenizer, batch_sharding)
-          writer.write(step, "eval", last_eval)
-          if is_main:
-            progress.write(f"step {step:6d} | eval loss {last_eval['loss']:.4f} | "
-                           f"ppl {last_eval['perplexity']:.2f} | {last_eval['bits_per_byte']:.4f} bits/byte")
-          window_start = time.perf_counter()  # eval time is not training throughput
-        if save_now:
-          checkpointer.save(step, state, train_iter)
-        progress.update(1)
-        if after_step is not None:
-          after_step(step)
-    finally:
-      progress.close()
+      if train_iter is not None:
+        train_iter.close()
       checkpointer.close()
-      writer.close()
-  return TrainResult(state, last_train, last_eval)
+      if writer is not None:
+        writer.close()
+    finally:
+      if lock is not None:
+        lock.release()

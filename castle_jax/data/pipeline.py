@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 from typing import Any
 
 import grain
@@ -44,6 +45,8 @@ def get_builder(dataset: str, data_dir: str | None = None, source_dir: str | Non
     # The built-in config is passed by name; TFDS rejects an equal-named new instance.
     config = python_stdlib.directory_config(source_dir) if source_dir else python_stdlib.stdlib_config().name
     builder = python_stdlib.PythonStdlib(config=config, data_dir=data_dir, file_format="array_record")
+    _prepare_or_clean_up(builder, os.path.join(data_dir, "python_stdlib", builder.builder_config.name))
+    return builder
   else:
     if source_dir:
       raise ValueError(f"data.source_dir only applies to dataset 'python_stdlib', not {dataset!r}")
@@ -55,6 +58,32 @@ def get_builder(dataset: str, data_dir: str | None = None, source_dir: str | Non
           "or the name of a TFDS dataset.") from e
   builder.download_and_prepare()
   return builder
+
+
+def _prepare_or_clean_up(builder, cache_dir: str) -> None:
+  """Builds the dataset; a failed build removes the folders that this attempt
+  created and that hold nothing else (the config's cache folder, TFDS's
+  bookkeeping), so no empty cache is left to be mistaken for a corpus."""
+  dataset_dir = os.path.dirname(cache_dir)
+  data_dir = os.path.dirname(dataset_dir)
+  downloads = os.path.join(data_dir, "downloads")
+  existed = {p: os.path.exists(p) for p in (cache_dir, dataset_dir, downloads, data_dir)}
+  try:
+    builder.download_and_prepare()
+  except BaseException:
+    def only(path, allowed):
+      return all(name in allowed for name in os.listdir(path))
+    if not existed[cache_dir]:
+      shutil.rmtree(cache_dir, ignore_errors=True)
+    if not existed[dataset_dir] and os.path.isdir(dataset_dir) and only(dataset_dir, {".config"}):
+      shutil.rmtree(dataset_dir, ignore_errors=True)
+    if not existed[downloads] and os.path.isdir(downloads) and only(downloads, {"extracted"}) and not any(
+        os.scandir(os.path.join(downloads, "extracted")) if os.path.isdir(os.path.join(downloads, "extracted"))
+        else ()):
+      shutil.rmtree(downloads, ignore_errors=True)
+    if not existed[data_dir] and os.path.isdir(data_dir) and not os.listdir(data_dir):
+      os.rmdir(data_dir)
+    raise
 
 
 def get_data_source(dataset: str, split: str, data_dir: str | None = None, source_dir: str | None = None):
@@ -85,7 +114,8 @@ def _to_inputs_and_targets(batch: dict[str, np.ndarray], *, pad_id: int) -> dict
 
 
 def make_lm_dataset(data_config, tokenizer: Tokenizer, *, split: str, shuffle: bool,
-                    process_index: int | None = None, process_count: int | None = None) -> grain.IterDataset:
+                    process_index: int | None = None, process_count: int | None = None,
+                    prefetch: int = 0) -> grain.IterDataset:
   """The packed, batched dataset of one split, for this process.
 
   Args:
@@ -95,6 +125,9 @@ def make_lm_dataset(data_config, tokenizer: Tokenizer, *, split: str, shuffle: b
     split: TFDS split name.
     shuffle: shuffle documents (reshuffled every epoch); eval streams keep file order.
     process_index, process_count: this process's shard (default: from jax).
+    prefetch: batches a background thread reads ahead (0: none). The iterator's
+      state still records the position of the batches handed out, so a checkpoint
+      resumes exactly where the consumer was.
 
   Yields:
     {"inputs": int32 [batch_size // process_count, seq_len],
@@ -122,11 +155,14 @@ def make_lm_dataset(data_config, tokenizer: Tokenizer, *, split: str, shuffle: b
   batched = batched.map(functools.partial(_to_inputs_and_targets, pad_id=tokenizer.pad_id))
   if d.worker_count > 0:
     batched = batched.mp_prefetch(grain.MultiprocessingOptions(num_workers=d.worker_count))
+  if prefetch > 0:
+    batched = grain.experimental.ThreadPrefetchIterDataset(batched, prefetch_buffer_size=prefetch)
   return batched
 
 
 def make_lm_iterator(data_config, tokenizer: Tokenizer, *, split: str, shuffle: bool,
-                     process_index: int | None = None, process_count: int | None = None):
-  """A checkpointable iterator (get_state/set_state) over `make_lm_dataset`."""
+                     process_index: int | None = None, process_count: int | None = None, prefetch: int = 0):
+  """A checkpointable iterator (get_state/set_state) over `make_lm_dataset`; call
+  its `close()` when done (it stops a prefetch thread or worker processes)."""
   return iter(make_lm_dataset(data_config, tokenizer, split=split, shuffle=shuffle,
-                              process_index=process_index, process_count=process_count))
+                              process_index=process_index, process_count=process_count, prefetch=prefetch))

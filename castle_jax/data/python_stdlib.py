@@ -4,8 +4,12 @@ standard library (or of any directory), as long real documents.
 It is present on every machine, so the default training corpus needs no download.
 Contents differ between Python versions, so the builder config is named after the
 version (e.g. `py3_12`); a directory given by `data.source_dir` gets a config
-named after a hash of its absolute path. The split is by a hash of each file's
-relative path: stable across machines and runs, ~5% validation.
+named after a hash of its absolute path and of its contents (every .py file's
+relative path, size and modification time), so adding, deleting or editing a file
+builds a new cache (the old one stays in data_dir; nothing is deleted). The split
+is by a hash of each file's relative path: stable across machines and runs, ~5%
+validation; a corpus needs at least 2 usable files so that each split gets one.
+Files that are not UTF-8 text are left out with a warning naming them.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import hashlib
 import os
 import sys
 import sysconfig
+import warnings
 
 import tensorflow_datasets as tfds
 
@@ -36,16 +41,37 @@ def stdlib_config() -> PythonSourceConfig:
       description=f"Python {major}.{minor} standard library sources")
 
 
+def contents_key(source_dir: str, paths: list[str]) -> str:
+  """A hash of the directory and of each file's relative path, size and mtime."""
+  digest = hashlib.sha256(os.path.abspath(source_dir).encode())
+  for relative in paths:
+    stat = os.stat(os.path.join(source_dir, relative))
+    digest.update(f"\0{relative}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+  return digest.hexdigest()[:16]
+
+
 def directory_config(source_dir: str) -> PythonSourceConfig:
+  """The builder config of a directory's corpus, named after its contents.
+
+  Raises ValueError (naming data.source_dir) when the directory is missing or
+  has fewer than 2 .py files, before any cache folder is created."""
   source_dir = os.path.abspath(source_dir)
-  digest = hashlib.sha256(source_dir.encode()).hexdigest()[:12]
-  return PythonSourceConfig(name=f"dir_{digest}", source_dir=source_dir, description=f".py files under {source_dir}")
+  paths = list_source_files(source_dir)
+  if not paths:
+    raise ValueError(f"data.source_dir {source_dir!r} has no .py files: the corpus would be empty")
+  if len(paths) < 2:
+    raise ValueError(
+        f"data.source_dir {source_dir!r} has only one .py file ({paths[0]}): the train and validation "
+        "splits need at least one document each; add more .py files")
+  return PythonSourceConfig(name=f"dir_{contents_key(source_dir, paths)}", source_dir=source_dir,
+                            description=f".py files under {source_dir}")
 
 
 def list_source_files(source_dir: str) -> list[str]:
   """Relative paths of the .py files under source_dir, sorted."""
   if not os.path.isdir(source_dir):
-    raise ValueError(f"Corpus directory {source_dir!r} does not exist (data.source_dir)")
+    kind = "is not a directory" if os.path.exists(source_dir) else "does not exist"
+    raise ValueError(f"data.source_dir {source_dir!r} {kind}")
   found = []
   for root, dirs, files in os.walk(source_dir):
     dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_DIRS)
@@ -85,18 +111,37 @@ class PythonStdlib(tfds.core.GeneratorBasedBuilder):
 
   def _split_generators(self, dl_manager):
     del dl_manager  # nothing to download
-    paths = list_source_files(self.builder_config.source_dir)
-    if not paths:
-      raise ValueError(f"No .py files under {self.builder_config.source_dir!r}: the corpus would be empty")
+    source_dir = self.builder_config.source_dir
+    paths, unreadable = usable_source_files(source_dir)
+    if unreadable:
+      warnings.warn(
+          f"{len(unreadable)} .py file(s) under {source_dir} are not UTF-8 text or cannot be read and are left "
+          f"out of the corpus: {', '.join(unreadable[:5])}{', ...' if len(unreadable) > 5 else ''}")
+    if len(paths) < 2:
+      raise ValueError(
+          f"data.source_dir {source_dir!r} has {len(paths)} usable (non-empty UTF-8) .py file(s): the train and "
+          "validation splits need at least one document each")
     train, validation = split_files(paths)
     return {"train": self._generate_examples(train), "validation": self._generate_examples(validation)}
 
   def _generate_examples(self, paths):
     for relative in paths:
-      try:
-        with open(os.path.join(self.builder_config.source_dir, relative), encoding="utf-8") as f:
-          text = f.read()
-      except (UnicodeDecodeError, OSError):
-        continue  # a few stdlib test files are deliberately not UTF-8
-      if text:
-        yield relative, {"text": text, "path": relative}
+      with open(os.path.join(self.builder_config.source_dir, relative), encoding="utf-8") as f:
+        yield relative, {"text": f.read(), "path": relative}
+
+
+def usable_source_files(source_dir: str) -> tuple[list[str], list[str]]:
+  """(non-empty UTF-8 .py files, files that are not UTF-8 or cannot be read), relative paths.
+
+  Empty files (e.g. `__init__.py`) are neither: they hold no text."""
+  usable, unreadable = [], []
+  for relative in list_source_files(source_dir):
+    try:
+      with open(os.path.join(source_dir, relative), encoding="utf-8") as f:
+        text = f.read()
+    except (UnicodeDecodeError, OSError):
+      unreadable.append(relative)  # a few stdlib test files are deliberately not UTF-8
+      continue
+    if text:
+      usable.append(relative)
+  return usable, unreadable
