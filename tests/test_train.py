@@ -167,3 +167,21 @@ def test_missing_checkpoints_are_reported(tmp_path, config):
     f.write(config.to_json())
   with pytest.raises(FileNotFoundError, match="No checkpoints"):
     load_trained_model(config.workdir)
+
+
+def test_eval_step_in_microbatches_sums_the_same():
+  import functools
+  import jax.numpy as jnp
+  from castle_jax.models import ModelConfig, build_model
+  from train.step import eval_step
+
+  model = build_model(ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, dtype="float32"))
+  tokens = jax.random.randint(jax.random.key(0), (4, 9), 0, 31).at[3, 5:].set(31)  # 4 PAD targets in one row
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+  params = model.init(jax.random.key(1), batch["inputs"])["params"]
+  run = functools.partial(eval_step, params, batch, model=model, pad_id=31,
+                          token_byte_lengths=jnp.arange(32, dtype=jnp.float32))
+  whole, split = run(), jax.jit(lambda: run(microbatches=2))()
+  assert float(whole["tokens"]) == 4 * 8 - 4
+  for key in whole:
+    np.testing.assert_allclose(split[key], whole[key], rtol=1e-6)

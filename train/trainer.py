@@ -280,7 +280,8 @@ def run_loop(run: Run, state: TrainState, shardings: TrainState, train_iter, che
                            batch_sharding=run.batch_sharding)
   eval_fn = jax.jit(functools.partial(
       eval_step, model=run.model, pad_id=run.tokenizer.pad_id,
-      token_byte_lengths=jnp.asarray(run.tokenizer.token_byte_lengths, jnp.float32)))
+      token_byte_lengths=jnp.asarray(run.tokenizer.token_byte_lengths, jnp.float32),
+      microbatches=t.grad_accum_steps))
   logger = StepLogger(run, writer, checkpointer, start_step, resumed_step)
   last_train, last_eval = {}, {}
   try:
