@@ -33,3 +33,17 @@ def assert_close(actual, expected, tol: float | None = None) -> None:
     assert error < limit, f"{jax.tree_util.keystr(path) or 'value'}: relative error {error:.3g} >= {limit:.3g}"
 
   jax.tree_util.tree_map_with_path(check, actual, expected)
+
+
+# The tiny model and run of the training tests, as config values ("section.key") and
+# as command-line overrides.
+TINY_RUN_SETTINGS = {
+    "model.d_model": 32, "model.n_layers": 1, "model.n_heads": 2,
+    "data.seq_len": 32, "data.batch_size": 8,
+    "train.steps": 8, "train.warmup_steps": 2, "train.log_every": 1, "train.eval_every": 4,
+    "train.eval_batches": 0, "train.checkpoint_every": 4, "train.progress_bar": False,
+}
+
+
+class Interrupt(Exception):
+  """Raised from a training callback to stop a run between steps."""

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
+from helpers import Interrupt
 from train.config import finalize, validate_keys
 from train.restore import load_trained_model
 from train.metrics import read_metrics
@@ -16,23 +17,11 @@ from train.trainer import TrainingDivergedError, train
 from castle_jax.inference import generate
 
 
-class Interrupt(Exception):
-  pass
-
-
 @pytest.fixture()
-def config(tmp_path, stdlib_data_dir):
-  c = copy.deepcopy(tiny.get_config())
-  with c.unlocked():
-    c.workdir = str(tmp_path / "run")
-    c.model.d_model, c.model.n_layers, c.model.n_heads = 32, 1, 2
-    c.data.data_dir = stdlib_data_dir
-    c.data.seq_len, c.data.batch_size = 32, 8
-    c.train.steps, c.train.warmup_steps = 8, 2
-    c.train.log_every, c.train.eval_every, c.train.eval_batches = 1, 4, 1
-    c.train.checkpoint_every = 4
-    c.train.progress_bar = False
-  return c
+def config(tiny_run_config):
+  with tiny_run_config.unlocked():
+    tiny_run_config.train.eval_batches = 1
+  return tiny_run_config
 
 
 def _losses(workdir):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from configs import tiny
+from helpers import TINY_RUN_SETTINGS, Interrupt
 from train.checkpointing import MANIFEST_NAME, Checkpointer, CheckpointError, verify_step
 from train.metrics import MetricsWriter, read_metrics
 from train.restore import load_trained_model
@@ -24,29 +24,12 @@ from train.trainer import train
 from train.workdir import ConfigMismatchError, WorkdirBusyError, WorkdirLock, WorkdirNotEmptyError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The tiny model of these tests, as config values and as command-line overrides.
-SETTINGS = {
-    "model.d_model": 32, "model.n_layers": 1, "model.n_heads": 2,
-    "data.seq_len": 32, "data.batch_size": 8,
-    "train.steps": 8, "train.warmup_steps": 2, "train.log_every": 1, "train.eval_every": 4,
-    "train.eval_batches": 0, "train.checkpoint_every": 4, "train.progress_bar": False,
-}
-
-
-class Interrupt(Exception):
-  pass
+SETTINGS = TINY_RUN_SETTINGS
 
 
 @pytest.fixture()
-def config(tmp_path, stdlib_data_dir):
-  c = copy.deepcopy(tiny.get_config())
-  with c.unlocked():
-    c.workdir = str(tmp_path / "run")
-    c.data.data_dir = stdlib_data_dir
-    for key, value in SETTINGS.items():
-      section, name = key.split(".")
-      c[section][name] = value
-  return c
+def config(tiny_run_config):
+  return tiny_run_config
 
 
 def _set(config, **values):

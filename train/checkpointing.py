@@ -36,7 +36,8 @@ class CheckpointError(RuntimeError):
   """A checkpoint step is missing, corrupt or unreadable (the message names it)."""
 
 
-def _sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
+  """Hex sha256 of a file's bytes, read in 4 MiB pieces."""
   digest = hashlib.sha256()
   with open(path, "rb") as f:
     for chunk in iter(lambda: f.read(1 << 22), b""):
@@ -57,7 +58,7 @@ def write_manifest(step_dir: str) -> None:
   files = {}
   for relative in _step_files(step_dir):
     path = os.path.join(step_dir, relative)
-    files[relative] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
+    files[relative] = {"size": os.path.getsize(path), "sha256": file_sha256(path)}
   temporary = os.path.join(step_dir, MANIFEST_NAME + ".tmp")
   with open(temporary, "w") as f:
     json.dump({"files": files}, f, indent=0)
@@ -85,7 +86,7 @@ def verify_step(step_dir: str) -> str | None:
     size = os.path.getsize(path)
     if size != expected["size"]:
       return f"file {path} has {size} bytes, {expected['size']} were written (truncated or changed)"
-    if _sha256(path) != expected["sha256"]:
+    if file_sha256(path) != expected["sha256"]:
       return f"file {path} does not match its checksum (corrupted)"
   return None
 

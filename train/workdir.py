@@ -26,7 +26,6 @@ from __future__ import annotations
 import copy
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -37,6 +36,7 @@ from typing import Any, Mapping
 
 import jax
 
+from train.checkpointing import file_sha256
 from train.config import base_config
 
 LOCK_NAME = ".lock"
@@ -274,20 +274,12 @@ def check_model_unchanged(workdir: str, model_config) -> None:
         "--config.train.resume=False --config.train.overwrite=True).")
 
 
-def _sha256(path: str) -> str:
-  digest = hashlib.sha256()
-  with open(path, "rb") as f:
-    for chunk in iter(lambda: f.read(1 << 20), b""):
-      digest.update(chunk)
-  return digest.hexdigest()
-
-
 def check_tokenizer_unchanged(workdir: str, tokenizer: str) -> None:
   """A resumed BPE run must use the tokenizer file it was trained with."""
   copy = os.path.join(workdir, TOKENIZER_NAME)
   if tokenizer == "byte" or not os.path.isfile(copy) or not os.path.isfile(tokenizer):
     return
-  if os.path.abspath(tokenizer) != os.path.abspath(copy) and _sha256(tokenizer) != _sha256(copy):
+  if os.path.abspath(tokenizer) != os.path.abspath(copy) and file_sha256(tokenizer) != file_sha256(copy):
     raise ConfigMismatchError(
         f"data.tokenizer {tokenizer} differs from the tokenizer the checkpoints in {workdir} were trained "
         f"with ({copy}); pass --config.data.tokenizer={copy} to resume, or start over in a new --workdir")
