@@ -43,6 +43,8 @@ class ModelConfig:
     dtype: activations and matmul inputs; param_dtype: parameters.
     remat: rematerialize each block in the backward pass.
     init_std: std of the normal initializers (output projections are scaled down with depth).
+    family_kwargs: (key, value) pairs of the model family's options (e.g. DRT's chunk
+      size and retrieval), parsed by the family when the model is built.
     attention_kwargs: (key, value) pairs of the attention's options, parsed into its
       options dataclass (`options`); unknown keys are errors.
   """
@@ -68,6 +70,7 @@ class ModelConfig:
   init_std: float = 0.02
   # Hashable (key, value) pairs: the config is a static argument of compiled functions.
   attention_kwargs: tuple[tuple[str, Any], ...] = ()
+  family_kwargs: tuple[tuple[str, Any], ...] = ()
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
@@ -102,8 +105,9 @@ class ModelConfig:
     unknown = sorted(set(fields) - known)
     if unknown:
       raise ValueError(f"Unknown model config keys {unknown}; known keys: {sorted(known)}")
-    kwargs = fields.pop("attention_kwargs", None) or {}
-    return cls(**fields, attention_kwargs=tuple(sorted(dict(kwargs).items())))
+    pairs = {name: tuple(sorted(dict(fields.pop(name, None) or {}).items()))
+             for name in ("attention_kwargs", "family_kwargs")}
+    return cls(**fields, **pairs)
 
   @functools.cached_property
   def options(self) -> AttentionOptions:

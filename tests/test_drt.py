@@ -1,6 +1,8 @@
 """DRT: landmark layout, causality of the whole model, retrieval in training vs evaluation,
 gradients reaching the retriever, bad options."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -10,8 +12,9 @@ import pytest
 from castle_jax.config import ModelConfig
 from castle_jax.models.drt import DRT, DRTOptions, insert_landmarks, real_positions, serve_next_chunk
 
-CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, dtype="float32")
-OPTIONS = DRTOptions(chunk_size=4, top_k=2, window=6, encoder_layers=1)
+CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, dtype="float32",
+                     sliding_window=6)
+OPTIONS = DRTOptions(chunk_size=4, top_k=2, encoder_layers=1)
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +80,7 @@ def test_gumbel_noise_only_in_training(model_and_params):
   assert any(float(jnp.max(jnp.abs(r - train_runs[0]))) > 0 for r in train_runs[1:])
 
 
-@pytest.mark.parametrize("options", [OPTIONS, DRTOptions(chunk_size=4, top_k=2, window=6, encoder_layers=1,
-                                                          retriever="random")])
+@pytest.mark.parametrize("options", [OPTIONS, DRTOptions(chunk_size=4, top_k=2, encoder_layers=1, retriever="random")])
 def test_retriever_learns_through_the_chunk_weights(model_and_params, options):
   _, params = model_and_params
   model = DRT(CONFIG, options)
@@ -107,3 +109,45 @@ def test_layer_groups_must_divide():
   assert DRTOptions(retrieval_groups=2).upper_layer_groups(12) == [3, 3]
   with pytest.raises(ValueError, match="retrieval_groups"):
     DRTOptions(retrieval_groups=4).upper_layer_groups(12)
+
+
+def test_family_entry_counts_parameters_and_rejects_bad_configs():
+  from castle_jax.models import build_model, count_parameters, training_flops_per_token
+  config = dataclasses.replace(CONFIG, family="drt",
+                               family_kwargs=(("chunk_size", 4), ("encoder_layers", 1), ("top_k", 2)))
+  model = build_model(config)
+  params = nn.unbox(jax.jit(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))())
+  assert count_parameters(config) == sum(x.size for x in jax.tree.leaves(params))
+  assert training_flops_per_token(config, 64) > 6 * count_parameters(config) - 6 * 64 * 32
+  for changes, message in ((dict(sliding_window=0), "model.sliding_window >= 1"),
+                           (dict(family_kwargs=(("chunk", 4),)), r"Unknown model.family_kwargs \['chunk'\]"),
+                           (dict(attention_impl="reference"), "brings its own attention")):
+    with pytest.raises(ValueError, match=message):
+      build_model(dataclasses.replace(config, **changes))
+
+
+def test_trains_through_the_trainer_and_resumes_with_the_same_gumbel_noise(tiny_run_config):
+  import copy
+  import os
+
+  from helpers import Interrupt
+  from train.metrics import read_metrics
+  from train.trainer import train
+
+  config = tiny_run_config
+  with config.unlocked():
+    config.model.family = "drt"
+    config.model.n_layers, config.model.sliding_window = 2, 8
+    config.model.family_kwargs = dict(chunk_size=7, top_k=2, encoder_layers=1)
+    config.train.steps, config.train.checkpoint_every = 6, 3
+  resumed = copy.deepcopy(config)
+  with resumed.unlocked():
+    resumed.workdir = config.workdir + "_resumed"
+  train(config)
+  with pytest.raises(Interrupt):
+    train(resumed, after_step=lambda step: (_ for _ in ()).throw(Interrupt()) if step == 4 else None)
+  train(resumed)
+  losses = {s: r["loss"] for s, r in read_metrics(os.path.join(config.workdir, "metrics.jsonl")).items()}
+  again = {s: r["loss"] for s, r in read_metrics(os.path.join(resumed.workdir, "metrics.jsonl")).items()}
+  assert losses == again and len(losses) == 6
+  assert losses[6] < losses[1]

@@ -264,9 +264,9 @@ def test_mha_decoding_takes_a_mask_over_the_cache():
 def test_model_families_and_config_defaults():
   from castle_jax.models import MODEL_FAMILIES, build_model, family_of
   from train.config import base_config
-  assert set(MODEL_FAMILIES) == {"transformer"}
-  with pytest.raises(ValueError, match=r"Unknown model family 'drt' \(config model.family\)"):
-    build_model(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, family="drt"))
+  assert set(MODEL_FAMILIES) == {"transformer", "drt"}
+  with pytest.raises(ValueError, match=r"Unknown model family 'retro' \(config model.family\)"):
+    build_model(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, family="retro"))
   model = build_model(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2))
   assert isinstance(model, TransformerLM) and family_of(model).name == "transformer"
   # The training config's model block is ModelConfig's defaults, so they cannot drift.

@@ -14,16 +14,19 @@ from castle_jax.models import family_of
 from train.state import TrainState
 
 
-def token_losses(model: nn.Module, params: Any, batch: dict[str, jax.Array], pad_id: int):
+def token_losses(model: nn.Module, params: Any, batch: dict[str, jax.Array], pad_id: int,
+                 rng: jax.Array | None = None):
   """Per-token loss and weights of the model's family (`castle_jax.models.registry`).
 
   Args:
     batch: {"inputs": int [B, T], "targets": int [B, T]}.
+    rng: a PRNG key in training (for the models that draw noise, e.g. DRT's Gumbel
+      top-k), None in evaluation.
 
   Returns:
     (loss float32 [B, T] already weighted, weights float32 [B, T]; 0 at PAD targets).
   """
-  return family_of(model).token_losses(model, params, batch, pad_id)
+  return family_of(model).token_losses(model, params, batch, pad_id, rng)
 
 
 def _microbatches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Array]:
@@ -36,25 +39,32 @@ def _microbatches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Arra
 
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: nn.Module,
                tx: optax.GradientTransformation, schedule: optax.Schedule, pad_id: int,
-               grad_accum_steps: int = 1) -> tuple[TrainState, dict[str, jax.Array]]:
-  """One optimizer update on the mean token loss of the whole (global) batch."""
+               grad_accum_steps: int = 1, seed: int = 0) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One optimizer update on the mean token loss of the whole (global) batch.
 
-  def summed_loss(params, micro):
-    nll, weights = token_losses(model, params, micro, pad_id)
+  The model's training noise (if any) comes from key(seed) folded with the step and the
+  microbatch, so a resumed run draws the same noise as an uninterrupted one.
+  """
+  step_rng = jax.random.fold_in(jax.random.key(seed), state.step)
+
+  def summed_loss(params, micro, rng):
+    nll, weights = token_losses(model, params, micro, pad_id, rng)
     return jnp.sum(nll), jnp.sum(weights)
 
   value_and_grad = jax.value_and_grad(summed_loss, has_aux=True)
   if grad_accum_steps == 1:
-    (loss_sum, count), grads = value_and_grad(state.params, batch)
+    (loss_sum, count), grads = value_and_grad(state.params, batch, step_rng)
   else:
-    def accumulate(carry, micro):
+    def accumulate(carry, micro_and_index):
       loss_sum, count, grads = carry
-      (l, c), g = value_and_grad(state.params, micro)
+      micro, index = micro_and_index
+      (l, c), g = value_and_grad(state.params, micro, jax.random.fold_in(step_rng, index))
       return (loss_sum + l, count + c, jax.tree.map(jnp.add, grads, g)), None
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     (loss_sum, count, grads), _ = jax.lax.scan(
-        accumulate, (jnp.float32(0), jnp.float32(0), zeros), _microbatches(batch, grad_accum_steps))
+        accumulate, (jnp.float32(0), jnp.float32(0), zeros),
+        (_microbatches(batch, grad_accum_steps), jnp.arange(grad_accum_steps)))
 
   count = jnp.maximum(count, 1.0)
   grads = jax.tree.map(lambda g: g / count, grads)
@@ -90,9 +100,9 @@ def eval_step(params: Any, batch: dict[str, jax.Array], *, model: nn.Module, pad
 
 def jit_train_step(*, model: nn.Module, tx: optax.GradientTransformation, schedule: optax.Schedule,
                    pad_id: int, grad_accum_steps: int, state_shardings: TrainState,
-                   batch_sharding: jax.sharding.Sharding):
+                   batch_sharding: jax.sharding.Sharding, seed: int = 0):
   """`train_step` compiled with explicit in/out shardings; the old state is donated."""
   step = functools.partial(train_step, model=model, tx=tx, schedule=schedule, pad_id=pad_id,
-                           grad_accum_steps=grad_accum_steps)
+                           grad_accum_steps=grad_accum_steps, seed=seed)
   return jax.jit(step, in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, None),
                  donate_argnums=0)

@@ -277,7 +277,7 @@ def run_loop(run: Run, state: TrainState, shardings: TrainState, train_iter, che
   start_step = int(jax.device_get(state.step))
   step_fn = jit_train_step(model=run.model, tx=run.tx, schedule=run.schedule, pad_id=run.tokenizer.pad_id,
                            grad_accum_steps=t.grad_accum_steps, state_shardings=shardings,
-                           batch_sharding=run.batch_sharding)
+                           batch_sharding=run.batch_sharding, seed=config.seed)
   eval_fn = jax.jit(functools.partial(
       eval_step, model=run.model, pad_id=run.tokenizer.pad_id,
       token_byte_lengths=jnp.asarray(run.tokenizer.token_byte_lengths, jnp.float32),

@@ -38,14 +38,16 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from castle_jax.layers.embedding import Embedding
-from castle_jax.layers.shared import output_projection, projection
+from castle_jax.layers.shared import mean_visible_keys, output_projection, projection
 from castle_jax.layers.mlp import SwiGLU
 from castle_jax.layers.norms import RMSNorm
 from castle_jax.layers.rope import apply_rope
 from castle_jax.config import ModelConfig
 from castle_jax.ops.attention.alibi import alibi_window_attention
+from castle_jax.models.transformer import next_token_losses
 from castle_jax.ops.gca import gca_attention, retrieval_scores, select_chunks
 from castle_jax.sharding import constrain, with_axes
 
@@ -61,8 +63,6 @@ class DRTOptions:
     top_k: chunks retrieved per group and chunk (k; min(k, chunks) are used).
     retrieval_groups: G, groups of upper layers, one retrieval each (1: "retrieval x1").
     encoder_layers: bidirectional layers of the chunk encoder.
-    window: sliding window of the decoder's self-attention (query and window - 1 earlier
-      positions; landmarks count as positions).
     gumbel: add Gumbel noise before the top-k in training (False: the ablation).
     retriever: "learned", or "random" (chunks picked uniformly at random, still mixed by
       the softmax of their learned scores: the paper's random-retriever ablation).
@@ -72,22 +72,39 @@ class DRTOptions:
   top_k: int = 8
   retrieval_groups: int = 1
   encoder_layers: int = 2
-  window: int = 512
   gumbel: bool = True
   retriever: str = "learned"
 
   def __post_init__(self):
-    for name in ("chunk_size", "top_k", "retrieval_groups", "encoder_layers", "window"):
+    for name in ("chunk_size", "top_k", "retrieval_groups", "encoder_layers"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"DRT option {name} must be an int >= 1, got {value!r}")
+        raise ValueError(f"model.family_kwargs.{name} must be an int >= 1, got {value!r}")
     if not isinstance(self.gumbel, bool):
-      raise ValueError(f"DRT option gumbel must be True or False, got {self.gumbel!r}")
+      raise ValueError(f"model.family_kwargs.gumbel must be True or False, got {self.gumbel!r}")
     if self.retriever not in RETRIEVERS:
-      raise ValueError(f"DRT option retriever must be one of {RETRIEVERS}, got {self.retriever!r}")
+      raise ValueError(f"model.family_kwargs.retriever must be one of {RETRIEVERS}, got {self.retriever!r}")
+
+  @classmethod
+  def from_config(cls, config: ModelConfig) -> "DRTOptions":
+    """model.family_kwargs parsed (unknown keys are errors) and checked against the config."""
+    kwargs = dict(config.family_kwargs)
+    known = [field.name for field in dataclasses.fields(cls)]
+    unknown = sorted(set(kwargs) - set(known))
+    if unknown:
+      raise ValueError(f"Unknown model.family_kwargs {unknown} for model family 'drt'; known: {known}")
+    options = cls(**kwargs)
+    if config.sliding_window < 1:
+      raise ValueError("model family 'drt' needs model.sliding_window >= 1: the decoder's self-attention window "
+                       "(the paper uses 512)")
+    if config.attention != "mha" or config.attention_impl is not None:
+      raise ValueError("model family 'drt' brings its own attention (ALiBi sliding window and GCA): leave "
+                       "model.attention='mha' and model.attention_impl unset")
+    options.upper_layer_groups(config.n_layers)
+    return options
 
   def upper_layer_groups(self, n_layers: int) -> list[int]:
-    """Upper layers per retrieval group: n_layers // 2 upper layers split evenly."""
+    """Upper layers per retrieval group: the n_layers - n_layers // 2 upper layers split evenly."""
     upper = n_layers - n_layers // 2
     if n_layers < 2 or upper % self.retrieval_groups:
       raise ValueError(f"model.n_layers ({n_layers}) must give n_layers - n_layers // 2 upper layers divisible by "
@@ -198,7 +215,7 @@ def serve_next_chunk(indices: jax.Array, weights: jax.Array) -> tuple[jax.Array,
 
 
 class DRT(nn.Module):
-  """The Differentiable Retrieval Transformer LM.
+  """The Differentiable Retrieval Transformer LM (window: model.sliding_window).
 
   Call with tokens int [batch, seq] to get float32 logits [batch, seq, vocab] (and None:
   the cache slot of the decoder interface). `train=True` draws the Gumbel noise of the
@@ -235,7 +252,7 @@ class DRT(nn.Module):
 
     lower = cfg.n_layers // 2
     for layer in range(lower):
-      x = block(cfg, opt.window, name=f"block_{layer}")(x)
+      x = block(cfg, cfg.sliding_window, name=f"block_{layer}")(x)
 
     encoded = norm("encoder_input_norm")(x).reshape(batch * num_chunks, size + 1, cfg.d_model)
     for layer in range(opt.encoder_layers):
@@ -258,7 +275,7 @@ class DRT(nn.Module):
       served_indices, served_weights = serve_next_chunk(indices, weights)
       memory = (memory_k, memory_v, served_weights, served_indices)
       for _ in range(group_layers):
-        x = block(cfg, opt.window, cross_attention=True, name=f"block_{layer}")(x, memory)
+        x = block(cfg, cfg.sliding_window, cross_attention=True, name=f"block_{layer}")(x, memory)
         layer += 1
 
     x = real_positions(norm("final_norm")(x), size)[:, :seq]
@@ -280,3 +297,57 @@ class DRT(nn.Module):
       weights = jax.nn.softmax(jnp.where(valid, selected, -1e30), axis=-1) * valid
       return indices, weights
     return select_chunks(scores, top_k, gumbel_rng=rng if self.options.gumbel else None)
+
+
+# The model-family entry (castle_jax.models.registry): what the trainer needs.
+
+def build(config: ModelConfig) -> DRT:
+  return DRT(config, DRTOptions.from_config(config))
+
+
+def token_losses(model: DRT, params, batch, pad_id: int, rng: jax.Array | None = None):
+  """Next-token losses of the real tokens (landmarks never reach the logits); Gumbel noise
+  from `rng` in training, none in evaluation (rng None)."""
+  logits, _ = model.apply({"params": params}, batch["inputs"], train=rng is not None,
+                          rngs=None if rng is None else {"gumbel": rng})
+  return next_token_losses(logits, batch["targets"], pad_id)
+
+
+def param_count(config: ModelConfig) -> int:
+  """Exact, from the shapes `init` creates (traced, nothing allocated)."""
+  model = build(config)
+  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, model.options.chunk_size), jnp.int32)))
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nn.unbox(shapes)))
+
+
+def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
+  """Forward + backward FLOPs per real token (x3 the forward), for MFU.
+
+  Every matrix runs on (S + 1) / S positions per real token (the landmark), the chunk
+  encoder's too; the embedding table is a lookup (the tied LM head is the matmul).
+  Attention cores: each position's visible ALiBi-window keys (`mean_visible_keys`) in every
+  layer and the encoder's S + 1 keys; GCA in every upper layer over k chunks of S keys
+  (2 products of head_dim each); retrieval scores (chunks^2 / 2 dot products of d_model
+  per group) are included.
+  """
+  options = DRTOptions.from_config(config)
+  size, d = options.chunk_size, config.d_model
+  per_position = (size + 1) / size
+  matmul_params = param_count(config) - config.vocab_size * d * (0 if config.tie_embeddings else 1)
+  positions = -(-seq_len // size) * (size + 1)
+  window = mean_visible_keys(positions, config.sliding_window)
+  core = 4 * config.n_heads * config.qk_head_dim
+  upper = config.n_layers - config.n_layers // 2
+  attention = core * (config.n_layers * window + options.encoder_layers * (size + 1)
+                      + upper * min(options.top_k, positions // (size + 1)) * size)
+  retrieval = options.retrieval_groups * (positions // (size + 1)) / 2 * 2 * d / size
+  return 3 * (2 * matmul_params * per_position + per_position * attention + retrieval)
+
+
+def init_cache(model: DRT, batch: int, capacity: int):
+  raise NotImplementedError("DRT decoding (token-by-token with offloaded chunk memory) is not built yet; "
+                            "score prompts with the teacher-forced forward (module.apply) instead")
+
+
+def decode(model: DRT, params, tokens, positions, caches):
+  raise NotImplementedError("DRT decoding (token-by-token with offloaded chunk memory) is not built yet")

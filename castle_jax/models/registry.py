@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from castle_jax.config import ModelConfig
-from castle_jax.models import transformer
+from castle_jax.models import drt, transformer
 
 
 def _init_variables(module: nn.Module, rng: jax.Array, seq_len: int):
@@ -49,10 +49,11 @@ class ModelFamily:
     build: ModelConfig -> the Flax module.
     init_variables: (module, rng, seq_len) -> variables ({"params": ...}, boxed with
       logical axis names), traced under `jax.eval_shape` for the sharded train state.
-    token_losses: (module, params, batch, pad_id) -> (loss float32 [B, T], weights
+    token_losses: (module, params, batch, pad_id, rng) -> (loss float32 [B, T], weights
       float32 [B, T]): the per-token loss already multiplied by the weights, and the
       weights (which tokens count: 0 at padding; a family may also zero landmark or
-      draft-only positions). The trainer averages sum(loss) / sum(weights).
+      draft-only positions). rng: a PRNG key in training (for models that draw noise,
+      e.g. DRT's Gumbel top-k), None in evaluation. The trainer averages sum(loss) / sum(weights).
     init_cache: (module, batch, capacity) -> the decoding caches.
     decode: (module, params, tokens [B, n], positions [B, n], caches) -> (logits
       [B, n, vocab], caches): a prompt (prefill) or new tokens appended to the caches.
@@ -81,6 +82,16 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         decode=_decode,
         param_count=transformer.count_parameters,
         training_flops_per_token=transformer.training_flops_per_token,
+    ),
+    "drt": ModelFamily(
+        name="drt",
+        build=drt.build,
+        init_variables=_init_variables,
+        token_losses=drt.token_losses,
+        init_cache=drt.init_cache,
+        decode=drt.decode,
+        param_count=drt.param_count,
+        training_flops_per_token=drt.training_flops_per_token,
     ),
 }
 

@@ -115,17 +115,25 @@ def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
   return 6 * matmul_params + config.n_layers * core
 
 
-def token_losses(model: TransformerLM, params: Any, batch: dict[str, jax.Array], pad_id: int):
+def token_losses(model: TransformerLM, params: Any, batch: dict[str, jax.Array], pad_id: int,
+                 rng: jax.Array | None = None):
   """Per-token negative log-likelihood of next-token prediction.
 
   Args:
     batch: {"inputs": int [B, T], "targets": int [B, T]}.
+    rng: unused (the transformer draws no noise in training).
 
   Returns:
     (nll float32 [B, T], weights float32 [B, T]) with weight 0 at PAD targets.
   """
+  del rng
   logits, _ = model.apply({"params": params}, batch["inputs"])
-  targets = batch["targets"]
+  return next_token_losses(logits, batch["targets"], pad_id)
+
+
+def next_token_losses(logits: jax.Array, targets: jax.Array, pad_id: int):
+  """(nll float32 [B, T] weighted, weights float32 [B, T]) of logits [B, T, V] for targets
+  int [B, T], with weight 0 at PAD targets."""
   log_z = jax.nn.logsumexp(logits, axis=-1)
   target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
   weights = (targets != pad_id).astype(jnp.float32)
