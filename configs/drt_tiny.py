@@ -13,6 +13,7 @@ def get_config():
   c = tiny_config()
   c.model.family = "drt"
   c.model.sliding_window = 64
+  c.model.attention_kwargs = dict(positions="alibi")
   # A whole dict: its keys depend on the family, so it is assigned, not extended.
   c.model.family_kwargs = dict(chunk_size=31, top_k=4, retrieval_groups=1, encoder_layers=1)
   c.data.seq_len = 1023

@@ -42,3 +42,32 @@ def test_unknown_implementation_is_named():
   x = jnp.zeros((1, 4, 1, 2))
   with pytest.raises(ValueError, match="'pallas'"):
     alibi_window_attention(x, x, x, window=2, implementation="pallas")
+
+
+def test_mha_layer_with_alibi_decodes_like_its_training_forward():
+  """The `mha` layer with positions='alibi': the blockwise training path and the
+  KV-cache decode path (masked attention with an ALiBi bias) give the same outputs."""
+  from castle_jax.config import ModelConfig
+  from castle_jax.layers.mha import MultiHeadAttention, cache_for
+
+  config = ModelConfig(d_model=32, n_heads=4, n_kv_heads=2, dtype="float32", sliding_window=5,
+                       attention_kwargs=(("positions", "alibi"),))
+  layer = MultiHeadAttention(config)
+  x = jax.random.normal(jax.random.key(0), (2, 13, 32))
+  positions = jnp.broadcast_to(jnp.arange(13), (2, 13))
+  params = layer.init(jax.random.key(1), x, positions)
+  trained, _ = layer.apply(params, x, positions)
+  cache = cache_for(config, 2, 16)
+  steps = []
+  for t in range(13):
+    out, cache = layer.apply(params, x[:, t:t + 1], positions[:, t:t + 1], cache)
+    steps.append(out)
+  assert rel_err(jnp.concatenate(steps, axis=1), trained) < 1e-5
+
+
+def test_alibi_needs_a_window():
+  from castle_jax.config import ModelConfig
+  with pytest.raises(ValueError, match="set model.sliding_window"):
+    ModelConfig(attention_kwargs=(("positions", "alibi"),))
+  with pytest.raises(ValueError, match="positions must be one of"):
+    ModelConfig(sliding_window=4, attention_kwargs=(("positions", "nope"),))

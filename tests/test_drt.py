@@ -13,7 +13,7 @@ from castle_jax.config import ModelConfig
 from castle_jax.models.drt import DRT, DRTOptions, insert_landmarks, real_positions, serve_next_chunk
 
 CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, dtype="float32",
-                     sliding_window=6)
+                     sliding_window=6, attention_kwargs=(("positions", "alibi"),))
 OPTIONS = DRTOptions(chunk_size=4, top_k=2, encoder_layers=1)
 
 
@@ -119,9 +119,9 @@ def test_family_entry_counts_parameters_and_rejects_bad_configs():
   params = nn.unbox(jax.jit(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))())
   assert count_parameters(config) == sum(x.size for x in jax.tree.leaves(params))
   assert training_flops_per_token(config, 64) > 6 * count_parameters(config) - 6 * 64 * 32
-  for changes, message in ((dict(sliding_window=0), "model.sliding_window >= 1"),
+  for changes, message in ((dict(sliding_window=0), "model.sliding_window"),
                            (dict(family_kwargs=(("chunk", 4),)), r"Unknown model.family_kwargs \['chunk'\]"),
-                           (dict(attention_impl="reference"), "brings its own attention")):
+                           (dict(attention_kwargs=()), "positions='alibi'")):
     with pytest.raises(ValueError, match=message):
       build_model(dataclasses.replace(config, **changes))
 
@@ -139,6 +139,7 @@ def test_trains_through_the_trainer_and_resumes_with_the_same_gumbel_noise(tiny_
     config.model.family = "drt"
     config.model.n_layers, config.model.sliding_window = 2, 8
     config.model.family_kwargs = dict(chunk_size=7, top_k=2, encoder_layers=1)
+    config.model.attention_kwargs = dict(positions="alibi")
     config.train.steps, config.train.checkpoint_every = 6, 3
   resumed = copy.deepcopy(config)
   with resumed.unlocked():

@@ -1,6 +1,7 @@
 """Standard causal multi-head attention (`mha`): optional grouped-query heads and
-sliding window (model.sliding_window), RoPE on queries and keys. No options of its
-own (`MhaOptions` is empty)."""
+sliding window (model.sliding_window), RoPE on queries and keys, or ALiBi biases
+instead (`model.attention_kwargs.positions = "alibi"`, with a sliding window: the
+GCA paper's baseline and DRT's self-attention)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,38 @@ from typing import TYPE_CHECKING
 import flax.linen as nn
 import jax
 
-from castle_jax.layers.options import AttentionOptions
+from castle_jax.layers.options import AttentionOptions, option_error
 from castle_jax.layers.shared import mean_visible_keys, output_projection, rotary_qkv
 from castle_jax.ops.attention import KVCache, causal_attention, causal_mask, masked_attention
+from castle_jax.ops.attention.alibi import alibi_bias
 
 if TYPE_CHECKING:  # layers read the config's attributes only; castle_jax.config imports the attention table
   from castle_jax.config import ModelConfig
 
 
+POSITIONS = ("rope", "alibi")
+
+
 @dataclasses.dataclass(frozen=True)
 class MhaOptions(AttentionOptions):
-  """`mha` takes no model.attention_kwargs (its window is model.sliding_window)."""
+  """Options of `mha` (its window is model.sliding_window).
+
+  Attributes:
+    positions: "rope" (rotary embeddings on q and k) or "alibi" (no rotation; scores
+      biased by -m_h (i - j), m_h = 2^(-8 (h + 1) / heads); needs model.sliding_window).
+  """
+
+  positions: str = "rope"
+
+  def __post_init__(self):
+    if self.positions not in POSITIONS:
+      raise option_error("positions", f"must be one of {POSITIONS}, got {self.positions!r}")
+
+  def for_model(self, config: ModelConfig) -> "MhaOptions":
+    if self.positions == "alibi" and not config.sliding_window:
+      raise ValueError("model.attention_kwargs.positions='alibi' runs as sliding-window attention: set "
+                       "model.sliding_window (the GCA paper uses 512)")
+    return self
 
 
 def cache_for(config: ModelConfig, batch: int, capacity: int) -> KVCache:
@@ -58,15 +80,17 @@ class MultiHeadAttention(nn.Module):
       other. Training (no cache) takes none.
     """
     cfg = self.config
-    q, k, v = rotary_qkv(cfg, x, positions)
+    alibi = cfg.options.positions == "alibi"
+    q, k, v = rotary_qkv(cfg, x, positions, rope=not alibi)
     if cache is None:
       if mask is not None:
         raise ValueError("mask is a decoding argument: training attention is causal (pass a cache to decode)")
-      out = causal_attention(q, k, v, window=cfg.window, implementation=cfg.attention_impl)
+      out = causal_attention(q, k, v, window=cfg.window, alibi=alibi, implementation=cfg.attention_impl)
     else:
       cache = cache.append(k, v)
       visible = causal_mask(positions, cache.key_positions(), cfg.window)
       if mask is not None:
         visible &= mask
-      out = masked_attention(q, cache.keys, cache.values, visible)
+      bias = alibi_bias(positions, cache.key_positions(), cfg.n_heads) if alibi else None
+      out = masked_attention(q, cache.keys, cache.values, visible, bias)
     return output_projection(cfg, out), cache

@@ -35,8 +35,9 @@ def projection(features, axes, std, config: ModelConfig, name: str, contract_dim
                 config.compute_dtype, config.weights_dtype, name=name)
 
 
-def rotary_qkv(config: ModelConfig, x: jax.Array, positions: jax.Array):
-  """Projections "query", "key", "value" of x: [batch, seq, d_model], RoPE on q and k.
+def rotary_qkv(config: ModelConfig, x: jax.Array, positions: jax.Array, *, rope: bool = True):
+  """Projections "query", "key", "value" of x: [batch, seq, d_model], RoPE on q and k
+  (unless `rope` is False: positions then enter as biases, e.g. ALiBi).
 
   Returns q [batch, seq, heads, head_dim], k and v [batch, seq, kv_heads, head_dim],
   with logical-axis constraints.
@@ -45,8 +46,10 @@ def rotary_qkv(config: ModelConfig, x: jax.Array, positions: jax.Array):
   q = projection((heads, head_dim), ("embed", "heads", "head_dim"), config.init_std, config, "query")(x)
   k = projection((kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), config.init_std, config, "key")(x)
   v = projection((kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), config.init_std, config, "value")(x)
-  q = constrain(apply_rope(q, positions, config.rope_theta), ("batch", "act_length", "act_heads", "head_dim"))
-  k = constrain(apply_rope(k, positions, config.rope_theta), ("batch", "act_length", "act_kv_heads", "head_dim"))
+  if rope:
+    q, k = apply_rope(q, positions, config.rope_theta), apply_rope(k, positions, config.rope_theta)
+  q = constrain(q, ("batch", "act_length", "act_heads", "head_dim"))
+  k = constrain(k, ("batch", "act_length", "act_kv_heads", "head_dim"))
   return q, k, constrain(v, ("batch", "act_length", "act_kv_heads", "head_dim"))
 
 

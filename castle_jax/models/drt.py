@@ -26,7 +26,7 @@ padded after the real tokens; by causality the padding changes nothing before it
                        only through the MLP input; the paper's Eq. 2 reads Norm(H + O))
     logits = LM head(RMSNorm(x)) at the real positions
 
-SWA: causal sliding-window attention with ALiBi, no RoPE (`ops.attention.alibi`); GCA:
+SWA: `mha` with ALiBi biases over model.sliding_window, no RoPE; GCA:
 softmax_1 per retrieved chunk (`ops.gca`), whose implicit zero logit is the authors'
 zeroed landmark row of K and V.
 """
@@ -41,12 +41,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from castle_jax.layers.embedding import Embedding
+from castle_jax.layers.mha import MultiHeadAttention
 from castle_jax.layers.shared import mean_visible_keys, output_projection, projection
 from castle_jax.layers.mlp import SwiGLU
 from castle_jax.layers.norms import RMSNorm
 from castle_jax.layers.rope import apply_rope
 from castle_jax.config import ModelConfig
-from castle_jax.ops.attention.alibi import alibi_window_attention
 from castle_jax.models.transformer import next_token_losses
 from castle_jax.ops.gca import gca_attention, retrieval_scores, select_chunks
 from castle_jax.sharding import constrain, with_axes
@@ -97,9 +97,9 @@ class DRTOptions:
     if config.sliding_window < 1:
       raise ValueError("model family 'drt' needs model.sliding_window >= 1: the decoder's self-attention window "
                        "(the paper uses 512)")
-    if config.attention != "mha" or config.attention_impl is not None:
-      raise ValueError("model family 'drt' brings its own attention (ALiBi sliding window and GCA): leave "
-                       "model.attention='mha' and model.attention_impl unset")
+    if config.attention != "mha" or config.options.positions != "alibi":
+      raise ValueError("model family 'drt' runs ALiBi sliding-window self-attention: set model.attention='mha' "
+                       "and model.attention_kwargs.positions='alibi'")
     options.upper_layer_groups(config.n_layers)
     return options
 
@@ -110,29 +110,6 @@ class DRTOptions:
       raise ValueError(f"model.n_layers ({n_layers}) must give n_layers - n_layers // 2 upper layers divisible by "
                        f"retrieval_groups ({self.retrieval_groups}), with at least one lower layer")
     return [upper // self.retrieval_groups] * self.retrieval_groups
-
-
-def _attention_implementation(dtype) -> str:
-  """cuDNN for the blockwise ALiBi window on a GPU with half-precision inputs, else XLA."""
-  return "cudnn" if jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16) else "xla"
-
-
-class AlibiSelfAttention(nn.Module):
-  """Causal sliding-window self-attention with ALiBi, no rotary embedding."""
-
-  config: ModelConfig
-  window: int
-
-  @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """x: [batch, positions, d_model] -> [batch, positions, d_model]."""
-    cfg = self.config
-    heads, kv_heads, head_dim = cfg.n_heads, cfg.kv_heads, cfg.qk_head_dim
-    q = projection((heads, head_dim), ("embed", "heads", "head_dim"), cfg.init_std, cfg, "query")(x)
-    k = projection((kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), cfg.init_std, cfg, "key")(x)
-    v = projection((kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), cfg.init_std, cfg, "value")(x)
-    out = alibi_window_attention(q, k, v, window=self.window, implementation=_attention_implementation(q.dtype))
-    return output_projection(cfg, out)
 
 
 class ChunkEncoderBlock(nn.Module):
@@ -171,10 +148,10 @@ class GroupedCrossAttention(nn.Module):
 
 
 class DRTBlock(nn.Module):
-  """A decoder block; with `cross_attention` an upper block (GCA between attention and MLP)."""
+  """A decoder block; with `cross_attention` an upper block (GCA between attention and MLP).
+  Its self-attention is `mha` with ALiBi over model.sliding_window."""
 
   config: ModelConfig
-  window: int
   cross_attention: bool = False
 
   @nn.compact
@@ -182,7 +159,8 @@ class DRTBlock(nn.Module):
     """x: [batch, positions, d_model]; memory: (memory_k, memory_v, weights, indices) or None."""
     cfg = self.config
     norm = lambda name: RMSNorm(cfg.norm_eps, cfg.compute_dtype, cfg.weights_dtype, name=name)
-    x = x + AlibiSelfAttention(cfg, self.window, name="attention")(norm("attention_norm")(x))
+    positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+    x = x + MultiHeadAttention(cfg, name="attention")(norm("attention_norm")(x), positions)[0]
     x = constrain(x, ("batch", "act_length", "act_embed"))
     mlp_input = x
     if self.cross_attention:
@@ -252,7 +230,7 @@ class DRT(nn.Module):
 
     lower = cfg.n_layers // 2
     for layer in range(lower):
-      x = block(cfg, cfg.sliding_window, name=f"block_{layer}")(x)
+      x = block(cfg, name=f"block_{layer}")(x)
 
     encoded = norm("encoder_input_norm")(x).reshape(batch * num_chunks, size + 1, cfg.d_model)
     for layer in range(opt.encoder_layers):
@@ -275,7 +253,7 @@ class DRT(nn.Module):
       served_indices, served_weights = serve_next_chunk(indices, weights)
       memory = (memory_k, memory_v, served_weights, served_indices)
       for _ in range(group_layers):
-        x = block(cfg, cfg.sliding_window, cross_attention=True, name=f"block_{layer}")(x, memory)
+        x = block(cfg, cross_attention=True, name=f"block_{layer}")(x, memory)
         layer += 1
 
     x = real_positions(norm("final_norm")(x), size)[:, :seq]

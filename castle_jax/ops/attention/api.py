@@ -9,10 +9,14 @@
   - None: "cudnn" where it can run, else "xla" (`castle_jax.ops.backend.choose`: logged
     at debug level; an explicit "cudnn" that cannot run raises).
 
+With `alibi=True` (and a window) the scores get ALiBi biases (`alibi.py`): "reference"
+is the full-mask definition, "xla" and "cudnn" the blockwise layout (W queries against
+2W keys, one [heads, W, 2W] bias table).
+
 Signatures of what comes next (not implemented yet):
-  - explicit positions (ALiBi): `causal_attention(..., q_positions=None, k_positions=None)`,
-    int [batch, seq], the positions biases are computed from; `masked_attention` already
-    takes any mask built from positions (`causal_mask`).
+  - explicit positions: `causal_attention(..., q_positions=None, k_positions=None)`,
+    int [batch, seq], for biases over non-consecutive positions; `masked_attention`
+    already takes a mask and a bias built from positions (`causal_mask`, `alibi_bias`).
   - cross-attention over a given cache (LongSpec's draft): `masked_attention(q,
     cache.keys, cache.values, mask)` with the other model's `KVCache` and a mask from
     its `key_positions()`; no new op is needed.
@@ -26,6 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from castle_jax.ops.attention.alibi import alibi_window_attention, alibi_window_reference
 from castle_jax.ops.attention.reference import causal_mask, masked_attention
 from castle_jax.ops.backend import Implementation, choose
 
@@ -67,25 +72,34 @@ def causal_attention(
     v: jax.Array,
     *,
     window: int | None = None,
+    alibi: bool = False,
     implementation: str | None = None,
 ) -> jax.Array:
-  """Causal softmax attention, optionally grouped-query and sliding-window.
+  """Causal softmax attention, optionally grouped-query, sliding-window and ALiBi-biased.
 
   Args:
     q: [batch, seq, heads, head_dim].
     k, v: [batch, seq, kv_heads, head_dim]; heads % kv_heads == 0.
     window: None for full causal attention; W >= 1 lets each query see itself and
       the W-1 keys before it.
+    alibi: add ALiBi biases -m_h (i - j) (positions 0..seq-1); needs a window.
     implementation: one of IMPLEMENTATIONS or None (see module docstring).
 
   Returns:
     [batch, seq, heads, head_dim] in q's dtype.
   """
   _validate(q, k, v, window)
+  if alibi and window is None:
+    raise ValueError("causal_attention(alibi=True) needs a window: ALiBi runs as sliding-window attention here "
+                     "(set model.sliding_window)")
   implementations = {"reference": Implementation(), "xla": Implementation(),
                      "cudnn": Implementation(lambda: cudnn_unsupported_reason(q))}
   implementation = choose("causal_attention", implementation, implementations, _DEFAULT_ORDER)
 
+  if alibi:
+    if implementation == "reference":
+      return alibi_window_reference(q, k, v, window=window)
+    return alibi_window_attention(q, k, v, window=window, implementation=implementation)
   if implementation == "reference":
     positions = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
     return masked_attention(q, k, v, causal_mask(positions, positions, window))

@@ -30,14 +30,16 @@ def causal_mask(q_positions: jax.Array, k_positions: jax.Array, window: int | No
   return visible
 
 
-def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-  """softmax(q k^T / sqrt(d) masked) v with grouped-query heads, computed in float32.
+def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                     bias: jax.Array | None = None) -> jax.Array:
+  """softmax(q k^T / sqrt(d) + bias, masked) v with grouped-query heads, computed in float32.
 
   Args:
     q: [batch, q_len, heads, head_dim].
     k, v: [batch, k_len, kv_heads, head_dim]; heads must be a multiple of kv_heads.
     mask: bool [batch, q_len, k_len]; True where the query may attend. Rows with no
       visible key produce zeros.
+    bias: optional float [batch, heads, q_len, k_len] added to the scores (ALiBi).
 
   Returns:
     [batch, q_len, heads, head_dim] in q's dtype.
@@ -47,6 +49,8 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
   group = heads // kv_heads
   qg = q.reshape(batch, q_len, kv_heads, group, head_dim).astype(jnp.float32)
   scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32)) / jnp.sqrt(head_dim)
+  if bias is not None:
+    scores += bias.astype(jnp.float32).reshape(batch, kv_heads, group, *bias.shape[2:])
   mask = mask[:, None, None, :, :]
   scores = jnp.where(mask, scores, -jnp.inf)
   row_max = jnp.max(scores, axis=-1, keepdims=True)
