@@ -53,11 +53,27 @@ def main(argv):
 __doc__ = f"{__doc__}\n{config_help_text()}\n"
 
 
+def _parse_flags(argv):
+  """absl's flag parsing, with a misspelled --config.<key> override as one line.
+
+  ml_collections applies the overrides while parsing and raises a bare
+  AttributeError/KeyError for a key the config does not have.
+  """
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError) as e:
+    overrides = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
+    key = str(e).strip("\"'")
+    print(f"ERROR: unknown config key '{key}' in {' '.join(overrides)}; `python -m train --config_help` "
+          "lists every key", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
 def run():
   if "--config_help" in sys.argv[1:]:  # before flag parsing, which requires --config
     print(config_help_text())
     sys.exit(0)
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":
