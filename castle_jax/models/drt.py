@@ -42,10 +42,9 @@ import numpy as np
 
 from castle_jax.layers.embedding import Embedding
 from castle_jax.layers.mha import MultiHeadAttention
-from castle_jax.layers.shared import mean_visible_keys, output_projection, projection
+from castle_jax.layers.shared import mean_visible_keys, output_projection, projection, rotary_qkv
 from castle_jax.layers.mlp import SwiGLU
 from castle_jax.layers.norms import RMSNorm
-from castle_jax.layers.rope import apply_rope
 from castle_jax.config import ModelConfig
 from castle_jax.models.transformer import next_token_losses
 from castle_jax.ops.gca import gca_attention, retrieval_scores, select_chunks
@@ -122,12 +121,8 @@ class ChunkEncoderBlock(nn.Module):
     """x: [chunks, S + 1, d_model] -> same."""
     cfg = self.config
     norm = lambda name: RMSNorm(cfg.norm_eps, cfg.compute_dtype, cfg.weights_dtype, name=name)
-    heads, head_dim = cfg.n_heads, cfg.qk_head_dim
-    h = norm("attention_norm")(x)
     positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
-    q, k, v = (projection((heads, head_dim), ("embed", "heads", "head_dim"), cfg.init_std, cfg, name)(h)
-               for name in ("query", "key", "value"))
-    q, k = apply_rope(q, positions, cfg.rope_theta), apply_rope(k, positions, cfg.rope_theta)
+    q, k, v = rotary_qkv(cfg, norm("attention_norm")(x), positions)
     x = x + output_projection(cfg, jax.nn.dot_product_attention(q, k, v))
     mlp = SwiGLU(cfg.ffn_hidden, cfg.init_std, cfg.out_init_std, cfg.compute_dtype, cfg.weights_dtype, name="mlp")
     return x + mlp(norm("mlp_norm")(x))
