@@ -113,7 +113,7 @@ def test_zero_weights_give_zero_output_and_no_memory_gradient():
 def test_entry_point_implementations_agree_and_reject_unknown():
   inputs = _inputs(5)
   assert rel_err(gca_attention(*inputs), gca_attention(*inputs, implementation="reference")) < 1e-5
-  with pytest.raises(ValueError, match="Unknown GCA implementation 'pallas'"):
+  with pytest.raises(ValueError, match="gca_attention: unknown implementation 'pallas'"):
     gca_attention(*inputs, implementation="pallas")
 
 

@@ -5,21 +5,19 @@
     autodiff); a test oracle.
   - "xla": one retrieved chunk at a time with a custom VJP that keeps only per-chunk
     log-normalizers (`chunked.py`); memory O(T (d + k)) for the backward.
-  - None: "xla".
+  - None: "xla" (`castle_jax.ops.backend.choose`, logged at debug level).
 """
 
 from __future__ import annotations
 
-import logging
-
 import jax
 
+from castle_jax.ops.backend import Implementation, choose
 from castle_jax.ops.gca.chunked import gca_chunked
 from castle_jax.ops.gca.reference import gca_reference
 
 IMPLEMENTATIONS = ("reference", "xla")
-
-_logger = logging.getLogger(__name__)
+_DEFAULT_ORDER = ("xla",)
 
 
 def gca_attention(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, chunk_weights: jax.Array,
@@ -52,10 +50,7 @@ def gca_attention(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, chunk_we
     ValueError: bad shapes or dtypes (naming the argument), seq not a multiple of the
       query chunks, k < 1, unknown implementation.
   """
-  if implementation is None:
-    implementation = "xla"
-    _logger.debug("gca_attention: implementation=None -> 'xla' (the only fast path so far)")
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"Unknown GCA implementation {implementation!r}; choose one of {IMPLEMENTATIONS} or None")
+  implementation = choose("gca_attention", implementation, {name: Implementation() for name in IMPLEMENTATIONS},
+                          _DEFAULT_ORDER)
   run = gca_reference if implementation == "reference" else gca_chunked
   return run(q, chunk_k, chunk_v, chunk_weights, chunk_indices, scale=scale)
