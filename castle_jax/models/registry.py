@@ -40,6 +40,12 @@ def _decode(module: nn.Module, params: Any, tokens: jax.Array, positions: jax.Ar
   return module.apply({"params": params}, tokens, positions, caches)
 
 
+def _last_logits(module: nn.Module, params: Any, tokens: jax.Array, count: int) -> jax.Array:
+  """The teacher-forced forward pass over the whole sequence, its last `count` positions kept."""
+  logits, _ = module.apply({"params": params}, tokens)
+  return logits[:, tokens.shape[1] - count:]
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelFamily:
   """What the trainer and generate() need from a kind of model.
@@ -57,6 +63,11 @@ class ModelFamily:
     init_cache: (module, batch, capacity) -> the decoding caches.
     decode: (module, params, tokens [B, n], positions [B, n], caches) -> (logits
       [B, n, vocab], caches): a prompt (prefill) or new tokens appended to the caches.
+    last_logits: (module, params, tokens int [B, L], count) -> float32 [B, count, vocab]:
+      the teacher-forced logits of the last `count` positions (what passkey and other
+      long-prompt evaluations score). The default runs the whole forward pass; a family
+      whose memory can stream (DRT: chunk memory in host RAM) overrides it so that L can
+      exceed what the device holds.
     param_count: ModelConfig -> parameter count (closed form).
     training_flops_per_token: (ModelConfig, seq_len) -> forward + backward FLOPs per
       token, for MFU.
@@ -68,6 +79,7 @@ class ModelFamily:
   token_losses: Callable[..., tuple[jax.Array, jax.Array]]
   init_cache: Callable[[nn.Module, int, int], Any]
   decode: Callable[..., tuple[jax.Array, Any]]
+  last_logits: Callable[..., jax.Array]
   param_count: Callable[[ModelConfig], int]
   training_flops_per_token: Callable[[ModelConfig, int], float]
 
@@ -80,6 +92,7 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         token_losses=transformer.token_losses,
         init_cache=_init_cache,
         decode=_decode,
+        last_logits=_last_logits,
         param_count=transformer.count_parameters,
         training_flops_per_token=transformer.training_flops_per_token,
     ),
@@ -90,6 +103,7 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         token_losses=drt.token_losses,
         init_cache=drt.init_cache,
         decode=drt.decode,
+        last_logits=_last_logits,
         param_count=drt.param_count,
         training_flops_per_token=drt.training_flops_per_token,
     ),
