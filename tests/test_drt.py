@@ -12,7 +12,7 @@ import pytest
 from castle_jax.config import ModelConfig
 from castle_jax.models.drt import DRT, DRTOptions, insert_landmarks, real_positions, serve_next_chunk
 
-CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, dtype="float32",
+CONFIG = ModelConfig(family="drt", vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, dtype="float32",
                      sliding_window=6, attention_kwargs=(("positions", "alibi"),))
 OPTIONS = DRTOptions(chunk_size=4, top_k=2, encoder_layers=1)
 
@@ -92,7 +92,7 @@ def test_retriever_learns_through_the_chunk_weights(model_and_params, options):
 
   grads = jax.jit(jax.grad(loss))(params)
   assert float(jnp.linalg.norm(grads["retrieval_norm_0"]["scale"])) > 0
-  assert float(jnp.linalg.norm(grads["memory_key"]["kernel"])) > 0
+  assert float(jnp.linalg.norm(grads["chunk_memory"]["key"]["kernel"])) > 0
 
 
 @pytest.mark.parametrize("fields, message", [

@@ -20,7 +20,9 @@ def generate(model: nn.Module, params: Any, prompt: jax.Array, *, max_new_tokens
 
   The prompt is run through the model once (prefill, filling each layer's cache),
   then one token at a time with the caches. With temperature 0 the result equals
-  repeatedly taking the argmax of the parallel forward pass.
+  repeatedly taking the argmax of the parallel forward pass. Models with caches on the
+  device decode as one compiled program; a family with a `stream_decoder` (DRT, whose
+  chunk memory lives in host RAM) is driven token by token from Python.
 
   Args:
     model: a module built from a ModelConfig (`castle_jax.models.build_model`); its
@@ -50,6 +52,10 @@ def generate(model: nn.Module, params: Any, prompt: jax.Array, *, max_new_tokens
         f"prompt_len ({prompt.shape[1]}) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the cache "
         f"capacity ({capacity}); raise capacity")
   rng = jax.random.key(0) if rng is None else rng
+  family = family_of(model)
+  if family.stream_decoder is not None:
+    return _generate_streaming(family.stream_decoder(model, params, prompt.shape[0], capacity), prompt, rng,
+                               max_new_tokens, float(temperature), int(top_k), float(top_p))
   return _generate(model, params, prompt.astype(jnp.int32), rng, max_new_tokens, capacity,
                    float(temperature), int(top_k), float(top_p))
 
@@ -76,3 +82,15 @@ def _generate(model, params, prompt, rng, max_new_tokens, capacity, temperature,
       step, (first, caches, jnp.int32(prompt_len), rng), None, length=max_new_tokens - 1)
   new_tokens = jnp.concatenate([emitted.T, last[:, None]], axis=1)
   return jnp.concatenate([prompt, new_tokens], axis=1)
+
+
+def _generate_streaming(stream, prompt, rng, max_new_tokens, temperature, top_k, top_p):
+  sample = jax.jit(functools.partial(sample_next_token, temperature=temperature, top_k=top_k, top_p=top_p))
+  logits = stream.feed(prompt)
+  new_tokens = []
+  for step in range(max_new_tokens):
+    rng, step_rng = jax.random.split(rng)
+    new_tokens.append(sample(logits[:, -1], step_rng).astype(jnp.int32))
+    if step + 1 < max_new_tokens:
+      logits = stream.feed(new_tokens[-1][:, None])
+  return jnp.concatenate([prompt, jnp.stack(new_tokens, axis=1)], axis=1)

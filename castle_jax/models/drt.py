@@ -111,6 +111,21 @@ class DRTOptions:
     return [upper // self.retrieval_groups] * self.retrieval_groups
 
 
+def norm(config: ModelConfig, name: str | None = None) -> RMSNorm:
+  return RMSNorm(config.norm_eps, config.compute_dtype, config.weights_dtype, name=name)
+
+
+def token_embedding(config: ModelConfig, name: str | None = None) -> Embedding:
+  return Embedding(config.vocab_size, config.d_model, dtype=config.compute_dtype, param_dtype=config.weights_dtype,
+                   embedding_init=with_axes(nn.initializers.normal(config.init_std), ("vocab", "embed")), name=name)
+
+
+def lm_head(config: ModelConfig, name: str | None = None) -> nn.Dense:
+  """The untied LM head (a tied head is `token_embedding(...).attend`)."""
+  return nn.Dense(config.vocab_size, use_bias=False, dtype=config.compute_dtype, param_dtype=config.weights_dtype,
+                  kernel_init=with_axes(nn.initializers.normal(config.init_std), ("embed", "vocab")), name=name)
+
+
 class ChunkEncoderBlock(nn.Module):
   """Bidirectional pre-norm block over one chunk, RoPE at in-chunk positions 0..S."""
 
@@ -120,12 +135,34 @@ class ChunkEncoderBlock(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     """x: [chunks, S + 1, d_model] -> same."""
     cfg = self.config
-    norm = lambda name: RMSNorm(cfg.norm_eps, cfg.compute_dtype, cfg.weights_dtype, name=name)
     positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
-    q, k, v = rotary_qkv(cfg, norm("attention_norm")(x), positions)
+    q, k, v = rotary_qkv(cfg, norm(cfg, "attention_norm")(x), positions)
     x = x + output_projection(cfg, jax.nn.dot_product_attention(q, k, v))
     mlp = SwiGLU(cfg.ffn_hidden, cfg.init_std, cfg.out_init_std, cfg.compute_dtype, cfg.weights_dtype, name="mlp")
-    return x + mlp(norm("mlp_norm")(x))
+    return x + mlp(norm(cfg, "mlp_norm")(x))
+
+
+class ChunkMemory(nn.Module):
+  """The chunk encoder and the shared memory projections (Eq. 3)."""
+
+  config: ModelConfig
+  options: DRTOptions
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x: [batch, chunks, S + 1, d_model], the last lower layer's states of whole chunks
+    (landmark last) -> (landmarks [batch, chunks, d_model], keys and values [batch, chunks,
+    S, kv_heads, head_dim])."""
+    cfg, size = self.config, self.options.chunk_size
+    batch, chunks = x.shape[:2]
+    encoded = norm(cfg, "input_norm")(x).reshape(batch * chunks, size + 1, cfg.d_model)
+    for layer in range(self.options.encoder_layers):
+      encoded = ChunkEncoderBlock(cfg, name=f"encoder_{layer}")(encoded)
+    encoded = norm(cfg, "output_norm")(encoded).reshape(batch, chunks, size + 1, cfg.d_model)
+    shape, axes = (cfg.kv_heads, cfg.qk_head_dim), ("embed", "kv_heads", "head_dim")
+    keys = projection(shape, axes, cfg.init_std, cfg, "key")(encoded[:, :, :size])
+    values = projection(shape, axes, cfg.init_std, cfg, "value")(encoded[:, :, :size])
+    return encoded[:, :, size], keys, values
 
 
 class GroupedCrossAttention(nn.Module):
@@ -134,12 +171,23 @@ class GroupedCrossAttention(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x, memory_k, memory_v, weights, indices):
+  def __call__(self, x, memory_k, memory_v, weights, indices, query_offset=None):
     """x: [batch, positions, d_model]; memory_k/v: [batch, chunks, S, kv_heads, head_dim];
-    weights, indices: [batch, chunks, k] (row c is what query chunk c reads)."""
+    weights, indices: [batch, query_chunks, k] (row c is what query chunk c reads).
+
+    query_offset: None when x is whole query chunks of S + 1 positions; in decoding, x
+      may start `query_offset` positions into its first query chunk and end anywhere (the
+      queries are placed on the [query_chunks * (S + 1)] grid the op expects; a query's
+      output does not depend on the other rows).
+    """
     cfg = self.config
     q = projection((cfg.n_heads, cfg.qk_head_dim), ("embed", "heads", "head_dim"), cfg.init_std, cfg, "query")(x)
-    return output_projection(cfg, gca_attention(q, memory_k, memory_v, weights, indices))
+    if query_offset is None:
+      return output_projection(cfg, gca_attention(q, memory_k, memory_v, weights, indices))
+    grid = jnp.zeros((q.shape[0], weights.shape[1] * (memory_k.shape[2] + 1), *q.shape[2:]), q.dtype)
+    grid = jax.lax.dynamic_update_slice(grid, q, (0, query_offset, 0, 0))
+    out = gca_attention(grid, memory_k, memory_v, weights, indices)
+    return output_projection(cfg, jax.lax.dynamic_slice(out, (0, query_offset, 0, 0), q.shape))
 
 
 class DRTBlock(nn.Module):
@@ -150,18 +198,25 @@ class DRTBlock(nn.Module):
   cross_attention: bool = False
 
   @nn.compact
-  def __call__(self, x, memory=None):
-    """x: [batch, positions, d_model]; memory: (memory_k, memory_v, weights, indices) or None."""
+  def __call__(self, x, memory=None, positions=None, cache=None, query_offset=None):
+    """x: [batch, positions, d_model] -> ([batch, positions, d_model], cache).
+
+    memory: (memory_k, memory_v, weights, indices) for an upper block, else None.
+    positions: int [batch, positions] in the landmark layout (default 0, 1, ...).
+    cache: the self-attention's `WindowKVCache` when decoding, else None (training).
+    query_offset: see `GroupedCrossAttention` (decoding).
+    """
     cfg = self.config
-    norm = lambda name: RMSNorm(cfg.norm_eps, cfg.compute_dtype, cfg.weights_dtype, name=name)
-    positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
-    x = x + MultiHeadAttention(cfg, name="attention")(norm("attention_norm")(x), positions)[0]
-    x = constrain(x, ("batch", "act_length", "act_embed"))
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+    h, cache = MultiHeadAttention(cfg, name="attention")(norm(cfg, "attention_norm")(x), positions, cache)
+    x = constrain(x + h, ("batch", "act_length", "act_embed"))
     mlp_input = x
     if self.cross_attention:
-      mlp_input = x + GroupedCrossAttention(cfg, name="cross_attention")(norm("cross_attention_norm")(x), *memory)
+      cross = GroupedCrossAttention(cfg, name="cross_attention")
+      mlp_input = x + cross(norm(cfg, "cross_attention_norm")(x), *memory, query_offset=query_offset)
     mlp = SwiGLU(cfg.ffn_hidden, cfg.init_std, cfg.out_init_std, cfg.compute_dtype, cfg.weights_dtype, name="mlp")
-    return constrain(x + mlp(norm("mlp_norm")(mlp_input)), ("batch", "act_length", "act_embed"))
+    return constrain(x + mlp(norm(cfg, "mlp_norm")(mlp_input)), ("batch", "act_length", "act_embed")), cache
 
 
 def insert_landmarks(x: jax.Array, landmark: jax.Array, chunk_size: int) -> jax.Array:
@@ -187,12 +242,31 @@ def serve_next_chunk(indices: jax.Array, weights: jax.Array) -> tuple[jax.Array,
   return shift(indices), shift(weights)
 
 
+def select(options: DRTOptions, scores: jax.Array, top_k: int, rng: jax.Array | None):
+  """(indices, weights) [..., top_k] of the chunks a group retrieves (see `select_chunks`);
+  rng: Gumbel noise in training, None in evaluation and decoding."""
+  if options.retriever == "random":
+    # Uniformly random chunks (Gumbel noise over equal scores), mixed by their learned scores.
+    pick = jnp.where(jnp.isfinite(scores), 0.0, -jnp.inf)
+    indices, _ = select_chunks(pick, top_k, gumbel_rng=rng)
+    selected = jnp.take_along_axis(scores, indices, axis=-1)
+    valid = jnp.isfinite(jnp.take_along_axis(pick, indices, axis=-1))
+    weights = jax.nn.softmax(jnp.where(valid, selected, -1e30), axis=-1) * valid
+    return indices, weights
+  return select_chunks(scores, top_k, gumbel_rng=rng if options.gumbel else None)
+
+
+def retrieval_scale(config: ModelConfig) -> float:
+  return config.d_model ** -0.5
+
+
 class DRT(nn.Module):
   """The Differentiable Retrieval Transformer LM (window: model.sliding_window).
 
   Call with tokens int [batch, seq] to get float32 logits [batch, seq, vocab] (and None:
   the cache slot of the decoder interface). `train=True` draws the Gumbel noise of the
-  retrieval from the "gumbel" RNG stream.
+  retrieval from the "gumbel" RNG stream. Decoding streams through
+  `castle_jax.models.drt_decoding.DRTStream` (chunk memory in host RAM).
   """
 
   config: ModelConfig
@@ -204,7 +278,8 @@ class DRT(nn.Module):
     if tokens.ndim != 2:
       raise ValueError(f"tokens must be int [batch, seq], got shape {tokens.shape}")
     if caches is not None:
-      raise NotImplementedError("DRT decoding with caches is not available yet; call without caches")
+      raise ValueError("DRT decodes through castle_jax.models.drt_decoding.DRTStream (its chunk memory lives "
+                       "in host RAM), not through caches; call without caches")
     del positions  # ALiBi and the landmark layout define the positions
     groups = opt.upper_layer_groups(cfg.n_layers)
     batch, seq = tokens.shape
@@ -213,63 +288,35 @@ class DRT(nn.Module):
     num_chunks = padded // size
     tokens = jnp.pad(tokens, ((0, 0), (0, padded - seq)))
 
-    embed = Embedding(cfg.vocab_size, cfg.d_model, dtype=cfg.compute_dtype, param_dtype=cfg.weights_dtype,
-                      embedding_init=with_axes(nn.initializers.normal(cfg.init_std), ("vocab", "embed")),
-                      name="embed")
+    embed = token_embedding(cfg, "embed")
     landmark = self.param("landmark", with_axes(nn.initializers.normal(cfg.init_std), ("embed",)), (cfg.d_model,),
                           cfg.weights_dtype)
     x = insert_landmarks(embed(tokens), landmark, size)
     x = constrain(x, ("batch", "act_length", "act_embed"))
-    norm = lambda name: RMSNorm(cfg.norm_eps, cfg.compute_dtype, cfg.weights_dtype, name=name)
     block = nn.remat(DRTBlock, prevent_cse=False) if cfg.remat else DRTBlock
 
     lower = cfg.n_layers // 2
     for layer in range(lower):
-      x = block(cfg, name=f"block_{layer}")(x)
+      x, _ = block(cfg, name=f"block_{layer}")(x)
 
-    encoded = norm("encoder_input_norm")(x).reshape(batch * num_chunks, size + 1, cfg.d_model)
-    for layer in range(opt.encoder_layers):
-      encoded = ChunkEncoderBlock(cfg, name=f"encoder_{layer}")(encoded)
-    encoded = norm("encoder_norm")(encoded).reshape(batch, num_chunks, size + 1, cfg.d_model)
-    landmarks = encoded[:, :, size]
-    memory_shape = (cfg.kv_heads, cfg.qk_head_dim)
-    memory_k = projection(memory_shape, ("embed", "kv_heads", "head_dim"), cfg.init_std, cfg,
-                          "memory_key")(encoded[:, :, :size])
-    memory_v = projection(memory_shape, ("embed", "kv_heads", "head_dim"), cfg.init_std, cfg,
-                          "memory_value")(encoded[:, :, :size])
-
+    landmarks, memory_k, memory_v = ChunkMemory(cfg, opt, name="chunk_memory")(
+        x.reshape(batch, num_chunks, size + 1, cfg.d_model))
     top_k = min(opt.top_k, num_chunks)
     layer = lower
     for group, group_layers in enumerate(groups):
-      states = norm(f"retrieval_norm_{group}")(x.reshape(batch, num_chunks, size + 1, cfg.d_model)[:, :, size])
-      scores = retrieval_scores(states, landmarks, scale=cfg.d_model ** -0.5)
+      states = norm(cfg, f"retrieval_norm_{group}")(x.reshape(batch, num_chunks, size + 1, cfg.d_model)[:, :, size])
+      scores = retrieval_scores(states, landmarks, scale=retrieval_scale(cfg))
       noise = self.make_rng("gumbel") if train and (opt.gumbel or opt.retriever == "random") else None
-      indices, weights = self._select(scores, top_k, noise)
+      indices, weights = select(opt, scores, top_k, noise)
       served_indices, served_weights = serve_next_chunk(indices, weights)
       memory = (memory_k, memory_v, served_weights, served_indices)
       for _ in range(group_layers):
-        x = block(cfg, cross_attention=True, name=f"block_{layer}")(x, memory)
+        x, _ = block(cfg, cross_attention=True, name=f"block_{layer}")(x, memory)
         layer += 1
 
-    x = real_positions(norm("final_norm")(x), size)[:, :seq]
-    if cfg.tie_embeddings:
-      logits = embed.attend(x)
-    else:
-      logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype, param_dtype=cfg.weights_dtype,
-                        kernel_init=with_axes(nn.initializers.normal(cfg.init_std), ("embed", "vocab")),
-                        name="lm_head")(x)
+    x = real_positions(norm(cfg, "final_norm")(x), size)[:, :seq]
+    logits = embed.attend(x) if cfg.tie_embeddings else lm_head(cfg, "lm_head")(x)
     return constrain(logits.astype(jnp.float32), ("batch", "act_length", "act_vocab")), None
-
-  def _select(self, scores, top_k, rng):
-    if self.options.retriever == "random":
-      # Uniformly random chunks (Gumbel noise over equal scores), mixed by their learned scores.
-      pick = jnp.where(jnp.isfinite(scores), 0.0, -jnp.inf)
-      indices, _ = select_chunks(pick, top_k, gumbel_rng=rng)
-      selected = jnp.take_along_axis(scores, indices, axis=-1)
-      valid = jnp.isfinite(jnp.take_along_axis(pick, indices, axis=-1))
-      weights = jax.nn.softmax(jnp.where(valid, selected, -1e30), axis=-1) * valid
-      return indices, weights
-    return select_chunks(scores, top_k, gumbel_rng=rng if self.options.gumbel else None)
 
 
 # The model-family entry (castle_jax.models.registry): what the trainer needs.
@@ -315,12 +362,3 @@ def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
                       + upper * min(options.top_k, positions // (size + 1)) * size)
   retrieval = options.retrieval_groups * (positions // (size + 1)) / 2 * 2 * d / size
   return 3 * (2 * matmul_params * per_position + per_position * attention + retrieval)
-
-
-def init_cache(model: DRT, batch: int, capacity: int):
-  raise NotImplementedError("DRT decoding (token-by-token with offloaded chunk memory) is not built yet; "
-                            "score prompts with the teacher-forced forward (module.apply) instead")
-
-
-def decode(model: DRT, params, tokens, positions, caches):
-  raise NotImplementedError("DRT decoding (token-by-token with offloaded chunk memory) is not built yet")

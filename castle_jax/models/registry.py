@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from castle_jax.config import ModelConfig
-from castle_jax.models import drt, transformer
+from castle_jax.models import drt, drt_decoding, transformer
 
 
 def _init_variables(module: nn.Module, rng: jax.Array, seq_len: int):
@@ -60,9 +60,15 @@ class ModelFamily:
       weights (which tokens count: 0 at padding; a family may also zero landmark or
       draft-only positions). rng: a PRNG key in training (for models that draw noise,
       e.g. DRT's Gumbel top-k), None in evaluation. The trainer averages sum(loss) / sum(weights).
-    init_cache: (module, batch, capacity) -> the decoding caches.
+    init_cache: (module, batch, capacity) -> the decoding caches, or None for a family
+      that decodes through `stream_decoder` instead.
     decode: (module, params, tokens [B, n], positions [B, n], caches) -> (logits
-      [B, n, vocab], caches): a prompt (prefill) or new tokens appended to the caches.
+      [B, n, vocab], caches): a prompt (prefill) or new tokens appended to the caches
+      (jit-able: generate() compiles the whole loop); None with `stream_decoder`.
+    stream_decoder: None, or (module, params, batch, capacity) -> an object whose
+      `feed(tokens int [B, n], keep=1)` appends tokens and returns the logits float32
+      [B, keep, vocab] at the last `keep` of them: for models whose decoding state lives
+      partly off the device (DRT's chunk memory in host RAM), driven from Python.
     last_logits: (module, params, tokens int [B, L], count) -> float32 [B, count, vocab]:
       the teacher-forced logits of the last `count` positions (what passkey and other
       long-prompt evaluations score). The default runs the whole forward pass; a family
@@ -77,11 +83,12 @@ class ModelFamily:
   build: Callable[[ModelConfig], nn.Module]
   init_variables: Callable[[nn.Module, jax.Array, int], Any]
   token_losses: Callable[..., tuple[jax.Array, jax.Array]]
-  init_cache: Callable[[nn.Module, int, int], Any]
-  decode: Callable[..., tuple[jax.Array, Any]]
+  init_cache: Callable[[nn.Module, int, int], Any] | None
+  decode: Callable[..., tuple[jax.Array, Any]] | None
   last_logits: Callable[..., jax.Array]
   param_count: Callable[[ModelConfig], int]
   training_flops_per_token: Callable[[ModelConfig, int], float]
+  stream_decoder: Callable[..., Any] | None = None
 
 
 MODEL_FAMILIES: dict[str, ModelFamily] = {
@@ -101,11 +108,12 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         build=drt.build,
         init_variables=_init_variables,
         token_losses=drt.token_losses,
-        init_cache=drt.init_cache,
-        decode=drt.decode,
-        last_logits=_last_logits,
+        init_cache=None,
+        decode=None,
+        last_logits=drt_decoding.last_logits,
         param_count=drt.param_count,
         training_flops_per_token=drt.training_flops_per_token,
+        stream_decoder=drt_decoding.stream_decoder,
     ),
 }
 

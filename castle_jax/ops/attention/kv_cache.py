@@ -55,3 +55,52 @@ class KVCache:
     slots = jnp.arange(self.capacity, dtype=jnp.int32)
     positions = jnp.where(slots < self.length, slots, -1)
     return jnp.broadcast_to(positions, (self.keys.shape[0], self.capacity))
+
+
+@flax.struct.dataclass
+class WindowKVCache:
+  """Keys and values of the last `capacity` positions, in a ring: the memory of a
+  sliding-window layer stays constant however long the sequence grows.
+
+  Decoding attends new queries to every filled slot under the positional mask
+  (`causal_mask` with the window), so a layer with window W that appends up to n
+  positions at a time needs capacity >= W + n - 1: then no slot a new query may see is
+  overwritten by the same append.
+
+  Attributes:
+    keys, values: [batch, capacity, kv_heads, head_dim].
+    positions: int32 [capacity], the position held by each slot, -1 for empty slots.
+    length: int32 scalar, positions appended so far (the next one's position).
+  """
+
+  keys: jax.Array
+  values: jax.Array
+  positions: jax.Array
+  length: jax.Array
+
+  @classmethod
+  def create(cls, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype) -> "WindowKVCache":
+    if capacity < 1:
+      raise ValueError(f"WindowKVCache capacity must be >= 1, got {capacity}")
+    shape = (batch, capacity, kv_heads, head_dim)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.full((capacity,), -1, jnp.int32),
+               jnp.zeros((), jnp.int32))
+
+  @property
+  def capacity(self) -> int:
+    return self.keys.shape[1]
+
+  def append(self, keys: jax.Array, values: jax.Array) -> "WindowKVCache":
+    """Writes [batch, new, kv_heads, head_dim] keys/values over the oldest slots (new <= capacity)."""
+    new = keys.shape[1]
+    if new > self.capacity:
+      raise ValueError(f"cannot append {new} positions to a window KV cache of capacity {self.capacity}")
+    positions = self.length + jnp.arange(new, dtype=jnp.int32)
+    slots = positions % self.capacity
+    return WindowKVCache(self.keys.at[:, slots].set(keys.astype(self.keys.dtype)),
+                         self.values.at[:, slots].set(values.astype(self.values.dtype)),
+                         self.positions.at[slots].set(positions), self.length + new)
+
+  def key_positions(self) -> jax.Array:
+    """int32 [batch, capacity]: the position of each slot, -1 for empty slots."""
+    return jnp.broadcast_to(self.positions, (self.keys.shape[0], self.capacity))

@@ -51,24 +51,32 @@ def causal_chunk_mask(num_chunks: int) -> jax.Array:
   return positions[None, :] < positions[:, None]
 
 
-def retrieval_scores(queries: jax.Array, landmarks: jax.Array, *, scale: float | None = None) -> jax.Array:
+def retrieval_scores(queries: jax.Array, landmarks: jax.Array, *, scale: float | None = None,
+                     query_chunks: jax.Array | None = None) -> jax.Array:
   """Relevance of every earlier chunk to each chunk, -inf where retrieval is not causal.
 
   Args:
     queries: [batch, chunks, dim], chunk t's landmark state in the retrieving layer group.
-    landmarks: [batch, chunks, dim], the chunk encoder's landmark of each memory chunk.
+    landmarks: [batch, memory_chunks, dim], the chunk encoder's landmark of each memory
+      chunk (memory_chunks == chunks unless query_chunks is given).
     scale: default 1/sqrt(dim).
+    query_chunks: int [chunks], the chunk number of each query (default 0..chunks-1):
+      decoding scores a few new chunks against a store of every landmark so far.
 
   Returns:
-    float32 [batch, chunks (t), chunks (c)]: <q_t, l_c> * scale for c < t, else -inf.
+    float32 [batch, chunks (t), memory_chunks (c)]: <q_t, l_c> * scale for c < t, else -inf.
   """
-  if queries.ndim != 3 or landmarks.shape != queries.shape:
+  same_chunks = query_chunks is not None or landmarks.shape == queries.shape
+  if queries.ndim != 3 or landmarks.ndim != 3 or not same_chunks or landmarks.shape[::2] != queries.shape[::2]:
     raise ValueError(f"queries and landmarks must both be [batch, chunks, dim]; got {queries.shape} and "
                      f"{landmarks.shape}")
   scale = queries.shape[-1] ** -0.5 if scale is None else scale
   scores = jnp.einsum("btd,bcd->btc", queries.astype(jnp.float32), landmarks.astype(jnp.float32),
                       precision="highest") * scale
-  return jnp.where(causal_chunk_mask(queries.shape[1]), scores, -jnp.inf)
+  if query_chunks is None:
+    return jnp.where(causal_chunk_mask(queries.shape[1]), scores, -jnp.inf)
+  causal = jnp.arange(landmarks.shape[1])[None, :] < query_chunks[:, None]
+  return jnp.where(causal, scores, -jnp.inf)
 
 
 def select_chunks(scores: jax.Array, top_k: int, *, gumbel_rng: jax.Array | None = None
