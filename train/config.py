@@ -59,6 +59,14 @@ def base_config() -> ml_collections.ConfigDict:
   d.shuffle_seed = 0
   d.worker_count = 0  # grain worker processes; 0 reads in the main process
   d.prefetch = 2  # train batches read ahead by a background thread; 0: read on the step's path
+  # "lm": packed documents; "passkey": passkey-retrieval prompts with corpus haystacks,
+  # generated on the fly (castle_jax/data/passkey_data.py), for fine-tuning and eval.
+  d.task = "lm"
+  d.passkey = ml_collections.ConfigDict()
+  d.passkey.digits = 5  # decimal digits of the passkey
+  d.passkey.loss = "answer"  # "answer": only the passkey tokens are targets; "all": every prompt token
+  d.passkey.align_to = 0  # 0: no alignment; a DRT chunk size: the answer " is <passkey>" starts a chunk
+  d.passkey.min_length = 0  # 0: every prompt fills seq_len; else lengths uniform in [min_length, seq_len]
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1  # -1: fill with the devices left over

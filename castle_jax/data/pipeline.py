@@ -1,5 +1,9 @@
 """grain input pipelines for language modelling over a TFDS dataset.
 
+data.task picks the stream (one dispatch, in make_lm_dataset): "lm" (below) or
+"passkey" (castle_jax.data.passkey_data: passkey-retrieval prompts over the same
+corpus, generated on the fly, in the same batch format).
+
 source (random access) -> shuffle (train) -> repeat -> this process's shard ->
 tokenize to [BOS] + doc + [EOS] -> concatenate and split into windows of
 seq_len + 1 tokens -> batch -> {"inputs", "targets"} shifted by one token.
@@ -20,7 +24,10 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from castle_jax.data import python_stdlib
+from castle_jax.data.passkey_data import make_passkey_dataset
 from castle_jax.data.tokenizer import Tokenizer
+
+TASKS = ("lm", "passkey")
 
 DEFAULT_DATA_DIR = os.path.join(os.path.expanduser("~"), ".cache", "castle_jax", "tensorflow_datasets")
 
@@ -119,8 +126,9 @@ def make_lm_dataset(data_config, tokenizer: Tokenizer, *, split: str, shuffle: b
   """The packed, batched dataset of one split, for this process.
 
   Args:
-    data_config: `config.data` (dataset, data_dir, source_dir, text_key, seq_len,
-      batch_size (global), shuffle_seed, worker_count).
+    data_config: `config.data` (task, dataset, data_dir, source_dir, text_key, seq_len,
+      batch_size (global), shuffle_seed, worker_count; passkey.* for task "passkey",
+      whose stream replaces the packed documents and ignores `shuffle`).
     tokenizer: maps text to ids.
     split: TFDS split name.
     shuffle: shuffle documents (reshuffled every epoch); eval streams keep file order.
@@ -142,17 +150,24 @@ def make_lm_dataset(data_config, tokenizer: Tokenizer, *, split: str, shuffle: b
     raise ValueError(f"data.batch_size ({d.batch_size}) must be a positive multiple of the {process_count} processes")
   if not 0 <= process_index < process_count:
     raise ValueError(f"process_index {process_index} is outside [0, {process_count})")
+  task = d.get("task", "lm")
+  if task not in TASKS:
+    raise ValueError(f"data.task must be one of {TASKS}, got {task!r}")
 
   source = get_data_source(d.dataset, split, d.data_dir, d.get("source_dir"))
-  ds = grain.MapDataset.source(source)
-  if shuffle:
-    ds = ds.shuffle(seed=d.shuffle_seed)
-  ds = ds.repeat()[process_index::process_count]
-  ds = ds.map(functools.partial(_tokenize, tokenizer=tokenizer, text_key=d.text_key))
-  packed = grain.experimental.ConcatThenSplitIterDataset(
-      ds.to_iter_dataset(), length_struct={"tokens": d.seq_len + 1})
-  batched = packed.batch(d.batch_size // process_count, drop_remainder=True)
-  batched = batched.map(functools.partial(_to_inputs_and_targets, pad_id=tokenizer.pad_id))
+  if task == "passkey":
+    batched = make_passkey_dataset(d, tokenizer, source, split=split, process_index=process_index,
+                                   process_count=process_count).to_iter_dataset()
+  else:
+    ds = grain.MapDataset.source(source)
+    if shuffle:
+      ds = ds.shuffle(seed=d.shuffle_seed)
+    ds = ds.repeat()[process_index::process_count]
+    ds = ds.map(functools.partial(_tokenize, tokenizer=tokenizer, text_key=d.text_key))
+    packed = grain.experimental.ConcatThenSplitIterDataset(
+        ds.to_iter_dataset(), length_struct={"tokens": d.seq_len + 1})
+    batched = packed.batch(d.batch_size // process_count, drop_remainder=True)
+    batched = batched.map(functools.partial(_to_inputs_and_targets, pad_id=tokenizer.pad_id))
   if d.worker_count > 0:
     batched = batched.mp_prefetch(grain.MultiprocessingOptions(num_workers=d.worker_count))
   if prefetch > 0:
