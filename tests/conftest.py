@@ -54,15 +54,6 @@ def small_source_dir(tmp_path_factory):
 @pytest.fixture()
 def tiny_run_config(tmp_path, stdlib_data_dir):
   """configs/tiny.py shrunk to `helpers.TINY_RUN_SETTINGS`, in a fresh workdir."""
-  import copy
-
   from configs import tiny
-  from helpers import TINY_RUN_SETTINGS
-  c = copy.deepcopy(tiny.get_config())
-  with c.unlocked():
-    c.workdir = str(tmp_path / "run")
-    c.data.data_dir = stdlib_data_dir
-    for key, value in TINY_RUN_SETTINGS.items():
-      section, name = key.split(".")
-      c[section][name] = value
-  return c
+  from helpers import tiny_run
+  return tiny_run(tiny, str(tmp_path / "run"), stdlib_data_dir)

@@ -45,5 +45,19 @@ TINY_RUN_SETTINGS = {
 }
 
 
+def tiny_run(config_module, workdir: str, data_dir: str, **overrides):
+  """`config_module.get_config()` shrunk to TINY_RUN_SETTINGS plus `overrides`
+  ({"section.key": value}), training into `workdir` on the corpus in `data_dir`."""
+  import copy
+  c = copy.deepcopy(config_module.get_config())
+  with c.unlocked():
+    c.workdir = workdir
+    c.data.data_dir = data_dir
+    for key, value in {**TINY_RUN_SETTINGS, **overrides}.items():
+      section, name = key.split(".")
+      c[section][name] = value
+  return c
+
+
 class Interrupt(Exception):
   """Raised from a training callback to stop a run between steps."""

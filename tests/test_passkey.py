@@ -46,3 +46,24 @@ def test_scoring_first_token_and_all_tokens():
 def test_too_short_is_an_error():
   with pytest.raises(ValueError, match="too short"):
     passkey.make_example(TOKENIZER, HAYSTACK, 40, seed=0)
+
+
+@pytest.mark.parametrize("align_to", [None, 16])
+def test_scoring_from_tail_logits_matches_full_logits(align_to):
+  example = passkey.make_example(TOKENIZER, HAYSTACK, 150, seed=4, depth=0.3, align_to=align_to)
+  logits = np.zeros((150, TOKENIZER.vocab_size))
+  logits[np.arange(149), example.tokens[1:]] = 1.0  # a perfect teacher-forced predictor
+  count = passkey.tail_count(example)
+  assert count == 150 - example.answer_start + 1
+  assert passkey.score_tail(logits[-count:], example) == passkey.score(logits, example) == (True, True)
+  early = np.roll(logits, 1, axis=0)  # each row predicts the token before the right one
+  assert passkey.score_tail(early[-count:], example) == (False, False)
+  with pytest.raises(ValueError, match="tail_count"):
+    passkey.score_tail(logits[-count - 1:], example)
+
+
+def test_examples_spread_depths_evenly_and_keep_passkeys_across_lengths():
+  short, long = (passkey.make_examples(TOKENIZER, HAYSTACK, n, 4, seed=1) for n in (200, 400))
+  assert [e.passkey for e in short] == [e.passkey for e in long]
+  positions = [e.needle_position for e in long]
+  assert positions == sorted(positions) and positions[0] < 400 * 0.25 < positions[1]

@@ -10,8 +10,8 @@ import pytest
 
 from configs import tiny
 from helpers import Interrupt
+from castle_jax.workdir import load_trained_model
 from train.config import finalize, validate_keys
-from train.restore import load_trained_model
 from train.metrics import read_metrics
 from train.trainer import TrainingDivergedError, train
 from castle_jax.inference import generate

@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from castle_jax.checkpoints import MANIFEST_NAME, Checkpointer, CheckpointError, verify_step
+from castle_jax.workdir import load_trained_model
 from helpers import TINY_RUN_SETTINGS, Interrupt
-from train.checkpointing import MANIFEST_NAME, Checkpointer, CheckpointError, verify_step
 from train.metrics import MetricsWriter, read_metrics
-from train.restore import load_trained_model
 from train.signals import TrainingInterrupted
 from train.state import TrainState
 from train.trainer import train

@@ -99,6 +99,10 @@ def base_config() -> ml_collections.ConfigDict:
   # checkpoint's run changes the LR schedule mid-run: an error unless this is True.
   t.allow_schedule_change = False
   t.progress_bar = True
+  # Fine-tuning: the workdir of an earlier run (same model.* and tokenizer). A fresh run
+  # starts from the parameters of its newest good checkpoint (optimizer state and step
+  # start fresh); once this run has checkpoints of its own, resuming uses those.
+  t.init_from = ml_collections.config_dict.placeholder(str)  # None or "": off
   return c
 
 

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
+from castle_jax.checkpoints import CheckpointError
 from castle_jax.inference import generate
-from train.checkpointing import CheckpointError
-from train.restore import load_trained_model
+from castle_jax.workdir import load_trained_model
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (holds config.json and checkpoints/).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")

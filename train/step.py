@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from castle_jax.eval.perplexity import loss_sums
 from castle_jax.models import family_of
 from train.state import TrainState
 
@@ -81,16 +82,14 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: nn.Modu
 
 def eval_step(params: Any, batch: dict[str, jax.Array], *, model: nn.Module, pad_id: int,
               token_byte_lengths: jax.Array, microbatches: int = 1) -> dict[str, jax.Array]:
-  """Sums for validation: nll (nats), scored tokens and the UTF-8 bytes they stand for.
+  """Sums for validation: nll (nats), scored tokens and the UTF-8 bytes they stand for
+  (`castle_jax.eval.perplexity.loss_sums`, which the evaluation commands use too).
 
   `microbatches` splits the batch as the train step does, so that evaluation never holds
   more logits than one training microbatch (a whole 256 x 2048 batch of a 50K vocabulary
   would be 105 GB of float32 logits).
   """
-  def sums(micro):
-    nll, weights = token_losses(model, params, micro, pad_id)
-    byte_counts = jnp.take(token_byte_lengths, micro["targets"]) * weights
-    return {"nll_sum": jnp.sum(nll), "tokens": jnp.sum(weights), "bytes": jnp.sum(byte_counts)}
+  sums = functools.partial(loss_sums, model, params, pad_id=pad_id, token_byte_lengths=token_byte_lengths)
 
   if microbatches == 1:
     return sums(batch)

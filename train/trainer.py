@@ -4,8 +4,9 @@
   `build_run`        validate the config and build model, tokenizer, mesh, optimizer
                      (touches no file);
   `open_workdir`     lock the workdir and apply the resume/overwrite rules;
-  `restore_or_init`  the train state and data position (newest good checkpoint or
-                     fresh), after which config.json is written;
+  `restore_or_init`  the train state and data position (newest good checkpoint, or
+                     fresh: random or another run's parameters, `train.init_from`),
+                     after which config.json is written;
   `run_loop`         the steps, with `StepLogger` (metrics, console) and the
                      `ThroughputWindow` (tokens/s, MFU, input wait).
 """
@@ -29,12 +30,14 @@ import numpy as np
 import optax
 import tqdm
 
+from castle_jax.checkpoints import Checkpointer
 from castle_jax.data.pipeline import make_lm_iterator
 from castle_jax.data.tokenizer import Tokenizer, load_tokenizer
+from castle_jax.eval.perplexity import summarize
 from castle_jax.models import ModelConfig, build_model, training_flops_per_token
 from castle_jax.sharding import LOGICAL_AXIS_RULES
+from castle_jax.workdir import restore_params
 from train import workdir as workdir_lib
-from train.checkpointing import Checkpointer
 from train.config import validate_keys
 from train.mesh import data_parallel_size, make_mesh
 from train.metrics import MetricsWriter, ThroughputWindow, format_eval_line, format_train_line
@@ -117,7 +120,8 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
 def open_workdir(run: Run) -> tuple[workdir_lib.WorkdirLock | None, Checkpointer]:
   """Takes the workdir lock (process 0) and applies the resume/overwrite rules;
   when resuming, checks the model and schedule against the saved config.json
-  before Orbax reads anything. Returns (lock, checkpointer)."""
+  before Orbax reads anything, and for a fresh run with `train.init_from` the model
+  and tokenizer against that run's. Returns (lock, checkpointer)."""
   t = run.config.train
   lock = workdir_lib.acquire_lock(run.workdir)
   checkpointer = None
@@ -135,6 +139,8 @@ def open_workdir(run: Run) -> tuple[workdir_lib.WorkdirLock | None, Checkpointer
                f"({'; '.join(changed)}; train.allow_schedule_change=True)\nWARNING: {'!' * 60}")
     elif t.resume_step is not None:
       raise ValueError(f"train.resume_step={t.resume_step} but there are no checkpoints in {checkpointer.directory}")
+    elif t.init_from:
+      workdir_lib.check_init_from(t.init_from, run.config.model, run.config.data.tokenizer)
   except BaseException:
     try:
       if checkpointer is not None:
@@ -146,16 +152,37 @@ def open_workdir(run: Run) -> tuple[workdir_lib.WorkdirLock | None, Checkpointer
   return lock, checkpointer
 
 
+@dataclasses.dataclass(frozen=True)
+class InitSource:
+  """Where a fresh run's parameters came from (`train.init_from`)."""
+
+  workdir: str
+  step: int
+
+
 def restore_or_init(run: Run, checkpointer: Checkpointer, abstract_state: TrainState, shardings: TrainState,
-                    train_iter) -> tuple[TrainState, int | None]:
-  """(state, the checkpoint step resumed from or None); restores `train_iter` in place."""
+                    train_iter) -> tuple[TrainState, int | None, InitSource | None]:
+  """(state, the checkpoint step resumed from or None, the run the parameters were
+  initialised from or None); restores `train_iter` in place.
+
+  The run's own checkpoints win; else `train.init_from` gives the parameters (its
+  newest good checkpoint) with a fresh optimizer state and step 0; else random."""
   t = run.config.train
   if t.resume and checkpointer.all_steps():
     state, step, _ = checkpointer.restore_good(abstract_state, train_iter, step=t.resume_step, log=_print)
-    _print(f"Resumed from step {step} in {checkpointer.directory}")
-    return state, step
+    _print(f"Resumed from step {step} in {checkpointer.directory}"
+           + (f"; train.init_from={t.init_from} is ignored (this run's own checkpoints win)" if t.init_from else ""))
+    return state, step, None
+  if t.init_from:
+    source = os.path.abspath(t.init_from)
+    params, step = restore_params(source, abstract_state.params, log=_print, what="train.init_from")
+    start = jax.jit(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=run.tx.init(p)),
+                    out_shardings=shardings, donate_argnums=0)
+    _print(f"Initialised the parameters from step {step} of {source} (train.init_from); the optimizer state "
+           "and the step start fresh")
+    return start(params), None, InitSource(source, step)
   return init_train_state(run.model, run.tx, jax.random.key(run.config.seed), run.config.data.seq_len,
-                          shardings), None
+                          shardings), None, None
 
 
 def _print(text: str) -> None:
@@ -202,12 +229,7 @@ def evaluate(params, eval_fn: Callable, config: ml_collections.ConfigDict, token
       totals = {k: totals[k] + float(sums[k]) for k in totals}
   finally:
     iterator.close()
-  loss = totals["nll_sum"] / max(totals["tokens"], 1.0)
-  return {
-      "loss": loss,
-      "perplexity": math.exp(min(loss, 80.0)),
-      "bits_per_byte": totals["nll_sum"] / math.log(2) / max(totals["bytes"], 1.0),
-  }
+  return summarize(totals)
 
 
 class StepLogger:
@@ -347,9 +369,11 @@ def train(config: ml_collections.ConfigDict, *,
       abstract_state, shardings = state_shardings(run.model, run.tx, run.mesh, config.data.seq_len)
       train_iter = make_lm_iterator(config.data, run.tokenizer, split=config.data.train_split, shuffle=True,
                                     prefetch=config.data.prefetch)
-      state, resumed_step = restore_or_init(run, checkpointer, abstract_state, shardings, train_iter)
+      state, resumed_step, init_source = restore_or_init(run, checkpointer, abstract_state, shardings, train_iter)
       workdir_lib.write_run_files(run.workdir, config)
       writer = MetricsWriter(run.workdir)
+      if init_source is not None:  # config.json names the workdir; this record, the step used
+        writer.write(0, "init_from", {"source_step": init_source.step})
       return run_loop(run, state, shardings, train_iter, checkpointer, writer, resumed_step, stop, after_step)
   finally:
     try:

@@ -36,12 +36,11 @@ from typing import Any, Mapping
 
 import jax
 
-from train.checkpointing import file_sha256
+from castle_jax.checkpoints import file_sha256
+from castle_jax.workdir import CONFIG_NAME, TOKENIZER_NAME, read_config, resolve_tokenizer_path, saved_config
 from train.config import base_config
 
 LOCK_NAME = ".lock"
-CONFIG_NAME = "config.json"
-TOKENIZER_NAME = "tokenizer.json"
 # Entries that make a workdir "hold a run".
 _RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", CONFIG_NAME)
 
@@ -238,26 +237,14 @@ def _flat(mapping: Mapping[str, Any], prefix: str) -> dict[str, Any]:
   return out
 
 
-def saved_config(workdir: str) -> dict[str, Any] | None:
-  """The workdir's config.json as a dict, or None when there is none."""
-  path = os.path.join(workdir, CONFIG_NAME)
-  if not os.path.isfile(path):
-    return None
-  with open(path) as f:
-    return json.load(f)
-
-
-def check_model_unchanged(workdir: str, model_config) -> None:
-  """Raises ConfigMismatchError (one line listing `model.key: old -> new`) when the
-  workdir's saved config.json has a different model.
+def model_differences(saved_model: Mapping[str, Any], model_config) -> list[str]:
+  """`model.key: old -> new` for every key where a saved config.json's model section
+  differs from `model_config` (a ConfigDict).
 
   A key the saved config lacks (added to the schema after that run) counts as
   unchanged when the new value is the schema default, which by convention keeps
   the old behaviour."""
-  saved = saved_config(workdir)
-  if saved is None or "model" not in saved:
-    return
-  old = _flat(saved["model"], "model.")
+  old = _flat(saved_model, "model.")
   new = _flat(json.loads(model_config.to_json_best_effort()), "model.")
   defaults = _flat(json.loads(base_config().model.to_json_best_effort()), "model.")
   unset = "<unset>"
@@ -267,11 +254,45 @@ def check_model_unchanged(workdir: str, model_config) -> None:
     after = new.get(key, unset)
     if before != after:
       differing.append(f"{key}: {before!r} -> {after!r}")
+  return differing
+
+
+def check_model_unchanged(workdir: str, model_config) -> None:
+  """Raises ConfigMismatchError (one line listing `model.key: old -> new`) when the
+  workdir's saved config.json has a different model (see `model_differences`)."""
+  saved = saved_config(workdir)
+  if saved is None or "model" not in saved:
+    return
+  differing = model_differences(saved["model"], model_config)
   if differing:
     raise ConfigMismatchError(
         f"The checkpoints in {workdir} were trained with another model config ({'; '.join(differing)}). "
         "Restore those values to resume, or start over in a new --workdir (or with "
         "--config.train.resume=False --config.train.overwrite=True).")
+
+
+def check_init_from(source: str, model_config, tokenizer: str) -> None:
+  """`train.init_from`: the source workdir must hold a run (config.json) with the
+  same model config and the same tokenizer as this one.
+
+  Raises:
+    FileNotFoundError: `source` has no config.json.
+    ConfigMismatchError: one line listing the differing model.* keys, or naming the tokenizers.
+  """
+  source = os.path.abspath(source)
+  saved = read_config(source, what=f"train.init_from={source}").to_dict()
+  differing = model_differences(saved.get("model", {}), model_config)
+  if differing:
+    raise ConfigMismatchError(
+        f"train.init_from={source} was trained with another model config ({'; '.join(differing)}): "
+        "its parameters only fit the same model.* values; set them, or init from another run")
+  theirs = resolve_tokenizer_path(source, saved["data"]["tokenizer"])
+  same = theirs == tokenizer or ("byte" not in (theirs, tokenizer) and os.path.isfile(theirs)
+                                 and os.path.isfile(tokenizer) and file_sha256(theirs) == file_sha256(tokenizer))
+  if not same:
+    raise ConfigMismatchError(
+        f"data.tokenizer {tokenizer} differs from the tokenizer of train.init_from={source} ({theirs}); "
+        f"pass --config.data.tokenizer={theirs} to fine-tune from that run")
 
 
 def check_tokenizer_unchanged(workdir: str, tokenizer: str) -> None:
@@ -308,11 +329,3 @@ def write_run_files(workdir: str, config) -> None:
     f.write(config.to_json_best_effort(indent=2))
   os.replace(temporary, path)
 
-
-def resolve_tokenizer_path(workdir: str, tokenizer: str) -> str:
-  """data.tokenizer from a saved config.json: relative paths are relative to the
-  workdir (older workdirs stored them relative to where training ran)."""
-  if tokenizer == "byte" or os.path.isabs(tokenizer):
-    return tokenizer
-  inside = os.path.join(workdir, tokenizer)
-  return inside if os.path.exists(inside) else tokenizer

@@ -1,1 +1,2 @@
-"""Evaluations: passkey retrieval."""
+"""Evaluations of trained workdirs: passkey retrieval (`python -m castle_jax.eval.passkey`)
+and perplexity against context length (`python -m castle_jax.eval.perplexity`)."""

@@ -1,0 +1,189 @@
+"""What the evaluation commands (`python -m castle_jax.eval.<name>`) share: flags and
+one-line errors, the trained workdir and its validation text, the results table, the
+JSON file and the plot against context length."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, NoReturn, Sequence
+
+import ml_collections
+import numpy as np
+import tqdm
+
+from castle_jax.checkpoints import CheckpointError
+from castle_jax.data.pipeline import get_data_source
+from castle_jax.data.tokenizer import Tokenizer
+from castle_jax.workdir import TrainedModel, load_trained_model, read_config
+
+
+class EvalError(Exception):
+  """A bad flag or an unusable workdir/dataset: printed as one `ERROR: ...` line, exit 1."""
+
+
+def fail(message: str) -> NoReturn:
+  raise EvalError(message)
+
+
+class _Parser(argparse.ArgumentParser):
+  """argparse whose usage errors are one `ERROR: ...` line and exit status 1."""
+
+  def error(self, message: str) -> NoReturn:
+    fail(f"{message} (see --help)")
+
+
+def make_parser(prog: str, description: str, *, lengths: str) -> argparse.ArgumentParser:
+  """A parser with the flags every evaluation has (`--workdir`, `--step`, `--lengths`,
+  `--output`, `--data_dir`); the caller adds its own."""
+  parser = _Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--workdir", required=True, help="training workdir (config.json, checkpoints/)")
+  parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest good one)")
+  parser.add_argument("--lengths", default=lengths, help=f"comma-separated context lengths in tokens (default {lengths})")
+  parser.add_argument("--output", default=None,
+                      help="a directory, or a .json file (the plot goes beside it as .png); "
+                           "default: <workdir>/eval/")
+  parser.add_argument("--data_dir", default=None,
+                      help="TFDS data dir of the validation text (default: the workdir's data.data_dir)")
+  return parser
+
+
+def parse_lengths(text: str, flag: str = "--lengths") -> list[int]:
+  """'1024,4096' -> [1024, 4096] (each an integer >= 2), else an EvalError naming `flag`."""
+  try:
+    lengths = [int(part) for part in text.split(",") if part.strip()]
+  except ValueError:
+    fail(f"{flag}={text!r} must be comma-separated integers, e.g. {flag}=1024,4096")
+  if not lengths or min(lengths) < 2:
+    fail(f"{flag}={text!r} must list lengths >= 2 tokens, e.g. {flag}=1024,4096")
+  return lengths
+
+
+def require(ok: bool, flag: str, rule: str, value: Any) -> None:
+  if not ok:
+    fail(f"{flag} must be {rule}, got {value!r}")
+
+
+def load(workdir: str, step: int | None) -> tuple[TrainedModel, ml_collections.ConfigDict]:
+  """The trained model and its config, or an EvalError saying what is missing."""
+  try:
+    return load_trained_model(workdir, step), read_config(workdir)
+  except (FileNotFoundError, ValueError, CheckpointError) as e:
+    fail(str(e))
+
+
+def validation_tokens(config: ml_collections.ConfigDict, tokenizer: Tokenizer, count: int,
+                      data_dir: str | None = None) -> np.ndarray:
+  """int32 [<= count]: the start of the validation split (config.data.eval_split) as one
+  stream of `[BOS] document [EOS]` in file order, as training packs it; fewer tokens
+  when the split is shorter. Reads only the documents it needs."""
+  d = config.data
+  try:
+    source = get_data_source(d.dataset, d.eval_split, data_dir or d.data_dir, d.get("source_dir"))
+  except ValueError as e:
+    fail(f"{e} (the workdir's data settings; --data_dir overrides data.data_dir)")
+  pieces, total = [], 0
+  for index in range(len(source)):
+    text = source[index][d.text_key]
+    text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+    pieces.append(np.concatenate([[tokenizer.bos_id], tokenizer.encode(text), [tokenizer.eos_id]]))
+    total += pieces[-1].size
+    if total >= count:
+      break
+  return np.concatenate(pieces).astype(np.int32)[:count]
+
+
+def progress(total: int, description: str, unit: str) -> tqdm.tqdm:
+  """A progress bar on stderr (a context manager; `update(n)` as work is done)."""
+  return tqdm.tqdm(total=total, desc=description, unit=unit, leave=False, dynamic_ncols=True, file=sys.stderr)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+  """A plain-text table: right-aligned columns, floats with 4 decimals."""
+  cells = [[f"{v:.4f}" if isinstance(v, float) else str(v) for v in row] for row in rows]
+  widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+  line = lambda values: "  ".join(v.rjust(w) for v, w in zip(values, widths))
+  return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, cells)])
+
+
+def output_paths(output: str | None, workdir: str, name: str, step: int) -> tuple[str, str]:
+  """(json path, png path): `output` a .json file (png beside it) or a directory
+  (default `<workdir>/eval/`) that gets `<name>_step<step>.json/.png`."""
+  if output and output.endswith(".json"):
+    stem = output[:-len(".json")]
+  else:
+    stem = os.path.join(output or os.path.join(workdir, "eval"), f"{name}_step{step}")
+  stem = os.path.abspath(stem)
+  os.makedirs(os.path.dirname(stem), exist_ok=True)
+  return stem + ".json", stem + ".png"
+
+
+def header(name: str, workdir: str, config: ml_collections.ConfigDict, step: int) -> dict[str, Any]:
+  """The JSON fields every evaluation writes first: what was evaluated."""
+  return {"eval": name, "workdir": os.path.abspath(workdir), "step": step, "family": config.model.family,
+          "dataset": config.data.dataset, "split": config.data.eval_split,
+          "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "config": config.to_dict()}
+
+
+def write_json(path: str, record: dict[str, Any]) -> None:
+  temporary = path + ".tmp"
+  with open(temporary, "w") as f:
+    json.dump(record, f, indent=1)
+  os.replace(temporary, path)
+
+
+def plot_vs_length(path: str, lengths: Sequence[int], series: dict[str, Sequence[float]], *, ylabel: str,
+                   title: str, ylim: tuple[float, float] | None = None) -> str | None:
+  """Plots each series against the context length (log x axis) into `path`; returns
+  the path, or None (with a message) when matplotlib is not installed."""
+  try:
+    import matplotlib  # optional: pip install -e .[plot]
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("matplotlib is not installed (pip install -e .[plot]): skipped the plot", file=sys.stderr)
+    return None
+  figure, axis = plt.subplots(figsize=(6, 4))
+  for label, values in series.items():
+    axis.plot(lengths, values, marker="o", label=label)
+  axis.set_xscale("log", base=2)
+  axis.set_xticks(list(lengths), [f"{n:,}" for n in lengths], rotation=30)
+  axis.minorticks_off()
+  axis.set_xlabel("context length (tokens)")
+  axis.set_ylabel(ylabel)
+  if ylim is not None:
+    axis.set_ylim(*ylim)
+  axis.set_title(title, fontsize=10)
+  axis.grid(True, alpha=0.3)
+  axis.legend()
+  figure.tight_layout()
+  figure.savefig(path, dpi=120)
+  plt.close(figure)
+  return path
+
+
+def finish(name: str, args: argparse.Namespace, config: ml_collections.ConfigDict, step: int, *,
+           headers: Sequence[str], rows: Sequence[Sequence[Any]], record: dict[str, Any], lengths: Sequence[int],
+           series: dict[str, Sequence[float]], ylabel: str, title: str,
+           ylim: tuple[float, float] | None = None) -> None:
+  """Prints the table, writes `header(...)` + `record` as JSON and plots `series`
+  against `lengths`, to the paths `output_paths` picks from `args.output`."""
+  json_path, png_path = output_paths(args.output, args.workdir, name, step)
+  print(format_table(headers, rows))
+  write_json(json_path, {**header(name, args.workdir, config, step), **record})
+  plotted = plot_vs_length(png_path, lengths, series, ylabel=ylabel, ylim=ylim,
+                           title=f"{title}, {args.workdir} step {step}")
+  print(f"wrote {json_path}" + (f" and {plotted}" if plotted else ""))
+
+
+def run_main(main, argv: Sequence[str] | None) -> int:
+  """Runs `main(argv)`; an EvalError becomes one `ERROR: ...` line on stderr and exit status 1."""
+  try:
+    main(list(sys.argv[1:] if argv is None else argv))
+  except EvalError as e:
+    print(f"ERROR: {e}", file=sys.stderr, flush=True)
+    return 1
+  return 0

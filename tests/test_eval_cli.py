@@ -1,0 +1,160 @@
+"""The evaluation commands on tiny trained workdirs: passkey (drt_tiny, and an oracle
+model through the `last_logits` hook) and perplexity (drt_tiny, swa_tiny), their JSON and
+plot, and one-line errors for bad flags."""
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from castle_jax.eval import passkey, perplexity
+from castle_jax.models import registry
+from configs import drt_tiny, swa_tiny
+from helpers import tiny_run
+from train.trainer import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+DRT_SETTINGS = {"model.n_layers": 2, "data.seq_len": 64, "train.steps": 4,
+                "model.family_kwargs": dict(chunk_size=8, top_k=2, retrieval_groups=1, encoder_layers=1)}
+
+
+@pytest.fixture(scope="module")
+def drt_workdir(tmp_path_factory, stdlib_data_dir):
+  config = tiny_run(drt_tiny, str(tmp_path_factory.mktemp("drt") / "run"), stdlib_data_dir, **DRT_SETTINGS)
+  train(config)
+  return config.workdir
+
+
+def _read(path):
+  with open(path) as f:
+    return json.load(f)
+
+
+def _check_plot(json_path, stderr):
+  png = json_path[:-len(".json")] + ".png"
+  if HAS_MATPLOTLIB:
+    assert os.path.getsize(png) > 0
+  else:
+    assert "matplotlib is not installed" in stderr and not os.path.exists(png)
+
+
+def test_passkey_cli_writes_table_json_and_plot(drt_workdir, tmp_path, capsys):
+  assert passkey.main([f"--workdir={drt_workdir}", "--lengths=96,160", "--examples=3", "--batch_size=3",
+                       f"--output={tmp_path}"]) == 0
+  out, err = capsys.readouterr()
+  assert out.splitlines()[0].split() == ["length", "first-token", "acc", "all-token", "acc", "examples", "seconds"]
+  record = _read(tmp_path / "passkey_step4.json")
+  assert (record["eval"], record["step"], record["family"], record["align_to"]) == ("passkey", 4, "drt", 8)
+  assert record["workdir"] == drt_workdir and record["config"]["model"]["d_model"] == 32
+  assert [r["length"] for r in record["results"]] == [96, 160]
+  for result in record["results"]:
+    assert result["examples"] == 3 and len(result["per_example"]) == 3 and result["seconds"] > 0
+    assert 0 <= result["all_tokens"] <= result["first_token"] <= 1
+    depths = [e["depth"] for e in result["per_example"]]
+    assert depths == sorted(depths)  # --depths=even: spread over the context
+  # Example i has the same passkey at every length.
+  assert [e["passkey"] for e in record["results"][0]["per_example"]] == \
+      [e["passkey"] for e in record["results"][1]["per_example"]]
+  _check_plot(str(tmp_path / "passkey_step4.json"), err)
+
+
+def test_passkey_cli_scores_the_tail_logits_of_the_hook(drt_workdir, tmp_path, monkeypatch):
+  """An oracle `last_logits` (one-hot on each true next token) scores 1.0; one that is
+  one position early scores 0: the CLI reads exactly the rows the hook returns."""
+  calls = []
+
+  def oracle(shift):
+    def last_logits(module, params, tokens, count):
+      tokens = np.asarray(tokens)
+      calls.append((tokens.shape, count))
+      length = tokens.shape[1]
+      logits = np.zeros((tokens.shape[0], count, 260), np.float32)
+      for row in range(count):
+        position = length - count + row + 1 + shift  # the token this row predicts
+        if position < length:
+          logits[np.arange(tokens.shape[0]), row, tokens[:, position]] = 1.0
+      return logits
+    return last_logits
+
+  for shift, expected in ((0, 1.0), (-1, 0.0)):  # -1: each row "predicts" its own input token
+    monkeypatch.setitem(registry.MODEL_FAMILIES, "drt",
+                        dataclasses.replace(registry.MODEL_FAMILIES["drt"], last_logits=oracle(shift)))
+    output = str(tmp_path / f"shift{shift}.json")
+    assert passkey.main([f"--workdir={drt_workdir}", "--lengths=80", "--examples=4", "--batch_size=2",
+                         "--digits=6", f"--output={output}"]) == 0
+    result = _read(output)["results"][0]
+    assert (result["first_token"], result["all_tokens"]) == (expected, expected)
+  assert calls[0][0] == (2, 80) and calls[0][1] < 20  # only the tail is asked for
+
+
+def test_perplexity_cli_on_drt(drt_workdir, tmp_path, capsys):
+  assert perplexity.main([f"--workdir={drt_workdir}", "--lengths=64,128", "--windows=2",
+                          f"--output={tmp_path / 'ppl.json'}"]) == 0
+  out, err = capsys.readouterr()
+  assert out.splitlines()[0].split()[:4] == ["length", "windows", "tokens", "loss"]
+  record = _read(tmp_path / "ppl.json")
+  assert (record["eval"], record["step"], record["windows"], record["skipped"]) == ("perplexity", 4, 2, [])
+  for result, length in zip(record["results"], (64, 128)):
+    assert result["length"] == length and result["tokens"] == 2 * length
+    assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))
+    # byte tokenizer: a byte per token except BOS/EOS, which stand for none
+    assert result["bits_per_byte"] >= result["loss"] / math.log(2)
+    assert 0 < result["loss"] < 8
+  _check_plot(str(tmp_path / "ppl.json"), err)
+
+
+def test_perplexity_cli_on_swa_skips_lengths_the_split_cannot_fill(tmp_path, stdlib_data_dir, small_source_dir,
+                                                                   capsys):
+  config = tiny_run(swa_tiny, str(tmp_path / "swa"), str(tmp_path / "tfds"), **{
+      "data.source_dir": small_source_dir, "train.steps": 2})
+  train(config)
+  capsys.readouterr()
+  assert perplexity.main([f"--workdir={config.workdir}", "--lengths=32,100000", "--windows=1",
+                          f"--output={tmp_path / 'out'}"]) == 0
+  _, err = capsys.readouterr()
+  record = _read(tmp_path / "out" / "perplexity_step2.json")
+  assert [r["length"] for r in record["results"]] == [32] and record["family"] == "transformer"
+  assert [s["length"] for s in record["skipped"]] == [100000]
+  assert "length 100,000 skipped: 1 windows need 100,001 tokens, the validation split" in err
+  assert perplexity.main([f"--workdir={config.workdir}", "--lengths=100000"]) == 1
+  assert "ERROR: --lengths=100000: no length fits the validation split" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module, flags, message", [
+    (passkey, [], "the following arguments are required: --workdir"),
+    (passkey, ["--workdir={missing}"], "config.json not found: --workdir must be a directory written by"),
+    (passkey, ["--workdir={drt}", "--lengths=1k"], "--lengths='1k' must be comma-separated integers"),
+    (passkey, ["--workdir={drt}", "--lengths=0,8"], "--lengths='0,8' must list lengths >= 2"),
+    (passkey, ["--workdir={drt}", "--examples=0"], "--examples must be an integer >= 1, got 0"),
+    (passkey, ["--workdir={drt}", "--lengths=40"], "--lengths: length 40 is too short for a passkey prompt"),
+    (passkey, ["--workdir={drt}", "--step=3"], "No checkpoint for step 3 in"),
+    (passkey, ["--workdir={drt}", "--depths=middle"], "argument --depths: invalid choice: 'middle'"),
+    (perplexity, ["--workdir={drt}", "--windows=-1"], "--windows must be an integer >= 1, got -1"),
+    (perplexity, ["--workdir={drt}", "--bogus=1"], "unrecognized arguments: --bogus=1"),
+])
+def test_bad_flags_are_one_error_line(module, flags, message, drt_workdir, tmp_path, capsys):
+  flags = [f.format(missing=tmp_path / "nowhere", drt=drt_workdir) for f in flags]
+  assert module.main(flags) == 1
+  out, err = capsys.readouterr()
+  lines = [line for line in err.splitlines() if line.strip()]
+  assert len(lines) == 1 and lines[0].startswith("ERROR: ") and message in lines[0], err
+  assert out == ""
+
+
+@pytest.mark.parametrize("module", ["castle_jax.eval.passkey", "castle_jax.eval.perplexity"])
+def test_command_line_help_and_missing_workdir(module, tmp_path):
+  done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
+                        timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+  assert done.returncode == 0 and "--workdir" in done.stdout and "--lengths" in done.stdout
+  done = subprocess.run([sys.executable, "-m", module, f"--workdir={tmp_path}"], cwd=ROOT, capture_output=True,
+                        text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+  assert done.returncode == 1
+  assert done.stderr.strip().splitlines() == [
+      f"ERROR: {tmp_path}/config.json not found: --workdir must be a directory written by `python -m train`"]
