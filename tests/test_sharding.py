@@ -85,3 +85,18 @@ def test_unshardable_parameter_is_reported():
   tx, _ = make_optimizer(base_config().train)
   with pytest.raises(ValueError, match=r"cannot be sharded.*kv_heads|cannot be sharded"):
     state_shardings(model, tx, mesh, SEQ)
+
+
+@pytest.mark.parametrize("attention, kwargs", [("castle", ()), ("power", (("p", 2), ("chunk_size", 64)))])
+def test_kernel_models_start_on_a_data_parallel_mesh(attention, kwargs):
+  """The init's forward pass sees one sequence; the Pallas ops split the batch over the
+  mesh and would reject it, so the parameters are created with no mesh set."""
+  config = ModelConfig(vocab_size=128, d_model=32, n_layers=1, n_heads=2, head_dim=16, attention=attention,
+                       attention_impl="pallas", attention_kwargs=kwargs, dtype="float32")
+  mesh = make_mesh(ml_collections.ConfigDict(dict(data=8, fsdp=1, tensor=1)))
+  model = TransformerLM(config)
+  tx, _ = make_optimizer(base_config().train)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
+    _, shardings = state_shardings(model, tx, mesh, SEQ)
+    state = init_train_state(model, tx, jax.random.key(0), SEQ, shardings)
+  assert all(leaf.sharding.mesh.shape["data"] == 8 for leaf in jax.tree.leaves(state.params))

@@ -72,6 +72,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh.data = -1  # -1: fill with the devices left over
   c.mesh.fsdp = 1
   c.mesh.tensor = 1
+  c.mesh.num_devices = -1  # -1: every device of the job; N: the first N (one process only), e.g. 1
 
   c.train = ml_collections.ConfigDict()
   t = c.train

@@ -34,9 +34,25 @@ def resolve_mesh_shape(sizes: Sequence[int], num_devices: int) -> tuple[int, ...
   return shape
 
 
+def select_devices(num_devices: int) -> list[jax.Device]:
+  """Every device of the job (-1) or the first `num_devices` (`mesh.num_devices`, one process only)."""
+  devices = jax.devices()
+  if num_devices == -1:
+    return devices
+  if not 1 <= num_devices <= len(devices):
+    raise ValueError(f"mesh.num_devices={num_devices} must be -1 (all) or in 1..{len(devices)} (the devices available)")
+  if jax.process_count() > 1 and num_devices != len(devices):
+    raise ValueError(f"mesh.num_devices={num_devices} cannot leave devices out of a job of {jax.process_count()} "
+                     "processes (every process must hold part of the mesh); use -1")
+  return devices[:num_devices]
+
+
 def make_mesh(mesh_config, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
-  """A mesh over `devices` (default: all) shaped by mesh_config.{data,fsdp,tensor}."""
-  devices = list(jax.devices() if devices is None else devices)
+  """A mesh shaped by mesh_config.{data,fsdp,tensor} over `devices` (default: those
+  `mesh_config.num_devices` selects, all when it is absent or -1)."""
+  if devices is None:
+    devices = select_devices(mesh_config.get("num_devices", -1))
+  devices = list(devices)
   shape = resolve_mesh_shape([mesh_config[a] for a in MESH_AXES], len(devices))
   return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
                        devices=np.asarray(devices).reshape(-1))

@@ -33,7 +33,8 @@ def _boxed_init(model: nn.Module, tx: optax.GradientTransformation, rng: jax.Arr
 def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh,
                     seq_len: int) -> tuple[TrainState, TrainState]:
   """(abstract state: ShapeDtypeStructs with shardings, the NamedShardings tree)."""
-  boxed = jax.eval_shape(lambda r: _boxed_init(model, tx, r, seq_len), jax.random.key(0))
+  with jax.set_mesh(None):  # see init_train_state
+    boxed = jax.eval_shape(lambda r: _boxed_init(model, tx, r, seq_len), jax.random.key(0))
   specs = nn.get_partition_spec(boxed)
   shardings = nn.logical_to_mesh_sharding(specs, mesh, LOGICAL_AXIS_RULES)
   abstract = jax.tree.map(
@@ -58,6 +59,12 @@ def _check_divisible(abstract: TrainState) -> None:
 
 def init_train_state(model: nn.Module, tx: optax.GradientTransformation, rng: jax.Array,
                      seq_len: int, shardings: TrainState) -> TrainState:
-  """Initializes parameters and optimizer state directly into their shardings."""
+  """Initializes parameters and optimizer state directly into their shardings.
+
+  The model's init runs a forward pass on one [1, seq_len] sequence only to create the
+  parameters; it runs with no mesh set, since under a data-parallel mesh the attention
+  ops that split their batch over the mesh (`map_over_shards`) would reject a batch of 1.
+  The parameters still land in `shardings`."""
   init = jax.jit(lambda r: nn.unbox(_boxed_init(model, tx, r, seq_len)), out_shardings=shardings)
-  return init(rng)
+  with jax.set_mesh(None):
+    return init(rng)
