@@ -3,7 +3,7 @@
 Example `i` of a split is a pure function of (data.shuffle_seed, split name, i): its
 haystack is real text (consecutive documents of the configured TFDS split, from a
 document picked by the example's seed) and its prompt is
-`castle_jax.eval.passkey.make_example` (needle at a random depth, random digits). The
+`castle_jax.data.passkey_prompts.make_example` (needle at a random depth, random digits). The
 stream is a grain MapDataset over example indices, so the iterator's state is just
 the next index and a checkpoint resumes exactly where it stopped; train and eval
 splits use different seeds (and different documents).
@@ -24,7 +24,7 @@ import grain
 import numpy as np
 
 from castle_jax.data.tokenizer import Tokenizer
-from castle_jax.eval.passkey import ANSWER, NEEDLE, QUESTION, make_example
+from castle_jax.data.passkey_prompts import ANSWER, NEEDLE, QUESTION, make_example
 
 LOSSES = ("answer", "all")
 _INDICES = 2**62  # "forever": a MapDataset needs a length

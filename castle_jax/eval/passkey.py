@@ -33,80 +33,19 @@ and a PNG plot of accuracy against length (log x; needs matplotlib) to `--output
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 from typing import Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from castle_jax.data.passkey_prompts import ANSWER, NEEDLE, QUESTION, PasskeyExample, make_example
 from castle_jax.data.tokenizer import Tokenizer
 from castle_jax.eval import cli
 from castle_jax.models import family_of
 from castle_jax.models.drt import DRTOptions
-
-NEEDLE = " The passkey is: {passkey}. "
-QUESTION = " What is the passkey? The passkey"
-ANSWER = " is {passkey}"
-
-
-@dataclasses.dataclass(frozen=True)
-class PasskeyExample:
-  """tokens: int32 [length], the whole prompt with the answer at the end;
-  answer_start: index of the passkey's first token; answer_length: its token count;
-  needle_position: index of the needle's first token; passkey: the digits."""
-
-  tokens: np.ndarray
-  answer_start: int
-  answer_length: int
-  needle_position: int
-  passkey: str
-
-
-def make_example(tokenizer: Tokenizer, haystack: np.ndarray, length: int, *, seed: int, digits: int = 5,
-                 depth: float | None = None, align_to: int | None = None) -> PasskeyExample:
-  """One passkey prompt of exactly `length` tokens.
-
-  Args:
-    tokenizer: encodes the needle and the question (and supplies BOS).
-    haystack: int [n] filler tokens (real text); repeated when shorter than needed, and
-      read from a seed-dependent offset.
-    length: total tokens, answer included.
-    seed: chooses the passkey, the needle's depth (unless given) and the filler offset.
-    digits: passkey length in decimal digits.
-    depth: the needle's position as a fraction of the filler (0 = start), or None: random.
-    align_to: if set, pad so that the answer part " is <passkey>" starts a new chunk of
-      this many tokens.
-
-  Raises:
-    ValueError: `length` too short for the needle, the question and the answer.
-  """
-  rng = np.random.default_rng(seed)
-  passkey = "".join(str(d) for d in rng.integers(0, 10, digits))
-  needle = tokenizer.encode(NEEDLE.format(passkey=passkey))
-  question = tokenizer.encode(QUESTION)
-  answer_prefix = tokenizer.encode(ANSWER.format(passkey=""))
-  answer = tokenizer.encode(passkey)
-  fixed = 1 + len(needle) + len(question) + len(answer_prefix) + len(answer)
-  answer_part_start = length - len(answer_prefix) - len(answer)
-  # Aligned: less filler, and padding after the answer, so " is <passkey>" starts a chunk.
-  pad = answer_part_start % align_to if align_to else 0
-  filler_length = length - fixed - pad
-  if filler_length < 1:
-    raise ValueError(f"length {length} is too short for a passkey prompt ({fixed} tokens without haystack"
-                     + (f", aligned to chunks of {align_to}" if align_to else "") + ")")
-  haystack = np.asarray(haystack, np.int32)
-  if haystack.size == 0:
-    raise ValueError("haystack is empty: pass real text tokens")
-  offset = int(rng.integers(0, haystack.size))
-  filler = np.resize(np.roll(haystack, -offset), filler_length)
-  cut = int(round((rng.random() if depth is None else depth) * filler_length))
-  tokens = np.concatenate([[tokenizer.bos_id], filler[:cut], needle, filler[cut:], question, answer_prefix, answer,
-                           np.full(pad, tokenizer.pad_id)]).astype(np.int32)
-  answer_start = length - pad - len(answer)
-  return PasskeyExample(tokens, answer_start, len(answer), 1 + cut, passkey)
-
 
 def tail_count(example: PasskeyExample) -> int:
   """How many last positions' logits `score_tail` needs: from the one that predicts the
@@ -165,6 +104,13 @@ def score_batch(model, params, examples: Sequence[PasskeyExample]) -> list[tuple
   return [score_tail(tail[count - tail_count(e):], e) for tail, e in zip(logits, examples)]
 
 
+def device_memory() -> dict[str, float]:
+  """The first device's memory in GiB (peak since start, in use), where the backend reports it (GPU)."""
+  stats = jax.devices()[0].memory_stats() or {}
+  return {key: stats[name] / 2 ** 30 for key, name in (("device_peak_gib", "peak_bytes_in_use"),
+                                                       ("device_in_use_gib", "bytes_in_use")) if name in stats}
+
+
 def chunk_alignment(model) -> int | None:
   """The chunk size a model's passkey prompts align to (DRT), else None."""
   return DRTOptions.from_config(model.config).chunk_size if model.config.family == "drt" else None
@@ -200,7 +146,7 @@ def _main(argv: Sequence[str]) -> None:
         scored += score_batch(model, params, examples[first:first + args.batch_size])
         bar.update(min(args.batch_size, len(examples) - first))
     summary = _summary(scored)
-    results.append({"length": length, **summary, "seconds": time.perf_counter() - start,
+    results.append({"length": length, **summary, "seconds": time.perf_counter() - start, **device_memory(),
                     "per_example": [{"passkey": e.passkey, "needle_position": e.needle_position,
                                      "depth": round(e.needle_position / length, 4),
                                      "first_token": f, "all_tokens": a} for e, (f, a) in zip(examples, scored)]})

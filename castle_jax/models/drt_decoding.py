@@ -357,7 +357,7 @@ def _logits(model: DRT, params, hidden: jax.Array) -> jax.Array:
   return logits.astype(jnp.float32)
 
 
-def last_logits(model: DRT, params: Any, tokens: jax.Array, count: int, *, segment_chunks: int = 16) -> jax.Array:
+def last_logits(model: DRT, params: Any, tokens: jax.Array, count: int, *, segment_chunks: int = 64) -> jax.Array:
   """The teacher-forced logits of the last `count` tokens of tokens int [batch, L], streamed
   (device memory does not grow with L beyond the landmarks): float32 [batch, count, vocab]."""
   stream = DRTStream(model, params, tokens.shape[0], tokens.shape[1], segment_chunks=segment_chunks)
