@@ -18,6 +18,8 @@ from train.run_checks import validate_train_config
 CONFIGS = sorted(p.stem for p in (pathlib.Path(__file__).resolve().parent.parent / "configs").glob("*.py")
                  if p.stem != "__init__")
 PASSKEY_CONFIGS = [name for name in CONFIGS if name.endswith("_passkey")]
+# <base>_passkey fine-tunes configs/<base>.py; others (drt_small_passkey) train from scratch.
+FINE_TUNE_CONFIGS = [name for name in PASSKEY_CONFIGS if name.removesuffix("_passkey") in CONFIGS]
 # Parameter counts stated in the files' docstrings.
 PARAMETERS = {"drt_128m": 146_011_392, "drt_128m_x2": 146_012_160, "swa_128m": 123_587_328}
 
@@ -49,7 +51,12 @@ def test_128m_configs_share_the_recipe():
   assert drt.data.seq_len % drt.model.family_kwargs.chunk_size == 0
 
 
-@pytest.mark.parametrize("name", PASSKEY_CONFIGS)
+def test_passkey_configs_are_found():
+  assert {"drt_tiny_passkey", "swa_tiny_passkey"} <= set(FINE_TUNE_CONFIGS)
+  assert "drt_small_passkey" in PASSKEY_CONFIGS
+
+
+@pytest.mark.parametrize("name", FINE_TUNE_CONFIGS)
 def test_passkey_configs_fine_tune_their_base_model(name):
   c = _config(name)
   base = _config(name.removesuffix("_passkey"))
