@@ -5,6 +5,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -186,3 +187,22 @@ def test_a_misspelled_override_is_one_line(tmp_path):
   assert done.stderr.strip().splitlines() == [
       "ERROR: unknown config key 'progress_bar' in --config.progress_bar; `python -m train --config_help` "
       "lists every key"]
+
+
+def test_throughput_counts_input_positions_not_scored_targets():
+  """With most targets padded (passkey answers), `tokens` counts the scored targets and
+  `input_tokens` (what tokens/s and MFU use) every input position."""
+  import optax
+  from castle_jax.models import ModelConfig, build_model
+  from train.state import TrainState
+  from train.step import train_step
+
+  model = build_model(ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, dtype="float32"))
+  inputs = jax.random.randint(jax.random.key(0), (2, 8), 0, 31)
+  targets = jnp.full((2, 8), 31).at[:, -2:].set(3)  # 2 scored targets per row
+  params = model.init(jax.random.key(1), inputs)["params"]
+  tx = optax.sgd(0.1)
+  state = TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params))
+  _, metrics = train_step(state, {"inputs": inputs, "targets": targets}, model=model, tx=tx,
+                          schedule=optax.constant_schedule(0.1), pad_id=31)
+  assert float(metrics["tokens"]) == 4 and float(metrics["input_tokens"]) == 16

@@ -76,6 +76,9 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: nn.Modu
       "grad_norm": optax.global_norm(grads),
       "learning_rate": schedule(state.step),
       "tokens": count,
+      # What throughput counts: every input position the model ran on. `tokens` (the
+      # scored targets) is far smaller when only some targets count (passkey answers).
+      "input_tokens": jnp.float32(batch["inputs"].size),
   }
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 

@@ -258,7 +258,7 @@ class StepLogger:
     for (s, _, wait), m in zip(self._pending, fetched):
       record = {k: float(v) for k, v in m.items()}
       _check_finite(s, record, self._checkpointer, self._resumed_step)
-      self._window.add(record["tokens"], wait)
+      self._window.add(record["input_tokens"], wait)
     self._pending = []
     record.update(self._window.summary())
     self._window.reset()
