@@ -15,9 +15,11 @@ class MetricsWriter:
 
   Files: `<workdir>/metrics.jsonl` (one JSON object per line with "step", "split"
   and the scalars, line-buffered) and TensorBoard events under
-  `<workdir>/tensorboard/`, flushed at every `write` so a killed run loses nothing
-  that was logged. `close()` (always call it, e.g. in a `finally`) stops the
-  event writer's thread before the interpreter shuts down.
+  `<workdir>/tensorboard/`, written and flushed at every `write` so a killed run
+  loses nothing that was logged. The events go through tensorboardX's synchronous
+  `EventsWriter`: `SummaryWriter` hands them to a background thread, and its flush()
+  does not wait for that thread, so an event could still be in memory after it.
+  `close()` (always call it, e.g. in a `finally`) closes the files.
   """
 
   def __init__(self, workdir: str, *, tensorboard: bool = True):
@@ -29,8 +31,11 @@ class MetricsWriter:
     os.makedirs(workdir, exist_ok=True)
     self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", buffering=1)
     if tensorboard:
-      from tensorboardX import SummaryWriter  # imported here: only process 0 writes events
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), flush_secs=5)
+      # imported here: only process 0 writes events
+      from tensorboardX.event_file_writer import EventsWriter
+      directory = os.path.join(workdir, "tensorboard")
+      os.makedirs(directory, exist_ok=True)
+      self._tb = EventsWriter(os.path.join(directory, "events"))
 
   def write(self, step: int, split: str, scalars: Mapping[str, float]) -> None:
     if not self.enabled:
@@ -38,8 +43,11 @@ class MetricsWriter:
     record = {"step": int(step), "split": split, "time": time.time(), **{k: float(v) for k, v in scalars.items()}}
     self._jsonl.write(json.dumps(record) + "\n")
     if self._tb is not None:
+      from tensorboardX.proto.event_pb2 import Event
+      from tensorboardX.summary import scalar
       for key, value in scalars.items():
-        self._tb.add_scalar(f"{split}/{key}", float(value), int(step))
+        self._tb.write_event(Event(wall_time=record["time"], step=int(step),
+                                   summary=scalar(f"{split}/{key}", float(value))))
       self._tb.flush()
 
   def close(self) -> None:
