@@ -9,7 +9,7 @@ The model is randomly initialised (speed and memory do not depend on the weights
 landmark, k = 8, ALiBi window W = 512, 2 encoder layers. For each length: a prompt of
 that many tokens is fed at once (after a warm-up stream of the same capacity, so compile
 time is excluded), then `--decode_tokens` greedy tokens one at a time. Device memory:
-`memory_stats()` (peak and in use, on GPU) next to the stream's own device state (window
+`castle_jax.eval.passkey.device_memory()` (peak and in use, on GPU) next to the stream's own device state (window
 caches, landmarks, served chunks) and the chunk memory in host RAM.
 
 `--check_length`: the streamed logits of a prompt's last 256 tokens against the
@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from castle_jax.config import ModelConfig
+from castle_jax.eval.passkey import device_memory
 from castle_jax.models.drt import DRT, DRTOptions
 from castle_jax.models.drt_decoding import DRTStream
 from timing import run_meta, write_json
@@ -47,12 +48,6 @@ def init_params(model: DRT):
   return nn.unbox(init(jax.random.key(0)))["params"]
 
 
-def memory_stats() -> dict[str, float]:
-  stats = jax.devices()[0].memory_stats() or {}
-  return {"device_in_use_gib": stats.get("bytes_in_use", 0) / GIB,
-          "device_peak_gib": stats.get("peak_bytes_in_use", 0) / GIB}
-
-
 def check_row(dtype: str, length: int, vocab: int, segment_chunks: int) -> dict:
   model = drt_128m(dtype, vocab)
   params = init_params(model)
@@ -70,7 +65,9 @@ def speed_row(model: DRT, params, length: int, decode_tokens: int, segment_chunk
   rng = np.random.default_rng(length)
   prompt = rng.integers(0, vocab, (1, length), dtype=np.int32)
   warm = DRTStream(model, params, 1, capacity, segment_chunks=segment_chunks)
-  warm_tokens = min(length, 2 * segment_chunks * model.options.chunk_size + 17)
+  # Two segments, a partial chunk, then single tokens through every in-chunk offset, within capacity.
+  warm_tokens = max(1, min(length, capacity - model.options.chunk_size - 1,
+                           2 * segment_chunks * model.options.chunk_size + 17))
   logits = warm.feed(prompt[:, :warm_tokens])
   for _ in range(model.options.chunk_size + 1):  # every single-token piece shape
     logits = warm.feed(np.asarray(jnp.argmax(logits[:, -1], -1))[:, None])
@@ -89,7 +86,7 @@ def speed_row(model: DRT, params, length: int, decode_tokens: int, segment_chunk
   return {"tokens": length, "prefill_s": prefill_s, "prefill_tokens_per_s": length / prefill_s,
           "decode_ms_per_token": decode_ms, "device_state_mib": stream.device_state_bytes / 2 ** 20,
           "landmarks_mib": stream.state.landmarks.nbytes / 2 ** 20,
-          "host_chunk_memory_gib": stream.memory.nbytes / GIB, **memory_stats()}
+          "host_chunk_memory_gib": stream.memory.nbytes / GIB, **device_memory()}
 
 
 def main(argv=None) -> int:
@@ -119,7 +116,7 @@ def main(argv=None) -> int:
     if "prefill_s" in r:
       print(f"{r['tokens']:>9} {r['prefill_s']:>9.2f} {r['prefill_tokens_per_s']:>9.0f} "
             f"{r['decode_ms_per_token']:>9.2f} {r['device_state_mib']:>9.1f} {r['landmarks_mib']:>8.1f} "
-            f"{r['host_chunk_memory_gib']:>8.2f} {r['device_peak_gib']:>12.2f}")
+            f"{r['host_chunk_memory_gib']:>8.2f} {r.get('device_peak_gib', 0.0):>12.2f}")
     else:
       print(f"check {r['check']} at {r['tokens']}: max |diff| {r['max_abs_diff']:.2e} "
             f"(max |logit| {r['max_abs_logit']:.2f}), argmax agreement {r['argmax_agreement']:.3f}")

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from castle_jax.sharding import with_axes
+
+if TYPE_CHECKING:  # layers read the config's attributes only
+  from castle_jax.config import ModelConfig
 
 
 class Embedding(nn.Embed):
@@ -27,3 +34,15 @@ class Embedding(nn.Embed):
     if not jnp.issubdtype(inputs.dtype, jnp.integer):
       raise ValueError(f"Embedding inputs must be integer token ids, got dtype {inputs.dtype}")
     return jnp.take(self.embedding, inputs, axis=0).astype(self.dtype)
+
+
+def token_embedding(config: ModelConfig, name: str | None = None) -> Embedding:
+  """The model's token table [vocab, d_model] (also the tied LM head, `.attend`)."""
+  return Embedding(config.vocab_size, config.d_model, dtype=config.compute_dtype, param_dtype=config.weights_dtype,
+                   embedding_init=with_axes(nn.initializers.normal(config.init_std), ("vocab", "embed")), name=name)
+
+
+def lm_head(config: ModelConfig, name: str | None = None) -> nn.Dense:
+  """The untied LM head [d_model, vocab] (a tied head is `token_embedding(...).attend`)."""
+  return nn.Dense(config.vocab_size, use_bias=False, dtype=config.compute_dtype, param_dtype=config.weights_dtype,
+                  kernel_init=with_axes(nn.initializers.normal(config.init_std), ("embed", "vocab")), name=name)

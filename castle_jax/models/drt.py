@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from castle_jax.layers.embedding import Embedding
+from castle_jax.layers.embedding import lm_head, token_embedding
 from castle_jax.layers.mha import MultiHeadAttention
 from castle_jax.layers.shared import mean_visible_keys, output_projection, projection, rotary_qkv
 from castle_jax.layers.mlp import SwiGLU
@@ -113,17 +113,6 @@ class DRTOptions:
 
 def norm(config: ModelConfig, name: str | None = None) -> RMSNorm:
   return RMSNorm(config.norm_eps, config.compute_dtype, config.weights_dtype, name=name)
-
-
-def token_embedding(config: ModelConfig, name: str | None = None) -> Embedding:
-  return Embedding(config.vocab_size, config.d_model, dtype=config.compute_dtype, param_dtype=config.weights_dtype,
-                   embedding_init=with_axes(nn.initializers.normal(config.init_std), ("vocab", "embed")), name=name)
-
-
-def lm_head(config: ModelConfig, name: str | None = None) -> nn.Dense:
-  """The untied LM head (a tied head is `token_embedding(...).attend`)."""
-  return nn.Dense(config.vocab_size, use_bias=False, dtype=config.compute_dtype, param_dtype=config.weights_dtype,
-                  kernel_init=with_axes(nn.initializers.normal(config.init_std), ("embed", "vocab")), name=name)
 
 
 class ChunkEncoderBlock(nn.Module):

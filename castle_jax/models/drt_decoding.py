@@ -33,17 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from castle_jax.config import ModelConfig
-from castle_jax.models.drt import (
-    DRT,
-    ChunkMemory,
-    DRTBlock,
-    lm_head,
-    norm,
-    retrieval_scale,
-    select,
-    token_embedding,
-)
+from castle_jax.layers.embedding import lm_head, token_embedding
+from castle_jax.models.drt import DRT, ChunkMemory, DRTBlock, norm, retrieval_scale, select
 from castle_jax.ops.attention import WindowKVCache
 from castle_jax.ops.gca import retrieval_scores
 
@@ -165,8 +156,8 @@ class DRTStream:
     self.seen = 0
     self.device = next(iter(jax.tree.leaves(params)[0].devices()))
     max_chunks = max(opt.top_k, capacity // self.size)
-    piece_positions = max(segment_chunks, 1) * (self.size + 1)
-    ring = cfg.sliding_window + piece_positions
+    # The longest piece is one segment: the ring must hold W positions besides it.
+    ring = cfg.sliding_window + segment_chunks * (self.size + 1)
     top_k, groups = opt.top_k, opt.retrieval_groups
     memory_shape = (self.size, cfg.kv_heads, cfg.qk_head_dim)
     dtype = cfg.compute_dtype

@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 
 from castle_jax.config import ModelConfig
-from castle_jax.layers.embedding import Embedding
+from castle_jax.layers.embedding import lm_head, token_embedding
 from castle_jax.layers.mlp import SwiGLU
 from castle_jax.layers.norms import RMSNorm
 from castle_jax.layers.registry import get_attention
-from castle_jax.sharding import constrain, with_axes
+from castle_jax.sharding import constrain
 
 
 class DecoderBlock(nn.Module):
@@ -62,9 +62,7 @@ class TransformerLM(nn.Module):
       if caches is not None:
         raise ValueError("positions are required when decoding with caches")
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    embed = Embedding(
-        cfg.vocab_size, cfg.d_model, dtype=cfg.compute_dtype, param_dtype=cfg.weights_dtype,
-        embedding_init=with_axes(nn.initializers.normal(cfg.init_std), ("vocab", "embed")), name="embed")
+    embed = token_embedding(cfg, "embed")
     x = constrain(embed(tokens), ("batch", "act_length", "act_embed"))
 
     block_cls = DecoderBlock
@@ -79,9 +77,7 @@ class TransformerLM(nn.Module):
     if cfg.tie_embeddings:
       logits = embed.attend(x)
     else:
-      logits = nn.Dense(
-          cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype, param_dtype=cfg.weights_dtype,
-          kernel_init=with_axes(nn.initializers.normal(cfg.init_std), ("embed", "vocab")), name="lm_head")(x)
+      logits = lm_head(cfg, "lm_head")(x)
     logits = constrain(logits.astype(jnp.float32), ("batch", "act_length", "act_vocab"))
     return logits, (None if caches is None else new_caches)
 
