@@ -1,0 +1,167 @@
+"""Hybrid tree attention for speculative verification: the public entry points.
+
+A target model verifies n drafted tree nodes in one forward pass. Each node's query
+attends to the committed KV cache (every filled slot) and to the drafted nodes under
+the tree mask (itself and its ancestors, `tree_mask_from_parents`).
+
+`implementation`:
+  - "reference": one dense softmax over [cache ; tree] with the concatenated mask
+    (`reference.py`, float32 math); a test oracle.
+  - "xla": the hybrid form (LongSpec §3.3): cache part without a mask, tree part with
+    the n x n mask, merged through their log-sum-exps (`split.py`).
+  - None: "xla" (`castle_jax.ops.backend.choose`, logged at debug level).
+A Pallas kernel ("pallas": a flash-decoding pass over the cache returning its LSE, plus
+the small masked tile) will be added to the table and placed first in the default order
+on GPU; "xla" remains the always-supported fallback.
+
+Inference only: there is no custom VJP, and gradients are neither needed nor tested.
+
+Shapes: q [batch, n, heads, head_dim]; cache_k, cache_v [batch, capacity, kv_heads,
+head_dim] (heads % kv_heads == 0, query head h reads kv head h // (heads // kv_heads));
+cache_length int32 scalar or [batch] (may be traced under jit); tree_k, tree_v [batch,
+n, kv_heads, head_dim]; tree_mask bool [batch, n, n] or [n, n]; out [batch, n, heads,
+head_dim] in q's dtype; lse float32 [batch, n, heads] (natural log of the summed
+exp(q . k / sqrt(head_dim)) over the visible keys).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from castle_jax.ops.backend import Implementation, choose
+from castle_jax.ops.tree_attention.reference import cache_attention_reference, tree_attention_reference
+from castle_jax.ops.tree_attention.split import cache_attention as split_cache_attention, hybrid_tree_attention
+
+IMPLEMENTATIONS = ("reference", "xla")
+# The "pallas" kernel goes first here, as Implementation(unsupported_reason=...,
+# default_backends=("gpu",)), once it exists; "xla" stays last: it runs everything.
+_DEFAULT_ORDER = ("xla",)
+
+
+def _implementations() -> dict[str, Implementation]:
+  return {name: Implementation() for name in IMPLEMENTATIONS}
+
+
+def _check_layout(name: str, x: jax.Array, layout: str) -> None:
+  if x.ndim != 4:
+    raise ValueError(f"{name} must have shape {layout}; got shape {x.shape}")
+
+
+def _validate_cache_inputs(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, cache_length) -> None:
+  """Shapes and dtypes of the query and cache arguments; the length's range when concrete."""
+  _check_layout("q", q, "[batch, n, heads, head_dim]")
+  if not jnp.issubdtype(q.dtype, jnp.floating):
+    raise ValueError(f"q must be floating point, got dtype {q.dtype}")
+  _check_layout("cache_k", cache_k, "[batch, capacity, kv_heads, head_dim]")
+  _check_layout("cache_v", cache_v, "[batch, capacity, kv_heads, head_dim]")
+  if cache_k.shape != cache_v.shape:
+    raise ValueError(f"cache_k {cache_k.shape} and cache_v {cache_v.shape} must have the same shape "
+                     "[batch, capacity, kv_heads, head_dim]")
+  batch, _, heads, head_dim = q.shape
+  _, capacity, kv_heads, cache_head_dim = cache_k.shape
+  if cache_k.shape[0] != batch:
+    raise ValueError(f"cache_k batch ({cache_k.shape[0]}) must equal q's batch ({batch})")
+  if cache_head_dim != head_dim:
+    raise ValueError(f"cache_k/cache_v head_dim ({cache_head_dim}) must equal q's head_dim ({head_dim})")
+  if kv_heads < 1 or heads % kv_heads:
+    raise ValueError(f"q heads ({heads}) must be a multiple of cache_k/cache_v kv_heads ({kv_heads}) "
+                     "for grouped-query attention")
+  length = jnp.asarray(cache_length)
+  if not jnp.issubdtype(length.dtype, jnp.integer):
+    raise ValueError(f"cache_length must be an integer (int32 scalar or [batch]), got dtype {length.dtype}")
+  if length.shape not in ((), (batch,)):
+    raise ValueError(f"cache_length must be a scalar or have shape [batch] = ({batch},); got shape {length.shape}")
+  if not isinstance(length, jax.core.Tracer):
+    values = np.asarray(length)
+    if (values < 0).any() or (values > capacity).any():
+      raise ValueError(f"cache_length must lie in 0 .. capacity ({capacity}); got {values.tolist()}: "
+                       "count only the filled slots of cache_k/cache_v")
+
+
+def _validate_tree_inputs(q: jax.Array, cache_k: jax.Array, tree_k: jax.Array, tree_v: jax.Array,
+                          tree_mask: jax.Array) -> None:
+  """Shapes and dtypes of the drafted nodes' arguments (after `_validate_cache_inputs`)."""
+  _check_layout("tree_k", tree_k, "[batch, n, kv_heads, head_dim]")
+  _check_layout("tree_v", tree_v, "[batch, n, kv_heads, head_dim]")
+  batch, n, _, head_dim = q.shape
+  expected = (batch, n, cache_k.shape[2], head_dim)
+  for name, x in (("tree_k", tree_k), ("tree_v", tree_v)):
+    if x.shape != expected:
+      raise ValueError(f"{name} must have shape [batch, n, kv_heads, head_dim] = {expected} (q's batch, n and "
+                       f"head_dim, cache_k's kv_heads); got shape {x.shape}")
+  if tree_mask.dtype != jnp.bool_:
+    raise ValueError(f"tree_mask must be bool (True where node i sees node j), got dtype {tree_mask.dtype}; "
+                     "build it with tree_mask_from_parents")
+  if tree_mask.shape not in ((n, n), (batch, n, n)):
+    raise ValueError(f"tree_mask must have shape [batch, n, n] = ({batch}, {n}, {n}) or [n, n] = ({n}, {n}); "
+                     f"got shape {tree_mask.shape}")
+
+
+def cache_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, cache_length: jax.Array, *,
+                    implementation: str | None = None) -> tuple[jax.Array, jax.Array]:
+  """Attention of n queries over the filled slots of a cache, with its log-sum-exp.
+
+  The cache part of tree attention, public so that other key groups can be merged with
+  it (`merge_attention`); hence the LSE is always returned.
+
+  Args:
+    q: [batch, n, heads, head_dim].
+    cache_k, cache_v: [batch, capacity, kv_heads, head_dim]; heads % kv_heads == 0.
+      Slots >= cache_length are ignored.
+    cache_length: int32 scalar or [batch], 0 .. capacity (may be traced under jit).
+    implementation: "reference" (dense, masked by the length), "xla" or None (see
+      module docstring).
+
+  Returns:
+    out: [batch, n, heads, head_dim] in q's dtype; 0 for an empty cache.
+    lse: float32 [batch, n, heads]; -inf for an empty cache.
+
+  Raises:
+    ValueError: bad shapes, dtypes or lengths (naming the argument), unknown or
+      unsupported implementation.
+  """
+  _validate_cache_inputs(q, cache_k, cache_v, cache_length)
+  implementation = choose("cache_attention", implementation, _implementations(), _DEFAULT_ORDER)
+  if implementation == "reference":
+    return cache_attention_reference(q, cache_k, cache_v, cache_length)
+  return split_cache_attention(q, cache_k, cache_v, cache_length)
+
+
+def tree_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, cache_length: jax.Array,
+                   tree_k: jax.Array, tree_v: jax.Array, tree_mask: jax.Array, *,
+                   implementation: str | None = None,
+                   return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """Drafted tree nodes attend to the committed cache and to their own branch.
+
+  Node i's query sees cache slots s < cache_length (no other mask) and the drafted
+  nodes j with tree_mask[i, j] (itself and its ancestors); one softmax over all of
+  them, scale 1/sqrt(head_dim), float32 math. Inference only (no custom VJP).
+
+  Args:
+    q: [batch, n, heads, head_dim], the drafted nodes' queries.
+    cache_k, cache_v: [batch, capacity, kv_heads, head_dim], the committed cache;
+      heads % kv_heads == 0. Slots >= cache_length are ignored whatever they hold.
+    cache_length: int32 scalar or [batch], filled slots, 0 .. capacity (may be traced).
+    tree_k, tree_v: [batch, n, kv_heads, head_dim], the drafted nodes' keys and values.
+    tree_mask: bool [batch, n, n] or [n, n] (shared by the batch); [i, j] True iff
+      node i sees node j (`tree_mask_from_parents`).
+    implementation: one of IMPLEMENTATIONS or None (see module docstring; a "pallas"
+      kernel will join them).
+    return_lse: also return the log-sum-exp, e.g. to merge with more key groups.
+
+  Returns:
+    out [batch, n, heads, head_dim] in q's dtype; with return_lse, (out, lse) with
+    lse float32 [batch, n, heads].
+
+  Raises:
+    ValueError: bad shapes, dtypes or lengths (naming the argument), unknown or
+      unsupported implementation.
+  """
+  _validate_cache_inputs(q, cache_k, cache_v, cache_length)
+  _validate_tree_inputs(q, cache_k, tree_k, tree_v, tree_mask)
+  implementation = choose("tree_attention", implementation, _implementations(), _DEFAULT_ORDER)
+  run = tree_attention_reference if implementation == "reference" else hybrid_tree_attention
+  out, lse = run(q, cache_k, cache_v, cache_length, tree_k, tree_v, tree_mask)
+  return (out, lse) if return_lse else out
