@@ -12,21 +12,27 @@ writes it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 from castle_jax.checkpoints import Checkpointer
 from castle_jax.data.tokenizer import Tokenizer, load_tokenizer
-from castle_jax.models import ModelConfig, build_model, family_of
+from castle_jax.models import ModelConfig, build_model, family_of, longspec_draft
+from castle_jax.sharding import LOGICAL_AXIS_RULES
 
 CONFIG_NAME = "config.json"
 TOKENIZER_NAME = "tokenizer.json"
 CHECKPOINTS_DIR = "checkpoints"
+# Which frozen parameters (a LongSpec draft's target) a run trained against.
+FROZEN_NAME = "frozen_params.json"
 
 
 class TrainedModel(NamedTuple):
@@ -66,19 +72,26 @@ def resolve_tokenizer_path(workdir: str, tokenizer: str) -> str:
   return inside if os.path.exists(inside) else tokenizer
 
 
-def abstract_params(model: nn.Module, seq_len: int, device: jax.Device | None = None) -> Any:
-  """The model's parameters as ShapeDtypeStructs placed on one device (default: the
-  first), from `jax.eval_shape` of its family's init: nothing is computed."""
-  sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
-  boxed = jax.eval_shape(lambda rng: family_of(model).init_variables(model, rng, seq_len)["params"],
-                         jax.random.key(0))
+def abstract_params(model: nn.Module, seq_len: int, device: jax.Device | None = None,
+                    mesh: jax.sharding.Mesh | None = None) -> Any:
+  """The model's parameters as ShapeDtypeStructs, from `jax.eval_shape` of its family's
+  init (nothing is computed): sharded over `mesh` by their logical axis names, or else
+  placed on one device (default: the first)."""
+  with jax.set_mesh(None):
+    boxed = jax.eval_shape(lambda rng: family_of(model).init_variables(model, rng, seq_len)["params"],
+                           jax.random.key(0))
   is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
+  if mesh is None:
+    single = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+    shardings = jax.tree.map(lambda _: single, boxed, is_leaf=is_box)
+  else:
+    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, LOGICAL_AXIS_RULES)
 
-  def place(leaf):
+  def place(leaf, sharding):
     value = leaf.unbox(apply_constraint=False) if is_box(leaf) else leaf
     return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
 
-  return jax.tree.map(place, boxed, is_leaf=is_box)
+  return jax.tree.map(place, boxed, shardings, is_leaf=is_box)
 
 
 def restore_params(workdir: str, abstract: Any, *, step: int | None = None, log=None,
@@ -126,3 +139,91 @@ def load_workdir_tokenizer(workdir: str, config: ml_collections.ConfigDict | Non
   config = read_config(workdir) if config is None else config
   return load_tokenizer(resolve_tokenizer_path(os.path.abspath(workdir), config.data.tokenizer))
 
+
+
+def frozen_record(workdir: str) -> dict[str, Any] | None:
+  """The workdir's record of the frozen parameters it trained against ({"workdir", "step",
+  "fingerprint"}), or None for a run without any."""
+  path = os.path.join(os.path.abspath(workdir), FROZEN_NAME)
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def params_fingerprint(params: Any) -> str:
+  """A short hash identifying a parameter tree: the tree's paths and shapes and the first
+  elements of every leaf, read exactly (the same on any mesh; the leaves' gather runs on
+  the device, so sharded and multi-host trees work)."""
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  heads = jax.jit(lambda xs: [x.reshape(-1)[:_FINGERPRINT_ELEMENTS].astype(jnp.float32) for x in xs])(
+      [x for _, x in leaves])
+  digest = hashlib.sha256()
+  for (path, leaf), head in zip(leaves, heads):
+    digest.update(f"{jax.tree_util.keystr(path)}{tuple(leaf.shape)}".encode())
+    digest.update(np.asarray(jax.device_get(head)).tobytes())
+  return digest.hexdigest()[:16]
+
+
+_FINGERPRINT_ELEMENTS = 4096
+
+
+class FrozenParams(NamedTuple):
+  """A family's frozen parameters (`ModelFamily.frozen_source`), restored.
+
+  Attributes:
+    params: {name: parameter tree}, what the trainer merges into the trained parameters.
+    workdir, step: the run and checkpoint step they come from.
+    fingerprint: `params_fingerprint(params)`, recorded with the run that trains against them.
+  """
+
+  params: dict[str, Any]
+  workdir: str
+  step: int
+  fingerprint: str
+
+
+def load_frozen_params(config: ModelConfig, mesh: jax.sharding.Mesh | None = None, *,
+                       log=None) -> FrozenParams | None:
+  """The frozen parameters config's family trains against, restored into `mesh` (None: one
+  device), or None for a family without any.
+
+  Raises ValueError when the source run's model does not fit (the message lists the
+  fields), FileNotFoundError / CheckpointError when it cannot be read."""
+  hook = family_of(config).frozen_source
+  if hook is None:
+    return None
+  source = hook(config)
+  saved = ModelConfig.from_mapping(read_config(source.workdir, what=source.setting).model)
+  differing = source.differences(saved)
+  if differing:
+    raise ValueError(f"{source.setting}={source.workdir} holds another model than this config expects: "
+                     f"{'; '.join(differing)}. Copy that run's model values into this config")
+  abstract = abstract_params(build_model(source.model_config), 8, mesh=mesh)
+  params, step = restore_params(source.workdir, abstract, step=source.step, log=log, what=source.setting)
+  frozen = {source.name: params}
+  return FrozenParams(frozen, source.workdir, step, params_fingerprint(frozen))
+
+
+def load_draft(draft_workdir: str, target: TrainedModel, *, step: int | None = None, log=None) -> TrainedModel:
+  """A LongSpec draft trained for `target` (from `load_trained_model`): (model, params,
+  tokenizer, step) of `draft_workdir`'s newest good (or `step`) checkpoint.
+
+  Raises ValueError when the draft is not a LongSpec draft, its widths are not the
+  target's, or it was trained against other target parameters (their fingerprints
+  differ)."""
+  draft = load_trained_model(draft_workdir, step, log=log)
+  if draft.model.config.family != longspec_draft.FAMILY:
+    raise ValueError(f"--draft_workdir={draft_workdir} holds a {draft.model.config.family!r} model, not a "
+                     f"{longspec_draft.FAMILY!r} draft")
+  differing = longspec_draft.width_differences(target.model.config, draft.model.config)
+  if differing:
+    raise ValueError(f"the draft in {draft_workdir} was built for another target: {'; '.join(differing)}")
+  record = frozen_record(draft_workdir)
+  theirs = params_fingerprint({longspec_draft.TARGET: target.params})
+  if record is not None and record.get("fingerprint") != theirs:
+    raise ValueError(
+        f"the draft in {draft_workdir} was trained for the target in {record.get('workdir')} (step "
+        f"{record.get('step')}, fingerprint {record.get('fingerprint')}), not for this target (fingerprint "
+        f"{theirs}): train a draft for this target, or pass the target it was trained for")
+  return draft

@@ -240,31 +240,34 @@ def test_cache_and_generate_capacity_errors():
     generate(model, params, _tokens(5, seq=2), max_new_tokens=2, temperature=1.0)
 
 
-def test_mha_decoding_takes_a_mask_over_the_cache():
-  """A mask over new tokens (tree verification): a slot hidden from a token changes its output,
-  an all-True mask changes nothing."""
-  from castle_jax.layers.mha import MultiHeadAttention
+def test_mha_tree_verification_leaves_the_cache_and_refuses_what_it_cannot_verify():
+  """Tree verification (speculative decoding) returns the nodes' pending keys/values and
+  leaves the cache as it was; training and window layers refuse a tree."""
+  from castle_jax.layers.mha import MultiHeadAttention, PendingKV, TreeVerification
   config = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, dtype="float32")
   layer = MultiHeadAttention(config)
   x = jax.random.normal(jax.random.key(0), (1, 3, 32))
-  positions = jnp.arange(3)[None]
+  positions = jnp.array([[2, 3, 3]])
   cache = KVCache.create(1, 4, 4, 8, jnp.float32)
   params = layer.init(jax.random.key(1), x, positions, cache)
-  plain, _ = layer.apply(params, x, positions, cache)
-  same, _ = layer.apply(params, x, positions, cache, mask=jnp.ones((1, 3, 4), bool))
-  np.testing.assert_array_equal(same, plain)
-  hide_first = jnp.ones((1, 3, 4), bool).at[:, 2, 0].set(False)
-  masked, _ = layer.apply(params, x, positions, cache, mask=hide_first)
-  np.testing.assert_array_equal(masked[:, :2], plain[:, :2])
-  assert float(jnp.abs(masked[:, 2] - plain[:, 2]).max()) > 1e-4
-  with pytest.raises(ValueError, match="mask is a decoding argument"):
-    layer.apply(params, x, positions, mask=hide_first)
+  _, cache = layer.apply(params, x[:, :2], jnp.arange(2)[None], cache)
+  tree = TreeVerification(jnp.array([[[True, False, False], [True, True, False], [True, False, True]]]))
+  out, pending = layer.apply(params, x, positions, cache, tree=tree)
+  assert isinstance(pending, PendingKV) and pending.keys.shape == (1, 3, 4, 8) and out.shape == (1, 3, 32)
+  # Node 0 sees the cache and itself only: the same as decoding it alone.
+  alone, _ = layer.apply(params, x[:, :1], positions[:, :1], cache)
+  np.testing.assert_allclose(out[:, 0], alone[:, 0], atol=1e-5, rtol=1e-5)
+  with pytest.raises(ValueError, match="tree is a decoding argument"):
+    layer.apply(params, x, positions, tree=tree)
+  window = MultiHeadAttention(dataclasses.replace(config, sliding_window=2))
+  with pytest.raises(ValueError, match="full causal attention"):
+    window.apply(params, x, positions, cache, tree=tree)
 
 
 def test_model_families_and_config_defaults():
   from castle_jax.models import MODEL_FAMILIES, build_model, family_of
   from train.config import base_config
-  assert set(MODEL_FAMILIES) == {"transformer", "drt"}
+  assert set(MODEL_FAMILIES) == {"transformer", "drt", "longspec_draft"}
   with pytest.raises(ValueError, match=r"Unknown model family 'retro' \(config model.family\)"):
     build_model(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, family="retro"))
   model = build_model(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2))

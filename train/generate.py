@@ -5,11 +5,20 @@
 Reads `<workdir>/config.json` (written by training) to rebuild the model and
 tokenizer, restores the parameters of the latest (or `--step`) checkpoint, and
 prints the prompt followed by the generated continuation.
+
+With `--draft_workdir` (a LongSpec draft trained for this target), the continuation is
+decoded speculatively (`castle_jax.inference.speculative_generate`; the same output as
+the target alone at temperature 0, the same distribution otherwise) and the mean tokens
+per target forward (tau) and the decoding speed are printed:
+
+    python -m train.generate --workdir=runs/longspec_target_tiny \
+        --draft_workdir=runs/longspec_draft_tiny_long --temperature=0 --tree=4,16,16,16,16
 """
 
 from __future__ import annotations
 
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +27,8 @@ from absl import app, flags, logging
 
 from castle_jax.checkpoints import CheckpointError
 from castle_jax.inference import generate
-from castle_jax.workdir import load_trained_model
+from castle_jax.inference.speculative import DEFAULT_TREE, speculative_generate
+from castle_jax.workdir import TrainedModel, load_draft, load_trained_model
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (holds config.json and checkpoints/).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
@@ -28,6 +38,9 @@ _TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "0 for greedy decoding.")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0: all).")
 _TOP_P = flags.DEFINE_float("top_p", 0.95, "Nucleus sampling mass (1: off).")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_DRAFT = flags.DEFINE_string("draft_workdir", None, "A LongSpec draft's workdir: decode speculatively.")
+_TREE = flags.DEFINE_list("tree", [str(w) for w in DEFAULT_TREE], "Draft nodes per tree level (a chain: 1,1,1,1).")
+_WARMUP = flags.DEFINE_bool("warmup", False, "Speculative: run once before timing, so tokens/s excludes compilation.")
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -41,9 +54,28 @@ def main(argv):
     print(f"ERROR: {e}", file=sys.stderr, flush=True)
     sys.exit(1)
   prompt = np.concatenate([[tokenizer.bos_id], tokenizer.encode(_PROMPT.value)]).astype(np.int32)
-  tokens = generate(model, params, jnp.asarray(prompt)[None], max_new_tokens=_MAX_NEW.value,
-                    rng=jax.random.key(_SEED.value), temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
-                    top_p=_TOP_P.value)
+  sampling = dict(rng=jax.random.key(_SEED.value), temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
+                  top_p=_TOP_P.value)
+  if _DRAFT.value:
+    try:
+      tree = tuple(int(w) for w in _TREE.value)
+      draft = load_draft(_DRAFT.value, TrainedModel(model, params, tokenizer, step))
+      run = lambda: speculative_generate(model, params, draft.model, draft.params, jnp.asarray(prompt)[None],
+                                         max_new_tokens=_MAX_NEW.value, tree=tree, **sampling)
+      if _WARMUP.value:
+        jax.block_until_ready(run().tokens)
+      start = time.perf_counter()
+      result = run()
+      tokens = jax.block_until_ready(result.tokens)
+      seconds = time.perf_counter() - start
+    except (FileNotFoundError, ValueError, CheckpointError) as e:
+      print(f"ERROR: {e}", file=sys.stderr, flush=True)
+      sys.exit(1)
+    print(f"# speculative: draft step {draft.step}, tree {list(tree)}: tau {result.mean_accepted:.2f} tokens per "
+          f"target forward over {result.rounds} rounds, {_MAX_NEW.value / seconds:.1f} tokens/s"
+          + ("" if _WARMUP.value else " (including compilation; --warmup to exclude it)"))
+  else:
+    tokens = generate(model, params, jnp.asarray(prompt)[None], max_new_tokens=_MAX_NEW.value, **sampling)
   print(f"# step {step}, temperature {_TEMPERATURE.value}")
   print(tokenizer.decode(np.asarray(tokens[0, 1:])))
 

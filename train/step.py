@@ -38,18 +38,25 @@ def _microbatches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Arra
   return jax.tree.map(split, batch)
 
 
-def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: nn.Module,
-               tx: optax.GradientTransformation, schedule: optax.Schedule, pad_id: int,
+def with_frozen(params: Any, frozen: dict[str, Any] | None) -> Any:
+  """The parameter tree the loss sees: the trained parameters and the family's frozen
+  ones (`ModelFamily.frozen_params`, e.g. a LongSpec draft's target)."""
+  return params if not frozen else {**params, **frozen}
+
+
+def train_step(state: TrainState, batch: dict[str, jax.Array], frozen: dict[str, Any] | None = None, *,
+               model: nn.Module, tx: optax.GradientTransformation, schedule: optax.Schedule, pad_id: int,
                grad_accum_steps: int = 1, seed: int = 0) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer update on the mean token loss of the whole (global) batch.
 
   The model's training noise (if any) comes from key(seed) folded with the step and the
-  microbatch, so a resumed run draws the same noise as an uninterrupted one.
+  microbatch, so a resumed run draws the same noise as an uninterrupted one. `frozen`:
+  parameters the loss reads but the update never changes (no gradient is taken).
   """
   step_rng = jax.random.fold_in(jax.random.key(seed), state.step)
 
   def summed_loss(params, micro, rng):
-    nll, weights = token_losses(model, params, micro, pad_id, rng)
+    nll, weights = token_losses(model, with_frozen(params, frozen), micro, pad_id, rng)
     return jnp.sum(nll), jnp.sum(weights)
 
   value_and_grad = jax.value_and_grad(summed_loss, has_aux=True)
@@ -102,9 +109,13 @@ def eval_step(params: Any, batch: dict[str, jax.Array], *, model: nn.Module, pad
 
 def jit_train_step(*, model: nn.Module, tx: optax.GradientTransformation, schedule: optax.Schedule,
                    pad_id: int, grad_accum_steps: int, state_shardings: TrainState,
-                   batch_sharding: jax.sharding.Sharding, seed: int = 0):
-  """`train_step` compiled with explicit in/out shardings; the old state is donated."""
+                   batch_sharding: jax.sharding.Sharding, seed: int = 0, frozen: dict[str, Any] | None = None):
+  """`train_step` compiled with explicit in/out shardings; the old state is donated.
+  Called as step(state, batch); `frozen` (already placed) is passed as an argument of
+  the compiled step, never baked into it as constants."""
   step = functools.partial(train_step, model=model, tx=tx, schedule=schedule, pad_id=pad_id,
                            grad_accum_steps=grad_accum_steps, seed=seed)
-  return jax.jit(step, in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, None),
-                 donate_argnums=0)
+  frozen_shardings = jax.tree.map(lambda x: x.sharding, frozen)
+  compiled = jax.jit(step, in_shardings=(state_shardings, batch_sharding, frozen_shardings),
+                     out_shardings=(state_shardings, None), donate_argnums=0)
+  return lambda state, batch: compiled(state, batch, frozen)

@@ -36,7 +36,8 @@ from castle_jax.data.tokenizer import Tokenizer, load_tokenizer
 from castle_jax.eval.perplexity import summarize
 from castle_jax.models import ModelConfig, build_model, training_flops_per_token
 from castle_jax.sharding import LOGICAL_AXIS_RULES
-from castle_jax.workdir import restore_params
+from castle_jax.workdir import FrozenParams, frozen_record, restore_params
+from castle_jax.workdir import load_frozen_params as load_frozen
 from train import workdir as workdir_lib
 from train.config import validate_keys
 from train.mesh import data_parallel_size, make_mesh
@@ -45,7 +46,7 @@ from train.optimizer import make_optimizer
 from train.run_checks import check_schedule_unchanged, validate_train_config
 from train.signals import StopSignals, TrainingInterrupted
 from train.state import TrainState, init_train_state, state_shardings
-from train.step import eval_step, jit_train_step
+from train.step import eval_step, jit_train_step, with_frozen
 from train.throughput import peak_flops_per_device
 
 # A divergence this many steps after a resume points at the restored checkpoint.
@@ -185,6 +186,19 @@ def restore_or_init(run: Run, checkpointer: Checkpointer, abstract_state: TrainS
                           shardings), None, None
 
 
+def load_frozen_params(run: Run) -> FrozenParams | None:
+  """The family's frozen parameters (a LongSpec draft's target) restored into the mesh,
+  after checking that their run used this run's tokenizer; None for other families."""
+  frozen = load_frozen(run.model_config, run.mesh, log=_print)
+  if frozen is None:
+    return None
+  workdir_lib.check_same_tokenizer(frozen.workdir, run.config.data.tokenizer,
+                                   what=f"the frozen parameters' run {frozen.workdir}")
+  _print(f"Frozen parameters {sorted(frozen.params)} from step {frozen.step} of {frozen.workdir} "
+         f"(fingerprint {frozen.fingerprint})")
+  return frozen
+
+
 def _print(text: str) -> None:
   if jax.process_index() == 0:
     print(text, file=sys.stderr, flush=True)
@@ -293,17 +307,19 @@ def _agreed_stop(stop: StopSignals, log_step: bool) -> int | None:
 
 def run_loop(run: Run, state: TrainState, shardings: TrainState, train_iter, checkpointer: Checkpointer,
              writer: MetricsWriter, resumed_step: int | None, stop: StopSignals,
-             after_step: Callable[[int], None] | None) -> TrainResult:
-  """Steps from the state's step to `train.steps`: fetch, step, log, eval, save."""
+             after_step: Callable[[int], None] | None, frozen: dict[str, Any] | None = None) -> TrainResult:
+  """Steps from the state's step to `train.steps`: fetch, step, log, eval, save.
+  `frozen`: the family's frozen parameters (`load_frozen_params`), or None."""
   config, t = run.config, run.config.train
   start_step = int(jax.device_get(state.step))
   step_fn = jit_train_step(model=run.model, tx=run.tx, schedule=run.schedule, pad_id=run.tokenizer.pad_id,
                            grad_accum_steps=t.grad_accum_steps, state_shardings=shardings,
-                           batch_sharding=run.batch_sharding, seed=config.seed)
-  eval_fn = jax.jit(functools.partial(
+                           batch_sharding=run.batch_sharding, seed=config.seed, frozen=frozen)
+  compiled_eval = jax.jit(functools.partial(
       eval_step, model=run.model, pad_id=run.tokenizer.pad_id,
       token_byte_lengths=jnp.asarray(run.tokenizer.token_byte_lengths, jnp.float32),
       microbatches=t.grad_accum_steps))
+  eval_fn = lambda params, batch: compiled_eval(with_frozen(params, frozen), batch)
   logger = StepLogger(run, writer, checkpointer, start_step, resumed_step)
   last_train, last_eval = {}, {}
   try:
@@ -367,6 +383,7 @@ def train(config: ml_collections.ConfigDict, *,
       stack.enter_context(jax.set_mesh(run.mesh))
       stack.enter_context(nn.logical_axis_rules(LOGICAL_AXIS_RULES))
       abstract_state, shardings = state_shardings(run.model, run.tx, run.mesh, config.data.seq_len)
+      frozen = load_frozen_params(run)
       train_iter = make_lm_iterator(config.data, run.tokenizer, split=config.data.train_split, shuffle=True,
                                     prefetch=config.data.prefetch)
       state, resumed_step, init_source = restore_or_init(run, checkpointer, abstract_state, shardings, train_iter)
@@ -374,7 +391,17 @@ def train(config: ml_collections.ConfigDict, *,
       writer = MetricsWriter(run.workdir)
       if init_source is not None:  # config.json names the workdir; this record, the step used
         writer.write(0, "init_from", {"source_step": init_source.step})
-      return run_loop(run, state, shardings, train_iter, checkpointer, writer, resumed_step, stop, after_step)
+      if frozen is not None:
+        recorded = frozen_record(run.workdir)
+        if resumed_step is not None and recorded and recorded.get("fingerprint") != frozen.fingerprint:
+          raise workdir_lib.ConfigMismatchError(
+              f"The checkpoints in {run.workdir} were trained against other frozen parameters ({recorded}); "
+              f"{frozen.workdir} step {frozen.step} has fingerprint {frozen.fingerprint}. Point the run at the "
+              "same source (e.g. model.family_kwargs.target_step), or start over in a new --workdir")
+        workdir_lib.write_frozen_record(run.workdir, source=frozen.workdir, step=frozen.step,
+                                        fingerprint=frozen.fingerprint)
+      return run_loop(run, state, shardings, train_iter, checkpointer, writer, resumed_step, stop, after_step,
+                      None if frozen is None else frozen.params)
   finally:
     try:
       if train_iter is not None:

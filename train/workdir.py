@@ -37,7 +37,9 @@ from typing import Any, Mapping
 import jax
 
 from castle_jax.checkpoints import file_sha256
-from castle_jax.workdir import CONFIG_NAME, TOKENIZER_NAME, read_config, resolve_tokenizer_path, saved_config
+from castle_jax.models import ModelConfig, family_of
+from castle_jax.workdir import (CONFIG_NAME, FROZEN_NAME, TOKENIZER_NAME, read_config, resolve_tokenizer_path,
+                                saved_config)
 from train.config import base_config
 
 LOCK_NAME = ".lock"
@@ -281,18 +283,28 @@ def check_init_from(source: str, model_config, tokenizer: str) -> None:
   """
   source = os.path.abspath(source)
   saved = read_config(source, what=f"train.init_from={source}").to_dict()
-  differing = model_differences(saved.get("model", {}), model_config)
+  training_only = family_of(ModelConfig.from_mapping(model_config)).training_only_kwargs
+  differing = [line for line in model_differences(saved.get("model", {}), model_config)
+               if not any(line.startswith(f"model.family_kwargs.{key}:") for key in training_only)]
   if differing:
     raise ConfigMismatchError(
         f"train.init_from={source} was trained with another model config ({'; '.join(differing)}): "
         "its parameters only fit the same model.* values; set them, or init from another run")
+  check_same_tokenizer(source, tokenizer, what=f"train.init_from={source}",
+                       fix="to fine-tune from that run")
+
+
+def check_same_tokenizer(source: str, tokenizer: str, *, what: str, fix: str = "") -> None:
+  """The run in `source` (a workdir) must have used `tokenizer` (data.tokenizer): the same
+  setting, or a BPE file with the same contents. ConfigMismatchError names `what`."""
+  saved = read_config(source, what=what).to_dict()
   theirs = resolve_tokenizer_path(source, saved["data"]["tokenizer"])
   same = theirs == tokenizer or ("byte" not in (theirs, tokenizer) and os.path.isfile(theirs)
                                  and os.path.isfile(tokenizer) and file_sha256(theirs) == file_sha256(tokenizer))
   if not same:
     raise ConfigMismatchError(
-        f"data.tokenizer {tokenizer} differs from the tokenizer of train.init_from={source} ({theirs}); "
-        f"pass --config.data.tokenizer={theirs} to fine-tune from that run")
+        f"data.tokenizer {tokenizer} differs from the tokenizer of {what} ({theirs}); "
+        f"pass --config.data.tokenizer={theirs}" + (f" {fix}" if fix else ""))
 
 
 def check_tokenizer_unchanged(workdir: str, tokenizer: str) -> None:
@@ -329,3 +341,15 @@ def write_run_files(workdir: str, config) -> None:
     f.write(config.to_json_best_effort(indent=2))
   os.replace(temporary, path)
 
+
+
+def write_frozen_record(workdir: str, *, source: str, step: int, fingerprint: str) -> None:
+  """Records (atomically, process 0) which frozen parameters the run trains against, so
+  that its checkpoints are never used with others (`castle_jax.workdir.load_draft`)."""
+  if jax.process_index() != 0:
+    return
+  path = os.path.join(workdir, FROZEN_NAME)
+  temporary = path + ".tmp"
+  with open(temporary, "w") as f:
+    json.dump({"workdir": source, "step": step, "fingerprint": fingerprint}, f, indent=2)
+  os.replace(temporary, path)

@@ -1,9 +1,10 @@
-"""Decoding: sampling and generate(). The caches live next to their ops (KVCache in
+"""Decoding: sampling, generate() and speculative_generate() (LongSpec). The caches live next to their ops (KVCache in
 castle_jax.ops.attention, UQKVCache in castle_jax.ops.castle, PowerCache in
 castle_jax.ops.power); KVCache is re-exported here for convenience."""
 
 from castle_jax.inference.generate import generate
 from castle_jax.inference.sampling import sample_next_token
+from castle_jax.inference.speculative import SpeculativeResult, speculative_generate
 from castle_jax.ops.attention import KVCache
 
-__all__ = ["KVCache", "generate", "sample_next_token"]
+__all__ = ["KVCache", "SpeculativeResult", "generate", "sample_next_token", "speculative_generate"]

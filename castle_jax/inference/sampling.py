@@ -33,15 +33,21 @@ def sample_next_token(logits: jax.Array, rng: jax.Array, *, temperature: float =
   validate_sampling(temperature, top_k, top_p)
   if temperature == 0.0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  return jax.random.categorical(rng, filtered_logits(logits, temperature, top_k, top_p), axis=-1).astype(jnp.int32)
+
+
+def filtered_logits(logits: jax.Array, temperature: float, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+  """The logits whose softmax is the sampling distribution: float32 [..., vocab] divided by
+  temperature (> 0), -inf outside the top_k and outside the top_p nucleus."""
   logits = logits.astype(jnp.float32) / temperature
   if top_k:
-    kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][:, -1:]
+    kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][..., -1:]
     logits = jnp.where(logits < kth, -jnp.inf, logits)
   if top_p < 1.0:
-    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+    sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
     cumulative = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
     # Probability mass strictly before each sorted token; keep while it is < top_p.
     mass_before = cumulative - jax.nn.softmax(sorted_logits, axis=-1)
     cutoff = jnp.min(jnp.where(mass_before < top_p, sorted_logits, jnp.inf), axis=-1, keepdims=True)
     logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-  return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+  return logits

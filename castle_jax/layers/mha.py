@@ -6,7 +6,7 @@ GCA paper's baseline and DRT's self-attention)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -15,12 +15,32 @@ from castle_jax.layers.options import AttentionOptions, option_error
 from castle_jax.layers.shared import mean_visible_keys, output_projection, rotary_qkv
 from castle_jax.ops.attention import KVCache, causal_attention, causal_mask, masked_attention
 from castle_jax.ops.attention.alibi import alibi_bias
+from castle_jax.ops.tree_attention import tree_attention
 
 if TYPE_CHECKING:  # layers read the config's attributes only; castle_jax.config imports the attention table
   from castle_jax.config import ModelConfig
 
 
 POSITIONS = ("rope", "alibi")
+
+
+class TreeVerification(NamedTuple):
+  """How new tokens see each other when a target verifies a drafted tree.
+
+  Attributes:
+    mask: bool [batch, n, n]: token i sees token j (its ancestors and itself).
+    implementation: of `castle_jax.ops.tree_attention.tree_attention` (None: the default).
+  """
+
+  mask: jax.Array
+  implementation: str | None = None
+
+
+class PendingKV(NamedTuple):
+  """Keys and values [batch, n, kv_heads, head_dim] of verified tokens, not yet in the cache."""
+
+  keys: jax.Array
+  values: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,26 +91,36 @@ class MultiHeadAttention(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array, cache: KVCache | None = None,
-               mask: jax.Array | None = None):
+               tree: TreeVerification | None = None):
     """x: [batch, seq, d_model], positions: int [batch, seq] -> ([batch, seq, d_model], cache).
 
-    mask: with a cache, an optional bool [batch, seq, capacity] of which cache slots
-      (after appending these tokens) each new token may see, ANDed with the positional
-      causal mask; for tree verification, where sibling candidates must not see each
-      other. Training (no cache) takes none.
+    Training (no cache) also sows the layer's rotated (keys, values) [batch, seq, kv_heads,
+    head_dim] as intermediates "keys_values" (read by a LongSpec draft; free unless the
+    "intermediates" collection is mutable).
+
+    tree: with a cache, verify drafted tree nodes (speculative decoding): the seq new tokens
+    attend to every filled cache slot and, among themselves, as `tree.mask` allows; the
+    cache is left unchanged and the second result is the tokens' `PendingKV`, to be
+    committed (`KVCache.append`) for the accepted ones.
     """
     cfg = self.config
     alibi = cfg.options.positions == "alibi"
     q, k, v = rotary_qkv(cfg, x, positions, rope=not alibi)
     if cache is None:
-      if mask is not None:
-        raise ValueError("mask is a decoding argument: training attention is causal (pass a cache to decode)")
+      if tree is not None:
+        raise ValueError("tree is a decoding argument: training attention is causal (pass a cache to verify a tree)")
+      self.sow("intermediates", "keys_values", (k, v))
       out = causal_attention(q, k, v, window=cfg.window, alibi=alibi, implementation=cfg.attention_impl)
-    else:
-      cache = cache.append(k, v)
-      visible = causal_mask(positions, cache.key_positions(), cfg.window)
-      if mask is not None:
-        visible &= mask
-      bias = alibi_bias(positions, cache.key_positions(), cfg.n_heads) if alibi else None
-      out = masked_attention(q, cache.keys, cache.values, visible, bias)
+      return output_projection(cfg, out), cache
+    if tree is not None:
+      if alibi or cfg.window:
+        raise ValueError("tree verification needs full causal attention with RoPE (no model.sliding_window, "
+                         "positions='rope')")
+      out = tree_attention(q, cache.keys, cache.values, cache.length, k, v, tree.mask,
+                           implementation=tree.implementation)
+      return output_projection(cfg, out), PendingKV(k, v)
+    cache = cache.append(k, v)
+    visible = causal_mask(positions, cache.key_positions(), cfg.window)
+    bias = alibi_bias(positions, cache.key_positions(), cfg.n_heads) if alibi else None
+    out = masked_attention(q, cache.keys, cache.values, visible, bias)
     return output_projection(cfg, out), cache

@@ -46,6 +46,7 @@ from castle_jax.layers.shared import mean_visible_keys, output_projection, proje
 from castle_jax.layers.mlp import SwiGLU
 from castle_jax.layers.norms import RMSNorm
 from castle_jax.config import ModelConfig
+from castle_jax.models.family_options import parse_family_options
 from castle_jax.models.transformer import next_token_losses
 from castle_jax.ops.gca import gca_attention, retrieval_scores, select_chunks
 from castle_jax.sharding import constrain, with_axes
@@ -87,12 +88,7 @@ class DRTOptions:
   @classmethod
   def from_config(cls, config: ModelConfig) -> "DRTOptions":
     """model.family_kwargs parsed (unknown keys are errors) and checked against the config."""
-    kwargs = dict(config.family_kwargs)
-    known = [field.name for field in dataclasses.fields(cls)]
-    unknown = sorted(set(kwargs) - set(known))
-    if unknown:
-      raise ValueError(f"Unknown model.family_kwargs {unknown} for model family 'drt'; known: {known}")
-    options = cls(**kwargs)
+    options = parse_family_options(cls, config, "drt")
     if config.sliding_window < 1:
       raise ValueError("model family 'drt' needs model.sliding_window >= 1: the decoder's self-attention window "
                        "(the paper uses 512)")

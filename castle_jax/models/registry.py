@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from castle_jax.config import ModelConfig
-from castle_jax.models import drt, drt_decoding, transformer
+from castle_jax.models import drt, drt_decoding, longspec_draft, transformer
+from castle_jax.models.frozen import FrozenSource
 
 
 def _init_variables(module: nn.Module, rng: jax.Array, seq_len: int):
@@ -77,6 +78,13 @@ class ModelFamily:
     param_count: ModelConfig -> parameter count (closed form).
     training_flops_per_token: (ModelConfig, seq_len) -> forward + backward FLOPs per
       token, for MFU.
+    frozen_source: None, or ModelConfig -> `FrozenSource`: parameters the loss needs but
+      training never changes (a LongSpec draft's target), from another run's workdir
+      (`castle_jax.workdir.load_frozen_params` restores them). The trainer passes them to
+      `token_losses` merged into the parameter tree (`{**params, name: frozen}`); they get
+      no gradient and no optimizer state, and are not saved with the run's checkpoints.
+    training_only_kwargs: model.family_kwargs that change how the model trains, not its
+      parameters: `train.init_from` accepts a source run that differs in them.
   """
 
   name: str
@@ -89,6 +97,8 @@ class ModelFamily:
   param_count: Callable[[ModelConfig], int]
   training_flops_per_token: Callable[[ModelConfig, int], float]
   stream_decoder: Callable[..., Any] | None = None
+  frozen_source: Callable[[ModelConfig], FrozenSource] | None = None
+  training_only_kwargs: tuple[str, ...] = ()
 
 
 MODEL_FAMILIES: dict[str, ModelFamily] = {
@@ -114,6 +124,19 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         param_count=drt.param_count,
         training_flops_per_token=drt.training_flops_per_token,
         stream_decoder=drt_decoding.stream_decoder,
+    ),
+    longspec_draft.FAMILY: ModelFamily(
+        name=longspec_draft.FAMILY,
+        build=longspec_draft.build,
+        init_variables=longspec_draft.init_variables,
+        token_losses=longspec_draft.token_losses,
+        init_cache=None,
+        decode=None,
+        last_logits=longspec_draft.last_logits,
+        param_count=longspec_draft.param_count,
+        training_flops_per_token=longspec_draft.training_flops_per_token,
+        frozen_source=longspec_draft.frozen_source,
+        training_only_kwargs=longspec_draft.TRAINING_ONLY_KWARGS,
     ),
 }
 

@@ -30,12 +30,13 @@ class DecoderBlock(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array, cache: Any = None):
-    """x: [batch, seq, d_model] -> ([batch, seq, d_model], cache)."""
+  def __call__(self, x: jax.Array, positions: jax.Array, cache: Any = None, tree: Any = None):
+    """x: [batch, seq, d_model] -> ([batch, seq, d_model], cache); tree: see TransformerLM."""
     cfg = self.config
     norm = lambda name: RMSNorm(cfg.norm_eps, cfg.compute_dtype, cfg.weights_dtype, name=name)
     attention = get_attention(cfg.attention).module(config=cfg, name="attention")
-    h, cache = attention(norm("attention_norm")(x), positions, cache)
+    tree_kwargs = {} if tree is None else {"tree": tree}  # only `mha` verifies trees
+    h, cache = attention(norm("attention_norm")(x), positions, cache, **tree_kwargs)
     x = constrain(x + h, ("batch", "act_length", "act_embed"))
     mlp = SwiGLU(cfg.ffn_hidden, cfg.init_std, cfg.out_init_std, cfg.compute_dtype, cfg.weights_dtype, name="mlp")
     x = x + mlp(norm("mlp_norm")(x))
@@ -48,16 +49,24 @@ class TransformerLM(nn.Module):
   Call with tokens int [batch, seq] (and optionally positions int [batch, seq] and
   per-layer caches from `init_cache`) to get float32 logits [batch, seq, vocab_size]
   and the updated caches (None when no caches were given).
+
+  With caches and `tree` (a `castle_jax.layers.mha.TreeVerification`, `mha` models only),
+  the tokens are drafted tree nodes verified in one pass: each attends to the whole
+  cache and to the nodes `tree.mask` allows; the caches are not changed and the second
+  result is each layer's `PendingKV` of the nodes (speculative decoding commits the
+  accepted ones).
   """
 
   config: ModelConfig
 
   @nn.compact
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-               caches: Sequence[Any] | None = None):
+               caches: Sequence[Any] | None = None, tree: Any = None):
     cfg = self.config
     if tokens.ndim != 2:
       raise ValueError(f"tokens must be int [batch, seq], got shape {tokens.shape}")
+    if tree is not None and caches is None:
+      raise ValueError("tree verification needs the caches of the committed tokens (pass caches)")
     if positions is None:
       if caches is not None:
         raise ValueError("positions are required when decoding with caches")
@@ -70,7 +79,7 @@ class TransformerLM(nn.Module):
       block_cls = nn.remat(DecoderBlock, prevent_cse=False)
     new_caches = []
     for layer in range(cfg.n_layers):
-      x, cache = block_cls(cfg, name=f"block_{layer}")(x, positions, None if caches is None else caches[layer])
+      x, cache = block_cls(cfg, name=f"block_{layer}")(x, positions, None if caches is None else caches[layer], tree)
       new_caches.append(cache)
 
     x = RMSNorm(cfg.norm_eps, cfg.compute_dtype, cfg.weights_dtype, name="final_norm")(x)

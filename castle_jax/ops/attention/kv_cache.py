@@ -30,12 +30,17 @@ class KVCache:
   def capacity(self) -> int:
     return self.keys.shape[1]
 
-  def append(self, keys: jax.Array, values: jax.Array) -> "KVCache":
+  def append(self, keys: jax.Array, values: jax.Array, count: jax.Array | int | None = None) -> "KVCache":
     """Writes [batch, new, kv_heads, head_dim] keys/values after the filled slots.
+
+    count: how many of the `new` entries become filled (default all; may be traced):
+    speculative decoding writes a fixed-size padded path and keeps its accepted prefix.
+    The slots written past `count` stay empty and are overwritten by the next append.
 
     Raises ValueError when `new` exceeds the capacity, or, when the length is a
     concrete value (outside jit), when the filled slots plus `new` would.
-    Under jit the caller checks the budget up front (see `generate`).
+    Under jit the caller checks the budget up front (see `generate`): every `new`
+    slot must fit, or the write would be shifted over filled ones.
     """
     new = keys.shape[1]
     if new > self.capacity:
@@ -48,7 +53,7 @@ class KVCache:
     return KVCache(
         jax.lax.dynamic_update_slice(self.keys, keys.astype(self.keys.dtype), start),
         jax.lax.dynamic_update_slice(self.values, values.astype(self.values.dtype), start),
-        self.length + new)
+        self.length + (new if count is None else jnp.asarray(count, jnp.int32)))
 
   def key_positions(self) -> jax.Array:
     """int32 [batch, capacity]: the position of each slot, -1 for empty slots."""
@@ -90,16 +95,24 @@ class WindowKVCache:
   def capacity(self) -> int:
     return self.keys.shape[1]
 
-  def append(self, keys: jax.Array, values: jax.Array) -> "WindowKVCache":
-    """Writes [batch, new, kv_heads, head_dim] keys/values over the oldest slots (new <= capacity)."""
+  def append(self, keys: jax.Array, values: jax.Array, count: jax.Array | int | None = None) -> "WindowKVCache":
+    """Writes [batch, new, kv_heads, head_dim] keys/values over the oldest slots (new <= capacity).
+
+    count: how many of the `new` entries are real (default all; may be traced); the slots
+    written for the rest are marked empty, so the ring must hold `new` more slots than
+    the positions it has to keep.
+    """
     new = keys.shape[1]
     if new > self.capacity:
       raise ValueError(f"cannot append {new} positions to a window KV cache of capacity {self.capacity}")
-    positions = self.length + jnp.arange(new, dtype=jnp.int32)
+    offsets = jnp.arange(new, dtype=jnp.int32)
+    positions = self.length + offsets
     slots = positions % self.capacity
+    count = new if count is None else jnp.asarray(count, jnp.int32)
     return WindowKVCache(self.keys.at[:, slots].set(keys.astype(self.keys.dtype)),
                          self.values.at[:, slots].set(values.astype(self.values.dtype)),
-                         self.positions.at[slots].set(positions), self.length + new)
+                         self.positions.at[slots].set(jnp.where(offsets < count, positions, -1)),
+                         self.length + count)
 
   def key_positions(self) -> jax.Array:
     """int32 [batch, capacity]: the position of each slot, -1 for empty slots."""

@@ -1,0 +1,351 @@
+"""Lossless speculative decoding with a LongSpec draft (Yang et al., Sec. 3.3 and App. E).
+
+One round, after the committed tokens are in the target's KV cache and the draft's ring,
+with the root (the last committed token, not yet run through the target) at position P:
+
+  draft    level 1: the draft's top-n1 tokens after the root; level l + 1: one draft
+           forward over level l's nodes, every (node, token) scored by its cumulative
+           log-probability, the global top-n_{l+1} kept (tree shape [4, 16, 16, 16, 16]
+           by default: 68 nodes). Nodes that fall out of the top-n simply get no children
+           (no cache movement). The draft's cross-attention reads the target's last-layer
+           cache; its own memory is a ring of W positions.
+  verify   one target forward over [root ; nodes], positions P + depth, each node seeing
+           the cache, its ancestors and itself (`TreeVerification`): the cache part needs
+           no mask, the tree part a small one, merged by log-sum-exp (hybrid tree attention,
+           `castle_jax.ops.tree_attention`).
+  accept   greedy (temperature 0): the deepest node whose every token is the target's
+           argmax after its parent, then the target's argmax after it (the bonus token);
+           the output equals greedy decoding with the target alone.
+           sampling: at each accepted node, its children in order, child c accepted with
+           probability p(c) under the target's (filtered) distribution p, else p(c) := 0
+           and p renormalized; when no child is accepted the bonus is drawn from what is
+           left of p (SpecInfer's multi-candidate rule for deterministic candidates:
+           every emitted token is distributed exactly as the target's sample).
+  commit   the root's and the accepted nodes' keys/values go into the target's cache and
+           the draft's ring (a padded gather of depth + 1 entries); the bonus is the next root.
+
+The whole generation is one compiled `lax.while_loop`; batch 1 (rows would accept paths
+of different lengths).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from castle_jax.config import ModelConfig
+from castle_jax.inference.sampling import filtered_logits, validate_sampling
+from castle_jax.layers.mha import TreeVerification
+from castle_jax.models import longspec_draft
+from castle_jax.models.longspec_draft import DraftSelfCache, LongSpecDraft, draft_logits, embed_tokens
+
+DEFAULT_TREE = (4, 16, 16, 16, 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeShape:
+  """Nodes kept per draft level; node 0 is the root, then level 1's nodes, level 2's, ...
+
+  Attributes:
+    widths: n_l for levels 1 .. D (a chain: (1, 1, 1, 1)).
+  """
+
+  widths: tuple[int, ...] = DEFAULT_TREE
+
+  def __post_init__(self):
+    if not self.widths or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in self.widths):
+      raise ValueError(f"tree must be a non-empty sequence of ints >= 1 (nodes per level), got {self.widths!r}")
+
+  @property
+  def depth(self) -> int:
+    return len(self.widths)
+
+  @property
+  def nodes(self) -> int:
+    """The root and every drafted node."""
+    return 1 + sum(self.widths)
+
+  def level_start(self, level: int) -> int:
+    """Index of the first node of `level` (0: the root)."""
+    return 1 + sum(self.widths[:level - 1]) if level else 0
+
+  def level_size(self, level: int) -> int:
+    return self.widths[level - 1] if level else 1
+
+  def depths(self) -> np.ndarray:
+    return np.concatenate([[0]] + [np.full(w, level + 1) for level, w in enumerate(self.widths)]).astype(np.int32)
+
+
+@dataclasses.dataclass
+class SpeculativeResult:
+  """What `speculative_generate` returns.
+
+  Attributes:
+    tokens: int32 [1, prompt_len + max_new_tokens], the prompt and the new tokens.
+    tokens_per_round: int [rounds], tokens emitted by each target forward (accepted + bonus).
+    caches: the target's per-layer KV caches after the last round: every emitted token
+      but the last (the next round's root) is in them, possibly a few past max_new_tokens.
+    draft_cache: the draft's self-attention state (its ring holds the same tokens' last
+      positions).
+  """
+
+  tokens: jax.Array
+  tokens_per_round: np.ndarray
+  caches: Any = None
+  draft_cache: DraftSelfCache | None = None
+
+  @property
+  def rounds(self) -> int:
+    return int(self.tokens_per_round.size)
+
+  @property
+  def mean_accepted(self) -> float:
+    """tau: mean tokens per target forward (the last round may be cut at max_new_tokens)."""
+    return float(self.tokens_per_round.mean()) if self.rounds else 0.0
+
+
+def check_pair(target_config: ModelConfig, draft_config: ModelConfig) -> None:
+  """The draft must be a LongSpec draft whose widths are the target's; the target an `mha`
+  RoPE transformer with full causal attention."""
+  if draft_config.family != longspec_draft.FAMILY:
+    raise ValueError(f"the draft must be a {longspec_draft.FAMILY!r} model, got family {draft_config.family!r}")
+  if target_config.family != "transformer":
+    raise ValueError(f"the target must be a 'transformer' model, got family {target_config.family!r}")
+  longspec_draft.check_target_config(target_config)
+  differing = longspec_draft.width_differences(target_config, draft_config)
+  if differing:
+    raise ValueError(f"the draft was built for another target: {'; '.join(differing)}")
+
+
+def speculative_generate(target_model, target_params: Any, draft_model: LongSpecDraft, draft_params: Any,
+                         prompt: jax.Array, *, max_new_tokens: int, tree: tuple[int, ...] = DEFAULT_TREE,
+                         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                         rng: jax.Array | None = None, tree_attention_impl: str | None = None,
+                         prefill_chunk: int = 2048) -> SpeculativeResult:
+  """Continues a prompt with the target's distribution, drafting with a LongSpec draft.
+
+  Args:
+    target_model: the target (`TransformerLM` with `mha` attention); target_params its
+      parameters (also the draft's embedding and head).
+    draft_model: a `LongSpecDraft` built for this target; draft_params its parameters.
+    prompt: int [1, prompt_len], prompt_len >= 1.
+    max_new_tokens: tokens to append (>= 1).
+    tree: nodes per draft level (default [4, 16, 16, 16, 16]; a chain: [1, 1, 1, 1]).
+    temperature, top_k, top_p: the target's sampling (`sample_next_token`); 0 is greedy,
+      and then the output equals `generate(target_model, ...)` token for token.
+    rng: PRNG key (required when temperature > 0).
+    tree_attention_impl: the verification's `tree_attention` implementation (None: default).
+    prefill_chunk: the prompt enters the target's cache this many tokens at a time.
+
+  Returns:
+    SpeculativeResult (tokens, tokens per round).
+  """
+  shape = TreeShape(tuple(tree))
+  prompt = jnp.asarray(prompt, jnp.int32)
+  if prompt.ndim != 2 or prompt.shape[1] < 1:
+    raise ValueError(f"prompt must be int [1, prompt_len] with prompt_len >= 1, got shape {prompt.shape}")
+  if prompt.shape[0] != 1:
+    raise ValueError(f"speculative decoding runs batch 1 (each row would accept a different number of tokens); "
+                     f"got a prompt batch of {prompt.shape[0]}: call it once per prompt")
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  if prefill_chunk < 1:
+    raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+  validate_sampling(temperature, top_k, top_p)
+  if temperature > 0 and rng is None:
+    raise ValueError("rng is required when temperature > 0")
+  check_pair(target_model.config, draft_model.config)
+  window = draft_model.options.window
+  if shape.depth >= window:
+    raise ValueError(f"tree depth {shape.depth} must be below the draft's window ({window}): the deepest node "
+                     "must still see the root")
+  vocab = target_model.config.vocab_size
+  reachable = 1
+  for level, width in enumerate(shape.widths, start=1):
+    reachable *= vocab
+    if width > reachable or width > shape.level_size(level - 1) * vocab:
+      raise ValueError(f"tree level {level} keeps {width} nodes, more than the {min(reachable, shape.level_size(level - 1) * vocab)} "
+                       "distinct continuations it can have; narrow the tree")
+
+  prompt_len = prompt.shape[1]
+  capacity = prompt_len + max_new_tokens + shape.depth + 1
+  caches = target_model.init_cache(1, capacity)
+  caches = _prefill_target(target_model, target_params, prompt[:, :-1], caches, prefill_chunk)
+  draft_cache = _prefill_draft(draft_model, draft_params, target_model.config, target_params, prompt[:, :-1],
+                               shape)
+  rng = jax.random.key(0) if rng is None else rng
+  new_tokens, emitted_per_round, rounds, caches, draft_cache = _speculate(
+      target_model, draft_model, shape, float(temperature), int(top_k), float(top_p), tree_attention_impl,
+      int(max_new_tokens), target_params, draft_params, caches, draft_cache, prompt[:, -1], rng)
+  counts = np.array(jax.device_get(emitted_per_round))[:int(rounds)]
+  counts[-1] -= int(counts.sum()) - max_new_tokens  # the last round may overshoot max_new_tokens
+  return SpeculativeResult(jnp.concatenate([prompt, new_tokens[:, :max_new_tokens]], axis=1), counts, caches,
+                           draft_cache)
+
+
+def _prefill_target(model, params, tokens, caches, chunk: int):
+  """The target's caches after tokens [1, L] (L may be 0), `chunk` tokens per forward."""
+  step = jax.jit(lambda params, tokens, positions, caches: model.apply({"params": params}, tokens, positions,
+                                                                      caches)[1])
+  for start in range(0, tokens.shape[1], chunk):
+    piece = tokens[:, start:start + chunk]
+    positions = jnp.arange(start, start + piece.shape[1], dtype=jnp.int32)[None]
+    caches = step(params, piece, positions, caches)
+  return caches
+
+
+def _prefill_draft(draft: LongSpecDraft, params, target_config, target_params, tokens, shape: TreeShape):
+  """The draft's ring holding the last committed tokens of tokens [1, L] (L may be 0)."""
+  cache = DraftSelfCache.create(draft.config, 1, draft.options.window, shape.nodes, shape.depth + 1)
+  keep = min(tokens.shape[1], cache.ring.capacity)
+  if keep == 0:
+    return cache
+  start = tokens.shape[1] - keep
+  positions = jnp.arange(start, tokens.shape[1], dtype=jnp.int32)[None]
+
+  @jax.jit
+  def fill(params, target_params, tokens, cache):
+    keys, values = draft.apply({"params": params}, embed_tokens(target_config, target_params, tokens), positions,
+                               method=LongSpecDraft.self_keys_values)
+    ring = cache.ring.replace(length=jnp.int32(start))
+    return cache.replace(ring=ring.append(keys, values))
+
+  return fill(params, target_params, tokens[:, start:], cache)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
+def _speculate(target_model, draft, shape: TreeShape, temperature, top_k, top_p, tree_impl, max_new_tokens,
+               target_params, draft_params, caches, draft_cache, root, rng):
+  """(new tokens int32 [1, max_new + depth + 1], tokens per round int32 [max_new], rounds,
+  target caches, draft cache)."""
+  target_config = target_model.config
+  buffer = jnp.zeros((1, max_new_tokens + shape.depth + 1), jnp.int32)
+  per_round = jnp.zeros((max_new_tokens,), jnp.int32)
+  position = caches[0].length
+
+  def round_(carry):
+    caches, draft_cache, root, position, buffer, count, per_round, rounds, rng = carry
+    rng, accept_rng = jax.random.split(rng)
+    tokens, parents, ancestors, draft_cache = _draft_tree(draft, shape, draft_params, target_config, target_params,
+                                                          caches[-1], draft_cache, root, position)
+    positions = position + jnp.asarray(shape.depths())[None]
+    logits, pending = target_model.apply(
+        {"params": target_params}, tokens, positions, caches,
+        TreeVerification(ancestors[None], tree_impl))
+    if temperature == 0.0:
+      path, kept, bonus = _accept_greedy(shape, tokens[0], parents, ancestors, logits[0])
+    else:
+      path, kept, bonus = _accept_sampling(shape, tokens[0], parents, logits[0], accept_rng,
+                                           temperature, top_k, top_p)
+    caches = [cache.append(kv.keys[:, path], kv.values[:, path], count=kept) for cache, kv in zip(caches, pending)]
+    # The draft's entries depend on the token and position alone; the deepest level's
+    # nodes never ran through the draft, so the path's entries are computed here.
+    path_tokens = tokens[0, path]
+    path_keys, path_values = draft.apply(
+        {"params": draft_params}, embed_tokens(target_config, target_params, path_tokens[None]),
+        position + jnp.arange(shape.depth + 1, dtype=jnp.int32)[None], method=LongSpecDraft.self_keys_values)
+    draft_cache = draft_cache.replace(ring=draft_cache.ring.append(path_keys, path_values, count=kept))
+    # Emitted: the accepted nodes' tokens (path[1:kept]) then the bonus.
+    accepted_tokens = jnp.concatenate([path_tokens[1:], jnp.zeros((1,), jnp.int32)])
+    emitted = jnp.where(jnp.arange(shape.depth + 1) == kept - 1, bonus, accepted_tokens)
+    buffer = jax.lax.dynamic_update_slice(buffer, emitted[None], (0, count))
+    per_round = per_round.at[rounds].set(kept)
+    return (caches, draft_cache, bonus[None], position + kept, buffer, count + kept, per_round, rounds + 1, rng)
+
+  carry = (caches, draft_cache, root, position, buffer, jnp.int32(0), per_round, jnp.int32(0), rng)
+  carry = jax.lax.while_loop(lambda c: c[5] < max_new_tokens, round_, carry)
+  return carry[4], carry[6], carry[7], carry[0], carry[1]
+
+
+def _draft_tree(draft, shape: TreeShape, draft_params, target_config, target_params, target_cache, draft_cache,
+                root, position):
+  """Drafts one tree. Returns (tokens int32 [1, nodes], parents int32 [nodes] (-1 for the
+  root), ancestors bool [nodes, nodes] (node i sees node j), the draft cache with every
+  drafted node's self-attention entry)."""
+  nodes = shape.nodes
+  tokens = jnp.zeros((1, nodes), jnp.int32).at[:, 0].set(root)
+  parents = jnp.full((nodes,), -1, jnp.int32)
+  ancestors = jnp.zeros((nodes, nodes), bool).at[0, 0].set(True)
+  cumulative = jnp.zeros((1,), jnp.float32)  # log-probability of each node of the current level
+  keys, values = target_cache.keys, target_cache.values
+  for level in range(shape.depth):
+    start, size = shape.level_start(level), shape.level_size(level)
+    slots = jnp.arange(start, start + size)
+    h = embed_tokens(target_config, target_params, tokens[:, start:start + size])
+    positions = jnp.full((1, size), position + level, jnp.int32)
+    out, draft_cache = draft.apply({"params": draft_params}, h, positions, draft_cache, slots,
+                                   ancestors[start:start + size][None], keys, values, target_cache.length,
+                                   method=LongSpecDraft.draft)
+    log_probs = jax.nn.log_softmax(draft_logits(target_config, target_params, out)[0], axis=-1)  # [size, V]
+    scores = (cumulative[:, None] + log_probs).reshape(-1)
+    width = shape.widths[level]
+    cumulative, flat = jax.lax.top_k(scores, width)
+    vocab = log_probs.shape[-1]
+    child_parents = start + flat // vocab
+    child_start = shape.level_start(level + 1)
+    children = jnp.arange(child_start, child_start + width)
+    tokens = tokens.at[0, children].set((flat % vocab).astype(jnp.int32))
+    parents = parents.at[children].set(child_parents.astype(jnp.int32))
+    ancestors = ancestors.at[children].set(ancestors[child_parents] | (children[:, None] == jnp.arange(nodes)))
+  return tokens, parents, ancestors, draft_cache
+
+
+def _path_to(ancestors, node, depth: int):
+  """(path int32 [depth + 1]: the root .. node in order, padded with 0; its length)."""
+  on_path = ancestors[node]
+  path = jnp.nonzero(on_path, size=depth + 1, fill_value=0)[0].astype(jnp.int32)
+  return path, jnp.sum(on_path, dtype=jnp.int32)
+
+
+def _accept_greedy(shape: TreeShape, tokens, parents, ancestors, logits):
+  """The deepest node whose path is the target's argmax all the way, and the bonus.
+  tokens int32 [nodes], logits float32 [nodes, V] -> (path, kept, bonus int32 scalar)."""
+  target_next = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  matches = tokens == target_next[jnp.maximum(parents, 0)]
+  matches = matches.at[0].set(True)
+  accepted = ~jnp.any(ancestors & ~matches[None, :], axis=-1)
+  deepest = jnp.argmax(jnp.where(accepted, jnp.asarray(shape.depths()), -1))
+  path, kept = _path_to(ancestors, deepest, shape.depth)
+  return path, kept, target_next[deepest]
+
+
+def _accept_sampling(shape: TreeShape, tokens, parents, logits, rng, temperature, top_k, top_p):
+  """Multi-candidate acceptance (see the module docstring): at the current node, each child
+  in order is accepted with probability p(child) under the residual target distribution
+  p, else p(child) := 0 and p is renormalized; no child accepted (or a leaf): the bonus is
+  drawn from p. -> (path, kept, bonus)."""
+  probabilities = jax.nn.softmax(filtered_logits(logits, temperature, top_k, top_p), axis=-1)  # [nodes, V]
+  node = jnp.int32(0)
+  stopped = jnp.bool_(False)
+  path = jnp.zeros((shape.depth + 1,), jnp.int32)
+  residual = probabilities[0]
+  for level in range(1, shape.depth + 1):
+    start, width = shape.level_start(level), shape.widths[level - 1]
+
+    def try_child(i, state):
+      chosen, residual, rng = state
+      child = start + i
+      rng, draw_rng = jax.random.split(rng)
+      candidate = (parents[child] == node) & (chosen < 0) & ~stopped
+      p = residual[tokens[child]]
+      accept = candidate & (jax.random.uniform(draw_rng) < p)
+      reject = candidate & ~accept
+      zeroed = residual.at[tokens[child]].set(0.0)
+      zeroed = zeroed / jnp.maximum(jnp.sum(zeroed), 1e-30)
+      residual = jnp.where(reject, zeroed, residual)
+      return jnp.where(accept, child, chosen), residual, rng
+
+    chosen, residual, rng = jax.lax.fori_loop(0, width, try_child, (jnp.int32(-1), residual, rng))
+    advanced = (chosen >= 0) & ~stopped
+    node = jnp.where(advanced, chosen, node)
+    path = path.at[level].set(jnp.where(advanced, chosen, 0))
+    residual = jnp.where(advanced, probabilities[jnp.maximum(chosen, 0)], residual)
+    stopped = stopped | ~advanced
+  kept = 1 + jnp.sum(path[1:] > 0, dtype=jnp.int32)
+  bonus = jax.random.categorical(rng, jnp.log(jnp.maximum(residual, 0.0)))
+  return path, kept, bonus.astype(jnp.int32)

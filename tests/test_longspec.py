@@ -1,0 +1,311 @@
+"""LongSpec: the draft model, its training indices, tree verification by the target and
+lossless speculative decoding (greedy and sampling)."""
+
+import dataclasses
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from castle_jax.config import ModelConfig
+from castle_jax.inference import generate, speculative_generate
+from castle_jax.inference.speculative import TreeShape, _accept_sampling
+from castle_jax.layers.mha import TreeVerification
+from castle_jax.models import build_model, longspec_draft
+from castle_jax.models.longspec_draft import LongSpecDraft
+from castle_jax.ops.tree_attention import tree_mask_from_parents
+from castle_jax.workdir import load_frozen_params
+
+VOCAB = 8
+
+
+def _target_config(**overrides):
+  # A large init makes a random target's predictions depend on its context (a tiny std
+  # gives a model that repeats one token, where every test would pass trivially).
+  fields = dict(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, dtype="float32", init_std=0.3)
+  fields.update(overrides)
+  return ModelConfig(**fields)
+
+
+def _draft_config(target_config, **options):
+  options = {"window": 8, **options}
+  return dataclasses.replace(target_config, family="longspec_draft", family_kwargs=tuple(sorted(options.items())))
+
+
+@pytest.fixture(scope="module")
+def pair():
+  target_config = _target_config()
+  target = build_model(target_config)
+  target_params = nn.unbox(target.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  draft = build_model(_draft_config(target_config))
+  draft_params = nn.unbox(longspec_draft.init_variables(draft, jax.random.key(1), 8)["params"])
+  return target, target_params, draft, draft_params
+
+
+def _prompt(length, seed):
+  return jax.random.randint(jax.random.key(seed), (1, length), 0, VOCAB, dtype=jnp.int32)
+
+
+@pytest.mark.parametrize("prompt_len,tree", [(1, (4, 8, 8)), (5, (1, 1, 1, 1)), (23, (4, 8, 8, 8)), (12, (2,))])
+def test_greedy_speculative_decoding_equals_greedy_target_decoding(pair, prompt_len, tree):
+  target, target_params, draft, draft_params = pair
+  prompt = _prompt(prompt_len, seed=prompt_len)
+  expected = generate(target, target_params, prompt, max_new_tokens=30)
+  result = speculative_generate(target, target_params, draft, draft_params, prompt, max_new_tokens=30, tree=tree)
+  np.testing.assert_array_equal(result.tokens, expected)
+  assert result.tokens_per_round.sum() == 30
+  assert result.tokens_per_round.max() <= len(tree) + 1
+  # Drafts were accepted: the test exercises commits of several tokens, not only bonuses.
+  assert result.mean_accepted > 1.0
+
+
+def test_cache_after_acceptance_equals_the_cache_of_sequential_decoding(pair):
+  target, target_params, draft, draft_params = pair
+  prompt = _prompt(11, seed=3)
+  result = speculative_generate(target, target_params, draft, draft_params, prompt, max_new_tokens=20,
+                                tree=(4, 8, 8))
+  committed = result.tokens[:, :-1]  # every token but the last emitted one
+  caches = target.init_cache(1, committed.shape[1])
+  positions = jnp.arange(committed.shape[1])[None]
+  _, sequential = target.apply({"params": target_params}, committed, positions, caches)
+  length = committed.shape[1]
+  assert int(result.caches[0].length) >= length
+  for ours, theirs in zip(result.caches, sequential):
+    np.testing.assert_allclose(ours.keys[:, :length], theirs.keys, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(ours.values[:, :length], theirs.values, atol=2e-5, rtol=2e-5)
+  # The draft's ring holds the self-attention entries of the last committed positions.
+  ring = result.draft_cache.ring
+  h = longspec_draft.embed_tokens(target.config, target_params, committed)
+  keys, _ = draft.apply({"params": draft_params}, h, positions, method=LongSpecDraft.self_keys_values)
+  ring_positions = np.asarray(ring.positions)
+  filled = ring_positions[(ring_positions >= 0) & (ring_positions < length)]
+  assert filled.size >= draft.options.window
+  slots = np.nonzero((ring_positions >= 0) & (ring_positions < length))[0]
+  np.testing.assert_allclose(ring.keys[0, slots], keys[0, ring_positions[slots]], atol=1e-5, rtol=1e-5)
+
+
+def test_tree_verification_equals_decoding_each_branch(pair):
+  """The target's tree pass gives each node the logits of decoding its own branch."""
+  target, target_params, _, _ = pair
+  prefix = _prompt(9, seed=4)
+  caches = target.init_cache(1, 32)
+  _, caches = target.apply({"params": target_params}, prefix, jnp.arange(9)[None], caches)
+  parents = jnp.array([-1, 0, 0, 1, 1, 2, 3], jnp.int32)
+  tokens = _prompt(parents.size, seed=5)
+  ancestors = tree_mask_from_parents(parents)
+  depths = jnp.sum(ancestors, axis=-1) - 1
+  for implementation in ("reference", "xla"):
+    logits, pending = target.apply({"params": target_params}, tokens, 9 + depths[None], caches,
+                                   TreeVerification(ancestors[None], implementation))
+    assert int(pending[0].keys.shape[1]) == parents.size
+    for node in range(parents.size):
+      branch = np.nonzero(np.asarray(ancestors[node]))[0]
+      branch_logits, _ = target.apply({"params": target_params}, tokens[:, branch], 9 + jnp.arange(branch.size)[None],
+                                      caches)
+      np.testing.assert_allclose(logits[0, node], branch_logits[0, -1], atol=2e-5, rtol=2e-5)
+
+
+def _probabilities(logits):
+  logits = np.asarray(logits, np.float64)
+  p = np.exp(logits - logits.max())
+  return p / p.sum()
+
+
+def test_sampling_acceptance_preserves_the_target_distribution():
+  """Many draws of one round's acceptance: the first emitted token follows the root's target
+  distribution, and the second, after an accepted first node, that node's distribution
+  (chi-squared tests on an 8-token vocabulary)."""
+  shape = TreeShape((3, 4))
+  rng = np.random.default_rng(0)
+  parents = jnp.array([-1, 0, 0, 0, 1, 1, 2, 3], jnp.int32)
+  tokens = jnp.array([0, 2, 5, 7, 1, 3, 2, 6], jnp.int32)
+  logits = jnp.asarray(rng.normal(size=(shape.nodes, VOCAB)) * 1.5, jnp.float32)
+  draws = 20_000
+  accept = jax.jit(jax.vmap(lambda key: _accept_sampling(shape, tokens, parents, logits, key, 1.0, 0, 1.0)))
+  path, kept, bonus = accept(jax.random.split(jax.random.key(0), draws))
+  path, kept, bonus = np.asarray(path), np.asarray(kept), np.asarray(bonus)
+  first = np.where(kept >= 2, np.asarray(tokens)[path[:, 1]], bonus)
+  root_p = _probabilities(logits[0])
+  observed = np.bincount(first, minlength=VOCAB)
+  assert stats.chisquare(observed, root_p * draws).pvalue > 1e-3
+  assert (kept >= 2).mean() > 0.2  # acceptance happens, so the path logic is exercised
+  node = 1  # root's child with token 2
+  after = (kept >= 2) & (path[:, 1] == node)
+  second = np.where(kept[after] >= 3, np.asarray(tokens)[path[after, 2]], bonus[after])
+  node_p = _probabilities(logits[node])
+  observed = np.bincount(second, minlength=VOCAB)
+  assert stats.chisquare(observed, node_p * after.sum()).pvalue > 1e-3
+
+
+def test_sampling_runs_end_to_end_and_is_reproducible(pair):
+  target, target_params, draft, draft_params = pair
+  prompt = _prompt(7, seed=6)
+  run = lambda key: speculative_generate(target, target_params, draft, draft_params, prompt, max_new_tokens=16,
+                                         tree=(4, 8), temperature=1.0, rng=key)
+  a, b, c = run(jax.random.key(1)), run(jax.random.key(1)), run(jax.random.key(2))
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  assert not np.array_equal(a.tokens, c.tokens)
+  assert a.tokens.shape == (1, 23) and int(a.tokens.max()) < VOCAB and a.tokens_per_round.sum() == 16
+
+
+def test_draft_decoding_equals_its_training_forward(pair):
+  """The draft's drafting forward (ring + tree slots, cross-attention over the target's
+  cache) at the root equals its training forward with shift 1 at the same position,
+  past the window."""
+  target, target_params, draft, draft_params = pair
+  tokens = _prompt(21, seed=7)
+  positions = jnp.arange(21)[None]
+  cfg = target.config
+  keys, values = longspec_draft.target_last_layer_keys_values(cfg, target_params, tokens, positions)
+  h = longspec_draft.embed_tokens(cfg, target_params, tokens)
+  trained = draft.apply({"params": draft_params}, h, positions, keys, values, jnp.int32(1))
+  # Decoding the root at position 20: the target's cache holds 0..19, the ring 0..19.
+  caches = target.init_cache(1, 24)
+  _, caches = target.apply({"params": target_params}, tokens[:, :20], positions[:, :20], caches)
+  cache = longspec_draft.DraftSelfCache.create(draft.config, 1, draft.options.window, 3, 2)
+  ring_keys, ring_values = draft.apply({"params": draft_params}, h[:, :20], positions[:, :20],
+                                       method=LongSpecDraft.self_keys_values)
+  cache = cache.replace(ring=cache.ring.replace(length=jnp.int32(20 - cache.ring.capacity)).append(
+      ring_keys[:, 20 - cache.ring.capacity:], ring_values[:, 20 - cache.ring.capacity:]))
+  visible = jnp.zeros((1, 1, 3), bool).at[0, 0, 0].set(True)
+  out, _ = draft.apply({"params": draft_params}, h[:, 20:], positions[:, 20:], cache, jnp.array([0]), visible,
+                       caches[-1].keys, caches[-1].values, caches[-1].length, method=LongSpecDraft.draft)
+  np.testing.assert_allclose(out[0, 0], trained[0, 20], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("shift", [1, 3])
+def test_draft_never_reads_the_target_past_its_shift(pair, shift):
+  """With shift j the output at i depends on the target's keys/values at <= i - j only."""
+  target, target_params, draft, draft_params = pair
+  cfg = target.config
+  tokens, positions = _prompt(12, seed=8), jnp.arange(12)[None]
+  keys, values = longspec_draft.target_last_layer_keys_values(cfg, target_params, tokens, positions)
+  h = longspec_draft.embed_tokens(cfg, target_params, tokens)
+  base = draft.apply({"params": draft_params}, h, positions, keys, values, jnp.int32(shift))
+  changed_at = 6
+  poked = draft.apply({"params": draft_params}, h, positions, keys.at[:, changed_at].add(3.0),
+                      values.at[:, changed_at].add(3.0), jnp.int32(shift))
+  differs = np.abs(np.asarray(poked - base)).max(axis=(0, 2)) > 1e-6
+  np.testing.assert_array_equal(differs, np.arange(12) >= changed_at + shift)
+
+
+def test_anchor_offset_positions():
+  positions = np.asarray(longspec_draft.anchor_offset_positions(jax.random.key(0), (64, 10), 4, 100))
+  np.testing.assert_array_equal(positions[:, :4], np.broadcast_to(np.arange(4), (64, 4)))
+  np.testing.assert_array_equal(np.diff(positions[:, 4:], axis=1), 1)
+  offsets = positions[:, 4] - 4
+  assert offsets.min() >= 0 and offsets.max() <= 100 and len(set(offsets.tolist())) > 20
+  plain = longspec_draft.anchor_offset_positions(jax.random.key(0), (2, 10), 4, 0)
+  np.testing.assert_array_equal(plain, np.broadcast_to(np.arange(10), (2, 10)))
+
+
+def test_training_loss_draws_offsets_and_shifts_only_in_training(pair):
+  target, target_params, _, _ = pair
+  draft = build_model(_draft_config(target.config, max_offset=50, min_shift=1, max_shift=4))
+  params = {**nn.unbox(longspec_draft.init_variables(draft, jax.random.key(1), 8)["params"]), "target": target_params}
+  batch = {"inputs": _prompt(16, seed=9), "targets": _prompt(16, seed=10)}
+  loss = lambda rng: longspec_draft.token_losses(draft, params, batch, -1, rng)[0].sum()
+  np.testing.assert_array_equal(loss(None), loss(None))
+  training = {float(loss(jax.random.key(i))) for i in range(6)}
+  assert len(training) > 1 and all(np.isfinite(list(training)))
+  grads = jax.grad(lambda p: longspec_draft.token_losses(draft, p, batch, -1, jax.random.key(0))[0].sum())(params)
+  assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(grads["target"]))
+  assert float(jnp.abs(grads["cross_attention"]["query"]["kernel"]).max()) > 0
+
+
+def test_draft_memory_is_constant_in_the_context_length(pair):
+  _, _, draft, _ = pair
+  sizes = {length: sum(x.nbytes for x in jax.tree.leaves(
+      longspec_draft.DraftSelfCache.create(draft.config, 1, draft.options.window, 69, 6))) for length in (1, 10**6)}
+  assert len(set(sizes.values())) == 1
+  assert longspec_draft.param_count(draft.config) == sum(
+      x.size for x in jax.tree.leaves(longspec_draft.init_variables(draft, jax.random.key(0), 4)["params"]))
+
+
+def test_bad_input_is_named(pair):
+  target, target_params, draft, draft_params = pair
+  prompt = _prompt(4, seed=11)
+  call = lambda **kw: speculative_generate(target, target_params, draft, draft_params,
+                                           kw.pop("prompt", prompt), **{"max_new_tokens": 4, **kw})
+  with pytest.raises(ValueError, match="batch 1"):
+    call(prompt=jnp.zeros((2, 4), jnp.int32))
+  with pytest.raises(ValueError, match="tree level 1 keeps 9 nodes"):
+    call(tree=(9,))
+  with pytest.raises(ValueError, match="window"):
+    call(tree=(1,) * 8)
+  with pytest.raises(ValueError, match="tree must be"):
+    call(tree=())
+  with pytest.raises(ValueError, match="rng is required"):
+    call(temperature=1.0)
+  other = build_model(_draft_config(_target_config(d_model=48)))
+  with pytest.raises(ValueError, match="model.d_model: target 32, draft 48"):
+    speculative_generate(target, target_params, other, draft_params, prompt, max_new_tokens=2)
+  with pytest.raises(ValueError, match="needs an `mha` target"):
+    build_model(_draft_config(_target_config(sliding_window=4)))
+  with pytest.raises(ValueError, match="max_shift"):
+    build_model(_draft_config(_target_config(), min_shift=3, max_shift=2))
+  with pytest.raises(ValueError, match="Unknown model.family_kwargs"):
+    build_model(_draft_config(_target_config(), windw=4))
+  with pytest.raises(ValueError, match="not a language model on its own"):
+    longspec_draft.last_logits(draft, draft_params, prompt, 1)
+  with pytest.raises(ValueError, match="target_workdir is empty"):
+    load_frozen_params(draft.config)
+
+
+def _draft_run(config_module, workdir, data_dir, target_workdir, **overrides):
+  from helpers import tiny_run
+  config = tiny_run(config_module, str(workdir), data_dir, **{"model.n_kv_heads": 1, **overrides})
+  with config.unlocked():
+    config.model.family_kwargs.target_workdir = target_workdir
+    config.model.family_kwargs.window = 16
+  return config
+
+
+def test_a_draft_trains_against_its_frozen_target_and_decodes_through_the_workdirs(tmp_path, stdlib_data_dir, capfd):
+  from configs import longspec_draft_tiny, longspec_draft_tiny_long, longspec_target_tiny
+  from helpers import tiny_run
+  from castle_jax.workdir import TrainedModel, frozen_record, load_draft, load_trained_model, params_fingerprint
+  from train.trainer import train
+
+  target_config = tiny_run(longspec_target_tiny, str(tmp_path / "target"), stdlib_data_dir,
+                           **{"model.n_kv_heads": 1, "data.seq_len": 64})
+  train(target_config)
+  draft_config = _draft_run(longspec_draft_tiny, tmp_path / "draft", stdlib_data_dir, target_config.workdir)
+  with draft_config.unlocked():
+    draft_config.model.family_kwargs.max_offset = 32
+  result = train(draft_config)
+  assert "Frozen parameters ['target'] from step 8" in capfd.readouterr().err
+  # Only the draft block trains: no target parameters in the state or the optimizer's.
+  draft_size = sum(x.size for x in jax.tree.leaves(result.state.params))
+  assert set(result.state.params) == {"self_norm", "self_attention", "cross_norm", "cross_attention", "mlp_norm",
+                                      "mlp"}
+  assert sum(x.size for x in jax.tree.leaves(result.state.opt_state)) <= 2 * draft_size + 8
+  target = load_trained_model(target_config.workdir)
+  assert frozen_record(draft_config.workdir)["fingerprint"] == params_fingerprint({"target": target.params})
+
+  # Stage 2 starts from stage 1 although its anchor-offset setting differs.
+  long_config = _draft_run(longspec_draft_tiny_long, tmp_path / "long", stdlib_data_dir, target_config.workdir,
+                           **{"data.seq_len": 64, "train.steps": 2})
+  with long_config.unlocked():
+    long_config.train.init_from = draft_config.workdir
+  train(long_config)
+
+  draft = load_draft(long_config.workdir, target)
+  prompt = jnp.asarray(target.tokenizer.encode("def main(x):\n    return"), jnp.int32)[None]
+  expected = generate(target.model, target.params, prompt, max_new_tokens=24)
+  spoken = speculative_generate(target.model, target.params, draft.model, draft.params, prompt, max_new_tokens=24,
+                                tree=(2, 4, 4))
+  np.testing.assert_array_equal(spoken.tokens, expected)
+
+  other_target = TrainedModel(target.model, jax.tree.map(lambda x: x + 1.0, target.params), target.tokenizer, 8)
+  with pytest.raises(ValueError, match="was trained for the target in"):
+    load_draft(long_config.workdir, other_target)
+  wide = _draft_run(longspec_draft_tiny, tmp_path / "wide", stdlib_data_dir, target_config.workdir,
+                    **{"model.d_model": 48})
+  with pytest.raises(ValueError, match="model.d_model: target 32, draft 48"):
+    train(wide)
+  assert not os.path.exists(os.path.join(wide.workdir, "checkpoints", "8"))
