@@ -2,9 +2,12 @@
 castle_jax.ops.attention, UQKVCache in castle_jax.ops.castle, PowerCache in
 castle_jax.ops.power); KVCache is re-exported here for convenience."""
 
-from castle_jax.inference.generate import generate
+from castle_jax.inference.generate import continue_decoding, generate, prefill_caches
 from castle_jax.inference.sampling import sample_next_token
 from castle_jax.inference.speculative import SpeculativeResult, speculative_generate
 from castle_jax.ops.attention import KVCache
 
-__all__ = ["KVCache", "SpeculativeResult", "generate", "sample_next_token", "speculative_generate"]
+__all__ = [
+    "KVCache", "SpeculativeResult", "continue_decoding", "generate", "prefill_caches", "sample_next_token",
+    "speculative_generate",
+]

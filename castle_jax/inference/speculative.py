@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Any
 
 import jax
@@ -39,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from castle_jax.config import ModelConfig
+from castle_jax.inference.generate import prefill_caches
 from castle_jax.inference.sampling import filtered_logits, validate_sampling
 from castle_jax.layers.mha import TreeVerification
 from castle_jax.models import longspec_draft
@@ -98,6 +100,13 @@ class SpeculativeResult:
   tokens_per_round: np.ndarray
   caches: Any = None
   draft_cache: DraftSelfCache | None = None
+  prefill_seconds: float = 0.0
+  decode_seconds: float = 0.0
+
+  @property
+  def tokens_per_second(self) -> float:
+    """New tokens over the decoding time (prefill excluded; the first call includes compilation)."""
+    return float(self.tokens_per_round.sum()) / self.decode_seconds if self.decode_seconds else 0.0
 
   @property
   def rounds(self) -> int:
@@ -174,29 +183,21 @@ def speculative_generate(target_model, target_params: Any, draft_model: LongSpec
 
   prompt_len = prompt.shape[1]
   capacity = prompt_len + max_new_tokens + shape.depth + 1
-  caches = target_model.init_cache(1, capacity)
-  caches = _prefill_target(target_model, target_params, prompt[:, :-1], caches, prefill_chunk)
+  start = time.perf_counter()
+  caches = prefill_caches(target_model, target_params, prompt[:, :-1], capacity, chunk=prefill_chunk)
   draft_cache = _prefill_draft(draft_model, draft_params, target_model.config, target_params, prompt[:, :-1],
                                shape)
+  jax.block_until_ready((caches, draft_cache))
+  prefilled = time.perf_counter()
   rng = jax.random.key(0) if rng is None else rng
-  new_tokens, emitted_per_round, rounds, caches, draft_cache = _speculate(
+  new_tokens, emitted_per_round, rounds, caches, draft_cache = jax.block_until_ready(_speculate(
       target_model, draft_model, shape, float(temperature), int(top_k), float(top_p), tree_attention_impl,
-      int(max_new_tokens), target_params, draft_params, caches, draft_cache, prompt[:, -1], rng)
+      int(max_new_tokens), target_params, draft_params, caches, draft_cache, prompt[:, -1], rng))
+  decoded = time.perf_counter()
   counts = np.array(jax.device_get(emitted_per_round))[:int(rounds)]
   counts[-1] -= int(counts.sum()) - max_new_tokens  # the last round may overshoot max_new_tokens
   return SpeculativeResult(jnp.concatenate([prompt, new_tokens[:, :max_new_tokens]], axis=1), counts, caches,
-                           draft_cache)
-
-
-def _prefill_target(model, params, tokens, caches, chunk: int):
-  """The target's caches after tokens [1, L] (L may be 0), `chunk` tokens per forward."""
-  step = jax.jit(lambda params, tokens, positions, caches: model.apply({"params": params}, tokens, positions,
-                                                                      caches)[1])
-  for start in range(0, tokens.shape[1], chunk):
-    piece = tokens[:, start:start + chunk]
-    positions = jnp.arange(start, start + piece.shape[1], dtype=jnp.int32)[None]
-    caches = step(params, piece, positions, caches)
-  return caches
+                           draft_cache, prefilled - start, decoded - prefilled)
 
 
 def _prefill_draft(draft: LongSpecDraft, params, target_config, target_params, tokens, shape: TreeShape):
@@ -206,16 +207,16 @@ def _prefill_draft(draft: LongSpecDraft, params, target_config, target_params, t
   if keep == 0:
     return cache
   start = tokens.shape[1] - keep
-  positions = jnp.arange(start, tokens.shape[1], dtype=jnp.int32)[None]
+  return _fill_ring(draft, target_config, params, target_params, tokens[:, start:], jnp.int32(start), cache)
 
-  @jax.jit
-  def fill(params, target_params, tokens, cache):
-    keys, values = draft.apply({"params": params}, embed_tokens(target_config, target_params, tokens), positions,
-                               method=LongSpecDraft.self_keys_values)
-    ring = cache.ring.replace(length=jnp.int32(start))
-    return cache.replace(ring=ring.append(keys, values))
 
-  return fill(params, target_params, tokens[:, start:], cache)
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _fill_ring(draft, target_config, params, target_params, tokens, start, cache):
+  """The cache with tokens [1, n] (positions start ..) as the ring's newest entries."""
+  positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+  keys, values = draft.apply({"params": params}, embed_tokens(target_config, target_params, tokens), positions,
+                             method=LongSpecDraft.self_keys_values)
+  return cache.replace(ring=cache.ring.replace(length=start).append(keys, values))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6, 7))

@@ -28,7 +28,8 @@ Training (`token_losses`), the target frozen and run on the same tokens and posi
     distribution; max_offset = 0 gives the plain positions (long-data stage);
   - flash noisy training: the cross-attention query at i sees the target's keys/values
     only at positions <= i - j, j ~ U{min_shift .. max_shift} per step, computed as a
-    plain causal attention of Q[j:] over K[:T-j], V[:T-j] (no mask materialized);
+    plain causal attention of Q[j:] over K[:T-j], V[:T-j] (no mask materialized; run at
+    the full length with the shifted queries padded at the end);
     positions < j get no cross-attention output. In speculative decoding the draft's
     forward at tree depth d (root 0) sees the target's cache up to i - (d + 1), so a tree
     of depth D needs shifts 1 .. D; evaluation uses min_shift.
@@ -188,14 +189,17 @@ class DraftSelfAttention(nn.Module):
 
 
 def _shifted_causal_attention(q, k, v, shift: int, implementation):
-  """Query i attends to keys 0 .. i - shift (zeros for i < shift): causal attention of
-  q[shift:] over k[:T - shift], v[:T - shift]."""
+  """Query i attends to keys 0 .. i - shift (zeros for i < shift).
+
+  Causal attention of q[shift:] over k[:T - shift], computed at the full length T (cuDNN
+  takes only some lengths): the shifted queries padded at the end attend causally to all
+  of k, and the padding rows' outputs are dropped."""
   length = q.shape[1]
   if shift >= length:
     return jnp.zeros_like(q)
-  out = causal_attention(q[:, shift:], k[:, :length - shift], v[:, :length - shift],
-                         implementation=implementation)
-  return jnp.pad(out, ((0, 0), (shift, 0), (0, 0), (0, 0)))
+  shifted = jnp.pad(q[:, shift:], ((0, 0), (0, shift), (0, 0), (0, 0)))
+  out = causal_attention(shifted, k, v, implementation=implementation)
+  return jnp.pad(out[:, :length - shift], ((0, 0), (shift, 0), (0, 0), (0, 0)))
 
 
 class DraftCrossAttention(nn.Module):
