@@ -80,7 +80,8 @@ def execute_notebook(notebook: nbformat.NotebookNode, *, working_dir: pathlib.Pa
     nbclient.exceptions.CellTimeoutError: a cell ran longer than `timeout_s`.
   """
   with tempfile.TemporaryDirectory() as spec_root:
-    client = NotebookClient(notebook, km=_kernel_manager(pathlib.Path(spec_root)), timeout=timeout_s,
+    # No per-cell timestamps in the saved metadata: a refresh then changes only what the cells print.
+    client = NotebookClient(notebook, km=_kernel_manager(pathlib.Path(spec_root)), timeout=timeout_s, record_timing=False,
                             resources={"metadata": {"path": str(working_dir)}})
     client.execute(cleanup_kc=True, env=kernel_environment())
   return notebook
