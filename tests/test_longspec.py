@@ -3,6 +3,8 @@ lossless speculative decoding (greedy and sampling)."""
 
 import dataclasses
 import os
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -303,6 +305,16 @@ def test_a_draft_trains_against_its_frozen_target_and_decodes_through_the_workdi
                                 tree=(2, 4, 4))
   np.testing.assert_array_equal(spoken.tokens, expected)
 
+  command = [sys.executable, "-m", "train.generate", f"--workdir={target_config.workdir}",
+             f"--draft_workdir={long_config.workdir}", "--temperature=0", "--max_new_tokens=12", "--tree=2,4",
+             "--prompt=def "]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  ran = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": root})
+  assert ran.returncode == 0, ran.stderr[-2000:]
+  assert "# speculative: draft step 2, tree [2, 4]: tau" in ran.stdout
+  with pytest.raises(ValueError, match="holds a 'transformer' model, not a 'longspec_draft' draft"):
+    load_draft(target_config.workdir, target)
   other_target = TrainedModel(target.model, jax.tree.map(lambda x: x + 1.0, target.params), target.tokenizer, 8)
   with pytest.raises(ValueError, match="was trained for the target in"):
     load_draft(long_config.workdir, other_target)

@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from castle_jax.inference.sampling import sample_next_token, validate_sampling
+from castle_jax.inference.sampling import sample_next_token, validate_request
 from castle_jax.models.registry import family_of
 
 
@@ -37,14 +37,7 @@ def generate(model: nn.Module, params: Any, prompt: jax.Array, *, max_new_tokens
   Returns:
     int32 [batch, prompt_len + max_new_tokens]: the prompt followed by the new tokens.
   """
-  prompt = jnp.asarray(prompt)
-  if prompt.ndim != 2 or prompt.shape[1] < 1:
-    raise ValueError(f"prompt must be int [batch, prompt_len] with prompt_len >= 1, got shape {prompt.shape}")
-  if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-  validate_sampling(temperature, top_k, top_p)
-  if temperature > 0 and rng is None:
-    raise ValueError("rng is required when temperature > 0")
+  prompt = validate_request(prompt, max_new_tokens, temperature, top_k, top_p, rng)
   needed = prompt.shape[1] + max_new_tokens
   capacity = needed if capacity is None else capacity
   if needed > capacity:

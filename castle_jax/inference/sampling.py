@@ -15,6 +15,20 @@ def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
     raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {top_p}")
 
 
+def validate_request(prompt: jax.Array, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+                     rng: jax.Array | None) -> jax.Array:
+  """Checks a generation request; returns the prompt as an int32 [batch, prompt_len] array."""
+  prompt = jnp.asarray(prompt)
+  if prompt.ndim != 2 or prompt.shape[1] < 1:
+    raise ValueError(f"prompt must be int [batch, prompt_len] with prompt_len >= 1, got shape {prompt.shape}")
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  validate_sampling(temperature, top_k, top_p)
+  if temperature > 0 and rng is None:
+    raise ValueError("rng is required when temperature > 0")
+  return prompt.astype(jnp.int32)
+
+
 def sample_next_token(logits: jax.Array, rng: jax.Array, *, temperature: float = 0.0,
                       top_k: int = 0, top_p: float = 1.0) -> jax.Array:
   """Draws one token per row.

@@ -41,7 +41,7 @@ import numpy as np
 
 from castle_jax.config import ModelConfig
 from castle_jax.inference.generate import prefill_caches
-from castle_jax.inference.sampling import filtered_logits, validate_sampling
+from castle_jax.inference.sampling import filtered_logits, validate_request
 from castle_jax.layers.mha import TreeVerification
 from castle_jax.models import longspec_draft
 from castle_jax.models.longspec_draft import DraftSelfCache, LongSpecDraft, draft_logits, embed_tokens
@@ -155,19 +155,12 @@ def speculative_generate(target_model, target_params: Any, draft_model: LongSpec
     SpeculativeResult (tokens, tokens per round).
   """
   shape = TreeShape(tuple(tree))
-  prompt = jnp.asarray(prompt, jnp.int32)
-  if prompt.ndim != 2 or prompt.shape[1] < 1:
-    raise ValueError(f"prompt must be int [1, prompt_len] with prompt_len >= 1, got shape {prompt.shape}")
+  prompt = validate_request(prompt, max_new_tokens, temperature, top_k, top_p, rng)
   if prompt.shape[0] != 1:
     raise ValueError(f"speculative decoding runs batch 1 (each row would accept a different number of tokens); "
                      f"got a prompt batch of {prompt.shape[0]}: call it once per prompt")
-  if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
   if prefill_chunk < 1:
     raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-  validate_sampling(temperature, top_k, top_p)
-  if temperature > 0 and rng is None:
-    raise ValueError("rng is required when temperature > 0")
   check_pair(target_model.config, draft_model.config)
   window = draft_model.options.window
   if shape.depth >= window:
