@@ -166,13 +166,11 @@ def speculative_generate(target_model, target_params: Any, draft_model: LongSpec
   if shape.depth >= window:
     raise ValueError(f"tree depth {shape.depth} must be below the draft's window ({window}): the deepest node "
                      "must still see the root")
-  vocab = target_model.config.vocab_size
-  reachable = 1
   for level, width in enumerate(shape.widths, start=1):
-    reachable *= vocab
-    if width > reachable or width > shape.level_size(level - 1) * vocab:
-      raise ValueError(f"tree level {level} keeps {width} nodes, more than the {min(reachable, shape.level_size(level - 1) * vocab)} "
-                       "distinct continuations it can have; narrow the tree")
+    continuations = shape.level_size(level - 1) * target_model.config.vocab_size
+    if width > continuations:
+      raise ValueError(f"tree level {level} keeps {width} nodes, more than the {continuations} distinct "
+                       "continuations it can have; narrow the tree")
 
   prompt_len = prompt.shape[1]
   capacity = prompt_len + max_new_tokens + shape.depth + 1
