@@ -140,7 +140,6 @@ def load_workdir_tokenizer(workdir: str, config: ml_collections.ConfigDict | Non
   return load_tokenizer(resolve_tokenizer_path(os.path.abspath(workdir), config.data.tokenizer))
 
 
-
 def frozen_record(workdir: str) -> dict[str, Any] | None:
   """The workdir's record of the frozen parameters it trained against ({"workdir", "step",
   "fingerprint"}), or None for a run without any."""

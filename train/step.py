@@ -40,7 +40,7 @@ def _microbatches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Arra
 
 def with_frozen(params: Any, frozen: dict[str, Any] | None) -> Any:
   """The parameter tree the loss sees: the trained parameters and the family's frozen
-  ones (`ModelFamily.frozen_params`, e.g. a LongSpec draft's target)."""
+  ones (`ModelFamily.frozen_source`, e.g. a LongSpec draft's target)."""
   return params if not frozen else {**params, **frozen}
 
 

@@ -17,12 +17,9 @@ Signatures of what comes next (not implemented yet):
   - explicit positions: `causal_attention(..., q_positions=None, k_positions=None)`,
     int [batch, seq], for biases over non-consecutive positions; `masked_attention`
     already takes a mask and a bias built from positions (`causal_mask`, `alibi_bias`).
-  - cross-attention over a given cache (LongSpec's draft): `masked_attention(q,
-    cache.keys, cache.values, mask)` with the other model's `KVCache` and a mask from
-    its `key_positions()`; no new op is needed.
-  - a small boolean mask over new tokens (tree verification): `masked_attention`'s
-    mask [batch, q_len, k_len] is arbitrary; the decode path of `mha` combines it with
-    the cache's causal mask (`MultiHeadAttention(..., mask=...)` later).
+
+Cross-attention over another model's cache (LongSpec's draft) and tree verification
+(drafted nodes over a cache and, masked, over each other) are `castle_jax.ops.tree_attention`.
 """
 
 from __future__ import annotations
