@@ -15,7 +15,7 @@ from castle_jax.layers.options import AttentionOptions, option_error
 from castle_jax.layers.shared import mean_visible_keys, output_projection, rotary_qkv
 from castle_jax.ops.attention import KVCache, causal_attention, causal_mask, masked_attention
 from castle_jax.ops.attention.alibi import alibi_bias
-from castle_jax.ops.tree_attention import tree_attention
+from castle_jax.ops.tree_attention import cache_attention, tree_attention
 
 if TYPE_CHECKING:  # layers read the config's attributes only; castle_jax.config imports the attention table
   from castle_jax.config import ModelConfig
@@ -84,7 +84,9 @@ class MultiHeadAttention(nn.Module):
 
   Training (cache=None) goes through `castle_jax.ops.attention.causal_attention`
   (cuDNN on GPU); decoding attends new queries to a `KVCache` with a
-  position-based mask, so one step or a whole prompt can be appended.
+  position-based mask, so one step or a whole prompt can be appended; a single new
+  token under full causal RoPE attention goes through `cache_attention` (flash decoding
+  over the filled slots: the Pallas kernel on a GPU).
   """
 
   config: ModelConfig
@@ -120,6 +122,12 @@ class MultiHeadAttention(nn.Module):
                            implementation=tree.implementation)
       return output_projection(cfg, out), PendingKV(k, v)
     cache = cache.append(k, v)
+    if x.shape[1] == 1 and not alibi and not cfg.window:
+      # One token under full causal attention sees exactly the filled slots: flash decoding
+      # over them (the Pallas kernel on a GPU) reads the filled part of the cache once,
+      # where the masked form below reads and scores the whole capacity.
+      out, _ = cache_attention(q, cache.keys, cache.values, cache.length)
+      return output_projection(cfg, out), cache
     visible = causal_mask(positions, cache.key_positions(), cfg.window)
     bias = alibi_bias(positions, cache.key_positions(), cfg.n_heads) if alibi else None
     out = masked_attention(q, cache.keys, cache.values, visible, bias)

@@ -9,10 +9,12 @@ the tree mask (itself and its ancestors, `tree_mask_from_parents`).
     (`reference.py`, float32 math); a test oracle.
   - "xla": the hybrid form (LongSpec §3.3): cache part without a mask, tree part with
     the n x n mask, merged through their log-sum-exps (`split.py`).
-  - None: "xla" (`castle_jax.ops.backend.choose`, logged at debug level).
-A Pallas kernel ("pallas": a flash-decoding pass over the cache returning its LSE, plus
-the small masked tile) will be added to the table and placed first in the default order
-on GPU; "xla" remains the always-supported fallback.
+  - "pallas": one Pallas (Triton) kernel (`pallas_kernels/tree_attention`): split-K
+    flash decoding over the filled slots (work follows cache_length, not the capacity)
+    with the masked tree tile folded into the last split, partial states merged in XLA.
+    Power-of-two head dims >= 16. Runs in interpret mode on CPU (slow: for tests).
+  - None: "pallas" on a GPU where it takes the head dim, else "xla"
+    (`castle_jax.ops.backend.choose`, logged at debug level).
 
 Inference only: there is no custom VJP, and gradients are neither needed nor tested.
 
@@ -26,6 +28,8 @@ exp(q . k / sqrt(head_dim)) over the visible keys).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,15 +37,26 @@ import numpy as np
 from castle_jax.ops.backend import Implementation, choose
 from castle_jax.ops.tree_attention.reference import cache_attention_reference, tree_attention_reference
 from castle_jax.ops.tree_attention.split import cache_attention as split_cache_attention, hybrid_tree_attention
+from pallas_kernels.tree_attention import TreeAttentionConfig, supports_head_dim, tree_attention_pallas
 
-IMPLEMENTATIONS = ("reference", "xla")
-# The "pallas" kernel goes first here, as Implementation(unsupported_reason=...,
-# default_backends=("gpu",)), once it exists; "xla" stays last: it runs everything.
-_DEFAULT_ORDER = ("xla",)
+IMPLEMENTATIONS = ("reference", "xla", "pallas")
+_DEFAULT_ORDER = ("pallas", "xla")
 
 
-def _implementations() -> dict[str, Implementation]:
-  return {name: Implementation() for name in IMPLEMENTATIONS}
+def _implementations(head_dim: int) -> dict[str, Implementation]:
+  def pallas_unsupported() -> str | None:
+    if supports_head_dim(head_dim):
+      return None
+    return f"the kernel needs a power-of-two head_dim >= 16, got {head_dim} (use implementation='xla')"
+
+  return {"reference": Implementation(), "xla": Implementation(),
+          "pallas": Implementation(pallas_unsupported, default_backends=("gpu",))}
+
+
+def _pallas(q, cache_k, cache_v, cache_length, tree_k=None, tree_v=None, tree_mask=None, *,
+            config: TreeAttentionConfig | None):
+  return tree_attention_pallas(q, cache_k, cache_v, cache_length, tree_k, tree_v, tree_mask, config=config,
+                               interpret=jax.default_backend() == "cpu")
 
 
 def _check_layout(name: str, x: jax.Array, layout: str) -> None:
@@ -100,7 +115,8 @@ def _validate_tree_inputs(q: jax.Array, cache_k: jax.Array, tree_k: jax.Array, t
 
 
 def cache_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, cache_length: jax.Array, *,
-                    implementation: str | None = None) -> tuple[jax.Array, jax.Array]:
+                    implementation: str | None = None,
+                    pallas_config: TreeAttentionConfig | None = None) -> tuple[jax.Array, jax.Array]:
   """Attention of n queries over the filled slots of a cache, with its log-sum-exp.
 
   The cache part of tree attention, public so that other key groups can be merged with
@@ -111,8 +127,9 @@ def cache_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, cache_
     cache_k, cache_v: [batch, capacity, kv_heads, head_dim]; heads % kv_heads == 0.
       Slots >= cache_length are ignored.
     cache_length: int32 scalar or [batch], 0 .. capacity (may be traced under jit).
-    implementation: "reference" (dense, masked by the length), "xla" or None (see
-      module docstring).
+    implementation: "reference" (dense, masked by the length), "xla", "pallas" or None
+      (see module docstring).
+    pallas_config: the kernel's tiling for "pallas" (None: its default).
 
   Returns:
     out: [batch, n, heads, head_dim] in q's dtype; 0 for an empty cache.
@@ -123,16 +140,18 @@ def cache_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, cache_
       unsupported implementation.
   """
   _validate_cache_inputs(q, cache_k, cache_v, cache_length)
-  implementation = choose("cache_attention", implementation, _implementations(), _DEFAULT_ORDER)
+  implementation = choose("cache_attention", implementation, _implementations(q.shape[-1]), _DEFAULT_ORDER)
   if implementation == "reference":
     return cache_attention_reference(q, cache_k, cache_v, cache_length)
+  if implementation == "pallas":
+    return _pallas(q, cache_k, cache_v, cache_length, config=pallas_config)
   return split_cache_attention(q, cache_k, cache_v, cache_length)
 
 
 def tree_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, cache_length: jax.Array,
                    tree_k: jax.Array, tree_v: jax.Array, tree_mask: jax.Array, *,
-                   implementation: str | None = None,
-                   return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+                   implementation: str | None = None, return_lse: bool = False,
+                   pallas_config: TreeAttentionConfig | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Drafted tree nodes attend to the committed cache and to their own branch.
 
   Node i's query sees cache slots s < cache_length (no other mask) and the drafted
@@ -147,9 +166,9 @@ def tree_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, cache_l
     tree_k, tree_v: [batch, n, kv_heads, head_dim], the drafted nodes' keys and values.
     tree_mask: bool [batch, n, n] or [n, n] (shared by the batch); [i, j] True iff
       node i sees node j (`tree_mask_from_parents`).
-    implementation: one of IMPLEMENTATIONS or None (see module docstring; a "pallas"
-      kernel will join them).
+    implementation: one of IMPLEMENTATIONS or None (see module docstring).
     return_lse: also return the log-sum-exp, e.g. to merge with more key groups.
+    pallas_config: the kernel's tiling for "pallas" (None: its default).
 
   Returns:
     out [batch, n, heads, head_dim] in q's dtype; with return_lse, (out, lse) with
@@ -161,7 +180,10 @@ def tree_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, cache_l
   """
   _validate_cache_inputs(q, cache_k, cache_v, cache_length)
   _validate_tree_inputs(q, cache_k, tree_k, tree_v, tree_mask)
-  implementation = choose("tree_attention", implementation, _implementations(), _DEFAULT_ORDER)
-  run = tree_attention_reference if implementation == "reference" else hybrid_tree_attention
+  implementation = choose("tree_attention", implementation, _implementations(q.shape[-1]), _DEFAULT_ORDER)
+  if implementation == "pallas":
+    run = functools.partial(_pallas, config=pallas_config)
+  else:
+    run = tree_attention_reference if implementation == "reference" else hybrid_tree_attention
   out, lse = run(q, cache_k, cache_v, cache_length, tree_k, tree_v, tree_mask)
   return (out, lse) if return_lse else out
