@@ -11,8 +11,9 @@ The memory side of the backward needs, for each memory chunk, the (query chunk, 
 pairs that retrieved it: a stable argsort of the flat chunk indices and the start of
 each chunk's run in it (`_retrievers`), O(query_chunks * k) integers per sequence.
 
-Decoding (a few new queries against the retrieved chunks) stays on the XLA path: its
-products are a handful of rows, far too small for a kernel launch to pay.
+There is no decoding kernel: DRT's token-by-token step calls the same op over the one
+query chunk it touches (a few rows against k retrieved chunks), where these kernels and
+the XLA path both cost little more than a launch.
 """
 
 from __future__ import annotations
