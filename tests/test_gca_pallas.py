@@ -91,13 +91,15 @@ def test_grouped_heads_stacked_in_one_tile_match_the_reference():
 
 
 def test_several_query_blocks_and_head_blocks_match_the_reference():
-  # 20 rows per query chunk in 16-row blocks (2 blocks, the second mostly padding); one head
-  # per program, so the memory side loops over 2 heads per kv head; chunks exactly one tile;
-  # k = 4 > 3 memory chunks, so chunks repeat within a slot list.
-  shape = dict(batch=1, query_chunks=2, query_len=20, heads=4, kv_heads=2, head_dim=32, memory_chunks=3,
+  # 36 rows per query chunk: a 32-row block, then a 16-row block for the last 4 (two launches);
+  # one head per program, so the memory side loops over 2 heads per kv head; chunks exactly
+  # one tile; k = 4 > 3 memory chunks, so chunks repeat within a slot list.
+  shape = dict(batch=1, query_chunks=2, query_len=36, heads=4, kv_heads=2, head_dim=32, memory_chunks=3,
                chunk_len=16, top_k=4)
+  config = GcaKernelConfig(block_rows=32, heads_per_program=1)
+  assert tiling_for(36, 2, 16, config).segments == ((0, 32, 1), (32, 16, 1))
   inputs, cotangent = _inputs(1, **shape)
-  _check_against_reference(inputs, cotangent, 1e-5, GcaKernelConfig(block_rows=16, heads_per_program=1))
+  _check_against_reference(inputs, cotangent, 1e-5, config)
 
 
 def test_plain_heads_and_a_clipped_index_match_the_reference():
@@ -153,6 +155,9 @@ def test_bad_configs_name_the_field(text, message):
     (dict(batch=1, query_chunks=4, query_len=64, heads=12, kv_heads=12, head_dim=64, memory_chunks=4, chunk_len=63,
           top_k=8), jnp.bfloat16, None),
     (GROUPED, jnp.float32, None),
+    # The benchmark's layout: 64 tokens + a landmark = 65 rows, run as 64 + 16.
+    (dict(batch=1, query_chunks=2, query_len=65, heads=4, kv_heads=4, head_dim=64, memory_chunks=2, chunk_len=64,
+          top_k=2), jnp.bfloat16, None),
     (dict(batch=1, query_chunks=2, query_len=20, heads=8, kv_heads=2, head_dim=128, memory_chunks=3, chunk_len=200,
           top_k=3), jnp.float16, GcaKernelConfig(block_rows=32, heads_per_program=2)),
 ])

@@ -2,7 +2,8 @@
 
 Layouts (prepared by `ops`): queries, outputs and their gradients
 [batch, query_chunks, padded_query_len, heads, head_dim] (zero rows pad each query
-chunk to a multiple of the query block); memory keys and values
+chunk to its query blocks: full blocks of `block_q` rows, then one smaller power-of-two
+block for the rest, so 65 rows run as 64 + 16, not 128); memory keys and values
 [batch, memory_chunks, padded_chunk_len, kv_heads, head_dim] (zero keys pad each chunk
 to a power of two, masked out of every softmax); chunk indices int32 and weights float32
 [batch, query_chunks, k]; per-slot log-normalizers and deltas float32
@@ -16,7 +17,8 @@ the slot's normalized output is (sum_s exp(s - m) v_s) / l. Scores are kept in b
 log-normalizer is log2(l) + m in those units.
 
 Three kernels:
-  forward          (batch, query chunk, head block, query block): loops over the k slots,
+  forward          (batch, query chunk, head block, query block), one launch per block
+                   size (the full blocks, then the remainder's): loops over the k slots,
                    gathers each slot's K/V tile by its index from the whole memory (no
                    gathered copy), accumulates sum_j w_j O'_j in registers, writes O and
                    the per-slot log-normalizers.
@@ -49,6 +51,7 @@ import jax.numpy as jnp
 from pallas_kernels.gca.config import GcaKernelConfig
 
 LOG2_E = math.log2(math.e)
+_SMALLEST_BLOCK = 16  # rows: the smallest tile side of the GPU's matrix units
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,13 +59,15 @@ class Tiling:
   """Static sizes of one call (hashable: part of the kernels' static arguments).
 
   Attributes:
-    block_q: query rows per program (a power of two >= 16).
+    query_len: real rows per query chunk.
+    block_q: query rows per program of the full blocks (a power of two >= 16).
     heads_per_program: query heads stacked into the tile, P (a power of two dividing group).
     group: query heads per kv head.
     chunk_len: real keys per memory chunk (the padded tile is `padded_chunk_len`).
     padded_chunk_len: keys per tile, a power of two >= 16.
   """
 
+  query_len: int
   block_q: int
   heads_per_program: int
   group: int
@@ -70,15 +75,35 @@ class Tiling:
   padded_chunk_len: int
 
   @property
-  def rows(self) -> int:
-    return self.block_q * self.heads_per_program
+  def segments(self) -> tuple[tuple[int, int, int], ...]:
+    """(first row, block rows, blocks) of the runs of equal query blocks that cover a query
+    chunk: the full blocks, then one power-of-two block (>= 16 rows) for the rest. Every
+    run starts at a multiple of its block."""
+    full = self.query_len // self.block_q
+    rest = self.query_len - full * self.block_q
+    runs = [(0, self.block_q, full)] if full else []
+    if rest:
+      runs.append((full * self.block_q, max(_SMALLEST_BLOCK, 1 << (rest - 1).bit_length()), 1))
+    return tuple(runs)
+
+  @property
+  def padded_query_len(self) -> int:
+    first, block, blocks = self.segments[-1]
+    return first + block * blocks
+
+  @property
+  def row_blocks(self) -> tuple[tuple[int, int], ...]:
+    """(first row, rows) of every query block of a query chunk."""
+    return tuple((first + i * block, block) for first, block, blocks in self.segments for i in range(blocks))
 
 
 class _Tiles:
   """Loads, products and softmax_1 pieces shared by the three kernels."""
 
-  def __init__(self, tiling: Tiling, operand_dtype, scale: float):
+  def __init__(self, tiling: Tiling, block_q: int, operand_dtype, scale: float):
     self.tiling = tiling
+    self.block_q = block_q
+    self.rows = block_q * tiling.heads_per_program
     self.operand_dtype = operand_dtype
     # float32 operands: full-precision products (no TF32), to match the references.
     self.precision = lax.Precision.HIGHEST if operand_dtype == jnp.float32 else None
@@ -94,13 +119,13 @@ class _Tiles:
     """[block_q, P, ...] (or [block_q, ...] when P = 1) -> [block_q * P, ...], row-major."""
     if self.tiling.heads_per_program == 1:
       return x
-    return x.reshape(self.tiling.rows, *x.shape[2:])
+    return x.reshape(self.rows, *x.shape[2:])
 
   def from_rows(self, x):
     """The inverse of `as_rows`."""
     if self.tiling.heads_per_program == 1:
       return x
-    return x.reshape(self.tiling.block_q, self.tiling.heads_per_program, *x.shape[1:])
+    return x.reshape(self.block_q, self.tiling.heads_per_program, *x.shape[1:])
 
   def scores(self, queries, keys):
     """Base-2 scores [rows, padded_chunk_len], -inf at padded keys."""
@@ -112,17 +137,20 @@ class _Tiles:
     return jnp.exp2(self.scores(queries, keys) - log_normalizer[:, None])
 
 
-def _row_block(tiling: Tiling, head_dim: int):
+def _row_block(tiling: Tiling, first_row: int, block_q: int, head_dim: int):
   """Block of a [batch, query_chunks, padded_query_len, heads, head_dim] array for program
-  (b, c, head block, query block): [block_q, (P,) head_dim]."""
+  (b, c, head block, query block) of the run of `block_q`-row blocks from `first_row`:
+  [block_q, (P,) head_dim]."""
   heads = None if tiling.heads_per_program == 1 else tiling.heads_per_program
-  return pl.BlockSpec((None, None, tiling.block_q, heads, head_dim), lambda b, c, hb, qb: (b, c, qb, hb, 0))
+  first = first_row // block_q
+  return pl.BlockSpec((None, None, block_q, heads, head_dim), lambda b, c, hb, qb: (b, c, first + qb, hb, 0))
 
 
-def _slot_rows_block(tiling: Tiling, top_k: int):
-  """Block of a [batch, query_chunks, k, padded_query_len, heads] array: [k, block_q, (P)]."""
+def _slot_rows_block(tiling: Tiling, first_row: int, block_q: int, top_k: int):
+  """The same for a [batch, query_chunks, k, padded_query_len, heads] array: [k, block_q, (P)]."""
   heads = None if tiling.heads_per_program == 1 else tiling.heads_per_program
-  return pl.BlockSpec((None, None, top_k, tiling.block_q, heads), lambda b, c, hb, qb: (b, c, 0, qb, hb))
+  first = first_row // block_q
+  return pl.BlockSpec((None, None, top_k, block_q, heads), lambda b, c, hb, qb: (b, c, 0, first + qb, hb))
 
 
 def _slot_block(top_k: int):
@@ -138,13 +166,47 @@ def _memory_block(tiling: Tiling, memory_chunks: int, head_dim: int):
                       lambda b, c, hb, qb: (b, 0, 0, hb // blocks_per_kv_head, 0))
 
 
-def _query_grid(queries, tiling: Tiling):
-  batch, query_chunks, padded_query_len, heads, _ = queries.shape
-  return (batch, query_chunks, heads // tiling.heads_per_program, padded_query_len // tiling.block_q)
+def _query_grid(queries, tiling: Tiling, blocks: int):
+  batch, query_chunks, _, heads, _ = queries.shape
+  return (batch, query_chunks, heads // tiling.heads_per_program, blocks)
 
 
 def _compiler_params(num_warps: int, num_stages: int):
   return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _per_segment(tiling: Tiling, launch, num_aliased: int):
+  """Runs launch(first_row, block_q, blocks, previous) once per run of query blocks; each
+  launch after the first writes its rows into the first `num_aliased` outputs of the one
+  before (`previous`, aliased: no copy). Returns the last launch's aliased outputs and a
+  list of every launch's other outputs."""
+  previous, others = None, []
+  for first_row, block_q, blocks in tiling.segments:
+    outputs = launch(first_row, block_q, blocks, previous)
+    previous = tuple(outputs[:num_aliased])
+    others.append(tuple(outputs[num_aliased:]))
+  return previous, others
+
+
+def _skipping_aliased_inputs(kernel, num_inputs: int, num_aliased: int):
+  """kernel(*inputs, *outputs) called as pallas_call calls it with `num_aliased` aliased
+  buffers after the inputs (whose contents the kernel never reads)."""
+  def body(*refs):
+    return kernel(*refs[:num_inputs], *refs[num_inputs + num_aliased:])
+  return body
+
+
+def _aliased_call(kernel, inputs, previous, **call):
+  """pallas_call(kernel, **call)(*inputs), writing into `previous` (buffers for its first
+  outputs, aliased) when given."""
+  num_inputs = len(inputs)
+  aliases = {}
+  if previous is not None:
+    kernel = _skipping_aliased_inputs(kernel, num_inputs, len(previous))
+    aliases = {num_inputs + i: i for i in range(len(previous))}
+    call["in_specs"] = list(call["in_specs"]) + list(call["out_specs"][:len(previous)])
+    inputs = tuple(inputs) + tuple(previous)
+  return pl.pallas_call(kernel, input_output_aliases=aliases, **call)(*inputs)
 
 
 # ---------------------------------------------------------------------------
@@ -152,8 +214,8 @@ def _compiler_params(num_warps: int, num_stages: int):
 
 
 def _forward_kernel(indices_ref, weights_ref, queries_ref, keys_ref, values_ref, out_ref, lse_ref, *,
-                    tiling: Tiling, top_k: int, scale: float):
-  tiles = _Tiles(tiling, queries_ref.dtype, scale)
+                    tiling: Tiling, block_q: int, top_k: int, scale: float):
+  tiles = _Tiles(tiling, block_q, queries_ref.dtype, scale)
   queries = tiles.as_rows(queries_ref[...])
 
   def slot(j, out):
@@ -167,7 +229,7 @@ def _forward_kernel(indices_ref, weights_ref, queries_ref, keys_ref, values_ref,
     lse_ref[j] = tiles.from_rows(top + jnp.log2(total))
     return out + tiles.dot(probs, values) * (weights_ref[j] / total)[:, None]
 
-  out = lax.fori_loop(0, top_k, slot, jnp.zeros((tiling.rows, queries.shape[-1]), jnp.float32))
+  out = lax.fori_loop(0, top_k, slot, jnp.zeros((tiles.rows, queries.shape[-1]), jnp.float32))
   out_ref[...] = tiles.from_rows(out).astype(out_ref.dtype)
 
 
@@ -176,7 +238,7 @@ def forward(queries, keys, values, weights, indices, *, tiling: Tiling, scale: f
   """O = sum_j w_j softmax_1(Q K_j^T scale) V_j and the per-slot log-normalizers.
 
   Args:
-    queries: [batch, query_chunks, padded_query_len, heads, head_dim].
+    queries: [batch, query_chunks, tiling.padded_query_len, heads, head_dim].
     keys, values: [batch, memory_chunks, padded_chunk_len, kv_heads, head_dim].
     weights: float32 [batch, query_chunks, k]; indices: int32 [batch, query_chunks, k],
       in range.
@@ -187,19 +249,25 @@ def forward(queries, keys, values, weights, indices, *, tiling: Tiling, scale: f
   """
   batch, query_chunks, padded_query_len, heads, head_dim = queries.shape
   top_k = indices.shape[-1]
-  kernel = functools.partial(_forward_kernel, tiling=tiling, top_k=top_k, scale=scale)
   memory = _memory_block(tiling, keys.shape[1], head_dim)
-  return pl.pallas_call(
-      kernel,
-      grid=_query_grid(queries, tiling),
-      in_specs=[_slot_block(top_k), _slot_block(top_k), _row_block(tiling, head_dim), memory, memory],
-      out_specs=[_row_block(tiling, head_dim), _slot_rows_block(tiling, top_k)],
-      out_shape=[jax.ShapeDtypeStruct(queries.shape, queries.dtype),
-                 jax.ShapeDtypeStruct((batch, query_chunks, top_k, padded_query_len, heads), jnp.float32)],
-      compiler_params=_compiler_params(config.num_warps, config.num_stages),
-      interpret=interpret,
-      name="gca_forward",
-  )(indices, weights, queries, keys, values)
+
+  def launch(first_row, block_q, blocks, previous):
+    return _aliased_call(
+        functools.partial(_forward_kernel, tiling=tiling, block_q=block_q, top_k=top_k, scale=scale),
+        (indices, weights, queries, keys, values), previous,
+        grid=_query_grid(queries, tiling, blocks),
+        in_specs=[_slot_block(top_k), _slot_block(top_k), _row_block(tiling, first_row, block_q, head_dim), memory,
+                  memory],
+        out_specs=[_row_block(tiling, first_row, block_q, head_dim),
+                   _slot_rows_block(tiling, first_row, block_q, top_k)],
+        out_shape=[jax.ShapeDtypeStruct(queries.shape, queries.dtype),
+                   jax.ShapeDtypeStruct((batch, query_chunks, top_k, padded_query_len, heads), jnp.float32)],
+        compiler_params=_compiler_params(config.num_warps, config.num_stages),
+        interpret=interpret,
+        name="gca_forward")
+
+  (out, lse), _ = _per_segment(tiling, launch, num_aliased=2)
+  return out, lse
 
 
 # ---------------------------------------------------------------------------
@@ -207,8 +275,9 @@ def forward(queries, keys, values, weights, indices, *, tiling: Tiling, scale: f
 
 
 def _backward_queries_kernel(indices_ref, weights_ref, queries_ref, d_out_ref, lse_ref, keys_ref, values_ref,
-                             d_queries_ref, delta_ref, d_weights_ref, *, tiling: Tiling, top_k: int, scale: float):
-  tiles = _Tiles(tiling, queries_ref.dtype, scale)
+                             d_queries_ref, delta_ref, d_weights_ref, *, tiling: Tiling, block_q: int, top_k: int,
+                             scale: float):
+  tiles = _Tiles(tiling, block_q, queries_ref.dtype, scale)
   queries = tiles.as_rows(queries_ref[...])
   d_out = tiles.as_rows(d_out_ref[...])
 
@@ -223,40 +292,46 @@ def _backward_queries_kernel(indices_ref, weights_ref, queries_ref, d_out_ref, l
     d_scores = probs * (d_probs - row_dot[:, None]) * weight
     return d_queries + tiles.dot(d_scores, keys)
 
-  d_queries = lax.fori_loop(0, top_k, slot, jnp.zeros((tiling.rows, queries.shape[-1]), jnp.float32))
+  d_queries = lax.fori_loop(0, top_k, slot, jnp.zeros((tiles.rows, queries.shape[-1]), jnp.float32))
   d_queries_ref[...] = tiles.from_rows(d_queries * scale).astype(d_queries_ref.dtype)
 
 
 def backward_queries(queries, keys, values, weights, indices, lse, d_out, *, tiling: Tiling, scale: float,
                      config: GcaKernelConfig, interpret: bool):
-  """dQ, the deltas w_j rowsum(dO * O'_j) and the chunk weights' gradient partials.
+  """dQ, the deltas w_j rowsum(dO * O'_j) and the chunk weights' gradient.
 
   Args:
     queries, keys, values, weights, indices, lse: as `forward` takes and returns them.
     d_out: like queries, the output's cotangent (zero in padded rows).
 
   Returns:
-    d_queries: like queries; delta: float32 like lse; d_weights: float32
-    [batch, query_chunks, head blocks, query blocks, k], to be summed over axes 2 and 3.
+    d_queries: like queries; delta: float32 like lse; d_weights: float32 [batch, query_chunks, k].
   """
-  grid = _query_grid(queries, tiling)
   top_k = indices.shape[-1]
-  kernel = functools.partial(_backward_queries_kernel, tiling=tiling, top_k=top_k, scale=scale)
-  memory = _memory_block(tiling, keys.shape[1], queries.shape[-1])
-  rows = _row_block(tiling, queries.shape[-1])
-  return pl.pallas_call(
-      kernel,
-      grid=grid,
-      in_specs=[_slot_block(top_k), _slot_block(top_k), rows, rows, _slot_rows_block(tiling, top_k), memory, memory],
-      out_specs=[rows, _slot_rows_block(tiling, top_k),
-                 pl.BlockSpec((None, None, None, None, top_k), lambda b, c, hb, qb: (b, c, hb, qb, 0))],
-      out_shape=[jax.ShapeDtypeStruct(queries.shape, queries.dtype),
-                 jax.ShapeDtypeStruct(lse.shape, jnp.float32),
-                 jax.ShapeDtypeStruct((*grid, top_k), jnp.float32)],
-      compiler_params=_compiler_params(config.bwd_num_warps, config.bwd_num_stages),
-      interpret=interpret,
-      name="gca_backward_queries",
-  )(indices, weights, queries, d_out, lse, keys, values)
+  head_dim = queries.shape[-1]
+  memory = _memory_block(tiling, keys.shape[1], head_dim)
+
+  def launch(first_row, block_q, blocks, previous):
+    grid = _query_grid(queries, tiling, blocks)
+    rows = _row_block(tiling, first_row, block_q, head_dim)
+    slot_rows = _slot_rows_block(tiling, first_row, block_q, top_k)
+    return _aliased_call(
+        functools.partial(_backward_queries_kernel, tiling=tiling, block_q=block_q, top_k=top_k, scale=scale),
+        (indices, weights, queries, d_out, lse, keys, values), previous,
+        grid=grid,
+        in_specs=[_slot_block(top_k), _slot_block(top_k), rows, rows, slot_rows, memory, memory],
+        out_specs=[rows, slot_rows,
+                   pl.BlockSpec((None, None, None, None, top_k), lambda b, c, hb, qb: (b, c, hb, qb, 0))],
+        out_shape=[jax.ShapeDtypeStruct(queries.shape, queries.dtype),
+                   jax.ShapeDtypeStruct(lse.shape, jnp.float32),
+                   jax.ShapeDtypeStruct((*grid, top_k), jnp.float32)],
+        compiler_params=_compiler_params(config.bwd_num_warps, config.bwd_num_stages),
+        interpret=interpret,
+        name="gca_backward_queries")
+
+  (d_queries, delta), per_program_d_weights = _per_segment(tiling, launch, num_aliased=2)
+  d_weights = sum(jnp.sum(parts, axis=(2, 3)) for (parts,) in per_program_d_weights)
+  return d_queries, delta, d_weights
 
 
 # ---------------------------------------------------------------------------
@@ -265,8 +340,7 @@ def backward_queries(queries, keys, values, weights, indices, lse, d_out, *, til
 
 def _backward_memory_kernel(order_ref, starts_ref, weights_ref, queries_ref, d_out_ref, lse_ref, delta_ref,
                             keys_ref, values_ref, d_keys_ref, d_values_ref, *, tiling: Tiling, top_k: int,
-                            query_blocks: int, scale: float):
-  tiles = _Tiles(tiling, queries_ref.dtype, scale)
+                            scale: float):
   chunk = pl.program_id(1)
   keys, values = keys_ref[...], values_ref[...]
   per_program = tiling.heads_per_program
@@ -277,8 +351,9 @@ def _backward_memory_kernel(order_ref, starts_ref, weights_ref, queries_ref, d_o
     flat = order_ref[e]  # one (query chunk, slot) that retrieved this chunk
     query_chunk, j = flat // top_k, flat % top_k
     weight = weights_ref[query_chunk, j]
-    for query_block in range(query_blocks):
-      rows = pl.ds(query_block * tiling.block_q, tiling.block_q)
+    for first_row, block_q in tiling.row_blocks:
+      tiles = _Tiles(tiling, block_q, queries_ref.dtype, scale)
+      rows = pl.ds(first_row, block_q)
       for head_block in range(head_blocks):
         heads = head_block if per_program == 1 else pl.ds(head_block * per_program, per_program)
         queries = tiles.as_rows(queries_ref[query_chunk, rows, heads, :])
@@ -313,14 +388,12 @@ def backward_memory(queries, keys, values, weights, lse, delta, d_out, order, st
   batch, query_chunks, padded_query_len, heads, head_dim = queries.shape
   memory_chunks, kv_heads = keys.shape[1], keys.shape[3]
   top_k = weights.shape[-1]
-  kernel = functools.partial(_backward_memory_kernel, tiling=tiling, top_k=top_k, query_blocks=padded_query_len // tiling.block_q,
-                 scale=scale)
   group = tiling.group
   whole_rows = pl.BlockSpec((None, query_chunks, padded_query_len, group, head_dim), lambda b, m, h: (b, 0, 0, h, 0))
   whole_slots = pl.BlockSpec((None, query_chunks, top_k, padded_query_len, group), lambda b, m, h: (b, 0, 0, 0, h))
   chunk_tile = pl.BlockSpec((None, None, tiling.padded_chunk_len, None, head_dim), lambda b, m, h: (b, m, 0, h, 0))
   return pl.pallas_call(
-      kernel,
+      functools.partial(_backward_memory_kernel, tiling=tiling, top_k=top_k, scale=scale),
       grid=(batch, memory_chunks, kv_heads),
       in_specs=[pl.BlockSpec((None, query_chunks * top_k), lambda b, m, h: (b, 0)),
                 pl.BlockSpec((None, memory_chunks + 1), lambda b, m, h: (b, 0)),

@@ -2,7 +2,7 @@
 
 `gca_attention_pallas` takes the layout of the GCA entry point, views the queries as
 [batch, query_chunks, query_len, heads, head_dim] (a reshape), zero-pads each query
-chunk to a multiple of the query block and each memory chunk to a power-of-two tile,
+chunk to its query blocks (`kernels.Tiling.segments`) and each memory chunk to a power-of-two tile,
 and runs `kernels.forward`; the custom VJP runs `kernels.backward_queries` (dQ, dw)
 and `kernels.backward_memory` (dK, dV). Padding is exact: padded keys are masked out
 of every softmax_1, padded query rows are sliced off (and their cotangent is zero).
@@ -73,8 +73,8 @@ def tiling_for(query_len: int, group: int, chunk_len: int, config: GcaKernelConf
   else:
     per_program = config.heads_per_program
     block_q = min(max(SMALLEST_TILE, config.block_rows // per_program), query_rows)
-  return kernels.Tiling(block_q=block_q, heads_per_program=per_program, group=group, chunk_len=chunk_len,
-                        padded_chunk_len=max(SMALLEST_TILE, _next_power_of_two(chunk_len)))
+  return kernels.Tiling(query_len=query_len, block_q=block_q, heads_per_program=per_program, group=group,
+                        chunk_len=chunk_len, padded_chunk_len=max(SMALLEST_TILE, _next_power_of_two(chunk_len)))
 
 
 def _retrievers(indices: jax.Array, weights: jax.Array, memory_chunks: int) -> tuple[jax.Array, jax.Array]:
@@ -106,12 +106,12 @@ def _gca_bwd(tiling, scale, config, interpret, residuals, d_out):
   queries, keys, values, weights, indices, lse = residuals
   options = dict(tiling=tiling, scale=scale, config=config, interpret=interpret)
   d_out = d_out.astype(queries.dtype)
-  d_queries, delta, d_weight_parts = kernels.backward_queries(queries, keys, values, weights, indices, lse, d_out,
+  d_queries, delta, d_weights = kernels.backward_queries(queries, keys, values, weights, indices, lse, d_out,
                                                               **options)
   order, starts = _retrievers(indices, weights, keys.shape[1])
   d_keys, d_values = kernels.backward_memory(queries, keys, values, weights, lse, delta, d_out, order, starts,
                                              **options)
-  return d_queries, d_keys, d_values, jnp.sum(d_weight_parts, axis=(2, 3)), None
+  return d_queries, d_keys, d_values, d_weights, None
 
 
 _gca.defvjp(_gca_fwd, _gca_bwd)
@@ -151,7 +151,7 @@ def gca_attention_pallas(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, c
   query_chunks = chunk_indices.shape[1]
   query_len = seq // query_chunks
   tiling = tiling_for(query_len, heads // kv_heads, chunk_len, config)
-  padded_query_len = -(-query_len // tiling.block_q) * tiling.block_q
+  padded_query_len = tiling.padded_query_len
   queries = q.reshape(batch, query_chunks, query_len, heads, head_dim)
   queries = jnp.pad(queries, ((0, 0), (0, 0), (0, padded_query_len - query_len), (0, 0), (0, 0)))
   key_padding = ((0, 0), (0, 0), (0, tiling.padded_chunk_len - chunk_len), (0, 0), (0, 0))
