@@ -2,16 +2,23 @@
 sliding-window ALiBi self-attention over the same tokens.
 
     python benchmarks/gca_attention.py [--tokens=16384,65536] [--batch=4] [--heads=12] \
-        [--head_dim=64] [--chunk=64] [--top_k=8] [--impls=xla,reference] [--window_impls=cudnn,cudnn_plain,xla] [--json=out.json]
+        [--head_dim=64] [--chunk=64] [--top_k=8] [--impls=xla,pallas,reference] \
+        [--pallas_configs="block_rows=64;block_rows=32,num_warps=4"] \
+        [--window_impls=cudnn,cudnn_plain,xla] [--json=out.json]
 
 The DRT layout: each chunk of `--chunk` real tokens plus its landmark is one query chunk
 (chunk + 1 positions); each query chunk attends to `--top_k` memory chunks of `--chunk`
 keys (the landmark row is the softmax_1's implicit zero logit), indices and weights drawn
 at random (retrieval is not timed). Gradients: q, chunk keys/values and chunk weights.
+configs/drt_128m.py has chunk_size 63: --chunk=63 gives its shape (64 query positions
+per chunk, memory chunks of 63 keys). `--pallas_configs` times "pallas" once per
+`pallas_kernels.gca.GcaKernelConfig` given (a sweep); without it, the default config.
 
 FLOPs per forward: 4 * positions * heads * top_k * chunk * head_dim (two products per
 retrieved chunk); the backward recomputes P and O' and adds four products (x2.5 the
-forward; 3.5x in all). Prints a table last; median of --iters calls.
+forward; 3.5x in all: the algorithm's count, whatever an implementation recomputes; the
+Pallas kernels run 9 products per retrieved chunk, i.e. 4.5x). Prints a table last;
+median of --iters calls.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import jax.numpy as jnp
 
 from castle_jax.ops.attention.alibi import alibi_window_attention
 from castle_jax.ops.gca import gca_attention
+from pallas_kernels.gca import GcaKernelConfig
 from timing import error_text, run_meta, time_forward_and_gradients, write_json
 
 
@@ -40,18 +48,18 @@ def gca_inputs(batch, tokens, heads, head_dim, chunk, top_k, dtype, seed):
   return q, chunk_k, chunk_v, weights, indices, cotangent
 
 
-def gca_row(impl, batch, tokens, heads, head_dim, chunk, top_k, dtype, iters):
+def gca_row(impl, batch, tokens, heads, head_dim, chunk, top_k, dtype, iters, pallas_config=None, label=""):
   sets = [gca_inputs(batch, tokens, heads, head_dim, chunk, top_k, dtype, seed) for seed in range(2)]
   positions = sets[0][0].shape[1]
 
   indices = sets[0][4]  # not differentiated: one set of random retrievals for every call
 
   def fn(q, chunk_k, chunk_v, weights):
-    return gca_attention(q, chunk_k, chunk_v, weights, indices, implementation=impl)
+    return gca_attention(q, chunk_k, chunk_v, weights, indices, implementation=impl, pallas_config=pallas_config)
 
   timings = time_forward_and_gradients(fn, 4, [s[:4] + (s[5],) for s in sets], iters)
   flops = 4 * batch * positions * heads * top_k * chunk * head_dim
-  row = {"impl": f"gca_{impl}", "tokens": tokens, "positions": positions, **timings, "fwd_gflop": flops / 1e9}
+  row = {"impl": f"gca_{impl}{label}", "tokens": tokens, "positions": positions, **timings, "fwd_gflop": flops / 1e9}
   if "fwd_ms" in timings:
     row["fwd_tflops"] = flops / timings["fwd_ms"] / 1e9
     row["fwd_bwd_tflops"] = 3.5 * flops / timings["fwd_bwd_ms"] / 1e9
@@ -95,7 +103,10 @@ def main(argv=None) -> int:
   parser.add_argument("--window", type=int, default=512, help="sliding window of the self-attention rows")
   parser.add_argument("--window_impls", default="cudnn,cudnn_plain,xla",
                       help="self-attention rows: ALiBi window on 'cudnn'/'xla', 'cudnn_plain' (no ALiBi); '' for none")
-  parser.add_argument("--impls", default="xla", help="comma-separated GCA implementations")
+  parser.add_argument("--impls", default="xla", help="comma-separated GCA implementations (xla, pallas, reference)")
+  parser.add_argument("--pallas_configs", default="",
+                      help="';'-separated GcaKernelConfig fields as key=value, e.g. 'block_rows=64;num_stages=3': "
+                           "one 'pallas' row each (default: the default config)")
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--json", default=None)
@@ -104,9 +115,12 @@ def main(argv=None) -> int:
   rows = []
   for tokens in (int(x) for x in args.tokens.split(",")):
     for impl in args.impls.split(","):
-      rows.append(gca_row(impl, args.batch, tokens, args.heads, args.head_dim, args.chunk, args.top_k, dtype,
-                          args.iters))
-      print(rows[-1], flush=True)
+      specs = args.pallas_configs.split(";") if impl == "pallas" and args.pallas_configs else [None]
+      for spec in specs:
+        config = GcaKernelConfig.from_string(spec) if spec else None
+        rows.append(gca_row(impl, args.batch, tokens, args.heads, args.head_dim, args.chunk, args.top_k, dtype,
+                            args.iters, config, f"[{spec}]" if spec else ""))
+        print(rows[-1], flush=True)
     for impl in args.window_impls.split(",") if args.window_impls else ():
       try:
         rows.append(window_row(impl, args.batch, tokens, args.heads, args.head_dim, args.chunk, args.window, dtype,

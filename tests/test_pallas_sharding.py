@@ -130,3 +130,34 @@ def test_power_kernels_run_per_shard_with_states():
   assert rel_err(final.state, expected_state.state) < 1e-5
   for g, eg in zip(grads, expected_grads):
     assert rel_err(g, eg) < 1e-5
+
+
+def test_gca_kernels_run_per_shard():
+  """Grouped heads (4 query heads on 2 key/value heads) split over tensor = 2; chunk weights
+  and indices split over the batch only."""
+  from castle_jax.ops.gca import gca_attention
+  rng = jax.random.split(jax.random.key(4), 6)
+  batch, query_chunks, query_len, heads, kv_heads, dim, memory_chunks, chunk_len, top_k = 4, 2, 5, 4, 2, 16, 3, 6, 2
+  q = jax.random.normal(rng[0], (batch, query_chunks * query_len, heads, dim))
+  chunk_k = jax.random.normal(rng[1], (batch, memory_chunks, chunk_len, kv_heads, dim))
+  chunk_v = jax.random.normal(rng[2], (batch, memory_chunks, chunk_len, kv_heads, dim))
+  weights = jax.nn.softmax(jax.random.normal(rng[3], (batch, query_chunks, top_k)), axis=-1)
+  indices = jax.random.randint(rng[4], (batch, query_chunks, top_k), 0, memory_chunks)
+
+  def run(q, chunk_k, chunk_v, weights, indices):
+    out = gca_attention(q, chunk_k, chunk_v, weights, indices, implementation="pallas")
+    return jnp.sum(out * out), out
+
+  grad_fn = jax.jit(jax.value_and_grad(run, argnums=range(4), has_aux=True))
+  (_, expected), expected_grads = grad_fn(q, chunk_k, chunk_v, weights, indices)
+  mesh = _mesh()
+  with jax.set_mesh(mesh):
+    memory_sharding = NamedSharding(mesh, P(("data", "fsdp"), None, None, "tensor", None))
+    slot_sharding = NamedSharding(mesh, P(("data", "fsdp"), None, None))
+    args = (jax.device_put(q, NamedSharding(mesh, HEADS_SPEC)), *jax.device_put((chunk_k, chunk_v), memory_sharding),
+            *jax.device_put((weights, indices), slot_sharding))
+    assert "shard_map" in str(jax.make_jaxpr(grad_fn)(*args))
+    (_, out), grads = grad_fn(*args)
+  assert rel_err(out, expected) < 1e-5
+  for g, eg in zip(grads, expected_grads):
+    assert rel_err(g, eg) < 1e-5

@@ -5,7 +5,17 @@
     autodiff); a test oracle.
   - "xla": one retrieved chunk at a time with a custom VJP that keeps only per-chunk
     log-normalizers (`chunked.py`); memory O(T (d + k)) for the backward.
-  - None: "xla" (`castle_jax.ops.backend.choose`, logged at debug level).
+  - "pallas": the fused Pallas (Triton) kernels of `pallas_kernels.gca` (each program
+    gathers its retrieved chunks' K/V by index, softmax_1 and the weighted sum in
+    registers; a deterministic backward); power-of-two head dims in [16, 256], memory
+    chunks of at most 256 keys, float32/bfloat16/float16 queries. Compiled on a CUDA GPU,
+    run in Pallas interpret mode elsewhere (slow; for tests).
+  - None: "pallas" on a GPU when the kernels take the inputs, else "xla"
+    (`castle_jax.ops.backend.choose`: logged at debug level; an explicit choice that
+    cannot run raises).
+
+No decoding kernel: DRT's token-by-token step calls this op with its few query rows
+placed on the query-chunk grid and picks the same way.
 """
 
 from __future__ import annotations
@@ -14,15 +24,31 @@ import jax
 
 from castle_jax.ops.backend import Implementation, choose
 from castle_jax.ops.gca.chunked import gca_chunked
+from castle_jax.ops.gca.common import validate_inputs
 from castle_jax.ops.gca.reference import gca_reference
+from castle_jax.sharding import SEQUENCE_HEADS_AXES, map_over_shards
+from pallas_kernels.gca import gca_attention_pallas
+from pallas_kernels.gca.ops import unsupported_reason
 
-IMPLEMENTATIONS = ("reference", "xla")
-_DEFAULT_ORDER = ("xla",)
+IMPLEMENTATIONS = ("reference", "xla", "pallas")
+DEFAULT_ORDER = ("pallas", "xla")
+_MEMORY_AXES = ("batch", None, None, "act_kv_heads", None)  # [batch, chunks, chunk_len, kv_heads, head_dim]
+_SLOT_AXES = ("batch", None, None)  # [batch, query_chunks, k]
+
+
+def implementations(q: jax.Array, chunk_k: jax.Array, pallas_config=None) -> dict[str, Implementation]:
+  """The GCA implementations for these (validated) inputs."""
+  def pallas_unsupported() -> str | None:
+    return unsupported_reason(head_dim=q.shape[-1], chunk_len=chunk_k.shape[2], heads=q.shape[2],
+                              kv_heads=chunk_k.shape[3], dtype=q.dtype, config=pallas_config)
+
+  return {"reference": Implementation(), "xla": Implementation(),
+          "pallas": Implementation(pallas_unsupported, default_backends=("gpu",))}
 
 
 def gca_attention(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, chunk_weights: jax.Array,
                   chunk_indices: jax.Array, *, scale: float | None = None,
-                  implementation: str | None = None) -> jax.Array:
+                  implementation: str | None = None, pallas_config=None) -> jax.Array:
   """Each query chunk attends to its k retrieved memory chunks, separately, and mixes them.
 
   out[b, c*L + i, h] = sum_j chunk_weights[b, c, j] * softmax_1(q[b, c*L + i, h] .
@@ -42,15 +68,29 @@ def gca_attention(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, chunk_we
       chunk each slot holds (out-of-range indices are clipped). No gradient.
     scale: score scale, default 1/sqrt(head_dim).
     implementation: one of IMPLEMENTATIONS or None (see module docstring).
+    pallas_config: a `pallas_kernels.gca.GcaKernelConfig` for "pallas"; None picks the
+      default.
 
   Returns:
-    [batch, seq, heads, head_dim] in q's dtype (bf16 inputs are computed in float32).
+    [batch, seq, heads, head_dim] in q's dtype ("reference"/"xla" compute bf16 inputs in
+    float32; "pallas" runs bf16 products with float32 accumulation).
 
   Raises:
     ValueError: bad shapes or dtypes (naming the argument), seq not a multiple of the
-      query chunks, k < 1, unknown implementation.
+      query chunks, k < 1, unknown implementation or an explicit one that cannot run.
   """
-  implementation = choose("gca_attention", implementation, {name: Implementation() for name in IMPLEMENTATIONS},
-                          _DEFAULT_ORDER)
+  validate_inputs(q, chunk_k, chunk_v, chunk_weights, chunk_indices)
+  implementation = choose("gca_attention", implementation, implementations(q, chunk_k, pallas_config),
+                          DEFAULT_ORDER)
+  if implementation == "pallas":
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+
+    def run(q, chunk_k, chunk_v, chunk_weights, chunk_indices):
+      return gca_attention_pallas(q, chunk_k, chunk_v, chunk_weights, chunk_indices, scale=scale,
+                                  config=pallas_config)
+
+    return map_over_shards(run, (q, chunk_k, chunk_v, chunk_weights, chunk_indices),
+                           [SEQUENCE_HEADS_AXES, _MEMORY_AXES, _MEMORY_AXES, _SLOT_AXES, _SLOT_AXES],
+                           SEQUENCE_HEADS_AXES, what="gca_attention")
   run = gca_reference if implementation == "reference" else gca_chunked
   return run(q, chunk_k, chunk_v, chunk_weights, chunk_indices, scale=scale)

@@ -1,0 +1,162 @@
+"""GCA through the Pallas kernels, differentiable with a custom VJP.
+
+`gca_attention_pallas` takes the layout of the GCA entry point, views the queries as
+[batch, query_chunks, query_len, heads, head_dim] (a reshape), zero-pads each query
+chunk to its query blocks (`kernels.Tiling.segments`) and each memory chunk to a power-of-two tile,
+and runs `kernels.forward`; the custom VJP runs `kernels.backward_queries` (dQ, dw)
+and `kernels.backward_memory` (dK, dV). Padding is exact: padded keys are masked out
+of every softmax_1, padded query rows are sliced off (and their cotangent is zero).
+
+The memory side of the backward needs, for each memory chunk, the (query chunk, slot)
+pairs that retrieved it: a stable argsort of the flat chunk indices and the start of
+each chunk's run in it (`_retrievers`), O(query_chunks * k) integers per sequence.
+
+There is no decoding kernel: DRT's token-by-token step calls the same op over the one
+query chunk it touches (a few rows against k retrieved chunks), where these kernels and
+the XLA path both cost little more than a launch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.config_checks import SMALLEST_TILE, is_power_of_two
+from pallas_kernels.gca import kernels
+from pallas_kernels.gca.config import GcaKernelConfig, default_config
+
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# A memory chunk is one key tile (see `kernels`); beyond 256 keys its score tile no
+# longer fits a program's registers.
+MAX_CHUNK_LEN = 256
+MAX_HEAD_DIM = 256
+
+
+def _next_power_of_two(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+def _largest_power_of_two_dividing(n: int) -> int:
+  return n & -n
+
+
+def unsupported_reason(*, head_dim: int, chunk_len: int, heads: int, kv_heads: int, dtype,
+                       config: GcaKernelConfig | None = None) -> str | None:
+  """Why the kernels cannot run inputs of these sizes (a message naming the argument and the
+  fix), or None. Takes sizes, not arrays, so a caller can ask before any array exists."""
+  config = config or default_config()
+  if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+    return (f"implementation='pallas' takes {[jnp.dtype(d).name for d in SUPPORTED_DTYPES]} queries, got "
+            f"{jnp.dtype(dtype).name}; cast them or use implementation='xla'")
+  if not is_power_of_two(head_dim) or not SMALLEST_TILE <= head_dim <= MAX_HEAD_DIM:
+    return (f"implementation='pallas' needs a power-of-two head_dim in [{SMALLEST_TILE}, {MAX_HEAD_DIM}], got "
+            f"{head_dim}; use implementation='xla'")
+  if chunk_len > MAX_CHUNK_LEN:
+    return (f"implementation='pallas' takes memory chunks of at most {MAX_CHUNK_LEN} keys (chunk_k's chunk_len), "
+            f"got {chunk_len}; use implementation='xla'")
+  per_program = config.heads_per_program
+  if per_program is not None and (heads // kv_heads) % per_program:
+    return (f"GcaKernelConfig.heads_per_program ({per_program}) must divide the query heads per kv head "
+            f"({heads} // {kv_heads}); pick a power of two that does, or None")
+  return None
+
+
+def tiling_for(query_len: int, group: int, chunk_len: int, config: GcaKernelConfig) -> kernels.Tiling:
+  """The static tile sizes for query chunks of `query_len` rows, `group` query heads per kv
+  head and memory chunks of `chunk_len` keys."""
+  query_rows = max(SMALLEST_TILE, _next_power_of_two(query_len))
+  if config.heads_per_program is None:
+    block_q = min(config.block_rows, query_rows)
+    per_program = min(_largest_power_of_two_dividing(group), max(1, config.block_rows // block_q))
+  else:
+    per_program = config.heads_per_program
+    block_q = min(max(SMALLEST_TILE, config.block_rows // per_program), query_rows)
+  return kernels.Tiling(query_len=query_len, block_q=block_q, heads_per_program=per_program, group=group,
+                        chunk_len=chunk_len, padded_chunk_len=max(SMALLEST_TILE, _next_power_of_two(chunk_len)))
+
+
+def _retrievers(indices: jax.Array, weights: jax.Array, memory_chunks: int) -> tuple[jax.Array, jax.Array]:
+  """(order int32 [batch, query_chunks * k], starts int32 [batch, memory_chunks + 1]): the flat
+  (query chunk * k + slot) pairs sorted by the chunk they retrieved, and where each chunk's
+  run begins. Pairs of weight 0 contribute nothing to dK and dV: they sort last, past every run."""
+  batch = indices.shape[0]
+  chunks = jnp.where(weights != 0, indices, memory_chunks).reshape(batch, -1)
+  order = jnp.argsort(chunks, axis=-1, stable=True)
+  sorted_chunks = jnp.take_along_axis(chunks, order, axis=-1)
+  starts = jax.vmap(lambda s: jnp.searchsorted(s, jnp.arange(memory_chunks + 1), side="left"))(sorted_chunks)
+  return order.astype(jnp.int32), starts.astype(jnp.int32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _gca(queries, keys, values, weights, indices, tiling, scale, config, interpret):
+  return kernels.forward(queries, keys, values, weights, indices, tiling=tiling, scale=scale, config=config,
+                         interpret=interpret)[0]
+
+
+def _gca_fwd(queries, keys, values, weights, indices, tiling, scale, config, interpret):
+  out, lse = kernels.forward(queries, keys, values, weights, indices, tiling=tiling, scale=scale, config=config,
+                             interpret=interpret)
+  # O(T k) residuals beyond the inputs: one float32 log-normalizer per row, head and slot.
+  return out, (queries, keys, values, weights, indices, lse)
+
+
+def _gca_bwd(tiling, scale, config, interpret, residuals, d_out):
+  queries, keys, values, weights, indices, lse = residuals
+  options = dict(tiling=tiling, scale=scale, config=config, interpret=interpret)
+  d_out = d_out.astype(queries.dtype)
+  d_queries, delta, d_weights = kernels.backward_queries(queries, keys, values, weights, indices, lse, d_out,
+                                                              **options)
+  order, starts = _retrievers(indices, weights, keys.shape[1])
+  d_keys, d_values = kernels.backward_memory(queries, keys, values, weights, lse, delta, d_out, order, starts,
+                                             **options)
+  return d_queries, d_keys, d_values, d_weights, None
+
+
+_gca.defvjp(_gca_fwd, _gca_bwd)
+
+
+def gca_attention_pallas(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, chunk_weights: jax.Array,
+                         chunk_indices: jax.Array, *, scale: float, config: GcaKernelConfig | None = None,
+                         interpret: bool | None = None) -> jax.Array:
+  """GCA through the Pallas kernels (shapes already checked by the caller).
+
+  Args:
+    q: [batch, seq, heads, head_dim], seq = query_chunks * query_len; head_dim a power of
+      two in [16, 256].
+    chunk_k, chunk_v: [batch, memory_chunks, chunk_len, kv_heads, head_dim], chunk_len <= 256.
+    chunk_weights: float [batch, query_chunks, k].
+    chunk_indices: int [batch, query_chunks, k] (out-of-range indices are clipped).
+    scale: the score scale.
+    config: tiles and launch parameters; None means `default_config()`.
+    interpret: run the kernels in Pallas interpret mode; None means on CPU.
+
+  Returns:
+    [batch, seq, heads, head_dim] in q's dtype. Products take q's dtype (float32 inputs:
+    full float32 products; bf16/f16: bf16/f16 products with float32 accumulation).
+
+  Raises:
+    ValueError: sizes or a dtype the kernels do not take (`unsupported_reason`).
+  """
+  config = config or default_config()
+  if interpret is None:
+    interpret = jax.default_backend() == "cpu"
+  batch, seq, heads, head_dim = q.shape
+  memory_chunks, chunk_len, kv_heads = chunk_k.shape[1:4]
+  reason = unsupported_reason(head_dim=head_dim, chunk_len=chunk_len, heads=heads, kv_heads=kv_heads, dtype=q.dtype,
+                              config=config)
+  if reason:
+    raise ValueError(reason)
+  query_chunks = chunk_indices.shape[1]
+  query_len = seq // query_chunks
+  tiling = tiling_for(query_len, heads // kv_heads, chunk_len, config)
+  padded_query_len = tiling.padded_query_len
+  queries = q.reshape(batch, query_chunks, query_len, heads, head_dim)
+  queries = jnp.pad(queries, ((0, 0), (0, 0), (0, padded_query_len - query_len), (0, 0), (0, 0)))
+  key_padding = ((0, 0), (0, 0), (0, tiling.padded_chunk_len - chunk_len), (0, 0), (0, 0))
+  keys, values = jnp.pad(chunk_k, key_padding), jnp.pad(chunk_v, key_padding)
+  indices = jnp.clip(chunk_indices.astype(jnp.int32), 0, memory_chunks - 1)
+  weights = chunk_weights.astype(jnp.float32)
+  out = _gca(queries, keys, values, weights, indices, tiling, float(scale), config, interpret)
+  return out[:, :, :query_len].reshape(batch, seq, heads, head_dim)

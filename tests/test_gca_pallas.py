@@ -1,0 +1,181 @@
+"""GCA Pallas kernels in interpret mode (CPU): the same kernel code the GPU compiles.
+
+Against the reference op (every retrieved chunk materialized, autodiff): outputs and the
+gradients of q, chunk_k, chunk_v and chunk_weights under a random cotangent, in float32
+(tight) and bf16 (loose), with grouped heads stacked into one tile and looped over,
+plain heads, query chunks and memory chunks that are not a tile (padding), several
+query blocks per chunk, duplicate retrievals (many query chunks picking one memory
+chunk, one chunk twice in a slot list: the memory-side backward's sum), a memory chunk
+nobody retrieves (zero gradient), an empty slot (weight 0; its weight still gets a
+gradient) and an out-of-range index (clipped). Interpret mode starts outputs as NaN, so
+an element a kernel never writes fails the comparison. Then: the default choice and its
+fallback, bad configs, and a lowering for an H100 on CPU (Triton's shape limits).
+"""
+
+import functools
+
+import jax
+from jax.sharding import AbstractDevice, AbstractMesh
+import jax.numpy as jnp
+import pytest
+
+from castle_jax.ops import backend
+from castle_jax.ops.gca import gca_attention
+from castle_jax.ops.gca.api import DEFAULT_ORDER, implementations
+from helpers import rel_err
+from pallas_kernels.gca import GcaKernelConfig, gca_attention_pallas
+from pallas_kernels.gca.ops import tiling_for
+
+pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
+
+GROUPED = dict(batch=2, query_chunks=3, query_len=5, heads=4, kv_heads=2, head_dim=16, memory_chunks=4, chunk_len=6,
+               top_k=3)
+
+
+def _inputs(seed, *, batch, query_chunks, query_len, heads, kv_heads, head_dim, memory_chunks, chunk_len, top_k,
+            dtype=jnp.float32):
+  keys = jax.random.split(jax.random.key(seed), 6)
+  q = jax.random.normal(keys[0], (batch, query_chunks * query_len, heads, head_dim), jnp.float32)
+  chunk_k = jax.random.normal(keys[1], (batch, memory_chunks, chunk_len, kv_heads, head_dim), jnp.float32)
+  chunk_v = jax.random.normal(keys[2], (batch, memory_chunks, chunk_len, kv_heads, head_dim), jnp.float32)
+  weights = jax.nn.softmax(jax.random.normal(keys[3], (batch, query_chunks, top_k)), axis=-1)
+  indices = jax.random.randint(keys[4], (batch, query_chunks, top_k), 0, memory_chunks)
+  cotangent = jax.random.normal(keys[5], q.shape, jnp.float32)
+  return (q.astype(dtype), chunk_k.astype(dtype), chunk_v.astype(dtype), weights, indices), cotangent
+
+
+def _with_hard_retrievals(inputs):
+  """Query chunk 0 holds one chunk twice and an empty last slot; every query chunk also reads
+  memory chunk 1 (several query chunks, one chunk); the last memory chunk is never read."""
+  q, chunk_k, chunk_v, weights, indices = inputs
+  memory_chunks = chunk_k.shape[1]
+  indices = indices % (memory_chunks - 1)
+  indices = indices.at[:, 0, 1].set(indices[:, 0, 0]).at[:, :, 0].set(1)
+  weights = weights.at[:, 0, -1].set(0.0)
+  return q, chunk_k, chunk_v, weights, indices
+
+
+def _value_and_grads(attention, inputs, cotangent):
+  *differentiable, indices = inputs
+
+  def loss(*args):
+    return jnp.sum(attention(*args, indices).astype(jnp.float32) * cotangent)
+
+  out = jax.jit(attention)(*inputs)
+  return out, jax.jit(jax.grad(loss, argnums=range(4)))(*differentiable)
+
+
+def _check_against_reference(inputs, cotangent, tol, config=None):
+  pallas = functools.partial(gca_attention, implementation="pallas", pallas_config=config)
+  out, grads = _value_and_grads(pallas, inputs, cotangent)
+  # The reference in float32 from the same (possibly bf16-rounded) inputs.
+  inputs32 = tuple(x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in inputs)
+  ref_out, ref_grads = _value_and_grads(functools.partial(gca_attention, implementation="reference"), inputs32,
+                                        cotangent)
+  assert out.dtype == inputs[0].dtype
+  assert rel_err(out, ref_out) < tol, ("out", rel_err(out, ref_out))
+  for name, grad, ref, x in zip(("q", "chunk_k", "chunk_v", "chunk_weights"), grads, ref_grads, inputs):
+    assert grad.dtype == x.dtype and grad.shape == x.shape, name
+    assert rel_err(grad, ref) < tol, (name, rel_err(grad, ref))
+  return grads
+
+
+def test_grouped_heads_stacked_in_one_tile_match_the_reference():
+  inputs, cotangent = _inputs(0, **GROUPED)
+  inputs = _with_hard_retrievals(inputs)
+  # Rows of 5 queries pad to a 16-row block; the 2 heads of a kv head share one 32-row tile.
+  assert tiling_for(5, 2, 6, GcaKernelConfig()).heads_per_program == 2
+  grads = _check_against_reference(inputs, cotangent, 1e-5)
+  assert float(jnp.max(jnp.abs(grads[1][:, -1]))) == 0.0  # the chunk nobody retrieved
+  assert float(jnp.min(jnp.abs(grads[3][:, 0, -1]))) > 0.0  # the empty slot's weight still learns
+
+
+def test_several_query_blocks_and_head_blocks_match_the_reference():
+  # 36 rows per query chunk: a 32-row block, then a 16-row block for the last 4 (two launches);
+  # one head per program, so the memory side loops over 2 heads per kv head; chunks exactly
+  # one tile; k = 4 > 3 memory chunks, so chunks repeat within a slot list.
+  shape = dict(batch=1, query_chunks=2, query_len=36, heads=4, kv_heads=2, head_dim=32, memory_chunks=3,
+               chunk_len=16, top_k=4)
+  config = GcaKernelConfig(block_rows=32, heads_per_program=1)
+  assert tiling_for(36, 2, 16, config).segments == ((0, 32, 1), (32, 16, 1))
+  inputs, cotangent = _inputs(1, **shape)
+  _check_against_reference(inputs, cotangent, 1e-5, config)
+
+
+def test_plain_heads_and_a_clipped_index_match_the_reference():
+  shape = dict(batch=1, query_chunks=3, query_len=5, heads=3, kv_heads=3, head_dim=16, memory_chunks=2,
+               chunk_len=6, top_k=2)
+  inputs, cotangent = _inputs(2, **shape)
+  q, chunk_k, chunk_v, weights, indices = inputs
+  indices = indices.at[0, 1, 0].set(7)  # out of range: clipped to the last chunk, as the other paths do
+  _check_against_reference((q, chunk_k, chunk_v, weights, indices), cotangent, 1e-5)
+
+
+def test_bfloat16_matches_the_reference_loosely():
+  inputs, cotangent = _inputs(3, **GROUPED, dtype=jnp.bfloat16)
+  _check_against_reference(_with_hard_retrievals(inputs), cotangent, 2e-2)
+
+
+def test_default_takes_pallas_on_a_gpu_and_falls_back_where_it_cannot_run(monkeypatch):
+  def chosen(head_dim, chunk_len=6, dtype=jnp.float32, config=None):
+    q = jax.ShapeDtypeStruct((1, 10, 4, head_dim), dtype)
+    chunk_k = jax.ShapeDtypeStruct((1, 3, chunk_len, 2, head_dim), dtype)
+    return backend.choose("gca_attention", None, implementations(q, chunk_k, config), DEFAULT_ORDER)
+
+  assert chosen(16) == "xla"  # a default on the GPU only
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert chosen(16) == "pallas"
+  assert chosen(24) == "xla"  # not a power of two
+  assert chosen(16, chunk_len=300) == "xla"  # more keys than one tile holds
+  assert chosen(16, config=GcaKernelConfig(heads_per_program=4)) == "xla"  # 4 does not divide 2 heads per kv head
+
+
+def test_explicit_pallas_on_inputs_it_cannot_take_names_why():
+  inputs, _ = _inputs(4, **{**GROUPED, "head_dim": 24})
+  with pytest.raises(ValueError, match="power-of-two head_dim in \\[16, 256\\], got 24"):
+    gca_attention(*inputs, implementation="pallas")
+  with pytest.raises(ValueError, match="power-of-two head_dim"):
+    gca_attention_pallas(*inputs, scale=1.0)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("block_rows=24", "block_rows must be a power of two"),
+    ("block_rows=8", "block_rows must be >= 16"),
+    ("heads_per_program=3", "heads_per_program must be a power of two"),
+    ("num_warps=0", "num_warps must be an int >= 1"),
+    ("block_q=16", "has no key 'block_q'"),
+])
+def test_bad_configs_name_the_field(text, message):
+  with pytest.raises(ValueError, match=message):
+    GcaKernelConfig.from_string(text)
+
+
+@pytest.mark.parametrize("shape, dtype, config", [
+    # drt_128m: 12 heads x 64, query chunks of 63 tokens + a landmark, memory chunks of 63 keys, k = 8.
+    (dict(batch=1, query_chunks=4, query_len=64, heads=12, kv_heads=12, head_dim=64, memory_chunks=4, chunk_len=63,
+          top_k=8), jnp.bfloat16, None),
+    (GROUPED, jnp.float32, None),
+    # The benchmark's layout: 64 tokens + a landmark = 65 rows, run as 64 + 16.
+    (dict(batch=1, query_chunks=2, query_len=65, heads=4, kv_heads=4, head_dim=64, memory_chunks=2, chunk_len=64,
+          top_k=2), jnp.bfloat16, None),
+    (dict(batch=1, query_chunks=2, query_len=20, heads=8, kv_heads=2, head_dim=128, memory_chunks=3, chunk_len=200,
+          top_k=3), jnp.float16, GcaKernelConfig(block_rows=32, heads_per_program=2)),
+])
+def test_kernels_lower_for_an_h100(shape, dtype, config):
+  """Triton's limits (power-of-two tiles, 2-D products) apply when lowering for CUDA, which
+  runs on CPU; interpret mode does not check them."""
+  inputs, _ = _inputs(5, **shape, dtype=dtype)
+  *differentiable, indices = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs)
+
+  def value_and_grads(*args):
+    def loss(*args):
+      out = gca_attention_pallas(*args, scale=0.125, config=config, interpret=False)
+      return jnp.sum(out.astype(jnp.float32))
+    return jax.value_and_grad(loss, argnums=range(4))(*args)
+
+  h100 = AbstractDevice("NVIDIA H100 80GB HBM3", None, "cuda")
+  with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h100)):
+    lowered = jax.jit(value_and_grads).trace(*differentiable, indices).lower(lowering_platforms=("cuda",))
+  text = lowered.as_text()
+  for kernel in ("gca_forward", "gca_backward_queries", "gca_backward_memory"):
+    assert kernel in text, kernel
