@@ -25,7 +25,8 @@ with the root (the last committed token, not yet run through the target) at posi
            the draft's ring (a padded gather of depth + 1 entries); the bonus is the next root.
 
 The whole generation is one compiled `lax.while_loop`; batch 1 (rows would accept paths
-of different lengths).
+of different lengths). `trace_speculation` runs the same rounds one at a time from Python
+and keeps each round's tree and verdict, to look at them.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -154,6 +155,123 @@ def speculative_generate(target_model, target_params: Any, draft_model: LongSpec
   Returns:
     SpeculativeResult (tokens, tokens per round).
   """
+  shape, prompt = _check_request(target_model, draft_model, prompt, max_new_tokens, tree, temperature, top_k, top_p,
+                                 rng, prefill_chunk)
+  start = time.perf_counter()
+  caches, draft_cache = _prefill(target_model, target_params, draft_model, draft_params, prompt, max_new_tokens, shape,
+                                 prefill_chunk)
+  prefilled = time.perf_counter()
+  rng = jax.random.key(0) if rng is None else rng
+  new_tokens, emitted_per_round, rounds, caches, draft_cache = jax.block_until_ready(_speculate(
+      target_model, draft_model, shape, float(temperature), int(top_k), float(top_p), tree_attention_impl,
+      int(max_new_tokens), target_params, draft_params, caches, draft_cache, prompt[:, -1], rng))
+  decoded = time.perf_counter()
+  counts = np.array(jax.device_get(emitted_per_round))[:int(rounds)]
+  counts[-1] -= int(counts.sum()) - max_new_tokens  # the last round may overshoot max_new_tokens
+  return SpeculativeResult(jnp.concatenate([prompt, new_tokens[:, :max_new_tokens]], axis=1), counts, caches,
+                           draft_cache, prefilled - start, decoded - prefilled)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftedRound:
+  """One round of speculative decoding as it happened: the drafted tree and what the target
+  made of it (host arrays).
+
+  Attributes:
+    position: the root's position (the number of tokens in the target's cache before it).
+    tokens: int32 [nodes], node 0 the root (the last committed token), then level 1's
+      nodes, level 2's, ... (`TreeShape`'s order).
+    parents: int32 [nodes], each node's parent index (-1 for the root).
+    target_next: int32 [nodes], the target's argmax after each node's branch (the cache,
+      the node's ancestors and the node itself) from the verification forward.
+    path: int32 [kept], the accepted nodes from the root down (the root first).
+    emitted: int32 [kept], the tokens the round appended: the accepted drafted tokens, then
+      the bonus token (the target's own choice after the last accepted node).
+  """
+
+  position: int
+  tokens: np.ndarray
+  parents: np.ndarray
+  target_next: np.ndarray
+  path: np.ndarray
+  emitted: np.ndarray
+
+  @property
+  def kept(self) -> int:
+    """Tokens emitted by this round's target forward (accepted drafts + the bonus)."""
+    return int(self.path.size)
+
+
+@dataclasses.dataclass
+class SpeculativeTrace:
+  """What `trace_speculation` returns.
+
+  Attributes:
+    tokens: int32 [1, prompt_len + max_new_tokens], as `speculative_generate` returns them.
+    rounds: the rounds in order; the last one's `emitted` may run past max_new_tokens.
+    prompt_len: the prompt's length.
+  """
+
+  tokens: jax.Array
+  rounds: list[DraftedRound]
+  prompt_len: int
+
+  @property
+  def tokens_per_round(self) -> np.ndarray:
+    """int [rounds], `SpeculativeResult.tokens_per_round`: the last round cut at max_new_tokens."""
+    counts = np.array([drafted.kept for drafted in self.rounds])
+    counts[-1] -= int(counts.sum()) - (self.tokens.shape[1] - self.prompt_len)
+    return counts
+
+  @property
+  def mean_accepted(self) -> float:
+    """tau, as `SpeculativeResult.mean_accepted`."""
+    return float(self.tokens_per_round.mean())
+
+
+def trace_speculation(target_model, target_params: Any, draft_model: LongSpecDraft, draft_params: Any,
+                      prompt: jax.Array, *, max_new_tokens: int, tree: tuple[int, ...] = DEFAULT_TREE,
+                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, rng: jax.Array | None = None,
+                      tree_attention_impl: str | None = None, prefill_chunk: int = 2048) -> SpeculativeTrace:
+  """`speculative_generate` one round at a time from Python, keeping every round's drafted
+  tree and verdict, for inspection and plots.
+
+  Each round is the compiled loop's own round function (`_round`), jitted on its own, with
+  the same arguments and random keys, so the tokens are those of `speculative_generate`
+  with the same inputs. It pays a host round trip per round: use it to look at the
+  algorithm, `speculative_generate` to run it.
+
+  Args: as `speculative_generate`.
+
+  Returns:
+    SpeculativeTrace (tokens, the rounds).
+  """
+  shape, prompt = _check_request(target_model, draft_model, prompt, max_new_tokens, tree, temperature, top_k, top_p,
+                                 rng, prefill_chunk)
+  caches, draft_cache = _prefill(target_model, target_params, draft_model, draft_params, prompt, max_new_tokens, shape,
+                                 prefill_chunk)
+  rng = jax.random.key(0) if rng is None else rng
+  root, position = prompt[:, -1], caches[0].length
+  rounds, emitted_count = [], 0
+  while emitted_count < max_new_tokens:
+    rng, accept_rng = jax.random.split(rng)
+    outcome, caches, draft_cache = _traced_round(target_model, draft_model, shape, float(temperature), int(top_k),
+                                                 float(top_p), tree_attention_impl, target_params, draft_params,
+                                                 caches, draft_cache, root, position, accept_rng)
+    kept = int(outcome.kept)
+    rounds.append(DraftedRound(
+        position=int(position), tokens=np.asarray(outcome.tokens[0]), parents=np.asarray(outcome.parents),
+        target_next=np.asarray(jnp.argmax(outcome.logits, axis=-1), np.int32),
+        path=np.asarray(outcome.path[:kept]), emitted=np.asarray(outcome.emitted[:kept])))
+    root, position, emitted_count = outcome.bonus[None], position + outcome.kept, emitted_count + kept
+  new_tokens = np.concatenate([drafted.emitted for drafted in rounds])[:max_new_tokens]
+  return SpeculativeTrace(jnp.concatenate([prompt, jnp.asarray(new_tokens, jnp.int32)[None]], axis=1), rounds,
+                          prompt.shape[1])
+
+
+def _check_request(target_model, draft_model, prompt, max_new_tokens, tree, temperature, top_k, top_p, rng,
+                   prefill_chunk) -> tuple[TreeShape, jax.Array]:
+  """The tree's shape and the validated prompt int32 [1, prompt_len]; ValueError on a bad request."""
   shape = TreeShape(tuple(tree))
   prompt = validate_request(prompt, max_new_tokens, temperature, top_k, top_p, rng)
   if prompt.shape[0] != 1:
@@ -171,24 +289,17 @@ def speculative_generate(target_model, target_params: Any, draft_model: LongSpec
     if width > continuations:
       raise ValueError(f"tree level {level} keeps {width} nodes, more than the {continuations} distinct "
                        "continuations it can have; narrow the tree")
+  return shape, prompt
 
-  prompt_len = prompt.shape[1]
-  capacity = prompt_len + max_new_tokens + shape.depth + 1
-  start = time.perf_counter()
+
+def _prefill(target_model, target_params, draft_model, draft_params, prompt, max_new_tokens, shape: TreeShape,
+             prefill_chunk):
+  """(target caches, draft cache) holding every prompt token but the last, the first root;
+  the target's caches sized for the whole request and one round's overshoot."""
+  capacity = prompt.shape[1] + max_new_tokens + shape.depth + 1
   caches = prefill_caches(target_model, target_params, prompt[:, :-1], capacity, chunk=prefill_chunk)
-  draft_cache = _prefill_draft(draft_model, draft_params, target_model.config, target_params, prompt[:, :-1],
-                               shape)
-  jax.block_until_ready((caches, draft_cache))
-  prefilled = time.perf_counter()
-  rng = jax.random.key(0) if rng is None else rng
-  new_tokens, emitted_per_round, rounds, caches, draft_cache = jax.block_until_ready(_speculate(
-      target_model, draft_model, shape, float(temperature), int(top_k), float(top_p), tree_attention_impl,
-      int(max_new_tokens), target_params, draft_params, caches, draft_cache, prompt[:, -1], rng))
-  decoded = time.perf_counter()
-  counts = np.array(jax.device_get(emitted_per_round))[:int(rounds)]
-  counts[-1] -= int(counts.sum()) - max_new_tokens  # the last round may overshoot max_new_tokens
-  return SpeculativeResult(jnp.concatenate([prompt, new_tokens[:, :max_new_tokens]], axis=1), counts, caches,
-                           draft_cache, prefilled - start, decoded - prefilled)
+  draft_cache = _prefill_draft(draft_model, draft_params, target_model.config, target_params, prompt[:, :-1], shape)
+  return jax.block_until_ready((caches, draft_cache))
 
 
 def _prefill_draft(draft: LongSpecDraft, params, target_config, target_params, tokens, shape: TreeShape):
@@ -215,7 +326,6 @@ def _speculate(target_model, draft, shape: TreeShape, temperature, top_k, top_p,
                target_params, draft_params, caches, draft_cache, root, rng):
   """(new tokens int32 [1, max_new + depth + 1], tokens per round int32 [max_new], rounds,
   target caches, draft cache)."""
-  target_config = target_model.config
   buffer = jnp.zeros((1, max_new_tokens + shape.depth + 1), jnp.int32)
   per_round = jnp.zeros((max_new_tokens,), jnp.int32)
   position = caches[0].length
@@ -223,35 +333,63 @@ def _speculate(target_model, draft, shape: TreeShape, temperature, top_k, top_p,
   def round_(carry):
     caches, draft_cache, root, position, buffer, count, per_round, rounds, rng = carry
     rng, accept_rng = jax.random.split(rng)
-    tokens, parents, ancestors, draft_cache = _draft_tree(draft, shape, draft_params, target_config, target_params,
-                                                          caches[-1], draft_cache, root, position)
-    positions = position + jnp.asarray(shape.depths())[None]
-    logits, pending = target_model.apply(
-        {"params": target_params}, tokens, positions, caches,
-        TreeVerification(ancestors[None], tree_impl))
-    if temperature == 0.0:
-      path, kept, bonus = _accept_greedy(shape, tokens[0], parents, ancestors, logits[0])
-    else:
-      path, kept, bonus = _accept_sampling(shape, tokens[0], parents, logits[0], accept_rng,
-                                           temperature, top_k, top_p)
-    caches = [cache.append(kv.keys[:, path], kv.values[:, path], count=kept) for cache, kv in zip(caches, pending)]
-    # The draft's entries depend on the token and position alone; the deepest level's
-    # nodes never ran through the draft, so the path's entries are computed here.
-    path_tokens = tokens[0, path]
-    path_keys, path_values = draft.apply(
-        {"params": draft_params}, embed_tokens(target_config, target_params, path_tokens[None]),
-        position + jnp.arange(shape.depth + 1, dtype=jnp.int32)[None], method=LongSpecDraft.self_keys_values)
-    draft_cache = draft_cache.replace(ring=draft_cache.ring.append(path_keys, path_values, count=kept))
-    # Emitted: the accepted nodes' tokens (path[1:kept]) then the bonus.
-    accepted_tokens = jnp.concatenate([path_tokens[1:], jnp.zeros((1,), jnp.int32)])
-    emitted = jnp.where(jnp.arange(shape.depth + 1) == kept - 1, bonus, accepted_tokens)
-    buffer = jax.lax.dynamic_update_slice(buffer, emitted[None], (0, count))
-    per_round = per_round.at[rounds].set(kept)
-    return (caches, draft_cache, bonus[None], position + kept, buffer, count + kept, per_round, rounds + 1, rng)
+    outcome, caches, draft_cache = _round(target_model, draft, shape, temperature, top_k, top_p, tree_impl,
+                                          target_params, draft_params, caches, draft_cache, root, position,
+                                          accept_rng)
+    buffer = jax.lax.dynamic_update_slice(buffer, outcome.emitted[None], (0, count))
+    per_round = per_round.at[rounds].set(outcome.kept)
+    return (caches, draft_cache, outcome.bonus[None], position + outcome.kept, buffer, count + outcome.kept,
+            per_round, rounds + 1, rng)
 
   carry = (caches, draft_cache, root, position, buffer, jnp.int32(0), per_round, jnp.int32(0), rng)
   carry = jax.lax.while_loop(lambda c: c[5] < max_new_tokens, round_, carry)
   return carry[4], carry[6], carry[7], carry[0], carry[1]
+
+
+class _RoundOutcome(NamedTuple):
+  """One round's tree and verdict (device arrays; see `DraftedRound` for their meaning)."""
+
+  tokens: jax.Array  # int32 [1, nodes]
+  parents: jax.Array  # int32 [nodes]
+  logits: jax.Array  # float32 [nodes, V], the target's
+  path: jax.Array  # int32 [depth + 1], padded with 0 past `kept`
+  kept: jax.Array  # int32 scalar
+  bonus: jax.Array  # int32 scalar
+  emitted: jax.Array  # int32 [depth + 1], padded past `kept`
+
+
+def _round(target_model, draft, shape: TreeShape, temperature, top_k, top_p, tree_impl, target_params, draft_params,
+           caches, draft_cache, root, position, accept_rng):
+  """One round (draft, verify, accept, commit; see the module docstring) from the root int32
+  [1] at `position`: (`_RoundOutcome`, target caches, draft cache)."""
+  target_config = target_model.config
+  tokens, parents, ancestors, draft_cache = _draft_tree(draft, shape, draft_params, target_config, target_params,
+                                                        caches[-1], draft_cache, root, position)
+  positions = position + jnp.asarray(shape.depths())[None]
+  logits, pending = target_model.apply(
+      {"params": target_params}, tokens, positions, caches,
+      TreeVerification(ancestors[None], tree_impl))
+  if temperature == 0.0:
+    path, kept, bonus = _accept_greedy(shape, tokens[0], parents, ancestors, logits[0])
+  else:
+    path, kept, bonus = _accept_sampling(shape, tokens[0], parents, logits[0], accept_rng,
+                                         temperature, top_k, top_p)
+  caches = [cache.append(kv.keys[:, path], kv.values[:, path], count=kept) for cache, kv in zip(caches, pending)]
+  # The draft's entries depend on the token and position alone; the deepest level's
+  # nodes never ran through the draft, so the path's entries are computed here.
+  path_tokens = tokens[0, path]
+  path_keys, path_values = draft.apply(
+      {"params": draft_params}, embed_tokens(target_config, target_params, path_tokens[None]),
+      position + jnp.arange(shape.depth + 1, dtype=jnp.int32)[None], method=LongSpecDraft.self_keys_values)
+  draft_cache = draft_cache.replace(ring=draft_cache.ring.append(path_keys, path_values, count=kept))
+  # Emitted: the accepted nodes' tokens (path[1:kept]) then the bonus.
+  accepted_tokens = jnp.concatenate([path_tokens[1:], jnp.zeros((1,), jnp.int32)])
+  emitted = jnp.where(jnp.arange(shape.depth + 1) == kept - 1, bonus, accepted_tokens)
+  return _RoundOutcome(tokens, parents, logits[0], path, kept, bonus, emitted), caches, draft_cache
+
+
+# `_round` compiled on its own (static: the models, the tree and the sampling settings).
+_traced_round = jax.jit(_round, static_argnums=(0, 1, 2, 3, 4, 5, 6))
 
 
 def _draft_tree(draft, shape: TreeShape, draft_params, target_config, target_params, target_cache, draft_cache,
