@@ -27,7 +27,8 @@ class TreeAttentionConfig:
   """
 
   block_rows: int | None = None
-  block_keys: int = 64
+  # 128: 1.1-1.4x faster than 64 for a 69-node tree at 16K-32K slots on an H100.
+  block_keys: int = 128
   splits: int | None = None
   target_programs: int = 256
   num_warps: int = 4
