@@ -1,0 +1,137 @@
+"""CASTLE forward through the Mosaic GPU kernel, in the [batch, seq, heads, head_dim] layout.
+
+`castle_forward_mosaic` folds heads into the batch, zero-pads the sequence to a
+multiple of the blocks (exact: padded keys come after every real query, padded
+lookahead values are zero), precomputes the in-block scores R and the softmax
+shift in XLA, runs `mosaic_forward.forward` and normalizes. Not yet differentiable
+(the Mosaic backward is still to come) and not wired into `castle_attention`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+from jax import lax
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from pallas_kernels.castle import mosaic_forward
+from pallas_kernels.castle.mosaic_config import SUPPORTED_HEAD_DIMS, CastleMosaicConfig
+# The shift rule and the XLA-side tiles are the Triton path's, shared rather than repeated.
+from pallas_kernels.castle.ops import (
+    _EXPONENT_HEADROOM,
+    _SILU_MIN,
+    _diagonal_scores,
+    _in_block_scores,
+    _max_causal_scores,
+)
+
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+class MosaicForward(NamedTuple):
+  """What the forward returns; `lse` and `lookahead_keys` are the backward's residuals.
+
+  out: [batch, seq, heads, head_dim] in the inputs' dtype.
+  lse: float32 [batch, heads, seq], the row log-sum-exp of the scores A.
+  lookahead_keys: float32 [batch, seq, heads, head_dim], row s is u_s^L (the final D).
+  """
+  out: jax.Array
+  lse: jax.Array
+  lookahead_keys: jax.Array
+
+
+def _check(inputs, window):
+  from castle_jax.ops.castle.common import validate_inputs  # the op's shape checks, shared
+  validate_inputs(inputs, window)
+  dtype, head_dim = inputs[0].dtype, inputs[0].shape[-1]
+  if dtype not in SUPPORTED_DTYPES:
+    raise ValueError(f"castle_forward_mosaic takes bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}; "
+                     "cast the inputs or use the Triton kernels (pallas_kernels.castle.castle_attention_pallas)")
+  if head_dim not in SUPPORTED_HEAD_DIMS:
+    raise ValueError(f"castle_forward_mosaic takes head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim} "
+                     "(last axis of q_u); use the Triton kernels for other head dims")
+
+
+def _in_block_scores_transposed(q_c, v_u, scale, block_q):
+  """float16 [BH, L, block_q]; rows of query block i hold R_ii^T (keys j down, queries t across)."""
+  heads, length, _ = q_c.shape
+  scores = _in_block_scores(q_c, v_u, scale, block_q).reshape(heads, length // block_q, block_q, block_q)
+  return scores.swapaxes(-1, -2).reshape(heads, length, block_q).astype(mosaic_forward.LOOKAHEAD_DTYPE)
+
+
+def _forward_heads(q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpret):
+  """[BH, L, d] -> out float32 [BH, L, d], lse float32 [BH, L], keys float32 [BH, L, d]."""
+  in_block_t = _in_block_scores_transposed(q_c, v_u, scale, config.block_q)
+  run = functools.partial(mosaic_forward.forward, q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, scale=scale,
+                          window=window, config=config, interpret=interpret)
+  diagonal = _diagonal_scores(q_c, k_c, scale)
+  acc, sums, keys = run(shift=diagonal)
+
+  def rerun_with_row_max(_):
+    # A score > ~88 above its row's diagonal score overflowed exp: shift by the row
+    # maximum instead, never so far that the diagonal term underflows.
+    row_max = _max_causal_scores(q_c, k_c, scale, config.block_q) + _SILU_MIN
+    shift = jnp.maximum(diagonal, row_max - _EXPONENT_HEADROOM)
+    return run(shift=shift) + (shift,)
+
+  overflowed = jnp.logical_not(jnp.all(jnp.isfinite(sums)))
+  acc, sums, keys, shift = lax.cond(overflowed, rerun_with_row_max, lambda _: (acc, sums, keys, diagonal), None)
+  return acc / sums[..., None], shift + jnp.log(sums), keys
+
+
+def castle_forward_mosaic(
+    q_u: jax.Array,
+    k_u: jax.Array,
+    v_u: jax.Array,
+    q_c: jax.Array,
+    k_c: jax.Array,
+    v_c: jax.Array,
+    *,
+    scale: float,
+    window: int | None = None,
+    config: CastleMosaicConfig | None = None,
+    interpret: bool = False,
+) -> MosaicForward:
+  """CASTLE (or CASTLE-SWL with `window`) forward with the Mosaic GPU kernel (Hopper).
+
+  Same semantics as `castle_jax.ops.castle.castle_attention(..., window=window)` with
+  `scale` as the score scale (the op uses 1/sqrt(head_dim)).
+
+  Args:
+    q_u, k_u, v_u, q_c, k_c, v_c: [batch, seq, heads, head_dim], one shape, bfloat16
+      or float16, head_dim 64 or 128. The lookahead products run in float16
+      (module docstring of `mosaic_forward`), so values must lie within float16 range.
+    scale: the score scale.
+    window: None for CASTLE, W >= 1 for CASTLE-SWL.
+    config: tile sizes; default `CastleMosaicConfig()`.
+    interpret: run in Pallas GPU interpret mode (CPU; slow, for tests).
+
+  Returns:
+    MosaicForward(out, lse, lookahead_keys).
+
+  Raises:
+    ValueError: bad shapes, window, dtype or head dim (naming the argument).
+  """
+  inputs = (q_u, k_u, v_u, q_c, k_c, v_c)
+  _check(inputs, window)
+  config = CastleMosaicConfig() if config is None else config
+  batch, seq, heads, head_dim = q_u.shape
+  multiple = max(config.block_q, config.block_k)
+  padded = -(-seq // multiple) * multiple
+
+  def to_heads(x):
+    x = x.transpose(0, 2, 1, 3).reshape(batch * heads, seq, head_dim)
+    return jnp.pad(x, ((0, 0), (0, padded - seq), (0, 0)))
+
+  def from_heads(x):
+    return x[:, :seq].reshape(batch, heads, seq, head_dim).transpose(0, 2, 1, 3)
+
+  out, lse, keys = _forward_heads(
+      *(to_heads(x) for x in inputs), scale, window, config,
+      plgpu.InterpretGPUParams() if interpret else None)
+  return MosaicForward(out=from_heads(out).astype(q_c.dtype),
+                       lse=lse[:, :seq].reshape(batch, heads, seq),
+                       lookahead_keys=from_heads(keys))
