@@ -9,7 +9,8 @@ chunk, one chunk twice in a slot list: the memory-side backward's sum), a memory
 nobody retrieves (zero gradient), an empty slot (weight 0; its weight still gets a
 gradient) and an out-of-range index (clipped). Interpret mode starts outputs as NaN, so
 an element a kernel never writes fails the comparison. Then: the default choice and its
-fallback, bad configs, and a lowering for an H100 on CPU (Triton's shape limits).
+fallback, bad configs, the shared-memory budget rule, and a lowering for an H100 on CPU
+(Triton's shape limits).
 """
 
 import functools
@@ -23,8 +24,9 @@ from castle_jax.ops import backend
 from castle_jax.ops.gca import gca_attention
 from castle_jax.ops.gca.api import DEFAULT_ORDER, implementations
 from helpers import rel_err
-from pallas_kernels.gca import GcaKernelConfig, gca_attention_pallas
-from pallas_kernels.gca.ops import tiling_for
+from pallas_kernels.gca import GcaKernelConfig, default_config, gca_attention_pallas
+from pallas_kernels.gca import shared_memory
+from pallas_kernels.gca.ops import config_for, tiling_for, unsupported_reason
 
 pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
 
@@ -128,6 +130,7 @@ def test_default_takes_pallas_on_a_gpu_and_falls_back_where_it_cannot_run(monkey
   assert chosen(24) == "xla"  # not a power of two
   assert chosen(16, chunk_len=300) == "xla"  # more keys than one tile holds
   assert chosen(16, config=GcaKernelConfig(heads_per_program=4)) == "xla"  # 4 does not divide 2 heads per kv head
+  assert chosen(256, chunk_len=256, dtype=jnp.bfloat16) == "xla"  # K and V tiles alone past the shared memory
 
 
 def test_explicit_pallas_on_inputs_it_cannot_take_names_why():
@@ -136,6 +139,56 @@ def test_explicit_pallas_on_inputs_it_cannot_take_names_why():
     gca_attention(*inputs, implementation="pallas")
   with pytest.raises(ValueError, match="power-of-two head_dim"):
     gca_attention_pallas(*inputs, scale=1.0)
+
+
+def _estimates(config, tiling, head_dim, dtype):
+  return {kernel: shared_memory.estimate(kernel, tiling, head_dim, dtype, getattr(config, field))
+          for kernel, field in shared_memory.STAGE_FIELDS.items()}
+
+
+# 8 query heads on 2 kv heads, head dim 128, 64 tokens + a landmark = 65 rows per query chunk,
+# 64-key memory chunks: an H100 refused the memory-side backward of the unfitted default in
+# bf16 ("Shared memory size limit exceeded: requested 371204, available: 232448").
+GROUPED_128 = dict(query_len=65, group=4, chunk_len=64, head_dim=128, dtype=jnp.bfloat16)
+REFUSED_BYTES = 371204
+
+
+def test_default_config_fits_grouped_heads_at_head_dim_128_under_the_budget():
+  unfitted = default_config()
+  tiling = tiling_for(65, 4, 64, unfitted)
+  memory_side = shared_memory.estimate("backward_memory", tiling, 128, jnp.bfloat16, unfitted.memory_num_stages)
+  assert abs(memory_side - REFUSED_BYTES) < 16 * 1024  # the estimate tracks what the GPU was asked for
+  config, fitted_tiling = config_for(None, **GROUPED_128)
+  assert fitted_tiling == tiling
+  assert config.memory_num_stages == 1  # the pipelined per-pair tiles were what did not fit
+  assert (config.num_stages, config.bwd_num_stages) == (2, 2)  # the others fit as they were
+  assert max(_estimates(config, tiling, 128, jnp.bfloat16).values()) <= shared_memory.SHARED_MEMORY_BUDGET
+  assert unsupported_reason(heads=8, kv_heads=2, head_dim=128, chunk_len=64, dtype=jnp.bfloat16, query_len=65) is None
+
+
+def test_default_config_keeps_the_drt_shape_as_it_is():
+  # drt_128m: 12 heads x 64, 64-row query chunks, 63-key memory chunks (its speed was measured with these).
+  for dtype in (jnp.bfloat16, jnp.float32):
+    config, tiling = config_for(None, query_len=64, group=1, chunk_len=63, head_dim=64, dtype=dtype)
+    assert config == GcaKernelConfig() == default_config()
+    assert (tiling.block_q, tiling.heads_per_program, tiling.padded_chunk_len, tiling.segments) == (64, 1, 64,
+                                                                                                   ((0, 64, 1),))
+
+
+def test_explicit_config_over_the_budget_names_the_field():
+  over = dict(heads=8, kv_heads=2, head_dim=128, chunk_len=64, dtype=jnp.bfloat16)
+  reason = unsupported_reason(**over, config=GcaKernelConfig(), query_len=65)
+  assert "backward_memory kernel would ask for about 368 KiB" in reason
+  assert "GcaKernelConfig.memory_num_stages=1" in reason
+  assert unsupported_reason(**over, config=GcaKernelConfig(memory_num_stages=1), query_len=65) is None
+  # Chunks and head dims whose K and V tiles alone pass the budget: no config helps.
+  reason = unsupported_reason(**{**over, "head_dim": 256, "chunk_len": 256}, config=GcaKernelConfig(num_stages=1))
+  assert "forward kernel" in reason and "no tiles fit" in reason
+  chunks = jax.ShapeDtypeStruct((1, 2, 64, 2, 128), jnp.bfloat16)
+  slots = (jax.ShapeDtypeStruct((1, 2, 1), jnp.float32), jax.ShapeDtypeStruct((1, 2, 1), jnp.int32))
+  with pytest.raises(ValueError, match="memory_num_stages=2"):
+    jax.eval_shape(functools.partial(gca_attention_pallas, scale=1.0, config=GcaKernelConfig()),
+                   jax.ShapeDtypeStruct((1, 130, 8, 128), jnp.bfloat16), chunks, chunks, *slots)
 
 
 @pytest.mark.parametrize("text, message", [
@@ -159,7 +212,8 @@ def test_bad_configs_name_the_field(text, message):
     (dict(batch=1, query_chunks=2, query_len=65, heads=4, kv_heads=4, head_dim=64, memory_chunks=2, chunk_len=64,
           top_k=2), jnp.bfloat16, None),
     (dict(batch=1, query_chunks=2, query_len=20, heads=8, kv_heads=2, head_dim=128, memory_chunks=3, chunk_len=200,
-          top_k=3), jnp.float16, GcaKernelConfig(block_rows=32, heads_per_program=2)),
+          top_k=3), jnp.float16,
+     GcaKernelConfig(block_rows=32, heads_per_program=2, num_stages=1, bwd_num_stages=1, memory_num_stages=1)),
 ])
 def test_kernels_lower_for_an_h100(shape, dtype, config):
   """Triton's limits (power-of-two tiles, 2-D products) apply when lowering for CUDA, which

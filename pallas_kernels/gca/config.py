@@ -25,6 +25,11 @@ class GcaKernelConfig:
     num_warps, num_stages: Triton launch parameters of the forward kernel.
     bwd_num_warps, bwd_num_stages: the same for the query-side backward (dQ, dw).
     memory_num_warps, memory_num_stages: the same for the memory-side backward (dK, dV).
+
+  Pipelining stages multiply the shared memory a kernel asks for (`shared_memory`): the
+  default config (None where a config is taken) gets any kernel's stages lowered to 1 for
+  the shapes whose tiles would pass the budget; an explicit config runs as given, and one
+  over the budget is refused with a ValueError naming the field.
   """
 
   # Defaults: 64-row tiles with bf16 products fit the registers of 4 warps at head dim 64

@@ -18,13 +18,14 @@ the XLA path both cost little more than a launch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.config_checks import SMALLEST_TILE, is_power_of_two
-from pallas_kernels.gca import kernels
+from pallas_kernels.gca import kernels, shared_memory
 from pallas_kernels.gca.config import GcaKernelConfig, default_config
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -32,6 +33,9 @@ SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # longer fits a program's registers.
 MAX_CHUNK_LEN = 256
 MAX_HEAD_DIM = 256
+# Rows per query chunk that `unsupported_reason` assumes when not told: past two query
+# blocks of any config, so its tiles are the largest that config makes.
+_LONG_QUERY_CHUNK = 1 << 16
 
 
 def _next_power_of_two(n: int) -> int:
@@ -43,10 +47,16 @@ def _largest_power_of_two_dividing(n: int) -> int:
 
 
 def unsupported_reason(*, head_dim: int, chunk_len: int, heads: int, kv_heads: int, dtype,
-                       config: GcaKernelConfig | None = None) -> str | None:
+                       config: GcaKernelConfig | None = None, query_len: int | None = None) -> str | None:
   """Why the kernels cannot run inputs of these sizes (a message naming the argument and the
-  fix), or None. Takes sizes, not arrays, so a caller can ask before any array exists."""
-  config = config or default_config()
+  fix), or None. Takes sizes, not arrays, so a caller can ask before any array exists.
+
+  Includes the shared-memory budget (`shared_memory`): an explicit `config` is checked as
+  given, the default after `config_for` has lowered its stages. The memory-side backward's
+  pipelined tiles grow with the query chunk's rows, so without `query_len` (rows per query
+  chunk) that kernel is checked at one stage only, the floor of the default's rule;
+  `gca_attention_pallas` checks again with it.
+  """
   if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
     return (f"implementation='pallas' takes {[jnp.dtype(d).name for d in SUPPORTED_DTYPES]} queries, got "
             f"{jnp.dtype(dtype).name}; cast them or use implementation='xla'")
@@ -56,11 +66,34 @@ def unsupported_reason(*, head_dim: int, chunk_len: int, heads: int, kv_heads: i
   if chunk_len > MAX_CHUNK_LEN:
     return (f"implementation='pallas' takes memory chunks of at most {MAX_CHUNK_LEN} keys (chunk_k's chunk_len), "
             f"got {chunk_len}; use implementation='xla'")
-  per_program = config.heads_per_program
+  per_program = (config or default_config()).heads_per_program
   if per_program is not None and (heads // kv_heads) % per_program:
     return (f"GcaKernelConfig.heads_per_program ({per_program}) must divide the query heads per kv head "
             f"({heads} // {kv_heads}); pick a power of two that does, or None")
-  return None
+  group = heads // kv_heads
+  if query_len is not None:
+    config, tiling = config_for(config, query_len=query_len, group=group, chunk_len=chunk_len, head_dim=head_dim,
+                                dtype=dtype)
+    return shared_memory.over_budget_reason(config, tiling, head_dim, dtype)
+  # Rows per query chunk unknown: a stand-in long enough for the largest query tiles.
+  config, tiling = config_for(config, query_len=_LONG_QUERY_CHUNK, group=group, chunk_len=chunk_len,
+                              head_dim=head_dim, dtype=dtype)
+  return (shared_memory.over_budget_reason(config, tiling, head_dim, dtype, ("forward", "backward_queries")) or
+          shared_memory.over_budget_reason(dataclasses.replace(config, memory_num_stages=1), tiling, head_dim,
+                                           dtype, ("backward_memory",)))
+
+
+def config_for(config: GcaKernelConfig | None, *, query_len: int, group: int, chunk_len: int, head_dim: int,
+               dtype) -> tuple[GcaKernelConfig, kernels.Tiling]:
+  """(config, tiling) to run: an explicit `config` as given; None: `default_config()` with
+  the stages of any kernel whose tiles would exceed the shared-memory budget lowered to 1
+  (`shared_memory.fit_stages`; the drt_128m shape, 12 heads x 64, 64-row query chunks and
+  63-key chunks, keeps every default)."""
+  if config is not None:
+    return config, tiling_for(query_len, group, chunk_len, config)
+  config = default_config()
+  tiling = tiling_for(query_len, group, chunk_len, config)
+  return shared_memory.fit_stages(config, tiling, head_dim, dtype), tiling
 
 
 def tiling_for(query_len: int, group: int, chunk_len: int, config: GcaKernelConfig) -> kernels.Tiling:
@@ -129,7 +162,8 @@ def gca_attention_pallas(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, c
     chunk_weights: float [batch, query_chunks, k].
     chunk_indices: int [batch, query_chunks, k] (out-of-range indices are clipped).
     scale: the score scale.
-    config: tiles and launch parameters; None means `default_config()`.
+    config: tiles and launch parameters; None means `default_config()` with its stages fitted
+      to the shared-memory budget (`config_for`).
     interpret: run the kernels in Pallas interpret mode; None means on CPU.
 
   Returns:
@@ -137,20 +171,21 @@ def gca_attention_pallas(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, c
     full float32 products; bf16/f16: bf16/f16 products with float32 accumulation).
 
   Raises:
-    ValueError: sizes or a dtype the kernels do not take (`unsupported_reason`).
+    ValueError: sizes or a dtype the kernels do not take, or a config whose tiles exceed the
+      shared-memory budget (`unsupported_reason`).
   """
-  config = config or default_config()
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   batch, seq, heads, head_dim = q.shape
   memory_chunks, chunk_len, kv_heads = chunk_k.shape[1:4]
-  reason = unsupported_reason(head_dim=head_dim, chunk_len=chunk_len, heads=heads, kv_heads=kv_heads, dtype=q.dtype,
-                              config=config)
-  if reason:
-    raise ValueError(reason)
   query_chunks = chunk_indices.shape[1]
   query_len = seq // query_chunks
-  tiling = tiling_for(query_len, heads // kv_heads, chunk_len, config)
+  reason = unsupported_reason(head_dim=head_dim, chunk_len=chunk_len, heads=heads, kv_heads=kv_heads, dtype=q.dtype,
+                              config=config, query_len=query_len)
+  if reason:
+    raise ValueError(reason)
+  config, tiling = config_for(config, query_len=query_len, group=heads // kv_heads, chunk_len=chunk_len,
+                              head_dim=head_dim, dtype=q.dtype)
   padded_query_len = tiling.padded_query_len
   queries = q.reshape(batch, query_chunks, query_len, heads, head_dim)
   queries = jnp.pad(queries, ((0, 0), (0, 0), (0, padded_query_len - query_len), (0, 0), (0, 0)))
