@@ -36,11 +36,14 @@ _MEMORY_AXES = ("batch", None, None, "act_kv_heads", None)  # [batch, chunks, ch
 _SLOT_AXES = ("batch", None, None)  # [batch, query_chunks, k]
 
 
-def implementations(q: jax.Array, chunk_k: jax.Array, pallas_config=None) -> dict[str, Implementation]:
-  """The GCA implementations for these (validated) inputs."""
+def implementations(q: jax.Array, chunk_k: jax.Array, pallas_config=None,
+                    query_chunks: int | None = None) -> dict[str, Implementation]:
+  """The GCA implementations for these (validated) inputs; `query_chunks` (chunk_indices'
+  second axis) lets the kernels' shared-memory check count a query chunk's rows."""
   def pallas_unsupported() -> str | None:
+    query_len = None if query_chunks is None else q.shape[1] // query_chunks
     return unsupported_reason(head_dim=q.shape[-1], chunk_len=chunk_k.shape[2], heads=q.shape[2],
-                              kv_heads=chunk_k.shape[3], dtype=q.dtype, config=pallas_config)
+                              kv_heads=chunk_k.shape[3], dtype=q.dtype, config=pallas_config, query_len=query_len)
 
   return {"reference": Implementation(), "xla": Implementation(),
           "pallas": Implementation(pallas_unsupported, default_backends=("gpu",))}
@@ -80,8 +83,8 @@ def gca_attention(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, chunk_we
       query chunks, k < 1, unknown implementation or an explicit one that cannot run.
   """
   validate_inputs(q, chunk_k, chunk_v, chunk_weights, chunk_indices)
-  implementation = choose("gca_attention", implementation, implementations(q, chunk_k, pallas_config),
-                          DEFAULT_ORDER)
+  implementation = choose("gca_attention", implementation,
+                          implementations(q, chunk_k, pallas_config, chunk_indices.shape[1]), DEFAULT_ORDER)
   if implementation == "pallas":
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
 
