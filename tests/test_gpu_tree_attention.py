@@ -17,6 +17,7 @@ import pytest
 from castle_jax.ops.tree_attention import cache_attention, tree_attention, tree_attention_reference
 from pallas_kernels.tree_attention import TreeAttentionConfig
 from helpers import rel_err
+from test_tree_attention import numpy_ancestors
 
 pytestmark = pytest.mark.gpu
 
@@ -27,12 +28,7 @@ def _inputs(seed, batch, n, heads, kv_heads, head_dim, capacity, dtype):
   keys = jax.random.split(jax.random.key(seed), 6)
   normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(dtype)
   parents = np.array([-1] + [np.random.default_rng(seed).integers(0, i) for i in range(1, n)], np.int32)
-  mask = np.zeros((n, n), bool)
-  for i in range(n):
-    node = i
-    while node != -1:
-      mask[i, node] = True
-      node = parents[node]
+  mask = numpy_ancestors(parents)
   return dict(q=normal(keys[0], (batch, n, heads, head_dim)),
               cache_k=normal(keys[1], (batch, capacity, kv_heads, head_dim)),
               cache_v=normal(keys[2], (batch, capacity, kv_heads, head_dim)),

@@ -13,20 +13,13 @@ import functools
 from typing import NamedTuple
 
 import jax
-from jax import lax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels.castle import mosaic_forward
 from pallas_kernels.castle.mosaic_config import SUPPORTED_HEAD_DIMS, CastleMosaicConfig
 # The shift rule and the XLA-side tiles are the Triton path's, shared rather than repeated.
-from pallas_kernels.castle.ops import (
-    _EXPONENT_HEADROOM,
-    _SILU_MIN,
-    _diagonal_scores,
-    _in_block_scores,
-    _max_causal_scores,
-)
+from pallas_kernels.castle.ops import _in_block_scores, normalize_with_safe_shift
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 
@@ -67,19 +60,7 @@ def _forward_heads(q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpre
   in_block_t = _in_block_scores_transposed(q_c, v_u, scale, config.block_q)
   run = functools.partial(mosaic_forward.forward, q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, scale=scale,
                           window=window, config=config, interpret=interpret)
-  diagonal = _diagonal_scores(q_c, k_c, scale)
-  acc, sums, keys = run(shift=diagonal)
-
-  def rerun_with_row_max(_):
-    # A score > ~88 above its row's diagonal score overflowed exp: shift by the row
-    # maximum instead, never so far that the diagonal term underflows.
-    row_max = _max_causal_scores(q_c, k_c, scale, config.block_q) + _SILU_MIN
-    shift = jnp.maximum(diagonal, row_max - _EXPONENT_HEADROOM)
-    return run(shift=shift) + (shift,)
-
-  overflowed = jnp.logical_not(jnp.all(jnp.isfinite(sums)))
-  acc, sums, keys, shift = lax.cond(overflowed, rerun_with_row_max, lambda _: (acc, sums, keys, diagonal), None)
-  return acc / sums[..., None], shift + jnp.log(sums), keys
+  return normalize_with_safe_shift(run, q_c, k_c, scale, config.block_q)
 
 
 def castle_forward_mosaic(

@@ -73,18 +73,22 @@ def _max_causal_scores(q_c: jax.Array, k_c: jax.Array, scale: float, block: int)
   return maxima.transpose(1, 0, 2).reshape(heads, length)
 
 
-def _forward(q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpret):
-  """Returns out (float32 [BH, L, D]), lse (float32 [BH, L]) and the final D."""
-  in_block = _in_block_scores(q_c, v_u, scale, config.block_q)
-  run = functools.partial(kernels.forward, q_u, k_u, v_u, q_c, k_c, v_c, in_block=in_block, scale=scale,
-                          window=window, config=config, interpret=interpret)
+def normalize_with_safe_shift(run, q_c: jax.Array, k_c: jax.Array, scale: float, block_q: int):
+  """A forward kernel's output, normalized, with its per-row shift chosen safely.
+
+  `run(shift=...)` -> (unnormalized output, row sums, final D) of a forward kernel that
+  exponentiates scores minus a per-row shift. It runs shifted by each row's diagonal
+  score and, only if a sum overflowed, again shifted by the row maximum.
+
+  Returns out (float32 [BH, L, D]), lse (float32 [BH, L]) and the final D.
+  """
   diagonal = _diagonal_scores(q_c, k_c, scale)
   acc, sums, keys = run(shift=diagonal)
 
   def rerun_with_row_max(_):
     # Some score was > ~88 above its row's diagonal score and exp overflowed: shift by
     # the row maximum instead, but never so far that the diagonal term underflows.
-    row_max = _max_causal_scores(q_c, k_c, scale, config.block_q) + _SILU_MIN
+    row_max = _max_causal_scores(q_c, k_c, scale, block_q) + _SILU_MIN
     shift = jnp.maximum(diagonal, row_max - _EXPONENT_HEADROOM)
     return run(shift=shift) + (shift,)
 
@@ -92,6 +96,14 @@ def _forward(q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpret):
   acc, sums, keys, shift = lax.cond(overflowed, rerun_with_row_max, lambda _: (acc, sums, keys, diagonal),
                                     None)
   return acc / sums[..., None], shift + jnp.log(sums), keys
+
+
+def _forward(q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpret):
+  """Returns out (float32 [BH, L, D]), lse (float32 [BH, L]) and the final D."""
+  in_block = _in_block_scores(q_c, v_u, scale, config.block_q)
+  run = functools.partial(kernels.forward, q_u, k_u, v_u, q_c, k_c, v_c, in_block=in_block, scale=scale,
+                          window=window, config=config, interpret=interpret)
+  return normalize_with_safe_shift(run, q_c, k_c, scale, config.block_q)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
