@@ -36,9 +36,18 @@ class MosaicForward(NamedTuple):
   lookahead_keys: jax.Array
 
 
+_INPUT_NAMES = ("q_u", "k_u", "v_u", "q_c", "k_c", "v_c")
+
+
 def _check(inputs, window):
-  from castle_jax.ops.castle.common import validate_inputs  # the op's shape checks, shared
-  validate_inputs(inputs, window)
+  """The kernel's own limits; the full checks of shapes and windows are `castle_attention`'s
+  (kernels import nothing of castle_jax), so only what would otherwise fail obscurely here."""
+  for name, x in zip(_INPUT_NAMES, inputs):
+    if x.ndim != 4 or x.shape != inputs[0].shape or x.dtype != inputs[0].dtype:
+      raise ValueError(f"castle_forward_mosaic: {name} must have q_u's shape [batch, seq, heads, head_dim] "
+                       f"{inputs[0].shape} and dtype {inputs[0].dtype}; got {x.shape} {x.dtype}")
+  if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+    raise ValueError(f"castle_forward_mosaic: window must be None or an int >= 1, got {window!r}")
   dtype, head_dim = inputs[0].dtype, inputs[0].shape[-1]
   if dtype not in SUPPORTED_DTYPES:
     raise ValueError(f"castle_forward_mosaic takes bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}; "
