@@ -96,3 +96,11 @@ def test_config_checks():
   with pytest.raises(ValueError, match="block_q must be 64"):
     CastleMosaicConfig(block_q=128)
   assert CastleMosaicConfig.from_string("block_k=64") == CastleMosaicConfig()
+
+
+def test_rejects_mismatched_inputs_and_bad_windows():
+  inputs = _inputs(0, (1, 64, 1, 64))
+  with pytest.raises(ValueError, match=r"k_c must have q_u's shape"):
+    _mosaic(inputs[:4] + (inputs[4][:, :32],) + inputs[5:], None)
+  with pytest.raises(ValueError, match=r"window must be None or an int >= 1, got 0"):
+    _mosaic(inputs, 0)
