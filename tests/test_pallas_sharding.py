@@ -9,6 +9,7 @@ does not divide over the mesh is a clear error.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 import pytest
 
@@ -161,3 +162,26 @@ def test_gca_kernels_run_per_shard():
   assert rel_err(out, expected) < 1e-5
   for g, eg in zip(grads, expected_grads):
     assert rel_err(g, eg) < 1e-5
+
+
+def test_tree_attention_kernel_runs_per_shard():
+  """Batch rows over data x fsdp with their own lengths and trees, grouped heads (4 query
+  heads on 2 key/value heads) over tensor = 2."""
+  from castle_jax.ops.tree_attention import tree_attention
+  from test_tree_attention import make_inputs
+  inputs = make_inputs(8, batch=4, n=5, heads=4, kv_heads=2, head_dim=16, capacity=40, cache_length=[0, 40, 17, 3])
+  run = jax.jit(lambda **kw: tree_attention(**kw, implementation="pallas", return_lse=True))
+  expected = run(**inputs)
+  mesh = _mesh()
+  with jax.set_mesh(mesh):
+    rows = NamedSharding(mesh, P(("data", "fsdp")))
+    sharded = {**inputs,
+               "q": jax.device_put(inputs["q"], NamedSharding(mesh, HEADS_SPEC)),
+               **{name: jax.device_put(inputs[name], NamedSharding(mesh, P(("data", "fsdp"), None, "tensor", None)))
+                  for name in ("cache_k", "cache_v", "tree_k", "tree_v")},
+               "cache_length": jax.device_put(inputs["cache_length"], rows),
+               "tree_mask": jax.device_put(inputs["tree_mask"], NamedSharding(mesh, P(("data", "fsdp"), None, None)))}
+    assert "shard_map" in str(jax.make_jaxpr(run)(**sharded))
+    out, lse = run(**sharded)
+  assert rel_err(out, expected[0]) < 1e-6
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(expected[1]), rtol=1e-6)

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from castle_jax.ops.backend import Implementation, choose
+from castle_jax.sharding import KV_SEQUENCE_HEADS_AXES, SEQUENCE_HEADS_AXES, map_over_shards
 from castle_jax.ops.tree_attention.reference import cache_attention_reference, tree_attention_reference
 from castle_jax.ops.tree_attention.split import cache_attention as split_cache_attention, hybrid_tree_attention
 from pallas_kernels.tree_attention import TreeAttentionConfig, supports_head_dim, tree_attention_pallas
@@ -55,8 +56,19 @@ def _implementations(head_dim: int) -> dict[str, Implementation]:
 
 def _pallas(q, cache_k, cache_v, cache_length, tree_k=None, tree_v=None, tree_mask=None, *,
             config: TreeAttentionConfig | None):
-  return tree_attention_pallas(q, cache_k, cache_v, cache_length, tree_k, tree_v, tree_mask, config=config,
-                               interpret=jax.default_backend() == "cpu")
+  """The kernel, per shard of batch rows and heads under a device mesh."""
+  interpret = jax.default_backend() == "cpu"
+  cache_length = jnp.asarray(cache_length, jnp.int32)
+  args = [q, cache_k, cache_v, cache_length]
+  axes = [SEQUENCE_HEADS_AXES, KV_SEQUENCE_HEADS_AXES, KV_SEQUENCE_HEADS_AXES, ("batch",) if cache_length.ndim else None]
+  if tree_k is not None:
+    args += [tree_k, tree_v, tree_mask]
+    axes += [KV_SEQUENCE_HEADS_AXES, KV_SEQUENCE_HEADS_AXES, ("batch", None, None) if tree_mask.ndim == 3 else None]
+
+  def run(*shard_args):
+    return tree_attention_pallas(*shard_args, config=config, interpret=interpret)
+
+  return map_over_shards(run, args, axes, [SEQUENCE_HEADS_AXES, ("batch", None, "act_heads")], what="tree_attention")
 
 
 def _check_layout(name: str, x: jax.Array, layout: str) -> None:
