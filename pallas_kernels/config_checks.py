@@ -12,6 +12,11 @@ def is_power_of_two(n: int) -> bool:
   return n >= 1 and n & (n - 1) == 0
 
 
+def next_power_of_two(n: int) -> int:
+  """The smallest power of two >= n (1 for n <= 1): the padded size of a tile of n rows."""
+  return 1 << max(0, n - 1).bit_length()
+
+
 def check_int_fields(config, *, power_of_two: tuple[str, ...], tiles: tuple[str, ...], skip: tuple[str, ...] = ()):
   """Raises ValueError unless every field (but `skip`) is an int >= 1, the `power_of_two`
   fields are powers of two and the `tiles` fields are at least SMALLEST_TILE."""

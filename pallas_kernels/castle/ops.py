@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.castle import kernels
 from pallas_kernels.castle.config import CastleKernelConfig, default_config
+from pallas_kernels.config_checks import next_power_of_two
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # SiLU(x) >= -0.2785 for every x, so A[t, s] <= S^C[t, s] + 0.2785.
@@ -25,10 +26,6 @@ _SILU_MIN = 0.27846454276
 # Shifts keep exponents within float32 range: exp(80) ~ 5.5e34 leaves room for sums of
 # up to ~6000x that many terms before the float32 maximum.
 _EXPONENT_HEADROOM = 80.0
-
-
-def _next_power_of_two(n: int) -> int:
-  return 1 << max(0, (n - 1).bit_length())
 
 
 def _precision(dtype):
@@ -148,7 +145,7 @@ _castle_heads.defvjp(_castle_heads_fwd, _castle_heads_bwd)
 def _prepare(inputs, config: CastleKernelConfig):
   """[B, T, H, D] inputs -> [B * H, L, D'] padded, plus what undoes it."""
   batch, seq, heads, head_dim = inputs[0].shape
-  padded_head_dim = max(16, _next_power_of_two(head_dim))
+  padded_head_dim = max(16, next_power_of_two(head_dim))
   multiple = max(config.block_q, config.block_k, config.bwd_block_q, config.bwd_block_k)
   padded_len = -(-seq // multiple) * multiple
 
@@ -171,7 +168,7 @@ def _resolve(inputs, config, interpret):
     raise ValueError(f"The CASTLE Pallas kernels take float32, bfloat16 or float16 inputs; got {inputs[0].dtype}. "
                      "Cast the inputs or use implementation='xla'")
   if config is None:
-    config = default_config(_next_power_of_two(inputs[0].shape[-1]))
+    config = default_config(next_power_of_two(inputs[0].shape[-1]))
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   return config, interpret

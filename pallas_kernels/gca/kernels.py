@@ -48,6 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 
+from pallas_kernels.config_checks import next_power_of_two
 from pallas_kernels.gca.config import GcaKernelConfig
 
 LOG2_E = math.log2(math.e)
@@ -83,7 +84,7 @@ class Tiling:
     rest = self.query_len - full * self.block_q
     runs = [(0, self.block_q, full)] if full else []
     if rest:
-      runs.append((full * self.block_q, max(_SMALLEST_BLOCK, 1 << (rest - 1).bit_length()), 1))
+      runs.append((full * self.block_q, max(_SMALLEST_BLOCK, next_power_of_two(rest)), 1))
     return tuple(runs)
 
   @property

@@ -24,7 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.config_checks import SMALLEST_TILE, is_power_of_two
+from pallas_kernels.config_checks import SMALLEST_TILE, is_power_of_two, next_power_of_two
 from pallas_kernels.gca import kernels, shared_memory
 from pallas_kernels.gca.config import GcaKernelConfig, default_config
 
@@ -36,10 +36,6 @@ MAX_HEAD_DIM = 256
 # Rows per query chunk that `unsupported_reason` assumes when not told: past two query
 # blocks of any config, so its tiles are the largest that config makes.
 _LONG_QUERY_CHUNK = 1 << 16
-
-
-def _next_power_of_two(n: int) -> int:
-  return 1 << max(0, (n - 1).bit_length())
 
 
 def _largest_power_of_two_dividing(n: int) -> int:
@@ -99,7 +95,7 @@ def config_for(config: GcaKernelConfig | None, *, query_len: int, group: int, ch
 def tiling_for(query_len: int, group: int, chunk_len: int, config: GcaKernelConfig) -> kernels.Tiling:
   """The static tile sizes for query chunks of `query_len` rows, `group` query heads per kv
   head and memory chunks of `chunk_len` keys."""
-  query_rows = max(SMALLEST_TILE, _next_power_of_two(query_len))
+  query_rows = max(SMALLEST_TILE, next_power_of_two(query_len))
   if config.heads_per_program is None:
     block_q = min(config.block_rows, query_rows)
     per_program = min(_largest_power_of_two_dividing(group), max(1, config.block_rows // block_q))
@@ -107,7 +103,7 @@ def tiling_for(query_len: int, group: int, chunk_len: int, config: GcaKernelConf
     per_program = config.heads_per_program
     block_q = min(max(SMALLEST_TILE, config.block_rows // per_program), query_rows)
   return kernels.Tiling(query_len=query_len, block_q=block_q, heads_per_program=per_program, group=group,
-                        chunk_len=chunk_len, padded_chunk_len=max(SMALLEST_TILE, _next_power_of_two(chunk_len)))
+                        chunk_len=chunk_len, padded_chunk_len=max(SMALLEST_TILE, next_power_of_two(chunk_len)))
 
 
 def _retrievers(indices: jax.Array, weights: jax.Array, memory_chunks: int) -> tuple[jax.Array, jax.Array]:
