@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from pallas_kernels.castle.config import CastleDecodeConfig
 from pallas_kernels.castle.kernels import sigmoid, silu
 from pallas_kernels.config_checks import is_power_of_two
+from pallas_kernels.split_k import merge_split_states
 
 # Programs the default split count aims for: ~30 per SM of an H100, so that enough row
 # loads are in flight to saturate memory (measured: 8 splits of 576 heads beat 1-2).
@@ -158,8 +159,5 @@ def decode_attend(q_c, k_u, v_u, lookahead_queries, causal_keys, causal_values, 
       name="castle_decode",
   )(jnp.asarray(last_row, jnp.int32), jnp.asarray(update_end, jnp.int32), q_c, k_u, v_u, lookahead_queries,
     causal_keys, causal_values, lookahead_keys)
-  # Merge the splits' partial softmax states (a split without rows has max -inf, sum 0).
-  overall = jnp.max(maxima, axis=0)
-  weights = jnp.where(jnp.isfinite(maxima), jnp.exp(maxima - overall), 0.0)
-  output = jnp.sum(weights * acc, axis=0) / jnp.sum(weights * sums, axis=0)
+  output, _ = merge_split_states(maxima[..., 0], sums[..., 0], acc)
   return output, keys

@@ -29,7 +29,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 
-from pallas_kernels.config_checks import SMALLEST_TILE, is_power_of_two
+from pallas_kernels.config_checks import SMALLEST_TILE, is_power_of_two, next_power_of_two
+from pallas_kernels.split_k import merge_split_states
 from pallas_kernels.tree_attention.config import TreeAttentionConfig
 
 # Measured on an H100 (8 query / 4 KV heads of 64, 69 nodes, 4K-32K cache): 64-row blocks
@@ -43,14 +44,10 @@ def supports_head_dim(head_dim: int) -> bool:
   return head_dim >= SMALLEST_TILE and is_power_of_two(head_dim)
 
 
-def _next_power_of_two(n: int) -> int:
-  return 1 << max(0, n - 1).bit_length()
-
-
 def _block_rows(rows: int, config: TreeAttentionConfig) -> int:
   if config.block_rows is not None:
     return config.block_rows
-  return min(_MAX_DEFAULT_BLOCK_ROWS, max(SMALLEST_TILE, _next_power_of_two(rows)))
+  return min(_MAX_DEFAULT_BLOCK_ROWS, max(SMALLEST_TILE, next_power_of_two(rows)))
 
 
 def _splits(other_programs: int, capacity: int, config: TreeAttentionConfig) -> int:
@@ -149,20 +146,6 @@ def _heads_of_rows(x: jax.Array, n: int, heads: int) -> jax.Array:
   return moved.reshape(batch, n, heads, *tail)
 
 
-def _merge_splits(maxima: jax.Array, sums: jax.Array, accs: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Partial softmax states [splits, ...] -> (output [...] normalized, lse), both float32.
-
-  A split that saw no key has max -inf and sum 0; a row that saw nothing gets output 0
-  and lse -inf."""
-  overall = jnp.max(maxima, axis=0)
-  shift = jnp.where(overall == -jnp.inf, 0.0, overall)
-  weights = jnp.exp(maxima - shift)  # exp(-inf) = 0 for empty splits
-  total = jnp.sum(weights * sums, axis=0)
-  out = jnp.sum(weights[..., None] * accs, axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
-  lse = jnp.where(total > 0, shift + jnp.log(total), -jnp.inf)
-  return out, lse
-
-
 def tree_attention_pallas(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, cache_length: jax.Array,
                           tree_k: jax.Array | None = None, tree_v: jax.Array | None = None,
                           tree_mask: jax.Array | None = None, *, config: TreeAttentionConfig | None = None,
@@ -205,7 +188,7 @@ def tree_attention_pallas(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, 
   in_specs = [pl.BlockSpec((batch,), program), rows_spec, cache_spec, cache_spec]
   inputs = [lengths, q_rows, cache_k, cache_v]
   tree_nodes = 0 if tree_k is None else n
-  tree_block = max(SMALLEST_TILE, _next_power_of_two(n))
+  tree_block = max(SMALLEST_TILE, next_power_of_two(n))
   if tree_nodes:
     # Row r is node r // group: the node mask repeated per head of the group, padded
     # with invisible rows and columns to the tiles.
@@ -232,5 +215,5 @@ def tree_attention_pallas(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, 
       interpret=interpret,
       name="tree_attention",
   )(*inputs)
-  out, lse = _merge_splits(maxima, sums, accs)
+  out, lse = merge_split_states(maxima, sums, accs)
   return _heads_of_rows(out, n, heads).astype(q.dtype), _heads_of_rows(lse, n, heads)
