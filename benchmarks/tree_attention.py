@@ -90,7 +90,7 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   dtype = jnp.dtype(args.dtype)
   lengths = [int(x) for x in args.lengths.split(",") if x]
-  configs = [TreeAttentionConfig.from_string(text) for text in args.configs.split(";") if text.strip()]
+  configs = [(text.strip(), TreeAttentionConfig.from_string(text)) for text in args.configs.split(";") if text.strip()]
   b, n, h, kv, d, layers = args.batch, args.nodes, args.heads, args.kv_heads, args.head_dim, args.layers
   mask = tree_mask_from_parents(jnp.asarray(tree_parents(n)))
   records = []
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     record("tree", length, n, "dense masked [cache ; tree]", chain(dense), tree_inputs, cache_bytes)
     for name, impl, config in ([("xla split", "xla", None), ("pallas", "pallas", None)]
                                + [(f"pallas {text}", "pallas", config)
-                                  for text, config in zip(args.configs.split(";"), configs)]):
+                                  for text, config in configs]):
       attend = functools.partial(
           lambda q, ck, cv, tk, tv, impl, config: tree_attention(q, ck, cv, filled, tk, tv, mask,
                                                                  implementation=impl, pallas_config=config),
