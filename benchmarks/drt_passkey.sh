@@ -1,18 +1,41 @@
 #!/usr/bin/env bash
-# Passkey retrieval far past the training length on one GPU:
-#   trains configs/drt_small_passkey.py from scratch for TRAIN_SECONDS (SIGTERM then saves
-#   a checkpoint), then scores passkey prompts of LENGTHS tokens with the chunk memory in
-#   host RAM (python -m castle_jax.eval.passkey; device memory per length in the JSON).
+# Passkey retrieval far past the training length on one GPU, the paper's recipe:
+#   1. language-model pre-training of configs/drt_small.py (4K-token windows),
+#   2. a passkey fine-tune from it (configs/drt_small_passkey.py, train.init_from),
+#   3. passkey accuracy at each length of EVALS (python -m castle_jax.eval.passkey),
+#      with the chunk memory in host RAM; device memory per length in the JSON.
+# Each training run is bounded by a time budget (SIGTERM saves a checkpoint).
 #
-#   PYTHON=python3 OUT=results TRAIN_SECONDS=270 LENGTHS=2048,16384,131072,1048576 EXAMPLES=10 \
-#       bash benchmarks/drt_passkey.sh [--config.key=value ...]
+#   PYTHON=python3 OUT=results RUNS=runs/drt_passkey PRETRAIN_SECONDS=300 FINETUNE_SECONDS=170 \
+#   EVALS=4096:20,65536:20,1048576:10 bash benchmarks/drt_passkey.sh [--config.key=value ...]
+#
+# EVALS: length:examples pairs, one evaluation process each. STAGE=train trains only,
+# STAGE=eval evaluates the runs already in $RUNS, the default does both. Extra flags go
+# to both training runs (e.g. smaller shapes for a dry run on CPU).
 set -u
-OUT=${OUT:-runs/drt_passkey}
-WORKDIR=${WORKDIR:-/tmp/drt_small_passkey}
-mkdir -p "$OUT"
-timeout -s TERM "${TRAIN_SECONDS:-270}" "${PYTHON:-python3}" -m train --config=configs/drt_small_passkey.py --workdir="$WORKDIR" \
-    --config.train.progress_bar=False "$@"
-echo "train exit status $? (124/143: stopped by the time budget after saving)"
-cp "$WORKDIR/metrics.jsonl" "$OUT/" 2>/dev/null
-"${PYTHON:-python3}" -m castle_jax.eval.passkey --workdir="$WORKDIR" --lengths="${LENGTHS:-2048,16384,131072,1048576}" \
-    --examples="${EXAMPLES:-10}" --output="$OUT/passkey.json"
+STAGE=${STAGE:-all}
+PY=${PYTHON:-python3}
+OUT=${OUT:-runs/drt_passkey_results}
+RUNS=${RUNS:-runs/drt_passkey}
+mkdir -p "$OUT" "$RUNS"
+train() {  # seconds workdir config [flags...]
+  local seconds=$1 workdir=$2 config=$3; shift 3
+  timeout -s TERM "$seconds" "$PY" -m train --config="$config" --workdir="$workdir" \
+      --config.train.progress_bar=False "$@" 2>&1 | grep -v "^WARNING\|warn" | tail -n 6
+  local status=${PIPESTATUS[0]}
+  echo "$(basename "$workdir"): exit status $status (124: stopped by the time budget after saving)"
+  mkdir -p "$OUT/$(basename "$workdir")" && cp "$workdir/metrics.jsonl" "$OUT/$(basename "$workdir")/" 2>/dev/null
+  # A run that failed (rather than ran out of time) leaves nothing for the next stage.
+  if [ "$status" != 0 ] && [ "$status" != 124 ]; then exit "$status"; fi
+}
+if [ "$STAGE" != eval ]; then
+  train "${PRETRAIN_SECONDS:-300}" "$RUNS/pretrain" configs/drt_small.py "$@"
+  train "${FINETUNE_SECONDS:-170}" "$RUNS/passkey" configs/drt_small_passkey.py \
+      --config.train.init_from="$RUNS/pretrain" "$@"
+fi
+[ "$STAGE" = train ] && exit 0
+for pair in $(echo "${EVALS:-4096:20,65536:20}" | tr , ' '); do
+  length=${pair%%:*} examples=${pair##*:}
+  "$PY" -m castle_jax.eval.passkey --workdir="$RUNS/passkey" --lengths="$length" --examples="$examples" \
+      --output="$OUT/passkey_$length.json" 2>&1 | grep -v "^WARNING\|warn" | tail -n 4
+done
