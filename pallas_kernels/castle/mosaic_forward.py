@@ -28,6 +28,20 @@ kernel uses a fixed per-row shift (the caller's), and adds each step's [block_q,
 output tile and [block_q] sums into float32 accumulators in global memory, with a TMA
 reduce-add on the GPU. GPU interpret mode has no TMA reduction but runs the grid one
 program at a time, so there the kernel reads, adds and writes back instead.
+
+Two schedules (`CastleMosaicConfig.schedule`):
+- "simple" (`_forward_kernel`): one warpgroup per key block, loads waited on
+  synchronously, one reduce-add per (key block, query block).
+- "warp_specialized" (`_warp_specialized_kernel`, the default): 2 * block_k keys per
+  program. A producer warpgroup loads the key tiles once and streams the query tiles
+  (Q^C, K^U, shift through a two-stage ring; R and V^U, read last in a step, single-
+  buffered) with TMA; two consumer warpgroups each own one key block's D and
+  probabilities and share every query tile. Per step one consumer (alternating) writes
+  its P^T next to its partner's in shared memory and runs one output product over both
+  key blocks, then issues the step's single reduce-add: half the reduce-add traffic and
+  half the query-tile loads per key of "simple". The score products of a step are issued
+  together and waited on once; W's two products too. CASTLE-SWL steps past the program's
+  lookahead window skip W, R, V^U and D's step (3 products instead of 6).
 """
 
 from __future__ import annotations
