@@ -224,7 +224,6 @@ def _warp_specialized_kernel(
   program = lax.axis_index("key_block")
   head = lax.axis_index("head")
   warpgroup = lax.axis_index("wg")
-  program_rows = pl.ds(program * _CONSUMERS * block_k, _CONSUMERS * block_k)
   first = lax.div(program * _CONSUMERS * block_k, block_q)
   # W vanishes from lookahead_end on (CASTLE-SWL): both consumers use the program's end,
   # so that they take the same barriers at every step.
