@@ -1,13 +1,20 @@
 """The CASTLE Mosaic GPU forward on CPU: GPU interpret mode runs the same kernel code
-(TMA copies, barriers, wgmma) and the Mosaic lowering for an H100 runs on CPU too.
+(TMA copies, barriers, wgmma, the warpgroups as threads) and the Mosaic lowering for
+an H100 runs on CPU too.
 
 Against the blockwise XLA path in float32 (an independent implementation): outputs,
-row log-sum-exps and the final lookahead keys, CASTLE and CASTLE-SWL, a length that is
-not a multiple of the blocks, head dims 64 and 128. Interpret mode differs from the
-GPU in two places (module docstring of `mosaic_forward`): register wgmma operands go
-through shared memory and output tiles are added by read-modify-write instead of a
-TMA reduce-add; the lowering test covers the GPU variant of both.
+row log-sum-exps and the final lookahead keys, CASTLE and CASTLE-SWL (windows below
+and above the block size, and one long enough past the window for the steps without
+W), lengths that are not a multiple of the blocks, head dims 64 and 128, for both
+schedules. Interpret mode differs from the GPU in three places (module docstring of
+`mosaic_forward`): register wgmma operands go through shared memory, accumulators start
+at zero, and output tiles are added by read-modify-write instead of a TMA reduce-add;
+the lowering test covers the GPU variant of all three.
 """
+
+import os
+import subprocess
+import sys
 
 import jax
 from jax.sharding import AbstractDevice, AbstractMesh
@@ -15,11 +22,27 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from castle_jax.ops.castle import castle_attention
 from castle_jax.ops.castle.blockwise import castle_blockwise_prefill
 from helpers import rel_err
 from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
 from pallas_kernels.castle.mosaic_ops import castle_forward_mosaic
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+# (shape, window) for each schedule; small T keeps interpret mode fast.
+CASES = {
+    "simple": [((1, 100, 2, 64), None)],          # ragged: 100 tokens in blocks of 64
+    "warp_specialized": [
+        ((1, 100, 2, 64), None),                   # ragged, one program of 128 keys
+        ((1, 300, 1, 64), 100),                    # SWL, window > block; later steps without W
+        ((1, 128, 1, 128), 5),                     # head dim 128, a window inside one block
+    ],
+}
+# GPU interpret mode runs each warpgroup as a thread whose XLA CPU program may hand its
+# blocking barrier waits to XLA's intra-op thread pool. That pool has one thread per core,
+# so with more warpgroups than cores (three on a 2-core machine) one starves and the
+# kernel hangs. This flag keeps each program on its own thread; XLA reads it when the
+# backend starts, so the three-warpgroup kernel runs in a fresh process.
+_INTERPRET_XLA_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 
 def _inputs(seed, shape, dtype=jnp.bfloat16):
@@ -27,8 +50,36 @@ def _inputs(seed, shape, dtype=jnp.bfloat16):
   return tuple(jax.random.normal(k, shape, jnp.float32).astype(dtype) for k in keys)
 
 
-def _mosaic(inputs, window, interpret=True):
-  return castle_forward_mosaic(*inputs, scale=inputs[0].shape[-1] ** -0.5, window=window, interpret=interpret)
+def _mosaic(inputs, window, interpret=True, schedule="warp_specialized"):
+  return castle_forward_mosaic(*inputs, scale=inputs[0].shape[-1] ** -0.5, window=window, interpret=interpret,
+                               config=CastleMosaicConfig(schedule=schedule))
+
+
+def _case_inputs(shape, window):
+  return _inputs(shape[1] + (window or 0), shape)
+
+
+def _run_cases_in_this_process(schedule, out_dir):
+  """Runs CASES[schedule] and saves out, lse and lookahead keys per case (the subprocess side)."""
+  for number, (shape, window) in enumerate(CASES[schedule]):
+    result = _mosaic(_case_inputs(shape, window), window, schedule=schedule)
+    np.savez(os.path.join(out_dir, f"{schedule}_{number}.npz"), out=np.asarray(result.out.astype(jnp.float32)),
+             lse=np.asarray(result.lse), keys=np.asarray(result.lookahead_keys),
+             out_dtype=str(result.out.dtype))
+
+
+@pytest.fixture(scope="module")
+def kernel_results(tmp_path_factory):
+  """{(schedule, case number): arrays}; the warp-specialized kernel runs in a subprocess."""
+  out_dir = str(tmp_path_factory.mktemp("castle_mosaic"))
+  _run_cases_in_this_process("simple", out_dir)
+  env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {_INTERPRET_XLA_FLAG}".strip(),
+             PYTHONPATH=os.pathsep.join([os.path.dirname(TESTS_DIR), TESTS_DIR]), JAX_PLATFORMS="cpu")
+  code = f"import test_castle_mosaic as t; t._run_cases_in_this_process('warp_specialized', {out_dir!r})"
+  run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0, run.stderr[-3000:]
+  return {(schedule, number): np.load(os.path.join(out_dir, f"{schedule}_{number}.npz"))
+          for schedule, cases in CASES.items() for number in range(len(cases))}
 
 
 def _reference_lse(inputs, window):
@@ -49,37 +100,36 @@ def _reference_lse(inputs, window):
   return jax.nn.logsumexp(scores, axis=-1)
 
 
-@pytest.mark.parametrize("shape, window", [
-    ((1, 100, 2, 64), None),   # ragged: 100 tokens in blocks of 64
-    ((1, 130, 1, 64), 70),     # SWL, the window crosses a block boundary
-    ((1, 128, 1, 128), 5),     # head dim 128, a window inside one block
-])
-def test_interpret_matches_xla(shape, window):
-  inputs = _inputs(shape[1] + (window or 0), shape)
-  result = _mosaic(inputs, window)
-  f32 = tuple(x.astype(jnp.float32) for x in inputs)
+@pytest.mark.parametrize("schedule, number", [(s, n) for s, cases in CASES.items() for n in range(len(cases))])
+def test_interpret_matches_xla(kernel_results, schedule, number):
+  shape, window = CASES[schedule][number]
+  result = kernel_results[schedule, number]
+  f32 = tuple(x.astype(jnp.float32) for x in _case_inputs(shape, window))
   with jax.default_matmul_precision("highest"):
     ref_out, ref_keys = castle_blockwise_prefill(*f32, window=window)
-    ref_xla = castle_attention(*f32, window=window, implementation="xla")
     ref_lse = _reference_lse(f32, window)
-  np.testing.assert_allclose(np.asarray(ref_out), np.asarray(ref_xla), rtol=1e-5, atol=1e-5)
-  assert result.out.dtype == jnp.bfloat16 and result.out.shape == shape
-  assert not np.isnan(np.asarray(result.out, np.float32)).any()
+  assert str(result["out_dtype"]) == "bfloat16" and result["out"].shape == shape
+  assert result["lse"].shape == (shape[0], shape[2], shape[1]) and result["keys"].shape == shape
+  assert not np.isnan(result["out"]).any()
   # bf16 inputs; the lookahead products in float16: errors ~2e-3.
-  assert rel_err(result.out.astype(jnp.float32), ref_out) < 1e-2
-  assert rel_err(result.lse, ref_lse) < 1e-3
-  assert rel_err(result.lookahead_keys, ref_keys) < 1e-2
+  assert rel_err(result["out"], ref_out) < 1e-2
+  assert rel_err(result["lse"], ref_lse) < 1e-3
+  assert rel_err(result["keys"], ref_keys) < 1e-2
 
 
-def test_lowers_for_hopper():
+@pytest.mark.parametrize("schedule, head_dim, window", [
+    ("simple", 128, None),
+    ("warp_specialized", 128, 512),   # both kinds of step: with W and (SWL) without
+    ("warp_specialized", 64, 100),
+])
+def test_lowers_for_hopper(schedule, head_dim, window):
   """The Mosaic GPU lowering (layouts, wgmma shapes, TMA, the reduce-add) for an H100 on CPU."""
-  inputs = _inputs(0, (1, 128, 2, 128))
+  inputs = _inputs(0, (1, 256, 2, head_dim))
   mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H100 80GB HBM3", None, "cuda"))
-  for window in (None, 512):
-    with jax.sharding.use_abstract_mesh(mesh):
-      lowered = jax.jit(lambda *a: _mosaic(a, window, interpret=False)).trace(*inputs).lower(
-          lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()
+  with jax.sharding.use_abstract_mesh(mesh):
+    lowered = jax.jit(lambda *a: _mosaic(a, window, interpret=False, schedule=schedule)).trace(*inputs).lower(
+        lowering_platforms=("cuda",))
+  assert "mosaic_gpu" in lowered.as_text()
 
 
 @pytest.mark.parametrize("change, message", [
@@ -95,7 +145,11 @@ def test_rejects_what_the_kernel_cannot_take(change, message):
 def test_config_checks():
   with pytest.raises(ValueError, match="block_q must be 64"):
     CastleMosaicConfig(block_q=128)
+  with pytest.raises(ValueError, match=r"schedule must be one of \('warp_specialized', 'simple'\), got 'fast'"):
+    CastleMosaicConfig(schedule="fast")
   assert CastleMosaicConfig.from_string("block_k=64") == CastleMosaicConfig()
+  assert CastleMosaicConfig.from_string("schedule=simple").keys_per_program == 64
+  assert CastleMosaicConfig().keys_per_program == 128
 
 
 def test_rejects_mismatched_inputs_and_bad_windows():

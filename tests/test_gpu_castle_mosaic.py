@@ -2,9 +2,11 @@
 
 Against the blockwise XLA path in float32 with full-precision matmuls: outputs, row
 log-sum-exps and the final lookahead keys at real head sizes (9 heads x 128 at 2K
-tokens, head dim 64), CASTLE and CASTLE-SWL, and ragged lengths. This is the first
-check of what interpret mode cannot show: register wgmma operands, the TMA reduce-add
-across programs and the swizzled shared-memory layouts.
+tokens, head dim 64, one long sequence), CASTLE and CASTLE-SWL, and ragged lengths, for
+both schedules. This is the check of what interpret mode cannot show: register wgmma
+operands, preinitialized accumulators, the TMA reduce-add across programs, the swizzled
+shared-memory layouts, and (warp-specialized) the register split and the barriers
+between real warpgroups.
 """
 
 import jax
@@ -14,6 +16,7 @@ import pytest
 
 from castle_jax.ops.castle.blockwise import castle_blockwise_prefill
 from helpers import rel_err
+from pallas_kernels.castle.mosaic_config import SCHEDULES, CastleMosaicConfig
 from pallas_kernels.castle.mosaic_ops import castle_forward_mosaic
 
 pytestmark = pytest.mark.gpu
@@ -30,16 +33,19 @@ def _reference(inputs, window):
     return jax.jit(lambda *a: castle_blockwise_prefill(*a, window=window))(*f32)
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("shape, window", [
     ((2, 2048, 9, 128), None),
     ((2, 2048, 9, 128), 512),
     ((1, 1000, 9, 128), None),    # ragged: 1000 tokens in blocks of 64
     ((2, 777, 4, 64), 200),       # ragged, head dim 64, SWL
     ((1, 1, 2, 128), None),       # a single token
+    ((1, 8192, 2, 128), None),    # long sweeps: D sums up to 8K weighted values
 ])
-def test_mosaic_forward_matches_xla(shape, window):
+def test_mosaic_forward_matches_xla(shape, window, schedule):
   inputs = _inputs(shape[1] + (window or 0), shape)
-  run = jax.jit(lambda *a: castle_forward_mosaic(*a, scale=shape[-1] ** -0.5, window=window))
+  config = CastleMosaicConfig(schedule=schedule)
+  run = jax.jit(lambda *a: castle_forward_mosaic(*a, scale=shape[-1] ** -0.5, window=window, config=config))
   assert "mosaic_gpu" in run.lower(*inputs).as_text()
   result = run(*inputs)
   ref_out, ref_keys = _reference(inputs, window)
@@ -50,13 +56,15 @@ def test_mosaic_forward_matches_xla(shape, window):
   assert np.isfinite(np.asarray(result.lse)).all()
 
 
-def test_mosaic_forward_matches_triton_lse():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_mosaic_forward_matches_triton_lse(schedule):
   """The row log-sum-exp the backward will read, against the Triton kernels' forward."""
   from pallas_kernels.castle import ops as triton_ops
   shape = (1, 2048, 4, 128)
   inputs = _inputs(3, shape)
   scale = shape[-1] ** -0.5
-  result = jax.jit(lambda *a: castle_forward_mosaic(*a, scale=scale))(*inputs)
+  config = CastleMosaicConfig(schedule=schedule)
+  result = jax.jit(lambda *a: castle_forward_mosaic(*a, scale=scale, config=config))(*inputs)
   heads = tuple(x.transpose(0, 2, 1, 3).reshape(-1, shape[1], shape[-1]) for x in inputs)
   config = triton_ops.default_config(shape[-1])
   _, lse, _ = jax.jit(lambda *a: triton_ops._forward(*a, scale, None, config, False))(*heads)

@@ -1,4 +1,4 @@
-"""Tile sizes of the CASTLE Mosaic GPU (Hopper) kernels."""
+"""Tile sizes and schedule of the CASTLE Mosaic GPU (Hopper) kernels."""
 
 from __future__ import annotations
 
@@ -10,30 +10,47 @@ from pallas_kernels.config_checks import check_int_fields, parse_config
 # 128-byte swizzle span, the layout TMA writes and wgmma reads fastest.
 WGMMA_ROWS = 64
 SUPPORTED_HEAD_DIMS = (64, 128)
+SCHEDULES = ("warp_specialized", "simple")
+# Key blocks per program of each schedule (one consumer warpgroup per key block).
+KEY_BLOCKS_PER_PROGRAM = {"warp_specialized": 2, "simple": 1}
 
 
 @dataclasses.dataclass(frozen=True)
 class CastleMosaicConfig:
-  """Tiles of the key-block-major CASTLE forward on Hopper.
+  """Tiles and schedule of the key-block-major CASTLE forward on Hopper.
 
-  One program per (key block, batch * head) holds its key block's lookahead-key state
-  D ([block_k, head_dim], float32) in registers while it sweeps the query blocks.
+  Each key block's lookahead-key state D ([block_k, head_dim], float32) stays in one
+  warpgroup's registers while the program sweeps the query blocks.
 
   Attributes:
     block_q: query rows per step of the sweep (the N side of the score wgmmas and the
       K side of the lookahead products W R^T and W V^U).
-    block_k: key rows per program (the M side of every score wgmma: one warpgroup).
+    block_k: key rows per consumer warpgroup (the M side of every score wgmma).
+    schedule: "warp_specialized" (default): a producer warpgroup streams the query
+      tiles through a two-stage TMA ring to two consumer warpgroups, each owning one
+      key block of a 2 * block_k key program, which add one summed output tile per
+      step; "simple": one warpgroup per key block with synchronous loads (the first,
+      slower kernel, kept to compare against).
   """
 
   block_q: int = 64
   block_k: int = 64
+  schedule: str = "warp_specialized"
 
   def __post_init__(self):
-    check_int_fields(self, power_of_two=("block_q", "block_k"), tiles=("block_q", "block_k"))
+    check_int_fields(self, power_of_two=("block_q", "block_k"), tiles=("block_q", "block_k"), skip=("schedule",))
     for name in ("block_q", "block_k"):
       if getattr(self, name) != WGMMA_ROWS:
         raise ValueError(f"CastleMosaicConfig.{name} must be {WGMMA_ROWS} (one warpgroup's wgmma rows and one "
                          f"128-byte swizzle span of 16-bit values), got {getattr(self, name)}")
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"CastleMosaicConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}; "
+                       "use schedule='simple' for the one-warpgroup kernel")
+
+  @property
+  def keys_per_program(self) -> int:
+    """Key rows per program; sequences are padded to a multiple of this."""
+    return KEY_BLOCKS_PER_PROGRAM[self.schedule] * self.block_k
 
   @classmethod
   def from_string(cls, text: str) -> "CastleMosaicConfig":

@@ -28,6 +28,20 @@ kernel uses a fixed per-row shift (the caller's), and adds each step's [block_q,
 output tile and [block_q] sums into float32 accumulators in global memory, with a TMA
 reduce-add on the GPU. GPU interpret mode has no TMA reduction but runs the grid one
 program at a time, so there the kernel reads, adds and writes back instead.
+
+Two schedules (`CastleMosaicConfig.schedule`):
+- "simple" (`_forward_kernel`): one warpgroup per key block, loads waited on
+  synchronously, one reduce-add per (key block, query block).
+- "warp_specialized" (`_warp_specialized_kernel`, the default): 2 * block_k keys per
+  program. A producer warpgroup loads the key tiles once and streams the query tiles
+  (Q^C, K^U, shift through a two-stage ring; R and V^U, read last in a step, single-
+  buffered) with TMA; two consumer warpgroups each own one key block's D and
+  probabilities and share every query tile. Per step one consumer (alternating) writes
+  its P^T next to its partner's in shared memory and runs one output product over both
+  key blocks, then issues the step's single reduce-add: half the reduce-add traffic and
+  half the query-tile loads per key of "simple". The score products of a step are issued
+  together and waited on once; W's two products too. CASTLE-SWL steps past the program's
+  lookahead window skip W, R, V^U and D's step (3 products instead of 6).
 """
 
 from __future__ import annotations
@@ -180,19 +194,271 @@ def _accumulate(out, sums, acc_gmem, sums_gmem, out_smem, sums_smem, barrier, wi
   plgpu.copy_smem_to_gmem(sums_smem, sums_gmem)
 
 
+
+# ---------------------------------------------------------------------------
+# The warp-specialized schedule: a producer warpgroup and two consumer warpgroups.
+
+_PRODUCER = 2            # warpgroup index of the producer; consumers are 0 and 1
+_CONSUMERS = 2
+_STAGES = 2              # query-tile ring depth
+_PRODUCER_REGISTERS = 40
+_CONSUMER_REGISTERS = 232
+# P and V^C enter the output product in bfloat16 for either input dtype: P = exp(A - m_t)
+# exceeds float16's range as soon as a score is ~11 above its row's diagonal score.
+PROBS_DTYPE = jnp.bfloat16
+
+
+def _warp_specialized_kernel(
+    q_u_ref, k_c16_ref, v_c_ref, q_c16_ref, k_u_ref, v_u16_ref, in_block_t_ref, shift_ref,
+    acc_ref, sums_ref, keys_ref, key_union, query_ring, lookahead_smem, exchange_union, register_staging,
+    barriers, *, scale: float, window: int | None, block_q: int, block_k: int, num_query_blocks: int,
+    head_dim: int, interpreted: bool):
+  """One program: key rows [2 * block_k * p, 2 * block_k * (p + 1)) of one head.
+
+  Warpgroup `_PRODUCER` loads the program's key tiles once and streams the query tiles;
+  consumer c in {0, 1} owns key block c of the program (its D in registers). Step i
+  of the sweep (query block i) alternates which consumer multiplies the probabilities
+  of both key blocks by V^C (one K = 2 * block_k output product) and issues the step's
+  single reduce-add of the [block_q, d] output tile and the row sums.
+  """
+  program = lax.axis_index("key_block")
+  head = lax.axis_index("head")
+  warpgroup = lax.axis_index("wg")
+  first = lax.div(program * _CONSUMERS * block_k, block_q)
+  # W vanishes from lookahead_end on (CASTLE-SWL): both consumers use the program's end,
+  # so that they take the same barriers at every step.
+  lookahead_end = num_query_blocks
+  if window is not None:
+    last_key = (program + 1) * _CONSUMERS * block_k - 1
+    lookahead_end = jnp.minimum(num_query_blocks, lax.div(last_key + window, block_q) + 1)
+  key_tiles, _ = key_union
+  q_c16_ring, k_u_ring, shift_ring = query_ring
+  in_block_smem, v_u16_smem = lookahead_smem
+  (key_full, query_full, k_u_full, query_free, lookahead_full, lookahead_free, probs_ready,
+   sweep_done, accumulate_barrier) = barriers
+
+  @pl.when(warpgroup == _PRODUCER)
+  def _producer():
+    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    for src, dst in zip((q_u_ref, k_c16_ref, v_c_ref), key_tiles):
+      for consumer in range(_CONSUMERS):
+        rows = pl.ds(program * _CONSUMERS * block_k + consumer * block_k, block_k)
+        plgpu.copy_gmem_to_smem(src.at[head, rows], dst.at[consumer], key_full)
+
+    @pl.loop(first, num_query_blocks)
+    def _load(query_block):
+      index = query_block - first
+      slot = lax.rem(index, _STAGES)
+      rows = pl.ds(query_block * block_q, block_q)
+
+      @pl.when(index >= _STAGES)
+      def _():
+        plgpu.barrier_wait(query_free.at[slot])
+      plgpu.copy_gmem_to_smem(q_c16_ref.at[head, rows], q_c16_ring.at[slot], query_full.at[slot])
+      plgpu.copy_gmem_to_smem(shift_ref.at[head, rows], shift_ring.at[slot], query_full.at[slot])
+
+      @pl.when(query_block < lookahead_end)
+      def _():
+        plgpu.copy_gmem_to_smem(k_u_ref.at[head, rows], k_u_ring.at[slot], k_u_full.at[slot])
+
+        # R and V^U are single-buffered: they are read last in a step.
+        @pl.when(index >= 1)
+        def _():
+          plgpu.barrier_wait(lookahead_free)
+        plgpu.copy_gmem_to_smem(in_block_t_ref.at[head, rows], in_block_smem, lookahead_full)
+        plgpu.copy_gmem_to_smem(v_u16_ref.at[head, rows], v_u16_smem, lookahead_full)
+
+    # Observe the releases of the last steps too: a waiter may not skip a barrier's phase
+    # (GPU interpret mode checks it), and the program's end is the natural place.
+    for last in range(_STAGES, 0, -1):
+      plgpu.barrier_wait(query_free.at[lax.rem(num_query_blocks - last - first, _STAGES)])
+    plgpu.barrier_wait(lookahead_free)
+
+  @pl.when(warpgroup < _CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    _consume(warpgroup, program, head, first, lookahead_end, acc_ref, sums_ref, keys_ref, key_union,
+             query_ring, lookahead_smem, exchange_union, register_staging, barriers, scale=scale,
+             window=window, block_q=block_q, block_k=block_k, num_query_blocks=num_query_blocks,
+             head_dim=head_dim, interpreted=interpreted)
+
+
+def _consume(consumer, program, head, first, lookahead_end, acc_ref, sums_ref, keys_ref, key_union,
+             query_ring, lookahead_smem, exchange_union, register_staging, barriers, *, scale, window,
+             block_q, block_k, num_query_blocks, head_dim, interpreted):
+  """A consumer warpgroup's sweep over query blocks first .. num_query_blocks - 1."""
+  matmul = functools.partial(_matmul, init_in_place=not interpreted)
+  (q_u_smem, k_c16_smem, v_c_smem), keys_staging = key_union
+  q_c16_ring, k_u_ring, shift_ring = query_ring
+  in_block_smem, v_u16_smem = lookahead_smem
+  (probs_smem, partner_sums_smem), (out_smem, sums_smem) = exchange_union
+  weights_staging, keys16_staging = (None, None) if register_staging is None else (
+      register_staging[0].at[consumer], register_staging[1].at[consumer])
+  (key_full, query_full, k_u_full, query_free, lookahead_full, lookahead_free, probs_ready,
+   sweep_done, accumulate_barrier) = barriers
+  q_u_keys, k_c16_keys = q_u_smem.at[consumer], k_c16_smem.at[consumer]
+  key_start = program * _CONSUMERS * block_k + consumer * block_k
+  key_positions = key_start + plgpu.broadcasted_iota(jnp.int32, (block_k, block_q), 0, layout=plgpu.Layout.WGMMA)
+  query_offsets = plgpu.broadcasted_iota(jnp.int32, (block_k, block_q), 1, layout=plgpu.Layout.WGMMA)
+  # look = D Q^C^T * scale + W R^T is accumulated as one product chain in units of
+  # scale / KEY_STATE_SCALE (R arrives pre-divided by it, see `forward`).
+  lookahead_unit = scale / KEY_STATE_SCALE
+  plgpu.barrier_wait(key_full)
+
+  def step(query_block, keys, with_lookahead: bool):
+    index = query_block - first
+    slot = lax.rem(index, _STAGES)
+    rows = pl.ds(query_block * block_q, block_q)
+    query_positions = query_block * block_q + query_offsets
+    q_c16 = q_c16_ring.at[slot]
+    plgpu.barrier_wait(query_full.at[slot])
+    shift = lax.broadcast_in_dim(shift_ring.at[slot][...], (block_k, block_q), [1])
+    keys16 = _register_operand((keys * KEY_STATE_SCALE).astype(LOOKAHEAD_DTYPE), keys16_staging)
+
+    def products(causal_acc, lookahead_acc):
+      # Issued together; the first wait below covers both.
+      plgpu.wgmma(causal_acc, k_c16_keys, q_c16.T)
+      plgpu.wgmma(lookahead_acc, keys16, q_c16.T)
+      if not with_lookahead:
+        causal, lookahead = causal_acc[...], lookahead_acc[...]
+        plgpu.barrier_arrive(query_free.at[slot])
+        return causal, lookahead, keys
+      plgpu.barrier_wait(k_u_full.at[slot])
+      logits = matmul(q_u_keys, k_u_ring.at[slot].T, (block_k, block_q)) * scale  # waits for all three
+      plgpu.barrier_arrive(query_free.at[slot])
+      visible = query_positions > key_positions
+      if window is not None:
+        visible &= query_positions <= key_positions + window
+      weights16 = _register_operand(jnp.where(visible, _sigmoid(logits), 0.0).astype(LOOKAHEAD_DTYPE),
+                                    weights_staging)
+      plgpu.barrier_wait(lookahead_full)
+      # W feeds both of its products from registers: the in-block lookahead term and D's step.
+      plgpu.wgmma(lookahead_acc, weights16, in_block_smem)
+      new_keys = matmul(weights16, v_u16_smem, (block_k, head_dim), init=keys)  # waits for both
+      plgpu.barrier_arrive(lookahead_free)
+      return causal_acc[...], lookahead_acc[...], new_keys
+
+    causal, lookahead, keys = pl.run_scoped(
+        products, plgpu.ACC((block_k, block_q), jnp.float32), plgpu.ACC((block_k, block_q), jnp.float32))
+    lookahead = lookahead * lookahead_unit
+    scores = causal * scale - lookahead * _sigmoid(lookahead) - shift
+    probs = jnp.where(query_positions >= key_positions, jnp.exp(scores), 0.0)
+    sums = jnp.sum(probs, axis=0)
+    probs = probs.astype(PROBS_DTYPE)
+
+    @pl.when(lax.rem(index, _CONSUMERS) == consumer)
+    def _multiply_values():
+      # The partner's half is written, and its previous reduce-add has read the exchange
+      # buffer that this half aliases.
+      plgpu.barrier_wait(probs_ready.at[consumer])
+      probs_smem.at[consumer][...] = probs
+      plgpu.commit_smem()
+
+      def values_product(out_acc):
+        for block in range(_CONSUMERS):
+          plgpu.wgmma(out_acc, probs_smem.at[block].T, v_c_smem.at[block])
+        return out_acc[...]
+      out = pl.run_scoped(values_product, plgpu.ACC((block_q, head_dim), jnp.float32))
+      total_sums = sums + partner_sums_smem[...]
+      _accumulate(out, total_sums, acc_ref.at[head, rows], sums_ref.at[head, rows], out_smem, sums_smem,
+                  accumulate_barrier.at[consumer], with_tma=not interpreted)
+
+    @pl.when(lax.rem(index, _CONSUMERS) != consumer)
+    def _hand_over_probabilities():
+      # This consumer's reduce-add of the previous step must have read the exchange buffer.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      probs_smem.at[consumer][...] = probs
+      partner_sums_smem[...] = sums
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(probs_ready.at[1 - consumer])
+
+    return keys
+
+  keys = plgpu.layout_cast(jnp.zeros((block_k, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+  keys = lax.fori_loop(first, lookahead_end, functools.partial(step, with_lookahead=True), keys)
+  if window is not None:
+    keys = lax.fori_loop(lookahead_end, num_query_blocks, functools.partial(step, with_lookahead=False), keys)
+
+  # D leaves through a buffer that aliases the key tiles: both consumers must be done with them.
+  plgpu.wait_smem_to_gmem(0)
+  plgpu.barrier_arrive(sweep_done)
+  plgpu.barrier_wait(sweep_done)
+  keys_staging.at[consumer][...] = keys
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(keys_staging.at[consumer], keys_ref.at[head, pl.ds(key_start, block_k)])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _warp_specialized_scratch(block_q, block_k, head_dim, dtype, interpreted):
+  """Shared memory and barriers of `_warp_specialized_kernel` (budget in docs/castle_mosaic.md)."""
+  key_tile = lambda dt: _operand_smem((_CONSUMERS, block_k, head_dim), dt)
+  key_union = plgpu.RefUnion(
+      (key_tile(dtype), key_tile(LOOKAHEAD_DTYPE), key_tile(PROBS_DTYPE)),
+      plgpu.SMEM((_CONSUMERS, block_k, head_dim), jnp.float32))
+  query_ring = (_operand_smem((_STAGES, block_q, head_dim), LOOKAHEAD_DTYPE),
+                _operand_smem((_STAGES, block_q, head_dim), dtype),
+                plgpu.SMEM((_STAGES, block_q), jnp.float32))
+  lookahead_smem = (_operand_smem((block_q, block_q), LOOKAHEAD_DTYPE),
+                    _operand_smem((block_q, head_dim), LOOKAHEAD_DTYPE))
+  # The probabilities of both key blocks, then (aliased) the summed output tile.
+  exchange_union = plgpu.RefUnion(
+      (_operand_smem((_CONSUMERS, block_k, block_q), PROBS_DTYPE), plgpu.SMEM((block_q,), jnp.float32)),
+      (plgpu.SMEM((block_q, head_dim), jnp.float32), plgpu.SMEM((block_q,), jnp.float32)))
+  register_staging = None
+  if interpreted:
+    register_staging = (_operand_smem((_CONSUMERS, block_k, block_q), LOOKAHEAD_DTYPE),
+                        _operand_smem((_CONSUMERS, block_k, head_dim), LOOKAHEAD_DTYPE))
+  # A barrier that TMA copies signal completes when all of its copies have arrived.
+  barriers = (
+      plgpu.Barrier(num_arrivals=len(_KEY_TILES) * _CONSUMERS),                 # key_full
+      plgpu.Barrier(num_arrivals=2, num_barriers=_STAGES),                      # query_full: Q^C, shift
+      plgpu.Barrier(num_arrivals=1, num_barriers=_STAGES),                      # k_u_full
+      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_STAGES),             # query_free
+      plgpu.Barrier(num_arrivals=2),                                            # lookahead_full: R, V^U
+      plgpu.Barrier(num_arrivals=_CONSUMERS),                                   # lookahead_free
+      plgpu.Barrier(num_arrivals=1, num_barriers=_CONSUMERS),                   # probs_ready, per receiver
+      plgpu.Barrier(num_arrivals=_CONSUMERS),                                   # sweep_done
+      plgpu.Barrier(num_arrivals=2, num_barriers=_CONSUMERS),                   # interpret-mode accumulate
+  )
+  return [key_union, query_ring, lookahead_smem, exchange_union, register_staging, barriers]
+
+
+def _simple_scratch(block_q, block_k, head_dim, dtype, interpreted):
+  """Shared memory and barriers of `_forward_kernel`."""
+  key_tile = lambda dt: _operand_smem((block_k, head_dim), dt)
+  query_tile = lambda dt: _operand_smem((block_q, head_dim), dt)
+  return [
+      (key_tile(dtype),) * 3,
+      (query_tile(dtype), query_tile(LOOKAHEAD_DTYPE), query_tile(dtype), query_tile(LOOKAHEAD_DTYPE)),
+      _operand_smem((block_q, block_q), LOOKAHEAD_DTYPE),
+      plgpu.SMEM((block_q,), jnp.float32),
+      _operand_smem((block_k, block_q), dtype),
+      plgpu.SMEM((block_q, head_dim), jnp.float32),
+      plgpu.SMEM((block_q,), jnp.float32),
+      plgpu.SMEM((block_k, head_dim), jnp.float32),
+      _operand_smem((block_k, block_q), LOOKAHEAD_DTYPE) if interpreted else None,
+      _operand_smem((block_k, head_dim), LOOKAHEAD_DTYPE) if interpreted else None,
+      # A barrier completes when every copy that signals it has arrived.
+      plgpu.Barrier(num_arrivals=len(_KEY_TILES)),
+      plgpu.Barrier(num_arrivals=len(_QUERY_TILES)),
+      plgpu.Barrier(num_arrivals=2),
+  ]
+
+
 def forward(q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, shift, *, scale: float, window: int | None,
             config: CastleMosaicConfig, interpret):
   """The Mosaic GPU forward kernel on padded [BH, L, d] arrays.
 
   Args:
     q_u, k_u, q_c, k_c, v_c: [BH, L, d] in the inputs' dtype (bf16 or f16); L a
-      multiple of config.block_q and config.block_k, d in SUPPORTED_HEAD_DIMS.
+      multiple of config.keys_per_program, d in SUPPORTED_HEAD_DIMS.
     v_u: [BH, L, d], the lookahead values (any float dtype; enter as float16).
-    in_block_t: [BH, L, block_q] float16; rows of query block i hold R_ii^T
+    in_block_t: float32 [BH, L, block_q]; rows of query block i hold R_ii^T
       (R_ii = Q^C_i V^U_i^T * scale under the causal mask).
     shift: float32 [BH, L], the per-row softmax shift m_t.
     scale: the score scale.
     window: None or the CASTLE-SWL window.
+    config: tiles and schedule.
     interpret: None, or `plgpu.InterpretGPUParams` to run in GPU interpret mode.
 
   Returns:
@@ -203,37 +469,34 @@ def forward(q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, shift, *, scale: float, wi
   heads, length, head_dim = q_c.shape
   block_q, block_k = config.block_q, config.block_k
   dtype = q_c.dtype
-  kernel = functools.partial(
-      _forward_kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
-      num_query_blocks=length // block_q, head_dim=head_dim, interpreted=interpret is not None)
-  key_tile = lambda dt: _operand_smem((block_k, head_dim), dt)
-  query_tile = lambda dt: _operand_smem((block_q, head_dim), dt)
-  scratch = [
-      (key_tile(dtype),) * 3,
-      (query_tile(dtype), query_tile(LOOKAHEAD_DTYPE), query_tile(dtype), query_tile(LOOKAHEAD_DTYPE)),
-      _operand_smem((block_q, block_q), LOOKAHEAD_DTYPE),
-      plgpu.SMEM((block_q,), jnp.float32),
-      _operand_smem((block_k, block_q), dtype),
-      plgpu.SMEM((block_q, head_dim), jnp.float32),
-      plgpu.SMEM((block_q,), jnp.float32),
-      plgpu.SMEM((block_k, head_dim), jnp.float32),
-      _operand_smem((block_k, block_q), LOOKAHEAD_DTYPE) if interpret is not None else None,
-      _operand_smem((block_k, head_dim), LOOKAHEAD_DTYPE) if interpret is not None else None,
-      # A barrier completes when every copy that signals it has arrived.
-      plgpu.Barrier(num_arrivals=len(_KEY_TILES)),
-      plgpu.Barrier(num_arrivals=len(_QUERY_TILES)),
-      plgpu.Barrier(num_arrivals=2),
-  ]
+  interpreted = interpret is not None
+  params = dict(scale=scale, window=window, block_q=block_q, block_k=block_k,
+                num_query_blocks=length // block_q, head_dim=head_dim, interpreted=interpreted)
+  if config.schedule == "warp_specialized":
+    kernel = functools.partial(_warp_specialized_kernel, **params)
+    scratch = _warp_specialized_scratch(block_q, block_k, head_dim, dtype, interpreted)
+    # The causal product takes float16 copies of Q^C and K^C (exact for bf16 values within
+    # float16's range), so that Q^C is streamed once for both of its products.
+    inputs = (q_u, k_c.astype(LOOKAHEAD_DTYPE), v_c.astype(PROBS_DTYPE), q_c.astype(LOOKAHEAD_DTYPE), k_u,
+              v_u.astype(LOOKAHEAD_DTYPE), (in_block_t * (KEY_STATE_SCALE / scale)).astype(LOOKAHEAD_DTYPE),
+              shift)
+    mesh = dict(num_threads=_CONSUMERS + 1, thread_name="wg")
+  else:
+    kernel = functools.partial(_forward_kernel, **params)
+    scratch = _simple_scratch(block_q, block_k, head_dim, dtype, interpreted)
+    inputs = (q_u, k_c, v_c, q_c, q_c.astype(LOOKAHEAD_DTYPE), k_u, v_u.astype(LOOKAHEAD_DTYPE),
+              in_block_t.astype(LOOKAHEAD_DTYPE), shift)
+    mesh = {}
   acc = jax.new_ref(jnp.zeros((heads, length, head_dim), jnp.float32))
   sums = jax.new_ref(jnp.zeros((heads, length), jnp.float32))
   keys = plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((heads, length, head_dim), jnp.float32),
       scratch_types=scratch,
-      grid=(length // block_k, heads),
+      grid=(length // config.keys_per_program, heads),
       grid_names=("key_block", "head"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
-  )(q_u, k_c, v_c, q_c, q_c.astype(LOOKAHEAD_DTYPE), k_u, v_u.astype(LOOKAHEAD_DTYPE), in_block_t, shift,
-    acc, sums)
+      **mesh,
+  )(*inputs, acc, sums)
   return acc[...], sums[...], keys

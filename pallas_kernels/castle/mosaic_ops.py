@@ -58,10 +58,10 @@ def _check(inputs, window):
 
 
 def _in_block_scores_transposed(q_c, v_u, scale, block_q):
-  """float16 [BH, L, block_q]; rows of query block i hold R_ii^T (keys j down, queries t across)."""
+  """float32 [BH, L, block_q]; rows of query block i hold R_ii^T (keys j down, queries t across)."""
   heads, length, _ = q_c.shape
   scores = _in_block_scores(q_c, v_u, scale, block_q).reshape(heads, length // block_q, block_q, block_q)
-  return scores.swapaxes(-1, -2).reshape(heads, length, block_q).astype(mosaic_forward.LOOKAHEAD_DTYPE)
+  return scores.swapaxes(-1, -2).reshape(heads, length, block_q)
 
 
 def _forward_heads(q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpret):
@@ -109,7 +109,7 @@ def castle_forward_mosaic(
   _check(inputs, window)
   config = CastleMosaicConfig() if config is None else config
   batch, seq, heads, head_dim = q_u.shape
-  multiple = max(config.block_q, config.block_k)
+  multiple = max(config.block_q, config.keys_per_program)
   padded = -(-seq // multiple) * multiple
 
   def to_heads(x):
