@@ -61,10 +61,9 @@ def test_backward_lowers_for_hopper():
   for window in (None, 512):
     loss = lambda *a: jnp.sum(castle_attention_mosaic(*a, window=window, interpret=False).astype(jnp.float32))
     with jax.sharding.use_abstract_mesh(mesh):
-      lowered = jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(*inputs).lower(
-          lowering_platforms=("cuda",))
-    # The forward (twice: the overflow rerun is a cond) and the backward.
-    assert lowered.as_text().count("custom_call @mosaic_gpu") == 3
+      kernels = [jax.jit(f).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text().count(
+                     "custom_call @mosaic_gpu") for f in (loss, jax.grad(loss, argnums=tuple(range(6))))]
+    assert kernels[0] >= 1 and kernels[1] == kernels[0] + 1  # the forward's kernels and the backward
 
 
 @pytest.mark.parametrize("change, message", [

@@ -30,8 +30,8 @@ thread in one warpgroup):
     dV^U and dR into global memory (TMA reduce-adds);
   - the accumulator warpgroup holds dK^C, dV^C and dQ^U and runs their three products
     from tiles the score warpgroup leaves in shared memory (P^T, dS^T, dL).
-Splitting the other way (D with the probabilities, dD with the lookahead gradients)
-would pass D and a [64, 64] float32 tile through shared memory every step. This first
+The accumulator warpgroup's three products need only 16-bit tiles that are staged
+anyway; no float32 tile and nothing of D crosses between the warpgroups. This first
 schedule is synchronous (each wgmma waited on, one buffer per tile); it is the verified
 base for a pipelined one.
 
