@@ -49,6 +49,32 @@ def _in_block_scores(q_c: jax.Array, v_u: jax.Array, scale: float, block_q: int)
   return jnp.where(causal, scores, 0.0).reshape(heads, length, block_q)
 
 
+def fold_in_block_grad(dq_c, dv_u, d_in_block, q_c, v_u, scale: float, block_q: int):
+  """dQ^C and dV^U plus their shares of the in-block scores' gradient.
+
+  R_ii = Q^C_i V^U_i^T * scale under the causal mask (`_in_block_scores`): a backward
+  kernel returns dL/dR_ii unmasked and unscaled, and it goes to Q^C and V^U here.
+
+  Args:
+    dq_c, dv_u: float32 [BH, L, D], the kernel's gradients without R's share.
+    d_in_block: float32 [BH, L, block_q]; rows of query block i hold dL/dR_ii.
+    q_c, v_u: [BH, L, D], the inputs.
+
+  Returns:
+    (dq_c, dv_u), float32 [BH, L, D].
+  """
+  heads, length, _ = q_c.shape
+  blocks = lambda x: x.reshape(heads, length // block_q, block_q, x.shape[-1])
+  causal = jnp.arange(block_q)[:, None] >= jnp.arange(block_q)[None, :]
+  d_in_block = jnp.where(causal, blocks(d_in_block), 0.0) * scale
+  precision = _precision(jnp.float32)
+  dq_c = dq_c + jnp.einsum("bntj,bnjd->bntd", d_in_block, blocks(v_u.astype(jnp.float32)),
+                           precision=precision).reshape(dq_c.shape)
+  dv_u = dv_u + jnp.einsum("bntj,bntd->bnjd", d_in_block, blocks(q_c.astype(jnp.float32)),
+                           precision=precision).reshape(dv_u.shape)
+  return dq_c, dv_u
+
+
 def _diagonal_scores(q_c: jax.Array, k_c: jax.Array, scale: float) -> jax.Array:
   """float32 [BH, L]: S^C[t, t], whose term in the softmax sum is exp(0) after the shift."""
   return jnp.sum(q_c.astype(jnp.float32) * k_c.astype(jnp.float32), axis=-1) * scale
@@ -125,16 +151,7 @@ def _castle_heads_bwd(scale, window, config, interpret, residuals, d_out):
       q_u, k_u, v_u, q_c, k_c, v_c, keys, d_out.astype(q_c.dtype), lse, delta, in_block,
       scale=scale, window=window, config=config, interpret=interpret)
 
-  # R_ii = Q^C_i V^U_i^T * scale under the causal mask: its gradient goes to Q^C and V^U.
-  heads, length, head_dim = q_c.shape
-  blocks = lambda x: x.reshape(heads, length // block_q, block_q, x.shape[-1])
-  causal = jnp.arange(block_q)[:, None] >= jnp.arange(block_q)[None, :]
-  d_in_block = jnp.where(causal, blocks(d_in_block), 0.0) * scale
-  precision = _precision(jnp.float32)
-  dq_c = dq_c + jnp.einsum("bntj,bnjd->bntd", d_in_block, blocks(v_u.astype(jnp.float32)),
-                           precision=precision).reshape(dq_c.shape)
-  dv_u = dv_u + jnp.einsum("bntj,bntd->bnjd", d_in_block, blocks(q_c.astype(jnp.float32)),
-                           precision=precision).reshape(dv_u.shape)
+  dq_c, dv_u = fold_in_block_grad(dq_c, dv_u, d_in_block, q_c, v_u, scale, block_q)
   grads = (dq_u, dk_u, dv_u, dq_c, dk_c, dv_c)
   return tuple(g.astype(x.dtype) for g, x in zip(grads, (q_u, k_u, v_u, q_c, k_c, v_c)))
 

@@ -1,0 +1,98 @@
+"""CASTLE forward + backward on Pallas Mosaic GPU next to cuDNN causal attention and the
+Triton CASTLE kernels, in one process (medians of --iters calls after a warm-up).
+
+    python benchmarks/castle_mosaic_backward.py [--shapes=16x2048,2x16384] [--heads=16] \\
+        [--castle_heads=16] [--head_dim=128] [--window=512] [--json=out.json]
+
+Rows: cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`, --heads heads),
+`castle_attention_mosaic` (the Mosaic GPU forward and backward kernels) and the Triton
+CASTLE kernels (`castle_attention(implementation="pallas")`), --castle_heads heads each;
+fwd and fwd+bwd (gradients of all inputs) times, and fwd+bwd as a multiple of cuDNN's.
+TFLOP/s count the matmuls as built, in units of one product over the causal half of
+the score matrix (B H T^2 d FLOPs): causal attention 2 forward + 5 backward, CASTLE
+6 forward + 17 backward; under a window the counts stay those of full causal attention
+(an upper bound of the work). Each row runs in its own try/except. Prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from castle_jax.ops.castle import castle_attention  # noqa: E402
+from pallas_kernels.castle.mosaic_attention import castle_attention_mosaic  # noqa: E402
+from timing import run_meta, time_forward_and_gradients, write_json  # noqa: E402
+
+# Matmul products over the causal half of the scores (B H T^2 d FLOPs each), fwd + bwd.
+_CAUSAL_PRODUCTS = 2 + 5
+_CASTLE_PRODUCTS = 6 + 17
+
+
+def _inputs(seed: int, shape, count: int):
+  keys = jax.random.split(jax.random.key(seed), count + 1)
+  return tuple(jax.random.normal(k, shape, jnp.float32).astype(jnp.bfloat16) for k in keys)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--shapes", default="16x2048,2x16384", help="batch x seq, comma-separated")
+  parser.add_argument("--heads", type=int, default=16, help="cuDNN heads")
+  parser.add_argument("--castle_heads", type=int, default=16, help="CASTLE heads (the XL model has 9)")
+  parser.add_argument("--head_dim", type=int, default=128)
+  parser.add_argument("--window", type=int, default=None, help="CASTLE-SWL window (and cuDNN's)")
+  parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--json", default=None)
+  args = parser.parse_args(argv)
+  window = args.window
+  rows = []
+  for text in args.shapes.split(","):
+    batch, seq = (int(x) for x in text.split("x"))
+    causal_pairs = batch * seq * seq * args.head_dim  # FLOPs of one product per head
+    cudnn_shape = (batch, seq, args.heads, args.head_dim)
+    castle_shape = (batch, seq, args.castle_heads, args.head_dim)
+    local = None if window is None else (window, 0)
+    candidates = (
+        ("cuDNN", args.heads, _CAUSAL_PRODUCTS, 3, cudnn_shape,
+         lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn",
+                                                      local_window_size=local)),
+        ("CASTLE mosaic", args.castle_heads, _CASTLE_PRODUCTS, 6, castle_shape,
+         lambda *a: castle_attention_mosaic(*a, window=window)),
+        ("CASTLE triton", args.castle_heads, _CASTLE_PRODUCTS, 6, castle_shape,
+         lambda *a: castle_attention(*a, window=window, implementation="pallas")),
+    )
+    base = None
+    for name, heads, products, num_inputs, shape, fn in candidates:
+      args_sets = [_inputs(seed, shape, num_inputs) for seed in range(2)]
+      result = time_forward_and_gradients(fn, num_inputs, args_sets, args.iters)
+      row = {"shape": f"{batch}x{seq}x{heads}x{args.head_dim}", "kernel": name, **result}
+      if "error" not in result:
+        row["tflops"] = products * causal_pairs * heads / result["fwd_bwd_ms"] / 1e9
+        if name == "cuDNN":
+          base = result["fwd_bwd_ms"]
+        elif base is not None:
+          row["x_cudnn"] = result["fwd_bwd_ms"] / base
+      print(row, flush=True)
+      rows.append(row)
+
+  print(f"\n| shape (BxTxHxd) | kernel | fwd ms | fwd+bwd ms | x cuDNN fwd+bwd | TFLOP/s (fwd+bwd) |"
+        f"{'' if window is None else f'  window {window}'}")
+  print("| --- | --- | --- | --- | --- | --- |")
+  for row in rows:
+    if "error" in row:
+      print(f"| {row['shape']} | {row['kernel']} | failed: {row['error']} | | | |")
+      continue
+    ratio = f"{row['x_cudnn']:.2f}" if "x_cudnn" in row else "1.00" if row["kernel"] == "cuDNN" else "-"
+    print(f"| {row['shape']} | {row['kernel']} | {row['fwd_ms']:.2f} | {row['fwd_bwd_ms']:.2f} | {ratio} | "
+          f"{row['tflops']:.0f} |")
+  write_json(args.json, run_meta(window=window, iters=args.iters), rows=rows)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,119 @@
+"""CASTLE attention through the Mosaic GPU (Hopper) kernels, differentiable with a custom VJP.
+
+The forward is `mosaic_ops.castle_forward_mosaic`; the backward folds heads into the
+batch, zero-pads the sequence as the forward does, computes delta = rowsum(out * dout)
+in XLA, runs `mosaic_backward.backward` and folds the in-block scores' gradient into
+dQ^C and dV^U (shared with the Triton path). Not yet wired into `castle_attention`.
+
+Zero padding is exact in the backward too: padded queries have zero cotangent and zero
+scores (so dS vanishes on their rows), padded keys come after every real query, and
+padded lookahead values and in-block scores are zero (their lookahead weights get no
+gradient). The forward's final D of a padded row is zero, so the lookahead keys it
+returns, padded with zeros, are the kernel's starting state.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from pallas_kernels.castle import mosaic_backward
+from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
+from pallas_kernels.castle.mosaic_ops import _in_block_scores_transposed, castle_forward_mosaic
+from pallas_kernels.castle.ops import fold_in_block_grad
+
+
+def _heads_layout(batch: int, seq: int, heads: int, padded: int):
+  """(to_heads, from_heads): [B, T, H, X] <-> [B * H, padded, X] (zero-padded sequence)."""
+  def to_heads(x):
+    x = x.transpose(0, 2, 1, 3).reshape(batch * heads, seq, x.shape[-1])
+    return jnp.pad(x, ((0, 0), (0, padded - seq), (0, 0)))
+
+  def from_heads(x):
+    return x[:, :seq].reshape(batch, heads, seq, x.shape[-1]).transpose(0, 2, 1, 3)
+
+  return to_heads, from_heads
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _castle_mosaic(q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpret):
+  return castle_forward_mosaic(q_u, k_u, v_u, q_c, k_c, v_c, scale=scale, window=window, config=config,
+                               interpret=interpret).out
+
+
+def _castle_mosaic_fwd(q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpret):
+  result = castle_forward_mosaic(q_u, k_u, v_u, q_c, k_c, v_c, scale=scale, window=window, config=config,
+                                 interpret=interpret)
+  # O(L d) residuals: the inputs, the output, the row log-sum-exp and the final D.
+  return result.out, (q_u, k_u, v_u, q_c, k_c, v_c, result.out, result.lse, result.lookahead_keys)
+
+
+def _castle_mosaic_bwd(scale, window, config, interpret, residuals, d_out):
+  *inputs, out, lse, keys = residuals
+  q_u, k_u, v_u, q_c, k_c, v_c = inputs
+  batch, seq, heads, _ = q_u.shape
+  block_q = config.block_q
+  padded = -(-seq // max(config.block_q, config.block_k)) * max(config.block_q, config.block_k)
+  to_heads, from_heads = _heads_layout(batch, seq, heads, padded)
+  # delta from the output in the inputs' dtype, as flash attention does.
+  delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1, keepdims=True)
+  lse = lse.transpose(0, 2, 1)[..., None]  # [B, T, H, 1]
+  (q_u, k_u, v_u, q_c, k_c, v_c, keys, d_out, lse, delta) = (
+      to_heads(x) for x in (*inputs, keys, d_out.astype(q_c.dtype), lse, delta))
+  in_block_t = _in_block_scores_transposed(q_c, v_u, scale, block_q)
+  dq_u, dk_c, dv_c, dq_c, dk_u, dv_u, d_in_block = mosaic_backward.backward(
+      q_u, k_u, v_u, q_c, k_c, v_c, keys, d_out, lse[..., 0], delta[..., 0], in_block_t,
+      scale=scale, window=window, config=config,
+      interpret=plgpu.InterpretGPUParams() if interpret else None)
+  dq_c, dv_u = fold_in_block_grad(dq_c, dv_u, d_in_block, q_c, v_u, scale, block_q)
+  grads = (dq_u, dk_u, dv_u, dq_c, dk_c, dv_c)
+  return tuple(from_heads(g).astype(x.dtype) for g, x in zip(grads, inputs))
+
+
+_castle_mosaic.defvjp(_castle_mosaic_fwd, _castle_mosaic_bwd)
+
+
+def castle_attention_mosaic(
+    q_u: jax.Array,
+    k_u: jax.Array,
+    v_u: jax.Array,
+    q_c: jax.Array,
+    k_c: jax.Array,
+    v_c: jax.Array,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+    config: CastleMosaicConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+  """CASTLE (or CASTLE-SWL with `window`) with the Mosaic GPU kernels, differentiable.
+
+  Same semantics as `castle_jax.ops.castle.castle_attention(..., window=window)`.
+
+  Args:
+    q_u, k_u, v_u, q_c, k_c, v_c: [batch, seq, heads, head_dim], one shape, bfloat16
+      or float16, head_dim 64 or 128. The lookahead products (and the lookahead
+      gradients) run in float16, so values and cotangents must lie within float16 range.
+    scale: the score scale; default 1 / sqrt(head_dim).
+    window: None for CASTLE, W >= 1 for CASTLE-SWL.
+    config: tile sizes; default `CastleMosaicConfig()`.
+    interpret: run in Pallas GPU interpret mode; default True on CPU (slow, for tests).
+
+  Returns:
+    [batch, seq, heads, head_dim] in the inputs' dtype.
+
+  Raises:
+    ValueError: bad shapes, window, dtype or head dim (naming the argument).
+  """
+  if q_u.ndim != 4:
+    raise ValueError(f"castle_attention_mosaic: q_u must be [batch, seq, heads, head_dim], got shape {q_u.shape}")
+  if scale is None:
+    scale = q_u.shape[-1] ** -0.5
+  if config is None:
+    config = CastleMosaicConfig()
+  if interpret is None:
+    interpret = jax.default_backend() == "cpu"
+  return _castle_mosaic(q_u, k_u, v_u, q_c, k_c, v_c, float(scale), window, config, bool(interpret))

@@ -1,0 +1,375 @@
+"""CASTLE backward as a Pallas Mosaic GPU (Hopper: wgmma + TMA) kernel, key-block major.
+
+The math is that of the Triton backward (`pallas_kernels.castle.kernels`): one program
+per (key block b, batch * head) sweeps the query blocks in reverse, i = N-1 .. b. It
+starts from the forward's final lookahead-key state D_b and walks it back with exactly
+the forward's float16 product, D^(i) = D^(i+1) - W_bi V^U_i (the paper's Eq. 37),
+recomputes the step's scores and probabilities, and carries dD (Algorithm 3) and the
+key block's gradients dK^C, dV^C, dQ^U across the sweep. Per step, with tiles in the
+key-row frame ([block_k, block_q]: keys down, queries across; ^T marks such a tile):
+
+  W        = sigmoid(Q^U_b K^U_i^T s) under the lookahead mask
+  D       -= W V^U_i                                       (float16 operands, as the forward)
+  S^U^T    = D Q^C_i^T s + W R_ii^T                         (float16 operands, as the forward)
+  P^T      = exp(K^C_b Q^C_i^T s - SiLU(S^U^T) - lse_i) under the causal mask
+  dV^C    += P^T dO_i,    dP^T = V^C_b dO_i^T,    dS^T = P^T (dP^T - delta_i)
+  dK^C    += dS^T Q^C_i s,     dSU^T = -dS^T SiLU'(S^U^T)
+  dQ^C_i  += (dS K^C_b + dSU D) s,    dR_ii += dSU W       (reduce-adds to global memory)
+  dW       = dSU^T R_ii + dD V^U_i^T,    dV^U_i += W^T dD   (dD before this step's term)
+  dD      += dSU^T Q^C_i s
+  dL       = dW W (1 - W) s,    dQ^U += dL K^U_i,    dK^U_i += dL^T Q^U_b
+
+dR (the gradient of the in-block scores R = Q^C V^U^T s, precomputed in XLA) is folded
+into dQ^C and dV^U by the caller, as on the Triton path.
+
+Two warpgroups per program, split by role so that the per-key-block state fits in
+registers at head dim 128 (five [64, d] float32 tiles would be 320 registers per
+thread in one warpgroup):
+  - the score warpgroup holds D and dD, loads the tiles, computes every score tile and
+    all of the step's elementwise work, and adds the query-block gradients dQ^C, dK^U,
+    dV^U and dR into global memory (TMA reduce-adds);
+  - the accumulator warpgroup holds dK^C, dV^C and dQ^U and runs their three products
+    from tiles the score warpgroup leaves in shared memory (P^T, dS^T, dL).
+The accumulator warpgroup's three products need only 16-bit tiles that are staged
+anyway; no float32 tile and nothing of D crosses between the warpgroups. This first
+schedule is synchronous (each wgmma waited on, one buffer per tile); it is the verified
+base for a pipelined one.
+
+Every [64, d] tile is handled as d / 64 column chunks of [64, 64]: register state,
+shared-memory staging and the float32 reduce-adds all stay at 64 columns, which keeps
+the shared memory within Hopper's 227 KB at d = 128.
+
+Precision: the products that recompute the forward (W V^U, D Q^C^T, W R^T) take the
+forward's float16 operands, so P matches the forward's probabilities; the causal
+gradient products take the inputs' dtype (as flash attention); the lookahead gradient
+products take float16 (W in [0, 1], dSU, dD, D scaled by 2^-8, Q^C, V^U and R), so
+the cotangents must keep those gradients within float16 range (|x| < 65504).
+GPU interpret mode differs in two places, as in the forward: a wgmma accumulator that
+starts from a value is added to afterwards, and the reduce-adds read, add and write back.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from pallas_kernels.castle.kernels import _silu_grad, sigmoid, silu
+from pallas_kernels.castle.mosaic_config import WGMMA_ROWS, CastleMosaicConfig
+from pallas_kernels.castle.mosaic_forward import KEY_STATE_SCALE, LOOKAHEAD_DTYPE, _operand_smem
+
+# Columns per chunk of a [64, head_dim] tile: one 128-byte swizzle span of 16-bit values.
+CHUNK = 64
+_SCORE_WARPGROUP = 0
+_ACCUMULATOR_WARPGROUP = 1
+# Tiles loaded once per program (the key block) and per step (a query block).
+_KEY_TILES = ("q_u", "k_c", "v_c")
+_QUERY_TILES = ("q_c", "q_c16", "k_u", "v_u16", "d_out", "in_block_t", "lse", "delta")
+
+
+class _Staging(NamedTuple):
+  """Shared-memory tiles the score warpgroup writes each step (key-row frame)."""
+  weights: object      # W, float16 [block_k, block_q]
+  probs: object        # P^T, input dtype
+  d_scores: object     # dS^T, input dtype
+  d_lookahead: object  # dSU^T, float16
+  d_logits: object     # dL, input dtype
+  keys: tuple          # D * 2^-8, float16, one [block_k, CHUNK] tile per column chunk
+  d_keys: tuple        # dD, float16, per column chunk
+
+
+class _Barriers(NamedTuple):
+  keys: object          # the key-block tiles have landed
+  query: object         # the step's query tiles have landed
+  io: object            # the score warpgroup's own copies into `out_smem`
+  probs_ready: object   # P^T is staged (score -> accumulator warpgroup)
+  grads_ready: object   # dS^T and dL are staged (score -> accumulator warpgroup)
+  consumed: object      # the accumulator warpgroup is done with the step's tiles
+  staging_free: object  # the score warpgroup's last reduce-add has read `out_smem`
+
+
+def _columns(ref, chunk: int, num_chunks: int):
+  """Column chunk `chunk` of a [rows, num_chunks * CHUNK] reference (the last axis)."""
+  if num_chunks == 1:
+    return ref
+  return ref.at[..., pl.ds(chunk * CHUNK, CHUNK)]
+
+
+def _products(pairs, shape, init=None, *, init_in_place: bool):
+  """init + sum of a @ b over `pairs`, float32, in one wgmma accumulator of `shape`.
+
+  With `init_in_place` the accumulator starts from `init`; GPU interpret mode cannot
+  run a preinitialized accumulator, so there `init` is added afterwards.
+  """
+  def accumulate(acc_ref):
+    for a, b in pairs:
+      plgpu.wgmma(acc_ref, a, b)
+
+  if init is not None and init_in_place:
+    return pl.run_state(accumulate)(plgpu.ACC.init(init))
+
+  def product_of(acc_ref):
+    accumulate(acc_ref)
+    return acc_ref[...]
+  product = pl.run_scoped(product_of, plgpu.ACC(shape, jnp.float32))
+  return product if init is None else init + product
+
+
+def _reduce_add(tile, gmem, out_smem, barrier, *, with_tma: bool):
+  """gmem += tile (float32) through the staging buffer `out_smem`."""
+  # The previous reduce-add must have read the staging buffer.
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  if with_tma:
+    out_smem[...] = tile
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, gmem, reduction_op="add")
+    return
+  # One program at a time (interpret mode): read, add, write back.
+  plgpu.copy_gmem_to_smem(gmem, out_smem, barrier)
+  plgpu.barrier_wait(barrier)
+  out_smem[...] = out_smem[...] + tile
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(out_smem, gmem)
+
+
+def _store_tile(tile, gmem, out_smem):
+  """gmem = tile (float32) through the staging buffer `out_smem`."""
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  out_smem[...] = tile
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(out_smem, gmem)
+
+
+def _zeros(shape):
+  return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+
+
+def _backward_kernel(
+    q_u_ref, k_c_ref, v_c_ref, keys_ref,
+    q_c_ref, q_c16_ref, k_u_ref, v_u16_ref, d_out_ref, in_block_t_ref, lse_ref, delta_ref,
+    dq_c_ref, dk_u_ref, dv_u_ref, d_in_block_ref,   # float32 accumulators in global memory
+    dq_u_ref, dk_c_ref, dv_c_ref,                   # outputs: the key block's gradients
+    key_smem, query_smem, in_block_smem, lse_smem, delta_smem, staging, out_smem, barriers, *,
+    scale: float, window: int | None, block_q: int, block_k: int, num_query_blocks: int,
+    head_dim: int, interpreted: bool):
+  products = functools.partial(_products, init_in_place=not interpreted)
+  reduce_add = functools.partial(_reduce_add, out_smem=out_smem, barrier=barriers.io, with_tma=not interpreted)
+  num_chunks = head_dim // CHUNK
+  chunks = range(num_chunks)
+  key_block = lax.axis_index("key_block")
+  head = lax.axis_index("head")
+  warpgroup = lax.axis_index("wg")
+  key_rows = pl.ds(key_block * block_k, block_k)
+  q_u_smem, k_c_smem, v_c_smem = key_smem
+  q_c_smem, q_c16_smem, k_u_smem, v_u16_smem, d_out_smem = query_smem
+  dtype = q_c_ref.dtype
+  first = lax.div(key_block * block_k, block_q)
+  num_steps = num_query_blocks - first
+  gmem_columns = lambda ref, rows, c: _columns(ref.at[head, rows], c, num_chunks)
+  tile = (block_k, block_q)
+  chunk_tile = (block_k, CHUNK)
+
+  @pl.when(warpgroup == _SCORE_WARPGROUP)
+  def _():
+    for src, dst in zip((q_u_ref, k_c_ref, v_c_ref), key_smem):
+      plgpu.copy_gmem_to_smem(src.at[head, key_rows], dst, barriers.keys)
+    keys = []
+    for c in chunks:
+      plgpu.copy_gmem_to_smem(gmem_columns(keys_ref, key_rows, c), out_smem, barriers.io)
+      plgpu.barrier_wait(barriers.io)
+      keys.append(plgpu.load(out_smem, layout=plgpu.Layout.WGMMA))
+      plgpu.commit_smem()  # the next copy overwrites what was just read
+    plgpu.barrier_wait(barriers.keys)
+    key_positions = key_block * block_k + plgpu.broadcasted_iota(jnp.int32, tile, 0, layout=plgpu.Layout.WGMMA)
+    query_offsets = plgpu.broadcasted_iota(jnp.int32, tile, 1, layout=plgpu.Layout.WGMMA)
+
+    def step(reverse_step, carry):
+      keys, d_keys = carry
+      query_block = num_query_blocks - 1 - reverse_step
+      rows = pl.ds(query_block * block_q, block_q)
+
+      @pl.when(reverse_step > 0)
+      def _():
+        plgpu.barrier_wait(barriers.consumed)
+
+      for src, dst in zip((q_c_ref, q_c16_ref, k_u_ref, v_u16_ref, d_out_ref), query_smem):
+        plgpu.copy_gmem_to_smem(src.at[head, rows], dst, barriers.query)
+      plgpu.copy_gmem_to_smem(in_block_t_ref.at[head, rows], in_block_smem, barriers.query)
+      plgpu.copy_gmem_to_smem(lse_ref.at[head, rows], lse_smem, barriers.query)
+      plgpu.copy_gmem_to_smem(delta_ref.at[head, rows], delta_smem, barriers.query)
+      plgpu.barrier_wait(barriers.query)
+      query_positions = query_block * block_q + query_offsets
+
+      # W, then D^(i+1) -> D^(i) with the forward's float16 product.
+      logits = products([(q_u_smem, k_u_smem.T)], tile) * scale
+      visible = query_positions > key_positions
+      if window is not None:
+        visible &= query_positions <= key_positions + window
+      staging.weights[...] = jnp.where(visible, sigmoid(logits), 0.0).astype(LOOKAHEAD_DTYPE)
+      plgpu.commit_smem()
+      keys = [keys[c] - products([(staging.weights, _columns(v_u16_smem, c, num_chunks))], chunk_tile)
+              for c in chunks]
+      for c in chunks:
+        staging.keys[c][...] = (keys[c] * KEY_STATE_SCALE).astype(LOOKAHEAD_DTYPE)
+      plgpu.commit_smem()
+
+      # The forward's scores and probabilities.
+      lookahead = products([(staging.keys[c], _columns(q_c16_smem, c, num_chunks).T) for c in chunks], tile)
+      lookahead = products([(staging.weights, in_block_smem)], tile, init=lookahead * (scale / KEY_STATE_SCALE))
+      causal = products([(k_c_smem, q_c_smem.T)], tile) * scale
+      lse = lax.broadcast_in_dim(lse_smem[...], tile, [1])
+      probs = jnp.where(query_positions >= key_positions, jnp.exp(causal - silu(lookahead) - lse), 0.0)
+      staging.probs[...] = probs.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(barriers.probs_ready)
+
+      # Softmax and the SiLU.
+      d_probs = products([(v_c_smem, d_out_smem.T)], tile)
+      d_scores = probs * (d_probs - lax.broadcast_in_dim(delta_smem[...], tile, [1]))
+      d_lookahead = -d_scores * _silu_grad(lookahead)
+      staging.d_scores[...] = d_scores.astype(dtype)
+      staging.d_lookahead[...] = d_lookahead.astype(LOOKAHEAD_DTYPE)
+      for c in chunks:
+        staging.d_keys[c][...] = d_keys[c].astype(LOOKAHEAD_DTYPE)
+      plgpu.commit_smem()
+
+      # dQ^C_i = (dS K^C_b + dSU D^(i)) * scale, with D entering scaled by 2^-8.
+      for c in chunks:
+        from_keys = products([(staging.d_lookahead.T, staging.keys[c])], (block_q, CHUNK))
+        dq_c = products([(staging.d_scores.T, _columns(k_c_smem, c, num_chunks))], (block_q, CHUNK),
+                        init=from_keys * (1.0 / KEY_STATE_SCALE))
+        reduce_add(dq_c * scale, gmem_columns(dq_c_ref, rows, c))
+      # dR_ii = dSU W (the caller masks and scales it).
+      reduce_add(products([(staging.d_lookahead.T, staging.weights)], (block_q, block_q)),
+                 d_in_block_ref.at[head, rows])
+
+      # W's gradient: through the in-block term R W^T and through D^(i+1) (dD before
+      # this step's term).
+      d_weights = products([(staging.d_lookahead, in_block_smem.T)]
+                           + [(staging.d_keys[c], _columns(v_u16_smem, c, num_chunks).T) for c in chunks], tile)
+      for c in chunks:
+        reduce_add(products([(staging.weights.T, staging.d_keys[c])], (block_q, CHUNK)),
+                   gmem_columns(dv_u_ref, rows, c))
+      # dD becomes dL/dD^(i): add what this query block's scores read from D^(i).
+      d_keys = [d_keys[c] + products([(staging.d_lookahead, _columns(q_c16_smem, c, num_chunks))], chunk_tile)
+                * scale for c in chunks]
+
+      weights = staging.weights[...].astype(jnp.float32)
+      staging.d_logits[...] = (d_weights * weights * (1.0 - weights) * scale).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(barriers.grads_ready)
+      for c in chunks:
+        reduce_add(products([(staging.d_logits.T, _columns(q_u_smem, c, num_chunks))], (block_q, CHUNK)),
+                   gmem_columns(dk_u_ref, rows, c))
+      return keys, d_keys
+
+    lax.fori_loop(0, num_steps, step, (keys, [_zeros(chunk_tile) for _ in chunks]))
+    plgpu.wait_smem_to_gmem(0)
+    plgpu.barrier_arrive(barriers.staging_free)
+    plgpu.barrier_wait(barriers.consumed)
+
+  @pl.when(warpgroup == _ACCUMULATOR_WARPGROUP)
+  def _():
+    plgpu.barrier_wait(barriers.keys)
+
+    def step(_, carry):
+      dk_c, dv_c, dq_u = carry
+      plgpu.barrier_wait(barriers.query)
+      plgpu.barrier_wait(barriers.probs_ready)
+      dv_c = [products([(staging.probs, _columns(d_out_smem, c, num_chunks))], chunk_tile, init=dv_c[c])
+              for c in chunks]
+      plgpu.barrier_wait(barriers.grads_ready)
+      dk_c = [products([(staging.d_scores, _columns(q_c_smem, c, num_chunks))], chunk_tile, init=dk_c[c])
+              for c in chunks]
+      dq_u = [products([(staging.d_logits, _columns(k_u_smem, c, num_chunks))], chunk_tile, init=dq_u[c])
+              for c in chunks]
+      plgpu.barrier_arrive(barriers.consumed)
+      return dk_c, dv_c, dq_u
+
+    zeros = [_zeros(chunk_tile) for _ in chunks]
+    dk_c, dv_c, dq_u = lax.fori_loop(0, num_steps, step, (zeros, zeros, zeros))
+    plgpu.barrier_wait(barriers.staging_free)
+    for grads, ref, factor in ((dk_c, dk_c_ref, scale), (dv_c, dv_c_ref, 1.0), (dq_u, dq_u_ref, 1.0)):
+      for c in chunks:
+        _store_tile(grads[c] * factor, gmem_columns(ref, key_rows, c), out_smem)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def backward(q_u, k_u, v_u, q_c, k_c, v_c, keys_final, d_out, lse, delta, in_block_t, *, scale: float,
+             window: int | None, config: CastleMosaicConfig, interpret):
+  """The Mosaic GPU backward kernel on padded [BH, L, d] arrays.
+
+  Args:
+    q_u, k_u, q_c, k_c, v_c: [BH, L, d] in the inputs' dtype (bf16 or f16); L a
+      multiple of config.block_q and config.block_k, d a multiple of 64.
+    v_u: [BH, L, d], the lookahead values (enter as float16, as in the forward).
+    keys_final: float32 [BH, L, d], the forward's final D (the lookahead keys u_s^L).
+    d_out: [BH, L, d], the output cotangent in the inputs' dtype.
+    lse: float32 [BH, L], the rows' log-sum-exp of the scores.
+    delta: float32 [BH, L], rowsum(out * d_out).
+    in_block_t: float [BH, L, block_q], the R_ii^T tiles (`mosaic_ops._in_block_scores_transposed`);
+      they enter the products as float16, as in the forward.
+    scale: the score scale.
+    window: None or the CASTLE-SWL window.
+    interpret: None, or `plgpu.InterpretGPUParams` to run in GPU interpret mode.
+
+  Returns:
+    dq_u, dk_c, dv_c, dq_c, dk_u, dv_u: float32 [BH, L, d] (dq_c and dv_u without the
+    in-block term's share), d_in_block: float32 [BH, L, block_q], dL/dR_ii (rows of
+    query block i, unmasked and unscaled).
+  """
+  heads, length, head_dim = q_c.shape
+  block_q, block_k = config.block_q, config.block_k
+  if block_q != WGMMA_ROWS or block_k != WGMMA_ROWS or head_dim % CHUNK:
+    raise ValueError(f"mosaic_backward.backward takes block_q = block_k = {WGMMA_ROWS} and a head dim that is a "
+                     f"multiple of {CHUNK}; got {block_q}, {block_k} and {head_dim}")
+  dtype = q_c.dtype
+  num_chunks = head_dim // CHUNK
+  kernel = functools.partial(
+      _backward_kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
+      num_query_blocks=length // block_q, head_dim=head_dim, interpreted=interpret is not None)
+  full_tile = lambda rows, dt: _operand_smem((rows, head_dim), dt)
+  square = lambda dt: _operand_smem((block_k, block_q), dt)
+  chunk = lambda dt: tuple(_operand_smem((block_k, CHUNK), dt) for _ in range(num_chunks))
+  scratch = [
+      (full_tile(block_k, dtype),) * len(_KEY_TILES),
+      (full_tile(block_q, dtype), full_tile(block_q, LOOKAHEAD_DTYPE), full_tile(block_q, dtype),
+       full_tile(block_q, LOOKAHEAD_DTYPE), full_tile(block_q, dtype)),
+      _operand_smem((block_q, block_q), LOOKAHEAD_DTYPE),
+      plgpu.SMEM((block_q,), jnp.float32),
+      plgpu.SMEM((block_q,), jnp.float32),
+      _Staging(weights=square(LOOKAHEAD_DTYPE), probs=square(dtype), d_scores=square(dtype),
+               d_lookahead=square(LOOKAHEAD_DTYPE), d_logits=square(dtype),
+               keys=chunk(LOOKAHEAD_DTYPE), d_keys=chunk(LOOKAHEAD_DTYPE)),
+      plgpu.SMEM((WGMMA_ROWS, CHUNK), jnp.float32),
+      # A barrier completes when every copy (or warpgroup) that signals it has arrived.
+      _Barriers(keys=plgpu.Barrier(num_arrivals=len(_KEY_TILES)),
+                query=plgpu.Barrier(num_arrivals=len(_QUERY_TILES)),
+                io=plgpu.Barrier(num_arrivals=1),
+                probs_ready=plgpu.Barrier(num_arrivals=1),
+                grads_ready=plgpu.Barrier(num_arrivals=1),
+                consumed=plgpu.Barrier(num_arrivals=1),
+                staging_free=plgpu.Barrier(num_arrivals=1)),
+  ]
+  full = lambda: jax.new_ref(jnp.zeros((heads, length, head_dim), jnp.float32))
+  dq_c, dk_u, dv_u = full(), full(), full()
+  d_in_block = jax.new_ref(jnp.zeros((heads, length, block_q), jnp.float32))
+  f32 = jax.ShapeDtypeStruct((heads, length, head_dim), jnp.float32)
+  dq_u, dk_c, dv_c = plgpu.kernel(
+      kernel,
+      out_type=(f32, f32, f32),
+      scratch_types=scratch,
+      grid=(length // block_k, heads),
+      grid_names=("key_block", "head"),
+      num_threads=2,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret,
+  )(q_u, k_c, v_c, keys_final, q_c, q_c.astype(LOOKAHEAD_DTYPE), k_u, v_u.astype(LOOKAHEAD_DTYPE),
+    d_out, in_block_t.astype(LOOKAHEAD_DTYPE), lse, delta, dq_c, dk_u, dv_u, d_in_block)
+  return dq_u, dk_c, dv_c, dq_c[...], dk_u[...], dv_u[...], d_in_block[...]
