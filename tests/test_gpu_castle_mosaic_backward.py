@@ -56,7 +56,9 @@ def test_mosaic_gradients_match_xla(shape, window):
     grad = np.asarray(grad.astype(jnp.float32))
     assert grad.dtype == np.float32 and np.isfinite(grad).all(), f"d{name} is not finite"
     error = rel_err(grad, ref)
-    assert error < 1e-2, f"d{name}: relative error {error:.3g}"
+    # A single token has exactly zero gradients for all but v_c, where a relative error
+    # is undefined: the kernel's rounding noise (~1e-7) must then stay absolute-small.
+    assert error < 1e-2 or np.abs(grad - np.asarray(ref)).max() < 1e-5, f"d{name}: relative error {error:.3g}"
 
 
 def test_mosaic_gradients_match_triton():
