@@ -70,16 +70,25 @@ def _run_cases_in_this_process(schedule, out_dir):
 
 @pytest.fixture(scope="module")
 def kernel_results(tmp_path_factory):
-  """{(schedule, case number): arrays}; the warp-specialized kernel runs in a subprocess."""
+  """schedule -> [arrays per case], computed on first use; the warp-specialized kernel
+  runs in a subprocess."""
   out_dir = str(tmp_path_factory.mktemp("castle_mosaic"))
-  _run_cases_in_this_process("simple", out_dir)
-  env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {_INTERPRET_XLA_FLAG}".strip(),
-             PYTHONPATH=os.pathsep.join([os.path.dirname(TESTS_DIR), TESTS_DIR]), JAX_PLATFORMS="cpu")
-  code = f"import test_castle_mosaic as t; t._run_cases_in_this_process('warp_specialized', {out_dir!r})"
-  run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-  assert run.returncode == 0, run.stderr[-3000:]
-  return {(schedule, number): np.load(os.path.join(out_dir, f"{schedule}_{number}.npz"))
-          for schedule, cases in CASES.items() for number in range(len(cases))}
+  computed = {}
+
+  def results(schedule):
+    if schedule not in computed:
+      if schedule == "simple":
+        _run_cases_in_this_process(schedule, out_dir)
+      else:
+        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {_INTERPRET_XLA_FLAG}".strip(),
+                   PYTHONPATH=os.pathsep.join([os.path.dirname(TESTS_DIR), TESTS_DIR]), JAX_PLATFORMS="cpu")
+        code = f"import test_castle_mosaic as t; t._run_cases_in_this_process({schedule!r}, {out_dir!r})"
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+      computed[schedule] = [np.load(os.path.join(out_dir, f"{schedule}_{number}.npz"))
+                            for number in range(len(CASES[schedule]))]
+    return computed[schedule]
+  return results
 
 
 def _reference_lse(inputs, window):
@@ -100,10 +109,14 @@ def _reference_lse(inputs, window):
   return jax.nn.logsumexp(scores, axis=-1)
 
 
-@pytest.mark.parametrize("schedule, number", [(s, n) for s, cases in CASES.items() for n in range(len(cases))])
+# The warp-specialized schedule is experimental (it races on the GPU): its interpret-mode
+# cases run with -m slow, which keeps the default suite fast.
+@pytest.mark.parametrize("schedule, number", [
+    pytest.param(s, n, marks=pytest.mark.slow) if s == "warp_specialized" else (s, n)
+    for s, cases in CASES.items() for n in range(len(cases))])
 def test_interpret_matches_xla(kernel_results, schedule, number):
   shape, window = CASES[schedule][number]
-  result = kernel_results[schedule, number]
+  result = kernel_results(schedule)[number]
   f32 = tuple(x.astype(jnp.float32) for x in _case_inputs(shape, window))
   with jax.default_matmul_precision("highest"):
     ref_out, ref_keys = castle_blockwise_prefill(*f32, window=window)
@@ -148,8 +161,8 @@ def test_config_checks():
   with pytest.raises(ValueError, match=r"schedule must be one of \('warp_specialized', 'simple'\), got 'fast'"):
     CastleMosaicConfig(schedule="fast")
   assert CastleMosaicConfig.from_string("block_k=64") == CastleMosaicConfig()
-  assert CastleMosaicConfig.from_string("schedule=simple").keys_per_program == 64
-  assert CastleMosaicConfig().keys_per_program == 128
+  assert CastleMosaicConfig.from_string("schedule=warp_specialized").keys_per_program == 128
+  assert CastleMosaicConfig().schedule == "simple" and CastleMosaicConfig().keys_per_program == 64
 
 
 def test_rejects_mismatched_inputs_and_bad_windows():

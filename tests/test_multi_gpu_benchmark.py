@@ -47,6 +47,7 @@ def _smoke(tmp_path, *args, timeout=600):
   return done, rows
 
 
+@pytest.mark.slow  # ~40 s of interpret-mode kernels on CPU; the multi-GPU run is the real check
 def test_smoke_equivalence_of_the_power_kernels(tmp_path):
   done, rows = _smoke(tmp_path, "--parts=equivalence", "--attentions=power")
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
