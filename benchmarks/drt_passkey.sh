@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Passkey retrieval far past the training length on one GPU, the paper's recipe:
-#   1. language-model pre-training of configs/drt_small.py (4K-token windows),
+#   1. language-model pre-training of configs/drt_small.py (16K-token windows),
 #   2. a passkey fine-tune from it (configs/drt_small_passkey.py, train.init_from),
 #   3. passkey accuracy at each length of EVALS (python -m castle_jax.eval.passkey),
 #      with the chunk memory in host RAM; device memory per length in the JSON.
