@@ -22,20 +22,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.castle import mosaic_backward
 from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
-from pallas_kernels.castle.mosaic_ops import _in_block_scores_transposed, castle_forward_mosaic
+from pallas_kernels.castle.mosaic_ops import _in_block_scores_transposed, castle_forward_mosaic, heads_layout
 from pallas_kernels.castle.ops import fold_in_block_grad
-
-
-def _heads_layout(batch: int, seq: int, heads: int, padded: int):
-  """(to_heads, from_heads): [B, T, H, X] <-> [B * H, padded, X] (zero-padded sequence)."""
-  def to_heads(x):
-    x = x.transpose(0, 2, 1, 3).reshape(batch * heads, seq, x.shape[-1])
-    return jnp.pad(x, ((0, 0), (0, padded - seq), (0, 0)))
-
-  def from_heads(x):
-    return x[:, :seq].reshape(batch, heads, seq, x.shape[-1]).transpose(0, 2, 1, 3)
-
-  return to_heads, from_heads
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
@@ -57,7 +45,7 @@ def _castle_mosaic_bwd(scale, window, config, interpret, residuals, d_out):
   batch, seq, heads, _ = q_u.shape
   block_q = config.block_q
   padded = -(-seq // max(config.block_q, config.block_k)) * max(config.block_q, config.block_k)
-  to_heads, from_heads = _heads_layout(batch, seq, heads, padded)
+  to_heads, from_heads = heads_layout(batch, seq, heads, padded)
   # delta from the output in the inputs' dtype, as flash attention does.
   delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1, keepdims=True)
   lse = lse.transpose(0, 2, 1)[..., None]  # [B, T, H, 1]

@@ -61,7 +61,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.castle.kernels import _silu_grad, sigmoid, silu
 from pallas_kernels.castle.mosaic_config import WGMMA_ROWS, CastleMosaicConfig
-from pallas_kernels.castle.mosaic_forward import KEY_STATE_SCALE, LOOKAHEAD_DTYPE, _operand_smem
+from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, _operand_smem,
+                                                products as wgmma_products)
 
 # Columns per chunk of a [64, head_dim] tile: one 128-byte swizzle span of 16-bit values.
 CHUNK = 64
@@ -98,26 +99,6 @@ def _columns(ref, chunk: int, num_chunks: int):
   if num_chunks == 1:
     return ref
   return ref.at[..., pl.ds(chunk * CHUNK, CHUNK)]
-
-
-def _products(pairs, shape, init=None, *, init_in_place: bool):
-  """init + sum of a @ b over `pairs`, float32, in one wgmma accumulator of `shape`.
-
-  With `init_in_place` the accumulator starts from `init`; GPU interpret mode cannot
-  run a preinitialized accumulator, so there `init` is added afterwards.
-  """
-  def accumulate(acc_ref):
-    for a, b in pairs:
-      plgpu.wgmma(acc_ref, a, b)
-
-  if init is not None and init_in_place:
-    return pl.run_state(accumulate)(plgpu.ACC.init(init))
-
-  def product_of(acc_ref):
-    accumulate(acc_ref)
-    return acc_ref[...]
-  product = pl.run_scoped(product_of, plgpu.ACC(shape, jnp.float32))
-  return product if init is None else init + product
 
 
 def _reduce_add(tile, gmem, out_smem, barrier, *, with_tma: bool):
@@ -157,7 +138,7 @@ def _backward_kernel(
     key_smem, query_smem, in_block_smem, lse_smem, delta_smem, staging, out_smem, barriers, *,
     scale: float, window: int | None, block_q: int, block_k: int, num_query_blocks: int,
     head_dim: int, interpreted: bool):
-  products = functools.partial(_products, init_in_place=not interpreted)
+  products = functools.partial(wgmma_products, init_in_place=not interpreted)
   reduce_add = functools.partial(_reduce_add, out_smem=out_smem, barrier=barriers.io, with_tma=not interpreted)
   num_chunks = head_dim // CHUNK
   chunks = range(num_chunks)

@@ -54,6 +54,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
+from pallas_kernels.castle.kernels import sigmoid, silu
 from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
 
 # D enters a float16 product scaled by this power of two (exact), and the product is
@@ -73,21 +74,31 @@ def _operand_smem(shape, dtype):
                                               plgpu.SwizzleTransform(_SWIZZLE_BYTES)))
 
 
-def _matmul(a, b, shape, init=None, *, init_in_place: bool = True):
-  """init + a @ b with float32 accumulation in a wgmma accumulator of `shape`.
+def products(pairs, shape, init=None, *, init_in_place: bool = True):
+  """init + sum of a @ b over `pairs` ((a, b) operand pairs), with float32 accumulation
+  in one wgmma accumulator of `shape`.
 
   With `init_in_place` the accumulator starts from `init` (no second register tile);
   GPU interpret mode cannot run a preinitialized accumulator, so there the product
   is added after.
   """
-  if init is not None and init_in_place:
-    return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a, b))(plgpu.ACC.init(init))
+  def accumulate(acc_ref):
+    for a, b in pairs:
+      plgpu.wgmma(acc_ref, a, b)
 
-  def body(acc_ref):
-    plgpu.wgmma(acc_ref, a, b)
+  if init is not None and init_in_place:
+    return pl.run_state(accumulate)(plgpu.ACC.init(init))
+
+  def product_of(acc_ref):
+    accumulate(acc_ref)
     return acc_ref[...]
-  product = pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+  product = pl.run_scoped(product_of, plgpu.ACC(shape, jnp.float32))
   return product if init is None else init + product
+
+
+def _matmul(a, b, shape, init=None, *, init_in_place: bool = True):
+  """init + a @ b (`products` of one pair)."""
+  return products([(a, b)], shape, init, init_in_place=init_in_place)
 
 
 def _register_operand(x, staging_smem):
@@ -98,10 +109,6 @@ def _register_operand(x, staging_smem):
   staging_smem[...] = x
   plgpu.commit_smem()
   return staging_smem
-
-
-def _sigmoid(x):
-  return 1.0 / (1.0 + jnp.exp(-x))
 
 
 def _forward_kernel(
@@ -142,7 +149,7 @@ def _forward_kernel(
     visible = query_positions > key_positions
     if window is not None:
       visible &= query_positions <= key_positions + window
-    weights = jnp.where(visible, _sigmoid(logits), 0.0)
+    weights = jnp.where(visible, sigmoid(logits), 0.0)
     weights16 = _register_operand(weights.astype(LOOKAHEAD_DTYPE), weights_staging)
 
     # S^U^T = D Q^C^T * scale + W R^T.
@@ -152,7 +159,7 @@ def _forward_kernel(
 
     causal = matmul(k_c_smem, q_c_smem.T, (block_k, block_q)) * scale
     shift = lax.broadcast_in_dim(shift_smem[...], (block_k, block_q), [1])
-    scores = causal - lookahead * _sigmoid(lookahead) - shift
+    scores = causal - silu(lookahead) - shift
     probs = jnp.where(query_positions >= key_positions, jnp.exp(scores), 0.0)
 
     probs_smem[...] = probs.astype(dtype)
@@ -329,7 +336,7 @@ def _consume(consumer, program, head, first, lookahead_end, acc_ref, sums_ref, k
       visible = query_positions > key_positions
       if window is not None:
         visible &= query_positions <= key_positions + window
-      weights16 = _register_operand(jnp.where(visible, _sigmoid(logits), 0.0).astype(LOOKAHEAD_DTYPE),
+      weights16 = _register_operand(jnp.where(visible, sigmoid(logits), 0.0).astype(LOOKAHEAD_DTYPE),
                                     weights_staging)
       plgpu.barrier_wait(lookahead_full)
       # W feeds both of its products from registers: the in-block lookahead term and D's step.
@@ -341,7 +348,7 @@ def _consume(consumer, program, head, first, lookahead_end, acc_ref, sums_ref, k
     causal, lookahead, keys = pl.run_scoped(
         products, plgpu.ACC((block_k, block_q), jnp.float32), plgpu.ACC((block_k, block_q), jnp.float32))
     lookahead = lookahead * lookahead_unit
-    scores = causal * scale - lookahead * _sigmoid(lookahead) - shift
+    scores = causal * scale - silu(lookahead) - shift
     probs = jnp.where(query_positions >= key_positions, jnp.exp(scores), 0.0)
     sums = jnp.sum(probs, axis=0)
     probs = probs.astype(PROBS_DTYPE)

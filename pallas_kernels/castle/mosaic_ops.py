@@ -64,6 +64,18 @@ def _in_block_scores_transposed(q_c, v_u, scale, block_q):
   return scores.swapaxes(-1, -2).reshape(heads, length, block_q)
 
 
+def heads_layout(batch: int, seq: int, heads: int, padded: int):
+  """(to_heads, from_heads): [B, T, H, X] <-> [B * H, padded, X] (zero-padded sequence)."""
+  def to_heads(x):
+    x = x.transpose(0, 2, 1, 3).reshape(batch * heads, seq, x.shape[-1])
+    return jnp.pad(x, ((0, 0), (0, padded - seq), (0, 0)))
+
+  def from_heads(x):
+    return x[:, :seq].reshape(batch, heads, seq, x.shape[-1]).transpose(0, 2, 1, 3)
+
+  return to_heads, from_heads
+
+
 def _forward_heads(q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpret):
   """[BH, L, d] -> out float32 [BH, L, d], lse float32 [BH, L], keys float32 [BH, L, d]."""
   in_block_t = _in_block_scores_transposed(q_c, v_u, scale, config.block_q)
@@ -108,17 +120,11 @@ def castle_forward_mosaic(
   inputs = (q_u, k_u, v_u, q_c, k_c, v_c)
   _check(inputs, window)
   config = CastleMosaicConfig() if config is None else config
-  batch, seq, heads, head_dim = q_u.shape
+  batch, seq, heads, _ = q_u.shape
   multiple = max(config.block_q, config.keys_per_program)
   padded = -(-seq // multiple) * multiple
 
-  def to_heads(x):
-    x = x.transpose(0, 2, 1, 3).reshape(batch * heads, seq, head_dim)
-    return jnp.pad(x, ((0, 0), (0, padded - seq), (0, 0)))
-
-  def from_heads(x):
-    return x[:, :seq].reshape(batch, heads, seq, head_dim).transpose(0, 2, 1, 3)
-
+  to_heads, from_heads = heads_layout(batch, seq, heads, padded)
   out, lse, keys = _forward_heads(
       *(to_heads(x) for x in inputs), scale, window, config,
       plgpu.InterpretGPUParams() if interpret else None)
