@@ -26,8 +26,8 @@ from train.config import base_config, finalize
 CHUNK_SIZE = 63
 
 
-def drt_small_model(c):
-  """The model fields shared with the passkey fine-tune (in place)."""
+def get_config():
+  c = base_config()
   m = c.model
   m.family = "drt"
   m.d_model, m.n_layers, m.n_heads, m.head_dim = 384, 8, 6, 64
@@ -35,11 +35,6 @@ def drt_small_model(c):
   m.attention_kwargs = dict(positions="alibi")
   m.family_kwargs = dict(chunk_size=CHUNK_SIZE, top_k=8, retrieval_groups=1, encoder_layers=2)
   m.dtype = "bfloat16"
-
-
-def get_config():
-  c = base_config()
-  drt_small_model(c)
   c.data.seq_len = 16380
   c.data.batch_size = 4
   t = c.train
