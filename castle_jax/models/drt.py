@@ -23,7 +23,8 @@ padded after the real tokens; by causality the padding changes nothing before it
       upper block:     h = x + SWA(RMSNorm(x)); a = GCA(RMSNorm(h)) over the retrieved
                        memory; x = h + MLP(RMSNorm(h + a))
                        (the authors' code: the GCA output enters the residual stream
-                       only through the MLP input; the paper's Eq. 2 reads Norm(H + O))
+                       only through the MLP input; the paper's Eq. 2 reads Norm(H + O);
+                       family_kwargs gca_output="residual" adds a to the stream too)
     logits = LM head(RMSNorm(x)) at the real positions
 
 SWA: `mha` with ALiBi biases over model.sliding_window, no RoPE; GCA:
@@ -52,6 +53,7 @@ from castle_jax.ops.gca import gca_attention, retrieval_scores, select_chunks
 from castle_jax.sharding import constrain, with_axes
 
 RETRIEVERS = ("learned", "random")
+GCA_OUTPUTS = ("mlp_input", "residual")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +68,10 @@ class DRTOptions:
     gumbel: add Gumbel noise before the top-k in training (False: the ablation).
     retriever: "learned", or "random" (chunks picked uniformly at random, still mixed by
       the softmax of their learned scores: the paper's random-retriever ablation).
+    gca_output: where an upper block's GCA output a goes. "mlp_input" (the authors' code):
+      x = h + MLP(RMSNorm(h + a)), a reaches the residual stream only through the MLP.
+      "residual" (a reading of the paper's Eq. 2, H + O): x = h + a + MLP(RMSNorm(h + a)),
+      a also enters the residual stream directly, as a self-attention output does.
   """
 
   chunk_size: int = 64
@@ -74,6 +80,7 @@ class DRTOptions:
   encoder_layers: int = 2
   gumbel: bool = True
   retriever: str = "learned"
+  gca_output: str = "mlp_input"
 
   def __post_init__(self):
     for name in ("chunk_size", "top_k", "retrieval_groups", "encoder_layers"):
@@ -84,6 +91,8 @@ class DRTOptions:
       raise ValueError(f"model.family_kwargs.gumbel must be True or False, got {self.gumbel!r}")
     if self.retriever not in RETRIEVERS:
       raise ValueError(f"model.family_kwargs.retriever must be one of {RETRIEVERS}, got {self.retriever!r}")
+    if self.gca_output not in GCA_OUTPUTS:
+      raise ValueError(f"model.family_kwargs.gca_output must be one of {GCA_OUTPUTS}, got {self.gca_output!r}")
 
   @classmethod
   def from_config(cls, config: ModelConfig) -> "DRTOptions":
@@ -176,11 +185,13 @@ class GroupedCrossAttention(nn.Module):
 
 
 class DRTBlock(nn.Module):
-  """A decoder block; with `cross_attention` an upper block (GCA between attention and MLP).
-  Its self-attention is `mha` with ALiBi over model.sliding_window."""
+  """A decoder block; with `cross_attention` an upper block (GCA between attention and MLP,
+  its output placed as `gca_output` says, see `DRTOptions`). Its self-attention is `mha`
+  with ALiBi over model.sliding_window."""
 
   config: ModelConfig
   cross_attention: bool = False
+  gca_output: str = "mlp_input"
 
   @nn.compact
   def __call__(self, x, memory=None, positions=None, cache=None, query_offset=None):
@@ -200,6 +211,8 @@ class DRTBlock(nn.Module):
     if self.cross_attention:
       cross = GroupedCrossAttention(cfg, name="cross_attention")
       mlp_input = x + cross(norm(cfg, "cross_attention_norm")(x), *memory, query_offset=query_offset)
+      if self.gca_output == "residual":
+        x = mlp_input
     mlp = SwiGLU(cfg.ffn_hidden, cfg.init_std, cfg.out_init_std, cfg.compute_dtype, cfg.weights_dtype, name="mlp")
     return constrain(x + mlp(norm(cfg, "mlp_norm")(mlp_input)), ("batch", "act_length", "act_embed")), cache
 
@@ -296,7 +309,7 @@ class DRT(nn.Module):
       served_indices, served_weights = serve_next_chunk(indices, weights)
       memory = (memory_k, memory_v, served_weights, served_indices)
       for _ in range(group_layers):
-        x, _ = block(cfg, cross_attention=True, name=f"block_{layer}")(x, memory)
+        x, _ = block(cfg, cross_attention=True, gca_output=opt.gca_output, name=f"block_{layer}")(x, memory)
         layer += 1
 
     x = real_positions(norm(cfg, "final_norm")(x), size)[:, :seq]

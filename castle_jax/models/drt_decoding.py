@@ -318,7 +318,7 @@ def _upper_stage(model: DRT, layout: tuple[bool, ...], group: int, params, state
   groups = opt.upper_layer_groups(cfg.n_layers)
   first = cfg.n_layers // 2 + sum(groups[:group])
   for layer in range(first, first + groups[group]):
-    x, caches[layer] = _apply(DRTBlock(cfg, cross_attention=True), params[f"block_{layer}"], x, memory,
+    x, caches[layer] = _apply(DRTBlock(cfg, cross_attention=True, gca_output=opt.gca_output), params[f"block_{layer}"], x, memory,
                               positions=positions, cache=caches[layer], query_offset=scalars[1])
   state = state.replace(caches=tuple(caches))
   if chunk_slots > 1:  # the piece completed chunks: the last retrieval serves the next chunk
