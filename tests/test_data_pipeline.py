@@ -218,3 +218,21 @@ def test_prefetch_keeps_the_batches_and_the_resume_position(data_config, worker_
   for batch in expected[5:]:
     np.testing.assert_array_equal(next(resumed)["inputs"], batch)
   resumed.close()
+
+
+def test_processes_started_together_share_one_build(tmp_path, small_source_dir):
+  # Each process builds the corpus into the same fresh data_dir; without the build lock
+  # one process's failed attempt removed the folder another was writing.
+  import subprocess
+  import sys
+  script = ("import sys; from castle_jax.data.pipeline import get_builder; "
+            "b = get_builder('python_stdlib', sys.argv[1], sys.argv[2]); "
+            "print(sum(b.info.splits[s].num_examples for s in ('train', 'validation')))")
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+  processes = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "tfds"), small_source_dir],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+               for _ in range(3)]
+  results = [p.communicate(timeout=300) for p in processes]
+  for process, (out, err) in zip(processes, results):
+    assert process.returncode == 0, err[-2000:]
+    assert out.split()[-1] == "12"

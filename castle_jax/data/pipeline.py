@@ -13,9 +13,13 @@ save, so a resumed run reads exactly the batches it would have read.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import hashlib
 import os
 import shutil
+import tempfile
 from typing import Any
 
 import grain
@@ -48,23 +52,40 @@ def get_builder(dataset: str, data_dir: str | None = None, source_dir: str | Non
       standard library.
   """
   data_dir = resolve_data_dir(data_dir)
-  if dataset == "python_stdlib":
-    # The built-in config is passed by name; TFDS rejects an equal-named new instance.
-    config = python_stdlib.directory_config(source_dir) if source_dir else python_stdlib.stdlib_config().name
-    builder = python_stdlib.PythonStdlib(config=config, data_dir=data_dir, file_format="array_record")
-    _prepare_or_clean_up(builder, os.path.join(data_dir, "python_stdlib", builder.builder_config.name))
-    return builder
-  else:
-    if source_dir:
-      raise ValueError(f"data.source_dir only applies to dataset 'python_stdlib', not {dataset!r}")
+  if dataset != "python_stdlib" and source_dir:
+    raise ValueError(f"data.source_dir only applies to dataset 'python_stdlib', not {dataset!r}")
+  # The builder is made inside the lock: one made before another process finished
+  # the build would not see the splits that build wrote.
+  with _one_preparer(data_dir):
+    if dataset == "python_stdlib":
+      # The built-in config is passed by name; TFDS rejects an equal-named new instance.
+      config = python_stdlib.directory_config(source_dir) if source_dir else python_stdlib.stdlib_config().name
+      builder = python_stdlib.PythonStdlib(config=config, data_dir=data_dir, file_format="array_record")
+      _prepare_or_clean_up(builder, os.path.join(data_dir, "python_stdlib", builder.builder_config.name))
+      return builder
     try:
       builder = tfds.builder(dataset, data_dir=data_dir, file_format="array_record")
     except tfds.core.registered.DatasetNotFoundError as e:
       raise ValueError(
           f"Unknown dataset {dataset!r} (config data.dataset). Use 'python_stdlib' (the embedded corpus) "
           "or the name of a TFDS dataset.") from e
-  builder.download_and_prepare()
-  return builder
+    builder.download_and_prepare()
+    return builder
+
+
+@contextlib.contextmanager
+def _one_preparer(data_dir: str):
+  """Holds an exclusive lock for data_dir on this machine: processes started together
+  (several trainings, or test workers) on a fresh machine would otherwise build the same
+  dataset at once, and one's failed build removes the folder another is writing. The
+  lock file lives in the temp dir, so a failed build still leaves data_dir as it was."""
+  key = hashlib.sha256(os.path.abspath(data_dir).encode()).hexdigest()[:16]
+  with open(os.path.join(tempfile.gettempdir(), f"castle_jax_prepare_{key}.lock"), "a") as handle:
+    fcntl.flock(handle, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _prepare_or_clean_up(builder, cache_dir: str) -> None:
