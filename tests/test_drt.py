@@ -152,3 +152,8 @@ def test_trains_through_the_trainer_and_resumes_with_the_same_gumbel_noise(tiny_
   again = {s: r["loss"] for s, r in read_metrics(os.path.join(resumed.workdir, "metrics.jsonl")).items()}
   assert losses == again and len(losses) == 6
   assert losses[6] < losses[1]
+
+
+def test_bad_gca_output_is_named():
+  with pytest.raises(ValueError, match=r"gca_output must be one of \('mlp_input', 'residual'\), got 'mlp'"):
+    DRTOptions(gca_output="mlp")

@@ -140,3 +140,18 @@ def test_bad_input_is_named(model_and_params):
     model.apply({"params": params}, jnp.zeros((1, 4), jnp.int32), caches=[])
   with pytest.raises(ValueError, match="capacity"):
     generate(model, params, jnp.zeros((1, 4), jnp.int32), max_new_tokens=4, capacity=6)
+
+
+def test_gca_output_in_the_residual_stream_streams_like_the_forward_pass(model_and_params):
+  """gca_output="residual" (the GCA output also added to the residual stream): the
+  streamed logits still equal the batch forward's, and differ from the default block's."""
+  default, params = model_and_params
+  model = DRT(CONFIG, DRTOptions(chunk_size=4, top_k=2, encoder_layers=1, retrieval_groups=2, gca_output="residual"))
+  tokens = _tokens(2, 30)
+  forward = jax.jit(lambda m, p, t: m.apply({"params": p}, t)[0], static_argnums=0)
+  expected = forward(model, params, tokens)
+  assert float(jnp.max(jnp.abs(expected - forward(default, params, tokens))[:, 8:])) > 1e-3
+  stream = DRTStream(model, params, batch=2, capacity=32, segment_chunks=2)
+  cuts = [0, 17, 18, 30]
+  got = jnp.concatenate([stream.feed(tokens[:, a:b], keep=b - a) for a, b in zip(cuts, cuts[1:])], axis=1)
+  np.testing.assert_allclose(got, expected, atol=2e-5, rtol=0)

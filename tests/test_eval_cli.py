@@ -158,3 +158,22 @@ def test_command_line_help_and_missing_workdir(module, tmp_path):
   assert done.returncode == 1
   assert done.stderr.strip().splitlines() == [
       f"ERROR: {tmp_path}/config.json not found: --workdir must be a directory written by `python -m train`"]
+
+
+def test_passkey_top_k_flag_sets_the_retrieved_chunks(drt_workdir, tmp_path, monkeypatch, capsys):
+  seen = []
+
+  def last_logits(module, params, tokens, count):
+    seen.append(module.options.top_k)
+    return np.zeros((tokens.shape[0], count, 260), np.float32)
+
+  monkeypatch.setitem(registry.MODEL_FAMILIES, "drt",
+                      dataclasses.replace(registry.MODEL_FAMILIES["drt"], last_logits=last_logits))
+  for flags, expected in (([], DRT_SETTINGS["model.family_kwargs"]["top_k"]), (["--top_k=5"], 5)):
+    output = str(tmp_path / f"k{expected}.json")
+    assert passkey.main([f"--workdir={drt_workdir}", "--lengths=80", "--examples=1", f"--output={output}",
+                         *flags]) == 0
+    assert seen[-1] == expected and _read(output)["top_k"] == (5 if flags else None)
+  capsys.readouterr()
+  assert passkey.main([f"--workdir={drt_workdir}", "--top_k=0"]) == 1
+  assert "ERROR: --top_k must be an integer >= 1, got 0" in capsys.readouterr().err

@@ -17,6 +17,7 @@ Command line, on a trained workdir:
 
     python -m castle_jax.eval.passkey --workdir=runs/drt_tiny_passkey --lengths=1024,4096,16384,65536 \
         [--examples=20 --seed=0 --digits=5 --depths=even --step=N --output=DIR_OR_FILE.json]
+        [--top_k=K]  (DRT: retrieve K chunks instead of the trained model's top_k)
 
 The haystack is the start of the validation split the workdir's config names (as one
 `[BOS] doc [EOS]` stream, repeated when shorter than a prompt). Example i of every length
@@ -33,6 +34,7 @@ and a PNG plot of accuracy against length (log x; needs matplotlib) to `--output
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from typing import Callable, Sequence
@@ -116,6 +118,17 @@ def chunk_alignment(model) -> int | None:
   return DRTOptions.from_config(model.config).chunk_size if model.config.family == "drt" else None
 
 
+def with_top_k(model, top_k: int | None):
+  """`model` retrieving `top_k` chunks per retrieval (DRT only); None keeps its own. A DRT
+  trained retrieving every chunk of its short windows is evaluated with a small k."""
+  if top_k is None:
+    return model
+  if model.config.family != "drt":
+    cli.fail(f"--top_k applies to DRT models (model.family 'drt'), not {model.config.family!r}")
+  cli.require(top_k >= 1, "--top_k", "an integer >= 1", top_k)
+  return model.clone(options=dataclasses.replace(model.options, top_k=top_k))
+
+
 def _main(argv: Sequence[str]) -> None:
   parser = cli.make_parser("python -m castle_jax.eval.passkey", __doc__, lengths="1024,4096,16384,65536")
   parser.add_argument("--examples", type=int, default=20, help="prompts per length")
@@ -124,12 +137,15 @@ def _main(argv: Sequence[str]) -> None:
   parser.add_argument("--depths", choices=("even", "random"), default="even",
                       help="needle depths: evenly spaced over the examples, or random by seed")
   parser.add_argument("--batch_size", type=int, default=1, help="prompts per forward pass")
+  parser.add_argument("--top_k", type=int, default=None,
+                      help="DRT only: chunks retrieved per retrieval (default: the trained model's top_k)")
   args = parser.parse_args(argv)
   lengths = cli.parse_lengths(args.lengths)
   cli.require(args.examples >= 1, "--examples", "an integer >= 1", args.examples)
   cli.require(args.digits >= 1, "--digits", "an integer >= 1", args.digits)
   cli.require(args.batch_size >= 1, "--batch_size", "an integer >= 1", args.batch_size)
   (model, params, tokenizer, step), config = cli.load(args.workdir, args.step)
+  model = with_top_k(model, args.top_k)
   align_to = chunk_alignment(model)
   haystack = cli.validation_tokens(config, tokenizer, max(lengths), args.data_dir)
   results = []
@@ -157,7 +173,7 @@ def _main(argv: Sequence[str]) -> None:
              rows=[[r["length"], r["first_token"], r["all_tokens"], r["examples"], f"{r['seconds']:.1f}"]
                    for r in results],
              record={"examples": args.examples, "digits": args.digits, "seed": args.seed, "depths": args.depths,
-                     "align_to": align_to, "haystack_tokens": int(haystack.size), "results": results},
+                     "align_to": align_to, "top_k": args.top_k, "haystack_tokens": int(haystack.size), "results": results},
              lengths=lengths, series={"first token": [r["first_token"] for r in results],
                                       "all tokens": [r["all_tokens"] for r in results]},
              ylabel="passkey accuracy", ylim=(-0.05, 1.05), title="Passkey retrieval")
