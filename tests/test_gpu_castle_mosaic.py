@@ -20,10 +20,6 @@ from pallas_kernels.castle.mosaic_config import SCHEDULES, CastleMosaicConfig
 from pallas_kernels.castle.mosaic_ops import castle_forward_mosaic
 
 pytestmark = pytest.mark.gpu
-# The warp-specialized schedule races on the H100 (non-finite or wrong rows in the first
-# query block, different from run to run): expected to fail until that is fixed.
-GPU_SCHEDULES = [pytest.param(s, marks=pytest.mark.xfail(reason="warp_specialized races on the GPU", strict=False))
-                 if s == "warp_specialized" else s for s in SCHEDULES]
 
 
 def _inputs(seed, shape):
@@ -37,7 +33,7 @@ def _reference(inputs, window):
     return jax.jit(lambda *a: castle_blockwise_prefill(*a, window=window))(*f32)
 
 
-@pytest.mark.parametrize("schedule", GPU_SCHEDULES)
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("shape, window", [
     ((2, 2048, 9, 128), None),
     ((2, 2048, 9, 128), 512),
@@ -60,7 +56,7 @@ def test_mosaic_forward_matches_xla(shape, window, schedule):
   assert np.isfinite(np.asarray(result.lse)).all()
 
 
-@pytest.mark.parametrize("schedule", GPU_SCHEDULES)
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_mosaic_forward_matches_triton_lse(schedule):
   """The row log-sum-exp the backward will read, against the Triton kernels' forward."""
   from pallas_kernels.castle import ops as triton_ops

@@ -32,7 +32,7 @@ program at a time, so there the kernel reads, adds and writes back instead.
 Two schedules (`CastleMosaicConfig.schedule`):
 - "simple" (`_forward_kernel`, the default): one warpgroup per key block, loads waited on
   synchronously, one reduce-add per (key block, query block).
-- "warp_specialized" (`_warp_specialized_kernel`, experimental: it races on the H100, see
+- "warp_specialized" (`_warp_specialized_kernel`, verified on the H100 and faster; see
   `CastleMosaicConfig.schedule`): 2 * block_k keys per
   program. A producer warpgroup loads the key tiles once and streams the query tiles
   (Q^C, K^U, shift through a two-stage ring; R and V^U, read last in a step, single-
@@ -350,15 +350,19 @@ def _consume(consumer, program, head, first, lookahead_end, acc_ref, sums_ref, k
         products, plgpu.ACC((block_k, block_q), jnp.float32), plgpu.ACC((block_k, block_q), jnp.float32))
     lookahead = lookahead * lookahead_unit
     scores = causal * scale - silu(lookahead) - shift
-    probs = jnp.where(query_positions >= key_positions, jnp.exp(scores), 0.0)
-    sums = jnp.sum(probs, axis=0)
-    probs = probs.astype(PROBS_DTYPE)
+    probs32 = jnp.where(query_positions >= key_positions, jnp.exp(scores), 0.0)
+    probs = probs32.astype(PROBS_DTYPE)
 
+    # The row sums reduce across warps, and Mosaic GPU lowers every such reduction through
+    # one shared-memory scratch region at the same offset in both consumers. So the two
+    # never reduce at once: the hand-over reduces before it signals probs_ready, the
+    # multiplying consumer after it waits for that signal.
     @pl.when(lax.rem(index, _CONSUMERS) == consumer)
     def _multiply_values():
       # The partner's half is written, and its previous reduce-add has read the exchange
       # buffer that this half aliases.
       plgpu.barrier_wait(probs_ready.at[consumer])
+      sums = jnp.sum(probs32, axis=0)
       probs_smem.at[consumer][...] = probs
       plgpu.commit_smem()
 
@@ -373,6 +377,7 @@ def _consume(consumer, program, head, first, lookahead_end, acc_ref, sums_ref, k
 
     @pl.when(lax.rem(index, _CONSUMERS) != consumer)
     def _hand_over_probabilities():
+      sums = jnp.sum(probs32, axis=0)
       # This consumer's reduce-add of the previous step must have read the exchange buffer.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       probs_smem.at[consumer][...] = probs
