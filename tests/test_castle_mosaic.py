@@ -161,8 +161,8 @@ def test_config_checks():
   with pytest.raises(ValueError, match=r"schedule must be one of \('warp_specialized', 'simple'\), got 'fast'"):
     CastleMosaicConfig(schedule="fast")
   assert CastleMosaicConfig.from_string("block_k=64") == CastleMosaicConfig()
-  assert CastleMosaicConfig.from_string("schedule=warp_specialized").keys_per_program == 128
-  assert CastleMosaicConfig().schedule == "simple" and CastleMosaicConfig().keys_per_program == 64
+  assert CastleMosaicConfig.from_string("schedule=simple").keys_per_program == 64
+  assert CastleMosaicConfig().schedule == "warp_specialized" and CastleMosaicConfig().keys_per_program == 128
 
 
 def test_rejects_mismatched_inputs_and_bad_windows():

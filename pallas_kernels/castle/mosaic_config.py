@@ -26,18 +26,18 @@ class CastleMosaicConfig:
     block_q: query rows per step of the sweep (the N side of the score wgmmas and the
       K side of the lookahead products W R^T and W V^U).
     block_k: key rows per consumer warpgroup (the M side of every score wgmma).
-    schedule: "simple" (default): one warpgroup per key block with synchronous loads,
-      verified on the H100; "warp_specialized": a producer warpgroup streams the query
+    schedule: "warp_specialized" (default): a producer warpgroup streams the query
       tiles through a two-stage TMA ring to two consumer warpgroups, each owning one
       key block of a 2 * block_k key program, which add one summed output tile per
-      step. Verified on the H100 too; faster than "simple" (1.2x at 16 x 2K, 1.02x at
-      2 x 16K, 1.4x with a 512 window at 16K). Its GPU interpret runs need more
-      threads than a 2-core CPU gives (docs/castle_mosaic.md), hence not the default yet.
+      step; verified on the H100 and faster than "simple" there (1.2x at 16 x 2K, 1.02x
+      at 2 x 16K, 1.4x with a 512 window at 16K). In GPU interpret mode its three
+      warpgroups need one thread each (docs/castle_mosaic.md). "simple": one warpgroup
+      per key block with synchronous loads, also verified on the H100.
   """
 
   block_q: int = 64
   block_k: int = 64
-  schedule: str = "simple"
+  schedule: str = "warp_specialized"
 
   def __post_init__(self):
     check_int_fields(self, power_of_two=("block_q", "block_k"), tiles=("block_q", "block_k"), skip=("schedule",))

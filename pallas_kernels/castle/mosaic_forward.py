@@ -30,9 +30,9 @@ reduce-add on the GPU. GPU interpret mode has no TMA reduction but runs the grid
 program at a time, so there the kernel reads, adds and writes back instead.
 
 Two schedules (`CastleMosaicConfig.schedule`):
-- "simple" (`_forward_kernel`, the default): one warpgroup per key block, loads waited on
+- "simple" (`_forward_kernel`): one warpgroup per key block, loads waited on
   synchronously, one reduce-add per (key block, query block).
-- "warp_specialized" (`_warp_specialized_kernel`, verified on the H100 and faster; see
+- "warp_specialized" (`_warp_specialized_kernel`, the default: verified on the H100 and faster; see
   `CastleMosaicConfig.schedule`): 2 * block_k keys per
   program. A producer warpgroup loads the key tiles once and streams the query tiles
   (Q^C, K^U, shift through a two-stage ring; R and V^U, read last in a step, single-
