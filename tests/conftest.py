@@ -1,14 +1,32 @@
-"""Test-wide set-up: 8 fake CPU devices so sharding tests run on any machine.
+"""Test-wide set-up: 8 fake CPU devices so sharding tests run on any machine, and
+cheap compiles on a CPU.
 
 XLA reads the device count once, when the backend starts, so it is set here, before
 any test runs a jax operation.
+
+On a CPU the suite's time goes to compiling thousands of tiny programs (jit, eager
+primitives, Pallas interpret mode), not to running them: JAX's
+`jax_disable_most_optimizations` (no expensive LLVM passes) roughly halves that and
+changes no comparison the tests make (each compares against an independent reference,
+within a tolerance, or two runs of the same program). It is set through the environment
+so that the training subprocesses and notebook kernels that tests start inherit it. GPU
+runs keep the full optimization: they compile what users run.
 """
 
-import chex
-import jax
-import pytest
+import os
+
+_CHEAP_COMPILES = "JAX_DISABLE_MOST_OPTIMIZATIONS" not in os.environ  # an explicit setting wins
+if _CHEAP_COMPILES:
+  os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+
+import chex  # noqa: E402  (after the environment it reads)
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 chex.set_n_cpu_devices(8)
+if _CHEAP_COMPILES and jax.default_backend() != "cpu":
+  jax.config.update("jax_disable_most_optimizations", False)
+  os.environ.pop("JAX_DISABLE_MOST_OPTIMIZATIONS")
 
 
 def pytest_collection_modifyitems(config, items):
