@@ -14,6 +14,7 @@ runs keep the full optimization: they compile what users run.
 """
 
 import os
+from typing import Any, NamedTuple
 
 _CHEAP_COMPILES = "JAX_DISABLE_MOST_OPTIMIZATIONS" not in os.environ  # an explicit setting wins
 if _CHEAP_COMPILES:
@@ -75,3 +76,25 @@ def tiny_run_config(tmp_path, stdlib_data_dir):
   from configs import tiny
   from helpers import tiny_run
   return tiny_run(tiny, str(tmp_path / "run"), stdlib_data_dir)
+
+
+class FinishedRun(NamedTuple):
+  config: Any  # ml_collections.ConfigDict: deepcopy it before changing anything
+  result: Any  # train.trainer.TrainResult
+  losses: dict[int, float]  # the train loss of every step
+
+
+@pytest.fixture(scope="session")
+def finished_tiny_run(tmp_path_factory, stdlib_data_dir) -> FinishedRun:
+  """`tiny_run_config`'s run, finished, with one eval batch: 8 steps, evals and
+  checkpoints at steps 4 and 8. Trained once for the tests that only read a trained
+  workdir or compare with its loss curve; a test that writes to it works on a copy."""
+  from configs import tiny
+  from helpers import tiny_run
+  from train.metrics import read_metrics
+  from train.trainer import train
+  config = tiny_run(tiny, str(tmp_path_factory.mktemp("finished") / "run"), stdlib_data_dir,
+                    **{"train.eval_batches": 1})
+  result = train(config)
+  losses = {s: r["loss"] for s, r in read_metrics(os.path.join(config.workdir, "metrics.jsonl")).items()}
+  return FinishedRun(config, result, losses)
