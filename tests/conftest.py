@@ -1,14 +1,33 @@
-"""Test-wide set-up: 8 fake CPU devices so sharding tests run on any machine.
+"""Test-wide set-up: 8 fake CPU devices so sharding tests run on any machine, and
+cheap compiles on a CPU.
 
 XLA reads the device count once, when the backend starts, so it is set here, before
 any test runs a jax operation.
+
+On a CPU the suite's time goes to compiling thousands of tiny programs (jit, eager
+primitives, Pallas interpret mode), not to running them: JAX's
+`jax_disable_most_optimizations` (LLVM at -O0, no expensive passes) cuts that by about
+40%. It changes float32 results only by rounding, within the tolerances the tests
+compare with (a test must not rely on the compiler cancelling a rounding error). It is
+set through the environment so that the training subprocesses and notebook kernels that
+tests start inherit it. GPU runs keep the full optimization: they compile what users run.
 """
 
-import chex
-import jax
-import pytest
+import os
+from typing import Any, NamedTuple
+
+_CHEAP_COMPILES = "JAX_DISABLE_MOST_OPTIMIZATIONS" not in os.environ  # an explicit setting wins
+if _CHEAP_COMPILES:
+  os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+
+import chex  # noqa: E402  (after the environment it reads)
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 chex.set_n_cpu_devices(8)
+if _CHEAP_COMPILES and jax.default_backend() != "cpu":
+  jax.config.update("jax_disable_most_optimizations", False)
+  os.environ.pop("JAX_DISABLE_MOST_OPTIMIZATIONS")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -57,3 +76,25 @@ def tiny_run_config(tmp_path, stdlib_data_dir):
   from configs import tiny
   from helpers import tiny_run
   return tiny_run(tiny, str(tmp_path / "run"), stdlib_data_dir)
+
+
+class FinishedRun(NamedTuple):
+  config: Any  # ml_collections.ConfigDict: deepcopy it before changing anything
+  result: Any  # train.trainer.TrainResult
+  losses: dict[int, float]  # the train loss of every step
+
+
+@pytest.fixture(scope="session")
+def finished_tiny_run(tmp_path_factory, stdlib_data_dir) -> FinishedRun:
+  """`tiny_run_config`'s run, finished, with one eval batch: 8 steps, evals and
+  checkpoints at steps 4 and 8. Trained once for the tests that only read a trained
+  workdir or compare with its loss curve; a test that writes to it works on a copy."""
+  from configs import tiny
+  from helpers import tiny_run
+  from train.metrics import read_metrics
+  from train.trainer import train
+  config = tiny_run(tiny, str(tmp_path_factory.mktemp("finished") / "run"), stdlib_data_dir,
+                    **{"train.eval_batches": 1})
+  result = train(config)
+  losses = {s: r["loss"] for s, r in read_metrics(os.path.join(config.workdir, "metrics.jsonl")).items()}
+  return FinishedRun(config, result, losses)

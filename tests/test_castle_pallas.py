@@ -85,9 +85,19 @@ def test_bf16_inputs_and_lookahead_operand_precision():
 
 
 def test_length_one_and_single_block():
+  """One token: the output is its own causal value, and only v_c has a gradient (the
+  cotangent); the others vanish in exact arithmetic (a softmax over one key, no later
+  token for a lookahead key), so they are bounded by float32 rounding, not compared by a
+  relative error against an exact zero."""
   inputs, cotangent = _inputs(seed=4, shape=(1, 1, 2, 16))
-  out = _check_against_parallel(inputs, cotangent, None, SMALL, 1e-6, 1e-5)
-  np.testing.assert_allclose(out, inputs[5], rtol=1e-6)  # one token: its own causal value
+  out, grads = _value_and_grads(lambda *a: _kernels(*a, config=SMALL), inputs, cotangent)
+  assert out.shape == inputs[0].shape
+  assert rel_err(out, inputs[5]) < 1e-6
+  assert rel_err(grads[5], cotangent) < 1e-6
+  ref_grads = _value_and_grads(castle_parallel, inputs, cotangent)[1]
+  for name, g, rg in zip(("q_u", "k_u", "v_u", "q_c", "k_c"), grads, ref_grads):
+    assert float(jnp.max(jnp.abs(rg))) == 0.0, name  # the reference's exact zero
+    assert float(jnp.max(jnp.abs(g))) < 1e-5, name
 
 
 def test_score_overflow_falls_back_to_the_row_maximum():

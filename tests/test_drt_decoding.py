@@ -3,6 +3,8 @@ tokens are fed, greedy generate() equals the forward pass's argmax, the chunk me
 round-trips through host memory, and the device state does not grow with the context
 beyond the landmarks."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -31,12 +33,23 @@ def _tokens(seed, length):
   return jax.random.randint(jax.random.key(seed), (2, length), 0, CONFIG.vocab_size)
 
 
+@functools.lru_cache(maxsize=None)
+def _jitted_forward(model):
+  return jax.jit(lambda params, tokens: model.apply({"params": params}, tokens)[0])
+
+
+def _forward(model, params, tokens):
+  """The batch (teacher-forced) forward pass's logits [batch, length, vocab], compiled once
+  per input shape."""
+  return _jitted_forward(model)(params, tokens)
+
+
 def test_streamed_logits_equal_the_forward_pass(model_and_params):
   """A prompt fed in pieces that start mid-chunk, whole-chunk segments, single tokens
   (ending chunks and not) and a last block: every logit equals the batch forward's."""
   model, params = model_and_params
   tokens = _tokens(0, 41)
-  expected, _ = jax.jit(lambda p, t: model.apply({"params": p}, t))(params, tokens)
+  expected = _forward(model, params, tokens)
   stream = DRTStream(model, params, batch=2, capacity=48, segment_chunks=2)
   cuts = [0, 3, 21, 22, 23, 24, 25, 30, 41]
   got = jnp.concatenate([stream.feed(tokens[:, a:b], keep=b - a) for a, b in zip(cuts, cuts[1:])], axis=1)
@@ -54,7 +67,7 @@ def test_retrieval_reaches_the_streamed_logits(model_and_params):
   gather = stream.memory.gather
   stream.memory.gather = lambda indices, device: gather((indices + 1) % stream.memory.filled, device)
   scrambled = stream.feed(tokens[:, 16:], keep=8)
-  expected, _ = model.apply({"params": params}, tokens)
+  expected = _forward(model, params, tokens)
   assert float(jnp.max(jnp.abs(scrambled - expected[:, 16:]))) > 1e-3
 
 
@@ -64,14 +77,14 @@ def test_greedy_generate_equals_the_forward_argmax(model_and_params):
   out = generate(model, params, prompt, max_new_tokens=7)
   assert out.shape == (2, 13)
   np.testing.assert_array_equal(out[:, :6], prompt)
-  logits, _ = model.apply({"params": params}, out)
+  logits = _forward(model, params, out)
   np.testing.assert_array_equal(out[:, 6:], jnp.argmax(logits[:, 5:-1], axis=-1))
 
 
 def test_family_last_logits_streams(model_and_params):
   model, params = model_and_params
-  tokens = _tokens(3, 19)
-  expected, _ = model.apply({"params": params}, tokens)
+  tokens = _tokens(3, 13)  # the generate test's length: one compiled forward pass for both
+  expected = _forward(model, params, tokens)
   got = get_family("drt").last_logits(model, params, tokens, 3)
   np.testing.assert_allclose(got, expected[:, -3:], atol=2e-5, rtol=0)
 

@@ -16,12 +16,10 @@ from train.workdir import ConfigMismatchError, check_init_from
 
 
 @pytest.fixture()
-def source(tiny_run_config):
-  """A finished 8-step run with an eval at its last step."""
-  with tiny_run_config.unlocked():
-    tiny_run_config.train.eval_batches = 1
-  result = train(tiny_run_config)
-  return tiny_run_config, result
+def source(finished_tiny_run):
+  """A finished 8-step run with an eval at its last step (only read: init_from copies
+  its parameters)."""
+  return finished_tiny_run.config, finished_tiny_run.result
 
 
 def _fine_tune(source_config, workdir, **train_values):

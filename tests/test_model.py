@@ -19,11 +19,11 @@ VARIANTS = {
     "mha": dict(),
     "gqa_window": dict(n_kv_heads=2, sliding_window=4),
     "untied_mqa": dict(n_kv_heads=1, tie_embeddings=False),
-    # Block size 4 makes the 11-12 token tests span several blocks and a ragged last one.
+    # Block size 4 makes the 11-token tests span several blocks and a ragged last one.
     "castle": dict(attention="castle", n_heads=2, head_dim=16, attention_kwargs=(("block_size", 4),)),
     "castle_swl": dict(attention="castle_swl", n_heads=2, head_dim=16,
                        attention_kwargs=(("block_size", 4), ("lookahead_window", 3))),
-    # Chunk sizes 3-5 make the 11-12 token tests cross chunk boundaries with a ragged last chunk.
+    # Chunk sizes 3-5 make the 11-token tests cross chunk boundaries with a ragged last chunk.
     "power": dict(attention="power", attention_kwargs=(("chunk_size", 4),)),
     "power_p4_gqa_tspow": dict(attention="power", n_kv_heads=2, attention_kwargs=(
         ("chunk_size", 3), ("d_tile", 4), ("expansion", "tspow"), ("p", 4))),
@@ -41,6 +41,17 @@ def _model(**overrides):
   return model, params
 
 
+@functools.lru_cache(maxsize=None)
+def _jitted_apply(model):
+  return jax.jit(model.apply)
+
+
+def _apply(model, params, *args):
+  """`model.apply` compiled once per model and input shape: the forward passes of the
+  tests below share one 11-token compile per variant."""
+  return _jitted_apply(model)({"params": params}, *args)
+
+
 def _tokens(seed, batch=2, seq=11, vocab=64):
   return jax.random.randint(jax.random.key(seed), (batch, seq), 0, vocab)
 
@@ -49,10 +60,10 @@ def _tokens(seed, batch=2, seq=11, vocab=64):
 def test_future_tokens_never_change_past_logits(variant):
   model, params = _model(**VARIANTS[variant])
   tokens = _tokens(1)
-  logits, _ = model.apply({"params": params}, tokens)
+  logits, _ = _apply(model, params, tokens)
   for t in (0, 5, 9):
     changed = tokens.at[:, t + 1:].set((tokens[:, t + 1:] + 17) % 64)
-    new_logits, _ = model.apply({"params": params}, changed)
+    new_logits, _ = _apply(model, params, changed)
     np.testing.assert_array_equal(new_logits[:, : t + 1], logits[:, : t + 1])
     assert np.abs(new_logits[:, t + 1:] - logits[:, t + 1:]).max() > 1e-3  # the test can fail
 
@@ -60,28 +71,28 @@ def test_future_tokens_never_change_past_logits(variant):
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_cached_decoding_equals_parallel_forward(variant):
   model, params = _model(**VARIANTS[variant])
-  tokens = _tokens(2, seq=12)
-  full, _ = model.apply({"params": params}, tokens)
+  tokens = _tokens(2)
+  full, _ = _apply(model, params, tokens)
   caches = model.init_cache(batch=2, capacity=16)
-  positions = jnp.broadcast_to(jnp.arange(12), tokens.shape)
-  # Prefill 5 tokens, then 3 steps of one token, then a chunk of 4.
-  pieces = [(0, 5), (5, 6), (6, 7), (7, 8), (8, 12)]
+  positions = jnp.broadcast_to(jnp.arange(11), tokens.shape)
+  # Prefill 5 tokens, then 3 steps of one token, then a chunk of 3.
+  pieces = [(0, 5), (5, 6), (6, 7), (7, 8), (8, 11)]
   outs = []
   for start, stop in pieces:
-    logits, caches = model.apply({"params": params}, tokens[:, start:stop], positions[:, start:stop], caches)
+    logits, caches = _apply(model, params, tokens[:, start:stop], positions[:, start:stop], caches)
     outs.append(logits)
   assert rel_err(jnp.concatenate(outs, axis=1), full) < 1e-5
-  assert int(caches[0].length) == 12
+  assert int(caches[0].length) == 11
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_greedy_generate_matches_parallel_argmax(variant):
   model, params = _model(**VARIANTS[variant])
   prompt = _tokens(3, seq=5)
-  out = generate(model, params, prompt, max_new_tokens=10)
-  assert out.shape == (2, 15)
+  out = generate(model, params, prompt, max_new_tokens=6)
+  assert out.shape == (2, 11)
   np.testing.assert_array_equal(out[:, :5], prompt)
-  logits, _ = model.apply({"params": params}, out)
+  logits, _ = _apply(model, params, out)
   np.testing.assert_array_equal(jnp.argmax(logits[:, 4:-1], -1), out[:, 5:])
 
 
@@ -101,7 +112,9 @@ def test_sampling_modes():
 def test_top_k_and_top_p_restrict_support():
   logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
   keys = jax.random.split(jax.random.key(0), 400)
-  draw = lambda **kw: np.array([int(sample_next_token(logits, k, temperature=1.0, **kw)[0]) for k in keys])
+  # One compiled draw over the 400 keys, not 400 eager calls.
+  draw = lambda **kw: np.asarray(
+      jax.jit(jax.vmap(lambda key: sample_next_token(logits, key, temperature=1.0, **kw)[0]))(keys))
   assert set(draw(top_k=2)) == {0, 1}
   assert set(draw(top_p=0.7)) == {0, 1}  # 0.5 < 0.7 so the second token is needed, the third is not
   assert set(draw()) == {0, 1, 2, 3}

@@ -5,6 +5,7 @@ import copy
 import gc
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -230,9 +231,10 @@ def test_unverified_step_that_orbax_cannot_read_is_a_clean_error(tmp_path):
   gc.collect()  # here, not in a later test
 
 
-def test_run_resumes_from_the_last_good_checkpoint_with_the_same_loss_curve(config, capfd):
-  train(config)  # checkpoints 4 and 8
-  expected = _losses(config.workdir)
+def test_run_resumes_from_the_last_good_checkpoint_with_the_same_loss_curve(config, finished_tiny_run, capfd):
+  shutil.copytree(finished_tiny_run.config.workdir, config.workdir)  # a finished run: checkpoints 4 and 8
+  _set(config, train__eval_batches=finished_tiny_run.config.train.eval_batches)
+  expected = finished_tiny_run.losses
   _flip(_largest_data_file(os.path.join(config.workdir, "checkpoints", "8")))
   with pytest.raises(Interrupt):  # resumes from 4: the first step it runs is 5
     train(config, after_step=lambda step: (_ for _ in ()).throw(Interrupt()) if step == 5 else None)
