@@ -60,17 +60,15 @@ for variant in $VARIANTS; do
 done
 wait
 "$PY" - "$OUT" $VARIANTS <<'EOF'
-import json, os, sys
+import os, sys
+from train.metrics import read_metrics
 out, names = sys.argv[1], sys.argv[2:]
 print(f"answer loss on eval batches (chance 2.30), by step")
 rows = {}
 for name in names:
   path = os.path.join(out, f"{name}.metrics.jsonl")
-  if not os.path.exists(path):
-    rows[name] = {}
-    continue
-  records = [json.loads(line) for line in open(path)]
-  rows[name] = {r["step"]: r["loss"] for r in records if r.get("split") == "eval"}
+  rows[name] = ({step: r["loss"] for step, r in read_metrics(path, split="eval").items()}
+                if os.path.exists(path) else {})
 steps = sorted({s for r in rows.values() for s in r})
 print(f"{'variant':14s}" + "".join(f"{s:>8d}" for s in steps))
 for name, losses in rows.items():
