@@ -99,8 +99,8 @@ def test_gradients_match_the_definition():
   reference = lambda q, k, v, g, s: power_attention(q, k, v, g, implementation="reference", expansion="tspow",
                                                     d_tile=16, initial_state=s, return_final_state=True)
   args = inputs + tuple(initial)
-  grads = jax.grad(functools.partial(loss, ours), argnums=range(6))(*args)
-  expected = jax.grad(functools.partial(loss, reference), argnums=range(6))(*args)
+  grads = jax.jit(jax.grad(functools.partial(loss, ours), argnums=range(6)))(*args)
+  expected = jax.jit(jax.grad(functools.partial(loss, reference), argnums=range(6)))(*args)
   for name, g, e in zip(("q", "k", "v", "log_g", "state", "normalizer"), grads, expected):
     assert rel_err(g, e) < 1e-4, name
 
@@ -141,15 +141,17 @@ def test_one_chunk_without_states_runs_the_attention_form_alone(monkeypatch):
   def loss(impl, *args):
     return jnp.sum(power_attention(*args, chunk_size=64, implementation=impl) * cotangent)
 
-  out = power_attention(*inputs, chunk_size=64, implementation="pallas")
-  grads = jax.grad(functools.partial(loss, "pallas"), argnums=range(4))(*inputs)
+  out = jax.jit(functools.partial(power_attention, chunk_size=64, implementation="pallas"))(*inputs)
+  grads = jax.jit(jax.grad(functools.partial(loss, "pallas"), argnums=range(4)))(*inputs)
   assert not state_kernel_calls
-  assert rel_err(out, power_attention(*inputs, implementation="reference")) < 1e-5
-  expected = jax.grad(functools.partial(loss, "reference"), argnums=range(4))(*inputs)
+  assert rel_err(out, jax.jit(functools.partial(power_attention, implementation="reference"))(*inputs)) < 1e-5
+  expected = jax.jit(jax.grad(functools.partial(loss, "reference"), argnums=range(4)))(*inputs)
   for name, g, e in zip(("q", "k", "v", "log_g"), grads, expected):
     assert rel_err(g, e) < 1e-4, name
-  # Asking for the final state (or a longer sequence) takes the chunked path again.
-  power_attention(*inputs, chunk_size=64, implementation="pallas", return_final_state=True)
+  # Asking for the final state (or a longer sequence) takes the chunked path again (the
+  # kernels are chosen while tracing: nothing needs to run).
+  jax.eval_shape(functools.partial(power_attention, chunk_size=64, implementation="pallas", return_final_state=True),
+                 *inputs)
   assert state_kernel_calls
 
 
@@ -199,8 +201,8 @@ def test_gradients_through_the_entry_point_with_the_default_config():
   def loss(impl, *args):
     return jnp.sum(power_attention(*args, chunk_size=64, implementation=impl) * cotangent)
 
-  grads = jax.grad(functools.partial(loss, "pallas"), argnums=range(4))(*inputs)
-  expected = jax.grad(functools.partial(loss, "reference"), argnums=range(4))(*inputs)
+  grads = jax.jit(jax.grad(functools.partial(loss, "pallas"), argnums=range(4)))(*inputs)
+  expected = jax.jit(jax.grad(functools.partial(loss, "reference"), argnums=range(4)))(*inputs)
   for name, g, e in zip(("q", "k", "v", "log_g"), grads, expected):
     assert rel_err(g, e) < 1e-4, name
 
