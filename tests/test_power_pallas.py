@@ -52,9 +52,10 @@ def test_tile_pairs_give_the_tspow_layout():
 @pytest.mark.parametrize("gating", [True, False])
 def test_outputs_and_final_state_match_the_definition(gating):
   inputs = _inputs(0, seq=40, gating=gating)
-  out, (state, normalizer) = power_attention_pallas(*inputs, scale=D_HEAD**-0.5, chunk_size=16, config=SMALL)
-  expected, expected_state = power_attention(*inputs, implementation="reference", expansion="tspow", d_tile=16,
-                                             return_final_state=True)
+  out, (state, normalizer) = jax.jit(functools.partial(power_attention_pallas, scale=D_HEAD**-0.5, chunk_size=16,
+                                                        config=SMALL))(*inputs)
+  expected, expected_state = jax.jit(functools.partial(power_attention, implementation="reference", expansion="tspow",
+                                                       d_tile=16, return_final_state=True))(*inputs)
   assert rel_err(out, expected) < 1e-5
   assert rel_err(state, expected_state.state) < 1e-5
   assert rel_err(normalizer, expected_state.normalizer) < 1e-5
@@ -71,8 +72,8 @@ def test_entry_point_with_states_in_another_layout_and_length_one():
   inputs = _inputs(1, seq=70)
   initial = _state(2)
   run = functools.partial(power_attention, chunk_size=64, initial_state=initial, return_final_state=True)
-  out, state = run(*inputs, implementation="pallas")
-  expected, expected_state = run(*inputs, implementation="reference")
+  out, state = jax.jit(functools.partial(run, implementation="pallas"))(*inputs)
+  expected, expected_state = jax.jit(functools.partial(run, implementation="reference"))(*inputs)
   assert state.state.shape == initial.state.shape  # spow layout out, as in
   assert rel_err(out, expected) < 1e-5
   assert rel_err(state.state, expected_state.state) < 1e-5
