@@ -40,8 +40,8 @@ def _kernels(*inputs, **kwargs):
 def _value_and_grads(fn, inputs, cotangent):
   def loss(*args):
     return jnp.sum(fn(*args).astype(jnp.float32) * cotangent)
-  out = fn(*inputs)
-  return out, jax.grad(loss, argnums=range(6))(*inputs)
+  out = jax.jit(fn)(*inputs)
+  return out, jax.jit(jax.grad(loss, argnums=range(6)))(*inputs)
 
 
 def _check_against_parallel(inputs, cotangent, window, config, tol_out, tol_grad):

@@ -80,9 +80,9 @@ def test_xla_path_matches_reference_outputs_and_gradients(case, full_float32_mat
   def loss(fn):
     return lambda q, k, v, w: jnp.sum(fn(q, k, v, w, indices) * cotangent)
 
-  expected = gca_reference(q, chunk_k, chunk_v, weights, indices)
+  expected = jax.jit(gca_reference)(q, chunk_k, chunk_v, weights, indices)
   assert rel_err(jax.jit(gca_chunked)(q, chunk_k, chunk_v, weights, indices), expected) < 1e-5
-  want = jax.grad(loss(gca_reference), argnums=(0, 1, 2, 3))(q, chunk_k, chunk_v, weights)
+  want = jax.jit(jax.grad(loss(gca_reference), argnums=(0, 1, 2, 3)))(q, chunk_k, chunk_v, weights)
   got = jax.jit(jax.grad(loss(gca_chunked), argnums=(0, 1, 2, 3)))(q, chunk_k, chunk_v, weights)
   for name, g, w in zip(("q", "chunk_k", "chunk_v", "chunk_weights"), got, want):
     assert rel_err(g, w) < 1e-5, name
@@ -92,10 +92,10 @@ def test_xla_path_bfloat16_against_float32_reference():
   inputs32 = _inputs(3)
   q, chunk_k, chunk_v, weights, indices = (x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x
                                            for x in inputs32)
-  out = gca_chunked(q, chunk_k, chunk_v, weights, indices)
+  out = jax.jit(gca_chunked)(q, chunk_k, chunk_v, weights, indices)
   assert out.dtype == jnp.bfloat16
-  expected = gca_reference(*(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x
-                             for x in (q, chunk_k, chunk_v, weights, indices)))
+  expected = jax.jit(gca_reference)(*(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x
+                                      for x in (q, chunk_k, chunk_v, weights, indices)))
   assert rel_err(out, expected) < 1e-2
 
 

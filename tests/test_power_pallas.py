@@ -52,9 +52,10 @@ def test_tile_pairs_give_the_tspow_layout():
 @pytest.mark.parametrize("gating", [True, False])
 def test_outputs_and_final_state_match_the_definition(gating):
   inputs = _inputs(0, seq=40, gating=gating)
-  out, (state, normalizer) = power_attention_pallas(*inputs, scale=D_HEAD**-0.5, chunk_size=16, config=SMALL)
-  expected, expected_state = power_attention(*inputs, implementation="reference", expansion="tspow", d_tile=16,
-                                             return_final_state=True)
+  out, (state, normalizer) = jax.jit(functools.partial(power_attention_pallas, scale=D_HEAD**-0.5, chunk_size=16,
+                                                        config=SMALL))(*inputs)
+  expected, expected_state = jax.jit(functools.partial(power_attention, implementation="reference", expansion="tspow",
+                                                       d_tile=16, return_final_state=True))(*inputs)
   assert rel_err(out, expected) < 1e-5
   assert rel_err(state, expected_state.state) < 1e-5
   assert rel_err(normalizer, expected_state.normalizer) < 1e-5
@@ -71,8 +72,8 @@ def test_entry_point_with_states_in_another_layout_and_length_one():
   inputs = _inputs(1, seq=70)
   initial = _state(2)
   run = functools.partial(power_attention, chunk_size=64, initial_state=initial, return_final_state=True)
-  out, state = run(*inputs, implementation="pallas")
-  expected, expected_state = run(*inputs, implementation="reference")
+  out, state = jax.jit(functools.partial(run, implementation="pallas"))(*inputs)
+  expected, expected_state = jax.jit(functools.partial(run, implementation="reference"))(*inputs)
   assert state.state.shape == initial.state.shape  # spow layout out, as in
   assert rel_err(out, expected) < 1e-5
   assert rel_err(state.state, expected_state.state) < 1e-5
@@ -99,8 +100,8 @@ def test_gradients_match_the_definition():
   reference = lambda q, k, v, g, s: power_attention(q, k, v, g, implementation="reference", expansion="tspow",
                                                     d_tile=16, initial_state=s, return_final_state=True)
   args = inputs + tuple(initial)
-  grads = jax.grad(functools.partial(loss, ours), argnums=range(6))(*args)
-  expected = jax.grad(functools.partial(loss, reference), argnums=range(6))(*args)
+  grads = jax.jit(jax.grad(functools.partial(loss, ours), argnums=range(6)))(*args)
+  expected = jax.jit(jax.grad(functools.partial(loss, reference), argnums=range(6)))(*args)
   for name, g, e in zip(("q", "k", "v", "log_g", "state", "normalizer"), grads, expected):
     assert rel_err(g, e) < 1e-4, name
 
@@ -141,15 +142,17 @@ def test_one_chunk_without_states_runs_the_attention_form_alone(monkeypatch):
   def loss(impl, *args):
     return jnp.sum(power_attention(*args, chunk_size=64, implementation=impl) * cotangent)
 
-  out = power_attention(*inputs, chunk_size=64, implementation="pallas")
-  grads = jax.grad(functools.partial(loss, "pallas"), argnums=range(4))(*inputs)
+  out = jax.jit(functools.partial(power_attention, chunk_size=64, implementation="pallas"))(*inputs)
+  grads = jax.jit(jax.grad(functools.partial(loss, "pallas"), argnums=range(4)))(*inputs)
   assert not state_kernel_calls
-  assert rel_err(out, power_attention(*inputs, implementation="reference")) < 1e-5
-  expected = jax.grad(functools.partial(loss, "reference"), argnums=range(4))(*inputs)
+  assert rel_err(out, jax.jit(functools.partial(power_attention, implementation="reference"))(*inputs)) < 1e-5
+  expected = jax.jit(jax.grad(functools.partial(loss, "reference"), argnums=range(4)))(*inputs)
   for name, g, e in zip(("q", "k", "v", "log_g"), grads, expected):
     assert rel_err(g, e) < 1e-4, name
-  # Asking for the final state (or a longer sequence) takes the chunked path again.
-  power_attention(*inputs, chunk_size=64, implementation="pallas", return_final_state=True)
+  # Asking for the final state (or a longer sequence) takes the chunked path again (the
+  # kernels are chosen while tracing: nothing needs to run).
+  jax.eval_shape(functools.partial(power_attention, chunk_size=64, implementation="pallas", return_final_state=True),
+                 *inputs)
   assert state_kernel_calls
 
 
@@ -199,8 +202,8 @@ def test_gradients_through_the_entry_point_with_the_default_config():
   def loss(impl, *args):
     return jnp.sum(power_attention(*args, chunk_size=64, implementation=impl) * cotangent)
 
-  grads = jax.grad(functools.partial(loss, "pallas"), argnums=range(4))(*inputs)
-  expected = jax.grad(functools.partial(loss, "reference"), argnums=range(4))(*inputs)
+  grads = jax.jit(jax.grad(functools.partial(loss, "pallas"), argnums=range(4)))(*inputs)
+  expected = jax.jit(jax.grad(functools.partial(loss, "reference"), argnums=range(4)))(*inputs)
   for name, g, e in zip(("q", "k", "v", "log_g"), grads, expected):
     assert rel_err(g, e) < 1e-4, name
 

@@ -169,7 +169,7 @@ def test_eval_step_in_microbatches_sums_the_same():
   params = model.init(jax.random.key(1), batch["inputs"])["params"]
   run = functools.partial(eval_step, params, batch, model=model, pad_id=31,
                           token_byte_lengths=jnp.arange(32, dtype=jnp.float32))
-  whole, split = run(), jax.jit(lambda: run(microbatches=2))()
+  whole, split = jax.jit(run)(), jax.jit(lambda: run(microbatches=2))()
   assert float(whole["tokens"]) == 4 * 8 - 4
   for key in whole:
     np.testing.assert_allclose(split[key], whole[key], rtol=1e-6)
@@ -190,6 +190,8 @@ def test_a_misspelled_override_is_one_line(tmp_path):
 def test_throughput_counts_input_positions_not_scored_targets():
   """With most targets padded (passkey answers), `tokens` counts the scored targets and
   `input_tokens` (what tokens/s and MFU use) every input position."""
+  import functools
+
   import optax
   from castle_jax.models import ModelConfig, build_model
   from train.state import TrainState
@@ -201,6 +203,6 @@ def test_throughput_counts_input_positions_not_scored_targets():
   params = model.init(jax.random.key(1), inputs)["params"]
   tx = optax.sgd(0.1)
   state = TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params))
-  _, metrics = train_step(state, {"inputs": inputs, "targets": targets}, model=model, tx=tx,
-                          schedule=optax.constant_schedule(0.1), pad_id=31)
+  step = jax.jit(functools.partial(train_step, model=model, tx=tx, schedule=optax.constant_schedule(0.1), pad_id=31))
+  _, metrics = step(state, {"inputs": inputs, "targets": targets})
   assert float(metrics["tokens"]) == 4 and float(metrics["input_tokens"]) == 16
