@@ -32,7 +32,7 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 CASES = {
     "simple": [((1, 100, 2, 64), None)],          # ragged: 100 tokens in blocks of 64
     "warp_specialized": [
-        ((1, 100, 2, 64), None),                   # ragged, one program of 128 keys
+        ((1, 200, 2, 64), None),                   # ragged; program 0 has steps after its diagonals
         ((1, 300, 1, 64), 100),                    # SWL, window > block; later steps without W
         ((1, 128, 1, 128), 5),                     # head dim 128, a window inside one block
     ],

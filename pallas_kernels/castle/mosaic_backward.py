@@ -62,15 +62,17 @@ import jax.numpy as jnp
 from pallas_kernels.castle.kernels import _silu_grad, sigmoid, silu
 from pallas_kernels.castle.mosaic_config import WGMMA_ROWS, CastleMosaicConfig
 from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, _operand_smem,
-                                                products as wgmma_products)
+                                                products as wgmma_products, step_masks as _step_masks)
 
 # Columns per chunk of a [64, head_dim] tile: one 128-byte swizzle span of 16-bit values.
 CHUNK = 64
 _SCORE_WARPGROUP = 0
 _ACCUMULATOR_WARPGROUP = 1
-# Tiles loaded once per program (the key block) and per step (a query block).
+# Tiles loaded once per program (the key block), per step (a query block), and per step
+# that meets a nonzero lookahead weight (all steps without a window).
 _KEY_TILES = ("q_u", "k_c", "v_c")
-_QUERY_TILES = ("q_c", "q_c16", "k_u", "v_u16", "d_out", "in_block_t", "lse", "delta")
+_QUERY_TILES = ("q_c", "q_c16", "d_out", "lse", "delta")
+_LOOKAHEAD_TILES = ("k_u", "v_u16", "in_block_t")
 
 
 class _Staging(NamedTuple):
@@ -87,11 +89,43 @@ class _Staging(NamedTuple):
 class _Barriers(NamedTuple):
   keys: object          # the key-block tiles have landed
   query: object         # the step's query tiles have landed
+  lookahead: object     # the step's lookahead tiles (K^U, V^U, R) have landed
   io: object            # the score warpgroup's own copies into `out_smem`
   probs_ready: object   # P^T is staged (score -> accumulator warpgroup)
   grads_ready: object   # dS^T and dL are staged (score -> accumulator warpgroup)
   consumed: object      # the accumulator warpgroup is done with the step's tiles
   staging_free: object  # the score warpgroup's last reduce-add has read `out_smem`
+
+
+class _Sweep:
+  """The reverse sweep of one key block's program, as segments of steps that differ in
+  what they compute (the step function takes them as static flags):
+
+    - CASTLE-SWL, query blocks past the key block's window (lookahead_end .. N-1): W is
+      zero there, so D is constant and W, R, dW, dV^U, dK^U, dQ^U drop out
+      (`with_lookahead=False`); then the blocks within reach of the window, masked;
+    - CASTLE: the blocks after the diagonal, where every query follows every key and no
+      mask is needed, then the diagonal block, masked.
+  """
+
+  def __init__(self, key_block, block_q: int, block_k: int, num_query_blocks: int, window: int | None):
+    if block_q != block_k:
+      raise ValueError(f"the backward sweep takes block_q == block_k, got {block_q} and {block_k}")
+    self.first = key_block
+    self.num_query_blocks = num_query_blocks
+    self.window = window
+    self.lookahead_end = num_query_blocks if window is None else jnp.minimum(
+        num_query_blocks, lax.div((key_block + 1) * block_k - 1 + window, block_q) + 1)
+
+  def run(self, step, carry):
+    def reverse(start, stop, carry, **flags):
+      return lax.fori_loop(0, stop - start, lambda r, c: step(stop - 1 - r, c, **flags), carry)
+
+    if self.window is not None:
+      carry = reverse(self.lookahead_end, self.num_query_blocks, carry, with_lookahead=False, masked=False)
+      return reverse(self.first, self.lookahead_end, carry, with_lookahead=True, masked=True)
+    carry = reverse(self.first + 1, self.num_query_blocks, carry, with_lookahead=True, masked=False)
+    return step(self.first, carry, with_lookahead=True, masked=True)
 
 
 def _columns(ref, chunk: int, num_chunks: int):
@@ -149,11 +183,11 @@ def _backward_kernel(
   q_u_smem, k_c_smem, v_c_smem = key_smem
   q_c_smem, q_c16_smem, k_u_smem, v_u16_smem, d_out_smem = query_smem
   dtype = q_c_ref.dtype
-  first = lax.div(key_block * block_k, block_q)
-  num_steps = num_query_blocks - first
   gmem_columns = lambda ref, rows, c: _columns(ref.at[head, rows], c, num_chunks)
   tile = (block_k, block_q)
   chunk_tile = (block_k, CHUNK)
+
+  sweep = _Sweep(key_block, block_q, block_k, num_query_blocks, window)
 
   @pl.when(warpgroup == _SCORE_WARPGROUP)
   def _():
@@ -166,45 +200,51 @@ def _backward_kernel(
       keys.append(plgpu.load(out_smem, layout=plgpu.Layout.WGMMA))
       plgpu.commit_smem()  # the next copy overwrites what was just read
     plgpu.barrier_wait(barriers.keys)
-    key_positions = key_block * block_k + plgpu.broadcasted_iota(jnp.int32, tile, 0, layout=plgpu.Layout.WGMMA)
-    query_offsets = plgpu.broadcasted_iota(jnp.int32, tile, 1, layout=plgpu.Layout.WGMMA)
 
-    def step(reverse_step, carry):
+    def step(query_block, carry, *, with_lookahead: bool, masked: bool):
       keys, d_keys = carry
-      query_block = num_query_blocks - 1 - reverse_step
       rows = pl.ds(query_block * block_q, block_q)
 
-      @pl.when(reverse_step > 0)
+      @pl.when(query_block < num_query_blocks - 1)
       def _():
         plgpu.barrier_wait(barriers.consumed)
 
-      for src, dst in zip((q_c_ref, q_c16_ref, k_u_ref, v_u16_ref, d_out_ref), query_smem):
+      for src, dst in zip((q_c_ref, q_c16_ref, d_out_ref), (q_c_smem, q_c16_smem, d_out_smem)):
         plgpu.copy_gmem_to_smem(src.at[head, rows], dst, barriers.query)
-      plgpu.copy_gmem_to_smem(in_block_t_ref.at[head, rows], in_block_smem, barriers.query)
       plgpu.copy_gmem_to_smem(lse_ref.at[head, rows], lse_smem, barriers.query)
       plgpu.copy_gmem_to_smem(delta_ref.at[head, rows], delta_smem, barriers.query)
+      if with_lookahead:
+        for src, dst in zip((k_u_ref, v_u16_ref, in_block_t_ref), (k_u_smem, v_u16_smem, in_block_smem)):
+          plgpu.copy_gmem_to_smem(src.at[head, rows], dst, barriers.lookahead)
       plgpu.barrier_wait(barriers.query)
-      query_positions = query_block * block_q + query_offsets
+      causal_mask, visible = (_step_masks(key_block * block_k, query_block * block_q, tile, window)
+                              if masked else (None, None))
 
-      # W, then D^(i+1) -> D^(i) with the forward's float16 product.
-      logits = products([(q_u_smem, k_u_smem.T)], tile) * scale
-      visible = query_positions > key_positions
-      if window is not None:
-        visible &= query_positions <= key_positions + window
-      staging.weights[...] = jnp.where(visible, sigmoid(logits), 0.0).astype(LOOKAHEAD_DTYPE)
-      plgpu.commit_smem()
-      keys = [keys[c] - products([(staging.weights, _columns(v_u16_smem, c, num_chunks))], chunk_tile)
-              for c in chunks]
+      if with_lookahead:
+        # W, then D^(i+1) -> D^(i) with the forward's float16 product.
+        plgpu.barrier_wait(barriers.lookahead)
+        weights = sigmoid(products([(q_u_smem, k_u_smem.T)], tile) * scale)
+        if masked:
+          weights = jnp.where(visible, weights, 0.0)
+        staging.weights[...] = weights.astype(LOOKAHEAD_DTYPE)
+        plgpu.commit_smem()
+        keys = [keys[c] - products([(staging.weights, _columns(v_u16_smem, c, num_chunks))], chunk_tile)
+                for c in chunks]
+      # Past the window (CASTLE-SWL) W is zero and D^(i) = D^(i+1).
       for c in chunks:
         staging.keys[c][...] = (keys[c] * KEY_STATE_SCALE).astype(LOOKAHEAD_DTYPE)
       plgpu.commit_smem()
 
       # The forward's scores and probabilities.
-      lookahead = products([(staging.keys[c], _columns(q_c16_smem, c, num_chunks).T) for c in chunks], tile)
-      lookahead = products([(staging.weights, in_block_smem)], tile, init=lookahead * (scale / KEY_STATE_SCALE))
+      lookahead_pairs = [(staging.keys[c], _columns(q_c16_smem, c, num_chunks).T) for c in chunks]
+      lookahead = products(lookahead_pairs, tile) * (scale / KEY_STATE_SCALE)
+      if with_lookahead:
+        lookahead = products([(staging.weights, in_block_smem)], tile, init=lookahead)
       causal = products([(k_c_smem, q_c_smem.T)], tile) * scale
       lse = lax.broadcast_in_dim(lse_smem[...], tile, [1])
-      probs = jnp.where(query_positions >= key_positions, jnp.exp(causal - silu(lookahead) - lse), 0.0)
+      probs = jnp.exp(causal - silu(lookahead) - lse)
+      if masked:
+        probs = jnp.where(causal_mask, probs, 0.0)
       staging.probs[...] = probs.astype(dtype)
       plgpu.commit_smem()
       plgpu.barrier_arrive(barriers.probs_ready)
@@ -215,8 +255,9 @@ def _backward_kernel(
       d_lookahead = -d_scores * _silu_grad(lookahead)
       staging.d_scores[...] = d_scores.astype(dtype)
       staging.d_lookahead[...] = d_lookahead.astype(LOOKAHEAD_DTYPE)
-      for c in chunks:
-        staging.d_keys[c][...] = d_keys[c].astype(LOOKAHEAD_DTYPE)
+      if with_lookahead:
+        for c in chunks:
+          staging.d_keys[c][...] = d_keys[c].astype(LOOKAHEAD_DTYPE)
       plgpu.commit_smem()
 
       # dQ^C_i = (dS K^C_b + dSU D^(i)) * scale, with D entering scaled by 2^-8.
@@ -225,31 +266,34 @@ def _backward_kernel(
         dq_c = products([(staging.d_scores.T, _columns(k_c_smem, c, num_chunks))], (block_q, CHUNK),
                         init=from_keys * (1.0 / KEY_STATE_SCALE))
         reduce_add(dq_c * scale, gmem_columns(dq_c_ref, rows, c))
-      # dR_ii = dSU W (the caller masks and scales it).
-      reduce_add(products([(staging.d_lookahead.T, staging.weights)], (block_q, block_q)),
-                 d_in_block_ref.at[head, rows])
 
-      # W's gradient: through the in-block term R W^T and through D^(i+1) (dD before
-      # this step's term).
-      d_weights = products([(staging.d_lookahead, in_block_smem.T)]
-                           + [(staging.d_keys[c], _columns(v_u16_smem, c, num_chunks).T) for c in chunks], tile)
-      for c in chunks:
-        reduce_add(products([(staging.weights.T, staging.d_keys[c])], (block_q, CHUNK)),
-                   gmem_columns(dv_u_ref, rows, c))
+      if with_lookahead:
+        # dR_ii = dSU W (the caller masks and scales it).
+        reduce_add(products([(staging.d_lookahead.T, staging.weights)], (block_q, block_q)),
+                   d_in_block_ref.at[head, rows])
+        # W's gradient: through the in-block term R W^T and through D^(i+1) (dD before
+        # this step's term).
+        d_weights = products([(staging.d_lookahead, in_block_smem.T)]
+                             + [(staging.d_keys[c], _columns(v_u16_smem, c, num_chunks).T) for c in chunks], tile)
+        for c in chunks:
+          reduce_add(products([(staging.weights.T, staging.d_keys[c])], (block_q, CHUNK)),
+                     gmem_columns(dv_u_ref, rows, c))
       # dD becomes dL/dD^(i): add what this query block's scores read from D^(i).
       d_keys = [d_keys[c] + products([(staging.d_lookahead, _columns(q_c16_smem, c, num_chunks))], chunk_tile)
                 * scale for c in chunks]
 
-      weights = staging.weights[...].astype(jnp.float32)
-      staging.d_logits[...] = (d_weights * weights * (1.0 - weights) * scale).astype(dtype)
-      plgpu.commit_smem()
+      if with_lookahead:
+        weights = staging.weights[...].astype(jnp.float32)
+        staging.d_logits[...] = (d_weights * weights * (1.0 - weights) * scale).astype(dtype)
+        plgpu.commit_smem()
       plgpu.barrier_arrive(barriers.grads_ready)
-      for c in chunks:
-        reduce_add(products([(staging.d_logits.T, _columns(q_u_smem, c, num_chunks))], (block_q, CHUNK)),
-                   gmem_columns(dk_u_ref, rows, c))
+      if with_lookahead:
+        for c in chunks:
+          reduce_add(products([(staging.d_logits.T, _columns(q_u_smem, c, num_chunks))], (block_q, CHUNK)),
+                     gmem_columns(dk_u_ref, rows, c))
       return keys, d_keys
 
-    lax.fori_loop(0, num_steps, step, (keys, [_zeros(chunk_tile) for _ in chunks]))
+    sweep.run(step, (keys, [_zeros(chunk_tile) for _ in chunks]))
     plgpu.wait_smem_to_gmem(0)
     plgpu.barrier_arrive(barriers.staging_free)
     plgpu.barrier_wait(barriers.consumed)
@@ -258,22 +302,26 @@ def _backward_kernel(
   def _():
     plgpu.barrier_wait(barriers.keys)
 
-    def step(_, carry):
+    def step(_, carry, *, with_lookahead: bool, masked: bool):
+      del masked  # only the score warpgroup masks
       dk_c, dv_c, dq_u = carry
       plgpu.barrier_wait(barriers.query)
+      if with_lookahead:
+        plgpu.barrier_wait(barriers.lookahead)
       plgpu.barrier_wait(barriers.probs_ready)
       dv_c = [products([(staging.probs, _columns(d_out_smem, c, num_chunks))], chunk_tile, init=dv_c[c])
               for c in chunks]
       plgpu.barrier_wait(barriers.grads_ready)
       dk_c = [products([(staging.d_scores, _columns(q_c_smem, c, num_chunks))], chunk_tile, init=dk_c[c])
               for c in chunks]
-      dq_u = [products([(staging.d_logits, _columns(k_u_smem, c, num_chunks))], chunk_tile, init=dq_u[c])
-              for c in chunks]
+      if with_lookahead:
+        dq_u = [products([(staging.d_logits, _columns(k_u_smem, c, num_chunks))], chunk_tile, init=dq_u[c])
+                for c in chunks]
       plgpu.barrier_arrive(barriers.consumed)
       return dk_c, dv_c, dq_u
 
     zeros = [_zeros(chunk_tile) for _ in chunks]
-    dk_c, dv_c, dq_u = lax.fori_loop(0, num_steps, step, (zeros, zeros, zeros))
+    dk_c, dv_c, dq_u = sweep.run(step, (zeros, zeros, zeros))
     plgpu.barrier_wait(barriers.staging_free)
     for grads, ref, factor in ((dk_c, dk_c_ref, scale), (dv_c, dv_c_ref, 1.0), (dq_u, dq_u_ref, 1.0)):
       for c in chunks:
@@ -331,6 +379,7 @@ def backward(q_u, k_u, v_u, q_c, k_c, v_c, keys_final, d_out, lse, delta, in_blo
       # A barrier completes when every copy (or warpgroup) that signals it has arrived.
       _Barriers(keys=plgpu.Barrier(num_arrivals=len(_KEY_TILES)),
                 query=plgpu.Barrier(num_arrivals=len(_QUERY_TILES)),
+                lookahead=plgpu.Barrier(num_arrivals=len(_LOOKAHEAD_TILES)),
                 io=plgpu.Barrier(num_arrivals=1),
                 probs_ready=plgpu.Barrier(num_arrivals=1),
                 grads_ready=plgpu.Barrier(num_arrivals=1),

@@ -102,6 +102,22 @@ def _matmul(a, b, shape, init=None, *, init_in_place: bool = True):
   return products([(a, b)], shape, init, init_in_place=init_in_place)
 
 
+def step_masks(key_start, query_start, shape, window: int | None):
+  """(causal, lookahead) boolean tiles of one step in the key-row frame: query >= key,
+  and query > key (and query <= key + window for CASTLE-SWL).
+
+  For the steps that need them (the diagonal block, the window's edge): position tiles
+  held across a sweep cost 32 registers per thread each, which at head dim 128 spilled.
+  """
+  offsets = (plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+             - plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA))
+  query_minus_key = offsets + (query_start - key_start)
+  lookahead = query_minus_key > 0
+  if window is not None:
+    lookahead &= query_minus_key <= window
+  return query_minus_key >= 0, lookahead
+
+
 def _register_operand(x, staging_smem):
   """x as a wgmma left operand: from registers on the GPU; GPU interpret mode only
   multiplies shared-memory operands, so there x goes through `staging_smem`."""
@@ -132,25 +148,20 @@ def _forward_kernel(
     plgpu.copy_gmem_to_smem(src.at[head, key_rows], dst, key_barrier)
   plgpu.barrier_wait(key_barrier)
 
-  key_positions = key_block * block_k + plgpu.broadcasted_iota(
-      jnp.int32, (block_k, block_q), 0, layout=plgpu.Layout.WGMMA)
-  query_offsets = plgpu.broadcasted_iota(jnp.int32, (block_k, block_q), 1, layout=plgpu.Layout.WGMMA)
-
-  def step(query_block, keys):
+  def step(query_block, keys, *, masked: bool):
     rows = pl.ds(query_block * block_q, block_q)
     for src, dst in zip((q_c_ref, q_c16_ref, k_u_ref, v_u16_ref), query_smem):
       plgpu.copy_gmem_to_smem(src.at[head, rows], dst, query_barrier)
     plgpu.copy_gmem_to_smem(in_block_t_ref.at[head, rows], in_block_smem, query_barrier)
     plgpu.copy_gmem_to_smem(shift_ref.at[head, rows], shift_smem, query_barrier)
     plgpu.barrier_wait(query_barrier)
-    query_positions = query_block * block_q + query_offsets
+    causal_mask, visible = (step_masks(key_block * block_k, query_block * block_q, (block_k, block_q), window)
+                            if masked else (None, None))
 
     # W: lookahead weights of this key block's tokens s against query-block keys j.
-    logits = matmul(q_u_smem, k_u_smem.T, (block_k, block_q)) * scale
-    visible = query_positions > key_positions
-    if window is not None:
-      visible &= query_positions <= key_positions + window
-    weights = jnp.where(visible, sigmoid(logits), 0.0)
+    weights = sigmoid(matmul(q_u_smem, k_u_smem.T, (block_k, block_q)) * scale)
+    if masked:
+      weights = jnp.where(visible, weights, 0.0)
     weights16 = _register_operand(weights.astype(LOOKAHEAD_DTYPE), weights_staging)
 
     # S^U^T = D Q^C^T * scale + W R^T.
@@ -160,8 +171,9 @@ def _forward_kernel(
 
     causal = matmul(k_c_smem, q_c_smem.T, (block_k, block_q)) * scale
     shift = lax.broadcast_in_dim(shift_smem[...], (block_k, block_q), [1])
-    scores = causal - silu(lookahead) - shift
-    probs = jnp.where(query_positions >= key_positions, jnp.exp(scores), 0.0)
+    probs = jnp.exp(causal - silu(lookahead) - shift)
+    if masked:
+      probs = jnp.where(causal_mask, probs, 0.0)
 
     probs_smem[...] = probs.astype(dtype)
     plgpu.commit_smem()
@@ -173,7 +185,9 @@ def _forward_kernel(
 
   first = lax.div(key_block * block_k, block_q)
   keys = plgpu.layout_cast(jnp.zeros((block_k, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-  keys = lax.fori_loop(first, num_query_blocks, step, keys)
+  # The diagonal block is masked; so is every step under a window (its edge moves).
+  keys = step(first, keys, masked=True)
+  keys = lax.fori_loop(first + 1, num_query_blocks, functools.partial(step, masked=window is not None), keys)
   keys_smem[...] = keys
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(keys_smem, keys_ref.at[head, key_rows])
@@ -306,18 +320,17 @@ def _consume(consumer, program, head, first, lookahead_end, acc_ref, sums_ref, k
    sweep_done, accumulate_barrier) = barriers
   q_u_keys, k_c16_keys = q_u_smem.at[consumer], k_c16_smem.at[consumer]
   key_start = program * _CONSUMERS * block_k + consumer * block_k
-  key_positions = key_start + plgpu.broadcasted_iota(jnp.int32, (block_k, block_q), 0, layout=plgpu.Layout.WGMMA)
-  query_offsets = plgpu.broadcasted_iota(jnp.int32, (block_k, block_q), 1, layout=plgpu.Layout.WGMMA)
   # look = D Q^C^T * scale + W R^T is accumulated as one product chain in units of
   # scale / KEY_STATE_SCALE (R arrives pre-divided by it, see `forward`).
   lookahead_unit = scale / KEY_STATE_SCALE
   plgpu.barrier_wait(key_full)
 
-  def step(query_block, keys, with_lookahead: bool):
+  def step(query_block, keys, *, with_lookahead: bool, masked: bool):
     index = query_block - first
     slot = lax.rem(index, _STAGES)
     rows = pl.ds(query_block * block_q, block_q)
-    query_positions = query_block * block_q + query_offsets
+    causal_mask, visible = (step_masks(key_start, query_block * block_q, (block_k, block_q), window)
+                            if masked else (None, None))
     q_c16 = q_c16_ring.at[slot]
     plgpu.barrier_wait(query_full.at[slot])
     shift = lax.broadcast_in_dim(shift_ring.at[slot][...], (block_k, block_q), [1])
@@ -334,11 +347,10 @@ def _consume(consumer, program, head, first, lookahead_end, acc_ref, sums_ref, k
       plgpu.barrier_wait(k_u_full.at[slot])
       logits = matmul(q_u_keys, k_u_ring.at[slot].T, (block_k, block_q)) * scale  # waits for all three
       plgpu.barrier_arrive(query_free.at[slot])
-      visible = query_positions > key_positions
-      if window is not None:
-        visible &= query_positions <= key_positions + window
-      weights16 = _register_operand(jnp.where(visible, sigmoid(logits), 0.0).astype(LOOKAHEAD_DTYPE),
-                                    weights_staging)
+      weights = sigmoid(logits)
+      if masked:
+        weights = jnp.where(visible, weights, 0.0)
+      weights16 = _register_operand(weights.astype(LOOKAHEAD_DTYPE), weights_staging)
       plgpu.barrier_wait(lookahead_full)
       # W feeds both of its products from registers: the in-block lookahead term and D's step.
       plgpu.wgmma(lookahead_acc, weights16, in_block_smem)
@@ -350,7 +362,9 @@ def _consume(consumer, program, head, first, lookahead_end, acc_ref, sums_ref, k
         products, plgpu.ACC((block_k, block_q), jnp.float32), plgpu.ACC((block_k, block_q), jnp.float32))
     lookahead = lookahead * lookahead_unit
     scores = causal * scale - silu(lookahead) - shift
-    probs32 = jnp.where(query_positions >= key_positions, jnp.exp(scores), 0.0)
+    probs32 = jnp.exp(scores)
+    if masked:
+      probs32 = jnp.where(causal_mask, probs32, 0.0)
     probs = probs32.astype(PROBS_DTYPE)
 
     # The row sums reduce across warps, and Mosaic GPU lowers every such reduction through
@@ -388,9 +402,18 @@ def _consume(consumer, program, head, first, lookahead_end, acc_ref, sums_ref, k
     return keys
 
   keys = plgpu.layout_cast(jnp.zeros((block_k, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-  keys = lax.fori_loop(first, lookahead_end, functools.partial(step, with_lookahead=True), keys)
-  if window is not None:
-    keys = lax.fori_loop(lookahead_end, num_query_blocks, functools.partial(step, with_lookahead=False), keys)
+  # Masks: the program's first two query blocks hold both key blocks' diagonals (and
+  # queries before consumer 1's keys); under a window every lookahead step is masked (its
+  # edge moves) and the steps past it need none. Every step after those is unmasked.
+  lookahead_step = functools.partial(step, with_lookahead=True)
+  if window is None:
+    keys = lax.fori_loop(first, first + _CONSUMERS, functools.partial(lookahead_step, masked=True), keys)
+    keys = lax.fori_loop(first + _CONSUMERS, num_query_blocks, functools.partial(lookahead_step, masked=False),
+                         keys)
+  else:
+    keys = lax.fori_loop(first, lookahead_end, functools.partial(lookahead_step, masked=True), keys)
+    keys = lax.fori_loop(lookahead_end, num_query_blocks,
+                         functools.partial(step, with_lookahead=False, masked=False), keys)
 
   # D leaves through a buffer that aliases the key tiles: both consumers must be done with them.
   plgpu.wait_smem_to_gmem(0)
