@@ -4,20 +4,39 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels.castle.mosaic_config import SCHEDULES, CastleMosaicConfig
 from pallas_kernels.config_checks import check_int_fields, parse_config
 
 LOOKAHEAD_OPERANDS = ("split", "float16", "input")
+# Which kernels run CASTLE training attention (`pallas_kernels.castle.backend` chooses).
+BACKENDS = ("auto", "triton", "mosaic")
 
 
 @dataclasses.dataclass(frozen=True)
 class CastleKernelConfig:
-  """Block sizes, warps and pipeline stages of the forward and backward kernels.
+  """Backend, block sizes, warps and pipeline stages of the forward and backward kernels.
 
   Both kernels run one program per (key block, batch * head) and sweep the query
   blocks, so `block_k` rows of the lookahead-key state D (and, in the backward, of
   its gradient and of dK^C, dV^C, dQ^U) stay in registers for the whole sweep.
 
   Attributes:
+    backend: which kernels `castle_attention_pallas` runs (`pallas_kernels.castle.backend`):
+      "triton": the Pallas Triton kernels, any CUDA GPU;
+      "mosaic": the Pallas Mosaic GPU kernels (`castle_attention_mosaic`), Hopper
+        (compute capability 9.x) only, bfloat16/float16 inputs, head dim 64 or 128;
+        other inputs raise a ValueError naming the reason;
+      "auto" (default): Mosaic on a 9.x GPU for the cases measured faster there
+        (`backend.mosaic_is_faster`), else Triton.
+      Prefill (`castle_prefill_pallas`) always runs the Triton forward.
+    mosaic_schedule: the Mosaic forward's `CastleMosaicConfig.schedule`
+      ("warp_specialized" or "simple"); used only when the Mosaic kernels run.
+      It is the one Mosaic setting with a choice (their tiles are fixed at 64 x 64, one
+      warpgroup's wgmma), and it needs one: the default warp-specialized forward runs
+      three warpgroups, which GPU interpret mode on CPU can run only with one thread
+      each, so CPU runs pick "simple". The Triton fields below (block sizes, warps,
+      stages, lookahead_operands) do not apply to the Mosaic kernels, whose lookahead
+      products always take float16 operands.
     block_q: query rows per step of the forward sweep.
     block_k: key rows per forward program (rows of D held in registers).
     num_warps, num_stages: Triton launch parameters of the forward kernel.
@@ -47,14 +66,22 @@ class CastleKernelConfig:
   bwd_num_warps: int = 4
   bwd_num_stages: int = 1
   lookahead_operands: str = "float16"
+  backend: str = "auto"
+  mosaic_schedule: str = "warp_specialized"
 
   def __post_init__(self):
-    if self.lookahead_operands not in LOOKAHEAD_OPERANDS:
-      raise ValueError(f"CastleKernelConfig.lookahead_operands must be one of {LOOKAHEAD_OPERANDS}, "
-                       f"got {self.lookahead_operands!r}")
+    for name, allowed in (("lookahead_operands", LOOKAHEAD_OPERANDS), ("backend", BACKENDS),
+                          ("mosaic_schedule", SCHEDULES)):
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"CastleKernelConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
     blocks = ("block_q", "block_k", "bwd_block_q", "bwd_block_k")
     check_int_fields(self, power_of_two=blocks + ("num_warps", "bwd_num_warps"), tiles=blocks,
-                     skip=("lookahead_operands",))
+                     skip=("lookahead_operands", "backend", "mosaic_schedule"))
+
+  @property
+  def mosaic_config(self) -> CastleMosaicConfig:
+    """The Mosaic kernels' config: their fixed 64 x 64 tiles and `mosaic_schedule`."""
+    return CastleMosaicConfig(schedule=self.mosaic_schedule)
 
   @classmethod
   def from_string(cls, text: str) -> "CastleKernelConfig":
@@ -63,7 +90,7 @@ class CastleKernelConfig:
 
 
 def default_config(head_dim: int) -> CastleKernelConfig:
-  """A heuristic default for a (padded) head dimension."""
+  """A heuristic default for a (padded) head dimension (backend "auto")."""
   if head_dim > 128:
     return CastleKernelConfig(block_q=32, block_k=32, bwd_block_q=32, bwd_block_k=16)
   return CastleKernelConfig()

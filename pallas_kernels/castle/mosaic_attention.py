@@ -3,7 +3,8 @@
 The forward is `mosaic_ops.castle_forward_mosaic`; the backward folds heads into the
 batch, zero-pads the sequence as the forward does, computes delta = rowsum(out * dout)
 in XLA, runs `mosaic_backward.backward` and folds the in-block scores' gradient into
-dQ^C and dV^U (shared with the Triton path). Not yet wired into `castle_attention`.
+dQ^C and dV^U (shared with the Triton path). `castle_attention(implementation="pallas")`
+runs it with `CastleKernelConfig(backend="mosaic")` (`pallas_kernels.castle.backend`).
 
 Zero padding is exact in the backward too: padded queries have zero cotangent and zero
 scores (so dS vanishes on their rows), padded keys come after every real query, and

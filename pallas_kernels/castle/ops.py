@@ -1,11 +1,12 @@
-"""CASTLE attention through the Pallas kernels, differentiable with a custom VJP.
+"""CASTLE attention through the Pallas Triton kernels, differentiable with a custom VJP.
 
-`castle_attention_pallas` takes the [batch, seq, heads, head_dim] layout of the
-CASTLE entry point, folds heads into the batch, zero-pads the sequence to a multiple
-of the block sizes and the head dim to a power of two, and runs `kernels.forward`;
-the custom VJP runs `kernels.backward`. Padding is exact: padded keys come after
-every real query (causal mask), padded lookahead values are zero, and padded head
-dims add zero to every dot product.
+`castle_attention_triton` (which `castle_attention_pallas` runs for backend "triton",
+and for "auto" where Mosaic is not chosen) takes the [batch, seq, heads, head_dim]
+layout of the CASTLE entry point, folds heads into the batch, zero-pads the sequence to
+a multiple of the block sizes and the head dim to a power of two, and runs
+`kernels.forward`; the custom VJP runs `kernels.backward`. Padding is exact: padded
+keys come after every real query (causal mask), padded lookahead values are zero, and
+padded head dims add zero to every dot product.
 """
 
 from __future__ import annotations
@@ -177,7 +178,7 @@ def _prepare(inputs, config: CastleKernelConfig):
   return tuple(to_heads(x) for x in inputs), from_heads
 
 
-def _resolve(inputs, config, interpret):
+def resolve(inputs, config, interpret):
   """The kernel config and interpret flag; shapes and the window are the caller's to check
   (`castle_jax.ops.castle.castle_attention` validates them), only the dtypes the kernels
   take are checked here."""
@@ -192,27 +193,31 @@ def _resolve(inputs, config, interpret):
 
 
 def castle_prefill_pallas(q_u, k_u, v_u, q_c, k_c, v_c, *, scale: float, window=None, config=None, interpret=None):
-  """The forward kernel's outputs and the prompt's lookahead keys U^L (Algorithm 5).
+  """The Triton forward kernel's outputs and the prompt's lookahead keys U^L (Algorithm 5).
 
   The kernel's final D is the sum over every query block of W_bi V^U_i, i.e. u_s^L for
   each prompt token s, so the UQ-KV cache comes from the same pass as the outputs.
 
+  Prefill always runs the Triton kernels: `config.backend` and `config.mosaic_schedule`
+  choose the kernels of `castle_attention_pallas` (training) only, so one
+  `CastleKernelConfig` can serve a layer's training and its prefill.
+
   Args:
     q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpret: see
-      `castle_attention_pallas`.
+      `castle_attention_triton`.
 
   Returns:
     outputs: [batch, seq, heads, head_dim] in the inputs' dtype; lookahead_keys:
     float32 [batch, seq, heads, head_dim], row s is u_s^L.
   """
   inputs = (q_u, k_u, v_u, q_c, k_c, v_c)
-  config, interpret = _resolve(inputs, config, interpret)
+  config, interpret = resolve(inputs, config, interpret)
   heads_inputs, from_heads = _prepare(inputs, config)
   out, _, keys = _forward(*heads_inputs, scale, window, config, interpret)
   return from_heads(out).astype(q_c.dtype), from_heads(keys)
 
 
-def castle_attention_pallas(
+def castle_attention_triton(
     q_u: jax.Array,
     k_u: jax.Array,
     v_u: jax.Array,
@@ -225,7 +230,7 @@ def castle_attention_pallas(
     config: CastleKernelConfig | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
-  """CASTLE (or CASTLE-SWL with `window`) with the Pallas kernels.
+  """CASTLE (or CASTLE-SWL with `window`) with the Pallas Triton kernels.
 
   Args:
     q_u, k_u, v_u, q_c, k_c, v_c: [batch, seq, heads, head_dim], one shape and one
@@ -233,7 +238,8 @@ def castle_attention_pallas(
       dtype with float32 accumulation); shapes already checked by the caller.
     scale: the score scale (the CASTLE op passes 1/sqrt(head_dim)).
     window: None for CASTLE, W >= 1 for CASTLE-SWL (checked by the caller).
-    config: tile sizes; default `default_config(padded head dim)`.
+    config: tile sizes; default `default_config(padded head dim)`; its `backend` is
+      not read here (`castle_attention_pallas` reads it).
     interpret: run the kernels in Pallas interpret mode; default True on CPU.
 
   Returns:
@@ -243,7 +249,7 @@ def castle_attention_pallas(
     ValueError: a dtype the kernels do not take.
   """
   inputs = (q_u, k_u, v_u, q_c, k_c, v_c)
-  config, interpret = _resolve(inputs, config, interpret)
+  config, interpret = resolve(inputs, config, interpret)
   heads_inputs, from_heads = _prepare(inputs, config)
   out = _castle_heads(*heads_inputs, scale, window, config, interpret)
   return from_heads(out)

@@ -4,9 +4,12 @@
   - "reference": the naive parallel form of Theorem 1 (O(L^3), plain jnp); a test
     oracle for tiny sequences.
   - "xla": the blockwise Algorithms 1/3 (O(L^2 d) time, O(L d) memory) in XLA.
-  - "pallas": the Pallas (Triton) kernels of `pallas_kernels.castle` (key-block-major
-    forward and backward, O(L d) memory); compiled on a CUDA GPU, run in Pallas
-    interpret mode elsewhere (slow; for tests).
+  - "pallas": the Pallas kernels of `pallas_kernels.castle` (key-block-major forward
+    and backward, O(L d) memory); compiled on a CUDA GPU, run in Pallas interpret mode
+    elsewhere (slow; for tests). `pallas_config.backend` picks the kernels
+    (`pallas_kernels.castle.backend`): "triton" (any GPU), "mosaic" (Mosaic GPU,
+    Hopper only, bf16/f16, head dim 64/128; other inputs raise) or "auto" (default:
+    Mosaic on a compute-capability-9.x GPU where it was measured faster, else Triton).
   - None: "pallas" on a GPU for float32/bfloat16/float16 inputs, else "xla"
     (`castle_jax.ops.backend.choose`: logged at debug level; an explicit choice that
     cannot run raises). Prefill and decoding (`castle_jax.ops.castle.decode`) choose the
@@ -84,8 +87,9 @@ def castle_attention(
     window: None for CASTLE; W >= 1 for CASTLE-SWL, where u_s sees tokens s+1 .. s+W.
     implementation: one of IMPLEMENTATIONS or None (see module docstring).
     block_size: tokens per block for "xla" (static).
-    pallas_config: a `pallas_kernels.castle.CastleKernelConfig` for "pallas"; None
-      picks a heuristic default.
+    pallas_config: a `pallas_kernels.castle.CastleKernelConfig` for "pallas" (its
+      `backend`: "auto", "triton" or "mosaic"); None picks a heuristic default with
+      backend "auto".
 
   Returns:
     [batch, seq, heads, head_dim] in the inputs' dtype.

@@ -1,0 +1,112 @@
+"""Which Pallas kernels run CASTLE training attention: Triton or Mosaic GPU (Hopper).
+
+`choose_backend(config, dtype=..., head_dim=..., window=..., interpret=...)` reads
+`CastleKernelConfig.backend`:
+  - "triton": the Triton kernels (any CUDA GPU; interpret mode elsewhere);
+  - "mosaic": the Mosaic GPU kernels, or a ValueError saying why they cannot run these
+    inputs (dtype, head dim, a GPU that is not Hopper, a Triton-only setting) and the fix;
+  - "auto": Mosaic on a compute-capability-9.x GPU for the cases in MOSAIC_FASTER_CASES
+    (measured faster, forward plus backward), Triton otherwise. Where auto passes over
+    Mosaic on a 9.x GPU it logs, once per distinct reason, which backend runs and why
+    (INFO on this module's logger); off Hopper Triton is the only choice and goes unlogged.
+
+The choice runs at trace time, from static facts only (dtype, head dim, window, the
+first device's compute capability): no length-based switches.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.castle.config import CastleKernelConfig
+from pallas_kernels.castle.mosaic_config import SUPPORTED_HEAD_DIMS
+from pallas_kernels.castle.mosaic_ops import SUPPORTED_DTYPES as MOSAIC_DTYPES
+
+logger = logging.getLogger(__name__)
+
+# Cases where the Mosaic GPU kernels measured faster than the Triton ones, forward plus
+# backward on an H100: (head_dim, dtype name, windowed), windowed meaning CASTLE-SWL.
+# Empty for now: the Triton kernels are faster both without a window and with a 512
+# window (benchmarks/RESULTS.md, "CASTLE on Mosaic GPU", second and third rounds).
+# Refill from new measurements; if they depend on the window's size, change
+# `mosaic_is_faster`, the only reader.
+MOSAIC_FASTER_CASES: frozenset[tuple[int, str, bool]] = frozenset()
+
+
+def compute_capability() -> str | None:
+  """The first device's CUDA compute capability ("9.0" on an H100); None off CUDA GPUs."""
+  device = jax.devices()[0]
+  if device.platform != "gpu":
+    return None
+  return getattr(device, "compute_capability", None)
+
+
+def is_hopper(capability: str | None) -> bool:
+  return capability is not None and capability.split(".")[0] == "9"
+
+
+def mosaic_is_faster(window: int | None, head_dim: int, dtype) -> bool:
+  """Whether the Mosaic kernels measured faster than Triton for this case (on Hopper)."""
+  return (head_dim, jnp.dtype(dtype).name, window is not None) in MOSAIC_FASTER_CASES
+
+
+def mosaic_unsupported_reason(config: CastleKernelConfig, *, dtype, head_dim: int, interpret: bool) -> str | None:
+  """None when the Mosaic kernels can run these inputs here, else why not and the fix."""
+  if jnp.dtype(dtype) not in MOSAIC_DTYPES:
+    return (f"the Mosaic GPU kernels take bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}; "
+            "cast the inputs or use CastleKernelConfig(backend='triton')")
+  if head_dim not in SUPPORTED_HEAD_DIMS:
+    return (f"the Mosaic GPU kernels take head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim} (last axis of q_u); "
+            "use CastleKernelConfig(backend='triton')")
+  if config.lookahead_operands != "float16":
+    return (f"CastleKernelConfig.lookahead_operands={config.lookahead_operands!r} is a Triton setting: the Mosaic "
+            "GPU kernels always take float16 lookahead operands; use lookahead_operands='float16' with them")
+  capability = compute_capability()
+  if not interpret and not is_hopper(capability):
+    device = f"compute capability {capability}" if capability else f"a {jax.devices()[0].platform} device"
+    return (f"the Mosaic GPU kernels need a Hopper GPU (compute capability 9.x), this is {device}; "
+            "use CastleKernelConfig(backend='triton'), or interpret=True for a slow test run")
+  return None
+
+
+@functools.lru_cache(maxsize=None)
+def _log_once(message: str) -> None:
+  logger.info(message)
+
+
+def choose_backend(config: CastleKernelConfig, *, dtype, head_dim: int, window: int | None,
+                   interpret: bool) -> str:
+  """"triton" or "mosaic": the kernels that run these inputs (module docstring).
+
+  Args:
+    config: the kernel config; its `backend` is the request.
+    dtype, head_dim: the inputs' dtype and (unpadded) head dim.
+    window: None for CASTLE, W for CASTLE-SWL.
+    interpret: whether the kernels run in interpret mode (then any device can run Mosaic).
+
+  Raises:
+    ValueError: backend "mosaic" for inputs or a device the Mosaic kernels cannot take.
+  """
+  if config.backend == "triton":
+    return "triton"
+  reason = mosaic_unsupported_reason(config, dtype=dtype, head_dim=head_dim, interpret=interpret)
+  if config.backend == "mosaic":
+    if reason is not None:
+      raise ValueError(f"castle_attention_pallas: CastleKernelConfig.backend='mosaic' cannot run: {reason}")
+    return "mosaic"
+  capability = compute_capability()
+  if not is_hopper(capability):
+    return "triton"
+  if reason is None and mosaic_is_faster(window, head_dim, dtype):
+    return "mosaic"
+  why = reason or (f"the Mosaic GPU kernels are not measured faster for head_dim {head_dim}, "
+                   f"{jnp.dtype(dtype).name}, {'CASTLE-SWL' if window is not None else 'CASTLE'} "
+                   "(pallas_kernels.castle.backend.MOSAIC_FASTER_CASES; benchmarks/RESULTS.md, "
+                   "\"CASTLE on Mosaic GPU\")")
+  _log_once(f"castle_attention_pallas: backend='auto' runs the Triton kernels on this compute capability "
+            f"{capability} GPU: {why}")
+  return "triton"
