@@ -26,8 +26,12 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from castle_jax.ops.castle import castle_attention  # noqa: E402
+from pallas_kernels.castle import CastleKernelConfig  # noqa: E402
 from pallas_kernels.castle.mosaic_attention import castle_attention_mosaic  # noqa: E402
 from timing import run_meta, time_forward_and_gradients, write_json  # noqa: E402
+
+# The Triton rows ask for the Triton kernels: backend 'auto' may pick Mosaic.
+TRITON = CastleKernelConfig(backend="triton")
 
 # Matmul products over the causal half of the scores (B H T^2 d FLOPs each), fwd + bwd.
 _CAUSAL_PRODUCTS = 2 + 5
@@ -64,7 +68,7 @@ def main(argv=None) -> int:
         ("CASTLE mosaic", args.castle_heads, _CASTLE_PRODUCTS, 6, castle_shape,
          lambda *a: castle_attention_mosaic(*a, window=window)),
         ("CASTLE triton", args.castle_heads, _CASTLE_PRODUCTS, 6, castle_shape,
-         lambda *a: castle_attention(*a, window=window, implementation="pallas")),
+         lambda *a: castle_attention(*a, window=window, implementation="pallas", pallas_config=TRITON)),
     )
     base = None
     for name, heads, products, num_inputs, shape, fn in candidates:
