@@ -12,11 +12,13 @@ Schedule: one program per (batch * head, 64-row query tile), one warpgroup. The 
 loads its query tile once and streams the k retrieved chunks' K and V tiles through a
 `stages`-deep ring of shared-memory buffers with TMA, each tile gathered straight from
 the whole memory by its index (`keys.at[b, index, :, kv_head]`, the index read from
-global memory as a scalar; no gathered copy). Per slot: S = Q K_j^T (wgmma, shared x
-shared^T), softmax_1 in registers, P_j scaled by w_j / l_j and cast to the operand
-dtype, then out += P_j V_j (wgmma with P from registers onto the running accumulator);
-once both products of a slot are done its ring buffer is refilled with slot j + stages.
-K and V have separate barriers, so the score product waits only for K.
+global memory as a scalar; no gathered copy). The k slots are unrolled (k is small, 8 in
+DRT), and every slot's index and weight is read at the start, so their load latencies
+overlap and no TMA issue waits on one. Per slot: S = Q K_j^T (wgmma, shared x shared^T),
+softmax_1 in registers, P_j scaled by w_j / l_j and cast to the operand dtype, then
+out += P_j V_j (wgmma with P from registers onto the running accumulator); once both
+products of a slot are done its ring buffer is refilled with slot j + stages. K and V
+have separate barriers, so the score product waits only for K.
 
 Why no producer warpgroup (the FA3 / CASTLE-Mosaic style): a program does only k = 8
 slot steps and no two query tiles share retrieved chunks, so a producer would sit idle
@@ -104,46 +106,48 @@ def _forward_kernel(indices_ref, weights_ref, queries_ref, keys_ref, values_ref,
   head_dim = query_smem.shape[-1]
   dtype = query_smem.dtype
 
-  def load(slot):
+  # Every slot's index and weight up front: their global-memory latencies overlap, and no
+  # TMA issue or softmax waits on one.
+  indices = [indices_ref[batch, chunk, slot] for slot in range(top_k)]
+  weights = [weights_ref[batch, chunk, slot] for slot in range(top_k)]
+
+  def load(slot: int):
     """TMA copies of slot's K and V tiles into ring buffer slot % stages."""
-    stage = lax.rem(slot, stages)
-    index = indices_ref[batch, chunk, slot]
-    plgpu.copy_gmem_to_smem(keys_ref.at[batch, index, :, kv_head], key_ring.at[stage], key_barriers.at[stage])
-    plgpu.copy_gmem_to_smem(values_ref.at[batch, index, :, kv_head], value_ring.at[stage], value_barriers.at[stage])
+    stage = slot % stages
+    source = (batch, indices[slot], slice(None), kv_head)
+    plgpu.copy_gmem_to_smem(keys_ref.at[source], key_ring[stage], key_barriers.at[stage])
+    plgpu.copy_gmem_to_smem(values_ref.at[source], value_ring[stage], value_barriers.at[stage])
 
   plgpu.copy_gmem_to_smem(queries_ref.at[batch, chunk, rows, head], query_smem, query_barrier)
   for slot in range(min(stages, top_k)):
-    load(jnp.int32(slot))
+    load(slot)
   plgpu.barrier_wait(query_barrier)
 
   key_valid = plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS, CHUNK_TILE), 1, layout=plgpu.Layout.WGMMA) < chunk_len
   score_unit = scale * LOG2_E
 
-  def step(slot, out):
-    stage = lax.rem(slot, stages)
+  # The k slots unrolled (k is small: 8 in DRT): ring stages, log-normalizer rows and
+  # refills are static.
+  out = None
+  for slot in range(top_k):
+    stage = slot % stages
     plgpu.barrier_wait(key_barriers.at[stage])
-    scores = products([(query_smem, key_ring.at[stage].T)], (TILE_ROWS, CHUNK_TILE)) * score_unit
+    scores = products([(query_smem, key_ring[stage].T)], (TILE_ROWS, CHUNK_TILE)) * score_unit
     scores = jnp.where(key_valid, scores, -jnp.inf)
     top = jnp.maximum(scores.max(axis=1), 0.0)
     probs = jnp.exp2(scores - lax.broadcast_in_dim(top, scores.shape, [0]))
     total = jnp.exp2(-top) + probs.sum(axis=1)
     lse_smem.at[slot][...] = top + jnp.log(total) * LOG2_E
     # w_j / l_j folded into P before the product, so that it accumulates in place.
-    row_weight = weights_ref[batch, chunk, slot] / total
+    row_weight = weights[slot] / total
     probs = probs * lax.broadcast_in_dim(row_weight, probs.shape, [0])
     probs = _register_operand(probs.astype(dtype), probs_staging)
     plgpu.barrier_wait(value_barriers.at[stage])
-    out = products([(probs, value_ring.at[stage])], (TILE_ROWS, head_dim), init=out,
+    out = products([(probs, value_ring[stage])], (TILE_ROWS, head_dim), init=out,
                    init_in_place=not interpreted)
-
     # Both products of the slot are done: its ring buffer takes slot + stages.
-    @pl.when(slot + stages < top_k)
-    def _refill():
+    if slot + stages < top_k:
       load(slot + stages)
-    return out
-
-  out = plgpu.layout_cast(jnp.zeros((TILE_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-  out = lax.fori_loop(0, top_k, step, out)
 
   # The query tile is dead after the last score product: it stages the output.
   query_smem[...] = out.astype(dtype)
@@ -193,7 +197,9 @@ def forward_native(queries, keys, values, weights, indices, *, chunk_len: int, s
   interpreted = interpret is not None
   dtype = queries.dtype
   tiles_per_chunk = query_rows // TILE_ROWS
-  ring = lambda: _operand_smem((stages, CHUNK_TILE, head_dim), dtype)
+  # The ring as separate buffers: the unrolled slots pick theirs statically (a static index
+  # into one buffer does not lower inside a preinitialized accumulator's scope).
+  ring = lambda: tuple(_operand_smem((CHUNK_TILE, head_dim), dtype) for _ in range(stages))
   scratch = [
       _operand_smem((TILE_ROWS, head_dim), dtype),                      # query tile, then the output's staging
       ring(), ring(),                                                   # K and V ring
