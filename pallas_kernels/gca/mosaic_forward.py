@@ -52,87 +52,41 @@ import math
 
 import jax
 from jax import lax
-import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 # Shared with the CASTLE Mosaic kernels: TMA/wgmma shared-memory layout, wgmma products, and
 # the interpret-mode staging of register operands.
 from pallas_kernels.castle.mosaic_forward import _operand_smem, _register_operand, products
+from pallas_kernels.gca.mosaic_tiles import (CHUNK_TILE, DEFAULT_STAGES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS,
+                                             TILE_ROWS, KeyValueRing, Program, check_padded, key_mask, launch,
+                                             ring_bytes, ring_scratch, unsupported_reason)
+
+__all__ = ["CHUNK_TILE", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "TILE_ROWS", "forward", "forward_native",
+           "gca_forward_mosaic", "shared_memory_bytes", "unsupported_reason"]
 
 LOG2_E = math.log2(math.e)
-TILE_ROWS = 64             # query rows per program: one warpgroup's wgmma rows
-CHUNK_TILE = 64            # keys per memory-chunk tile (chunks padded to it)
-SUPPORTED_HEAD_DIMS = (64, 128)
-SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
-DEFAULT_STAGES = 2
-
-
-def unsupported_reason(*, head_dim: int, chunk_len: int, query_rows: int, heads: int, kv_heads: int, dtype,
-                       stages: int = DEFAULT_STAGES) -> str | None:
-  """Why the Mosaic forward cannot take inputs of these sizes (naming the argument and the
-  fix), or None. `query_rows` are the (padded) rows per query chunk the kernel sees."""
-  if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
-    return (f"the GCA Mosaic forward takes q in {[jnp.dtype(d).name for d in SUPPORTED_DTYPES]} (wgmma's 16-bit "
-            f"operands), got dtype {jnp.dtype(dtype).name}; cast q, chunk_k and chunk_v or use the Triton kernels "
-            "(gca_attention_pallas)")
-  if head_dim not in SUPPORTED_HEAD_DIMS:
-    return (f"the GCA Mosaic forward takes head_dim in {SUPPORTED_HEAD_DIMS} (last axis of q), got {head_dim}; use "
-            "the Triton kernels (gca_attention_pallas)")
-  if not 1 <= chunk_len <= CHUNK_TILE:
-    return (f"the GCA Mosaic forward takes memory chunks of 1..{CHUNK_TILE} keys (chunk_len, axis 2 of chunk_k), "
-            f"got {chunk_len}; use the Triton kernels (gca_attention_pallas)")
-  if query_rows % TILE_ROWS:
-    return (f"the GCA Mosaic forward needs query chunks padded to a multiple of {TILE_ROWS} rows (query_rows), got "
-            f"{query_rows}; pad them (gca_forward_mosaic does)")
-  if kv_heads < 1 or heads % kv_heads:
-    return f"heads ({heads}) must be a multiple of kv_heads ({kv_heads}, axis 3 of chunk_k)"
-  if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-    return f"stages must be an int >= 1 (ring depth of K/V tiles), got {stages!r}"
-  return None
 
 
 def _forward_kernel(indices_ref, weights_ref, queries_ref, keys_ref, values_ref, out_ref, lse_ref,
-                    query_smem, key_ring, value_ring, lse_smem, probs_staging, query_barrier, key_barriers,
-                    value_barriers, *, heads: int, group: int, tiles_per_chunk: int, top_k: int, chunk_len: int,
-                    stages: int, scale: float, interpreted: bool):
-  """One program: query tile `query_tile` (64 rows of one query chunk) of one (batch, head)."""
-  batch_head = lax.axis_index("batch_head")
-  query_tile = lax.axis_index("query_tile")
-  batch, head = lax.div(batch_head, heads), lax.rem(batch_head, heads)
-  kv_head = lax.div(head, group)
-  chunk = lax.div(query_tile, tiles_per_chunk)
-  rows = pl.ds(lax.rem(query_tile, tiles_per_chunk) * TILE_ROWS, TILE_ROWS)
+                    query_smem, ring_buffers, lse_smem, probs_staging, query_barrier, *, heads: int, group: int,
+                    tiles_per_chunk: int, top_k: int, chunk_len: int, stages: int, scale: float, interpreted: bool):
+  """One program: one 64-row query tile of one (batch, head), all k slots."""
+  program = Program.current(heads=heads, group=group, tiles_per_chunk=tiles_per_chunk)
   head_dim = query_smem.shape[-1]
   dtype = query_smem.dtype
+  ring = KeyValueRing(program, indices_ref, keys_ref, values_ref, ring_buffers, top_k=top_k, stages=stages)
+  weights = [weights_ref[program.batch, program.chunk, slot] for slot in range(top_k)]
 
-  # Every slot's index and weight up front: their global-memory latencies overlap, and no
-  # TMA issue or softmax waits on one.
-  indices = [indices_ref[batch, chunk, slot] for slot in range(top_k)]
-  weights = [weights_ref[batch, chunk, slot] for slot in range(top_k)]
-
-  def load(slot: int):
-    """TMA copies of slot's K and V tiles into ring buffer slot % stages."""
-    stage = slot % stages
-    source = (batch, indices[slot], slice(None), kv_head)
-    plgpu.copy_gmem_to_smem(keys_ref.at[source], key_ring[stage], key_barriers.at[stage])
-    plgpu.copy_gmem_to_smem(values_ref.at[source], value_ring[stage], value_barriers.at[stage])
-
-  plgpu.copy_gmem_to_smem(queries_ref.at[batch, chunk, rows, head], query_smem, query_barrier)
-  for slot in range(min(stages, top_k)):
-    load(slot)
+  plgpu.copy_gmem_to_smem(program.query_rows(queries_ref), query_smem, query_barrier)
+  ring.start()
   plgpu.barrier_wait(query_barrier)
-
-  key_valid = plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS, CHUNK_TILE), 1, layout=plgpu.Layout.WGMMA) < chunk_len
+  key_valid = key_mask(chunk_len)
   score_unit = scale * LOG2_E
 
-  # The k slots unrolled (k is small: 8 in DRT): ring stages, log-normalizer rows and
-  # refills are static.
   out = None
   for slot in range(top_k):
-    stage = slot % stages
-    plgpu.barrier_wait(key_barriers.at[stage])
-    scores = products([(query_smem, key_ring[stage].T)], (TILE_ROWS, CHUNK_TILE)) * score_unit
+    scores = products([(query_smem, ring.keys(slot).T)], (TILE_ROWS, CHUNK_TILE)) * score_unit
     scores = jnp.where(key_valid, scores, -jnp.inf)
     top = jnp.maximum(scores.max(axis=1), 0.0)
     probs = jnp.exp2(scores - lax.broadcast_in_dim(top, scores.shape, [0]))
@@ -142,26 +96,21 @@ def _forward_kernel(indices_ref, weights_ref, queries_ref, keys_ref, values_ref,
     row_weight = weights[slot] / total
     probs = probs * lax.broadcast_in_dim(row_weight, probs.shape, [0])
     probs = _register_operand(probs.astype(dtype), probs_staging)
-    plgpu.barrier_wait(value_barriers.at[stage])
-    out = products([(probs, value_ring[stage])], (TILE_ROWS, head_dim), init=out,
-                   init_in_place=not interpreted)
-    # Both products of the slot are done: its ring buffer takes slot + stages.
-    if slot + stages < top_k:
-      load(slot + stages)
+    out = products([(probs, ring.values(slot))], (TILE_ROWS, head_dim), init=out, init_in_place=not interpreted)
+    ring.release(slot)
 
   # The query tile is dead after the last score product: it stages the output.
   query_smem[...] = out.astype(dtype)
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(query_smem, out_ref.at[batch, chunk, rows, head])
-  plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, chunk, head, :, rows])
+  plgpu.copy_smem_to_gmem(query_smem, program.query_rows(out_ref))
+  plgpu.copy_smem_to_gmem(lse_smem, program.slot_rows(lse_ref))
   plgpu.wait_smem_to_gmem(0)
 
 
 def shared_memory_bytes(head_dim: int, top_k: int, dtype, stages: int = DEFAULT_STAGES) -> int:
   """Shared memory of one program's buffers (the lowering adds barriers and alignment)."""
-  itemsize = jnp.dtype(dtype).itemsize
-  tile = TILE_ROWS * head_dim * itemsize
-  return tile + 2 * stages * CHUNK_TILE * head_dim * itemsize + top_k * TILE_ROWS * 4
+  query_tile = TILE_ROWS * head_dim * jnp.dtype(dtype).itemsize
+  return query_tile + ring_bytes(stages, head_dim, dtype) + top_k * TILE_ROWS * 4
 
 
 def forward_native(queries, keys, values, weights, indices, *, chunk_len: int, scale: float,
@@ -184,45 +133,26 @@ def forward_native(queries, keys, values, weights, indices, *, chunk_len: int, s
     out: like queries; lse: float32 [batch, query_chunks, heads, k, query_rows], base-2
     log-normalizers in base-2 score units (as `kernels.forward`'s).
   """
+  check_padded(queries, keys, values, chunk_len=chunk_len, stages=stages)
   batch, query_chunks, query_rows, heads, head_dim = queries.shape
-  memory_chunks, padded_chunk_len, kv_heads = keys.shape[1:4]
+  kv_heads = keys.shape[3]
   top_k = indices.shape[-1]
-  reason = unsupported_reason(head_dim=head_dim, chunk_len=chunk_len, query_rows=query_rows, heads=heads,
-                              kv_heads=kv_heads, dtype=queries.dtype, stages=stages)
-  if reason:
-    raise ValueError(reason)
-  if padded_chunk_len != CHUNK_TILE or keys.shape != values.shape or keys.dtype != queries.dtype:
-    raise ValueError(f"keys and values must be [batch, memory_chunks, {CHUNK_TILE}, kv_heads, head_dim] in queries' "
-                     f"dtype {queries.dtype}, got {keys.shape} {keys.dtype} and {values.shape} {values.dtype}")
   interpreted = interpret is not None
   dtype = queries.dtype
-  tiles_per_chunk = query_rows // TILE_ROWS
-  # The ring as separate buffers: the unrolled slots pick theirs statically (a static index
-  # into one buffer does not lower inside a preinitialized accumulator's scope).
-  ring = lambda: tuple(_operand_smem((CHUNK_TILE, head_dim), dtype) for _ in range(stages))
   scratch = [
       _operand_smem((TILE_ROWS, head_dim), dtype),                      # query tile, then the output's staging
-      ring(), ring(),                                                   # K and V ring
+      ring_scratch(stages, head_dim, dtype),
       plgpu.SMEM((top_k, TILE_ROWS), jnp.float32),                      # log-normalizers
       _operand_smem((TILE_ROWS, CHUNK_TILE), dtype) if interpreted else None,  # P (interpret mode only)
       plgpu.Barrier(num_arrivals=1),
-      plgpu.Barrier(num_arrivals=1, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=1, num_barriers=stages),
   ]
-  kernel = functools.partial(_forward_kernel, heads=heads, group=heads // kv_heads, tiles_per_chunk=tiles_per_chunk,
-                             top_k=top_k, chunk_len=chunk_len, stages=stages, scale=float(scale),
-                             interpreted=interpreted)
-  return plgpu.kernel(
-      kernel,
-      out_type=(jax.ShapeDtypeStruct(queries.shape, dtype),
-                jax.ShapeDtypeStruct((batch, query_chunks, heads, top_k, query_rows), jnp.float32)),
-      scratch_types=scratch,
-      # The last axis launches fastest: the programs in flight share one (batch, head)'s memory in L2.
-      grid=(batch * heads, query_chunks * tiles_per_chunk),
-      grid_names=("batch_head", "query_tile"),
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=interpret,
-  )(indices.astype(jnp.int32), weights.astype(jnp.float32), queries, keys, values)
+  kernel = functools.partial(_forward_kernel, heads=heads, group=heads // kv_heads,
+                             tiles_per_chunk=query_rows // TILE_ROWS, top_k=top_k, chunk_len=chunk_len, stages=stages,
+                             scale=float(scale), interpreted=interpreted)
+  out_type = (jax.ShapeDtypeStruct(queries.shape, dtype),
+              jax.ShapeDtypeStruct((batch, query_chunks, heads, top_k, query_rows), jnp.float32))
+  return launch(kernel, out_type, scratch, batch=batch, heads=heads, query_chunks=query_chunks, query_rows=query_rows,
+                interpret=interpret)(indices.astype(jnp.int32), weights.astype(jnp.float32), queries, keys, values)
 
 
 def forward(queries, keys, values, weights, indices, *, chunk_len: int, scale: float,
