@@ -35,7 +35,7 @@ pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
 H100_SHARED_MEMORY = 227 * 1024
 
 
-def _inputs(seed, *, batch, query_chunks, query_len, heads, kv_heads, head_dim, memory_chunks, chunk_len, top_k,
+def gca_inputs(seed, *, batch, query_chunks, query_len, heads, kv_heads, head_dim, memory_chunks, chunk_len, top_k,
             dtype):
   keys = jax.random.split(jax.random.key(seed), 5)
   q = jax.random.normal(keys[0], (batch, query_chunks * query_len, heads, head_dim), jnp.float32)
@@ -80,7 +80,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_interpret_matches_xla_and_triton(case):
   shape, stages = CASES[case]
-  inputs = _inputs(0, **shape)
+  inputs = gca_inputs(0, **shape)
   q, chunk_k, chunk_v, weights, indices = inputs
   scale = shape["head_dim"] ** -0.5
   out, lse = mosaic_forward.gca_forward_mosaic(*inputs, scale=scale, stages=stages, interpret=True)
@@ -116,14 +116,20 @@ def test_interpret_matches_xla_and_triton(case):
 DRT_128M = dict(batch=4, tokens=16384, heads=12, head_dim=64, chunk_len=63, top_k=8)
 
 
-def _lower_for_hopper(*, batch, tokens, heads, head_dim, chunk_len, top_k, stages):
-  """Lowers the GPU variant for an H100 (no GPU needed); returns (HLO text, shared memory bytes
-  the Mosaic lowering allocates for one program)."""
+def drt_padded_structs(*, batch, tokens, heads, head_dim, chunk_len, top_k):
+  """Shape structs of the padded bf16 kernel inputs at drt_128m's shape: (queries [b, c, 64, h,
+  d], keys/values [b, c, 64, h, d], weights, indices, per-slot rows [b, c, k, 64, h])."""
   query_chunks = tokens // chunk_len
   struct = jax.ShapeDtypeStruct
-  memory = struct((batch, query_chunks, chunk_len, heads, head_dim), jnp.bfloat16)
-  args = (struct((batch, query_chunks * (chunk_len + 1), heads, head_dim), jnp.bfloat16), memory, memory,
-          struct((batch, query_chunks, top_k), jnp.float32), struct((batch, query_chunks, top_k), jnp.int32))
+  tile = struct((batch, query_chunks, 64, heads, head_dim), jnp.bfloat16)
+  slots = struct((batch, query_chunks, top_k), jnp.float32)
+  return (tile, tile, tile, slots, struct(slots.shape, jnp.int32),
+          struct((batch, query_chunks, top_k, 64, heads), jnp.float32))
+
+
+def lower_for_hopper(function, args):
+  """Lowers `function(*args)` for an H100 (no GPU needed); returns (HLO text, shared memory
+  bytes the Mosaic lowering allocates for one program of its last kernel)."""
   allocations = []
   estimate_resources = mosaic_lowering._estimate_resources
 
@@ -133,11 +139,10 @@ def _lower_for_hopper(*, batch, tokens, heads, head_dim, chunk_len, top_k, stage
     return resources
 
   mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H100 80GB HBM3", None, "cuda"))
-  forward = lambda *a: mosaic_forward.gca_forward_mosaic(*a, scale=head_dim ** -0.5, stages=stages)
   mosaic_lowering._estimate_resources = recording
   try:
     with jax.sharding.use_abstract_mesh(mesh):
-      lowered = jax.jit(forward).trace(*args).lower(lowering_platforms=("cuda",))
+      lowered = jax.jit(function).trace(*args).lower(lowering_platforms=("cuda",))
   finally:
     mosaic_lowering._estimate_resources = estimate_resources
   return lowered.as_text(), allocations[-1]
@@ -148,7 +153,10 @@ def test_lowers_for_hopper_at_the_drt_shape(head_dim, stages):
   """The Mosaic GPU lowering (layouts, wgmma shapes incl. P from registers, TMA gathers) for
   an H100 at drt_128m's shape; the shared memory it allocates matches the module's estimate
   (plus the lowering's 2 KiB reduction scratch) and fits an H100 block."""
-  text, shared_memory = _lower_for_hopper(**dict(DRT_128M, head_dim=head_dim), stages=stages)
+  queries, keys, values, weights, indices, _ = drt_padded_structs(**dict(DRT_128M, head_dim=head_dim))
+  forward = lambda *a: mosaic_forward.forward(*a, chunk_len=DRT_128M["chunk_len"], scale=head_dim ** -0.5,
+                                              stages=stages)
+  text, shared_memory = lower_for_hopper(forward, (queries, keys, values, weights, indices))
   assert "mosaic_gpu" in text
   estimate = mosaic_forward.shared_memory_bytes(head_dim, DRT_128M["top_k"], jnp.bfloat16, stages)
   assert estimate <= shared_memory <= estimate + 4096, (shared_memory, estimate)
@@ -158,7 +166,7 @@ def test_lowers_for_hopper_at_the_drt_shape(head_dim, stages):
 def _small(**changes):
   shape = dict(CASES["bf16"][0], query_chunks=1, top_k=2)
   shape.update(changes)
-  return _inputs(0, **shape)
+  return gca_inputs(0, **shape)
 
 
 @pytest.mark.parametrize("inputs, stages, message", [
