@@ -1,4 +1,4 @@
-"""The compiled GCA Mosaic GPU forward on a Hopper GPU at real sizes (skipped without one).
+"""The compiled GCA Mosaic GPU kernels on a Hopper GPU at real sizes (skipped without one).
 
 Outputs against the XLA path computing in float32 with full-precision matmuls, and the
 per-slot log-normalizers against the Triton forward's (same layout and units, so the
@@ -7,7 +7,9 @@ tokens + a landmark = 64 positions, memory chunks of 63 keys, k = 8) in bf16 wit
 default ring and a deeper one, and grouped heads at head dim 128 with 65-position query
 chunks (two 64-row tiles each). Retrievals come from `select_chunks` over causal scores, as
 in DRT: the first query chunks have empty slots (weight 0, index 0) and early memory chunks
-are retrieved by many query chunks.
+are retrieved by many query chunks. The query-side backward (dQ, delta, dw) against the
+compiled Triton `kernels.backward_queries` on the same inputs and against autodiff of the
+XLA path.
 """
 
 import jax
@@ -18,6 +20,7 @@ from castle_jax.ops.gca import gca_attention, retrieval_scores, select_chunks
 from helpers import rel_err
 from pallas_kernels.gca import kernels
 from pallas_kernels.gca.config import default_config
+from pallas_kernels.gca import mosaic_backward_queries, mosaic_forward
 from pallas_kernels.gca.mosaic_forward import CHUNK_TILE, gca_forward_mosaic
 from pallas_kernels.gca.ops import tiling_for
 
@@ -40,17 +43,24 @@ def _inputs(seed, *, batch, query_chunks, query_len, heads, kv_heads, head_dim, 
   return q.astype(dtype), chunk_k.astype(dtype), chunk_v.astype(dtype), weights, indices
 
 
-def _triton_lse(inputs, *, query_chunks, query_len, heads, kv_heads, head_dim, chunk_len, **_):
-  """The Triton forward's log-normalizers [batch, query_chunks, k, query_len, heads] (query_len a
-  multiple of 64, so that no query rows are padded)."""
+def _padded(inputs, *, query_chunks, query_len, heads, head_dim, chunk_len, **_):
+  """The kernels' padded arrays (query_len a multiple of 64, so that no query rows are padded)."""
   q, chunk_k, chunk_v, weights, indices = inputs
-  tiling = tiling_for(query_len, heads // kv_heads, chunk_len, default_config())
   padding = ((0, 0), (0, 0), (0, CHUNK_TILE - chunk_len), (0, 0), (0, 0))
   queries = q.reshape(q.shape[0], query_chunks, query_len, heads, head_dim)
-  forward = jax.jit(lambda *a: kernels.forward(*a, tiling=tiling, scale=head_dim ** -0.5, config=default_config(),
-                                               interpret=False)[1])
-  return forward(queries, jnp.pad(chunk_k, padding), jnp.pad(chunk_v, padding), weights,
-                 jnp.clip(indices, 0, chunk_k.shape[1] - 1))
+  return (queries, jnp.pad(chunk_k, padding), jnp.pad(chunk_v, padding), weights,
+          jnp.clip(indices, 0, chunk_k.shape[1] - 1))
+
+
+def _triton_tiling(shape):
+  return tiling_for(shape["query_len"], shape["heads"] // shape["kv_heads"], shape["chunk_len"], default_config())
+
+
+def _triton_lse(inputs, shape):
+  """The Triton forward's log-normalizers [batch, query_chunks, k, query_len, heads]."""
+  forward = jax.jit(lambda *a: kernels.forward(*a, tiling=_triton_tiling(shape), scale=shape["head_dim"] ** -0.5,
+                                               config=default_config(), interpret=False)[1])
+  return forward(*_padded(inputs, **shape))
 
 
 DRT_128M = dict(batch=2, query_chunks=64, query_len=64, heads=12, kv_heads=12, head_dim=64, chunk_len=63, top_k=8)
@@ -72,7 +82,7 @@ def test_compiled_forward_matches_the_xla_path(shape, stages):
   assert out.dtype == jnp.bfloat16 and out.shape == inputs[0].shape
   assert rel_err(out, reference) < 1e-2, rel_err(out, reference)
   if shape["query_len"] % 64 == 0:
-    triton_lse = _triton_lse(inputs, **shape)
+    triton_lse = _triton_lse(inputs, shape)
     assert lse.shape == triton_lse.shape
     assert rel_err(lse, triton_lse) < 1e-3, rel_err(lse, triton_lse)
 
@@ -85,3 +95,34 @@ def test_compiled_forward_is_deterministic():
   first, second = forward(*inputs), forward(*inputs)
   for a, b in zip(first, second):
     assert bool(jnp.all(a == b))
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_compiled_backward_queries_matches_triton_and_xla(stages):
+  if not _is_hopper():
+    pytest.skip("the Mosaic GPU kernel needs a Hopper (sm_90) GPU")
+  shape = DRT_128M
+  inputs = _inputs(2, **shape, dtype=jnp.bfloat16)
+  q = inputs[0]
+  d_out = jax.random.normal(jax.random.key(3), q.shape, jnp.float32).astype(q.dtype)
+  scale = shape["head_dim"] ** -0.5
+  padded = _padded(inputs, **shape)
+  d_out_padded = d_out.reshape(padded[0].shape)
+  options = dict(chunk_len=shape["chunk_len"], scale=scale, stages=stages)
+  _, lse = jax.jit(lambda *a: mosaic_forward.forward(*a, **options))(*padded)
+  d_queries, delta, d_weights = jax.jit(lambda *a: mosaic_backward_queries.backward_queries(*a, **options))(
+      *padded, lse, d_out_padded)
+  triton = jax.jit(lambda *a: kernels.backward_queries(*a, tiling=_triton_tiling(shape), scale=scale,
+                                                       config=default_config(), interpret=False))(
+      *padded, lse, d_out_padded)
+  for name, ours, theirs, tol in zip(("d_queries", "delta", "d_weights"), (d_queries, delta, d_weights), triton,
+                                     (1e-2, 2e-3, 2e-3)):
+    assert ours.shape == theirs.shape, name
+    assert rel_err(ours, theirs) < tol, (name, rel_err(ours, theirs))
+
+  f32 = lambda x: x.astype(jnp.float32)
+  grad = jax.jit(jax.grad(lambda q32, w: jnp.sum(gca_attention(q32, f32(inputs[1]), f32(inputs[2]), w, inputs[4],
+                                                               implementation="xla") * f32(d_out)), argnums=(0, 1)))
+  ref_d_q, ref_d_w = grad(f32(q), inputs[3])
+  assert rel_err(d_queries.reshape(q.shape), ref_d_q) < 1e-2
+  assert rel_err(d_weights, ref_d_w) < 1e-2
