@@ -60,7 +60,7 @@ import jax.numpy as jnp
 from pallas_kernels.castle.mosaic_forward import _operand_smem, _register_operand, products
 from pallas_kernels.gca.mosaic_tiles import (CHUNK_TILE, DEFAULT_STAGES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS,
                                              TILE_ROWS, KeyValueRing, Program, check_padded, key_mask, launch,
-                                             ring_bytes, ring_scratch, unsupported_reason)
+                                             pad_inputs, ring_bytes, ring_scratch, unsupported_reason)
 
 __all__ = ["CHUNK_TILE", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "TILE_ROWS", "forward", "forward_native",
            "gca_forward_mosaic", "shared_memory_bytes", "unsupported_reason"]
@@ -189,26 +189,7 @@ def gca_forward_mosaic(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, chu
   Raises:
     ValueError: sizes or a dtype the kernel does not take (naming the argument).
   """
-  batch, seq, heads, head_dim = q.shape
-  memory_chunks, chunk_len, kv_heads = chunk_k.shape[1:4]
-  query_chunks = chunk_indices.shape[1]
-  if chunk_k.dtype != q.dtype or chunk_v.shape != chunk_k.shape or chunk_v.dtype != q.dtype:
-    raise ValueError(f"chunk_k and chunk_v must have one shape and q's dtype {q.dtype}; got {chunk_k.shape} "
-                     f"{chunk_k.dtype} and {chunk_v.shape} {chunk_v.dtype}")
-  if seq % query_chunks:
-    raise ValueError(f"q's seq ({seq}) must be query_chunks ({query_chunks}, axis 1 of chunk_indices) times the "
-                     "query chunk length")
-  query_len = seq // query_chunks
-  query_rows = -(-query_len // TILE_ROWS) * TILE_ROWS
-  reason = unsupported_reason(head_dim=head_dim, chunk_len=chunk_len, query_rows=query_rows, heads=heads,
-                              kv_heads=kv_heads, dtype=q.dtype, stages=stages)
-  if reason:
-    raise ValueError(reason)
-  queries = q.reshape(batch, query_chunks, query_len, heads, head_dim)
-  queries = jnp.pad(queries, ((0, 0), (0, 0), (0, query_rows - query_len), (0, 0), (0, 0)))
-  key_padding = ((0, 0), (0, 0), (0, CHUNK_TILE - chunk_len), (0, 0), (0, 0))
-  keys, values = jnp.pad(chunk_k, key_padding), jnp.pad(chunk_v, key_padding)
-  indices = jnp.clip(chunk_indices.astype(jnp.int32), 0, memory_chunks - 1)
-  out, lse = forward(queries, keys, values, chunk_weights.astype(jnp.float32), indices, chunk_len=chunk_len,
-                     scale=scale, stages=stages, interpret=plgpu.InterpretGPUParams() if interpret else None)
-  return out[:, :, :query_len].reshape(batch, seq, heads, head_dim), lse
+  padded = pad_inputs(q, chunk_k, chunk_v, chunk_weights, chunk_indices, stages=stages)
+  out, lse = forward(*padded.arrays, chunk_len=padded.chunk_len, scale=scale, stages=stages,
+                     interpret=plgpu.InterpretGPUParams() if interpret else None)
+  return padded.unpad(out), lse
