@@ -2,7 +2,7 @@
 sliding-window ALiBi self-attention over the same tokens.
 
     python benchmarks/gca_attention.py [--tokens=16384,65536] [--batch=4] [--heads=12] \
-        [--head_dim=64] [--chunk=64] [--top_k=8] [--impls=xla,pallas,reference,pallas_mosaic_fwd] \
+        [--head_dim=64] [--chunk=64] [--top_k=8] [--impls=xla,pallas,reference,pallas_mosaic_fwd,pallas_mosaic] \
         [--pallas_configs="block_rows=64;block_rows=32,num_warps=4"] \
         [--window_impls=cudnn,cudnn_plain,xla] [--json=out.json]
 
@@ -17,11 +17,12 @@ per chunk, memory chunks of 63 keys). `--pallas_configs` times "pallas" once per
 FLOPs per forward: 4 * positions * heads * top_k * chunk * head_dim (two products per
 retrieved chunk); the backward recomputes P and O' and adds four products (x2.5 the
 forward; 3.5x in all: the algorithm's count, whatever an implementation recomputes; the
-Pallas kernels run 9 products per retrieved chunk, i.e. 4.5x). "pallas_mosaic_fwd" times
-the Mosaic GPU forward alone (Hopper only; `pallas_kernels.gca.mosaic_forward`, not
-differentiable yet) with the same FLOP count, once per `--mosaic_stages` value; compare it
-with the "pallas" row's fwd ms (the Triton forward). Prints a table last; median of --iters
-calls.
+Pallas kernels run 9 products per retrieved chunk, i.e. 4.5x). Mosaic GPU rows
+(Hopper only), once per `--mosaic_stages` value: "pallas_mosaic_fwd" times the Mosaic
+forward alone (`pallas_kernels.gca.mosaic_forward`; compare with the "pallas" row's fwd ms,
+the Triton forward), "pallas_mosaic" the forward and gradients of `gca_attention_mosaic`
+(Mosaic forward and query-side backward, Triton memory-side backward). Prints a table
+last; median of --iters calls.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 from castle_jax.ops.attention.alibi import alibi_window_attention
 from castle_jax.ops.gca import gca_attention
 from pallas_kernels.gca import GcaKernelConfig
+from pallas_kernels.gca.mosaic_attention import gca_attention_mosaic
 from pallas_kernels.gca.mosaic_forward import gca_forward_mosaic
 from timing import error_text, median_ms, run_meta, time_forward_and_gradients, write_json
 
@@ -52,13 +54,19 @@ def gca_inputs(batch, tokens, heads, head_dim, chunk, top_k, dtype, seed):
   return q, chunk_k, chunk_v, weights, indices, cotangent
 
 
-def gca_row(impl, batch, tokens, heads, head_dim, chunk, top_k, dtype, iters, pallas_config=None, label=""):
+def gca_row(impl, batch, tokens, heads, head_dim, chunk, top_k, dtype, iters, pallas_config=None, label="",
+            mosaic_stages=None):
+  """impl: a `gca_attention` implementation, or "pallas_mosaic" (`gca_attention_mosaic` with
+  `mosaic_stages`)."""
   sets = [gca_inputs(batch, tokens, heads, head_dim, chunk, top_k, dtype, seed) for seed in range(2)]
   positions = sets[0][0].shape[1]
 
   indices = sets[0][4]  # not differentiated: one set of random retrievals for every call
 
   def fn(q, chunk_k, chunk_v, weights):
+    if impl == "pallas_mosaic":
+      return gca_attention_mosaic(q, chunk_k, chunk_v, weights, indices, scale=head_dim ** -0.5,
+                                  stages=mosaic_stages)
     return gca_attention(q, chunk_k, chunk_v, weights, indices, implementation=impl, pallas_config=pallas_config)
 
   timings = time_forward_and_gradients(fn, 4, [s[:4] + (s[5],) for s in sets], iters)
@@ -127,7 +135,7 @@ def main(argv=None) -> int:
                       help="';'-separated GcaKernelConfig fields as key=value, e.g. 'block_rows=64;num_stages=3': "
                            "one 'pallas' row each (default: the default config)")
   parser.add_argument("--mosaic_stages", default="2",
-                      help="comma-separated K/V ring depths of the 'pallas_mosaic_fwd' rows (one row each)")
+                      help="comma-separated K/V ring depths of the Mosaic rows (one row each)")
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--json", default=None)
@@ -136,6 +144,12 @@ def main(argv=None) -> int:
   rows = []
   for tokens in (int(x) for x in args.tokens.split(",")):
     for impl in args.impls.split(","):
+      if impl == "pallas_mosaic":
+        for stages in (int(x) for x in args.mosaic_stages.split(",")):
+          rows.append(gca_row(impl, args.batch, tokens, args.heads, args.head_dim, args.chunk, args.top_k, dtype,
+                              args.iters, label=f"[stages={stages}]", mosaic_stages=stages))
+          print(rows[-1], flush=True)
+        continue
       if impl == "pallas_mosaic_fwd":
         for stages in (int(x) for x in args.mosaic_stages.split(",")):
           try:
