@@ -18,7 +18,8 @@ FLOPs per forward: 4 * positions * heads * top_k * chunk * head_dim (two product
 retrieved chunk); the backward recomputes P and O' and adds four products (x2.5 the
 forward; 3.5x in all: the algorithm's count, whatever an implementation recomputes; the
 Pallas kernels run 9 products per retrieved chunk, i.e. 4.5x). Mosaic GPU rows
-(Hopper only), once per `--mosaic_stages` value: "pallas_mosaic_fwd" times the Mosaic
+(Hopper only), once per `--mosaic_stages` value (a ring depth, or "N+overlap" for the forward's
+overlapped schedule): "pallas_mosaic_fwd" times the Mosaic
 forward alone (`pallas_kernels.gca.mosaic_forward`; compare with the "pallas" row's fwd ms,
 the Triton forward), "pallas_mosaic" the forward and gradients of `gca_attention_mosaic`
 (Mosaic forward and query-side backward, Triton memory-side backward). Prints a table
@@ -55,9 +56,9 @@ def gca_inputs(batch, tokens, heads, head_dim, chunk, top_k, dtype, seed):
 
 
 def gca_row(impl, batch, tokens, heads, head_dim, chunk, top_k, dtype, iters, pallas_config=None, label="",
-            mosaic_stages=None):
+            mosaic_variant_text="2"):
   """impl: a `gca_attention` implementation, or "pallas_mosaic" (`gca_attention_mosaic` with
-  `mosaic_stages`)."""
+  `mosaic_variant_text`, a --mosaic_stages entry)."""
   sets = [gca_inputs(batch, tokens, heads, head_dim, chunk, top_k, dtype, seed) for seed in range(2)]
   positions = sets[0][0].shape[1]
 
@@ -65,8 +66,9 @@ def gca_row(impl, batch, tokens, heads, head_dim, chunk, top_k, dtype, iters, pa
 
   def fn(q, chunk_k, chunk_v, weights):
     if impl == "pallas_mosaic":
-      return gca_attention_mosaic(q, chunk_k, chunk_v, weights, indices, scale=head_dim ** -0.5,
-                                  stages=mosaic_stages)
+      stages, overlap = mosaic_variant(mosaic_variant_text)
+      return gca_attention_mosaic(q, chunk_k, chunk_v, weights, indices, scale=head_dim ** -0.5, stages=stages,
+                                  overlap=overlap)
     return gca_attention(q, chunk_k, chunk_v, weights, indices, implementation=impl, pallas_config=pallas_config)
 
   timings = time_forward_and_gradients(fn, 4, [s[:4] + (s[5],) for s in sets], iters)
@@ -78,18 +80,28 @@ def gca_row(impl, batch, tokens, heads, head_dim, chunk, top_k, dtype, iters, pa
   return row
 
 
-def mosaic_forward_row(batch, tokens, heads, head_dim, chunk, top_k, dtype, iters, stages):
+def mosaic_variant(text: str) -> tuple[int, bool]:
+  """'3' -> (3, False); '3+overlap' -> (3, True)."""
+  stages, _, schedule = text.partition("+")
+  if schedule not in ("", "overlap"):
+    raise ValueError(f"--mosaic_stages entries are N or N+overlap, got {text!r}")
+  return int(stages), schedule == "overlap"
+
+
+def mosaic_forward_row(batch, tokens, heads, head_dim, chunk, top_k, dtype, iters, variant):
   """The Mosaic GPU forward alone (output only: its log-normalizers' transpose is dead code here,
   as the Triton forward's log-normalizers are outside a gradient)."""
   sets = [gca_inputs(batch, tokens, heads, head_dim, chunk, top_k, dtype, seed) for seed in range(2)]
   positions = sets[0][0].shape[1]
   indices = sets[0][4]
   scale = head_dim ** -0.5
+  stages, overlap = mosaic_variant(variant)
   forward = jax.jit(lambda q, chunk_k, chunk_v, weights: gca_forward_mosaic(q, chunk_k, chunk_v, weights, indices,
-                                                                            scale=scale, stages=stages)[0])
+                                                                            scale=scale, stages=stages,
+                                                                            overlap=overlap)[0])
   fwd_ms = median_ms(forward, [s[:4] for s in sets], iters)
   flops = 4 * batch * positions * heads * top_k * chunk * head_dim
-  return {"impl": f"gca_pallas_mosaic_fwd[stages={stages}]", "tokens": tokens, "positions": positions,
+  return {"impl": f"gca_pallas_mosaic_fwd[{variant}]", "tokens": tokens, "positions": positions,
           "fwd_ms": fwd_ms, "fwd_gflop": flops / 1e9, "fwd_tflops": flops / fwd_ms / 1e9}
 
 
@@ -135,7 +147,8 @@ def main(argv=None) -> int:
                       help="';'-separated GcaKernelConfig fields as key=value, e.g. 'block_rows=64;num_stages=3': "
                            "one 'pallas' row each (default: the default config)")
   parser.add_argument("--mosaic_stages", default="2",
-                      help="comma-separated K/V ring depths of the Mosaic rows (one row each)")
+                      help="comma-separated K/V ring depths of the Mosaic rows, one row each; 'N+overlap' runs the "
+                           "forward's overlapped schedule (N >= 3), e.g. '2,3,3+overlap'")
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--json", default=None)
@@ -145,18 +158,18 @@ def main(argv=None) -> int:
   for tokens in (int(x) for x in args.tokens.split(",")):
     for impl in args.impls.split(","):
       if impl == "pallas_mosaic":
-        for stages in (int(x) for x in args.mosaic_stages.split(",")):
+        for variant in args.mosaic_stages.split(","):
           rows.append(gca_row(impl, args.batch, tokens, args.heads, args.head_dim, args.chunk, args.top_k, dtype,
-                              args.iters, label=f"[stages={stages}]", mosaic_stages=stages))
+                              args.iters, label=f"[{variant}]", mosaic_variant_text=variant))
           print(rows[-1], flush=True)
         continue
       if impl == "pallas_mosaic_fwd":
-        for stages in (int(x) for x in args.mosaic_stages.split(",")):
+        for variant in args.mosaic_stages.split(","):
           try:
             rows.append(mosaic_forward_row(args.batch, tokens, args.heads, args.head_dim, args.chunk, args.top_k,
-                                           dtype, args.iters, stages))
+                                           dtype, args.iters, variant))
           except Exception as e:  # report and go on
-            rows.append({"impl": f"gca_pallas_mosaic_fwd[stages={stages}]", "tokens": tokens, "error": error_text(e)})
+            rows.append({"impl": f"gca_pallas_mosaic_fwd[{variant}]", "tokens": tokens, "error": error_text(e)})
           print(rows[-1], flush=True)
         continue
       specs = args.pallas_configs.split(";") if impl == "pallas" and args.pallas_configs else [None]

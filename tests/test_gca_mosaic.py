@@ -148,19 +148,36 @@ def lower_for_hopper(function, args):
   return lowered.as_text(), allocations[-1]
 
 
-@pytest.mark.parametrize("head_dim, stages", [(64, 2), (64, 3), (128, 4)])
-def test_lowers_for_hopper_at_the_drt_shape(head_dim, stages):
+@pytest.mark.parametrize("head_dim, stages, overlap", [(64, 2, False), (64, 3, True), (128, 4, False),
+                                                       (128, 3, True)])
+def test_lowers_for_hopper_at_the_drt_shape(head_dim, stages, overlap):
   """The Mosaic GPU lowering (layouts, wgmma shapes incl. P from registers, TMA gathers) for
   an H100 at drt_128m's shape; the shared memory it allocates matches the module's estimate
   (plus the lowering's 2 KiB reduction scratch) and fits an H100 block."""
   queries, keys, values, weights, indices, _ = drt_padded_structs(**dict(DRT_128M, head_dim=head_dim))
   forward = lambda *a: mosaic_forward.forward(*a, chunk_len=DRT_128M["chunk_len"], scale=head_dim ** -0.5,
-                                              stages=stages)
+                                              stages=stages, overlap=overlap)
   text, shared_memory = lower_for_hopper(forward, (queries, keys, values, weights, indices))
   assert "mosaic_gpu" in text
   estimate = mosaic_forward.shared_memory_bytes(head_dim, DRT_128M["top_k"], jnp.bfloat16, stages)
   assert estimate <= shared_memory <= estimate + 4096, (shared_memory, estimate)
   assert shared_memory <= H100_SHARED_MEMORY
+
+
+def test_overlapped_schedule_matches_the_serial_one():
+  """overlap=True (P_j V_j in flight under the next slot's softmax, buffers released one slot
+  late) computes what the serial schedule does; k = 5 slots through 3 buffers exercises the
+  late refills."""
+  shape = dict(CASES["bf16"][0], top_k=5)
+  inputs = gca_inputs(1, **shape)
+  scale = shape["head_dim"] ** -0.5
+  overlapped = mosaic_forward.gca_forward_mosaic(*inputs, scale=scale, stages=3, overlap=True, interpret=True)
+  serial = mosaic_forward.gca_forward_mosaic(*inputs, scale=scale, stages=2, interpret=True)
+  for a, b in zip(overlapped, serial):
+    assert rel_err(a.astype(jnp.float32), b.astype(jnp.float32)) < 1e-6
+  inputs32 = tuple(x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in inputs)
+  reference = jax.jit(lambda *a: gca_attention(*a, implementation="xla"))(*inputs32)
+  assert rel_err(overlapped[0].astype(jnp.float32), reference) < 1e-2
 
 
 def _small(**changes):
@@ -179,6 +196,11 @@ def _small(**changes):
 def test_rejects_what_the_kernel_cannot_take(inputs, stages, message):
   with pytest.raises(ValueError, match=message):
     mosaic_forward.gca_forward_mosaic(*inputs, scale=0.125, stages=stages, interpret=True)
+
+
+def test_rejects_overlap_with_a_shallow_ring():
+  with pytest.raises(ValueError, match="overlap=True needs stages >= 3.*got stages=2"):
+    mosaic_forward.gca_forward_mosaic(*_small(), scale=0.125, stages=2, overlap=True, interpret=True)
 
 
 def test_forward_native_rejects_unpadded_rows():

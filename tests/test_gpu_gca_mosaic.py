@@ -4,12 +4,12 @@ Outputs against the XLA path computing in float32 with full-precision matmuls, a
 per-slot log-normalizers against the Triton forward's (same layout and units, so the
 Triton backward can consume them): the drt_128m shape (12 heads x 64, query chunks of 63
 tokens + a landmark = 64 positions, memory chunks of 63 keys, k = 8) in bf16 with the
-default ring and a deeper one, and grouped heads at head dim 128 with 65-position query
+default ring, a deeper one and the overlapped schedule, and grouped heads at head dim 128 with 65-position query
 chunks (two 64-row tiles each). Retrievals come from `select_chunks` over causal scores, as
 in DRT: the first query chunks have empty slots (weight 0, index 0) and early memory chunks
 are retrieved by many query chunks. The query-side backward (dQ, delta, dw) against the
 compiled Triton `kernels.backward_queries` on the same inputs and against autodiff of the
-XLA path.
+XLA path; `gca_attention_mosaic`'s output and four gradients against XLA autodiff.
 """
 
 import jax
@@ -18,9 +18,9 @@ import pytest
 
 from castle_jax.ops.gca import gca_attention, retrieval_scores, select_chunks
 from helpers import rel_err
-from pallas_kernels.gca import kernels
+from pallas_kernels.gca import kernels, mosaic_backward_queries, mosaic_forward
 from pallas_kernels.gca.config import default_config
-from pallas_kernels.gca import mosaic_backward_queries, mosaic_forward
+from pallas_kernels.gca.mosaic_attention import gca_attention_mosaic
 from pallas_kernels.gca.mosaic_forward import CHUNK_TILE, gca_forward_mosaic
 from pallas_kernels.gca.ops import tiling_for
 
@@ -66,17 +66,18 @@ def _triton_lse(inputs, shape):
 DRT_128M = dict(batch=2, query_chunks=64, query_len=64, heads=12, kv_heads=12, head_dim=64, chunk_len=63, top_k=8)
 
 
-@pytest.mark.parametrize("shape, stages", [
-    (DRT_128M, 2),
-    (DRT_128M, 3),
-    (dict(batch=1, query_chunks=32, query_len=65, heads=8, kv_heads=2, head_dim=128, chunk_len=64, top_k=4), 2),
+@pytest.mark.parametrize("shape, stages, overlap", [
+    (DRT_128M, 2, False),
+    (DRT_128M, 3, False),
+    (DRT_128M, 3, True),
+    (dict(batch=1, query_chunks=32, query_len=65, heads=8, kv_heads=2, head_dim=128, chunk_len=64, top_k=4), 2, False),
 ])
-def test_compiled_forward_matches_the_xla_path(shape, stages):
+def test_compiled_forward_matches_the_xla_path(shape, stages, overlap):
   if not _is_hopper():
     pytest.skip("the Mosaic GPU kernel needs a Hopper (sm_90) GPU")
   inputs = _inputs(0, **shape, dtype=jnp.bfloat16)
   scale = shape["head_dim"] ** -0.5
-  out, lse = jax.jit(lambda *a: gca_forward_mosaic(*a, scale=scale, stages=stages))(*inputs)
+  out, lse = jax.jit(lambda *a: gca_forward_mosaic(*a, scale=scale, stages=stages, overlap=overlap))(*inputs)
   inputs32 = tuple(x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in inputs)
   reference = jax.jit(lambda *a: gca_attention(*a, implementation="xla"))(*inputs32)
   assert out.dtype == jnp.bfloat16 and out.shape == inputs[0].shape
@@ -126,3 +127,25 @@ def test_compiled_backward_queries_matches_triton_and_xla(stages):
   ref_d_q, ref_d_w = grad(f32(q), inputs[3])
   assert rel_err(d_queries.reshape(q.shape), ref_d_q) < 1e-2
   assert rel_err(d_weights, ref_d_w) < 1e-2
+
+
+def test_compiled_differentiable_op_matches_xla_autodiff():
+  """`gca_attention_mosaic` (Mosaic forward and query-side backward, Triton memory-side
+  backward): output and the four gradients at the drt_128m shape."""
+  if not _is_hopper():
+    pytest.skip("the Mosaic GPU kernel needs a Hopper (sm_90) GPU")
+  inputs = _inputs(4, **DRT_128M, dtype=jnp.bfloat16)
+  *differentiable, indices = inputs
+  cotangent = jax.random.normal(jax.random.key(5), inputs[0].shape, jnp.float32)
+
+  def value_and_grads(attention, args):
+    loss = lambda *a: jnp.sum(attention(*a, indices).astype(jnp.float32) * cotangent)
+    return jax.jit(attention)(*args, indices), jax.jit(jax.grad(loss, argnums=range(4)))(*args)
+
+  scale = DRT_128M["head_dim"] ** -0.5
+  out, grads = value_and_grads(lambda *a: gca_attention_mosaic(*a, scale=scale), differentiable)
+  ref_out, ref_grads = value_and_grads(lambda *a: gca_attention(*a, implementation="xla"),
+                                       [x.astype(jnp.float32) for x in differentiable])
+  assert rel_err(out, ref_out) < 1e-2
+  for name, grad, ref in zip(("q", "chunk_k", "chunk_v", "chunk_weights"), grads, ref_grads):
+    assert rel_err(grad, ref) < 1e-2, (name, rel_err(grad, ref))

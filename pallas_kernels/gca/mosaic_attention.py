@@ -32,22 +32,23 @@ def _to_triton_layout(slot_rows):
   return slot_rows.transpose(0, 1, 3, 4, 2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _gca(queries, keys, values, weights, indices, chunk_len, scale, stages, interpreted):
-  return _gca_fwd(queries, keys, values, weights, indices, chunk_len, scale, stages, interpreted)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _gca(queries, keys, values, weights, indices, chunk_len, scale, stages, overlap, interpreted):
+  return _gca_fwd(queries, keys, values, weights, indices, chunk_len, scale, stages, overlap, interpreted)[0]
 
 
 def _interpret(interpreted: bool):
   return plgpu.InterpretGPUParams() if interpreted else None
 
 
-def _gca_fwd(queries, keys, values, weights, indices, chunk_len, scale, stages, interpreted):
+def _gca_fwd(queries, keys, values, weights, indices, chunk_len, scale, stages, overlap, interpreted):
   out, lse = forward_native(queries, keys, values, weights, indices, chunk_len=chunk_len, scale=scale, stages=stages,
-                            interpret=_interpret(interpreted))
+                            overlap=overlap, interpret=_interpret(interpreted))
   return out, (queries, keys, values, weights, indices, lse)
 
 
-def _gca_bwd(chunk_len, scale, stages, interpreted, residuals, d_out):
+def _gca_bwd(chunk_len, scale, stages, overlap, interpreted, residuals, d_out):
+  del overlap  # a forward schedule
   queries, keys, values, weights, indices, lse = residuals
   d_out = d_out.astype(queries.dtype)
   d_queries, row_dots = backward_queries_native(queries, keys, values, weights, indices, lse, d_out,
@@ -72,7 +73,7 @@ _gca.defvjp(_gca_fwd, _gca_bwd)
 
 def gca_attention_mosaic(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, chunk_weights: jax.Array,
                          chunk_indices: jax.Array, *, scale: float, stages: int = DEFAULT_STAGES,
-                         interpret: bool = False) -> jax.Array:
+                         overlap: bool = False, interpret: bool = False) -> jax.Array:
   """GCA through the Mosaic GPU kernels (Hopper), differentiable in q, chunk_k, chunk_v and
   chunk_weights.
 
@@ -84,6 +85,7 @@ def gca_attention_mosaic(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, c
       k] (out-of-range indices are clipped).
     scale: the score scale.
     stages: depth of the Mosaic kernels' K/V ring.
+    overlap: the forward's overlapped schedule (`mosaic_forward`; needs stages >= 3).
     interpret: run every kernel in its interpret mode (CPU; slow, for tests).
 
   Returns:
@@ -93,5 +95,5 @@ def gca_attention_mosaic(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, c
     ValueError: sizes or a dtype the kernels do not take (naming the argument).
   """
   padded = pad_inputs(q, chunk_k, chunk_v, chunk_weights, chunk_indices, stages=stages)
-  out = _gca(*padded.arrays, padded.chunk_len, float(scale), stages, bool(interpret))
+  out = _gca(*padded.arrays, padded.chunk_len, float(scale), stages, overlap, bool(interpret))
   return padded.unpad(out)

@@ -20,6 +20,12 @@ out += P_j V_j (wgmma with P from registers onto the running accumulator); once 
 products of a slot are done its ring buffer is refilled with slot j + stages. K and V
 have separate barriers, so the score product waits only for K.
 
+`overlap=True` (needs stages >= 3; `_overlapped_slots`) is the FA3-style variant within the
+warpgroup: S_{j+1} = Q K_{j+1}^T and P_j V_j are issued back to back and only S_{j+1} is
+waited for, so P_j V_j runs under slot j + 1's softmax; slot j's buffers are released one
+slot later. Whether it pays (ptxas may serialize wgmmas whose register operand is reused)
+is for the GPU benchmark to tell; the default is the serial schedule.
+
 Why no producer warpgroup (the FA3 / CASTLE-Mosaic style): a program does only k = 8
 slot steps and no two query tiles share retrieved chunks, so a producer would sit idle
 and give no reuse. The single-warpgroup program is small (at head dim 64, 2 stages:
@@ -52,6 +58,7 @@ import math
 
 import jax
 from jax import lax
+import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
@@ -70,7 +77,8 @@ LOG2_E = math.log2(math.e)
 
 def _forward_kernel(indices_ref, weights_ref, queries_ref, keys_ref, values_ref, out_ref, lse_ref,
                     query_smem, ring_buffers, lse_smem, probs_staging, query_barrier, *, heads: int, group: int,
-                    tiles_per_chunk: int, top_k: int, chunk_len: int, stages: int, scale: float, interpreted: bool):
+                    tiles_per_chunk: int, top_k: int, chunk_len: int, stages: int, overlap: bool, scale: float,
+                    interpreted: bool):
   """One program: one 64-row query tile of one (batch, head), all k slots."""
   program = Program.current(heads=heads, group=group, tiles_per_chunk=tiles_per_chunk)
   head_dim = query_smem.shape[-1]
@@ -82,12 +90,10 @@ def _forward_kernel(indices_ref, weights_ref, queries_ref, keys_ref, values_ref,
   ring.start()
   plgpu.barrier_wait(query_barrier)
   key_valid = key_mask(chunk_len)
-  score_unit = scale * LOG2_E
 
-  out = None
-  for slot in range(top_k):
-    scores = products([(query_smem, ring.keys(slot).T)], (TILE_ROWS, CHUNK_TILE)) * score_unit
-    scores = jnp.where(key_valid, scores, -jnp.inf)
+  def weighted_probabilities(slot: int, scores):
+    """softmax_1 of the slot's raw scores, times w_j (the P V product's operand); stores lse_j."""
+    scores = jnp.where(key_valid, scores * (scale * LOG2_E), -jnp.inf)
     top = jnp.maximum(scores.max(axis=1), 0.0)
     probs = jnp.exp2(scores - lax.broadcast_in_dim(top, scores.shape, [0]))
     total = jnp.exp2(-top) + probs.sum(axis=1)
@@ -95,9 +101,17 @@ def _forward_kernel(indices_ref, weights_ref, queries_ref, keys_ref, values_ref,
     # w_j / l_j folded into P before the product, so that it accumulates in place.
     row_weight = weights[slot] / total
     probs = probs * lax.broadcast_in_dim(row_weight, probs.shape, [0])
-    probs = _register_operand(probs.astype(dtype), probs_staging)
-    out = products([(probs, ring.values(slot))], (TILE_ROWS, head_dim), init=out, init_in_place=not interpreted)
-    ring.release(slot)
+    return _register_operand(probs.astype(dtype), probs_staging)
+
+  if overlap:
+    out = _overlapped_slots(ring, query_smem, weighted_probabilities, top_k=top_k, head_dim=head_dim)
+  else:
+    out = None
+    for slot in range(top_k):
+      scores = products([(query_smem, ring.keys(slot).T)], (TILE_ROWS, CHUNK_TILE))
+      probs = weighted_probabilities(slot, scores)
+      out = products([(probs, ring.values(slot))], (TILE_ROWS, head_dim), init=out, init_in_place=not interpreted)
+      ring.release(slot)
 
   # The query tile is dead after the last score product: it stages the output.
   query_smem[...] = out.astype(dtype)
@@ -107,6 +121,41 @@ def _forward_kernel(indices_ref, weights_ref, queries_ref, keys_ref, values_ref,
   plgpu.wait_smem_to_gmem(0)
 
 
+def _overlapped_slots(ring: KeyValueRing, query_smem, weighted_probabilities, *, top_k: int, head_dim: int):
+  """The slots with the products of neighbouring slots in flight together: S_{j+1} = Q K_{j+1}^T
+  and P_j V_j are issued back to back and only S_{j+1} is waited for, so P_j V_j runs under
+  the softmax of slot j + 1. The output accumulator lives across all slots. Slot j's ring
+  buffers are released one slot later (once P_j V_j is known to be done), hence stages >= 3."""
+  def sweep(out_acc):
+    scores = products([(query_smem, ring.keys(0).T)], (TILE_ROWS, CHUNK_TILE))
+    for slot in range(top_k):
+      probs = weighted_probabilities(slot, scores)
+      values = ring.values(slot)
+      if slot + 1 == top_k:
+        plgpu.wgmma(out_acc, probs, values)
+        break
+      next_keys = ring.keys(slot + 1)
+
+      def issue(scores_acc):
+        plgpu.wgmma(scores_acc, query_smem, next_keys.T)
+        plgpu.wgmma(out_acc, probs, values)
+        # Commit groups complete in order: S_{j+1} and everything before P_j V_j are done.
+        return plgpu.wgmma_accumulator_load(scores_acc, wait_n=1)
+      scores = pl.run_scoped(issue, plgpu.ACC((TILE_ROWS, CHUNK_TILE), jnp.float32))
+      if slot >= 1:
+        ring.release(slot - 1)
+    return out_acc[...]
+  return pl.run_scoped(sweep, plgpu.ACC((TILE_ROWS, head_dim), jnp.float32))
+
+
+def _check_overlap(overlap: bool, stages: int):
+  if not isinstance(overlap, bool):
+    raise ValueError(f"overlap must be a bool, got {overlap!r}")
+  if overlap and stages < 3:
+    raise ValueError(f"overlap=True needs stages >= 3 (a slot's ring buffers are released one slot late), got "
+                     f"stages={stages}; pass stages=3 or overlap=False")
+
+
 def shared_memory_bytes(head_dim: int, top_k: int, dtype, stages: int = DEFAULT_STAGES) -> int:
   """Shared memory of one program's buffers (the lowering adds barriers and alignment)."""
   query_tile = TILE_ROWS * head_dim * jnp.dtype(dtype).itemsize
@@ -114,7 +163,7 @@ def shared_memory_bytes(head_dim: int, top_k: int, dtype, stages: int = DEFAULT_
 
 
 def forward_native(queries, keys, values, weights, indices, *, chunk_len: int, scale: float,
-                   stages: int = DEFAULT_STAGES, interpret=None):
+                   stages: int = DEFAULT_STAGES, overlap: bool = False, interpret=None):
   """The kernel on padded arrays, log-normalizers in the kernel's own layout.
 
   Args:
@@ -127,6 +176,8 @@ def forward_native(queries, keys, values, weights, indices, *, chunk_len: int, s
     chunk_len: real keys per memory chunk (the rest are masked out).
     scale: the score scale.
     stages: depth of the K/V ring.
+    overlap: keep P_j V_j in flight under slot j + 1's softmax (`_overlapped_slots`);
+      needs stages >= 3.
     interpret: None, or `plgpu.InterpretGPUParams` to run in GPU interpret mode.
 
   Returns:
@@ -134,6 +185,7 @@ def forward_native(queries, keys, values, weights, indices, *, chunk_len: int, s
     log-normalizers in base-2 score units (as `kernels.forward`'s).
   """
   check_padded(queries, keys, values, chunk_len=chunk_len, stages=stages)
+  _check_overlap(overlap, stages)
   batch, query_chunks, query_rows, heads, head_dim = queries.shape
   kv_heads = keys.shape[3]
   top_k = indices.shape[-1]
@@ -148,7 +200,7 @@ def forward_native(queries, keys, values, weights, indices, *, chunk_len: int, s
   ]
   kernel = functools.partial(_forward_kernel, heads=heads, group=heads // kv_heads,
                              tiles_per_chunk=query_rows // TILE_ROWS, top_k=top_k, chunk_len=chunk_len, stages=stages,
-                             scale=float(scale), interpreted=interpreted)
+                             overlap=overlap, scale=float(scale), interpreted=interpreted)
   out_type = (jax.ShapeDtypeStruct(queries.shape, dtype),
               jax.ShapeDtypeStruct((batch, query_chunks, heads, top_k, query_rows), jnp.float32))
   return launch(kernel, out_type, scratch, batch=batch, heads=heads, query_chunks=query_chunks, query_rows=query_rows,
@@ -156,17 +208,17 @@ def forward_native(queries, keys, values, weights, indices, *, chunk_len: int, s
 
 
 def forward(queries, keys, values, weights, indices, *, chunk_len: int, scale: float,
-            stages: int = DEFAULT_STAGES, interpret=None):
+            stages: int = DEFAULT_STAGES, overlap: bool = False, interpret=None):
   """`forward_native` with the log-normalizers in `kernels.forward`'s layout
   [batch, query_chunks, k, query_rows, heads] (one XLA transpose)."""
   out, lse = forward_native(queries, keys, values, weights, indices, chunk_len=chunk_len, scale=scale, stages=stages,
-                            interpret=interpret)
+                            overlap=overlap, interpret=interpret)
   return out, lse.transpose(0, 1, 3, 4, 2)
 
 
 def gca_forward_mosaic(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, chunk_weights: jax.Array,
                        chunk_indices: jax.Array, *, scale: float, stages: int = DEFAULT_STAGES,
-                       interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                       overlap: bool = False, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """GCA forward through the Mosaic GPU kernel (Hopper), in the GCA entry point's layout.
   Not differentiable (forward only).
 
@@ -179,6 +231,7 @@ def gca_forward_mosaic(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, chu
       k] (out-of-range indices are clipped).
     scale: the score scale.
     stages: depth of the kernel's K/V ring.
+    overlap: the overlapped schedule (`_overlapped_slots`; needs stages >= 3).
     interpret: run in Pallas GPU interpret mode (CPU; slow, for tests).
 
   Returns:
@@ -190,6 +243,6 @@ def gca_forward_mosaic(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, chu
     ValueError: sizes or a dtype the kernel does not take (naming the argument).
   """
   padded = pad_inputs(q, chunk_k, chunk_v, chunk_weights, chunk_indices, stages=stages)
-  out, lse = forward(*padded.arrays, chunk_len=padded.chunk_len, scale=scale, stages=stages,
+  out, lse = forward(*padded.arrays, chunk_len=padded.chunk_len, scale=scale, stages=stages, overlap=overlap,
                      interpret=plgpu.InterpretGPUParams() if interpret else None)
   return padded.unpad(out), lse
