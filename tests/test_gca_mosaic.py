@@ -8,7 +8,7 @@ forward's (the same layout and base-2 units, which its backward consumes). Retri
 include one chunk twice in a query chunk's slots, a chunk every query chunk reads, an empty
 slot (weight 0) and an out-of-range index (clipped); shapes include grouped heads, a query
 chunk of two 64-row tiles (65 rows, zero-padded), head dim 128, a ring shallower than k
-(buffers refilled) and float16. Interpret mode differs from the GPU in two places (module
+(buffers refilled) and float16; the overlapped schedule against the serial one. Interpret mode differs from the GPU in two places (module
 docstring of `mosaic_forward`); the lowering test covers the GPU variant, and measures the
 shared memory the lowering allocates at the drt_128m shape.
 """

@@ -29,11 +29,11 @@ is for the GPU benchmark to tell; the default is the serial schedule.
 Why no producer warpgroup (the FA3 / CASTLE-Mosaic style): a program does only k = 8
 slot steps and no two query tiles share retrieved chunks, so a producer would sit idle
 and give no reuse. The single-warpgroup program is small (at head dim 64, 2 stages:
-~42 KiB of shared memory, ~100-130 registers per thread), so several programs share an
+44 KiB of shared memory as the lowering allocates, ~100-130 registers per thread), so several programs share an
 SM and one program's softmax runs under another's products; that is what hides the
 latency. The grid's last axis (fastest in launch order) is the query tile, so the
-programs in flight at once share one (batch, head): its whole memory (16 MiB at 1024
-chunks x 64 keys x 64 x bf16 for K and V) stays in L2 while it is read by many query
+programs in flight at once share one (batch, head): its whole memory (17 MiB at 64K
+tokens: 1040 chunks x 64 keys x 64 x bf16 for K and V) stays in L2 while it is read by many query
 tiles. Row maxima and sums reduce along a WGMMA tile's rows, within a warp: no
 cross-warp reduction, so the shared-scratch race of the CASTLE warp-specialized kernel
 (docs/castle_mosaic.md) cannot arise here.
@@ -47,8 +47,9 @@ contiguous, one TMA store); `forward` transposes them to the Triton kernels' lay
 GPU interpret mode (CPU) runs the same code except in two places, each a helper shared
 with the CASTLE Mosaic kernels: the register operand P goes through shared memory
 (`_register_operand`), and the slot's product is added to the accumulator after the wgmma
-instead of accumulated in place (`products(init_in_place=False)`). The H100 lowering test
-covers the GPU variant.
+instead of accumulated in place (`products(init_in_place=False)`); the overlapped schedule
+accumulates into one zero-initialized accumulator in both, and interpret mode runs its
+wgmmas synchronously. The H100 lowering test covers the GPU variant.
 """
 
 from __future__ import annotations
