@@ -5,12 +5,13 @@ Outputs against the XLA path in float32 (an independent implementation) and agai
 Triton forward in interpret mode; the per-slot log-normalizers against a direct float32
 log-sum-exp over each slot's scores with the implicit zero logit, and against the Triton
 forward's (the same layout and base-2 units, which its backward consumes). Retrievals
-include one chunk twice in a query chunk's slots, a chunk every query chunk reads, an empty
-slot (weight 0) and an out-of-range index (clipped); shapes include grouped heads, a query
-chunk of two 64-row tiles (65 rows, zero-padded), head dim 128, a ring shallower than k
-(buffers refilled) and float16; the overlapped schedule against the serial one. Interpret mode differs from the GPU in two places (module
-docstring of `mosaic_forward`); the lowering test covers the GPU variant, and measures the
-shared memory the lowering allocates at the drt_128m shape.
+include one chunk twice in a query chunk's slots, a chunk every query chunk reads, an
+empty slot (weight 0) and an out-of-range index (clipped); shapes include grouped heads, a
+query chunk of two 64-row tiles (65 rows, zero-padded), head dim 128, a ring shallower
+than k (buffers refilled) and float16; the overlapped schedule against the serial one.
+Interpret mode differs from the GPU in two places (module docstring of `mosaic_forward`);
+the lowering test covers the GPU variant, and measures the shared memory the lowering
+allocates at the drt_128m shape.
 """
 
 import math

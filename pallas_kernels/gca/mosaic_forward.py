@@ -26,15 +26,15 @@ waited for, so P_j V_j runs under slot j + 1's softmax; slot j's buffers are rel
 slot later. Whether it pays (ptxas may serialize wgmmas whose register operand is reused)
 is for the GPU benchmark to tell; the default is the serial schedule.
 
-Why no producer warpgroup (the FA3 / CASTLE-Mosaic style): a program does only k = 8
-slot steps and no two query tiles share retrieved chunks, so a producer would sit idle
-and give no reuse. The single-warpgroup program is small (at head dim 64, 2 stages:
-44 KiB of shared memory as the lowering allocates, ~100-130 registers per thread), so several programs share an
-SM and one program's softmax runs under another's products; that is what hides the
-latency. The grid's last axis (fastest in launch order) is the query tile, so the
-programs in flight at once share one (batch, head): its whole memory (17 MiB at 64K
-tokens: 1040 chunks x 64 keys x 64 x bf16 for K and V) stays in L2 while it is read by many query
-tiles. Row maxima and sums reduce along a WGMMA tile's rows, within a warp: no
+Why no producer warpgroup (the FA3 / CASTLE-Mosaic style): a program does only k = 8 slot
+steps and no two query tiles share retrieved chunks, so a producer would sit idle and give
+no reuse. The single-warpgroup program is small (at head dim 64, 2 stages: 44 KiB of
+shared memory as the lowering allocates, ~100-130 registers per thread), so several
+programs share an SM and one program's softmax runs under another's products; that is what
+hides the latency. The grid's last axis (fastest in launch order) is the query tile, so
+the programs in flight at once share one (batch, head): its whole memory (17 MiB at 64K
+tokens: 1040 chunks x 64 keys x 64 x bf16 for K and V) stays in L2 while it is read by
+many query tiles. Row maxima and sums reduce along a WGMMA tile's rows, within a warp: no
 cross-warp reduction, so the shared-scratch race of the CASTLE warp-specialized kernel
 (docs/castle_mosaic.md) cannot arise here.
 
