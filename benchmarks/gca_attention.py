@@ -2,7 +2,7 @@
 sliding-window ALiBi self-attention over the same tokens.
 
     python benchmarks/gca_attention.py [--tokens=16384,65536] [--batch=4] [--heads=12] \
-        [--head_dim=64] [--chunk=64] [--top_k=8] [--impls=xla,pallas,reference] \
+        [--head_dim=64] [--chunk=64] [--top_k=8] [--impls=xla,pallas,reference,pallas_mosaic_fwd,pallas_mosaic] \
         [--pallas_configs="block_rows=64;block_rows=32,num_warps=4"] \
         [--window_impls=cudnn,cudnn_plain,xla] [--json=out.json]
 
@@ -17,8 +17,13 @@ per chunk, memory chunks of 63 keys). `--pallas_configs` times "pallas" once per
 FLOPs per forward: 4 * positions * heads * top_k * chunk * head_dim (two products per
 retrieved chunk); the backward recomputes P and O' and adds four products (x2.5 the
 forward; 3.5x in all: the algorithm's count, whatever an implementation recomputes; the
-Pallas kernels run 9 products per retrieved chunk, i.e. 4.5x). Prints a table last;
-median of --iters calls.
+Pallas kernels run 9 products per retrieved chunk, i.e. 4.5x). Mosaic GPU rows
+(Hopper only), once per `--mosaic_stages` value (a ring depth, or "N+overlap" for the forward's
+overlapped schedule): "pallas_mosaic_fwd" times the Mosaic
+forward alone (`pallas_kernels.gca.mosaic_forward`; compare with the "pallas" row's fwd ms,
+the Triton forward), "pallas_mosaic" the forward and gradients of `gca_attention_mosaic`
+(Mosaic forward and query-side backward, Triton memory-side backward). Prints a table
+last; median of --iters calls.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ import jax.numpy as jnp
 from castle_jax.ops.attention.alibi import alibi_window_attention
 from castle_jax.ops.gca import gca_attention
 from pallas_kernels.gca import GcaKernelConfig
-from timing import error_text, run_meta, time_forward_and_gradients, write_json
+from pallas_kernels.gca.mosaic_attention import gca_attention_mosaic
+from pallas_kernels.gca.mosaic_forward import gca_forward_mosaic
+from timing import error_text, median_ms, run_meta, time_forward_and_gradients, write_json
 
 
 def gca_inputs(batch, tokens, heads, head_dim, chunk, top_k, dtype, seed):
@@ -48,13 +55,20 @@ def gca_inputs(batch, tokens, heads, head_dim, chunk, top_k, dtype, seed):
   return q, chunk_k, chunk_v, weights, indices, cotangent
 
 
-def gca_row(impl, batch, tokens, heads, head_dim, chunk, top_k, dtype, iters, pallas_config=None, label=""):
+def gca_row(impl, batch, tokens, heads, head_dim, chunk, top_k, dtype, iters, pallas_config=None, label="",
+            mosaic_variant_text="2"):
+  """impl: a `gca_attention` implementation, or "pallas_mosaic" (`gca_attention_mosaic` with
+  `mosaic_variant_text`, a --mosaic_stages entry)."""
   sets = [gca_inputs(batch, tokens, heads, head_dim, chunk, top_k, dtype, seed) for seed in range(2)]
   positions = sets[0][0].shape[1]
 
   indices = sets[0][4]  # not differentiated: one set of random retrievals for every call
 
   def fn(q, chunk_k, chunk_v, weights):
+    if impl == "pallas_mosaic":
+      stages, overlap = mosaic_variant(mosaic_variant_text)
+      return gca_attention_mosaic(q, chunk_k, chunk_v, weights, indices, scale=head_dim ** -0.5, stages=stages,
+                                  overlap=overlap)
     return gca_attention(q, chunk_k, chunk_v, weights, indices, implementation=impl, pallas_config=pallas_config)
 
   timings = time_forward_and_gradients(fn, 4, [s[:4] + (s[5],) for s in sets], iters)
@@ -64,6 +78,31 @@ def gca_row(impl, batch, tokens, heads, head_dim, chunk, top_k, dtype, iters, pa
     row["fwd_tflops"] = flops / timings["fwd_ms"] / 1e9
     row["fwd_bwd_tflops"] = 3.5 * flops / timings["fwd_bwd_ms"] / 1e9
   return row
+
+
+def mosaic_variant(text: str) -> tuple[int, bool]:
+  """'3' -> (3, False); '3+overlap' -> (3, True)."""
+  stages, _, schedule = text.partition("+")
+  if schedule not in ("", "overlap"):
+    raise ValueError(f"--mosaic_stages entries are N or N+overlap, got {text!r}")
+  return int(stages), schedule == "overlap"
+
+
+def mosaic_forward_row(batch, tokens, heads, head_dim, chunk, top_k, dtype, iters, variant):
+  """The Mosaic GPU forward alone (output only: its log-normalizers' transpose is dead code here,
+  as the Triton forward's log-normalizers are outside a gradient)."""
+  sets = [gca_inputs(batch, tokens, heads, head_dim, chunk, top_k, dtype, seed) for seed in range(2)]
+  positions = sets[0][0].shape[1]
+  indices = sets[0][4]
+  scale = head_dim ** -0.5
+  stages, overlap = mosaic_variant(variant)
+  forward = jax.jit(lambda q, chunk_k, chunk_v, weights: gca_forward_mosaic(q, chunk_k, chunk_v, weights, indices,
+                                                                            scale=scale, stages=stages,
+                                                                            overlap=overlap)[0])
+  fwd_ms = median_ms(forward, [s[:4] for s in sets], iters)
+  flops = 4 * batch * positions * heads * top_k * chunk * head_dim
+  return {"impl": f"gca_pallas_mosaic_fwd[{variant}]", "tokens": tokens, "positions": positions,
+          "fwd_ms": fwd_ms, "fwd_gflop": flops / 1e9, "fwd_tflops": flops / fwd_ms / 1e9}
 
 
 def window_row(impl, batch, tokens, heads, head_dim, chunk, window, dtype, iters):
@@ -107,6 +146,9 @@ def main(argv=None) -> int:
   parser.add_argument("--pallas_configs", default="",
                       help="';'-separated GcaKernelConfig fields as key=value, e.g. 'block_rows=64;num_stages=3': "
                            "one 'pallas' row each (default: the default config)")
+  parser.add_argument("--mosaic_stages", default="2",
+                      help="comma-separated K/V ring depths of the Mosaic rows, one row each; 'N+overlap' runs the "
+                           "forward's overlapped schedule (N >= 3), e.g. '2,3,3+overlap'")
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--json", default=None)
@@ -115,6 +157,21 @@ def main(argv=None) -> int:
   rows = []
   for tokens in (int(x) for x in args.tokens.split(",")):
     for impl in args.impls.split(","):
+      if impl == "pallas_mosaic":
+        for variant in args.mosaic_stages.split(","):
+          rows.append(gca_row(impl, args.batch, tokens, args.heads, args.head_dim, args.chunk, args.top_k, dtype,
+                              args.iters, label=f"[{variant}]", mosaic_variant_text=variant))
+          print(rows[-1], flush=True)
+        continue
+      if impl == "pallas_mosaic_fwd":
+        for variant in args.mosaic_stages.split(","):
+          try:
+            rows.append(mosaic_forward_row(args.batch, tokens, args.heads, args.head_dim, args.chunk, args.top_k,
+                                           dtype, args.iters, variant))
+          except Exception as e:  # report and go on
+            rows.append({"impl": f"gca_pallas_mosaic_fwd[{variant}]", "tokens": tokens, "error": error_text(e)})
+          print(rows[-1], flush=True)
+        continue
       specs = args.pallas_configs.split(";") if impl == "pallas" and args.pallas_configs else [None]
       for spec in specs:
         config = GcaKernelConfig.from_string(spec) if spec else None
@@ -137,9 +194,12 @@ def main(argv=None) -> int:
     if "error" in r:
       print(f"| {r['impl']} | {r['tokens']} | {r['error']} |")
       continue
-    rates = (f"{r['fwd_tflops']:.1f} / {r['fwd_bwd_tflops']:.1f}" if "fwd_tflops" in r else "-")
-    print(f"| {r['impl']} | {r['tokens']} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | {rates} | "
-          f"{r['peak_gib']:.2f} |")
+    rates = "-"
+    if "fwd_tflops" in r:
+      rates = f"{r['fwd_tflops']:.1f} / " + (f"{r['fwd_bwd_tflops']:.1f}" if "fwd_bwd_tflops" in r else "-")
+    fwd_bwd = f"{r['fwd_bwd_ms']:.2f}" if "fwd_bwd_ms" in r else "-"
+    peak = f"{r['peak_gib']:.2f}" if r.get("peak_gib") is not None else "-"
+    print(f"| {r['impl']} | {r['tokens']} | {r['fwd_ms']:.2f} | {fwd_bwd} | {rates} | {peak} |")
   return 0
 
 

@@ -1,0 +1,209 @@
+"""What the GCA Mosaic GPU kernels share: sizes and input checks, the program's coordinates,
+the ring of gathered K/V tiles, and the launch.
+
+Both kernels (`mosaic_forward`, `mosaic_backward_queries`) run one program per
+(batch * head, 64-row query tile), one warpgroup, the grid's last axis (launched fastest)
+the query tile, and stream the k retrieved chunks' K and V tiles through a ring of
+shared-memory buffers, each tile gathered by TMA straight from the whole memory by its
+index. The slots are unrolled (k is small, 8 in DRT), so ring buffers and per-slot rows
+are picked statically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+# Shared with the CASTLE Mosaic kernels: the TMA/wgmma shared-memory layout.
+from pallas_kernels.castle.mosaic_forward import _operand_smem
+
+TILE_ROWS = 64             # query rows per program: one warpgroup's wgmma rows
+CHUNK_TILE = 64            # keys per memory-chunk tile (chunks padded to it)
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
+DEFAULT_STAGES = 2
+
+
+def unsupported_reason(*, head_dim: int, chunk_len: int, query_rows: int, heads: int, kv_heads: int, dtype,
+                       stages: int = DEFAULT_STAGES) -> str | None:
+  """Why the Mosaic kernels cannot take inputs of these sizes (naming the argument and the
+  fix), or None. `query_rows` are the (padded) rows per query chunk the kernels see."""
+  if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+    return (f"the GCA Mosaic kernels take q in {[jnp.dtype(d).name for d in SUPPORTED_DTYPES]} (wgmma's 16-bit "
+            f"operands), got dtype {jnp.dtype(dtype).name}; cast q, chunk_k and chunk_v or use the Triton kernels "
+            "(gca_attention_pallas)")
+  if head_dim not in SUPPORTED_HEAD_DIMS:
+    return (f"the GCA Mosaic kernels take head_dim in {SUPPORTED_HEAD_DIMS} (last axis of q), got {head_dim}; use "
+            "the Triton kernels (gca_attention_pallas)")
+  if not 1 <= chunk_len <= CHUNK_TILE:
+    return (f"the GCA Mosaic kernels take memory chunks of 1..{CHUNK_TILE} keys (chunk_len, axis 2 of chunk_k), "
+            f"got {chunk_len}; use the Triton kernels (gca_attention_pallas)")
+  if query_rows % TILE_ROWS:
+    return (f"the GCA Mosaic kernels need query chunks padded to a multiple of {TILE_ROWS} rows (query_rows), got "
+            f"{query_rows}; pad them (gca_forward_mosaic does)")
+  if kv_heads < 1 or heads % kv_heads:
+    return f"heads ({heads}) must be a multiple of kv_heads ({kv_heads}, axis 3 of chunk_k)"
+  if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+    return f"stages must be an int >= 1 (ring depth of K/V tiles), got {stages!r}"
+  return None
+
+
+def check_padded(queries, keys, values, *, chunk_len: int, stages: int):
+  """ValueError unless the kernels can take these padded arrays (see `unsupported_reason`)."""
+  _, _, query_rows, heads, head_dim = queries.shape
+  padded_chunk_len, kv_heads = keys.shape[2:4]
+  reason = unsupported_reason(head_dim=head_dim, chunk_len=chunk_len, query_rows=query_rows, heads=heads,
+                              kv_heads=kv_heads, dtype=queries.dtype, stages=stages)
+  if reason:
+    raise ValueError(reason)
+  if padded_chunk_len != CHUNK_TILE or keys.shape != values.shape or keys.dtype != queries.dtype:
+    raise ValueError(f"keys and values must be [batch, memory_chunks, {CHUNK_TILE}, kv_heads, head_dim] in queries' "
+                     f"dtype {queries.dtype}, got {keys.shape} {keys.dtype} and {values.shape} {values.dtype}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddedInputs:
+  """The kernels' padded arrays (`arrays`: queries [batch, query_chunks, query_rows, heads,
+  head_dim], keys and values [batch, memory_chunks, 64, kv_heads, head_dim], float32 weights,
+  int32 indices clipped into range) and what undoes the padding."""
+  arrays: tuple
+  query_len: int
+  chunk_len: int
+
+  def unpad(self, rows):
+    """[batch, query_chunks, query_rows, heads, X] -> [batch, seq, heads, X]."""
+    batch, query_chunks, _, heads, width = rows.shape
+    return rows[:, :, :self.query_len].reshape(batch, query_chunks * self.query_len, heads, width)
+
+
+def pad_inputs(q, chunk_k, chunk_v, chunk_weights, chunk_indices, *, stages: int) -> PaddedInputs:
+  """Checks the GCA entry point's inputs and pads them for the kernels: each query chunk to a
+  multiple of 64 rows (zero rows), each memory chunk to 64 keys (zero keys, masked out).
+
+  Raises:
+    ValueError: sizes or a dtype the kernels do not take (naming the argument).
+  """
+  batch, seq, heads, head_dim = q.shape
+  memory_chunks, chunk_len, kv_heads = chunk_k.shape[1:4]
+  query_chunks = chunk_indices.shape[1]
+  if chunk_k.dtype != q.dtype or chunk_v.shape != chunk_k.shape or chunk_v.dtype != q.dtype:
+    raise ValueError(f"chunk_k and chunk_v must have one shape and q's dtype {q.dtype}; got {chunk_k.shape} "
+                     f"{chunk_k.dtype} and {chunk_v.shape} {chunk_v.dtype}")
+  if seq % query_chunks:
+    raise ValueError(f"q's seq ({seq}) must be query_chunks ({query_chunks}, axis 1 of chunk_indices) times the "
+                     "query chunk length")
+  query_len = seq // query_chunks
+  query_rows = -(-query_len // TILE_ROWS) * TILE_ROWS
+  reason = unsupported_reason(head_dim=head_dim, chunk_len=chunk_len, query_rows=query_rows, heads=heads,
+                              kv_heads=kv_heads, dtype=q.dtype, stages=stages)
+  if reason:
+    raise ValueError(reason)
+  queries = q.reshape(batch, query_chunks, query_len, heads, head_dim)
+  queries = jnp.pad(queries, ((0, 0), (0, 0), (0, query_rows - query_len), (0, 0), (0, 0)))
+  key_padding = ((0, 0), (0, 0), (0, CHUNK_TILE - chunk_len), (0, 0), (0, 0))
+  keys, values = jnp.pad(chunk_k, key_padding), jnp.pad(chunk_v, key_padding)
+  indices = jnp.clip(chunk_indices.astype(jnp.int32), 0, memory_chunks - 1)
+  return PaddedInputs((queries, keys, values, chunk_weights.astype(jnp.float32), indices), query_len, chunk_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """The program's coordinates: batch, head, kv head, query chunk, and its rows in the chunk."""
+  batch: jax.Array
+  head: jax.Array
+  kv_head: jax.Array
+  chunk: jax.Array
+  rows: pl.Slice
+
+  @classmethod
+  def current(cls, *, heads: int, group: int, tiles_per_chunk: int) -> "Program":
+    batch_head = lax.axis_index("batch_head")
+    query_tile = lax.axis_index("query_tile")
+    head = lax.rem(batch_head, heads)
+    return cls(batch=lax.div(batch_head, heads), head=head, kv_head=lax.div(head, group),
+               chunk=lax.div(query_tile, tiles_per_chunk),
+               rows=pl.ds(lax.rem(query_tile, tiles_per_chunk) * TILE_ROWS, TILE_ROWS))
+
+  def query_rows(self, ref):
+    """This program's [64, head_dim] tile of a [batch, query_chunks, query_rows, heads, head_dim] ref."""
+    return ref.at[self.batch, self.chunk, self.rows, self.head]
+
+  def slot_rows(self, ref):
+    """This program's [k, 64] block of a [batch, query_chunks, heads, k, query_rows] ref."""
+    return ref.at[self.batch, self.chunk, self.head, :, self.rows]
+
+
+class KeyValueRing:
+  """The retrieved chunks' K and V tiles through `stages` shared-memory buffers each.
+
+  `start()` issues the first `stages` slots' copies; `keys(slot)` / `values(slot)` wait for
+  a slot's tile and return its buffer; `release(slot)` (once both of the slot's products
+  are done) refills the slot's buffers with slot + stages. Every slot's index is read at
+  construction, so the global-memory latencies overlap and no copy waits on one.
+  """
+
+  def __init__(self, program: Program, indices_ref, keys_ref, values_ref, buffers, *, top_k: int, stages: int):
+    self.program, self.keys_ref, self.values_ref = program, keys_ref, values_ref
+    self.key_buffers, self.value_buffers, self.key_barriers, self.value_barriers = buffers
+    self.top_k, self.stages = top_k, stages
+    self.indices = [indices_ref[program.batch, program.chunk, slot] for slot in range(top_k)]
+
+  def _load(self, slot: int):
+    stage = slot % self.stages
+    source = (self.program.batch, self.indices[slot], slice(None), self.program.kv_head)
+    plgpu.copy_gmem_to_smem(self.keys_ref.at[source], self.key_buffers[stage], self.key_barriers.at[stage])
+    plgpu.copy_gmem_to_smem(self.values_ref.at[source], self.value_buffers[stage], self.value_barriers.at[stage])
+
+  def start(self):
+    for slot in range(min(self.stages, self.top_k)):
+      self._load(slot)
+
+  def keys(self, slot: int):
+    plgpu.barrier_wait(self.key_barriers.at[slot % self.stages])
+    return self.key_buffers[slot % self.stages]
+
+  def values(self, slot: int):
+    plgpu.barrier_wait(self.value_barriers.at[slot % self.stages])
+    return self.value_buffers[slot % self.stages]
+
+  def release(self, slot: int):
+    if slot + self.stages < self.top_k:
+      self._load(slot + self.stages)
+
+
+def ring_scratch(stages: int, head_dim: int, dtype):
+  """Shared memory and barriers of a `KeyValueRing`: (key buffers, value buffers, key
+  barriers, value barriers). The buffers are separate refs, not one [stages, ...] buffer: a
+  static index into one buffer does not lower inside a preinitialized accumulator's scope."""
+  buffers = lambda: tuple(_operand_smem((CHUNK_TILE, head_dim), dtype) for _ in range(stages))
+  return (buffers(), buffers(), plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+          plgpu.Barrier(num_arrivals=1, num_barriers=stages))
+
+
+def ring_bytes(stages: int, head_dim: int, dtype) -> int:
+  return 2 * stages * CHUNK_TILE * head_dim * jnp.dtype(dtype).itemsize
+
+
+def key_mask(chunk_len: int):
+  """bool [64, 64] in the WGMMA layout: the score tile's real (unpadded) keys."""
+  columns = plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS, CHUNK_TILE), 1, layout=plgpu.Layout.WGMMA)
+  return columns < chunk_len
+
+
+def launch(kernel, out_type, scratch, *, batch: int, heads: int, query_chunks: int, query_rows: int, interpret):
+  """plgpu.kernel over (batch * heads, query tiles); the last axis launches fastest, so the
+  programs in flight share one (batch, head)'s memory in L2."""
+  return plgpu.kernel(
+      kernel,
+      out_type=out_type,
+      scratch_types=scratch,
+      grid=(batch * heads, query_chunks * (query_rows // TILE_ROWS)),
+      grid_names=("batch_head", "query_tile"),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret,
+  )
