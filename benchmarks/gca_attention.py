@@ -22,7 +22,7 @@ Pallas kernels run 9 products per retrieved chunk, i.e. 4.5x). Mosaic GPU rows
 overlapped schedule): "pallas_mosaic_fwd" times the Mosaic
 forward alone (`pallas_kernels.gca.mosaic_forward`; compare with the "pallas" row's fwd ms,
 the Triton forward), "pallas_mosaic" the forward and gradients of `gca_attention_mosaic`
-(Mosaic forward and query-side backward, Triton memory-side backward). Prints a table
+(the Mosaic forward and both Mosaic backward kernels). Prints a table
 last; median of --iters calls.
 """
 

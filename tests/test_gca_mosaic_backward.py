@@ -6,9 +6,8 @@ log-normalizers: dQ, delta and dw in its layouts) and against autodiff of the XL
 float32 (dQ and dw: an independent implementation), with the retrievals of
 `test_gca_mosaic` (one chunk twice, an empty slot, an out-of-range index clipped) at
 drt_128m's per-head shape and with grouped heads, two query tiles per chunk and head dim 128.
-Then `gca_attention_mosaic` (the Mosaic forward and query-side backward with the Triton
-memory-side backward, one custom VJP): output and all four gradients against autodiff of
-the XLA path.
+Then `gca_attention_mosaic` (the three Mosaic kernels, one custom VJP): output and all four
+gradients against autodiff of the XLA path.
 """
 
 import jax

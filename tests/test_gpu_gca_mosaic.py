@@ -9,7 +9,9 @@ chunks (two 64-row tiles each). Retrievals come from `select_chunks` over causal
 in DRT: the first query chunks have empty slots (weight 0, index 0) and early memory chunks
 are retrieved by many query chunks. The query-side backward (dQ, delta, dw) against the
 compiled Triton `kernels.backward_queries` on the same inputs and against autodiff of the
-XLA path; `gca_attention_mosaic`'s output and four gradients against XLA autodiff.
+XLA path. The memory-side backward (dK, dV) against the compiled Triton
+`kernels.backward_memory` on the same log-normalizers and deltas and against XLA autodiff, and
+it is deterministic. `gca_attention_mosaic`'s output and four gradients against XLA autodiff.
 """
 
 import jax
@@ -18,11 +20,11 @@ import pytest
 
 from castle_jax.ops.gca import gca_attention, retrieval_scores, select_chunks
 from helpers import rel_err
-from pallas_kernels.gca import kernels, mosaic_backward_queries, mosaic_forward
+from pallas_kernels.gca import kernels, mosaic_backward_memory, mosaic_backward_queries, mosaic_forward
 from pallas_kernels.gca.config import default_config
 from pallas_kernels.gca.mosaic_attention import gca_attention_mosaic
 from pallas_kernels.gca.mosaic_forward import CHUNK_TILE, gca_forward_mosaic
-from pallas_kernels.gca.ops import tiling_for
+from pallas_kernels.gca.ops import _retrievers, tiling_for
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("full_float32_matmuls")]
 
@@ -129,9 +131,60 @@ def test_compiled_backward_queries_matches_triton_and_xla(stages):
   assert rel_err(d_weights, ref_d_w) < 1e-2
 
 
+@pytest.mark.parametrize("shape, stages", [
+    (DRT_128M, 2),
+    (DRT_128M, 3),
+    (dict(batch=1, query_chunks=32, query_len=128, heads=8, kv_heads=2, head_dim=128, chunk_len=64, top_k=4), 2),
+])
+def test_compiled_backward_memory_matches_triton_and_xla(shape, stages):
+  """dK and dV at drt_128m's shape (early chunks retrieved by many query chunks, some by none)
+  and with grouped heads, two query tiles per chunk and head dim 128."""
+  if not _is_hopper():
+    pytest.skip("the Mosaic GPU kernel needs a Hopper (sm_90) GPU")
+  inputs = _inputs(6, **shape, dtype=jnp.bfloat16)
+  q, chunk_k, chunk_v, weights, indices = inputs
+  d_out = jax.random.normal(jax.random.key(7), q.shape, jnp.float32).astype(q.dtype)
+  scale = shape["head_dim"] ** -0.5
+  padded = _padded(inputs, **shape)
+  queries, keys, values, weights, indices = padded
+  d_out_padded = d_out.reshape(queries.shape)
+  options = dict(chunk_len=shape["chunk_len"], scale=scale, stages=stages)
+
+  @jax.jit
+  def mosaic(*padded):
+    _, lse = mosaic_forward.forward_native(*padded, **options)
+    _, row_dots = mosaic_backward_queries.backward_queries_native(*padded, lse, d_out_padded, **options)
+    order, starts = _retrievers(padded[4], padded[3], padded[1].shape[1])
+    gradients = mosaic_backward_memory.backward_memory_native(*padded[:4], lse, row_dots, d_out_padded, order, starts,
+                                                              **options)
+    return gradients, lse, row_dots, order, starts
+
+  (d_keys, d_values), lse, row_dots, order, starts = mosaic(*padded)
+  again = mosaic(*padded)[0]
+  assert bool(jnp.all(again[0] == d_keys)) and bool(jnp.all(again[1] == d_values)), "not deterministic"
+
+  to_triton = lambda slot_rows: slot_rows.transpose(0, 1, 3, 4, 2)
+  delta = to_triton(row_dots * weights[:, :, None, :, None])
+  triton = jax.jit(lambda *a: kernels.backward_memory(*a, tiling=_triton_tiling(shape), scale=scale,
+                                                      config=default_config(), interpret=False))(
+      queries, keys, values, weights, to_triton(lse), delta, d_out_padded, order, starts)
+  # dV: the kernel rounds w_j P to bf16, the Triton kernel P (then scales the product by w_j).
+  for name, ours, theirs, tol in zip(("d_keys", "d_values"), (d_keys, d_values), triton, (2e-3, 1e-2)):
+    assert ours.shape == theirs.shape, name
+    assert rel_err(ours, theirs) < tol, (name, rel_err(ours, theirs))
+
+  f32 = lambda x: x.astype(jnp.float32)
+  grad = jax.jit(jax.grad(lambda k, v: jnp.sum(gca_attention(f32(q), k, v, inputs[3], inputs[4], implementation="xla")
+                                               * f32(d_out)), argnums=(0, 1)))
+  ref_d_keys, ref_d_values = grad(f32(chunk_k), f32(chunk_v))
+  chunk_len = shape["chunk_len"]
+  assert rel_err(d_keys[:, :, :chunk_len], ref_d_keys) < 1e-2, rel_err(d_keys[:, :, :chunk_len], ref_d_keys)
+  assert rel_err(d_values[:, :, :chunk_len], ref_d_values) < 1e-2, rel_err(d_values[:, :, :chunk_len], ref_d_values)
+
+
 def test_compiled_differentiable_op_matches_xla_autodiff():
-  """`gca_attention_mosaic` (Mosaic forward and query-side backward, Triton memory-side
-  backward): output and the four gradients at the drt_128m shape."""
+  """`gca_attention_mosaic` (the three Mosaic kernels): output and the four gradients at the
+  drt_128m shape."""
   if not _is_hopper():
     pytest.skip("the Mosaic GPU kernel needs a Hopper (sm_90) GPU")
   inputs = _inputs(4, **DRT_128M, dtype=jnp.bfloat16)

@@ -1,14 +1,14 @@
-"""GCA with the Mosaic GPU kernels where they exist, differentiable with a custom VJP
-(Hopper only; experimental, not wired into `gca_attention`).
+"""GCA through the Mosaic GPU kernels (Hopper), differentiable with a custom VJP.
 
 Forward: `mosaic_forward` (out and the per-slot log-normalizers in the Mosaic kernels'
 layout). Backward: `mosaic_backward_queries` for dQ and the row dots r_j, XLA for
-delta_j = w_j r_j and dw (O(T k) elementwise work and a sum), and the Triton
-`kernels.backward_memory` for dK and dV (the log-normalizers and deltas transposed to its
-layout; a Mosaic memory-side kernel is still to come). Padding is `mosaic_tiles.pad_inputs`'
-(query chunks to multiples of 64 rows, memory chunks to 64 keys): exact, as in the Triton
-path (padded query rows have zero queries and zero cotangents, so they add nothing to dK
-and dV; padded keys are masked out of every softmax_1).
+dw = sum of r_j (an O(T k) sum), and `mosaic_backward_memory` for dK and dV (from the same
+log-normalizers and row dots, over the (query chunk, slot) pairs sorted by the chunk they
+retrieved, `ops._retrievers`); no layout transposes between the kernels. Padding is
+`mosaic_tiles.pad_inputs`' (query chunks to multiples of 64 rows, memory chunks to 64
+keys): exact, as in the Triton path (padded query rows have zero queries and zero
+cotangents, so they add nothing to dK and dV; padded keys are masked out of every
+softmax_1).
 """
 
 from __future__ import annotations
@@ -19,17 +19,11 @@ import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.gca import kernels, shared_memory
-from pallas_kernels.gca.config import default_config
+from pallas_kernels.gca.mosaic_backward_memory import backward_memory_native
 from pallas_kernels.gca.mosaic_backward_queries import backward_queries_native
 from pallas_kernels.gca.mosaic_forward import forward_native
-from pallas_kernels.gca.mosaic_tiles import CHUNK_TILE, DEFAULT_STAGES, TILE_ROWS, pad_inputs
+from pallas_kernels.gca.mosaic_tiles import DEFAULT_STAGES, pad_inputs
 from pallas_kernels.gca.ops import _retrievers
-
-
-def _to_triton_layout(slot_rows):
-  """[batch, query_chunks, heads, k, query_rows] -> [batch, query_chunks, k, query_rows, heads]."""
-  return slot_rows.transpose(0, 1, 3, 4, 2)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
@@ -55,16 +49,10 @@ def _gca_bwd(chunk_len, scale, stages, overlap, interpreted, residuals, d_out):
                                                 chunk_len=chunk_len, scale=scale, stages=stages,
                                                 interpret=_interpret(interpreted))
   d_weights = jnp.sum(row_dots, axis=(2, 4))
-  delta = _to_triton_layout(row_dots * weights[:, :, None, :, None])
-  # The Triton memory-side kernel over whole 64-row query tiles (padded rows count as rows).
-  query_rows, heads, head_dim = queries.shape[2:]
-  tiling = kernels.Tiling(query_len=query_rows, block_q=TILE_ROWS, heads_per_program=1, group=heads // keys.shape[3],
-                          chunk_len=chunk_len, padded_chunk_len=CHUNK_TILE)
-  config = shared_memory.fit_stages(default_config(), tiling, head_dim, queries.dtype)
   order, starts = _retrievers(indices, weights, keys.shape[1])
-  d_keys, d_values = kernels.backward_memory(queries, keys, values, weights, _to_triton_layout(lse), delta, d_out,
-                                             order, starts, tiling=tiling, scale=scale, config=config,
-                                             interpret=interpreted)
+  d_keys, d_values = backward_memory_native(queries, keys, values, weights, lse, row_dots, d_out, order, starts,
+                                            chunk_len=chunk_len, scale=scale, stages=stages,
+                                            interpret=_interpret(interpreted))
   return d_queries, d_keys, d_values, d_weights, None
 
 
@@ -84,7 +72,7 @@ def gca_attention_mosaic(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, c
     chunk_weights: float [batch, query_chunks, k]; chunk_indices: int [batch, query_chunks,
       k] (out-of-range indices are clipped).
     scale: the score scale.
-    stages: depth of the Mosaic kernels' K/V ring.
+    stages: depth of the Mosaic kernels' rings (K/V tiles; Q/dO tiles in the memory-side backward).
     overlap: the forward's overlapped schedule (`mosaic_forward`; needs stages >= 3).
     interpret: run every kernel in its interpret mode (CPU; slow, for tests).
 

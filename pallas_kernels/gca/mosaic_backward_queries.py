@@ -32,13 +32,13 @@ import math
 
 import jax
 from jax import lax
-import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels.castle.mosaic_forward import _operand_smem, _register_operand, products
 from pallas_kernels.gca.mosaic_tiles import (CHUNK_TILE, DEFAULT_STAGES, TILE_ROWS, KeyValueRing, Program,
-                                             check_padded, key_mask, launch, ring_bytes, ring_scratch)
+                                             check_padded, key_mask, launch, products_together, ring_bytes,
+                                             ring_scratch)
 
 LOG2_E = math.log2(math.e)
 
@@ -68,14 +68,7 @@ def _backward_queries_kernel(indices_ref, weights_ref, queries_ref, d_out_ref, l
   for slot in range(top_k):
     keys, values = ring.keys(slot), ring.values(slot)
 
-    def score_products(scores_acc, d_probs_acc):
-      # Issued together; the first read waits for both.
-      plgpu.wgmma(scores_acc, query_smem, keys.T)
-      plgpu.wgmma(d_probs_acc, d_out_smem, values.T)
-      return scores_acc[...], d_probs_acc[...]
-
-    tile = plgpu.ACC((TILE_ROWS, CHUNK_TILE), jnp.float32)
-    scores, d_probs = pl.run_scoped(score_products, tile, tile)
+    scores, d_probs = products_together([(query_smem, keys.T), (d_out_smem, values.T)], shape=(TILE_ROWS, CHUNK_TILE))
     lse = plgpu.load(lse_smem.at[slot], layout=row_layout)
     scores = jnp.where(key_valid, scores * score_unit, -jnp.inf)
     probs = jnp.exp2(scores - lax.broadcast_in_dim(lse, scores.shape, [0]))

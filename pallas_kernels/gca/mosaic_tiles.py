@@ -1,12 +1,14 @@
 """What the GCA Mosaic GPU kernels share: sizes and input checks, the program's coordinates,
-the ring of gathered K/V tiles, and the launch.
+the ring of gathered K/V tiles, products issued together, and the launch.
 
-Both kernels (`mosaic_forward`, `mosaic_backward_queries`) run one program per
+The query-side kernels (`mosaic_forward`, `mosaic_backward_queries`) run one program per
 (batch * head, 64-row query tile), one warpgroup, the grid's last axis (launched fastest)
 the query tile, and stream the k retrieved chunks' K and V tiles through a ring of
 shared-memory buffers, each tile gathered by TMA straight from the whole memory by its
 index. The slots are unrolled (k is small, 8 in DRT), so ring buffers and per-slot rows
-are picked statically.
+are picked statically. The memory-side backward (`mosaic_backward_memory`) runs one program
+per (batch * kv head, memory chunk) and shares the checks, the key mask, the products and
+the launch.
 """
 
 from __future__ import annotations
@@ -189,21 +191,51 @@ def ring_bytes(stages: int, head_dim: int, dtype) -> int:
   return 2 * stages * CHUNK_TILE * head_dim * jnp.dtype(dtype).itemsize
 
 
-def key_mask(chunk_len: int):
-  """bool [64, 64] in the WGMMA layout: the score tile's real (unpadded) keys."""
-  columns = plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS, CHUNK_TILE), 1, layout=plgpu.Layout.WGMMA)
-  return columns < chunk_len
+def key_mask(chunk_len: int, *, keys_axis: int = 1):
+  """bool [64, 64] in the WGMMA layout: the score tile's real (unpadded) keys, which lie
+  along `keys_axis` (1: S = Q K^T, the query-side kernels; 0: S^T = K Q^T, the memory side)."""
+  positions = plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS, CHUNK_TILE), keys_axis, layout=plgpu.Layout.WGMMA)
+  return positions < chunk_len
 
 
-def launch(kernel, out_type, scratch, *, batch: int, heads: int, query_chunks: int, query_rows: int, interpret):
-  """plgpu.kernel over (batch * heads, query tiles); the last axis launches fastest, so the
-  programs in flight share one (batch, head)'s memory in L2."""
+def products_together(pairs, *, shape=None, inits=None, in_place: bool = True):
+  """[inits[i] +] pairs[i][0] @ pairs[i][1] for every pair, float32 accumulation, the wgmmas
+  issued back to back and waited on once.
+
+  Without `inits` each product gets a fresh [shape] accumulator. With `inits` and `in_place`
+  the accumulators start from them (no second register tile); GPU interpret mode cannot run
+  a preinitialized accumulator, so there (`in_place=False`) the products are added after.
+  """
+  def issue(accumulators):
+    for accumulator, (a, b) in zip(accumulators, pairs):
+      plgpu.wgmma(accumulator, a, b)
+
+  if inits is not None and in_place:
+    return list(pl.run_state(issue)(tuple(plgpu.ACC.init(init) for init in inits)))
+  shapes = [init.shape for init in inits] if inits is not None else [shape] * len(pairs)
+
+  def fresh(*accumulators):
+    issue(accumulators)
+    return tuple(accumulator[...] for accumulator in accumulators)
+  results = pl.run_scoped(fresh, *(plgpu.ACC(s, jnp.float32) for s in shapes))
+  return list(results) if inits is None else [init + result for init, result in zip(inits, results)]
+
+
+def launch_grid(kernel, out_type, scratch, *, grid, grid_names, interpret):
+  """plgpu.kernel, one warpgroup per program, over `grid` (its last axis launches fastest)."""
   return plgpu.kernel(
       kernel,
       out_type=out_type,
       scratch_types=scratch,
-      grid=(batch * heads, query_chunks * (query_rows // TILE_ROWS)),
-      grid_names=("batch_head", "query_tile"),
+      grid=grid,
+      grid_names=grid_names,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
   )
+
+
+def launch(kernel, out_type, scratch, *, batch: int, heads: int, query_chunks: int, query_rows: int, interpret):
+  """`launch_grid` over (batch * heads, query tiles); the last axis launches fastest, so the
+  programs in flight share one (batch, head)'s memory in L2."""
+  return launch_grid(kernel, out_type, scratch, grid=(batch * heads, query_chunks * (query_rows // TILE_ROWS)),
+                     grid_names=("batch_head", "query_tile"), interpret=interpret)
