@@ -52,7 +52,7 @@ from pallas_kernels.gca.mosaic_tiles import (CHUNK_TILE, DEFAULT_STAGES, TILE_RO
 LOG2_E = math.log2(math.e)
 
 
-def _backward_memory_kernel(order_ref, starts_ref, weights_ref, queries_ref, d_out_ref, lse_ref, row_dots_ref,
+def _backward_memory_kernel(order_ref, starts_ref, pair_weights_ref, queries_ref, d_out_ref, lse_ref, row_dots_ref,
                             keys_ref, values_ref, d_keys_ref, d_values_ref, key_smem, value_smem, query_ring,
                             d_out_ring, lse_ring, row_dots_ring, operand_staging, chunk_barrier, step_barriers, *,
                             kv_heads: int, group: int, tiles_per_chunk: int, top_k: int, chunk_len: int, stages: int,
@@ -99,8 +99,8 @@ def _backward_memory_kernel(order_ref, starts_ref, weights_ref, queries_ref, d_o
   def step_body(step, gradients):
     d_keys, d_values = gradients
     stage = lax.rem(step, stages)
-    query_chunk, slot, _, _ = step_source(step)
-    weight = weights_ref[batch, query_chunk, slot]
+    # The pair's weight in pair order: one load, not one behind the pair's own.
+    weight = pair_weights_ref[batch, first_pair + lax.div(step, steps_per_pair)]
     plgpu.barrier_wait(step_barriers.at[stage])
     queries, d_out = query_ring.at[stage], d_out_ring.at[stage]
     scores_t, d_probs_t = products_together([(key_smem, queries.T), (value_smem, d_out.T)],
@@ -167,6 +167,7 @@ def backward_memory_native(queries, keys, values, weights, lse, row_dots, d_out,
                      f"{order.shape} and {starts.shape}")
   interpreted = interpret is not None
   dtype = queries.dtype
+  order = order.astype(jnp.int32)
   staging = lambda: _operand_smem((CHUNK_TILE, TILE_ROWS), dtype) if interpreted else None
   scratch = [
       _operand_smem((CHUNK_TILE, head_dim), dtype),                # K, then dK's staging
@@ -183,7 +184,9 @@ def backward_memory_native(queries, keys, values, weights, lse, row_dots, d_out,
                              tiles_per_chunk=query_rows // TILE_ROWS, top_k=top_k, chunk_len=chunk_len, stages=stages,
                              scale=float(scale), interpreted=interpreted)
   out_type = (jax.ShapeDtypeStruct(keys.shape, dtype), jax.ShapeDtypeStruct(values.shape, dtype))
+  # The weights in pair order (an O(T k) gather), so that a step reads its weight directly.
+  pair_weights = jnp.take_along_axis(weights.astype(jnp.float32).reshape(batch, -1), order, axis=1)
   call = launch_grid(kernel, out_type, scratch, grid=(batch * kv_heads, memory_chunks),
                      grid_names=("batch_kv_head", "memory_chunk"), interpret=interpret)
-  return call(order.astype(jnp.int32), starts.astype(jnp.int32), weights.astype(jnp.float32), queries,
+  return call(order, starts.astype(jnp.int32), pair_weights, queries,
               d_out.astype(dtype), lse, row_dots, keys, values)
