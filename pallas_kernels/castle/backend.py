@@ -16,7 +16,6 @@ first device's compute capability): no length-based switches.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import jax
@@ -25,6 +24,8 @@ import jax.numpy as jnp
 from pallas_kernels.castle.config import CastleKernelConfig
 from pallas_kernels.castle.mosaic_config import SUPPORTED_HEAD_DIMS
 from pallas_kernels.castle.mosaic_ops import SUPPORTED_DTYPES as MOSAIC_DTYPES
+# Re-exported: callers and tests read (and fake) them as this module's.
+from pallas_kernels.device_facts import LogOnce, compute_capability, is_hopper
 
 logger = logging.getLogger(__name__)
 
@@ -40,18 +41,6 @@ MOSAIC_FASTER_CASES: frozenset[tuple[int, str, bool]] = frozenset({
     (64, "bfloat16", False),
     (64, "bfloat16", True),
 })
-
-
-def compute_capability() -> str | None:
-  """The first device's CUDA compute capability ("9.0" on an H100); None off CUDA GPUs."""
-  device = jax.devices()[0]
-  if device.platform != "gpu":
-    return None
-  return getattr(device, "compute_capability", None)
-
-
-def is_hopper(capability: str | None) -> bool:
-  return capability is not None and capability.split(".")[0] == "9"
 
 
 def mosaic_is_faster(window: int | None, head_dim: int, dtype) -> bool:
@@ -78,9 +67,7 @@ def mosaic_unsupported_reason(config: CastleKernelConfig, *, dtype, head_dim: in
   return None
 
 
-@functools.lru_cache(maxsize=None)
-def _log_once(message: str) -> None:
-  logger.info(message)
+_log_once = LogOnce(logger)
 
 
 def choose_backend(config: CastleKernelConfig, *, dtype, head_dim: int, window: int | None,

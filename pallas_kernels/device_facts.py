@@ -1,0 +1,42 @@
+"""What the Pallas backend choices need to know about the device, and how they say what
+they chose: the first device's CUDA compute capability, whether it is a Hopper GPU, and a
+log that says each distinct message once.
+
+Read at trace time (static facts only), so a choice never depends on array values.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+
+
+def compute_capability() -> str | None:
+  """The first device's CUDA compute capability ("9.0" on an H100); None off CUDA GPUs."""
+  device = jax.devices()[0]
+  if device.platform != "gpu":
+    return None
+  return getattr(device, "compute_capability", None)
+
+
+def is_hopper(capability: str | None) -> bool:
+  """Whether a compute capability is Hopper's (9.x: wgmma, TMA; what Mosaic GPU kernels need)."""
+  return capability is not None and capability.split(".")[0] == "9"
+
+
+class LogOnce:
+  """Logs each distinct message once, at INFO on `logger` (a backend choice made at every
+  trace would otherwise repeat itself). `cache_clear()` forgets the messages seen."""
+
+  def __init__(self, logger: logging.Logger):
+    self.logger = logger
+    self._seen: set[str] = set()
+
+  def __call__(self, message: str) -> None:
+    if message not in self._seen:
+      self._seen.add(message)
+      self.logger.info(message)
+
+  def cache_clear(self) -> None:
+    self._seen.clear()
