@@ -23,7 +23,7 @@ from helpers import rel_err
 from pallas_kernels.gca import kernels, mosaic_backward_memory, mosaic_backward_queries, mosaic_forward
 from pallas_kernels.gca.config import default_config
 from pallas_kernels.gca.mosaic_tiles import CHUNK_TILE, TILE_ROWS, pad_inputs
-from pallas_kernels.gca.ops import _retrievers
+from pallas_kernels.gca.pairs import retrieving_pairs
 from test_gca_mosaic import DRT_128M, H100_SHARED_MEMORY, lower_for_hopper
 
 pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
@@ -65,7 +65,7 @@ def _kernel_gradients(inputs, shape, stages):
                  interpret=plgpu.InterpretGPUParams())
   _, lse = mosaic_forward.forward_native(*padded.arrays, **options)
   _, row_dots = mosaic_backward_queries.backward_queries_native(*padded.arrays, lse, d_out_padded, **options)
-  order, starts = _retrievers(indices, weights, keys.shape[1])
+  order, starts = retrieving_pairs(indices, weights, keys.shape[1])
   ours = mosaic_backward_memory.backward_memory_native(queries, keys, values, weights, lse, row_dots, d_out_padded,
                                                        order, starts, **options)
 
@@ -133,7 +133,7 @@ def test_rejects_bad_inputs():
   *attention_inputs, d_out = _inputs(**shape)
   queries, keys, values, weights, indices = pad_inputs(*attention_inputs, stages=2).arrays
   slot_rows = jnp.zeros((1, 3, 2, 3, TILE_ROWS), jnp.float32)
-  order, starts = _retrievers(indices, weights, keys.shape[1])
+  order, starts = retrieving_pairs(indices, weights, keys.shape[1])
   call = lambda *a, **kw: mosaic_backward_memory.backward_memory_native(
       *a, **dict(dict(chunk_len=63, scale=0.125, interpret=plgpu.InterpretGPUParams()), **kw))
   with pytest.raises(ValueError, match="lse and row_dots"):

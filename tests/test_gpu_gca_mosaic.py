@@ -11,7 +11,9 @@ are retrieved by many query chunks. The query-side backward (dQ, delta, dw) agai
 compiled Triton `kernels.backward_queries` on the same inputs and against autodiff of the
 XLA path. The memory-side backward (dK, dV) against the compiled Triton
 `kernels.backward_memory` on the same log-normalizers and deltas and against XLA autodiff, and
-it is deterministic. `gca_attention_mosaic`'s output and four gradients against XLA autodiff.
+it is deterministic. `gca_attention_mosaic`'s output and four gradients against XLA autodiff,
+and `gca_attention(implementation="pallas")` on Hopper: the default backend runs the Mosaic
+kernels, "triton" the Triton ones.
 """
 
 import jax
@@ -20,11 +22,12 @@ import pytest
 
 from castle_jax.ops.gca import gca_attention, retrieval_scores, select_chunks
 from helpers import rel_err
-from pallas_kernels.gca import kernels, mosaic_backward_memory, mosaic_backward_queries, mosaic_forward
+from pallas_kernels.gca import GcaKernelConfig, kernels, mosaic_backward_memory, mosaic_backward_queries, mosaic_forward
 from pallas_kernels.gca.config import default_config
 from pallas_kernels.gca.mosaic_attention import gca_attention_mosaic
 from pallas_kernels.gca.mosaic_forward import CHUNK_TILE, gca_forward_mosaic
-from pallas_kernels.gca.ops import _retrievers, tiling_for
+from pallas_kernels.gca.ops import tiling_for
+from pallas_kernels.gca.pairs import retrieving_pairs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("full_float32_matmuls")]
 
@@ -154,7 +157,7 @@ def test_compiled_backward_memory_matches_triton_and_xla(shape, stages):
   def mosaic(*padded):
     _, lse = mosaic_forward.forward_native(*padded, **options)
     _, row_dots = mosaic_backward_queries.backward_queries_native(*padded, lse, d_out_padded, **options)
-    order, starts = _retrievers(padded[4], padded[3], padded[1].shape[1])
+    order, starts = retrieving_pairs(padded[4], padded[3], padded[1].shape[1])
     gradients = mosaic_backward_memory.backward_memory_native(*padded[:4], lse, row_dots, d_out_padded, order, starts,
                                                               **options)
     return gradients, lse, row_dots, order, starts
@@ -202,3 +205,20 @@ def test_compiled_differentiable_op_matches_xla_autodiff():
   assert rel_err(out, ref_out) < 1e-2
   for name, grad, ref in zip(("q", "chunk_k", "chunk_v", "chunk_weights"), grads, ref_grads):
     assert rel_err(grad, ref) < 1e-2, (name, rel_err(grad, ref))
+
+
+@pytest.mark.parametrize("backend, kernel", [("auto", "mosaic_gpu"), ("mosaic", "mosaic_gpu"), ("triton", "gca_forward")])
+def test_gca_attention_picks_the_backend(backend, kernel):
+  """`gca_attention(implementation="pallas")` at the drt_128m shape: "auto" runs the Mosaic
+  kernels on Hopper, each explicit backend its own; all match the XLA path."""
+  if not _is_hopper():
+    pytest.skip("the Mosaic GPU kernels need a Hopper (sm_90) GPU")
+  inputs = _inputs(8, **DRT_128M, dtype=jnp.bfloat16)
+  config = GcaKernelConfig(backend=backend)
+  attention = jax.jit(lambda *a: gca_attention(*a, implementation="pallas", pallas_config=config))
+  text = attention.lower(*inputs).as_text()
+  assert kernel in text and ("gca_forward" in text) == (kernel == "gca_forward")
+  reference = jax.jit(lambda *a: gca_attention(*a, implementation="xla"))(
+      *(x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in inputs))
+  out = attention(*inputs)
+  assert rel_err(out, reference) < 1e-2, rel_err(out, reference)

@@ -1,4 +1,6 @@
-"""Compiled GCA Pallas kernels on the GPU at real sizes (skipped without a CUDA GPU).
+"""Compiled GCA Pallas kernels on the GPU at real sizes (skipped without a CUDA GPU): the
+Triton kernels (`GcaKernelConfig(backend="triton")`; the Mosaic ones, which "auto" picks on
+Hopper, are tests/test_gpu_gca_mosaic.py's), and the default path.
 
 Against the XLA path (itself checked against the reference on CPU), computing in
 float32 with full-precision matmuls: outputs and the gradients of q, chunk_k, chunk_v
@@ -18,6 +20,8 @@ import pytest
 
 from castle_jax.ops.gca import gca_attention, retrieval_scores, select_chunks
 from helpers import rel_err
+from pallas_kernels.device_facts import compute_capability, is_hopper
+from pallas_kernels.gca import GcaKernelConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("full_float32_matmuls")]
 
@@ -34,8 +38,8 @@ def _inputs(seed, *, batch, query_chunks, query_len, heads, kv_heads, head_dim, 
   return (q.astype(dtype), chunk_k.astype(dtype), chunk_v.astype(dtype), weights, indices), cotangent
 
 
-def _value_and_grads(implementation, inputs, cotangent):
-  attention = functools.partial(gca_attention, implementation=implementation)
+def _value_and_grads(implementation, inputs, cotangent, pallas_config=None):
+  attention = functools.partial(gca_attention, implementation=implementation, pallas_config=pallas_config)
   *differentiable, indices = inputs
 
   def loss(*args):
@@ -56,7 +60,7 @@ DRT_128M = dict(batch=2, query_chunks=64, query_len=64, heads=12, kv_heads=12, h
 ])
 def test_compiled_kernels_match_the_xla_path(shape, dtype, tol):
   inputs, cotangent = _inputs(0, **shape, dtype=dtype)
-  out, grads = _value_and_grads("pallas", inputs, cotangent)
+  out, grads = _value_and_grads("pallas", inputs, cotangent, GcaKernelConfig(backend="triton"))
   inputs32 = tuple(x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in inputs)
   ref_out, ref_grads = _value_and_grads("xla", inputs32, cotangent)
   assert out.dtype == dtype
@@ -72,4 +76,8 @@ def test_gpu_default_is_pallas_and_deterministic():
   for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
     assert bool(jnp.all(a == b))  # no atomics: every run sums in the same order
   kernels = jax.jit(functools.partial(gca_attention, implementation=None)).lower(*inputs).as_text()
-  assert "gca_forward" in kernels
+  # backend "auto": the Mosaic kernels on Hopper (bf16, head dim 64, 63-key chunks), else Triton.
+  if is_hopper(compute_capability()):
+    assert "mosaic_gpu" in kernels and "gca_forward" not in kernels
+  else:
+    assert "gca_forward" in kernels

@@ -1,4 +1,4 @@
-"""Tile sizes and launch parameters of the GCA Pallas kernels."""
+"""Backend, tile sizes and launch parameters of the GCA Pallas kernels."""
 
 from __future__ import annotations
 
@@ -6,18 +6,35 @@ import dataclasses
 
 from pallas_kernels.config_checks import check_int_fields, is_power_of_two, parse_config
 
+# Which kernels run GCA (`pallas_kernels.gca.backend` chooses).
+BACKENDS = ("auto", "triton", "mosaic")
+
 
 @dataclasses.dataclass(frozen=True)
 class GcaKernelConfig:
-  """Rows per program, warps and pipeline stages of the three GCA kernels.
+  """Backend, rows per program, warps and pipeline stages of the three GCA kernels.
 
-  The forward and the query-side backward run one program per (batch, query chunk, head
+  `backend` picks the kernels (`pallas_kernels.gca.backend`):
+    "triton": the Pallas Triton kernels (`kernels`), any CUDA GPU;
+    "mosaic": the Pallas Mosaic GPU kernels (`mosaic_attention.gca_attention_mosaic`),
+      Hopper (compute capability 9.x) only, bfloat16/float16 inputs, head dim 64 or 128,
+      memory chunks of at most 64 keys; other inputs or devices raise a ValueError naming
+      the reason;
+    "auto" (default): Mosaic on a 9.x GPU where it takes the inputs, else Triton.
+  `mosaic_stages` is the Mosaic kernels' only setting (their ring depth; their tiles are
+  fixed at 64 x 64, one warpgroup's wgmma). Every other field is the Triton kernels' and
+  applies only when they run.
+
+  The Triton forward and the query-side backward run one program per (batch, query chunk, head
   block, query block); a program's tile has `block_rows` rows = query rows x heads
   (the query heads that share one kv head are stacked as rows of one product when the
   query chunk is shorter than `block_rows`). The memory-side backward runs one program
   per (batch, memory chunk, kv head).
 
   Attributes:
+    backend: "auto", "triton" or "mosaic" (above).
+    mosaic_stages: depth of the Mosaic kernels' rings of gathered tiles (2 measured best on
+      an H100 at the drt_128m shape; benchmarks/RESULTS.md).
     block_rows: rows of the query tile (query rows x heads per program), a power of two >= 16.
     heads_per_program: query heads of one kv head stacked into the tile (a power of two
       dividing heads // kv_heads), or None: as many as fill `block_rows` with the query
@@ -42,10 +59,15 @@ class GcaKernelConfig:
   bwd_num_stages: int = 2
   memory_num_warps: int = 4
   memory_num_stages: int = 2
+  backend: str = "auto"
+  mosaic_stages: int = 2
 
   def __post_init__(self):
+    if self.backend not in BACKENDS:
+      raise ValueError(f"GcaKernelConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
+    skip = ("backend",) + (("heads_per_program",) if self.heads_per_program is None else ())
     check_int_fields(self, power_of_two=("block_rows", "num_warps", "bwd_num_warps", "memory_num_warps"),
-                     tiles=("block_rows",), skip=("heads_per_program",) if self.heads_per_program is None else ())
+                     tiles=("block_rows",), skip=skip)
     if self.heads_per_program is not None and not is_power_of_two(self.heads_per_program):
       raise ValueError(f"GcaKernelConfig.heads_per_program must be a power of two or None, got "
                        f"{self.heads_per_program}")

@@ -4,7 +4,7 @@ Forward: `mosaic_forward` (out and the per-slot log-normalizers in the Mosaic ke
 layout). Backward: `mosaic_backward_queries` for dQ and the row dots r_j, XLA for
 dw = sum of r_j (an O(T k) sum), and `mosaic_backward_memory` for dK and dV (from the same
 log-normalizers and row dots, over the (query chunk, slot) pairs sorted by the chunk they
-retrieved, `ops._retrievers`); no layout transposes between the kernels. Padding is
+retrieved, `pairs.retrieving_pairs`); no layout transposes between the kernels. Padding is
 `mosaic_tiles.pad_inputs`' (query chunks to multiples of 64 rows, memory chunks to 64
 keys): exact, as in the Triton path (padded query rows have zero queries and zero
 cotangents, so they add nothing to dK and dV; padded keys are masked out of every
@@ -23,7 +23,7 @@ from pallas_kernels.gca.mosaic_backward_memory import backward_memory_native
 from pallas_kernels.gca.mosaic_backward_queries import backward_queries_native
 from pallas_kernels.gca.mosaic_forward import forward_native
 from pallas_kernels.gca.mosaic_tiles import DEFAULT_STAGES, pad_inputs
-from pallas_kernels.gca.ops import _retrievers
+from pallas_kernels.gca.pairs import retrieving_pairs
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
@@ -49,7 +49,7 @@ def _gca_bwd(chunk_len, scale, stages, overlap, interpreted, residuals, d_out):
                                                 chunk_len=chunk_len, scale=scale, stages=stages,
                                                 interpret=_interpret(interpreted))
   d_weights = jnp.sum(row_dots, axis=(2, 4))
-  order, starts = _retrievers(indices, weights, keys.shape[1])
+  order, starts = retrieving_pairs(indices, weights, keys.shape[1])
   d_keys, d_values = backward_memory_native(queries, keys, values, weights, lse, row_dots, d_out, order, starts,
                                             chunk_len=chunk_len, scale=scale, stages=stages,
                                             interpret=_interpret(interpreted))

@@ -3,7 +3,7 @@
 
 The math and the reduction are the Triton `kernels.backward_memory`'s: one program per
 (batch, kv head, memory chunk) walks the (query chunk, slot) pairs that retrieved its chunk
-(`ops._retrievers`: sorted by chunk, pairs of weight 0 excluded) and, for each pair, each
+(`pairs.retrieving_pairs`: sorted by chunk, pairs of weight 0 excluded) and, for each pair, each
 query head of its kv head and each 64-row query tile, recomputes the slot's probabilities
 from the stored log-normalizer and accumulates, in the transposed frame (keys as rows, so
 that dK and dV are wgmma accumulators with the chunk's 64 keys as their rows):
@@ -147,7 +147,7 @@ def backward_memory_native(queries, keys, values, weights, lse, row_dots, d_out,
     row_dots: float32, like lse, as `mosaic_backward_queries.backward_queries_native` returns them.
     d_out: like queries, the output's cotangent (zero in padded rows).
     order, starts: int32 [batch, query_chunks * k] and [batch, memory_chunks + 1], as
-      `ops._retrievers` returns them (chunk m's pairs are order[starts[m]:starts[m + 1]]).
+      `pairs.retrieving_pairs` returns them (chunk m's pairs are order[starts[m]:starts[m + 1]]).
     chunk_len, scale, stages, interpret: as `forward_native`.
 
   Returns:
@@ -163,7 +163,7 @@ def backward_memory_native(queries, keys, values, weights, lse, row_dots, d_out,
                      f"{d_out.shape}, {lse.shape} and {row_dots.shape}")
   if order.shape != (batch, query_chunks * top_k) or starts.shape != (batch, memory_chunks + 1):
     raise ValueError(f"order must be [batch, query_chunks * k] = {(batch, query_chunks * top_k)} and starts "
-                     f"[batch, memory_chunks + 1] = {(batch, memory_chunks + 1)} (ops._retrievers); got "
+                     f"[batch, memory_chunks + 1] = {(batch, memory_chunks + 1)} (pairs.retrieving_pairs); got "
                      f"{order.shape} and {starts.shape}")
   interpreted = interpret is not None
   dtype = queries.dtype

@@ -1,6 +1,9 @@
 """GCA through the Pallas kernels, differentiable with a custom VJP.
 
-`gca_attention_pallas` takes the layout of the GCA entry point, views the queries as
+`gca_attention_pallas` first picks the kernels (`backend.choose_backend`, by
+`GcaKernelConfig.backend`): on a Hopper GPU the Mosaic GPU kernels
+(`mosaic_attention.gca_attention_mosaic`) where they take the inputs, else the Triton
+kernels described here. For those it takes the layout of the GCA entry point, views the queries as
 [batch, query_chunks, query_len, heads, head_dim] (a reshape), zero-pads each query
 chunk to its query blocks (`kernels.Tiling.segments`) and each memory chunk to a power-of-two tile,
 and runs `kernels.forward`; the custom VJP runs `kernels.backward_queries` (dQ, dw)
@@ -9,7 +12,7 @@ of every softmax_1, padded query rows are sliced off (and their cotangent is zer
 
 The memory side of the backward needs, for each memory chunk, the (query chunk, slot)
 pairs that retrieved it: a stable argsort of the flat chunk indices and the start of
-each chunk's run in it (`_retrievers`), O(query_chunks * k) integers per sequence.
+each chunk's run in it (`pairs.retrieving_pairs`), O(query_chunks * k) integers per sequence.
 
 There is no decoding kernel: DRT's token-by-token step calls the same op over the one
 query chunk it touches (a few rows against k retrieved chunks), where these kernels and
@@ -25,8 +28,10 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.config_checks import SMALLEST_TILE, is_power_of_two, next_power_of_two
-from pallas_kernels.gca import kernels, shared_memory
+from pallas_kernels.gca import backend, kernels, shared_memory
 from pallas_kernels.gca.config import GcaKernelConfig, default_config
+from pallas_kernels.gca.mosaic_attention import gca_attention_mosaic
+from pallas_kernels.gca.pairs import retrieving_pairs
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # A memory chunk is one key tile (see `kernels`); beyond 256 keys its score tile no
@@ -43,9 +48,27 @@ def _largest_power_of_two_dividing(n: int) -> int:
 
 
 def unsupported_reason(*, head_dim: int, chunk_len: int, heads: int, kv_heads: int, dtype,
-                       config: GcaKernelConfig | None = None, query_len: int | None = None) -> str | None:
+                       config: GcaKernelConfig | None = None, query_len: int | None = None,
+                       top_k: int | None = None) -> str | None:
   """Why the kernels cannot run inputs of these sizes (a message naming the argument and the
   fix), or None. Takes sizes, not arrays, so a caller can ask before any array exists.
+
+  A config with backend "mosaic" asks the Mosaic kernels (`backend.mosaic_unsupported_reason`;
+  without `query_len` or `top_k`, one 64-row tile and one slot, `gca_attention_pallas`
+  checks again with them); otherwise the Triton kernels, which also run wherever "auto"
+  passes over Mosaic (`triton_unsupported_reason`).
+  """
+  if config is not None and config.backend == "mosaic":
+    return backend.mosaic_unsupported_reason(config, dtype=dtype, head_dim=head_dim, chunk_len=chunk_len,
+                                             query_len=query_len or 1, heads=heads, kv_heads=kv_heads,
+                                             top_k=top_k or 1, interpret=jax.default_backend() == "cpu")
+  return triton_unsupported_reason(head_dim=head_dim, chunk_len=chunk_len, heads=heads, kv_heads=kv_heads,
+                                   dtype=dtype, config=config, query_len=query_len)
+
+
+def triton_unsupported_reason(*, head_dim: int, chunk_len: int, heads: int, kv_heads: int, dtype,
+                              config: GcaKernelConfig | None = None, query_len: int | None = None) -> str | None:
+  """Why the Triton kernels cannot run inputs of these sizes, or None.
 
   Includes the shared-memory budget (`shared_memory`): an explicit `config` is checked as
   given, the default after `config_for` has lowered its stages. The memory-side backward's
@@ -106,18 +129,6 @@ def tiling_for(query_len: int, group: int, chunk_len: int, config: GcaKernelConf
                         chunk_len=chunk_len, padded_chunk_len=max(SMALLEST_TILE, next_power_of_two(chunk_len)))
 
 
-def _retrievers(indices: jax.Array, weights: jax.Array, memory_chunks: int) -> tuple[jax.Array, jax.Array]:
-  """(order int32 [batch, query_chunks * k], starts int32 [batch, memory_chunks + 1]): the flat
-  (query chunk * k + slot) pairs sorted by the chunk they retrieved, and where each chunk's
-  run begins. Pairs of weight 0 contribute nothing to dK and dV: they sort last, past every run."""
-  batch = indices.shape[0]
-  chunks = jnp.where(weights != 0, indices, memory_chunks).reshape(batch, -1)
-  order = jnp.argsort(chunks, axis=-1, stable=True)
-  sorted_chunks = jnp.take_along_axis(chunks, order, axis=-1)
-  starts = jax.vmap(lambda s: jnp.searchsorted(s, jnp.arange(memory_chunks + 1), side="left"))(sorted_chunks)
-  return order.astype(jnp.int32), starts.astype(jnp.int32)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def _gca(queries, keys, values, weights, indices, tiling, scale, config, interpret):
   return kernels.forward(queries, keys, values, weights, indices, tiling=tiling, scale=scale, config=config,
@@ -137,7 +148,7 @@ def _gca_bwd(tiling, scale, config, interpret, residuals, d_out):
   d_out = d_out.astype(queries.dtype)
   d_queries, delta, d_weights = kernels.backward_queries(queries, keys, values, weights, indices, lse, d_out,
                                                               **options)
-  order, starts = _retrievers(indices, weights, keys.shape[1])
+  order, starts = retrieving_pairs(indices, weights, keys.shape[1])
   d_keys, d_values = kernels.backward_memory(queries, keys, values, weights, lse, delta, d_out, order, starts,
                                              **options)
   return d_queries, d_keys, d_values, d_weights, None
@@ -149,17 +160,19 @@ _gca.defvjp(_gca_fwd, _gca_bwd)
 def gca_attention_pallas(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, chunk_weights: jax.Array,
                          chunk_indices: jax.Array, *, scale: float, config: GcaKernelConfig | None = None,
                          interpret: bool | None = None) -> jax.Array:
-  """GCA through the Pallas kernels (shapes already checked by the caller).
+  """GCA through the Pallas kernels (shapes already checked by the caller): the Triton kernels
+  or, on Hopper, the Mosaic GPU kernels (`backend.choose_backend`, by `config.backend`).
 
   Args:
     q: [batch, seq, heads, head_dim], seq = query_chunks * query_len; head_dim a power of
-      two in [16, 256].
-    chunk_k, chunk_v: [batch, memory_chunks, chunk_len, kv_heads, head_dim], chunk_len <= 256.
+      two in [16, 256] (Mosaic: 64 or 128).
+    chunk_k, chunk_v: [batch, memory_chunks, chunk_len, kv_heads, head_dim], chunk_len <= 256
+      (Mosaic: <= 64).
     chunk_weights: float [batch, query_chunks, k].
     chunk_indices: int [batch, query_chunks, k] (out-of-range indices are clipped).
     scale: the score scale.
-    config: tiles and launch parameters; None means `default_config()` with its stages fitted
-      to the shared-memory budget (`config_for`).
+    config: backend, tiles and launch parameters; None means `default_config()` (backend
+      "auto") with the Triton kernels' stages fitted to the shared-memory budget (`config_for`).
     interpret: run the kernels in Pallas interpret mode; None means on CPU.
 
   Returns:
@@ -167,17 +180,24 @@ def gca_attention_pallas(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, c
     full float32 products; bf16/f16: bf16/f16 products with float32 accumulation).
 
   Raises:
-    ValueError: sizes or a dtype the kernels do not take, or a config whose tiles exceed the
-      shared-memory budget (`unsupported_reason`).
+    ValueError: sizes or a dtype the kernels do not take, a config whose tiles exceed the
+      shared-memory budget (`unsupported_reason`), or backend "mosaic" where the Mosaic
+      kernels cannot run.
   """
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   batch, seq, heads, head_dim = q.shape
   memory_chunks, chunk_len, kv_heads = chunk_k.shape[1:4]
-  query_chunks = chunk_indices.shape[1]
+  query_chunks, top_k = chunk_indices.shape[1:]
   query_len = seq // query_chunks
-  reason = unsupported_reason(head_dim=head_dim, chunk_len=chunk_len, heads=heads, kv_heads=kv_heads, dtype=q.dtype,
-                              config=config, query_len=query_len)
+  chosen = backend.choose_backend(config or default_config(), dtype=q.dtype, head_dim=head_dim, chunk_len=chunk_len,
+                                  query_len=query_len, heads=heads, kv_heads=kv_heads, top_k=top_k,
+                                  interpret=interpret)
+  if chosen == "mosaic":
+    return gca_attention_mosaic(q, chunk_k, chunk_v, chunk_weights, chunk_indices, scale=scale,
+                                stages=(config or default_config()).mosaic_stages, interpret=interpret)
+  reason = triton_unsupported_reason(head_dim=head_dim, chunk_len=chunk_len, heads=heads, kv_heads=kv_heads,
+                                     dtype=q.dtype, config=config, query_len=query_len)
   if reason:
     raise ValueError(reason)
   config, tiling = config_for(config, query_len=query_len, group=heads // kv_heads, chunk_len=chunk_len,

@@ -5,11 +5,14 @@
     autodiff); a test oracle.
   - "xla": one retrieved chunk at a time with a custom VJP that keeps only per-chunk
     log-normalizers (`chunked.py`); memory O(T (d + k)) for the backward.
-  - "pallas": the fused Pallas (Triton) kernels of `pallas_kernels.gca` (each program
-    gathers its retrieved chunks' K/V by index, softmax_1 and the weighted sum in
-    registers; a deterministic backward); power-of-two head dims in [16, 256], memory
-    chunks of at most 256 keys, float32/bfloat16/float16 queries. Compiled on a CUDA GPU,
-    run in Pallas interpret mode elsewhere (slow; for tests).
+  - "pallas": the fused Pallas kernels of `pallas_kernels.gca` (each program gathers its
+    retrieved chunks' K/V by index, softmax_1 and the weighted sum in registers; a
+    deterministic backward). `GcaKernelConfig.backend` picks them: "auto" (default) runs
+    the Mosaic GPU kernels on a Hopper GPU where they take the inputs (bfloat16/float16,
+    head dim 64 or 128, memory chunks of at most 64 keys), else the Triton kernels
+    (power-of-two head dims in [16, 256], memory chunks of at most 256 keys,
+    float32/bfloat16/float16 queries); "triton" / "mosaic" ask for one. Compiled on a
+    CUDA GPU, run in Pallas interpret mode elsewhere (slow; for tests).
   - None: "pallas" on a GPU when the kernels take the inputs, else "xla"
     (`castle_jax.ops.backend.choose`: logged at debug level; an explicit choice that
     cannot run raises).
@@ -36,14 +39,16 @@ _MEMORY_AXES = ("batch", None, None, "act_kv_heads", None)  # [batch, chunks, ch
 _SLOT_AXES = ("batch", None, None)  # [batch, query_chunks, k]
 
 
-def implementations(q: jax.Array, chunk_k: jax.Array, pallas_config=None,
-                    query_chunks: int | None = None) -> dict[str, Implementation]:
-  """The GCA implementations for these (validated) inputs; `query_chunks` (chunk_indices'
-  second axis) lets the kernels' shared-memory check count a query chunk's rows."""
+def implementations(q: jax.Array, chunk_k: jax.Array, pallas_config=None, query_chunks: int | None = None,
+                    top_k: int | None = None) -> dict[str, Implementation]:
+  """The GCA implementations for these (validated) inputs; `query_chunks` and `top_k`
+  (chunk_indices' last two axes) let the kernels' shared-memory checks count a query chunk's
+  rows and its slots."""
   def pallas_unsupported() -> str | None:
     query_len = None if query_chunks is None else q.shape[1] // query_chunks
     return unsupported_reason(head_dim=q.shape[-1], chunk_len=chunk_k.shape[2], heads=q.shape[2],
-                              kv_heads=chunk_k.shape[3], dtype=q.dtype, config=pallas_config, query_len=query_len)
+                              kv_heads=chunk_k.shape[3], dtype=q.dtype, config=pallas_config, query_len=query_len,
+                              top_k=top_k)
 
   return {"reference": Implementation(), "xla": Implementation(),
           "pallas": Implementation(pallas_unsupported, default_backends=("gpu",))}
@@ -71,8 +76,8 @@ def gca_attention(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, chunk_we
       chunk each slot holds (out-of-range indices are clipped). No gradient.
     scale: score scale, default 1/sqrt(head_dim).
     implementation: one of IMPLEMENTATIONS or None (see module docstring).
-    pallas_config: a `pallas_kernels.gca.GcaKernelConfig` for "pallas"; None picks the
-      default.
+    pallas_config: a `pallas_kernels.gca.GcaKernelConfig` for "pallas" (its `backend`
+      picks Triton or Mosaic GPU kernels); None picks the default.
 
   Returns:
     [batch, seq, heads, head_dim] in q's dtype ("reference"/"xla" compute bf16 inputs in
@@ -84,7 +89,7 @@ def gca_attention(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, chunk_we
   """
   validate_inputs(q, chunk_k, chunk_v, chunk_weights, chunk_indices)
   implementation = choose("gca_attention", implementation,
-                          implementations(q, chunk_k, pallas_config, chunk_indices.shape[1]), DEFAULT_ORDER)
+                          implementations(q, chunk_k, pallas_config, *chunk_indices.shape[1:]), DEFAULT_ORDER)
   if implementation == "pallas":
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
 
