@@ -12,7 +12,9 @@ keys (the landmark row is the softmax_1's implicit zero logit), indices and weig
 at random (retrieval is not timed). Gradients: q, chunk keys/values and chunk weights.
 configs/drt_128m.py has chunk_size 63: --chunk=63 gives its shape (64 query positions
 per chunk, memory chunks of 63 keys). `--pallas_configs` times "pallas" once per
-`pallas_kernels.gca.GcaKernelConfig` given (a sweep); without it, the default config.
+`pallas_kernels.gca.GcaKernelConfig` given (a sweep); without it, the default config, whose
+backend "auto" runs the Mosaic GPU kernels on Hopper: "backend=triton;backend=mosaic" puts
+the two side by side (the Triton fields of a config apply only with backend=triton).
 
 FLOPs per forward: 4 * positions * heads * top_k * chunk * head_dim (two products per
 retrieved chunk); the backward recomputes P and O' and adds four products (x2.5 the
