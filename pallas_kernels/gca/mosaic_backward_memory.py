@@ -28,7 +28,8 @@ and slot read as scalars from `order`) through a `stages`-deep ring, so the next
 copies fly while this one computes. Per step the two products that need only the step's
 inputs, S^T and dP^T, are issued together and waited on once, then dV and dK's products
 (wP^T and dS^T as register operands) together onto the running accumulators; the step's
-ring buffers are refilled with step + stages once both are done.
+ring buffers are refilled with step + stages once both are done (that step's pair read from
+`order` at the top of the step, so the scalar load's latency hides under the products).
 
 GPU interpret mode differs in the same two places as the query-side kernels (register
 operands staged through shared memory, accumulators added after the products).
@@ -71,17 +72,20 @@ def _backward_memory_kernel(order_ref, starts_ref, pair_weights_ref, queries_ref
   steps_per_pair = group * tiles_per_chunk
   num_steps = (starts_ref[batch, chunk + 1] - first_pair) * steps_per_pair
 
+  last_pair = order_ref.shape[1] - 1
+
   def step_source(step):
-    """(query chunk, slot, head, rows) of a step: pair-major, then head, then query tile."""
-    pair = order_ref[batch, first_pair + lax.div(step, steps_per_pair)]
+    """(query chunk, slot, head, rows) of a step: pair-major, then head, then query tile. A
+    step past the end reads the last pair (and is never loaded)."""
+    pair = order_ref[batch, jnp.minimum(first_pair + lax.div(step, steps_per_pair), last_pair)]
     within_pair = lax.rem(step, steps_per_pair)
     head = kv_head * group + lax.div(within_pair, tiles_per_chunk)
     rows = pl.ds(lax.rem(within_pair, tiles_per_chunk) * TILE_ROWS, TILE_ROWS)
     return lax.div(pair, top_k), lax.rem(pair, top_k), head, rows
 
-  def load(step):
+  def load(step, source):
     stage = lax.rem(step, stages)
-    query_chunk, slot, head, rows = step_source(step)
+    query_chunk, slot, head, rows = source
     barrier = step_barriers.at[stage]
     plgpu.copy_gmem_to_smem(queries_ref.at[batch, query_chunk, rows, head], query_ring.at[stage], barrier)
     plgpu.copy_gmem_to_smem(d_out_ref.at[batch, query_chunk, rows, head], d_out_ring.at[stage], barrier)
@@ -89,7 +93,8 @@ def _backward_memory_kernel(order_ref, starts_ref, pair_weights_ref, queries_ref
     plgpu.copy_gmem_to_smem(row_dots_ref.at[batch, query_chunk, head, slot, rows], row_dots_ring.at[stage], barrier)
 
   for step in range(stages):
-    pl.when(step < num_steps)(functools.partial(load, jnp.int32(step)))
+    step = jnp.int32(step)
+    pl.when(step < num_steps)(functools.partial(load, step, step_source(step)))
   plgpu.barrier_wait(chunk_barrier)
   key_valid = key_mask(chunk_len, keys_axis=0)
   score_unit = scale * LOG2_E
@@ -101,6 +106,8 @@ def _backward_memory_kernel(order_ref, starts_ref, pair_weights_ref, queries_ref
     stage = lax.rem(step, stages)
     # The pair's weight in pair order: one load, not one behind the pair's own.
     weight = pair_weights_ref[batch, first_pair + lax.div(step, steps_per_pair)]
+    # The refill's pair is read now: its latency hides under this step's products.
+    refill_source = step_source(step + stages)
     plgpu.barrier_wait(step_barriers.at[stage])
     queries, d_out = query_ring.at[stage], d_out_ring.at[stage]
     scores_t, d_probs_t = products_together([(key_smem, queries.T), (value_smem, d_out.T)],
@@ -114,7 +121,7 @@ def _backward_memory_kernel(order_ref, starts_ref, pair_weights_ref, queries_ref
     d_scores_t = _register_operand(d_scores_t.astype(dtype), d_scores_staging)
     d_values, d_keys = products_together([(weighted_probs_t, d_out), (d_scores_t, queries)],
                                          inits=(d_values, d_keys), in_place=not interpreted)
-    pl.when(step + stages < num_steps)(functools.partial(load, step + stages))
+    pl.when(step + stages < num_steps)(functools.partial(load, step + stages, refill_source))
     return d_keys, d_values
 
   zeros = plgpu.layout_cast(jnp.zeros((CHUNK_TILE, head_dim), jnp.float32), plgpu.Layout.WGMMA)
