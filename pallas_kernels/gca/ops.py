@@ -3,10 +3,10 @@
 `gca_attention_pallas` first picks the kernels (`backend.choose_backend`, by
 `GcaKernelConfig.backend`): on a Hopper GPU the Mosaic GPU kernels
 (`mosaic_attention.gca_attention_mosaic`) where they take the inputs, else the Triton
-kernels described here. For those it takes the layout of the GCA entry point, views the queries as
-[batch, query_chunks, query_len, heads, head_dim] (a reshape), zero-pads each query
-chunk to its query blocks (`kernels.Tiling.segments`) and each memory chunk to a power-of-two tile,
-and runs `kernels.forward`; the custom VJP runs `kernels.backward_queries` (dQ, dw)
+kernels described here. For those it takes the layout of the GCA entry point, views the
+queries as [batch, query_chunks, query_len, heads, head_dim] (a reshape), zero-pads each
+query chunk to its query blocks (`kernels.Tiling.segments`) and each memory chunk to a
+power-of-two tile, and runs `kernels.forward`; the custom VJP runs `kernels.backward_queries` (dQ, dw)
 and `kernels.backward_memory` (dK, dV). Padding is exact: padded keys are masked out
 of every softmax_1, padded query rows are sliced off (and their cotangent is zero).
 
