@@ -134,12 +134,14 @@ def test_compiled_backward_queries_matches_triton_and_xla(stages):
   assert rel_err(d_weights, ref_d_w) < 1e-2
 
 
-@pytest.mark.parametrize("shape, stages", [
-    (DRT_128M, 2),
-    (DRT_128M, 3),
-    (dict(batch=1, query_chunks=32, query_len=128, heads=8, kv_heads=2, head_dim=128, chunk_len=64, top_k=4), 2),
+# The grouped head-dim-128 case is past the Triton memory-side kernel's shared memory (it
+# asks for ~570 KB), so there the XLA path is the only reference.
+@pytest.mark.parametrize("shape, stages, against_triton", [
+    (DRT_128M, 2, True),
+    (DRT_128M, 3, True),
+    (dict(batch=1, query_chunks=32, query_len=128, heads=8, kv_heads=2, head_dim=128, chunk_len=64, top_k=4), 2, False),
 ])
-def test_compiled_backward_memory_matches_triton_and_xla(shape, stages):
+def test_compiled_backward_memory_matches_triton_and_xla(shape, stages, against_triton):
   """dK and dV at drt_128m's shape (early chunks retrieved by many query chunks, some by none)
   and with grouped heads, two query tiles per chunk and head dim 128."""
   if not _is_hopper():
@@ -166,15 +168,16 @@ def test_compiled_backward_memory_matches_triton_and_xla(shape, stages):
   again = mosaic(*padded)[0]
   assert bool(jnp.all(again[0] == d_keys)) and bool(jnp.all(again[1] == d_values)), "not deterministic"
 
-  to_triton = lambda slot_rows: slot_rows.transpose(0, 1, 3, 4, 2)
-  delta = to_triton(row_dots * weights[:, :, None, :, None])
-  triton = jax.jit(lambda *a: kernels.backward_memory(*a, tiling=_triton_tiling(shape), scale=scale,
-                                                      config=default_config(), interpret=False))(
-      queries, keys, values, weights, to_triton(lse), delta, d_out_padded, order, starts)
-  # dV: the kernel rounds w_j P to bf16, the Triton kernel P (then scales the product by w_j).
-  for name, ours, theirs, tol in zip(("d_keys", "d_values"), (d_keys, d_values), triton, (2e-3, 1e-2)):
-    assert ours.shape == theirs.shape, name
-    assert rel_err(ours, theirs) < tol, (name, rel_err(ours, theirs))
+  if against_triton:
+    to_triton = lambda slot_rows: slot_rows.transpose(0, 1, 3, 4, 2)
+    delta = to_triton(row_dots * weights[:, :, None, :, None])
+    triton = jax.jit(lambda *a: kernels.backward_memory(*a, tiling=_triton_tiling(shape), scale=scale,
+                                                        config=default_config(), interpret=False))(
+        queries, keys, values, weights, to_triton(lse), delta, d_out_padded, order, starts)
+    # dV: the kernel rounds w_j P to bf16, the Triton kernel P (then scales the product by w_j).
+    for name, ours, theirs, tol in zip(("d_keys", "d_values"), (d_keys, d_values), triton, (2e-3, 1e-2)):
+      assert ours.shape == theirs.shape, name
+      assert rel_err(ours, theirs) < tol, (name, rel_err(ours, theirs))
 
   f32 = lambda x: x.astype(jnp.float32)
   grad = jax.jit(jax.grad(lambda k, v: jnp.sum(gca_attention(f32(q), k, v, inputs[3], inputs[4], implementation="xla")

@@ -29,18 +29,14 @@ from pallas_kernels.device_facts import LogOnce, compute_capability, is_hopper
 
 logger = logging.getLogger(__name__)
 
-# Cases where the Mosaic GPU kernels measured faster than the Triton ones, forward plus
-# backward on an H100: (head_dim, dtype name, windowed), windowed meaning CASTLE-SWL
-# (benchmarks/RESULTS.md, "CASTLE on Mosaic GPU, fourth round"): at 2 x 16K x 9 heads,
-# d = 128 with a 512 window 46.9 vs 62.4 ms; d = 64 without a window 44.4 vs 65.8 ms.
-# d = 128 without a window stays on Triton (136.6 vs 130.4 ms). Only bfloat16 was
-# measured. If a case comes to depend on the window's size, change `mosaic_is_faster`,
-# the only reader.
-MOSAIC_FASTER_CASES: frozenset[tuple[int, str, bool]] = frozenset({
-    (128, "bfloat16", True),
-    (64, "bfloat16", False),
-    (64, "bfloat16", True),
-})
+# Cases where "auto" runs the Mosaic GPU kernels: (head_dim, dtype name, windowed), windowed
+# meaning CASTLE-SWL. Empty: the attention op alone is faster on Mosaic in some cases
+# (2 x 16K x 9 heads, fwd+bwd: d = 128 with a 512 window 46.9 vs 62.4 ms; d = 64 38.4 vs
+# 66.5 ms, with a 512 window 23.4 vs 33.5 ms), but the whole 24-layer CASTLE-SWL-XL train
+# step at 16K was slower with it (1340 vs 1055 ms/step) and took ~7 minutes to compile
+# instead of ~1 (benchmarks/RESULTS.md, "CASTLE on Mosaic GPU, fourth round"). Refill from
+# whole-model measurements; `mosaic_is_faster` is the only reader.
+MOSAIC_FASTER_CASES: frozenset[tuple[int, str, bool]] = frozenset()
 
 
 def mosaic_is_faster(window: int | None, head_dim: int, dtype) -> bool:
