@@ -61,6 +61,18 @@ def test_auto_runs_mosaic_on_hopper_where_it_takes_the_inputs(capability):
     assert _choose(**changes) == "triton", changes
 
 
+def test_auto_on_hopper_accepts_what_only_the_mosaic_kernels_take(capability):
+  """Grouped heads of 128: past the Triton memory-side kernel's shared memory, within the
+  Mosaic kernels'. The op-level check must ask the kernels that "auto" will run."""
+  sizes = dict(head_dim=128, chunk_len=64, heads=8, kv_heads=2, dtype=jnp.bfloat16, query_len=65, top_k=4)
+  explicit = GcaKernelConfig()  # run as given: the Triton stages are not lowered to fit
+  capability(HOPPER)
+  assert unsupported_reason(**sizes, config=explicit) is None
+  assert "shared memory" in unsupported_reason(**sizes, config=GcaKernelConfig(backend="triton"))
+  capability(AMPERE)
+  assert "shared memory" in unsupported_reason(**sizes, config=explicit)
+
+
 def test_auto_off_hopper_is_triton(capability):
   for value in (AMPERE, "10.0", None):
     capability(value)

@@ -53,15 +53,22 @@ def unsupported_reason(*, head_dim: int, chunk_len: int, heads: int, kv_heads: i
   """Why the kernels cannot run inputs of these sizes (a message naming the argument and the
   fix), or None. Takes sizes, not arrays, so a caller can ask before any array exists.
 
-  A config with backend "mosaic" asks the Mosaic kernels (`backend.mosaic_unsupported_reason`;
-  without `query_len` or `top_k`, one 64-row tile and one slot, `gca_attention_pallas`
-  checks again with them); otherwise the Triton kernels, which also run wherever "auto"
-  passes over Mosaic (`triton_unsupported_reason`).
+  Asks the kernels that would run: the Mosaic kernels for backend "mosaic", and for "auto"
+  on a Hopper GPU where they take the inputs (`backend.mosaic_unsupported_reason`; without
+  `query_len` or `top_k`, one 64-row tile and one slot, `gca_attention_pallas` checks again
+  with them); otherwise the Triton kernels (`triton_unsupported_reason`). So "auto" on
+  Hopper accepts sizes only the Mosaic kernels take (grouped heads of 128, whose Triton
+  memory-side kernel is past the shared memory).
   """
-  if config is not None and config.backend == "mosaic":
-    return backend.mosaic_unsupported_reason(config, dtype=dtype, head_dim=head_dim, chunk_len=chunk_len,
-                                             query_len=query_len or 1, heads=heads, kv_heads=kv_heads,
-                                             top_k=top_k or 1, interpret=jax.default_backend() == "cpu")
+  requested = (config or default_config()).backend
+  if requested != "triton":
+    mosaic_reason = backend.mosaic_unsupported_reason(
+        config or default_config(), dtype=dtype, head_dim=head_dim, chunk_len=chunk_len, query_len=query_len or 1,
+        heads=heads, kv_heads=kv_heads, top_k=top_k or 1, interpret=jax.default_backend() == "cpu")
+    if requested == "mosaic":
+      return mosaic_reason
+    if mosaic_reason is None and backend.is_hopper(backend.compute_capability()):
+      return None
   return triton_unsupported_reason(head_dim=head_dim, chunk_len=chunk_len, heads=heads, kv_heads=kv_heads,
                                    dtype=dtype, config=config, query_len=query_len)
 
