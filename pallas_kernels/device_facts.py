@@ -25,6 +25,15 @@ def is_hopper(capability: str | None) -> bool:
   return capability is not None and capability.split(".")[0] == "9"
 
 
+
+def not_hopper_reason(capability: str | None, kernels: str, fix: str) -> str | None:
+  """None for a Hopper compute capability, else why `kernels` cannot run on this device,
+  followed by `fix`."""
+  if is_hopper(capability):
+    return None
+  device = f"compute capability {capability}" if capability else f"a {jax.devices()[0].platform} device"
+  return f"{kernels} need a Hopper GPU (compute capability 9.x), this is {device}; {fix}"
+
 class LogOnce:
   """Logs each distinct message once, at INFO on `logger` (a backend choice made at every
   trace would otherwise repeat itself). `cache_clear()` forgets the messages seen."""

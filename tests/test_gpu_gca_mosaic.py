@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from castle_jax.ops.gca import gca_attention, retrieval_scores, select_chunks
+from castle_jax.ops.gca import gca_attention
 from helpers import rel_err
 from pallas_kernels.gca import GcaKernelConfig, kernels, mosaic_backward_memory, mosaic_backward_queries, mosaic_forward
 from pallas_kernels.gca.config import default_config
@@ -28,6 +28,7 @@ from pallas_kernels.gca.mosaic_attention import gca_attention_mosaic
 from pallas_kernels.gca.mosaic_forward import CHUNK_TILE, gca_forward_mosaic
 from pallas_kernels.gca.ops import tiling_for
 from pallas_kernels.gca.pairs import retrieving_pairs
+from test_gpu_gca_pallas import _inputs as gpu_gca_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("full_float32_matmuls")]
 
@@ -37,15 +38,9 @@ def _is_hopper() -> bool:
   return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
 
 
-def _inputs(seed, *, batch, query_chunks, query_len, heads, kv_heads, head_dim, chunk_len, top_k, dtype):
-  keys = jax.random.split(jax.random.key(seed), 6)
-  q = jax.random.normal(keys[0], (batch, query_chunks * query_len, heads, head_dim), jnp.float32)
-  chunk_k = jax.random.normal(keys[1], (batch, query_chunks, chunk_len, kv_heads, head_dim), jnp.float32)
-  chunk_v = jax.random.normal(keys[2], (batch, query_chunks, chunk_len, kv_heads, head_dim), jnp.float32)
-  landmarks = jax.random.normal(keys[3], (batch, query_chunks, 32), jnp.float32)
-  states = jax.random.normal(keys[4], (batch, query_chunks, 32), jnp.float32)
-  indices, weights = select_chunks(retrieval_scores(states, landmarks), top_k, gumbel_rng=keys[5])
-  return q.astype(dtype), chunk_k.astype(dtype), chunk_v.astype(dtype), weights, indices
+def _inputs(seed, **shape):
+  """The GCA inputs of `test_gpu_gca_pallas` (causal `select_chunks` retrievals), without the cotangent."""
+  return gpu_gca_inputs(seed, **shape)[0]
 
 
 def _padded(inputs, *, query_chunks, query_len, heads, head_dim, chunk_len, **_):

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import logging
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels.castle.config import CastleKernelConfig
 from pallas_kernels.castle.mosaic_config import SUPPORTED_HEAD_DIMS
 from pallas_kernels.castle.mosaic_ops import SUPPORTED_DTYPES as MOSAIC_DTYPES
 # Re-exported: callers and tests read (and fake) them as this module's.
-from pallas_kernels.device_facts import LogOnce, compute_capability, is_hopper
+from pallas_kernels.device_facts import LogOnce, compute_capability, is_hopper, not_hopper_reason
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +54,10 @@ def mosaic_unsupported_reason(config: CastleKernelConfig, *, dtype, head_dim: in
   if config.lookahead_operands != "float16":
     return (f"CastleKernelConfig.lookahead_operands={config.lookahead_operands!r} is a Triton setting: the Mosaic "
             "GPU kernels always take float16 lookahead operands; use lookahead_operands='float16' with them")
-  capability = compute_capability()
-  if not interpret and not is_hopper(capability):
-    device = f"compute capability {capability}" if capability else f"a {jax.devices()[0].platform} device"
-    return (f"the Mosaic GPU kernels need a Hopper GPU (compute capability 9.x), this is {device}; "
-            "use CastleKernelConfig(backend='triton'), or interpret=True for a slow test run")
-  return None
+  if interpret:
+    return None
+  return not_hopper_reason(compute_capability(), "the Mosaic GPU kernels",
+                           "use CastleKernelConfig(backend='triton'), or interpret=True for a slow test run")
 
 
 _log_once = LogOnce(logger)

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import logging
 
-import jax
 
-from pallas_kernels.device_facts import LogOnce, compute_capability, is_hopper
+from pallas_kernels.device_facts import LogOnce, compute_capability, is_hopper, not_hopper_reason
 from pallas_kernels.gca import mosaic_backward_memory, mosaic_backward_queries, mosaic_forward, mosaic_tiles
 from pallas_kernels.gca.config import GcaKernelConfig
 
@@ -53,12 +52,10 @@ def mosaic_unsupported_reason(config: GcaKernelConfig, *, dtype, head_dim: int, 
     return (f"GcaKernelConfig.mosaic_stages={config.mosaic_stages} asks for about {needed // 1024} KiB of shared "
             f"memory per program at head_dim {head_dim}, over the {MOSAIC_SHARED_MEMORY // 1024} KiB an H100 block "
             "gives; lower mosaic_stages")
-  capability = compute_capability()
-  if not interpret and not is_hopper(capability):
-    device = f"compute capability {capability}" if capability else f"a {jax.devices()[0].platform} device"
-    return (f"the GCA Mosaic GPU kernels need a Hopper GPU (compute capability 9.x), this is {device}; use "
-            "GcaKernelConfig(backend='triton'), or interpret=True for a slow test run")
-  return None
+  if interpret:
+    return None
+  return not_hopper_reason(compute_capability(), "the GCA Mosaic GPU kernels",
+                           "use GcaKernelConfig(backend='triton'), or interpret=True for a slow test run")
 
 
 def choose_backend(config: GcaKernelConfig, *, dtype, head_dim: int, chunk_len: int, query_len: int, heads: int,

@@ -36,9 +36,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels.castle.mosaic_forward import _operand_smem, _register_operand, products
-from pallas_kernels.gca.mosaic_tiles import (CHUNK_TILE, DEFAULT_STAGES, TILE_ROWS, KeyValueRing, Program,
-                                             check_padded, key_mask, launch, products_together, ring_bytes,
-                                             ring_scratch)
+from pallas_kernels.gca.mosaic_tiles import (CHUNK_TILE, DEFAULT_STAGES, TILE_ROWS, check_padded, key_mask, launch,
+                                             products_together, query_tile_program, ring_bytes, ring_scratch)
 
 LOG2_E = math.log2(math.e)
 
@@ -49,11 +48,11 @@ def _backward_queries_kernel(indices_ref, weights_ref, queries_ref, d_out_ref, l
                              tiles_per_chunk: int, top_k: int, chunk_len: int, stages: int, scale: float,
                              interpreted: bool):
   """One program: dQ and the row dots of one 64-row query tile of one (batch, head)."""
-  program = Program.current(heads=heads, group=group, tiles_per_chunk=tiles_per_chunk)
+  program, ring, weights = query_tile_program(indices_ref, weights_ref, keys_ref, values_ref, ring_buffers,
+                                              heads=heads, group=group, tiles_per_chunk=tiles_per_chunk,
+                                              top_k=top_k, stages=stages)
   head_dim = query_smem.shape[-1]
   dtype = query_smem.dtype
-  ring = KeyValueRing(program, indices_ref, keys_ref, values_ref, ring_buffers, top_k=top_k, stages=stages)
-  weights = [weights_ref[program.batch, program.chunk, slot] for slot in range(top_k)]
 
   plgpu.copy_gmem_to_smem(program.query_rows(queries_ref), query_smem, input_barrier)
   plgpu.copy_gmem_to_smem(program.query_rows(d_out_ref), d_out_smem, input_barrier)

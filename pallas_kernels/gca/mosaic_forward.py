@@ -67,8 +67,8 @@ import jax.numpy as jnp
 # the interpret-mode staging of register operands.
 from pallas_kernels.castle.mosaic_forward import _operand_smem, _register_operand, products
 from pallas_kernels.gca.mosaic_tiles import (CHUNK_TILE, DEFAULT_STAGES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS,
-                                             TILE_ROWS, KeyValueRing, Program, check_padded, key_mask, launch,
-                                             pad_inputs, ring_bytes, ring_scratch, unsupported_reason)
+                                             TILE_ROWS, KeyValueRing, check_padded, key_mask, launch, pad_inputs,
+                                             query_tile_program, ring_bytes, ring_scratch, unsupported_reason)
 
 __all__ = ["CHUNK_TILE", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "TILE_ROWS", "forward", "forward_native",
            "gca_forward_mosaic", "shared_memory_bytes", "unsupported_reason"]
@@ -81,11 +81,11 @@ def _forward_kernel(indices_ref, weights_ref, queries_ref, keys_ref, values_ref,
                     tiles_per_chunk: int, top_k: int, chunk_len: int, stages: int, overlap: bool, scale: float,
                     interpreted: bool):
   """One program: one 64-row query tile of one (batch, head), all k slots."""
-  program = Program.current(heads=heads, group=group, tiles_per_chunk=tiles_per_chunk)
+  program, ring, weights = query_tile_program(indices_ref, weights_ref, keys_ref, values_ref, ring_buffers,
+                                              heads=heads, group=group, tiles_per_chunk=tiles_per_chunk,
+                                              top_k=top_k, stages=stages)
   head_dim = query_smem.shape[-1]
   dtype = query_smem.dtype
-  ring = KeyValueRing(program, indices_ref, keys_ref, values_ref, ring_buffers, top_k=top_k, stages=stages)
-  weights = [weights_ref[program.batch, program.chunk, slot] for slot in range(top_k)]
 
   plgpu.copy_gmem_to_smem(program.query_rows(queries_ref), query_smem, query_barrier)
   ring.start()
