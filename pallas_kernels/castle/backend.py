@@ -24,7 +24,8 @@ from pallas_kernels.castle.config import CastleKernelConfig
 from pallas_kernels.castle.mosaic_config import SUPPORTED_HEAD_DIMS
 from pallas_kernels.castle.mosaic_ops import SUPPORTED_DTYPES as MOSAIC_DTYPES
 # Re-exported: callers and tests read (and fake) them as this module's.
-from pallas_kernels.device_facts import LogOnce, compute_capability, is_hopper, not_hopper_reason
+from pallas_kernels.device_facts import (LogOnce, announce, compute_capability, is_hopper, not_hopper_reason,
+                                         pick_kernels)
 
 logger = logging.getLogger(__name__)
 
@@ -76,22 +77,15 @@ def choose_backend(config: CastleKernelConfig, *, dtype, head_dim: int, window: 
   Raises:
     ValueError: backend "mosaic" for inputs or a device the Mosaic kernels cannot take.
   """
-  if config.backend == "triton":
-    return "triton"
-  reason = mosaic_unsupported_reason(config, dtype=dtype, head_dim=head_dim, interpret=interpret)
-  if config.backend == "mosaic":
-    if reason is not None:
-      raise ValueError(f"castle_attention_pallas: CastleKernelConfig.backend='mosaic' cannot run: {reason}")
-    return "mosaic"
-  capability = compute_capability()
-  if not is_hopper(capability):
-    return "triton"
-  if reason is None and mosaic_is_faster(window, head_dim, dtype):
-    return "mosaic"
-  why = reason or (f"the Mosaic GPU kernels are not measured faster for head_dim {head_dim}, "
-                   f"{jnp.dtype(dtype).name}, {'CASTLE-SWL' if window is not None else 'CASTLE'} "
-                   "(pallas_kernels.castle.backend.MOSAIC_FASTER_CASES; benchmarks/RESULTS.md, "
-                   "\"CASTLE on Mosaic GPU\")")
-  _log_once(f"castle_attention_pallas: backend='auto' runs the Triton kernels on this compute capability "
-            f"{capability} GPU: {why}")
-  return "triton"
+  def not_measured_faster():
+    if mosaic_is_faster(window, head_dim, dtype):
+      return None
+    return (f"the Mosaic GPU kernels are not measured faster for head_dim {head_dim}, {jnp.dtype(dtype).name}, "
+            f"{'CASTLE-SWL' if window is not None else 'CASTLE'} (pallas_kernels.castle.backend.MOSAIC_FASTER_CASES; "
+            "benchmarks/RESULTS.md, \"CASTLE on Mosaic GPU\")")
+
+  choice = pick_kernels(
+      config.backend,
+      lambda: mosaic_unsupported_reason(config, dtype=dtype, head_dim=head_dim, interpret=interpret),
+      capability=compute_capability, auto_declines=not_measured_faster)
+  return announce(choice, op="castle_attention_pallas", config_name="CastleKernelConfig", log_once=_log_once)

@@ -20,7 +20,8 @@ from __future__ import annotations
 import logging
 
 
-from pallas_kernels.device_facts import LogOnce, compute_capability, is_hopper, not_hopper_reason
+from pallas_kernels.device_facts import (KernelChoice, LogOnce, announce, compute_capability,
+                                         not_hopper_reason, pick_kernels)
 from pallas_kernels.gca import mosaic_backward_memory, mosaic_backward_queries, mosaic_forward, mosaic_tiles
 from pallas_kernels.gca.config import GcaKernelConfig
 
@@ -58,6 +59,18 @@ def mosaic_unsupported_reason(config: GcaKernelConfig, *, dtype, head_dim: int, 
                            "use GcaKernelConfig(backend='triton'), or interpret=True for a slow test run")
 
 
+def pick(config: GcaKernelConfig, *, dtype, head_dim: int, chunk_len: int, query_len: int, heads: int, kv_heads: int,
+         top_k: int, interpret: bool) -> KernelChoice:
+  """The kernels `config.backend` runs for these inputs, with the reason where Mosaic cannot
+  run or "auto" passes over it (`device_facts.pick_kernels`); arguments as `choose_backend`."""
+  return pick_kernels(
+      config.backend,
+      lambda: mosaic_unsupported_reason(config, dtype=dtype, head_dim=head_dim, chunk_len=chunk_len,
+                                        query_len=query_len, heads=heads, kv_heads=kv_heads, top_k=top_k,
+                                        interpret=interpret),
+      capability=compute_capability)
+
+
 def choose_backend(config: GcaKernelConfig, *, dtype, head_dim: int, chunk_len: int, query_len: int, heads: int,
                    kv_heads: int, top_k: int, interpret: bool) -> str:
   """"triton" or "mosaic": the kernels that run these inputs (module docstring).
@@ -71,20 +84,6 @@ def choose_backend(config: GcaKernelConfig, *, dtype, head_dim: int, chunk_len: 
   Raises:
     ValueError: backend "mosaic" for inputs or a device the Mosaic kernels cannot take.
   """
-  if config.backend == "triton":
-    return "triton"
-  reason = mosaic_unsupported_reason(config, dtype=dtype, head_dim=head_dim, chunk_len=chunk_len,
-                                     query_len=query_len, heads=heads, kv_heads=kv_heads, top_k=top_k,
-                                     interpret=interpret)
-  if config.backend == "mosaic":
-    if reason is not None:
-      raise ValueError(f"gca_attention_pallas: GcaKernelConfig.backend='mosaic' cannot run: {reason}")
-    return "mosaic"
-  capability = compute_capability()
-  if not is_hopper(capability):
-    return "triton"
-  if reason is None:
-    return "mosaic"
-  _log_once(f"gca_attention_pallas: backend='auto' runs the Triton kernels on this compute capability {capability} "
-            f"GPU: {reason}")
-  return "triton"
+  choice = pick(config, dtype=dtype, head_dim=head_dim, chunk_len=chunk_len, query_len=query_len, heads=heads,
+                kv_heads=kv_heads, top_k=top_k, interpret=interpret)
+  return announce(choice, op="gca_attention_pallas", config_name="GcaKernelConfig", log_once=_log_once)

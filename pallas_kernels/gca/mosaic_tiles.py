@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 # Shared with the CASTLE Mosaic kernels: the TMA/wgmma shared-memory layout.
 from pallas_kernels.castle.mosaic_forward import _operand_smem
+from pallas_kernels.gca import padding
 
 TILE_ROWS = 64             # query rows per program: one warpgroup's wgmma rows
 CHUNK_TILE = 64            # keys per memory-chunk tile (chunks padded to it)
@@ -68,30 +69,15 @@ def check_padded(queries, keys, values, *, chunk_len: int, stages: int):
                      f"dtype {queries.dtype}, got {keys.shape} {keys.dtype} and {values.shape} {values.dtype}")
 
 
-@dataclasses.dataclass(frozen=True)
-class PaddedInputs:
-  """The kernels' padded arrays (`arrays`: queries [batch, query_chunks, query_rows, heads,
-  head_dim], keys and values [batch, memory_chunks, 64, kv_heads, head_dim], float32 weights,
-  int32 indices clipped into range) and what undoes the padding."""
-  arrays: tuple
-  query_len: int
-  chunk_len: int
-
-  def unpad(self, rows):
-    """[batch, query_chunks, query_rows, heads, X] -> [batch, seq, heads, X]."""
-    batch, query_chunks, _, heads, width = rows.shape
-    return rows[:, :, :self.query_len].reshape(batch, query_chunks * self.query_len, heads, width)
-
-
-def pad_inputs(q, chunk_k, chunk_v, chunk_weights, chunk_indices, *, stages: int) -> PaddedInputs:
+def pad_inputs(q, chunk_k, chunk_v, chunk_weights, chunk_indices, *, stages: int) -> padding.PaddedInputs:
   """Checks the GCA entry point's inputs and pads them for the kernels: each query chunk to a
   multiple of 64 rows (zero rows), each memory chunk to 64 keys (zero keys, masked out).
 
   Raises:
     ValueError: sizes or a dtype the kernels do not take (naming the argument).
   """
-  batch, seq, heads, head_dim = q.shape
-  memory_chunks, chunk_len, kv_heads = chunk_k.shape[1:4]
+  _, seq, heads, head_dim = q.shape
+  chunk_len, kv_heads = chunk_k.shape[2:4]
   query_chunks = chunk_indices.shape[1]
   if chunk_k.dtype != q.dtype or chunk_v.shape != chunk_k.shape or chunk_v.dtype != q.dtype:
     raise ValueError(f"chunk_k and chunk_v must have one shape and q's dtype {q.dtype}; got {chunk_k.shape} "
@@ -105,12 +91,7 @@ def pad_inputs(q, chunk_k, chunk_v, chunk_weights, chunk_indices, *, stages: int
                               kv_heads=kv_heads, dtype=q.dtype, stages=stages)
   if reason:
     raise ValueError(reason)
-  queries = q.reshape(batch, query_chunks, query_len, heads, head_dim)
-  queries = jnp.pad(queries, ((0, 0), (0, 0), (0, query_rows - query_len), (0, 0), (0, 0)))
-  key_padding = ((0, 0), (0, 0), (0, CHUNK_TILE - chunk_len), (0, 0), (0, 0))
-  keys, values = jnp.pad(chunk_k, key_padding), jnp.pad(chunk_v, key_padding)
-  indices = jnp.clip(chunk_indices.astype(jnp.int32), 0, memory_chunks - 1)
-  return PaddedInputs((queries, keys, values, chunk_weights.astype(jnp.float32), indices), query_len, chunk_len)
+  return padding.pad(q, chunk_k, chunk_v, chunk_weights, chunk_indices, query_rows=query_rows, chunk_tile=CHUNK_TILE)
 
 
 @dataclasses.dataclass(frozen=True)

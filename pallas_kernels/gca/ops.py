@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.config_checks import SMALLEST_TILE, is_power_of_two, next_power_of_two
-from pallas_kernels.gca import backend, kernels, shared_memory
+from pallas_kernels.gca import backend, kernels, padding, shared_memory
 from pallas_kernels.gca.config import GcaKernelConfig, default_config
 from pallas_kernels.gca.mosaic_attention import gca_attention_mosaic
 from pallas_kernels.gca.pairs import retrieving_pairs
@@ -60,15 +60,11 @@ def unsupported_reason(*, head_dim: int, chunk_len: int, heads: int, kv_heads: i
   Hopper accepts sizes only the Mosaic kernels take (grouped heads of 128, whose Triton
   memory-side kernel is past the shared memory).
   """
-  requested = (config or default_config()).backend
-  if requested != "triton":
-    mosaic_reason = backend.mosaic_unsupported_reason(
-        config or default_config(), dtype=dtype, head_dim=head_dim, chunk_len=chunk_len, query_len=query_len or 1,
-        heads=heads, kv_heads=kv_heads, top_k=top_k or 1, interpret=jax.default_backend() == "cpu")
-    if requested == "mosaic":
-      return mosaic_reason
-    if mosaic_reason is None and backend.is_hopper(backend.compute_capability()):
-      return None
+  choice = backend.pick(config or default_config(), dtype=dtype, head_dim=head_dim, chunk_len=chunk_len,
+                        query_len=query_len or 1, heads=heads, kv_heads=kv_heads, top_k=top_k or 1,
+                        interpret=jax.default_backend() == "cpu")
+  if choice.kernels == "mosaic":
+    return choice.reason
   return triton_unsupported_reason(head_dim=head_dim, chunk_len=chunk_len, heads=heads, kv_heads=kv_heads,
                                    dtype=dtype, config=config, query_len=query_len)
 
@@ -193,8 +189,8 @@ def gca_attention_pallas(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, c
   """
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
-  batch, seq, heads, head_dim = q.shape
-  memory_chunks, chunk_len, kv_heads = chunk_k.shape[1:4]
+  _, seq, heads, head_dim = q.shape
+  chunk_len, kv_heads = chunk_k.shape[2:4]
   query_chunks, top_k = chunk_indices.shape[1:]
   query_len = seq // query_chunks
   chosen = backend.choose_backend(config or default_config(), dtype=q.dtype, head_dim=head_dim, chunk_len=chunk_len,
@@ -209,12 +205,6 @@ def gca_attention_pallas(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, c
     raise ValueError(reason)
   config, tiling = config_for(config, query_len=query_len, group=heads // kv_heads, chunk_len=chunk_len,
                               head_dim=head_dim, dtype=q.dtype)
-  padded_query_len = tiling.padded_query_len
-  queries = q.reshape(batch, query_chunks, query_len, heads, head_dim)
-  queries = jnp.pad(queries, ((0, 0), (0, 0), (0, padded_query_len - query_len), (0, 0), (0, 0)))
-  key_padding = ((0, 0), (0, 0), (0, tiling.padded_chunk_len - chunk_len), (0, 0), (0, 0))
-  keys, values = jnp.pad(chunk_k, key_padding), jnp.pad(chunk_v, key_padding)
-  indices = jnp.clip(chunk_indices.astype(jnp.int32), 0, memory_chunks - 1)
-  weights = chunk_weights.astype(jnp.float32)
-  out = _gca(queries, keys, values, weights, indices, tiling, float(scale), config, interpret)
-  return out[:, :, :query_len].reshape(batch, seq, heads, head_dim)
+  padded = padding.pad(q, chunk_k, chunk_v, chunk_weights, chunk_indices, query_rows=tiling.padded_query_len,
+                       chunk_tile=tiling.padded_chunk_len)
+  return padded.unpad(_gca(*padded.arrays, tiling, float(scale), config, interpret))
