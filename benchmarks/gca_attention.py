@@ -2,7 +2,8 @@
 sliding-window ALiBi self-attention over the same tokens.
 
     python benchmarks/gca_attention.py [--tokens=16384,65536] [--batch=4] [--heads=12] \
-        [--head_dim=64] [--chunk=64] [--top_k=8] [--impls=xla,pallas,reference,pallas_mosaic_fwd,pallas_mosaic] \
+        [--head_dim=64] [--chunk=64] [--top_k=8] \
+        [--impls=xla,pallas,reference,pallas_mosaic_fwd,pallas_mosaic,dense_cudnn] \
         [--pallas_configs="block_rows=64;block_rows=32,num_warps=4"] \
         [--window_impls=cudnn,cudnn_plain,xla] [--json=out.json]
 
@@ -24,7 +25,10 @@ Pallas kernels run 9 products per retrieved chunk, i.e. 4.5x). Mosaic GPU rows
 overlapped schedule): "pallas_mosaic_fwd" times the Mosaic
 forward alone (`pallas_kernels.gca.mosaic_forward`; compare with the "pallas" row's fwd ms,
 the Triton forward), "pallas_mosaic" the forward and gradients of `gca_attention_mosaic`
-(the Mosaic forward and both Mosaic backward kernels). Prints a table
+(the Mosaic forward and both Mosaic backward kernels). "dense_cudnn" is the reference for
+the kernels' rate: cuDNN flash attention on the same work laid out densely (each query
+chunk over top_k * chunk contiguous keys: the same FLOPs and product shapes, no gather and
+no softmax_1). Prints a table
 last; median of --iters calls.
 """
 
@@ -133,6 +137,31 @@ def window_row(impl, batch, tokens, heads, head_dim, chunk, window, dtype, iters
   return row
 
 
+def dense_row(batch, tokens, heads, head_dim, chunk, top_k, dtype, iters):
+  """The same work as GCA without the retrieval: cuDNN's flash attention, one sequence per
+  (batch, query chunk), its chunk + 1 queries over top_k * chunk contiguous keys, no mask.
+  Equal FLOPs and equal product shapes, so its TFLOP/s is the rate that the best dense
+  kernel reaches on GCA's small per-chunk problems: the reference for GCA's kernels."""
+  chunks = tokens // chunk
+  sets = []
+  for seed in range(2):
+    keys = jax.random.split(jax.random.key(20 + seed), 4)
+    q, cotangent = (jax.random.normal(key, (batch * chunks, chunk + 1, heads, head_dim), dtype) for key in keys[:2])
+    k, v = (jax.random.normal(key, (batch * chunks, top_k * chunk, heads, head_dim), dtype) for key in keys[2:])
+    sets.append((q, k, v, cotangent))
+
+  def fn(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+
+  flops = 4 * batch * chunks * (chunk + 1) * heads * top_k * chunk * head_dim
+  timings = time_forward_and_gradients(fn, 3, sets, iters)
+  row = {"impl": "dense_same_work_cudnn", "tokens": tokens, "positions": chunks * (chunk + 1), **timings}
+  if "fwd_ms" in timings:
+    row["fwd_tflops"] = flops / timings["fwd_ms"] / 1e9
+    row["fwd_bwd_tflops"] = 3.5 * flops / timings["fwd_bwd_ms"] / 1e9
+  return row
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--tokens", default="16384,65536", help="real tokens per sequence")
@@ -144,7 +173,9 @@ def main(argv=None) -> int:
   parser.add_argument("--window", type=int, default=512, help="sliding window of the self-attention rows")
   parser.add_argument("--window_impls", default="cudnn,cudnn_plain,xla",
                       help="self-attention rows: ALiBi window on 'cudnn'/'xla', 'cudnn_plain' (no ALiBi); '' for none")
-  parser.add_argument("--impls", default="xla", help="comma-separated GCA implementations (xla, pallas, reference)")
+  parser.add_argument("--impls", default="xla",
+                      help="comma-separated GCA implementations (xla, pallas, reference, pallas_mosaic_fwd, "
+                           "pallas_mosaic) and 'dense_cudnn' (the same work as dense cuDNN attention)")
   parser.add_argument("--pallas_configs", default="",
                       help="';'-separated GcaKernelConfig fields as key=value, e.g. 'block_rows=64;num_stages=3': "
                            "one 'pallas' row each (default: the default config)")
@@ -164,6 +195,14 @@ def main(argv=None) -> int:
           rows.append(gca_row(impl, args.batch, tokens, args.heads, args.head_dim, args.chunk, args.top_k, dtype,
                               args.iters, label=f"[{variant}]", mosaic_variant_text=variant))
           print(rows[-1], flush=True)
+        continue
+      if impl == "dense_cudnn":
+        try:
+          rows.append(dense_row(args.batch, tokens, args.heads, args.head_dim, args.chunk, args.top_k, dtype,
+                                args.iters))
+        except Exception as e:  # report and go on
+          rows.append({"impl": "dense_same_work_cudnn", "tokens": tokens, "error": error_text(e)})
+        print(rows[-1], flush=True)
         continue
       if impl == "pallas_mosaic_fwd":
         for variant in args.mosaic_stages.split(","):

@@ -30,13 +30,17 @@ def _inputs(seed, shape, dtype=jnp.bfloat16):
   return inputs, jax.random.normal(keys[6], shape, jnp.float32).astype(dtype)
 
 
-@pytest.mark.parametrize("shape, window", [
-    ((1, 100, 2, 64), None),   # ragged: 100 tokens in blocks of 64
-    ((1, 200, 1, 64), 70),     # SWL, the window longer than a block; steps past it
-    ((1, 192, 1, 128), 5),     # head dim 128, a window inside one block; steps past it
+@pytest.mark.parametrize("shape, window, cotangent_scale", [
+    ((1, 100, 2, 64), None, 1.0),    # ragged: 100 tokens in blocks of 64
+    ((1, 200, 1, 64), 70, 1.0),      # SWL, the window longer than a block; steps past it
+    ((1, 192, 1, 128), 5, 1.0),      # head dim 128, a window inside one block; steps past it
+    # A training loss's cotangents (a mean over many tokens): without rescaling, the float16
+    # lookahead products would see them as subnormals (d{q,k,v}_u 40-80% off).
+    ((1, 100, 2, 64), None, 1e-6),
 ])
-def test_gradients_match_the_parallel_form(shape, window):
+def test_gradients_match_the_parallel_form(shape, window, cotangent_scale):
   inputs, cotangent = _inputs(shape[1] + (window or 0), shape)
+  cotangent = (cotangent.astype(jnp.float32) * cotangent_scale).astype(cotangent.dtype)
   # The one-warpgroup forward: the default warp-specialized one needs a thread per
   # warpgroup in interpret mode (tests/test_castle_mosaic.py runs it in its own process).
   simple = CastleMosaicConfig(schedule="simple")
@@ -68,6 +72,22 @@ def test_backward_lowers_for_hopper():
       kernels = [jax.jit(f).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text().count(
                      "custom_call @mosaic_gpu") for f in (loss, jax.grad(loss, argnums=tuple(range(6))))]
     assert kernels[0] >= 1 and kernels[1] == kernels[0] + 1  # the forward's kernels and the backward
+
+
+def test_rematerialized_forward_still_runs_its_kernel():
+  """Under jax.checkpoint the backward pass recomputes the forward: its kernel calls must be
+  there again. (Kernels writing `jax.new_ref` outputs were dropped from the recomputation,
+  which then read zeros: NaN outputs and gradients in a rematerialized model.)"""
+  inputs, _ = _inputs(0, (1, 128, 2, 64))
+  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H100 80GB HBM3", None, "cuda"))
+  loss = lambda *a: jnp.sum(jnp.tanh(castle_attention_mosaic(*a, interpret=False).astype(jnp.float32)))
+  with jax.sharding.use_abstract_mesh(mesh):
+    kernels = [jax.jit(f).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text().count("custom_call @mosaic_gpu")
+               for f in (loss, jax.value_and_grad(loss, argnums=tuple(range(6))),
+                         jax.value_and_grad(jax.checkpoint(loss), argnums=tuple(range(6))))]
+  # The value's forward, then the recomputed one, then the backward.
+  forward, plain, rematerialized = kernels
+  assert rematerialized == plain + forward, kernels
 
 
 @pytest.mark.parametrize("change, message", [

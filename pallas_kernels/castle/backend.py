@@ -30,13 +30,14 @@ from pallas_kernels.device_facts import (LogOnce, announce, compute_capability, 
 logger = logging.getLogger(__name__)
 
 # Cases where "auto" runs the Mosaic GPU kernels: (head_dim, dtype name, windowed), windowed
-# meaning CASTLE-SWL. Empty: the attention op alone is faster on Mosaic in some cases
-# (2 x 16K x 9 heads, fwd+bwd: d = 128 with a 512 window 46.9 vs 62.4 ms; d = 64 38.4 vs
-# 66.5 ms, with a 512 window 23.4 vs 33.5 ms), but the whole 24-layer CASTLE-SWL-XL train
-# step at 16K was slower with it (1340 vs 1055 ms/step) and took ~7 minutes to compile
-# instead of ~1 (benchmarks/RESULTS.md, "CASTLE on Mosaic GPU, fourth round"). Refill from
-# whole-model measurements; `mosaic_is_faster` is the only reader.
-MOSAIC_FASTER_CASES: frozenset[tuple[int, str, bool]] = frozenset()
+# meaning CASTLE-SWL. Measured on an H100, forward plus backward at 2 x 16K x 9 heads
+# (benchmarks/RESULTS.md, "CASTLE on Mosaic GPU"): d = 128 with a 512 window 46.9 vs
+# 62.4 ms, d = 64 38.4 vs 66.5 ms, d = 64 with a 512 window 23.4 vs 33.5 ms; and the
+# rematerialized CASTLE-SWL-XL training step at 16K, 34.1 vs 42.0 ms per layer. Without a
+# window at d = 128 the Triton kernels are 5-10% faster, so they stay there. float16 is
+# not measured. `mosaic_is_faster` is the only reader.
+MOSAIC_FASTER_CASES: frozenset[tuple[int, str, bool]] = frozenset({
+    (128, "bfloat16", True), (64, "bfloat16", True), (64, "bfloat16", False)})
 
 
 def mosaic_is_faster(window: int | None, head_dim: int, dtype) -> bool:

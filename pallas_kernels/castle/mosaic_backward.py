@@ -62,7 +62,8 @@ import jax.numpy as jnp
 from pallas_kernels.castle.kernels import _silu_grad, sigmoid, silu
 from pallas_kernels.castle.mosaic_config import WGMMA_ROWS, CastleMosaicConfig
 from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, _operand_smem,
-                                                products as wgmma_products, step_masks as _step_masks)
+                                                products as wgmma_products, run_on_zeroed_refs,
+                                                step_masks as _step_masks)
 
 # Columns per chunk of a [64, head_dim] tile: one 128-byte swizzle span of 16-bit values.
 CHUNK = 64
@@ -386,13 +387,9 @@ def backward(q_u, k_u, v_u, q_c, k_c, v_c, keys_final, d_out, lse, delta, in_blo
                 consumed=plgpu.Barrier(num_arrivals=1),
                 staging_free=plgpu.Barrier(num_arrivals=1)),
   ]
-  full = lambda: jax.new_ref(jnp.zeros((heads, length, head_dim), jnp.float32))
-  dq_c, dk_u, dv_u = full(), full(), full()
-  d_in_block = jax.new_ref(jnp.zeros((heads, length, block_q), jnp.float32))
-  f32 = jax.ShapeDtypeStruct((heads, length, head_dim), jnp.float32)
-  dq_u, dk_c, dv_c = plgpu.kernel(
+  launch = plgpu.kernel(
       kernel,
-      out_type=(f32, f32, f32),
+      out_type=(),
       scratch_types=scratch,
       grid=(length // block_k, heads),
       grid_names=("key_block", "head"),
@@ -400,6 +397,12 @@ def backward(q_u, k_u, v_u, q_c, k_c, v_c, keys_final, d_out, lse, delta, in_blo
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
-  )(q_u, k_c, v_c, keys_final, q_c, q_c.astype(LOOKAHEAD_DTYPE), k_u, v_u.astype(LOOKAHEAD_DTYPE),
-    d_out, in_block_t.astype(LOOKAHEAD_DTYPE), lse, delta, dq_c, dk_u, dv_u, d_in_block)
-  return dq_u, dk_c, dv_c, dq_c[...], dk_u[...], dv_u[...], d_in_block[...]
+  )
+  inputs = (q_u, k_c, v_c, keys_final, q_c, q_c.astype(LOOKAHEAD_DTYPE), k_u, v_u.astype(LOOKAHEAD_DTYPE),
+            d_out, in_block_t.astype(LOOKAHEAD_DTYPE), lse, delta)
+  rows = jax.ShapeDtypeStruct((heads, length, head_dim), jnp.float32)
+  # dQ^C, dK^U, dV^U and dR are reduce-added into; dQ^U, dK^C, dV^C (after them) are written.
+  dq_c, dk_u, dv_u, d_in_block, dq_u, dk_c, dv_c = run_on_zeroed_refs(
+      lambda *refs: launch(*inputs, *refs),
+      (rows, rows, rows, jax.ShapeDtypeStruct((heads, length, block_q), jnp.float32), rows, rows, rows))
+  return dq_u, dk_c, dv_c, dq_c, dk_u, dv_u, d_in_block

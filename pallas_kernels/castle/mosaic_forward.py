@@ -118,6 +118,21 @@ def step_masks(key_start, query_start, shape, window: int | None):
   return query_minus_key >= 0, lookahead
 
 
+def run_on_zeroed_refs(call, types):
+  """`call(*refs)` (a Mosaic GPU kernel that writes, or reduce-adds into, refs given as its
+  last arguments) on zero-filled refs of `types`; returns their final values.
+
+  The refs live inside `pl.run_state`, so that the whole is a pure function seen from
+  outside. A kernel writing refs made by `jax.new_ref` instead is dropped by
+  `jax.checkpoint` (jax 0.11.2) when the recomputation needs none of its other outputs:
+  the refs then read back as zeros, and the rematerialized attention came out 0 / 0.
+  """
+  def body(refs):
+    call(*refs)
+
+  return pl.run_state(body)(tuple(jnp.zeros(t.shape, t.dtype) for t in types))
+
+
 def _register_operand(x, staging_smem):
   """x as a wgmma left operand: from registers on the GPU; GPU interpret mode only
   multiplies shared-memory operands, so there x goes through `staging_smem`."""
@@ -523,16 +538,17 @@ def forward(q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, shift, *, scale: float, wi
     inputs = (q_u, k_c, v_c, q_c, q_c.astype(LOOKAHEAD_DTYPE), k_u, v_u.astype(LOOKAHEAD_DTYPE),
               in_block_t.astype(LOOKAHEAD_DTYPE), shift)
     mesh = {}
-  acc = jax.new_ref(jnp.zeros((heads, length, head_dim), jnp.float32))
-  sums = jax.new_ref(jnp.zeros((heads, length), jnp.float32))
-  keys = plgpu.kernel(
+  launch = plgpu.kernel(
       kernel,
-      out_type=jax.ShapeDtypeStruct((heads, length, head_dim), jnp.float32),
+      out_type=(),
       scratch_types=scratch,
       grid=(length // config.keys_per_program, heads),
       grid_names=("key_block", "head"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
       **mesh,
-  )(*inputs, acc, sums)
-  return acc[...], sums[...], keys
+  )
+  rows = jax.ShapeDtypeStruct((heads, length, head_dim), jnp.float32)
+  # acc and sums are reduce-added into; keys (after them) is written.
+  return run_on_zeroed_refs(lambda *refs: launch(*inputs, *refs),
+                            (rows, jax.ShapeDtypeStruct((heads, length), jnp.float32), rows))
