@@ -37,7 +37,7 @@ CASES = {
     # drt_128m's per-head shape (64 query rows, 63-key chunks), bf16; 2 buffers for up to 4 steps.
     "bf16": (dict(heads=2, kv_heads=2, query_len=64, head_dim=64, chunk_len=63, dtype=jnp.bfloat16), 2),
     # grouped heads (2 per kv head), two 64-row tiles per query chunk: up to 16 steps through 1 buffer.
-    "f16_grouped": (dict(heads=4, kv_heads=2, query_len=65, head_dim=128, chunk_len=40, dtype=jnp.float16), 1),
+    "f16_grouped": (dict(heads=2, kv_heads=1, query_len=65, head_dim=128, chunk_len=40, dtype=jnp.float16), 1),
 }
 
 
