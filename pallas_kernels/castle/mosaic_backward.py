@@ -43,7 +43,10 @@ Precision: the products that recompute the forward (W V^U, D Q^C^T, W R^T) take 
 forward's float16 operands, so P matches the forward's probabilities; the causal
 gradient products take the inputs' dtype (as flash attention); the lookahead gradient
 products take float16 (W in [0, 1], dSU, dD, D scaled by 2^-8, Q^C, V^U and R), so
-the cotangents must keep those gradients within float16 range (|x| < 65504).
+those gradients must stay within float16's normal range: the caller scales dO per
+(batch, head) to max |dO| in [0.5, 1) by a power of two and divides the gradients by it
+(`mosaic_attention.cotangent_scale`; a training loss's dO of ~1e-6 would otherwise
+reach these products as subnormals).
 GPU interpret mode differs in two places, as in the forward: a wgmma accumulator that
 starts from a value is added to afterwards, and the reduce-adds read, add and write back.
 """
