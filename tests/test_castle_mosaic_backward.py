@@ -34,6 +34,7 @@ def _inputs(seed, shape, dtype=jnp.bfloat16):
     ((1, 100, 2, 64), None, 1.0),    # ragged: 100 tokens in blocks of 64
     ((1, 200, 1, 64), 70, 1.0),      # SWL, the window longer than a block; steps past it
     ((1, 192, 1, 128), 5, 1.0),      # head dim 128, a window inside one block; steps past it
+    ((1, 130, 1, 128), None, 1.0),   # head dim 128 without a window: the lookahead path every step
     # A training loss's cotangents (a mean over many tokens): without rescaling, the float16
     # lookahead products would see them as subnormals (d{q,k,v}_u 40-80% off).
     ((1, 100, 2, 64), None, 1e-6),
