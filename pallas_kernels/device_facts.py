@@ -27,7 +27,6 @@ def is_hopper(capability: str | None) -> bool:
   return capability is not None and capability.split(".")[0] == "9"
 
 
-
 def not_hopper_reason(capability: str | None, kernels: str, fix: str) -> str | None:
   """None for a Hopper compute capability, else why `kernels` cannot run on this device,
   followed by `fix`."""
@@ -35,6 +34,7 @@ def not_hopper_reason(capability: str | None, kernels: str, fix: str) -> str | N
     return None
   device = f"compute capability {capability}" if capability else f"a {jax.devices()[0].platform} device"
   return f"{kernels} need a Hopper GPU (compute capability 9.x), this is {device}; {fix}"
+
 
 class LogOnce:
   """Logs each distinct message once, at INFO on `logger` (a backend choice made at every
@@ -51,7 +51,6 @@ class LogOnce:
 
   def cache_clear(self) -> None:
     self._seen.clear()
-
 
 
 class KernelChoice(NamedTuple):

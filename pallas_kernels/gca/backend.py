@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 
-
 from pallas_kernels.device_facts import (KernelChoice, LogOnce, announce, compute_capability,
                                          not_hopper_reason, pick_kernels)
 from pallas_kernels.gca import mosaic_backward_memory, mosaic_backward_queries, mosaic_forward, mosaic_tiles

@@ -159,7 +159,6 @@ class KeyValueRing:
       self._load(slot + self.stages)
 
 
-
 def query_tile_program(indices_ref, weights_ref, keys_ref, values_ref, ring_buffers, *, heads: int, group: int,
                        tiles_per_chunk: int, top_k: int, stages: int):
   """(program, ring, weights) of a query-tile kernel (the forward, the query-side backward):
@@ -169,6 +168,7 @@ def query_tile_program(indices_ref, weights_ref, keys_ref, values_ref, ring_buff
   ring = KeyValueRing(program, indices_ref, keys_ref, values_ref, ring_buffers, top_k=top_k, stages=stages)
   weights = [weights_ref[program.batch, program.chunk, slot] for slot in range(top_k)]
   return program, ring, weights
+
 
 def ring_scratch(stages: int, head_dim: int, dtype):
   """Shared memory and barriers of a `KeyValueRing`: (key buffers, value buffers, key

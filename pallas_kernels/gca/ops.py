@@ -193,12 +193,13 @@ def gca_attention_pallas(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, c
   chunk_len, kv_heads = chunk_k.shape[2:4]
   query_chunks, top_k = chunk_indices.shape[1:]
   query_len = seq // query_chunks
-  chosen = backend.choose_backend(config or default_config(), dtype=q.dtype, head_dim=head_dim, chunk_len=chunk_len,
+  requested = config or default_config()
+  chosen = backend.choose_backend(requested, dtype=q.dtype, head_dim=head_dim, chunk_len=chunk_len,
                                   query_len=query_len, heads=heads, kv_heads=kv_heads, top_k=top_k,
                                   interpret=interpret)
   if chosen == "mosaic":
     return gca_attention_mosaic(q, chunk_k, chunk_v, chunk_weights, chunk_indices, scale=scale,
-                                stages=(config or default_config()).mosaic_stages, interpret=interpret)
+                                stages=requested.mosaic_stages, interpret=interpret)
   reason = triton_unsupported_reason(head_dim=head_dim, chunk_len=chunk_len, heads=heads, kv_heads=kv_heads,
                                      dtype=q.dtype, config=config, query_len=query_len)
   if reason:
