@@ -61,6 +61,15 @@ def gca_inputs(batch, tokens, heads, head_dim, chunk, top_k, dtype, seed):
   return q, chunk_k, chunk_v, weights, indices, cotangent
 
 
+def with_rates(row: dict, timings: dict, flops: float) -> dict:
+  """`row` plus fwd / fwd+bwd TFLOP/s for `flops` forward FLOPs (fwd+bwd counted as 3.5x),
+  when the timings did not fail."""
+  if "fwd_ms" in timings:
+    row["fwd_tflops"] = flops / timings["fwd_ms"] / 1e9
+    row["fwd_bwd_tflops"] = 3.5 * flops / timings["fwd_bwd_ms"] / 1e9
+  return row
+
+
 def gca_row(impl, batch, tokens, heads, head_dim, chunk, top_k, dtype, iters, pallas_config=None, label="",
             mosaic_variant_text="2"):
   """impl: a `gca_attention` implementation, or "pallas_mosaic" (`gca_attention_mosaic` with
@@ -80,10 +89,7 @@ def gca_row(impl, batch, tokens, heads, head_dim, chunk, top_k, dtype, iters, pa
   timings = time_forward_and_gradients(fn, 4, [s[:4] + (s[5],) for s in sets], iters)
   flops = 4 * batch * positions * heads * top_k * chunk * head_dim
   row = {"impl": f"gca_{impl}{label}", "tokens": tokens, "positions": positions, **timings, "fwd_gflop": flops / 1e9}
-  if "fwd_ms" in timings:
-    row["fwd_tflops"] = flops / timings["fwd_ms"] / 1e9
-    row["fwd_bwd_tflops"] = 3.5 * flops / timings["fwd_bwd_ms"] / 1e9
-  return row
+  return with_rates(row, timings, flops)
 
 
 def mosaic_variant(text: str) -> tuple[int, bool]:
@@ -131,10 +137,7 @@ def window_row(impl, batch, tokens, heads, head_dim, chunk, window, dtype, iters
   flops = 4 * batch * positions * heads * window * head_dim
   timings = time_forward_and_gradients(fn, 3, sets, iters)
   row = {"impl": f"window_{window}_{impl}", "tokens": tokens, "positions": positions, **timings}
-  if "fwd_ms" in timings:
-    row["fwd_tflops"] = flops / timings["fwd_ms"] / 1e9
-    row["fwd_bwd_tflops"] = 3.5 * flops / timings["fwd_bwd_ms"] / 1e9
-  return row
+  return with_rates(row, timings, flops)
 
 
 def dense_row(batch, tokens, heads, head_dim, chunk, top_k, dtype, iters):
@@ -156,10 +159,7 @@ def dense_row(batch, tokens, heads, head_dim, chunk, top_k, dtype, iters):
   flops = 4 * batch * chunks * (chunk + 1) * heads * top_k * chunk * head_dim
   timings = time_forward_and_gradients(fn, 3, sets, iters)
   row = {"impl": "dense_same_work_cudnn", "tokens": tokens, "positions": chunks * (chunk + 1), **timings}
-  if "fwd_ms" in timings:
-    row["fwd_tflops"] = flops / timings["fwd_ms"] / 1e9
-    row["fwd_bwd_tflops"] = 3.5 * flops / timings["fwd_bwd_ms"] / 1e9
-  return row
+  return with_rates(row, timings, flops)
 
 
 def main(argv=None) -> int:
