@@ -14,8 +14,11 @@ import jax.numpy as jnp
 
 from castle_jax.layers.options import AttentionOptions
 from castle_jax.layers.registry import get_attention
+from pallas_kernels.residuals import save_attention_residuals
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# What a rematerialized block keeps from its forward for the backward.
+REMAT_POLICIES = ("recompute_all", "save_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +45,10 @@ class ModelConfig:
     sliding_window: 0 for full causal attention; W > 0: each `mha` query sees the last W keys.
     dtype: activations and matmul inputs; param_dtype: parameters.
     remat: rematerialize each block in the backward pass.
+    remat_policy: with remat, what the backward keeps from the forward: "recompute_all"
+      (only each block's input: the least memory) or "save_attention" (also the attention
+      ops' outputs and residuals, O(T d) per layer, so the attention kernels' forward runs
+      once per step instead of twice).
     init_std: std of the normal initializers (output projections are scaled down with depth).
     family_kwargs: (key, value) pairs of the model family's options (e.g. DRT's chunk
       size and retrieval), parsed by the family when the model is built.
@@ -67,6 +74,7 @@ class ModelConfig:
   dtype: str = "bfloat16"
   param_dtype: str = "float32"
   remat: bool = False
+  remat_policy: str = "recompute_all"
   init_std: float = 0.02
   # Hashable (key, value) pairs: the config is a static argument of compiled functions.
   attention_kwargs: tuple[tuple[str, Any], ...] = ()
@@ -91,6 +99,8 @@ class ModelConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"model.{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
+    if self.remat_policy not in REMAT_POLICIES:
+      raise ValueError(f"model.remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
     kind = get_attention(self.attention)
     if self.attention_impl is not None and self.attention_impl not in kind.implementations:
       raise ValueError(f"model.attention_impl={self.attention_impl!r} is not an implementation of attention "
@@ -134,6 +144,11 @@ class ModelConfig:
   @property
   def window(self) -> int | None:
     return self.sliding_window or None
+
+  @property
+  def checkpoint_policy(self):
+    """The `jax.checkpoint` policy of `remat_policy` (None: save nothing)."""
+    return save_attention_residuals() if self.remat_policy == "save_attention" else None
 
   @property
   def compute_dtype(self):

@@ -2,6 +2,7 @@
 
 import chex
 import jax
+from jax.sharding import AbstractDevice, AbstractMesh
 import jax.numpy as jnp
 import numpy as np
 
@@ -61,3 +62,11 @@ def tiny_run(config_module, workdir: str, data_dir: str, **overrides):
 
 class Interrupt(Exception):
   """Raised from a training callback to stop a run between steps."""
+
+
+def mosaic_kernels_lowered_for_h100(functions, inputs) -> list[int]:
+  """How many Mosaic GPU kernel calls each function's program has, lowered for an H100 on CPU."""
+  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H100 80GB HBM3", None, "cuda"))
+  with jax.sharding.use_abstract_mesh(mesh):
+    return [jax.jit(f).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text().count("custom_call @mosaic_gpu")
+            for f in functions]

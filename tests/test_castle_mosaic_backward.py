@@ -11,13 +11,12 @@ covers the GPU variant.
 """
 
 import jax
-from jax.sharding import AbstractDevice, AbstractMesh
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from castle_jax.ops.castle.reference import castle_parallel
-from helpers import rel_err
+from helpers import mosaic_kernels_lowered_for_h100, rel_err
 from pallas_kernels.castle.mosaic_attention import castle_attention_mosaic
 from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
 
@@ -62,21 +61,13 @@ def test_gradients_match_the_parallel_form(shape, window, cotangent_scale):
     assert error < 1e-2, f"d{name}: relative error {error:.3g}"
 
 
-def _mosaic_kernels_lowered_for_h100(functions, inputs) -> list[int]:
-  """How many Mosaic GPU kernel calls each function's program has, lowered for an H100 on CPU."""
-  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H100 80GB HBM3", None, "cuda"))
-  with jax.sharding.use_abstract_mesh(mesh):
-    return [jax.jit(f).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text().count("custom_call @mosaic_gpu")
-            for f in functions]
-
-
 def test_backward_lowers_for_hopper():
   """The Mosaic GPU lowering of the backward kernel (layouts, wgmma shapes and dtypes,
   TMA reduce-adds, the two warpgroups, shared memory within 227 KB) for an H100 on CPU."""
   inputs, _ = _inputs(0, (1, 128, 2, 128))
   for window in (None, 512):
     loss = lambda *a: jnp.sum(castle_attention_mosaic(*a, window=window, interpret=False).astype(jnp.float32))
-    kernels = _mosaic_kernels_lowered_for_h100((loss, jax.grad(loss, argnums=tuple(range(6)))), inputs)
+    kernels = mosaic_kernels_lowered_for_h100((loss, jax.grad(loss, argnums=tuple(range(6)))), inputs)
     assert kernels[0] >= 1 and kernels[1] == kernels[0] + 1  # the forward's kernels and the backward
 
 
@@ -86,7 +77,7 @@ def test_rematerialized_forward_still_runs_its_kernel():
   which then read zeros: NaN outputs and gradients in a rematerialized model.)"""
   inputs, _ = _inputs(0, (1, 128, 2, 64))
   loss = lambda *a: jnp.sum(jnp.tanh(castle_attention_mosaic(*a, interpret=False).astype(jnp.float32)))
-  kernels = _mosaic_kernels_lowered_for_h100(
+  kernels = mosaic_kernels_lowered_for_h100(
       (loss, jax.value_and_grad(loss, argnums=tuple(range(6))),
        jax.value_and_grad(jax.checkpoint(loss), argnums=tuple(range(6)))), inputs)
   # The value's forward, then the recomputed one, then the backward.

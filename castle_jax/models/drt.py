@@ -291,7 +291,7 @@ class DRT(nn.Module):
                           cfg.weights_dtype)
     x = insert_landmarks(embed(tokens), landmark, size)
     x = constrain(x, ("batch", "act_length", "act_embed"))
-    block = nn.remat(DRTBlock, prevent_cse=False) if cfg.remat else DRTBlock
+    block = nn.remat(DRTBlock, prevent_cse=False, policy=cfg.checkpoint_policy) if cfg.remat else DRTBlock
 
     lower = cfg.n_layers // 2
     for layer in range(lower):

@@ -76,7 +76,7 @@ class TransformerLM(nn.Module):
 
     block_cls = DecoderBlock
     if cfg.remat and caches is None:
-      block_cls = nn.remat(DecoderBlock, prevent_cse=False)
+      block_cls = nn.remat(DecoderBlock, prevent_cse=False, policy=cfg.checkpoint_policy)
     new_caches = []
     for layer in range(cfg.n_layers):
       x, cache = block_cls(cfg, name=f"block_{layer}")(x, positions, None if caches is None else caches[layer], tree)

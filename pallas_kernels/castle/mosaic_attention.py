@@ -26,6 +26,7 @@ from pallas_kernels.castle import mosaic_backward
 from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
 from pallas_kernels.castle.mosaic_ops import _in_block_scores_transposed, castle_forward_mosaic, heads_layout
 from pallas_kernels.castle.ops import fold_in_block_grad
+from pallas_kernels.residuals import keep_for_backward
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
@@ -38,7 +39,8 @@ def _castle_mosaic_fwd(q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, inte
   result = castle_forward_mosaic(q_u, k_u, v_u, q_c, k_c, v_c, scale=scale, window=window, config=config,
                                  interpret=interpret)
   # O(L d) residuals: the inputs, the output, the row log-sum-exp and the final D.
-  return result.out, (q_u, k_u, v_u, q_c, k_c, v_c, result.out, result.lse, result.lookahead_keys)
+  out, lse, keys = keep_for_backward((result.out, result.lse, result.lookahead_keys))
+  return out, (q_u, k_u, v_u, q_c, k_c, v_c, out, lse, keys)
 
 
 def cotangent_scale(d_out: jax.Array) -> jax.Array:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from pallas_kernels.castle import kernels
 from pallas_kernels.castle.config import CastleKernelConfig, default_config
 from pallas_kernels.config_checks import next_power_of_two
+from pallas_kernels.residuals import keep_for_backward
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # SiLU(x) >= -0.2785 for every x, so A[t, s] <= S^C[t, s] + 0.2785.
@@ -138,7 +139,7 @@ def _castle_heads(q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpret
 
 
 def _castle_heads_fwd(q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpret):
-  out, lse, keys = _forward(q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpret)
+  out, lse, keys = keep_for_backward(_forward(q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpret))
   # O(L d) residuals: the inputs, the float32 output, the row log-sum-exp and D.
   return out.astype(q_c.dtype), (q_u, k_u, v_u, q_c, k_c, v_c, out, lse, keys)
 

@@ -24,6 +24,7 @@ from pallas_kernels.gca.mosaic_backward_queries import backward_queries_native
 from pallas_kernels.gca.mosaic_forward import forward_native
 from pallas_kernels.gca.mosaic_tiles import DEFAULT_STAGES, pad_inputs
 from pallas_kernels.gca.pairs import retrieving_pairs
+from pallas_kernels.residuals import keep_for_backward
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
@@ -36,8 +37,9 @@ def _interpret(interpreted: bool):
 
 
 def _gca_fwd(queries, keys, values, weights, indices, chunk_len, scale, stages, overlap, interpreted):
-  out, lse = forward_native(queries, keys, values, weights, indices, chunk_len=chunk_len, scale=scale, stages=stages,
-                            overlap=overlap, interpret=_interpret(interpreted))
+  out, lse = keep_for_backward(forward_native(queries, keys, values, weights, indices, chunk_len=chunk_len,
+                                              scale=scale, stages=stages, overlap=overlap,
+                                              interpret=_interpret(interpreted)))
   return out, (queries, keys, values, weights, indices, lse)
 
 

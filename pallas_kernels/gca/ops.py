@@ -32,6 +32,7 @@ from pallas_kernels.gca import backend, kernels, padding, shared_memory
 from pallas_kernels.gca.config import GcaKernelConfig, default_config
 from pallas_kernels.gca.mosaic_attention import gca_attention_mosaic
 from pallas_kernels.gca.pairs import retrieving_pairs
+from pallas_kernels.residuals import keep_for_backward
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # A memory chunk is one key tile (see `kernels`); beyond 256 keys its score tile no
@@ -139,8 +140,8 @@ def _gca(queries, keys, values, weights, indices, tiling, scale, config, interpr
 
 
 def _gca_fwd(queries, keys, values, weights, indices, tiling, scale, config, interpret):
-  out, lse = kernels.forward(queries, keys, values, weights, indices, tiling=tiling, scale=scale, config=config,
-                             interpret=interpret)
+  out, lse = keep_for_backward(kernels.forward(queries, keys, values, weights, indices, tiling=tiling, scale=scale,
+                                               config=config, interpret=interpret))
   # O(T k) residuals beyond the inputs: one float32 log-normalizer per row, head and slot.
   return out, (queries, keys, values, weights, indices, lse)
 

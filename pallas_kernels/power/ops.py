@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.power import discumsum, kernels
 from pallas_kernels.power.config import FEATURE_TILE, PowerKernelConfig, default_config
+from pallas_kernels.residuals import keep_for_backward
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 EXPANSION = ("tspow", FEATURE_TILE)
@@ -236,8 +237,8 @@ def _power_attention(q, k, v, log_g, state, normalizer, scale, chunk, config, in
 
 
 def _power_attention_fwd(q, k, v, log_g, state, normalizer, scale, chunk, config, interpret):
-  outputs, residuals = _forward(q, k, v, log_g, state, normalizer, scale=scale, chunk=chunk, config=config,
-                                interpret=interpret)
+  outputs, residuals = keep_for_backward(
+      _forward(q, k, v, log_g, state, normalizer, scale=scale, chunk=chunk, config=config, interpret=interpret))
   return outputs, (q, k, v, log_g, state, normalizer, residuals)
 
 
@@ -266,8 +267,8 @@ def _power_attention_form(q, k, v, log_g, scale, chunk, config, interpret):
 
 
 def _power_attention_form_fwd(q, k, v, log_g, scale, chunk, config, interpret):
-  out, residuals = _attention_form_forward(q, k, v, log_g, scale=scale, chunk=chunk, config=config,
-                                           interpret=interpret)
+  out, residuals = keep_for_backward(
+      _attention_form_forward(q, k, v, log_g, scale=scale, chunk=chunk, config=config, interpret=interpret))
   return out, (q, k, v, log_g, residuals)
 
 

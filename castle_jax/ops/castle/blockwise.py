@@ -45,6 +45,7 @@ from castle_jax.ops.castle.common import (
     validate_block_size,
     validate_inputs,
 )
+from pallas_kernels.residuals import keep_for_backward
 
 DEFAULT_BLOCK_SIZE = 64
 
@@ -323,7 +324,7 @@ def _castle_blocked(q_u, k_u, v_u, q_c, k_c, v_c, window):
 
 
 def _castle_blocked_fwd(q_u, k_u, v_u, q_c, k_c, v_c, window):
-  out, lse, partial_keys = _batched_forward(q_u, k_u, v_u, q_c, k_c, v_c, window)
+  out, lse, partial_keys = keep_for_backward(_batched_forward(q_u, k_u, v_u, q_c, k_c, v_c, window))
   # O(L d) residuals only: inputs, output, row log-sum-exp and the final D.
   return out, (q_u, k_u, v_u, q_c, k_c, v_c, out, lse, partial_keys)
 

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from castle_jax.ops.gca.common import compute_dtype, gather_chunks, log_normalizer_one, validate_inputs
+from pallas_kernels.residuals import keep_for_backward
 
 
 def gca_chunked(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, chunk_weights: jax.Array,
@@ -73,7 +74,7 @@ def _gca(queries, chunk_k, chunk_v, chunk_weights, chunk_indices, scale):
 
 
 def _gca_fwd(queries, chunk_k, chunk_v, chunk_weights, chunk_indices, scale):
-  out, lse = _forward(queries, chunk_k, chunk_v, chunk_weights, chunk_indices, scale)
+  out, lse = keep_for_backward(_forward(queries, chunk_k, chunk_v, chunk_weights, chunk_indices, scale))
   return out, (queries, chunk_k, chunk_v, chunk_weights, chunk_indices, lse)
 
 
