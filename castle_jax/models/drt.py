@@ -54,6 +54,9 @@ from castle_jax.sharding import constrain, with_axes
 
 RETRIEVERS = ("learned", "random")
 GCA_OUTPUTS = ("mlp_input", "residual")
+# Options that change which chunks training reads, not the parameters: a run may
+# `train.init_from` a run with other values (e.g. all chunks, then a sharper top-k).
+TRAINING_ONLY_KWARGS = ("top_k", "gumbel")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -124,6 +124,7 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         param_count=drt.param_count,
         training_flops_per_token=drt.training_flops_per_token,
         stream_decoder=drt_decoding.stream_decoder,
+        training_only_kwargs=drt.TRAINING_ONLY_KWARGS,
     ),
     longspec_draft.FAMILY: ModelFamily(
         name=longspec_draft.FAMILY,
