@@ -128,7 +128,11 @@ def test_perplexity_cli_on_swa_skips_lengths_the_split_cannot_fill(tmp_path, std
 
 
 @pytest.mark.parametrize("module, flags, message", [
-    (passkey, [], "the following arguments are required: --workdir"),
+    (passkey, [], "one of the arguments --workdir --pretrained is required"),
+    (passkey, ["--workdir={drt}", "--pretrained=drt_tiny_retrieval_topk"],
+     "argument --pretrained: not allowed with argument --workdir"),
+    (passkey, ["--pretrained=drt_tiny"], "argument --pretrained: invalid choice: 'drt_tiny' (choose from 'drt_tiny_retrieval_topk')"),
+    (passkey, ["--pretrained=drt_tiny_retrieval_topk", "--step=3"], "--step must be left out with --pretrained"),
     (passkey, ["--workdir={missing}"], "config.json not found: --workdir must be a directory written by"),
     (passkey, ["--workdir={drt}", "--lengths=1k"], "--lengths='1k' must be comma-separated integers"),
     (passkey, ["--workdir={drt}", "--lengths=0,8"], "--lengths='0,8' must list lengths >= 2"),
@@ -177,3 +181,14 @@ def test_passkey_top_k_flag_sets_the_retrieved_chunks(drt_workdir, tmp_path, mon
   capsys.readouterr()
   assert passkey.main([f"--workdir={drt_workdir}", "--top_k=0"]) == 1
   assert "ERROR: --top_k must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_passkey_cli_evaluates_a_shipped_model(tmp_path, stdlib_data_dir):
+  output = str(tmp_path / "shipped.json")
+  assert passkey.main(["--pretrained=drt_tiny_retrieval_topk", "--lengths=1024", "--examples=2",
+                       f"--data_dir={stdlib_data_dir}", f"--output={output}"]) == 0
+  record = json.load(open(output))
+  assert record["pretrained"] == "drt_tiny_retrieval_topk" and "workdir" not in record
+  assert record["step"] == 5000 and record["config"]["model"]["family"] == "drt"
+  # The trained model reads the needle's chunk and copies the digits (a random one gets none).
+  assert record["results"][0]["all_tokens"] == 1.0

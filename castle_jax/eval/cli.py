@@ -17,7 +17,8 @@ import tqdm
 
 from castle_jax.checkpoints import CheckpointError
 from castle_jax.data.pipeline import get_data_source
-from castle_jax.data.tokenizer import Tokenizer
+from castle_jax.data.tokenizer import Tokenizer, load_tokenizer
+from castle_jax.models.pretrained import available_pretrained, load_pretrained
 from castle_jax.workdir import TrainedModel, load_trained_model, read_config
 
 
@@ -37,15 +38,18 @@ class _Parser(argparse.ArgumentParser):
 
 
 def make_parser(prog: str, description: str, *, lengths: str) -> argparse.ArgumentParser:
-  """A parser with the flags every evaluation has (`--workdir`, `--step`, `--lengths`,
-  `--output`, `--data_dir`); the caller adds its own."""
+  """A parser with the flags every evaluation has (`--workdir` or `--pretrained`, `--step`,
+  `--lengths`, `--output`, `--data_dir`); the caller adds its own."""
   parser = _Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--workdir", required=True, help="training workdir (config.json, checkpoints/)")
+  source = parser.add_mutually_exclusive_group(required=True)
+  source.add_argument("--workdir", help="training workdir (config.json, checkpoints/)")
+  source.add_argument("--pretrained", choices=available_pretrained(),
+                      help="a trained model shipped with the package (castle_jax.models.pretrained) instead")
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest good one)")
   parser.add_argument("--lengths", default=lengths, help=f"comma-separated context lengths in tokens (default {lengths})")
   parser.add_argument("--output", default=None,
                       help="a directory, or a .json file (the plot goes beside it as .png); "
-                           "default: <workdir>/eval/")
+                           "default: <workdir>/eval/, or eval/<name>/ for --pretrained")
   parser.add_argument("--data_dir", default=None,
                       help="TFDS data dir of the validation text (default: the workdir's data.data_dir)")
   return parser
@@ -67,12 +71,26 @@ def require(ok: bool, flag: str, rule: str, value: Any) -> None:
     fail(f"{flag} must be {rule}, got {value!r}")
 
 
-def load(workdir: str, step: int | None) -> tuple[TrainedModel, ml_collections.ConfigDict]:
-  """The trained model and its config, or an EvalError saying what is missing."""
+def load(args: argparse.Namespace) -> tuple[TrainedModel, ml_collections.ConfigDict]:
+  """The trained model of `--workdir` (at `--step`) or `--pretrained`, and its training
+  config, or an EvalError saying what is missing."""
+  if args.pretrained is not None:
+    require(args.step is None, "--step", "left out with --pretrained (a shipped model has one step)", args.step)
+    model, params, config = load_pretrained(args.pretrained)
+    return TrainedModel(model, params, load_tokenizer(config.data.tokenizer), config.train.steps), config
   try:
-    return load_trained_model(workdir, step), read_config(workdir)
+    return load_trained_model(args.workdir, args.step), read_config(args.workdir)
   except (FileNotFoundError, ValueError, CheckpointError) as e:
     fail(str(e))
+
+
+def evaluated(args: argparse.Namespace) -> str:
+  """What was evaluated, for titles and the JSON: the workdir, or `pretrained:<name>`."""
+  return args.workdir if args.pretrained is None else f"pretrained:{args.pretrained}"
+
+
+def default_output_dir(args: argparse.Namespace) -> str:
+  return os.path.join(args.workdir, "eval") if args.pretrained is None else os.path.join("eval", args.pretrained)
 
 
 def validation_tokens(config: ml_collections.ConfigDict, tokenizer: Tokenizer, count: int,
@@ -109,21 +127,23 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
   return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, cells)])
 
 
-def output_paths(output: str | None, workdir: str, name: str, step: int) -> tuple[str, str]:
+def output_paths(output: str | None, default_dir: str, name: str, step: int) -> tuple[str, str]:
   """(json path, png path): `output` a .json file (png beside it) or a directory
-  (default `<workdir>/eval/`) that gets `<name>_step<step>.json/.png`."""
+  (default `default_dir`) that gets `<name>_step<step>.json/.png`."""
   if output and output.endswith(".json"):
     stem = output[:-len(".json")]
   else:
-    stem = os.path.join(output or os.path.join(workdir, "eval"), f"{name}_step{step}")
+    stem = os.path.join(output or default_dir, f"{name}_step{step}")
   stem = os.path.abspath(stem)
   os.makedirs(os.path.dirname(stem), exist_ok=True)
   return stem + ".json", stem + ".png"
 
 
-def header(name: str, workdir: str, config: ml_collections.ConfigDict, step: int) -> dict[str, Any]:
+def header(name: str, args: argparse.Namespace, config: ml_collections.ConfigDict, step: int) -> dict[str, Any]:
   """The JSON fields every evaluation writes first: what was evaluated."""
-  return {"eval": name, "workdir": os.path.abspath(workdir), "step": step, "family": config.model.family,
+  source = ({"workdir": os.path.abspath(args.workdir)} if args.pretrained is None
+            else {"pretrained": args.pretrained})
+  return {"eval": name, **source, "step": step, "family": config.model.family,
           "dataset": config.data.dataset, "split": config.data.eval_split,
           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "config": config.to_dict()}
 
@@ -171,11 +191,11 @@ def finish(name: str, args: argparse.Namespace, config: ml_collections.ConfigDic
            ylim: tuple[float, float] | None = None) -> None:
   """Prints the table, writes `header(...)` + `record` as JSON and plots `series`
   against `lengths`, to the paths `output_paths` picks from `args.output`."""
-  json_path, png_path = output_paths(args.output, args.workdir, name, step)
+  json_path, png_path = output_paths(args.output, default_output_dir(args), name, step)
   print(format_table(headers, rows))
-  write_json(json_path, {**header(name, args.workdir, config, step), **record})
+  write_json(json_path, {**header(name, args, config, step), **record})
   plotted = plot_vs_length(png_path, lengths, series, ylabel=ylabel, ylim=ylim,
-                           title=f"{title}, {args.workdir} step {step}")
+                           title=f"{title}, {evaluated(args)} step {step}")
   print(f"wrote {json_path}" + (f" and {plotted}" if plotted else ""))
 
 

@@ -144,7 +144,7 @@ def _main(argv: Sequence[str]) -> None:
   cli.require(args.examples >= 1, "--examples", "an integer >= 1", args.examples)
   cli.require(args.digits >= 1, "--digits", "an integer >= 1", args.digits)
   cli.require(args.batch_size >= 1, "--batch_size", "an integer >= 1", args.batch_size)
-  (model, params, tokenizer, step), config = cli.load(args.workdir, args.step)
+  (model, params, tokenizer, step), config = cli.load(args)
   model = with_top_k(model, args.top_k)
   align_to = chunk_alignment(model)
   haystack = cli.validation_tokens(config, tokenizer, max(lengths), args.data_dir)

@@ -76,7 +76,7 @@ def _main(argv: Sequence[str]) -> None:
   args = parser.parse_args(argv)
   lengths = cli.parse_lengths(args.lengths)
   cli.require(args.windows >= 1, "--windows", "an integer >= 1", args.windows)
-  (model, params, tokenizer, step), config = cli.load(args.workdir, args.step)
+  (model, params, tokenizer, step), config = cli.load(args)
   stream = cli.validation_tokens(config, tokenizer, args.windows * max(lengths) + 1, args.data_dir)
   sums = jax.jit(lambda p, batch: loss_sums(model, p, batch, pad_id=tokenizer.pad_id, token_byte_lengths=jnp.asarray(
       tokenizer.token_byte_lengths, jnp.float32)))
