@@ -54,10 +54,13 @@ def castle_flops(batch, seq, heads, head_dim, window):
 
 def kernels(head_dim, window):
   """(name, forward fn of the six projections) for each CASTLE forward."""
-  def mosaic(schedule):
-    config = CastleMosaicConfig(schedule=schedule)
+  def mosaic(schedule, past_window="query_major"):
+    config = CastleMosaicConfig(schedule=schedule, past_window=past_window)
     return lambda *a: castle_forward_mosaic(*a, scale=head_dim ** -0.5, window=window, config=config).out
+  past_window_rows = () if window is None else (
+      ("mosaic warp_specialized, past window key-major", mosaic("warp_specialized", "key_major")),)
   return (("mosaic warp_specialized", mosaic("warp_specialized")),
+          *past_window_rows,
           ("mosaic simple", mosaic("simple")),
           ("triton", lambda *a: castle_attention(*a, window=window, implementation="pallas", pallas_config=TRITON)))
 

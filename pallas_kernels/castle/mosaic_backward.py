@@ -64,7 +64,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.castle.kernels import _silu_grad, sigmoid, silu
 from pallas_kernels.castle.mosaic_config import WGMMA_ROWS, CastleMosaicConfig
-from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, _operand_smem,
+from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, operand_smem,
                                                 products as wgmma_products, run_on_zeroed_refs,
                                                 step_masks as _step_masks)
 
@@ -366,14 +366,14 @@ def backward(q_u, k_u, v_u, q_c, k_c, v_c, keys_final, d_out, lse, delta, in_blo
   kernel = functools.partial(
       _backward_kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
       num_query_blocks=length // block_q, head_dim=head_dim, interpreted=interpret is not None)
-  full_tile = lambda rows, dt: _operand_smem((rows, head_dim), dt)
-  square = lambda dt: _operand_smem((block_k, block_q), dt)
-  chunk = lambda dt: tuple(_operand_smem((block_k, CHUNK), dt) for _ in range(num_chunks))
+  full_tile = lambda rows, dt: operand_smem((rows, head_dim), dt)
+  square = lambda dt: operand_smem((block_k, block_q), dt)
+  chunk = lambda dt: tuple(operand_smem((block_k, CHUNK), dt) for _ in range(num_chunks))
   scratch = [
       (full_tile(block_k, dtype),) * len(_KEY_TILES),
       (full_tile(block_q, dtype), full_tile(block_q, LOOKAHEAD_DTYPE), full_tile(block_q, dtype),
        full_tile(block_q, LOOKAHEAD_DTYPE), full_tile(block_q, dtype)),
-      _operand_smem((block_q, block_q), LOOKAHEAD_DTYPE),
+      operand_smem((block_q, block_q), LOOKAHEAD_DTYPE),
       plgpu.SMEM((block_q,), jnp.float32),
       plgpu.SMEM((block_q,), jnp.float32),
       _Staging(weights=square(LOOKAHEAD_DTYPE), probs=square(dtype), d_scores=square(dtype),

@@ -11,6 +11,8 @@ from pallas_kernels.config_checks import check_int_fields, parse_config
 WGMMA_ROWS = 64
 SUPPORTED_HEAD_DIMS = (64, 128)
 SCHEDULES = ("warp_specialized", "simple")
+# How the warp-specialized forward runs CASTLE-SWL's (key, query) pairs past the window.
+PAST_WINDOW_SWEEPS = ("query_major", "key_major")
 # Key blocks per program of each schedule (one consumer warpgroup per key block).
 KEY_BLOCKS_PER_PROGRAM = {"warp_specialized": 2, "simple": 1}
 
@@ -33,14 +35,22 @@ class CastleMosaicConfig:
       at 2 x 16K, 1.4x with a 512 window at 16K). In GPU interpret mode its three
       warpgroups need one thread each (docs/castle_mosaic.md). "simple": one warpgroup
       per key block with synchronous loads, also verified on the H100.
+    past_window: CASTLE-SWL only, schedule "warp_specialized" only. Once the queries
+      pass a key's window its lookahead key is final, so those pairs are flash
+      attention with one more score product. "query_major" (default) runs them in a
+      second kernel, query-block major, with the output tile in registers
+      (`mosaic_past_window`); "key_major" runs them in the key-major sweep, which
+      reduce-adds a [block_q, d] float32 output tile per step.
   """
 
   block_q: int = 64
   block_k: int = 64
   schedule: str = "warp_specialized"
+  past_window: str = "query_major"
 
   def __post_init__(self):
-    check_int_fields(self, power_of_two=("block_q", "block_k"), tiles=("block_q", "block_k"), skip=("schedule",))
+    check_int_fields(self, power_of_two=("block_q", "block_k"), tiles=("block_q", "block_k"),
+                     skip=("schedule", "past_window"))
     for name in ("block_q", "block_k"):
       if getattr(self, name) != WGMMA_ROWS:
         raise ValueError(f"CastleMosaicConfig.{name} must be {WGMMA_ROWS} (one warpgroup's wgmma rows and one "
@@ -48,11 +58,19 @@ class CastleMosaicConfig:
     if self.schedule not in SCHEDULES:
       raise ValueError(f"CastleMosaicConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}; "
                        "use schedule='simple' for the one-warpgroup kernel")
+    if self.past_window not in PAST_WINDOW_SWEEPS:
+      raise ValueError(f"CastleMosaicConfig.past_window must be one of {PAST_WINDOW_SWEEPS}, got "
+                       f"{self.past_window!r}")
 
   @property
   def keys_per_program(self) -> int:
     """Key rows per program; sequences are padded to a multiple of this."""
     return KEY_BLOCKS_PER_PROGRAM[self.schedule] * self.block_k
+
+  @property
+  def splits_past_window(self) -> bool:
+    """Whether a CASTLE-SWL forward runs its past-window pairs in `mosaic_past_window`."""
+    return self.schedule == "warp_specialized" and self.past_window == "query_major"
 
   @classmethod
   def from_string(cls, text: str) -> "CastleMosaicConfig":

@@ -68,7 +68,7 @@ _KEY_TILES = ("q_u", "k_c", "v_c")
 _QUERY_TILES = ("q_c", "q_c16", "k_u", "v_u16", "in_block_t", "shift")
 
 
-def _operand_smem(shape, dtype):
+def operand_smem(shape, dtype):
   """Shared memory laid out for TMA and wgmma: 8-row tiles one 128-byte swizzle span wide."""
   span = _SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
   return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, span)),
@@ -97,7 +97,7 @@ def products(pairs, shape, init=None, *, init_in_place: bool = True):
   return product if init is None else init + product
 
 
-def _matmul(a, b, shape, init=None, *, init_in_place: bool = True):
+def matmul(a, b, shape, init=None, *, init_in_place: bool = True):
   """init + a @ b (`products` of one pair)."""
   return products([(a, b)], shape, init, init_in_place=init_in_place)
 
@@ -133,7 +133,7 @@ def run_on_zeroed_refs(call, types):
   return pl.run_state(body)(tuple(jnp.zeros(t.shape, t.dtype) for t in types))
 
 
-def _register_operand(x, staging_smem):
+def register_operand(x, staging_smem):
   """x as a wgmma left operand: from registers on the GPU; GPU interpret mode only
   multiplies shared-memory operands, so there x goes through `staging_smem`."""
   if staging_smem is None:
@@ -148,10 +148,10 @@ def _forward_kernel(
     acc_ref, sums_ref,   # float32 accumulators in global memory (mutable inputs)
     keys_ref,            # output: the final D
     key_smem, query_smem, in_block_smem, shift_smem, probs_smem, out_smem, sums_smem, keys_smem,
-    weights_staging, keys_staging,  # None on the GPU (see `_register_operand`)
+    weights_staging, keys_staging,  # None on the GPU (see `register_operand`)
     key_barrier, query_barrier, accumulate_barrier, *, scale: float, window: int | None, block_q: int, block_k: int, num_query_blocks: int,
     head_dim: int, interpreted: bool):
-  matmul = functools.partial(_matmul, init_in_place=not interpreted)
+  multiply = functools.partial(matmul, init_in_place=not interpreted)
   key_block = lax.axis_index("key_block")
   head = lax.axis_index("head")
   key_rows = pl.ds(key_block * block_k, block_k)
@@ -174,17 +174,17 @@ def _forward_kernel(
                             if masked else (None, None))
 
     # W: lookahead weights of this key block's tokens s against query-block keys j.
-    weights = sigmoid(matmul(q_u_smem, k_u_smem.T, (block_k, block_q)) * scale)
+    weights = sigmoid(multiply(q_u_smem, k_u_smem.T, (block_k, block_q)) * scale)
     if masked:
       weights = jnp.where(visible, weights, 0.0)
-    weights16 = _register_operand(weights.astype(LOOKAHEAD_DTYPE), weights_staging)
+    weights16 = register_operand(weights.astype(LOOKAHEAD_DTYPE), weights_staging)
 
     # S^U^T = D Q^C^T * scale + W R^T.
-    keys16 = _register_operand((keys * KEY_STATE_SCALE).astype(LOOKAHEAD_DTYPE), keys_staging)
-    lookahead = matmul(keys16, q_c16_smem.T, (block_k, block_q)) * (scale / KEY_STATE_SCALE)
-    lookahead = matmul(weights16, in_block_smem, (block_k, block_q), init=lookahead)
+    keys16 = register_operand((keys * KEY_STATE_SCALE).astype(LOOKAHEAD_DTYPE), keys_staging)
+    lookahead = multiply(keys16, q_c16_smem.T, (block_k, block_q)) * (scale / KEY_STATE_SCALE)
+    lookahead = multiply(weights16, in_block_smem, (block_k, block_q), init=lookahead)
 
-    causal = matmul(k_c_smem, q_c_smem.T, (block_k, block_q)) * scale
+    causal = multiply(k_c_smem, q_c_smem.T, (block_k, block_q)) * scale
     shift = lax.broadcast_in_dim(shift_smem[...], (block_k, block_q), [1])
     probs = jnp.exp(causal - silu(lookahead) - shift)
     if masked:
@@ -192,11 +192,11 @@ def _forward_kernel(
 
     probs_smem[...] = probs.astype(dtype)
     plgpu.commit_smem()
-    out = matmul(probs_smem.T, v_c_smem, (block_q, head_dim))
-    _accumulate(out, jnp.sum(probs, axis=0), acc_ref.at[head, rows], sums_ref.at[head, rows],
+    out = multiply(probs_smem.T, v_c_smem, (block_q, head_dim))
+    accumulate_rows(out, jnp.sum(probs, axis=0), acc_ref.at[head, rows], sums_ref.at[head, rows],
                 out_smem, sums_smem, accumulate_barrier, with_tma=not interpreted)
 
-    return matmul(weights16, v_u16_smem, (block_k, head_dim), init=keys)
+    return multiply(weights16, v_u16_smem, (block_k, head_dim), init=keys)
 
   first = lax.div(key_block * block_k, block_q)
   keys = plgpu.layout_cast(jnp.zeros((block_k, head_dim), jnp.float32), plgpu.Layout.WGMMA)
@@ -209,7 +209,7 @@ def _forward_kernel(
   plgpu.wait_smem_to_gmem(0)
 
 
-def _accumulate(out, sums, acc_gmem, sums_gmem, out_smem, sums_smem, barrier, with_tma: bool):
+def accumulate_rows(out, sums, acc_gmem, sums_gmem, out_smem, sums_smem, barrier, with_tma: bool):
   """acc_gmem += out and sums_gmem += sums (float32 tiles of one query block)."""
   # The previous step's reduce-adds must have read the staging buffers.
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -243,13 +243,16 @@ _CONSUMER_REGISTERS = 232
 # P and V^C enter the output product in bfloat16 for either input dtype: P = exp(A - m_t)
 # exceeds float16's range as soon as a score is ~11 above its row's diagonal score.
 PROBS_DTYPE = jnp.bfloat16
+# Query blocks per program of the query-major kernel for CASTLE-SWL's pairs past the window
+# (`mosaic_past_window`, one consumer warpgroup each).
+PAST_WINDOW_QUERY_BLOCKS = 2
 
 
 def _warp_specialized_kernel(
     q_u_ref, k_c16_ref, v_c_ref, q_c16_ref, k_u_ref, v_u16_ref, in_block_t_ref, shift_ref,
     acc_ref, sums_ref, keys_ref, key_union, query_ring, lookahead_smem, exchange_union, register_staging,
     barriers, *, scale: float, window: int | None, block_q: int, block_k: int, num_query_blocks: int,
-    head_dim: int, interpreted: bool):
+    head_dim: int, interpreted: bool, past_window: bool):
   """One program: key rows [2 * block_k * p, 2 * block_k * (p + 1)) of one head.
 
   Warpgroup `_PRODUCER` loads the program's key tiles once and streams the query tiles;
@@ -268,6 +271,9 @@ def _warp_specialized_kernel(
   if window is not None:
     last_key = (program + 1) * _CONSUMERS * block_k - 1
     lookahead_end = jnp.minimum(num_query_blocks, lax.div(last_key + window, block_q) + 1)
+  # The sweep's last query block + 1: all of them, or up to where `mosaic_past_window` takes over.
+  sweep_end = num_query_blocks if past_window else key_major_sweep_end(
+      program, window=window, block_q=block_q, block_k=block_k, num_query_blocks=num_query_blocks)
   key_tiles, _ = key_union
   q_c16_ring, k_u_ring, shift_ring = query_ring
   in_block_smem, v_u16_smem = lookahead_smem
@@ -282,7 +288,7 @@ def _warp_specialized_kernel(
         rows = pl.ds(program * _CONSUMERS * block_k + consumer * block_k, block_k)
         plgpu.copy_gmem_to_smem(src.at[head, rows], dst.at[consumer], key_full)
 
-    @pl.loop(first, num_query_blocks)
+    @pl.loop(first, sweep_end)
     def _load(query_block):
       index = query_block - first
       slot = lax.rem(index, _STAGES)
@@ -308,23 +314,23 @@ def _warp_specialized_kernel(
     # Observe the releases of the last steps too: a waiter may not skip a barrier's phase
     # (GPU interpret mode checks it), and the program's end is the natural place.
     for last in range(_STAGES, 0, -1):
-      plgpu.barrier_wait(query_free.at[lax.rem(num_query_blocks - last - first, _STAGES)])
+      plgpu.barrier_wait(query_free.at[lax.rem(sweep_end - last - first, _STAGES)])
     plgpu.barrier_wait(lookahead_free)
 
   @pl.when(warpgroup < _CONSUMERS)
   def _consumer():
     plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
-    _consume(warpgroup, program, head, first, lookahead_end, acc_ref, sums_ref, keys_ref, key_union,
+    _consume(warpgroup, program, head, first, lookahead_end, sweep_end, acc_ref, sums_ref, keys_ref, key_union,
              query_ring, lookahead_smem, exchange_union, register_staging, barriers, scale=scale,
              window=window, block_q=block_q, block_k=block_k, num_query_blocks=num_query_blocks,
              head_dim=head_dim, interpreted=interpreted)
 
 
-def _consume(consumer, program, head, first, lookahead_end, acc_ref, sums_ref, keys_ref, key_union,
+def _consume(consumer, program, head, first, lookahead_end, sweep_end, acc_ref, sums_ref, keys_ref, key_union,
              query_ring, lookahead_smem, exchange_union, register_staging, barriers, *, scale, window,
              block_q, block_k, num_query_blocks, head_dim, interpreted):
-  """A consumer warpgroup's sweep over query blocks first .. num_query_blocks - 1."""
-  matmul = functools.partial(_matmul, init_in_place=not interpreted)
+  """A consumer warpgroup's sweep over query blocks first .. sweep_end - 1."""
+  multiply = functools.partial(matmul, init_in_place=not interpreted)
   (q_u_smem, k_c16_smem, v_c_smem), keys_staging = key_union
   q_c16_ring, k_u_ring, shift_ring = query_ring
   in_block_smem, v_u16_smem = lookahead_smem
@@ -349,7 +355,7 @@ def _consume(consumer, program, head, first, lookahead_end, acc_ref, sums_ref, k
     q_c16 = q_c16_ring.at[slot]
     plgpu.barrier_wait(query_full.at[slot])
     shift = lax.broadcast_in_dim(shift_ring.at[slot][...], (block_k, block_q), [1])
-    keys16 = _register_operand((keys * KEY_STATE_SCALE).astype(LOOKAHEAD_DTYPE), keys16_staging)
+    keys16 = register_operand((keys * KEY_STATE_SCALE).astype(LOOKAHEAD_DTYPE), keys16_staging)
 
     def products(causal_acc, lookahead_acc):
       # Issued together; the first wait below covers both.
@@ -360,16 +366,16 @@ def _consume(consumer, program, head, first, lookahead_end, acc_ref, sums_ref, k
         plgpu.barrier_arrive(query_free.at[slot])
         return causal, lookahead, keys
       plgpu.barrier_wait(k_u_full.at[slot])
-      logits = matmul(q_u_keys, k_u_ring.at[slot].T, (block_k, block_q)) * scale  # waits for all three
+      logits = multiply(q_u_keys, k_u_ring.at[slot].T, (block_k, block_q)) * scale  # waits for all three
       plgpu.barrier_arrive(query_free.at[slot])
       weights = sigmoid(logits)
       if masked:
         weights = jnp.where(visible, weights, 0.0)
-      weights16 = _register_operand(weights.astype(LOOKAHEAD_DTYPE), weights_staging)
+      weights16 = register_operand(weights.astype(LOOKAHEAD_DTYPE), weights_staging)
       plgpu.barrier_wait(lookahead_full)
       # W feeds both of its products from registers: the in-block lookahead term and D's step.
       plgpu.wgmma(lookahead_acc, weights16, in_block_smem)
-      new_keys = matmul(weights16, v_u16_smem, (block_k, head_dim), init=keys)  # waits for both
+      new_keys = multiply(weights16, v_u16_smem, (block_k, head_dim), init=keys)  # waits for both
       plgpu.barrier_arrive(lookahead_free)
       return causal_acc[...], lookahead_acc[...], new_keys
 
@@ -401,7 +407,7 @@ def _consume(consumer, program, head, first, lookahead_end, acc_ref, sums_ref, k
         return out_acc[...]
       out = pl.run_scoped(values_product, plgpu.ACC((block_q, head_dim), jnp.float32))
       total_sums = sums + partner_sums_smem[...]
-      _accumulate(out, total_sums, acc_ref.at[head, rows], sums_ref.at[head, rows], out_smem, sums_smem,
+      accumulate_rows(out, total_sums, acc_ref.at[head, rows], sums_ref.at[head, rows], out_smem, sums_smem,
                   accumulate_barrier.at[consumer], with_tma=not interpreted)
 
     @pl.when(lax.rem(index, _CONSUMERS) != consumer)
@@ -427,8 +433,8 @@ def _consume(consumer, program, head, first, lookahead_end, acc_ref, sums_ref, k
                          keys)
   else:
     keys = lax.fori_loop(first, lookahead_end, functools.partial(lookahead_step, masked=True), keys)
-    keys = lax.fori_loop(lookahead_end, num_query_blocks,
-                         functools.partial(step, with_lookahead=False, masked=False), keys)
+    keys = lax.fori_loop(lookahead_end, sweep_end, functools.partial(step, with_lookahead=False, masked=False),
+                         keys)
 
   # D leaves through a buffer that aliases the key tiles: both consumers must be done with them.
   plgpu.wait_smem_to_gmem(0)
@@ -442,23 +448,23 @@ def _consume(consumer, program, head, first, lookahead_end, acc_ref, sums_ref, k
 
 def _warp_specialized_scratch(block_q, block_k, head_dim, dtype, interpreted):
   """Shared memory and barriers of `_warp_specialized_kernel` (budget in docs/castle_mosaic.md)."""
-  key_tile = lambda dt: _operand_smem((_CONSUMERS, block_k, head_dim), dt)
+  key_tile = lambda dt: operand_smem((_CONSUMERS, block_k, head_dim), dt)
   key_union = plgpu.RefUnion(
       (key_tile(dtype), key_tile(LOOKAHEAD_DTYPE), key_tile(PROBS_DTYPE)),
       plgpu.SMEM((_CONSUMERS, block_k, head_dim), jnp.float32))
-  query_ring = (_operand_smem((_STAGES, block_q, head_dim), LOOKAHEAD_DTYPE),
-                _operand_smem((_STAGES, block_q, head_dim), dtype),
+  query_ring = (operand_smem((_STAGES, block_q, head_dim), LOOKAHEAD_DTYPE),
+                operand_smem((_STAGES, block_q, head_dim), dtype),
                 plgpu.SMEM((_STAGES, block_q), jnp.float32))
-  lookahead_smem = (_operand_smem((block_q, block_q), LOOKAHEAD_DTYPE),
-                    _operand_smem((block_q, head_dim), LOOKAHEAD_DTYPE))
+  lookahead_smem = (operand_smem((block_q, block_q), LOOKAHEAD_DTYPE),
+                    operand_smem((block_q, head_dim), LOOKAHEAD_DTYPE))
   # The probabilities of both key blocks, then (aliased) the summed output tile.
   exchange_union = plgpu.RefUnion(
-      (_operand_smem((_CONSUMERS, block_k, block_q), PROBS_DTYPE), plgpu.SMEM((block_q,), jnp.float32)),
+      (operand_smem((_CONSUMERS, block_k, block_q), PROBS_DTYPE), plgpu.SMEM((block_q,), jnp.float32)),
       (plgpu.SMEM((block_q, head_dim), jnp.float32), plgpu.SMEM((block_q,), jnp.float32)))
   register_staging = None
   if interpreted:
-    register_staging = (_operand_smem((_CONSUMERS, block_k, block_q), LOOKAHEAD_DTYPE),
-                        _operand_smem((_CONSUMERS, block_k, head_dim), LOOKAHEAD_DTYPE))
+    register_staging = (operand_smem((_CONSUMERS, block_k, block_q), LOOKAHEAD_DTYPE),
+                        operand_smem((_CONSUMERS, block_k, head_dim), LOOKAHEAD_DTYPE))
   # A barrier that TMA copies signal completes when all of its copies have arrived.
   barriers = (
       plgpu.Barrier(num_arrivals=len(_KEY_TILES) * _CONSUMERS),                 # key_full
@@ -476,24 +482,38 @@ def _warp_specialized_scratch(block_q, block_k, head_dim, dtype, interpreted):
 
 def _simple_scratch(block_q, block_k, head_dim, dtype, interpreted):
   """Shared memory and barriers of `_forward_kernel`."""
-  key_tile = lambda dt: _operand_smem((block_k, head_dim), dt)
-  query_tile = lambda dt: _operand_smem((block_q, head_dim), dt)
+  key_tile = lambda dt: operand_smem((block_k, head_dim), dt)
+  query_tile = lambda dt: operand_smem((block_q, head_dim), dt)
   return [
       (key_tile(dtype),) * 3,
       (query_tile(dtype), query_tile(LOOKAHEAD_DTYPE), query_tile(dtype), query_tile(LOOKAHEAD_DTYPE)),
-      _operand_smem((block_q, block_q), LOOKAHEAD_DTYPE),
+      operand_smem((block_q, block_q), LOOKAHEAD_DTYPE),
       plgpu.SMEM((block_q,), jnp.float32),
-      _operand_smem((block_k, block_q), dtype),
+      operand_smem((block_k, block_q), dtype),
       plgpu.SMEM((block_q, head_dim), jnp.float32),
       plgpu.SMEM((block_q,), jnp.float32),
       plgpu.SMEM((block_k, head_dim), jnp.float32),
-      _operand_smem((block_k, block_q), LOOKAHEAD_DTYPE) if interpreted else None,
-      _operand_smem((block_k, head_dim), LOOKAHEAD_DTYPE) if interpreted else None,
+      operand_smem((block_k, block_q), LOOKAHEAD_DTYPE) if interpreted else None,
+      operand_smem((block_k, head_dim), LOOKAHEAD_DTYPE) if interpreted else None,
       # A barrier completes when every copy that signals it has arrived.
       plgpu.Barrier(num_arrivals=len(_KEY_TILES)),
       plgpu.Barrier(num_arrivals=len(_QUERY_TILES)),
       plgpu.Barrier(num_arrivals=2),
   ]
+
+
+def key_major_sweep_end(program, *, window: int, block_q: int, block_k: int, num_query_blocks):
+  """First query block that the warp-specialized sweep of key `program` leaves to the
+  query-major kernel (`mosaic_past_window`) when CASTLE-SWL splits its pairs.
+
+  The sweep keeps the query blocks up to the program's window end (its last key + W),
+  rounded up to a whole query program of that kernel (PAST_WINDOW_QUERY_BLOCKS query
+  blocks), so that a query program is all key-major or all query-major for a key program.
+  """
+  last_key = (program + 1) * _CONSUMERS * block_k - 1
+  lookahead_end = lax.div(last_key + window, block_q) + 1
+  rounded = lax.div(lookahead_end + PAST_WINDOW_QUERY_BLOCKS - 1, PAST_WINDOW_QUERY_BLOCKS) * PAST_WINDOW_QUERY_BLOCKS
+  return jnp.minimum(num_query_blocks, rounded)
 
 
 def forward(q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, shift, *, scale: float, window: int | None,
@@ -517,14 +537,36 @@ def forward(q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, shift, *, scale: float, wi
     sum_s exp(A[t, s] - m_t); keys: float32 [BH, L, d], D after the last query block
     (the lookahead keys u_s^L).
   """
+  call = functools.partial(forward_into, q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, shift, scale=scale,
+                           window=window, config=config, interpret=interpret)
+  return run_on_zeroed_refs(lambda *refs: call(*refs), accumulator_types(q_c))
+
+
+def accumulator_types(q_c):
+  """Shapes of the refs that `forward_into` writes: acc, sums and the final D."""
+  heads, length, head_dim = q_c.shape
+  rows = jax.ShapeDtypeStruct((heads, length, head_dim), jnp.float32)
+  return rows, jax.ShapeDtypeStruct((heads, length), jnp.float32), rows
+
+
+def forward_into(q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, shift, acc_ref, sums_ref, keys_ref, *, scale: float,
+                 window: int | None, config: CastleMosaicConfig, interpret, past_window: bool = True):
+  """`forward`'s kernel, reduce-adding into `acc_ref` and `sums_ref` and writing `keys_ref`.
+
+  With `past_window=False` (CASTLE-SWL, schedule "warp_specialized" only) each key
+  program stops at `key_major_sweep_end`: the pairs after it are left to
+  `mosaic_past_window`.
+  """
   heads, length, head_dim = q_c.shape
   block_q, block_k = config.block_q, config.block_k
   dtype = q_c.dtype
   interpreted = interpret is not None
+  if not past_window and (window is None or config.schedule != "warp_specialized"):
+    raise ValueError("forward_into: past_window=False needs a window and schedule 'warp_specialized'")
   params = dict(scale=scale, window=window, block_q=block_q, block_k=block_k,
                 num_query_blocks=length // block_q, head_dim=head_dim, interpreted=interpreted)
   if config.schedule == "warp_specialized":
-    kernel = functools.partial(_warp_specialized_kernel, **params)
+    kernel = functools.partial(_warp_specialized_kernel, past_window=past_window, **params)
     scratch = _warp_specialized_scratch(block_q, block_k, head_dim, dtype, interpreted)
     # The causal product takes float16 copies of Q^C and K^C (exact for bf16 values within
     # float16's range), so that Q^C is streamed once for both of its products.
@@ -548,7 +590,5 @@ def forward(q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, shift, *, scale: float, wi
       interpret=interpret,
       **mesh,
   )
-  rows = jax.ShapeDtypeStruct((heads, length, head_dim), jnp.float32)
   # acc and sums are reduce-added into; keys (after them) is written.
-  return run_on_zeroed_refs(lambda *refs: launch(*inputs, *refs),
-                            (rows, jax.ShapeDtypeStruct((heads, length), jnp.float32), rows))
+  launch(*inputs, acc_ref, sums_ref, keys_ref)

@@ -16,7 +16,7 @@ import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.castle import mosaic_forward
+from pallas_kernels.castle import mosaic_forward, mosaic_past_window
 from pallas_kernels.castle.mosaic_config import SUPPORTED_HEAD_DIMS, CastleMosaicConfig
 # The shift rule and the XLA-side tiles are the Triton path's, shared rather than repeated.
 from pallas_kernels.castle.ops import _in_block_scores, normalize_with_safe_shift
@@ -79,7 +79,8 @@ def heads_layout(batch: int, seq: int, heads: int, padded: int):
 def _forward_heads(q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpret):
   """[BH, L, d] -> out float32 [BH, L, d], lse float32 [BH, L], keys float32 [BH, L, d]."""
   in_block_t = _in_block_scores_transposed(q_c, v_u, scale, config.block_q)
-  run = functools.partial(mosaic_forward.forward, q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, scale=scale,
+  sweeps = mosaic_past_window if window is not None and config.splits_past_window else mosaic_forward
+  run = functools.partial(sweeps.forward, q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, scale=scale,
                           window=window, config=config, interpret=interpret)
   return normalize_with_safe_shift(run, q_c, k_c, scale, config.block_q)
 

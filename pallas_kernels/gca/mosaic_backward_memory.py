@@ -46,7 +46,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.castle.mosaic_forward import _operand_smem, _register_operand
+from pallas_kernels.castle.mosaic_forward import operand_smem, register_operand
 from pallas_kernels.gca.mosaic_tiles import (CHUNK_TILE, DEFAULT_STAGES, TILE_ROWS, check_padded, key_mask,
                                              launch_grid, products_together)
 
@@ -117,8 +117,8 @@ def _backward_memory_kernel(order_ref, starts_ref, pair_weights_ref, queries_ref
     scores_t = jnp.where(key_valid, scores_t * score_unit, -jnp.inf)
     weighted_probs_t = jnp.exp2(scores_t - by_row(lse_ring)) * weight
     d_scores_t = weighted_probs_t * (d_probs_t - by_row(row_dots_ring))
-    weighted_probs_t = _register_operand(weighted_probs_t.astype(dtype), probs_staging)
-    d_scores_t = _register_operand(d_scores_t.astype(dtype), d_scores_staging)
+    weighted_probs_t = register_operand(weighted_probs_t.astype(dtype), probs_staging)
+    d_scores_t = register_operand(d_scores_t.astype(dtype), d_scores_staging)
     d_values, d_keys = products_together([(weighted_probs_t, d_out), (d_scores_t, queries)],
                                          inits=(d_values, d_keys), in_place=not interpreted)
     pl.when(step + stages < num_steps)(functools.partial(load, step + stages, refill_source))
@@ -175,12 +175,12 @@ def backward_memory_native(queries, keys, values, weights, lse, row_dots, d_out,
   interpreted = interpret is not None
   dtype = queries.dtype
   order = order.astype(jnp.int32)
-  staging = lambda: _operand_smem((CHUNK_TILE, TILE_ROWS), dtype) if interpreted else None
+  staging = lambda: operand_smem((CHUNK_TILE, TILE_ROWS), dtype) if interpreted else None
   scratch = [
-      _operand_smem((CHUNK_TILE, head_dim), dtype),                # K, then dK's staging
-      _operand_smem((CHUNK_TILE, head_dim), dtype),                # V, then dV's staging
-      _operand_smem((stages, TILE_ROWS, head_dim), dtype),         # Q ring
-      _operand_smem((stages, TILE_ROWS, head_dim), dtype),         # dO ring
+      operand_smem((CHUNK_TILE, head_dim), dtype),                # K, then dK's staging
+      operand_smem((CHUNK_TILE, head_dim), dtype),                # V, then dV's staging
+      operand_smem((stages, TILE_ROWS, head_dim), dtype),         # Q ring
+      operand_smem((stages, TILE_ROWS, head_dim), dtype),         # dO ring
       plgpu.SMEM((stages, TILE_ROWS), jnp.float32),                # log-normalizer rows
       plgpu.SMEM((stages, TILE_ROWS), jnp.float32),                # row dots
       (staging(), staging()),                                      # wP^T, dS^T (interpret mode only)

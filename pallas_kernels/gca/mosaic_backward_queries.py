@@ -21,7 +21,7 @@ slot the two products that only need the tile's inputs, S = Q K_j^T and dP = dO 
 are issued together and waited on once; dS (registers) enters dQ += dS K_j as the wgmma's
 register operand onto the running accumulator.
 
-GPU interpret mode differs in the same two places as the forward (`_register_operand`,
+GPU interpret mode differs in the same two places as the forward (`register_operand`,
 `products(init_in_place=False)`).
 """
 
@@ -35,7 +35,7 @@ from jax import lax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.castle.mosaic_forward import _operand_smem, _register_operand, products
+from pallas_kernels.castle.mosaic_forward import operand_smem, register_operand, products
 from pallas_kernels.gca.mosaic_tiles import (CHUNK_TILE, DEFAULT_STAGES, TILE_ROWS, check_padded, key_mask, launch,
                                              products_together, query_tile_program, ring_bytes, ring_scratch)
 
@@ -74,7 +74,7 @@ def _backward_queries_kernel(indices_ref, weights_ref, queries_ref, d_out_ref, l
     row_dot = jnp.sum(probs * d_probs, axis=1)
     row_dots_smem.at[slot][...] = row_dot
     d_scores = (probs * weights[slot]) * (d_probs - lax.broadcast_in_dim(row_dot, d_probs.shape, [0]))
-    d_scores = _register_operand(d_scores.astype(dtype), d_scores_staging)
+    d_scores = register_operand(d_scores.astype(dtype), d_scores_staging)
     d_queries = products([(d_scores, keys)], (TILE_ROWS, head_dim), init=d_queries, init_in_place=not interpreted)
     ring.release(slot)
 
@@ -115,14 +115,14 @@ def backward_queries_native(queries, keys, values, weights, indices, lse, d_out,
                      f"and {lse.shape}")
   interpreted = interpret is not None
   dtype = queries.dtype
-  query_tile = lambda: _operand_smem((TILE_ROWS, head_dim), dtype)
+  query_tile = lambda: operand_smem((TILE_ROWS, head_dim), dtype)
   scratch = [
       query_tile(),                                                      # Q, then dQ's staging
       query_tile(),                                                      # dO
       ring_scratch(stages, head_dim, dtype),
       plgpu.SMEM((top_k, TILE_ROWS), jnp.float32),                       # log-normalizers
       plgpu.SMEM((top_k, TILE_ROWS), jnp.float32),                       # row dots
-      _operand_smem((TILE_ROWS, CHUNK_TILE), dtype) if interpreted else None,  # dS (interpret mode only)
+      operand_smem((TILE_ROWS, CHUNK_TILE), dtype) if interpreted else None,  # dS (interpret mode only)
       plgpu.Barrier(num_arrivals=3),                                     # Q, dO, lse
   ]
   kernel = functools.partial(_backward_queries_kernel, heads=heads, group=heads // keys.shape[3],

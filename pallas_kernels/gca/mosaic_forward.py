@@ -46,7 +46,7 @@ contiguous, one TMA store); `forward` transposes them to the Triton kernels' lay
 
 GPU interpret mode (CPU) runs the same code except in two places, each a helper shared
 with the CASTLE Mosaic kernels: the register operand P goes through shared memory
-(`_register_operand`), and the slot's product is added to the accumulator after the wgmma
+(`register_operand`), and the slot's product is added to the accumulator after the wgmma
 instead of accumulated in place (`products(init_in_place=False)`); the overlapped schedule
 accumulates into one zero-initialized accumulator in both, and interpret mode runs its
 wgmmas synchronously. The H100 lowering test covers the GPU variant.
@@ -65,7 +65,7 @@ import jax.numpy as jnp
 
 # Shared with the CASTLE Mosaic kernels: TMA/wgmma shared-memory layout, wgmma products, and
 # the interpret-mode staging of register operands.
-from pallas_kernels.castle.mosaic_forward import _operand_smem, _register_operand, products
+from pallas_kernels.castle.mosaic_forward import operand_smem, register_operand, products
 from pallas_kernels.gca.mosaic_tiles import (CHUNK_TILE, DEFAULT_STAGES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS,
                                              TILE_ROWS, KeyValueRing, check_padded, key_mask, launch, pad_inputs,
                                              query_tile_program, ring_bytes, ring_scratch, unsupported_reason)
@@ -102,7 +102,7 @@ def _forward_kernel(indices_ref, weights_ref, queries_ref, keys_ref, values_ref,
     # w_j / l_j folded into P before the product, so that it accumulates in place.
     row_weight = weights[slot] / total
     probs = probs * lax.broadcast_in_dim(row_weight, probs.shape, [0])
-    return _register_operand(probs.astype(dtype), probs_staging)
+    return register_operand(probs.astype(dtype), probs_staging)
 
   if overlap:
     out = _overlapped_slots(ring, query_smem, weighted_probabilities, top_k=top_k, head_dim=head_dim)
@@ -193,10 +193,10 @@ def forward_native(queries, keys, values, weights, indices, *, chunk_len: int, s
   interpreted = interpret is not None
   dtype = queries.dtype
   scratch = [
-      _operand_smem((TILE_ROWS, head_dim), dtype),                      # query tile, then the output's staging
+      operand_smem((TILE_ROWS, head_dim), dtype),                      # query tile, then the output's staging
       ring_scratch(stages, head_dim, dtype),
       plgpu.SMEM((top_k, TILE_ROWS), jnp.float32),                      # log-normalizers
-      _operand_smem((TILE_ROWS, CHUNK_TILE), dtype) if interpreted else None,  # P (interpret mode only)
+      operand_smem((TILE_ROWS, CHUNK_TILE), dtype) if interpreted else None,  # P (interpret mode only)
       plgpu.Barrier(num_arrivals=1),
   ]
   kernel = functools.partial(_forward_kernel, heads=heads, group=heads // kv_heads,

@@ -22,7 +22,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 # Shared with the CASTLE Mosaic kernels: the TMA/wgmma shared-memory layout.
-from pallas_kernels.castle.mosaic_forward import _operand_smem
+from pallas_kernels.castle.mosaic_forward import operand_smem
 from pallas_kernels.gca import padding
 
 TILE_ROWS = 64             # query rows per program: one warpgroup's wgmma rows
@@ -174,7 +174,7 @@ def ring_scratch(stages: int, head_dim: int, dtype):
   """Shared memory and barriers of a `KeyValueRing`: (key buffers, value buffers, key
   barriers, value barriers). The buffers are separate refs, not one [stages, ...] buffer: a
   static index into one buffer does not lower inside a preinitialized accumulator's scope."""
-  buffers = lambda: tuple(_operand_smem((CHUNK_TILE, head_dim), dtype) for _ in range(stages))
+  buffers = lambda: tuple(operand_smem((CHUNK_TILE, head_dim), dtype) for _ in range(stages))
   return (buffers(), buffers(), plgpu.Barrier(num_arrivals=1, num_barriers=stages),
           plgpu.Barrier(num_arrivals=1, num_barriers=stages))
 

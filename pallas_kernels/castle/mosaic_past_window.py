@@ -1,0 +1,233 @@
+"""CASTLE-SWL's (query, key) pairs past the lookahead window, query-block major (Mosaic GPU).
+
+Under a window W, key s's lookahead key stops changing once the queries pass s + W:
+from there on u_s^t = u_s^L, the final D that the key-major sweep returns. For those
+pairs CASTLE is flash attention with one more score product,
+
+  A[t, s] = q^C_t . k^C_s * scale - SiLU(q^C_t . u_s^L * scale),
+
+so this kernel sweeps them as flash attention does: one program per (2 * block_q
+queries, batch * head), each of two consumer warpgroups owning one query block, with
+its output tile and row sums in registers over the whole sweep and one reduce-add at
+the end. The key-major sweep (`mosaic_forward`, its steps `key_major_sweep_end`) does
+the pairs inside the window; at 16K tokens and W = 512 these are ~5% of the pairs, and
+the key-major sweep reduce-adds a [block_q, d] float32 tile per step, which is what
+this kernel avoids for the rest. Both kernels add into the same float32 accumulators
+with the same fixed per-row softmax shift, so the caller's normalization is unchanged.
+
+Per step (key block b, in the query-row frame [block_q queries, block_k keys]):
+
+  S^C = Q^C_i K^C_b^T,  S^U = Q^C_i (D_b * 2^-8)^T          (two wgmmas, float16, one wait)
+  P   = exp(S^C * scale - SiLU(S^U * scale * 2^8) - shift_i)
+  out_i += P V^C_b,  sums_i += row sums of P                 (wgmma, P from registers)
+
+A producer warpgroup streams K^C_b, D_b and V^C_b through a two-stage ring; the two
+consumers alternate on the tensor cores (each one's exponentials run under the other's
+products), ordered by a two-arrival barrier, as in flash attention 3.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from pallas_kernels.castle.kernels import silu
+from pallas_kernels.castle import mosaic_forward
+from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
+from pallas_kernels.castle.mosaic_forward import (
+    KEY_STATE_SCALE, LOOKAHEAD_DTYPE, PAST_WINDOW_QUERY_BLOCKS, PROBS_DTYPE, accumulate_rows, matmul, operand_smem,
+    register_operand, run_on_zeroed_refs)
+
+_CONSUMERS = PAST_WINDOW_QUERY_BLOCKS   # query blocks per program, one consumer warpgroup each
+_PRODUCER = _CONSUMERS   # warpgroup index of the producer
+_STAGES = 2              # key-tile ring depth
+_PRODUCER_REGISTERS = 40
+_CONSUMER_REGISTERS = 232
+
+
+def past_window_key_programs(query_program, *, window: int, keys_per_program: int, queries_per_program: int):
+  """Number of key programs p (a prefix 0 .. n - 1) whose window ends before `query_program`.
+
+  Key program p is past its window for query program q when its last key + W is below
+  q's first query: (p + 1) * keys_per_program - 1 + W < q * queries_per_program, which
+  is exactly when `mosaic_forward.key_major_sweep_end(p)` <= q's first query block.
+  """
+  room = jnp.maximum(query_program * queries_per_program - window, 0)
+  return lax.div(room, keys_per_program)
+
+
+def _kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c_ref, shift_ref, acc_ref, sums_ref,
+            query_smem, shift_smem, key_ring, out_smem, sums_smem, probs_staging, barriers, *,
+            scale: float, window: int, block_q: int, block_k: int, keys_per_program: int, head_dim: int,
+            interpreted: bool):
+  """One program: query rows [2 * block_q * p, 2 * block_q * (p + 1)) of one head."""
+  program = lax.axis_index("query_program")
+  head = lax.axis_index("head")
+  warpgroup = lax.axis_index("wg")
+  num_steps = past_window_key_programs(
+      program, window=window, keys_per_program=keys_per_program,
+      queries_per_program=_CONSUMERS * block_q) * (keys_per_program // block_k)
+  k_ring, keys_ring, v_ring = key_ring
+  query_full, key_full, values_full, key_free, values_free, tensor_core_turn, accumulate_barrier = barriers
+
+  @pl.when(jnp.logical_and(num_steps > 0, warpgroup == _PRODUCER))
+  def _producer():
+    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+    @pl.loop(0, num_steps)
+    def _load(step):
+      slot = lax.rem(step, _STAGES)
+      keys = pl.ds(step * block_k, block_k)
+
+      @pl.when(step >= _STAGES)
+      def _():
+        plgpu.barrier_wait(key_free.at[slot])
+      plgpu.copy_gmem_to_smem(k_c16_ref.at[head, keys], k_ring.at[slot], key_full.at[slot])
+      plgpu.copy_gmem_to_smem(keys16_ref.at[head, keys], keys_ring.at[slot], key_full.at[slot])
+
+      @pl.when(step >= _STAGES)
+      def _():
+        plgpu.barrier_wait(values_free.at[slot])
+      plgpu.copy_gmem_to_smem(v_c_ref.at[head, keys], v_ring.at[slot], values_full.at[slot])
+
+    # Observe the releases of the last steps too (a waiter may not skip a phase); the
+    # number of steps is a multiple of keys_per_program // block_k >= _STAGES.
+    for last in range(_STAGES, 0, -1):
+      plgpu.barrier_wait(key_free.at[lax.rem(num_steps - last, _STAGES)])
+      plgpu.barrier_wait(values_free.at[lax.rem(num_steps - last, _STAGES)])
+
+  @pl.when(jnp.logical_and(num_steps > 0, warpgroup < _CONSUMERS))
+  def _consumer():
+    plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    consumer = warpgroup
+    rows = pl.ds(program * _CONSUMERS * block_q + consumer * block_q, block_q)
+    q_smem = query_smem.at[consumer]
+    plgpu.copy_gmem_to_smem(q_c16_ref.at[head, rows], q_smem, query_full.at[consumer])
+    plgpu.copy_gmem_to_smem(shift_ref.at[head, rows], shift_smem.at[consumer], query_full.at[consumer])
+    plgpu.barrier_wait(query_full.at[consumer])
+    staging = None if probs_staging is None else probs_staging.at[consumer]
+    lookahead_unit = scale / KEY_STATE_SCALE
+
+    def take_turn():
+      plgpu.barrier_arrive(tensor_core_turn)
+      plgpu.barrier_wait(tensor_core_turn)
+
+    def step(index, carry):
+      out, sums = carry
+      slot = lax.rem(index, _STAGES)
+      plgpu.barrier_wait(key_full.at[slot])
+
+      def score_products(causal_acc, lookahead_acc):
+        plgpu.wgmma(causal_acc, q_smem, k_ring.at[slot].T)
+        plgpu.wgmma(lookahead_acc, q_smem, keys_ring.at[slot].T)
+        take_turn()
+        return causal_acc[...], lookahead_acc[...]
+
+      causal, lookahead = pl.run_scoped(
+          score_products, plgpu.ACC((block_q, block_k), jnp.float32), plgpu.ACC((block_q, block_k), jnp.float32))
+      plgpu.barrier_arrive(key_free.at[slot])
+      shift = lax.broadcast_in_dim(shift_smem.at[consumer][...], (block_q, block_k), [0])
+      probs32 = jnp.exp(causal * scale - silu(lookahead * lookahead_unit) - shift)
+      sums = sums + jnp.sum(probs32, axis=1)
+      probs = register_operand(probs32.astype(PROBS_DTYPE), staging)
+      # The partner's products run while this warpgroup computed the exponentials; the
+      # value product waits for its turn.
+      plgpu.barrier_arrive(tensor_core_turn)
+      plgpu.barrier_wait(values_full.at[slot])
+      plgpu.barrier_wait(tensor_core_turn)
+      out = matmul(probs, v_ring.at[slot], (block_q, head_dim), init=out, init_in_place=not interpreted)
+      plgpu.barrier_arrive(values_free.at[slot])
+      return out, sums
+
+    out = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    sums = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    # Consumer 1 starts a turn behind, so the two alternate; consumer 0 takes the last turn.
+    pl.when(consumer == 1)(take_turn)
+    out, sums = lax.fori_loop(0, num_steps, step, (out, sums))
+    pl.when(consumer == 0)(take_turn)
+    accumulate_rows(out, sums, acc_ref.at[head, rows], sums_ref.at[head, rows], out_smem.at[consumer],
+                    sums_smem.at[consumer], accumulate_barrier.at[consumer], with_tma=not interpreted)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _scratch(block_q, block_k, head_dim, interpreted):
+  """Shared memory and barriers of `_kernel` (~193 KB at head dim 128)."""
+  ring = lambda dtype: operand_smem((_STAGES, block_k, head_dim), dtype)
+  return [
+      operand_smem((_CONSUMERS, block_q, head_dim), LOOKAHEAD_DTYPE),            # Q^C (float16)
+      plgpu.SMEM((_CONSUMERS, block_q), jnp.float32),                             # shift
+      (ring(LOOKAHEAD_DTYPE), ring(LOOKAHEAD_DTYPE), ring(PROBS_DTYPE)),          # K^C, D * 2^-8, V^C
+      plgpu.SMEM((_CONSUMERS, block_q, head_dim), jnp.float32),                   # output staging
+      plgpu.SMEM((_CONSUMERS, block_q), jnp.float32),                             # row-sum staging
+      operand_smem((_CONSUMERS, block_q, block_k), PROBS_DTYPE) if interpreted else None,
+      (
+          plgpu.Barrier(num_arrivals=2, num_barriers=_CONSUMERS),                 # query_full: Q^C, shift
+          plgpu.Barrier(num_arrivals=2, num_barriers=_STAGES),                    # key_full: K^C, D
+          plgpu.Barrier(num_arrivals=1, num_barriers=_STAGES),                    # values_full
+          plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_STAGES),           # key_free
+          plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_STAGES),           # values_free
+          plgpu.Barrier(num_arrivals=_CONSUMERS),                                 # tensor_core_turn
+          plgpu.Barrier(num_arrivals=2, num_barriers=_CONSUMERS),                 # interpret-mode accumulate
+      ),
+  ]
+
+
+def accumulate_past_window(q_c16, k_c16, keys, v_c, shift, acc_ref, sums_ref, *, scale: float, window: int,
+                           block_q: int, block_k: int, keys_per_program: int, interpret):
+  """Adds the past-window pairs' exp(A - shift) V^C and row sums into `acc_ref`, `sums_ref`.
+
+  Args:
+    q_c16, k_c16: float16 [BH, L, d] copies of Q^C and K^C (L a multiple of
+      2 * block_q and of keys_per_program).
+    keys: float32 [BH, L, d], the final D (the key-major sweep's lookahead keys).
+    v_c: [BH, L, d] in PROBS_DTYPE.
+    shift: float32 [BH, L], the per-row softmax shift (the key-major sweep's).
+    acc_ref, sums_ref: float32 refs [BH, L, d] and [BH, L], added into.
+    scale, window: the score scale and the CASTLE-SWL window.
+    block_q, block_k: tile rows (64: one warpgroup's wgmma).
+    keys_per_program: the key-major sweep's keys per program, whose
+      `key_major_sweep_end` this kernel complements.
+    interpret: None, or `plgpu.InterpretGPUParams` (GPU interpret mode).
+  """
+  heads, length, head_dim = q_c16.shape
+  interpreted = interpret is not None
+  kernel = functools.partial(_kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
+                             keys_per_program=keys_per_program, head_dim=head_dim, interpreted=interpreted)
+  launch = plgpu.kernel(
+      kernel,
+      out_type=(),
+      scratch_types=_scratch(block_q, block_k, head_dim, interpreted),
+      grid=(length // (_CONSUMERS * block_q), heads),
+      grid_names=("query_program", "head"),
+      num_threads=_CONSUMERS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret,
+  )
+  keys16 = (keys * KEY_STATE_SCALE).astype(LOOKAHEAD_DTYPE)
+  launch(q_c16, k_c16, keys16, v_c, shift, acc_ref, sums_ref)
+
+
+def forward(q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, shift, *, scale: float, window: int,
+            config: CastleMosaicConfig, interpret):
+  """`mosaic_forward.forward` for CASTLE-SWL with the pairs past the window run query-major.
+
+  Same arguments and results. The key-major sweep runs first, up to each key program's
+  `key_major_sweep_end`, and returns the final D that the query-major kernel needs.
+  """
+  block_q, block_k = config.block_q, config.block_k
+
+  def both_sweeps(acc_ref, sums_ref, keys_ref):
+    mosaic_forward.forward_into(q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, shift, acc_ref, sums_ref, keys_ref,
+                                scale=scale, window=window, config=config, interpret=interpret, past_window=False)
+    accumulate_past_window(
+        q_c.astype(LOOKAHEAD_DTYPE), k_c.astype(LOOKAHEAD_DTYPE), keys_ref[...], v_c.astype(PROBS_DTYPE), shift,
+        acc_ref, sums_ref, scale=scale, window=window, block_q=block_q, block_k=block_k,
+        keys_per_program=config.keys_per_program, interpret=interpret)
+
+  return run_on_zeroed_refs(both_sweeps, mosaic_forward.accumulator_types(q_c))

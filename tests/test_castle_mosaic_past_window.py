@@ -1,0 +1,124 @@
+"""CASTLE-SWL's forward split in two Mosaic GPU kernels: the key-major sweep inside the
+window and the query-major kernel past it (`pallas_kernels.castle.mosaic_past_window`).
+
+CPU only: GPU interpret mode for the numbers (in a fresh process, as
+test_castle_mosaic.py explains), the H100 lowering for the kernels' shapes and layouts,
+and the partition of the (key block, query block) pairs between the two kernels. The
+GPU test file (test_gpu_castle_mosaic.py) runs the split at real sizes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import mosaic_kernels_lowered_for_h100, rel_err
+from pallas_kernels.castle import CastleKernelConfig
+from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
+from pallas_kernels.castle.mosaic_forward import key_major_sweep_end
+from pallas_kernels.castle.mosaic_ops import castle_forward_mosaic
+from pallas_kernels.castle.mosaic_past_window import past_window_key_programs
+from test_castle_mosaic import _INTERPRET_XLA_FLAG, TESTS_DIR, _inputs, _reference_lse
+
+BLOCK = 64
+PROGRAM = 2 * BLOCK
+# (seq, head_dim, window): windows of one token, below a block, one block exactly, and
+# above a key program; every case has query programs past the window of some keys.
+CASES = [(520, 64, 128), (640, 128, 5), (600, 64, 100)]
+
+
+@pytest.mark.parametrize("window", [1, 5, 63, 64, 65, 100, 127, 128, 129, 256, 300, 512, 1000])
+@pytest.mark.parametrize("length", [128, 256, 640, 1024])
+def test_the_two_sweeps_cover_every_pair_once(length, window):
+  """Every (key block, query block) pair from the key program's first query block on runs
+  in exactly one kernel, and the query-major kernel gets only pairs where every key is
+  past its lookahead window."""
+  num_query_blocks = length // BLOCK
+  covered = np.zeros((num_query_blocks, num_query_blocks), int)   # [key block, query block]
+  for program in range(length // PROGRAM):
+    end = int(key_major_sweep_end(jnp.int32(program), window=window, block_q=BLOCK, block_k=BLOCK,
+                                  num_query_blocks=num_query_blocks))
+    for key_block in (2 * program, 2 * program + 1):
+      covered[key_block, 2 * program:end] += 1
+  for query_program in range(length // PROGRAM):
+    key_programs = int(past_window_key_programs(jnp.int32(query_program), window=window, keys_per_program=PROGRAM,
+                                                queries_per_program=PROGRAM))
+    assert key_programs <= query_program
+    if key_programs:
+      last_key, first_query = key_programs * PROGRAM - 1, query_program * PROGRAM
+      assert first_query > last_key + window   # W = 0 for every pair of these blocks
+    covered[:2 * key_programs, 2 * query_program:2 * query_program + 2] += 1
+  key_blocks, query_blocks = np.indices(covered.shape)
+  expected = (query_blocks >= key_blocks // 2 * 2).astype(int)
+  np.testing.assert_array_equal(covered, expected)
+
+
+def _run_cases_in_this_process(out_dir):
+  """Both sweeps' forward per case, saved for the test process (the subprocess side)."""
+  for number, (seq, head_dim, window) in enumerate(CASES):
+    inputs = _inputs(seq + window, (1, seq, 2, head_dim))
+    for past_window in ("query_major", "key_major"):
+      result = castle_forward_mosaic(*inputs, scale=head_dim ** -0.5, window=window, interpret=True,
+                                     config=CastleMosaicConfig(past_window=past_window))
+      np.savez(os.path.join(out_dir, f"{number}_{past_window}.npz"), out=np.asarray(result.out.astype(jnp.float32)),
+               lse=np.asarray(result.lse), keys=np.asarray(result.lookahead_keys))
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+  out_dir = str(tmp_path_factory.mktemp("past_window"))
+  env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {_INTERPRET_XLA_FLAG}".strip(),
+             PYTHONPATH=os.pathsep.join([os.path.dirname(TESTS_DIR), TESTS_DIR]), JAX_PLATFORMS="cpu")
+  code = f"import test_castle_mosaic_past_window as t; t._run_cases_in_this_process({out_dir!r})"
+  run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+  assert run.returncode == 0, run.stderr[-3000:]
+  return lambda number, past_window: np.load(os.path.join(out_dir, f"{number}_{past_window}.npz"))
+
+
+@pytest.mark.parametrize("number", range(len(CASES)))
+def test_split_forward_matches_the_parallel_form(interpreted, number):
+  from castle_jax.ops.castle.blockwise import castle_blockwise_prefill
+  seq, head_dim, window = CASES[number]
+  f32 = tuple(x.astype(jnp.float32) for x in _inputs(seq + window, (1, seq, 2, head_dim)))
+  with jax.default_matmul_precision("highest"):
+    ref_out, ref_keys = castle_blockwise_prefill(*f32, window=window)
+    ref_lse = _reference_lse(f32, window)
+  split, key_major = interpreted(number, "query_major"), interpreted(number, "key_major")
+  # bf16 inputs, float16 lookahead products: ~2e-3, as the key-major forward.
+  assert rel_err(split["out"], ref_out) < 1e-2
+  assert rel_err(split["lse"], ref_lse) < 1e-3
+  assert rel_err(split["keys"], ref_keys) < 1e-2
+  # The same terms summed in another order: far closer to each other than to the reference.
+  assert rel_err(split["out"], key_major["out"]) < 2e-3
+  assert rel_err(split["lse"], key_major["lse"]) < 1e-5
+  np.testing.assert_array_equal(split["keys"], key_major["keys"])
+
+
+def test_split_lowers_for_hopper():
+  """Both kernels lower for an H100 (layouts, wgmma shapes and dtypes, TMA, shared memory
+  within 227 KB); only CASTLE-SWL with past_window="query_major" runs the second one."""
+  inputs = _inputs(0, (1, 256, 2, 128))
+  forward = lambda config, window: lambda *a: castle_forward_mosaic(
+      *a, scale=128 ** -0.5, window=window, config=CastleMosaicConfig(past_window=config)).out
+  # Each forward runs its kernels twice: the second time in the overflow rerun's branch.
+  counts = mosaic_kernels_lowered_for_h100(
+      (forward("query_major", 512), forward("key_major", 512), forward("query_major", None)), inputs)
+  assert counts == [4, 2, 2], counts
+  head_dim_64 = _inputs(0, (1, 256, 2, 64))
+  assert mosaic_kernels_lowered_for_h100((forward("query_major", 100),), head_dim_64) == [4]
+
+
+def test_config_names_the_choices():
+  with pytest.raises(ValueError, match=r"past_window must be one of \('query_major', 'key_major'\), got 'fast'"):
+    CastleMosaicConfig(past_window="fast")
+  with pytest.raises(ValueError, match=r"mosaic_past_window must be one of"):
+    CastleKernelConfig(mosaic_past_window="fast")
+  assert CastleKernelConfig.from_string("mosaic_past_window=key_major").mosaic_config.past_window == "key_major"
+  assert CastleMosaicConfig().splits_past_window
+  assert not CastleMosaicConfig(schedule="simple").splits_past_window
