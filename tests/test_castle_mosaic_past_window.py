@@ -20,6 +20,7 @@ import pytest
 
 from helpers import mosaic_kernels_lowered_for_h100, rel_err
 from pallas_kernels.castle import CastleKernelConfig
+from pallas_kernels.castle.mosaic_attention import castle_attention_mosaic
 from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
 from pallas_kernels.castle.mosaic_forward import key_major_sweep_end
 from pallas_kernels.castle.mosaic_ops import castle_forward_mosaic
@@ -59,15 +60,28 @@ def test_the_two_sweeps_cover_every_pair_once(length, window):
   np.testing.assert_array_equal(covered, expected)
 
 
+def _case(number):
+  """(inputs, output cotangent, window) of CASES[number]."""
+  seq, head_dim, window = CASES[number]
+  keys = jax.random.split(jax.random.key(seq + window), 7)
+  shape = (1, seq, 2, head_dim)
+  inputs = tuple(jax.random.normal(k, shape, jnp.float32).astype(jnp.bfloat16) for k in keys[:6])
+  return inputs, jax.random.normal(keys[6], shape, jnp.float32).astype(jnp.bfloat16), window
+
+
 def _run_cases_in_this_process(out_dir):
-  """Both sweeps' forward per case, saved for the test process (the subprocess side)."""
-  for number, (seq, head_dim, window) in enumerate(CASES):
-    inputs = _inputs(seq + window, (1, seq, 2, head_dim))
+  """Both sweeps' forward and gradients per case, saved for the test process (the
+  subprocess side)."""
+  for number in range(len(CASES)):
+    inputs, cotangent, window = _case(number)
+    scale = inputs[0].shape[-1] ** -0.5
     for past_window in ("query_major", "key_major"):
-      result = castle_forward_mosaic(*inputs, scale=head_dim ** -0.5, window=window, interpret=True,
-                                     config=CastleMosaicConfig(past_window=past_window))
+      config = CastleMosaicConfig(past_window=past_window)
+      result = castle_forward_mosaic(*inputs, scale=scale, window=window, interpret=True, config=config)
+      _, vjp = jax.vjp(lambda *a: castle_attention_mosaic(*a, window=window, config=config, interpret=True), *inputs)
+      grads = [np.asarray(g.astype(jnp.float32)) for g in vjp(cotangent)]
       np.savez(os.path.join(out_dir, f"{number}_{past_window}.npz"), out=np.asarray(result.out.astype(jnp.float32)),
-               lse=np.asarray(result.lse), keys=np.asarray(result.lookahead_keys))
+               lse=np.asarray(result.lse), keys=np.asarray(result.lookahead_keys), grads=np.stack(grads))
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +98,8 @@ def interpreted(tmp_path_factory):
 @pytest.mark.parametrize("number", range(len(CASES)))
 def test_split_forward_matches_the_parallel_form(interpreted, number):
   from castle_jax.ops.castle.blockwise import castle_blockwise_prefill
-  seq, head_dim, window = CASES[number]
-  f32 = tuple(x.astype(jnp.float32) for x in _inputs(seq + window, (1, seq, 2, head_dim)))
+  inputs, _, window = _case(number)
+  f32 = tuple(x.astype(jnp.float32) for x in inputs)
   with jax.default_matmul_precision("highest"):
     ref_out, ref_keys = castle_blockwise_prefill(*f32, window=window)
     ref_lse = _reference_lse(f32, window)
@@ -100,6 +114,26 @@ def test_split_forward_matches_the_parallel_form(interpreted, number):
   np.testing.assert_array_equal(split["keys"], key_major["keys"])
 
 
+@pytest.mark.parametrize("number", range(len(CASES)))
+def test_split_backward_matches_the_parallel_form(interpreted, number):
+  """All six gradients with dQ^C of the past-window pairs from the query-major kernel,
+  against autodiff of `castle_parallel` and against the key-major backward."""
+  from castle_jax.ops.castle.reference import castle_parallel
+  inputs, cotangent, window = _case(number)
+  f32 = tuple(x.astype(jnp.float32) for x in inputs)
+  with jax.default_matmul_precision("highest"):
+    _, vjp = jax.vjp(lambda *a: castle_parallel(*a, window=window), *f32)
+    ref_grads = vjp(cotangent.astype(jnp.float32))
+  split, key_major = interpreted(number, "query_major")["grads"], interpreted(number, "key_major")["grads"]
+  for name, grad, other, ref in zip(("q_u", "k_u", "v_u", "q_c", "k_c", "v_c"), split, key_major, ref_grads):
+    assert np.isfinite(grad).all(), f"d{name}"
+    # bf16 gradients, float16 lookahead products: ~3e-3, as the key-major backward.
+    assert rel_err(grad, ref) < 1e-2, f"d{name}: {rel_err(grad, ref):.3g}"
+    # dQ^C's past-window share is computed differently (float16 dS instead of bf16), the
+    # others only through the forward's summation order.
+    assert rel_err(grad, other) < 2e-3, f"d{name}: {rel_err(grad, other):.3g}"
+
+
 def test_split_lowers_for_hopper():
   """Both kernels lower for an H100 (layouts, wgmma shapes and dtypes, TMA, shared memory
   within 227 KB); only CASTLE-SWL with past_window="query_major" runs the second one."""
@@ -112,6 +146,12 @@ def test_split_lowers_for_hopper():
   assert counts == [4, 2, 2], counts
   head_dim_64 = _inputs(0, (1, 256, 2, 64))
   assert mosaic_kernels_lowered_for_h100((forward("query_major", 100),), head_dim_64) == [4]
+  # The backward adds the three kernels of the pairs past the window (dQ^C; dK^C and dV^C;
+  # dD) to the key-major one.
+  gradients = lambda config: jax.grad(lambda *a: jnp.sum(castle_attention_mosaic(
+      *a, window=512, config=CastleMosaicConfig(past_window=config), interpret=False).astype(jnp.float32)),
+      argnums=tuple(range(6)))
+  assert mosaic_kernels_lowered_for_h100((gradients("query_major"), gradients("key_major")), inputs) == [8, 3]
 
 
 def test_config_names_the_choices():

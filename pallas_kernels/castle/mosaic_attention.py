@@ -24,7 +24,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.castle import mosaic_backward
 from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
-from pallas_kernels.castle.mosaic_ops import _in_block_scores_transposed, castle_forward_mosaic, heads_layout
+from pallas_kernels.castle.mosaic_ops import (_in_block_scores_transposed, castle_forward_mosaic, heads_layout,
+                                              padded_length)
 from pallas_kernels.castle.ops import fold_in_block_grad
 from pallas_kernels.residuals import keep_for_backward
 
@@ -63,8 +64,8 @@ def _castle_mosaic_bwd(scale, window, config, interpret, residuals, d_out):
   q_u, k_u, v_u, q_c, k_c, v_c = inputs
   batch, seq, heads, _ = q_u.shape
   block_q = config.block_q
-  padded = -(-seq // max(config.block_q, config.block_k)) * max(config.block_q, config.block_k)
-  to_heads, from_heads = heads_layout(batch, seq, heads, padded)
+  # As the forward pads: the query-major kernel of CASTLE-SWL runs on whole key programs.
+  to_heads, from_heads = heads_layout(batch, seq, heads, padded_length(seq, config))
   d_out_scale = cotangent_scale(d_out)
   d_out = d_out.astype(jnp.float32) * d_out_scale
   # delta from the output in the inputs' dtype, as flash attention does.

@@ -63,9 +63,10 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels.castle.kernels import _silu_grad, sigmoid, silu
-from pallas_kernels.castle.mosaic_config import WGMMA_ROWS, CastleMosaicConfig
-from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, operand_smem,
-                                                products as wgmma_products, run_on_zeroed_refs,
+from pallas_kernels.castle import mosaic_past_window_backward
+from pallas_kernels.castle.mosaic_config import KEY_BLOCKS_PER_PROGRAM, WGMMA_ROWS, CastleMosaicConfig
+from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, key_major_sweep_end, operand_smem,
+                                                products as wgmma_products, reduce_add_tiles, run_on_zeroed_refs,
                                                 step_masks as _step_masks)
 
 # Columns per chunk of a [64, head_dim] tile: one 128-byte swizzle span of 16-bit values.
@@ -107,12 +108,15 @@ class _Sweep:
 
     - CASTLE-SWL, query blocks past the key block's window (lookahead_end .. N-1): W is
       zero there, so D is constant and W, R, dW, dV^U, dK^U, dQ^U drop out
-      (`with_lookahead=False`); then the blocks within reach of the window, masked;
+      (`with_lookahead=False`); with `past_window_elsewhere` the sweep leaves the blocks
+      from `elsewhere_start` on to `mosaic_past_window_backward` and starts from their
+      dD; then the blocks within reach of the window, masked;
     - CASTLE: the blocks after the diagonal, where every query follows every key and no
       mask is needed, then the diagonal block, masked.
   """
 
-  def __init__(self, key_block, block_q: int, block_k: int, num_query_blocks: int, window: int | None):
+  def __init__(self, key_block, block_q: int, block_k: int, num_query_blocks: int, window: int | None,
+               past_window_elsewhere: bool):
     if block_q != block_k:
       raise ValueError(f"the backward sweep takes block_q == block_k, got {block_q} and {block_k}")
     self.first = key_block
@@ -120,13 +124,25 @@ class _Sweep:
     self.window = window
     self.lookahead_end = num_query_blocks if window is None else jnp.minimum(
         num_query_blocks, lax.div((key_block + 1) * block_k - 1 + window, block_q) + 1)
+    self.past_window_elsewhere = past_window_elsewhere
+    self.elsewhere_start = num_query_blocks
+    if past_window_elsewhere:
+      # `mosaic_past_window_backward` works on key programs of the forward's size.
+      self.elsewhere_start = key_major_sweep_end(
+          lax.div(key_block, KEY_BLOCKS_PER_PROGRAM["warp_specialized"]), window=window, block_q=block_q,
+          block_k=block_k, num_query_blocks=num_query_blocks)
+
+  @property
+  def top(self):
+    """One past the sweep's first (highest) query block."""
+    return self.elsewhere_start if self.window is not None else self.num_query_blocks
 
   def run(self, step, carry):
     def reverse(start, stop, carry, **flags):
       return lax.fori_loop(0, stop - start, lambda r, c: step(stop - 1 - r, c, **flags), carry)
 
     if self.window is not None:
-      carry = reverse(self.lookahead_end, self.num_query_blocks, carry, with_lookahead=False, masked=False)
+      carry = reverse(self.lookahead_end, self.elsewhere_start, carry, with_lookahead=False, masked=False)
       return reverse(self.first, self.lookahead_end, carry, with_lookahead=True, masked=True)
     carry = reverse(self.first + 1, self.num_query_blocks, carry, with_lookahead=True, masked=False)
     return step(self.first, carry, with_lookahead=True, masked=True)
@@ -141,19 +157,7 @@ def _columns(ref, chunk: int, num_chunks: int):
 
 def _reduce_add(tile, gmem, out_smem, barrier, *, with_tma: bool):
   """gmem += tile (float32) through the staging buffer `out_smem`."""
-  # The previous reduce-add must have read the staging buffer.
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  if with_tma:
-    out_smem[...] = tile
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, gmem, reduction_op="add")
-    return
-  # One program at a time (interpret mode): read, add, write back.
-  plgpu.copy_gmem_to_smem(gmem, out_smem, barrier)
-  plgpu.barrier_wait(barrier)
-  out_smem[...] = out_smem[...] + tile
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(out_smem, gmem)
+  reduce_add_tiles([(tile, gmem, out_smem)], barrier, with_tma=with_tma)
 
 
 def _store_tile(tile, gmem, out_smem):
@@ -169,13 +173,16 @@ def _zeros(shape):
 
 
 def _backward_kernel(
-    q_u_ref, k_c_ref, v_c_ref, keys_ref,
-    q_c_ref, q_c16_ref, k_u_ref, v_u16_ref, d_out_ref, in_block_t_ref, lse_ref, delta_ref,
-    dq_c_ref, dk_u_ref, dv_u_ref, d_in_block_ref,   # float32 accumulators in global memory
-    dq_u_ref, dk_c_ref, dv_c_ref,                   # outputs: the key block's gradients
-    key_smem, query_smem, in_block_smem, lse_smem, delta_smem, staging, out_smem, barriers, *,
+    q_u_ref, k_c_ref, v_c_ref, keys_ref, *refs,
     scale: float, window: int | None, block_q: int, block_k: int, num_query_blocks: int,
-    head_dim: int, interpreted: bool):
+    head_dim: int, interpreted: bool, past_window_elsewhere: bool):
+  # With `past_window_elsewhere` the pairs past the window come from
+  # `mosaic_past_window_backward`, and dD starts from their share (`d_keys_ref`).
+  d_keys_ref, refs = (refs[0], refs[1:]) if past_window_elsewhere else (None, refs)
+  (q_c_ref, q_c16_ref, k_u_ref, v_u16_ref, d_out_ref, in_block_t_ref, lse_ref, delta_ref,
+   dq_c_ref, dk_u_ref, dv_u_ref, d_in_block_ref,   # float32 accumulators in global memory
+   dq_u_ref, dk_c_ref, dv_c_ref,                   # outputs: the key block's gradients
+   key_smem, query_smem, in_block_smem, lse_smem, delta_smem, staging, out_smem, barriers) = refs
   products = functools.partial(wgmma_products, init_in_place=not interpreted)
   reduce_add = functools.partial(_reduce_add, out_smem=out_smem, barrier=barriers.io, with_tma=not interpreted)
   num_chunks = head_dim // CHUNK
@@ -191,25 +198,35 @@ def _backward_kernel(
   tile = (block_k, block_q)
   chunk_tile = (block_k, CHUNK)
 
-  sweep = _Sweep(key_block, block_q, block_k, num_query_blocks, window)
+  sweep = _Sweep(key_block, block_q, block_k, num_query_blocks, window, past_window_elsewhere)
 
   @pl.when(warpgroup == _SCORE_WARPGROUP)
   def _():
     for src, dst in zip((q_u_ref, k_c_ref, v_c_ref), key_smem):
       plgpu.copy_gmem_to_smem(src.at[head, key_rows], dst, barriers.keys)
-    keys = []
-    for c in chunks:
-      plgpu.copy_gmem_to_smem(gmem_columns(keys_ref, key_rows, c), out_smem, barriers.io)
-      plgpu.barrier_wait(barriers.io)
-      keys.append(plgpu.load(out_smem, layout=plgpu.Layout.WGMMA))
-      plgpu.commit_smem()  # the next copy overwrites what was just read
+    def load_state(ref):
+      state = []
+      for c in chunks:
+        plgpu.copy_gmem_to_smem(gmem_columns(ref, key_rows, c), out_smem, barriers.io)
+        plgpu.barrier_wait(barriers.io)
+        state.append(plgpu.load(out_smem, layout=plgpu.Layout.WGMMA))
+        plgpu.commit_smem()  # the next copy overwrites what was just read
+      return state
+
+    keys = load_state(keys_ref)
+    d_keys = [_zeros(chunk_tile) for _ in chunks] if d_keys_ref is None else load_state(d_keys_ref)
     plgpu.barrier_wait(barriers.keys)
+
+    def stage_keys(keys):
+      for c in chunks:
+        staging.keys[c][...] = (keys[c] * KEY_STATE_SCALE).astype(LOOKAHEAD_DTYPE)
+      plgpu.commit_smem()
 
     def step(query_block, carry, *, with_lookahead: bool, masked: bool):
       keys, d_keys = carry
       rows = pl.ds(query_block * block_q, block_q)
 
-      @pl.when(query_block < num_query_blocks - 1)
+      @pl.when(query_block < sweep.top - 1)   # not the sweep's first step
       def _():
         plgpu.barrier_wait(barriers.consumed)
 
@@ -234,10 +251,8 @@ def _backward_kernel(
         plgpu.commit_smem()
         keys = [keys[c] - products([(staging.weights, _columns(v_u16_smem, c, num_chunks))], chunk_tile)
                 for c in chunks]
-      # Past the window (CASTLE-SWL) W is zero and D^(i) = D^(i+1).
-      for c in chunks:
-        staging.keys[c][...] = (keys[c] * KEY_STATE_SCALE).astype(LOOKAHEAD_DTYPE)
-      plgpu.commit_smem()
+        stage_keys(keys)
+      # Past the window (CASTLE-SWL) W is zero and D^(i) = D^(i+1), staged already.
 
       # The forward's scores and probabilities.
       lookahead_pairs = [(staging.keys[c], _columns(q_c16_smem, c, num_chunks).T) for c in chunks]
@@ -297,7 +312,8 @@ def _backward_kernel(
                      gmem_columns(dk_u_ref, rows, c))
       return keys, d_keys
 
-    sweep.run(step, (keys, [_zeros(chunk_tile) for _ in chunks]))
+    stage_keys(keys)
+    sweep.run(step, (keys, d_keys))
     plgpu.wait_smem_to_gmem(0)
     plgpu.barrier_arrive(barriers.staging_free)
     plgpu.barrier_wait(barriers.consumed)
@@ -363,9 +379,12 @@ def backward(q_u, k_u, v_u, q_c, k_c, v_c, keys_final, d_out, lse, delta, in_blo
                      f"multiple of {CHUNK}; got {block_q}, {block_k} and {head_dim}")
   dtype = q_c.dtype
   num_chunks = head_dim // CHUNK
+  # CASTLE-SWL: the pairs past the window go to `mosaic_past_window_backward`.
+  split = window is not None and config.splits_past_window
   kernel = functools.partial(
       _backward_kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
-      num_query_blocks=length // block_q, head_dim=head_dim, interpreted=interpret is not None)
+      num_query_blocks=length // block_q, head_dim=head_dim, interpreted=interpret is not None,
+      past_window_elsewhere=split)
   full_tile = lambda rows, dt: operand_smem((rows, head_dim), dt)
   square = lambda dt: operand_smem((block_k, block_q), dt)
   chunk = lambda dt: tuple(operand_smem((block_k, CHUNK), dt) for _ in range(num_chunks))
@@ -401,11 +420,26 @@ def backward(q_u, k_u, v_u, q_c, k_c, v_c, keys_final, d_out, lse, delta, in_blo
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
   )
-  inputs = (q_u, k_c, v_c, keys_final, q_c, q_c.astype(LOOKAHEAD_DTYPE), k_u, v_u.astype(LOOKAHEAD_DTYPE),
-            d_out, in_block_t.astype(LOOKAHEAD_DTYPE), lse, delta)
+  past_window = dict(scale=scale, window=window, block_q=block_q, block_k=block_k,
+                     keys_per_program=config.keys_per_program, interpret=interpret)
+  key_side_inputs = (q_c, k_c, keys_final, v_c, d_out, lse, delta)
+  if split:
+    # The key side of the pairs past the window first: the sweep starts from their dD.
+    dk_c_past, dv_c_past = mosaic_past_window_backward.key_grads(*key_side_inputs, grads="causal", **past_window)
+    (d_keys_past,) = mosaic_past_window_backward.key_grads(*key_side_inputs, grads="lookahead", **past_window)
+  inputs = (q_u, k_c, v_c, keys_final, *((d_keys_past,) if split else ()), q_c, q_c.astype(LOOKAHEAD_DTYPE), k_u,
+            v_u.astype(LOOKAHEAD_DTYPE), d_out, in_block_t.astype(LOOKAHEAD_DTYPE), lse, delta)
   rows = jax.ShapeDtypeStruct((heads, length, head_dim), jnp.float32)
+
   # dQ^C, dK^U, dV^U and dR are reduce-added into; dQ^U, dK^C, dV^C (after them) are written.
+  def sweeps(*refs):
+    launch(*inputs, *refs)
+    if split:
+      mosaic_past_window_backward.accumulate_query_grads(*key_side_inputs, refs[0], **past_window)
+
   dq_c, dk_u, dv_u, d_in_block, dq_u, dk_c, dv_c = run_on_zeroed_refs(
-      lambda *refs: launch(*inputs, *refs),
+      sweeps,
       (rows, rows, rows, jax.ShapeDtypeStruct((heads, length, block_q), jnp.float32), rows, rows, rows))
+  if split:
+    dk_c, dv_c = dk_c + dk_c_past, dv_c + dv_c_past
   return dq_u, dk_c, dv_c, dq_c, dk_u, dv_u, d_in_block

@@ -209,26 +209,37 @@ def _forward_kernel(
   plgpu.wait_smem_to_gmem(0)
 
 
-def accumulate_rows(out, sums, acc_gmem, sums_gmem, out_smem, sums_smem, barrier, with_tma: bool):
-  """acc_gmem += out and sums_gmem += sums (float32 tiles of one query block)."""
-  # The previous step's reduce-adds must have read the staging buffers.
+def reduce_add_tiles(tiles, barrier, *, with_tma: bool):
+  """gmem += tile for each (tile, gmem, staging) in `tiles` (float32 tiles, staged through
+  the shared-memory buffers `staging`).
+
+  On the GPU a TMA reduce-add each. GPU interpret mode has none, but runs the grid one
+  program at a time, so there it reads, adds and writes back; `barrier` then needs one
+  arrival per tile.
+  """
+  # The previous reduce-adds must have read the staging buffers.
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   if with_tma:
-    out_smem[...] = out
-    sums_smem[...] = sums
+    for tile, _, staging in tiles:
+      staging[...] = tile
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, acc_gmem, reduction_op="add")
-    plgpu.copy_smem_to_gmem(sums_smem, sums_gmem, reduction_op="add")
+    for _, gmem, staging in tiles:
+      plgpu.copy_smem_to_gmem(staging, gmem, reduction_op="add")
     return
-  # One program at a time (interpret mode): read, add, write back.
-  plgpu.copy_gmem_to_smem(acc_gmem, out_smem, barrier)
-  plgpu.copy_gmem_to_smem(sums_gmem, sums_smem, barrier)
+  for _, gmem, staging in tiles:
+    plgpu.copy_gmem_to_smem(gmem, staging, barrier)
   plgpu.barrier_wait(barrier)
-  out_smem[...] = out_smem[...] + out
-  sums_smem[...] = sums_smem[...] + sums
+  for tile, _, staging in tiles:
+    staging[...] = staging[...] + tile
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(out_smem, acc_gmem)
-  plgpu.copy_smem_to_gmem(sums_smem, sums_gmem)
+  for _, gmem, staging in tiles:
+    plgpu.copy_smem_to_gmem(staging, gmem)
+
+
+def accumulate_rows(out, sums, acc_gmem, sums_gmem, out_smem, sums_smem, barrier, with_tma: bool):
+  """acc_gmem += out and sums_gmem += sums (float32 tiles of one query block; `barrier`
+  with two arrivals)."""
+  reduce_add_tiles([(out, acc_gmem, out_smem), (sums, sums_gmem, sums_smem)], barrier, with_tma=with_tma)
 
 
 

@@ -64,6 +64,13 @@ def _in_block_scores_transposed(q_c, v_u, scale, block_q):
   return scores.swapaxes(-1, -2).reshape(heads, length, block_q)
 
 
+def padded_length(seq: int, config: CastleMosaicConfig) -> int:
+  """The sequence length the kernels run on: `seq` zero-padded to whole query blocks and
+  key programs (the query-major kernel's programs of CASTLE-SWL are as long as those)."""
+  multiple = max(config.block_q, config.keys_per_program)
+  return -(-seq // multiple) * multiple
+
+
 def heads_layout(batch: int, seq: int, heads: int, padded: int):
   """(to_heads, from_heads): [B, T, H, X] <-> [B * H, padded, X] (zero-padded sequence)."""
   def to_heads(x):
@@ -122,8 +129,7 @@ def castle_forward_mosaic(
   _check(inputs, window)
   config = CastleMosaicConfig() if config is None else config
   batch, seq, heads, _ = q_u.shape
-  multiple = max(config.block_q, config.keys_per_program)
-  padded = -(-seq // multiple) * multiple
+  padded = padded_length(seq, config)
 
   to_heads, from_heads = heads_layout(batch, seq, heads, padded)
   out, lse, keys = _forward_heads(

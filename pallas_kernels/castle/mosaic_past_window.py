@@ -43,11 +43,13 @@ from pallas_kernels.castle.mosaic_forward import (
     KEY_STATE_SCALE, LOOKAHEAD_DTYPE, PAST_WINDOW_QUERY_BLOCKS, PROBS_DTYPE, accumulate_rows, matmul, operand_smem,
     register_operand, run_on_zeroed_refs)
 
-_CONSUMERS = PAST_WINDOW_QUERY_BLOCKS   # query blocks per program, one consumer warpgroup each
-_PRODUCER = _CONSUMERS   # warpgroup index of the producer
-_STAGES = 2              # key-tile ring depth
+# Both directions: two consumer warpgroups (each one query block, or one key block) and a
+# producer warpgroup streaming the other side's tiles through a ring of STAGES slots.
+CONSUMERS = PAST_WINDOW_QUERY_BLOCKS
+PRODUCER = CONSUMERS     # warpgroup index of the producer
+STAGES = 2
 _PRODUCER_REGISTERS = 40
-_CONSUMER_REGISTERS = 232
+CONSUMER_REGISTERS = 232
 
 
 def past_window_key_programs(query_program, *, window: int, keys_per_program: int, queries_per_program: int):
@@ -61,7 +63,65 @@ def past_window_key_programs(query_program, *, window: int, keys_per_program: in
   return lax.div(room, keys_per_program)
 
 
-def _kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c_ref, shift_ref, acc_ref, sums_ref,
+def check_length(length: int, block_q: int, keys_per_program: int):
+  """The kernels run on whole query and key programs: a shorter tail would go unswept."""
+  multiple = max(CONSUMERS * block_q, keys_per_program)
+  if length % multiple:
+    raise ValueError(f"mosaic_past_window: the sequence length {length} must be a multiple of {multiple} "
+                     "(pad with mosaic_ops.padded_length)")
+
+
+def num_key_blocks(query_program, *, window, block_q, block_k, keys_per_program):
+  """Key blocks that `query_program` sweeps: those of the key programs past its window."""
+  key_programs = past_window_key_programs(query_program, window=window, keys_per_program=keys_per_program,
+                                          queries_per_program=CONSUMERS * block_q)
+  return key_programs * (keys_per_program // block_k)
+
+
+def stream_tiles(num_steps, groups, block: int, first_block=0):
+  """The producer warpgroup: row blocks first_block .. first_block + num_steps - 1 of the
+  sources into ring slots.
+
+  groups: (sources, ring buffers, full barriers, free barriers) tuples; the sources are
+  one head's [L, ...] refs, each ring buffer [STAGES, block, ...]. A group's copies of a
+  step signal its `full` barrier; its slot is refilled once both consumers released it
+  through `free`. The number of steps is 0 or a multiple of STAGES.
+  """
+  plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+  @pl.loop(0, num_steps)
+  def _load(step):
+    slot = lax.rem(step, STAGES)
+    rows = pl.ds((first_block + step) * block, block)
+    for sources, ring, full, free in groups:
+      @pl.when(step >= STAGES)
+      def _():
+        plgpu.barrier_wait(free.at[slot])
+      for src, dst in zip(sources, ring):
+        plgpu.copy_gmem_to_smem(src.at[rows], dst.at[slot], full.at[slot])
+
+  # Observe the releases of the last steps too (a waiter may not skip a phase).
+  for last in range(STAGES, 0, -1):
+    for _, _, _, free in groups:
+      plgpu.barrier_wait(free.at[lax.rem(num_steps - last, STAGES)])
+
+
+def take_turn(turn_barrier):
+  """Wait until the partner consumer has had its turn on the tensor cores."""
+  plgpu.barrier_arrive(turn_barrier)
+  plgpu.barrier_wait(turn_barrier)
+
+
+def sweep_in_turns(consumer, turn_barrier, num_steps, step, carry):
+  """`step` over 0 .. num_steps - 1, the two consumers alternating on the tensor cores:
+  consumer 1 starts a turn behind, and consumer 0 takes the last turn."""
+  pl.when(consumer == 1)(functools.partial(take_turn, turn_barrier))
+  carry = lax.fori_loop(0, num_steps, step, carry)
+  pl.when(consumer == 0)(functools.partial(take_turn, turn_barrier))
+  return carry
+
+
+def _forward_kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c_ref, shift_ref, acc_ref, sums_ref,
             query_smem, shift_smem, key_ring, out_smem, sums_smem, probs_staging, barriers, *,
             scale: float, window: int, block_q: int, block_k: int, keys_per_program: int, head_dim: int,
             interpreted: bool):
@@ -69,43 +129,21 @@ def _kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c_ref, shift_ref, acc_ref, sums_
   program = lax.axis_index("query_program")
   head = lax.axis_index("head")
   warpgroup = lax.axis_index("wg")
-  num_steps = past_window_key_programs(
-      program, window=window, keys_per_program=keys_per_program,
-      queries_per_program=_CONSUMERS * block_q) * (keys_per_program // block_k)
+  num_steps = num_key_blocks(program, window=window, block_q=block_q, block_k=block_k,
+                              keys_per_program=keys_per_program)
   k_ring, keys_ring, v_ring = key_ring
   query_full, key_full, values_full, key_free, values_free, tensor_core_turn, accumulate_barrier = barriers
 
-  @pl.when(jnp.logical_and(num_steps > 0, warpgroup == _PRODUCER))
+  @pl.when(jnp.logical_and(num_steps > 0, warpgroup == PRODUCER))
   def _producer():
-    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    stream_tiles(num_steps, [((k_c16_ref.at[head], keys16_ref.at[head]), key_ring[:2], key_full, key_free),
+                             ((v_c_ref.at[head],), key_ring[2:], values_full, values_free)], block_k)
 
-    @pl.loop(0, num_steps)
-    def _load(step):
-      slot = lax.rem(step, _STAGES)
-      keys = pl.ds(step * block_k, block_k)
-
-      @pl.when(step >= _STAGES)
-      def _():
-        plgpu.barrier_wait(key_free.at[slot])
-      plgpu.copy_gmem_to_smem(k_c16_ref.at[head, keys], k_ring.at[slot], key_full.at[slot])
-      plgpu.copy_gmem_to_smem(keys16_ref.at[head, keys], keys_ring.at[slot], key_full.at[slot])
-
-      @pl.when(step >= _STAGES)
-      def _():
-        plgpu.barrier_wait(values_free.at[slot])
-      plgpu.copy_gmem_to_smem(v_c_ref.at[head, keys], v_ring.at[slot], values_full.at[slot])
-
-    # Observe the releases of the last steps too (a waiter may not skip a phase); the
-    # number of steps is a multiple of keys_per_program // block_k >= _STAGES.
-    for last in range(_STAGES, 0, -1):
-      plgpu.barrier_wait(key_free.at[lax.rem(num_steps - last, _STAGES)])
-      plgpu.barrier_wait(values_free.at[lax.rem(num_steps - last, _STAGES)])
-
-  @pl.when(jnp.logical_and(num_steps > 0, warpgroup < _CONSUMERS))
+  @pl.when(jnp.logical_and(num_steps > 0, warpgroup < CONSUMERS))
   def _consumer():
-    plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
     consumer = warpgroup
-    rows = pl.ds(program * _CONSUMERS * block_q + consumer * block_q, block_q)
+    rows = pl.ds(program * CONSUMERS * block_q + consumer * block_q, block_q)
     q_smem = query_smem.at[consumer]
     plgpu.copy_gmem_to_smem(q_c16_ref.at[head, rows], q_smem, query_full.at[consumer])
     plgpu.copy_gmem_to_smem(shift_ref.at[head, rows], shift_smem.at[consumer], query_full.at[consumer])
@@ -113,19 +151,15 @@ def _kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c_ref, shift_ref, acc_ref, sums_
     staging = None if probs_staging is None else probs_staging.at[consumer]
     lookahead_unit = scale / KEY_STATE_SCALE
 
-    def take_turn():
-      plgpu.barrier_arrive(tensor_core_turn)
-      plgpu.barrier_wait(tensor_core_turn)
-
     def step(index, carry):
       out, sums = carry
-      slot = lax.rem(index, _STAGES)
+      slot = lax.rem(index, STAGES)
       plgpu.barrier_wait(key_full.at[slot])
 
       def score_products(causal_acc, lookahead_acc):
         plgpu.wgmma(causal_acc, q_smem, k_ring.at[slot].T)
         plgpu.wgmma(lookahead_acc, q_smem, keys_ring.at[slot].T)
-        take_turn()
+        take_turn(tensor_core_turn)
         return causal_acc[...], lookahead_acc[...]
 
       causal, lookahead = pl.run_scoped(
@@ -146,33 +180,30 @@ def _kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c_ref, shift_ref, acc_ref, sums_
 
     out = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
     sums = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    # Consumer 1 starts a turn behind, so the two alternate; consumer 0 takes the last turn.
-    pl.when(consumer == 1)(take_turn)
-    out, sums = lax.fori_loop(0, num_steps, step, (out, sums))
-    pl.when(consumer == 0)(take_turn)
+    out, sums = sweep_in_turns(consumer, tensor_core_turn, num_steps, step, (out, sums))
     accumulate_rows(out, sums, acc_ref.at[head, rows], sums_ref.at[head, rows], out_smem.at[consumer],
                     sums_smem.at[consumer], accumulate_barrier.at[consumer], with_tma=not interpreted)
     plgpu.wait_smem_to_gmem(0)
 
 
-def _scratch(block_q, block_k, head_dim, interpreted):
-  """Shared memory and barriers of `_kernel` (~193 KB at head dim 128)."""
-  ring = lambda dtype: operand_smem((_STAGES, block_k, head_dim), dtype)
+def _forward_scratch(block_q, block_k, head_dim, interpreted):
+  """Shared memory and barriers of `_forward_kernel` (~193 KB at head dim 128)."""
+  ring = lambda dtype: operand_smem((STAGES, block_k, head_dim), dtype)
   return [
-      operand_smem((_CONSUMERS, block_q, head_dim), LOOKAHEAD_DTYPE),            # Q^C (float16)
-      plgpu.SMEM((_CONSUMERS, block_q), jnp.float32),                             # shift
+      operand_smem((CONSUMERS, block_q, head_dim), LOOKAHEAD_DTYPE),            # Q^C (float16)
+      plgpu.SMEM((CONSUMERS, block_q), jnp.float32),                             # shift
       (ring(LOOKAHEAD_DTYPE), ring(LOOKAHEAD_DTYPE), ring(PROBS_DTYPE)),          # K^C, D * 2^-8, V^C
-      plgpu.SMEM((_CONSUMERS, block_q, head_dim), jnp.float32),                   # output staging
-      plgpu.SMEM((_CONSUMERS, block_q), jnp.float32),                             # row-sum staging
-      operand_smem((_CONSUMERS, block_q, block_k), PROBS_DTYPE) if interpreted else None,
+      plgpu.SMEM((CONSUMERS, block_q, head_dim), jnp.float32),                   # output staging
+      plgpu.SMEM((CONSUMERS, block_q), jnp.float32),                             # row-sum staging
+      operand_smem((CONSUMERS, block_q, block_k), PROBS_DTYPE) if interpreted else None,
       (
-          plgpu.Barrier(num_arrivals=2, num_barriers=_CONSUMERS),                 # query_full: Q^C, shift
-          plgpu.Barrier(num_arrivals=2, num_barriers=_STAGES),                    # key_full: K^C, D
-          plgpu.Barrier(num_arrivals=1, num_barriers=_STAGES),                    # values_full
-          plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_STAGES),           # key_free
-          plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_STAGES),           # values_free
-          plgpu.Barrier(num_arrivals=_CONSUMERS),                                 # tensor_core_turn
-          plgpu.Barrier(num_arrivals=2, num_barriers=_CONSUMERS),                 # interpret-mode accumulate
+          plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),                 # query_full: Q^C, shift
+          plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),                    # key_full: K^C, D
+          plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),                    # values_full
+          plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=STAGES),           # key_free
+          plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=STAGES),           # values_free
+          plgpu.Barrier(num_arrivals=CONSUMERS),                                 # tensor_core_turn
+          plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),                 # interpret-mode accumulate
       ),
   ]
 
@@ -195,16 +226,17 @@ def accumulate_past_window(q_c16, k_c16, keys, v_c, shift, acc_ref, sums_ref, *,
     interpret: None, or `plgpu.InterpretGPUParams` (GPU interpret mode).
   """
   heads, length, head_dim = q_c16.shape
+  check_length(length, block_q, keys_per_program)
   interpreted = interpret is not None
-  kernel = functools.partial(_kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
+  kernel = functools.partial(_forward_kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
                              keys_per_program=keys_per_program, head_dim=head_dim, interpreted=interpreted)
   launch = plgpu.kernel(
       kernel,
       out_type=(),
-      scratch_types=_scratch(block_q, block_k, head_dim, interpreted),
-      grid=(length // (_CONSUMERS * block_q), heads),
+      scratch_types=_forward_scratch(block_q, block_k, head_dim, interpreted),
+      grid=(length // (CONSUMERS * block_q), heads),
       grid_names=("query_program", "head"),
-      num_threads=_CONSUMERS + 1,
+      num_threads=CONSUMERS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,

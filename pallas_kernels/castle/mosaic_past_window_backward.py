@@ -1,0 +1,327 @@
+"""CASTLE-SWL's backward over the (query, key) pairs past the lookahead window (Mosaic GPU).
+
+Past key s's window its lookahead key is final (`mosaic_past_window`), so these pairs
+need no walk back of D and none of the lookahead-weight gradients: only
+
+  dQ^C += (dS K^C + dSU D) s,   dK^C += dS^T Q^C s,   dV^C += P^T dO,   dD += dSU^T Q^C s,
+
+with P = exp(S^C s - SiLU(S^U s) - lse), dS = P (dP - delta), dP = dO V^C^T and
+dSU = -dS SiLU'(S^U s), S^C = Q^C K^C^T, S^U = Q^C D^T. Three kernels, each with two
+consumer warpgroups alternating on the tensor cores and a producer warpgroup streaming
+tiles through a two-stage ring (as the forward's query-major kernel):
+
+- `accumulate_query_grads`: query-block major, dQ^C in registers, one reduce-add per
+  query block at the end;
+- `key_grads(..., "causal")`: key-block major, dK^C and dV^C in registers;
+- `key_grads(..., "lookahead")`: key-block major, dD in registers.
+
+A key block's three [64, d] float32 states (dK^C, dV^C, dD: 192 registers per thread at
+d = 128) do not fit one warpgroup next to its score tiles, so the key side runs twice,
+recomputing the scores (three products) in each: 14 products per pair in all instead of
+11, traded for kernels that keep the tensor cores busy. The key-major sweep inside the
+window (`mosaic_backward`) starts from the key-side results.
+
+Every operand is float16 (bf16 values within float16's range are exact; P <= 1; dO is
+scaled by the caller to max |dO| in [0.5, 1)); D enters scaled by 2^-8 as in the forward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from pallas_kernels.castle.kernels import _silu_grad, silu
+from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, key_major_sweep_end, operand_smem,
+                                                products, reduce_add_tiles, register_operand, run_on_zeroed_refs)
+from pallas_kernels.castle.mosaic_past_window import (CONSUMER_REGISTERS, CONSUMERS, PRODUCER, STAGES, check_length,
+                                                    num_key_blocks, stream_tiles, sweep_in_turns, take_turn)
+
+
+def _query_grad_kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c16_ref, d_out16_ref, lse_ref, delta_ref, dq_ref,
+                       query_union, lse_smem, delta_smem, key_ring, grad_staging, barriers, *, scale: float,
+                       window: int, block_q: int, block_k: int, keys_per_program: int, head_dim: int,
+                       interpreted: bool):
+  """One program: dQ^C of query rows [2 * block_q * p, 2 * block_q * (p + 1)) of one head
+  from the key blocks past their window (query-row frame [block_q, block_k]):
+
+    S^C = Q^C K^C^T,  S^U = Q^C (D * 2^-8)^T,  dP = dO V^C^T           (one wait)
+    P = exp(S^C s - SiLU(S^U s 2^8) - lse),  dS = P (dP - delta),  dSU = -dS SiLU'(S^U s 2^8)
+    dQ^C += (dS K^C + dSU 2^8 (D * 2^-8)) s                              (P, dS from registers)
+  """
+  program = lax.axis_index("query_program")
+  head = lax.axis_index("head")
+  warpgroup = lax.axis_index("wg")
+  num_steps = num_key_blocks(program, window=window, block_q=block_q, block_k=block_k,
+                              keys_per_program=keys_per_program)
+  k_ring, keys_ring, v_ring = key_ring
+  query_tiles, dq_staging = query_union
+  query_full, key_full, values_full, key_free, values_free, tensor_core_turn, io = barriers
+
+  @pl.when(jnp.logical_and(num_steps > 0, warpgroup == PRODUCER))
+  def _producer():
+    stream_tiles(num_steps, [((k_c16_ref.at[head], keys16_ref.at[head]), key_ring[:2], key_full, key_free),
+                             ((v_c16_ref.at[head],), key_ring[2:], values_full, values_free)], block_k)
+
+  @pl.when(jnp.logical_and(num_steps > 0, warpgroup < CONSUMERS))
+  def _consumer():
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    consumer = warpgroup
+    rows = pl.ds(program * CONSUMERS * block_q + consumer * block_q, block_q)
+    q_smem, d_out_smem = query_tiles.at[consumer, 0], query_tiles.at[consumer, 1]
+    for src, dst in ((q_c16_ref, q_smem), (d_out16_ref, d_out_smem), (lse_ref, lse_smem.at[consumer]),
+                     (delta_ref, delta_smem.at[consumer])):
+      plgpu.copy_gmem_to_smem(src.at[head, rows], dst, query_full.at[consumer])
+    plgpu.barrier_wait(query_full.at[consumer])
+    d_scores_staging, d_lookahead_staging = (None, None) if grad_staging is None else (
+        grad_staging[0].at[consumer], grad_staging[1].at[consumer])
+    lookahead_unit = scale / KEY_STATE_SCALE
+    tile = (block_q, block_k)
+
+    def step(index, d_query):
+      slot = lax.rem(index, STAGES)
+      plgpu.barrier_wait(key_full.at[slot])
+      plgpu.barrier_wait(values_full.at[slot])
+
+      def score_products(causal_acc, lookahead_acc, d_probs_acc):
+        plgpu.wgmma(causal_acc, q_smem, k_ring.at[slot].T)
+        plgpu.wgmma(lookahead_acc, q_smem, keys_ring.at[slot].T)
+        plgpu.wgmma(d_probs_acc, d_out_smem, v_ring.at[slot].T)
+        take_turn(tensor_core_turn)
+        return causal_acc[...], lookahead_acc[...], d_probs_acc[...]
+
+      causal, lookahead, d_probs = pl.run_scoped(
+          score_products, *(plgpu.ACC(tile, jnp.float32) for _ in range(3)))
+      plgpu.barrier_arrive(values_free.at[slot])
+      lookahead = lookahead * lookahead_unit
+      lse = lax.broadcast_in_dim(lse_smem.at[consumer][...], tile, [0])
+      delta = lax.broadcast_in_dim(delta_smem.at[consumer][...], tile, [0])
+      probs = jnp.exp(causal * scale - silu(lookahead) - lse)
+      d_scores = probs * (d_probs - delta)
+      # D enters scaled by 2^-8, so dSU is scaled by 2^8 to match (exact).
+      d_lookahead = -d_scores * _silu_grad(lookahead) * (1.0 / KEY_STATE_SCALE)
+      d_scores16 = register_operand(d_scores.astype(LOOKAHEAD_DTYPE), d_scores_staging)
+      d_lookahead16 = register_operand(d_lookahead.astype(LOOKAHEAD_DTYPE), d_lookahead_staging)
+      plgpu.barrier_arrive(tensor_core_turn)
+      plgpu.barrier_wait(tensor_core_turn)
+      d_query = products([(d_scores16, k_ring.at[slot]), (d_lookahead16, keys_ring.at[slot])], (block_q, head_dim),
+                         init=d_query, init_in_place=not interpreted)
+      plgpu.barrier_arrive(key_free.at[slot])
+      return d_query
+
+    d_query = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    d_query = sweep_in_turns(consumer, tensor_core_turn, num_steps, step, d_query)
+    # The staging buffer aliases this consumer's own query tiles, which its products have read.
+    reduce_add_tiles([(d_query * scale, dq_ref.at[head, rows], dq_staging.at[consumer])], io.at[consumer],
+                     with_tma=not interpreted)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _query_grad_scratch(block_q, block_k, head_dim, interpreted):
+  """Shared memory and barriers of `_query_grad_kernel` (~161 KB at head dim 128)."""
+  ring = operand_smem((STAGES, block_k, head_dim), LOOKAHEAD_DTYPE)
+  staging = lambda: operand_smem((CONSUMERS, block_q, block_k), LOOKAHEAD_DTYPE)
+  return [
+      # Per consumer, Q^C and dO (float16), then (aliased) its dQ^C staging in float32.
+      plgpu.RefUnion(operand_smem((CONSUMERS, 2, block_q, head_dim), LOOKAHEAD_DTYPE),
+                     plgpu.SMEM((CONSUMERS, block_q, head_dim), jnp.float32)),
+      plgpu.SMEM((CONSUMERS, block_q), jnp.float32),                             # lse
+      plgpu.SMEM((CONSUMERS, block_q), jnp.float32),                             # delta
+      (ring, ring, ring),                                                         # K^C, D * 2^-8, V^C
+      (staging(), staging()) if interpreted else None,                            # dS, dSU
+      (
+          plgpu.Barrier(num_arrivals=4, num_barriers=CONSUMERS),                 # query_full
+          plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),                    # key_full: K^C, D
+          plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),                    # values_full
+          plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=STAGES),           # key_free
+          plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=STAGES),           # values_free
+          plgpu.Barrier(num_arrivals=CONSUMERS),                                 # tensor_core_turn
+          plgpu.Barrier(num_arrivals=1, num_barriers=CONSUMERS),                 # interpret-mode reduce-add
+      ),
+  ]
+
+
+def accumulate_query_grads(q_c, k_c, keys, v_c, d_out, lse, delta, dq_ref, *, scale: float, window: int,
+                           block_q: int, block_k: int, keys_per_program: int, interpret):
+  """Adds the past-window pairs' share of dQ^C into `dq_ref` (float32 [BH, L, d]).
+
+  Args:
+    q_c, k_c, v_c, d_out: [BH, L, d] (enter as float16; dO scaled to max |dO| in
+      [0.5, 1), as the caller of the backward does).
+    keys: float32 [BH, L, d], the forward's final D.
+    lse, delta: float32 [BH, L].
+    Others as `accumulate_past_window`.
+  """
+  heads, length, head_dim = q_c.shape
+  check_length(length, block_q, keys_per_program)
+  interpreted = interpret is not None
+  kernel = functools.partial(_query_grad_kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
+                             keys_per_program=keys_per_program, head_dim=head_dim, interpreted=interpreted)
+  launch = plgpu.kernel(
+      kernel,
+      out_type=(),
+      scratch_types=_query_grad_scratch(block_q, block_k, head_dim, interpreted),
+      grid=(length // (CONSUMERS * block_q), heads),
+      grid_names=("query_program", "head"),
+      num_threads=CONSUMERS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret,
+  )
+  f16 = lambda x: x.astype(LOOKAHEAD_DTYPE)
+  launch(f16(q_c), f16(k_c), f16(keys * KEY_STATE_SCALE), f16(v_c), f16(d_out), lse, delta, dq_ref)
+
+
+# Which key-side states a `key_grads` kernel keeps in registers.
+KEY_GRADS = {"causal": ("dk_c", "dv_c"), "lookahead": ("d_keys",)}
+
+
+def _key_grad_kernel(k_c16_ref, keys16_ref, v_c16_ref, q_c16_ref, d_out16_ref, lse_ref, delta_ref, *refs,
+                     grads: str, scale: float, window: int, block_q: int, block_k: int, num_query_blocks: int,
+                     head_dim: int, interpreted: bool):
+  """One program: key rows [2 * block_k * p, 2 * block_k * (p + 1)) of one head, consumer c
+  owning key block 2p + c, over the query blocks past the program's window (key-row
+  frame [block_k, block_q]):
+
+    S^C^T = K^C Q^C^T,  S^U^T = (D * 2^-8) Q^C^T,  dP^T = V^C dO^T       (one wait)
+    P^T, dS^T (and dSU^T) as in the module docstring
+    "causal":    dV^C += P^T dO,  dK^C += dS^T Q^C (times s at the end)
+    "lookahead": dD += dSU^T Q^C (times s at the end)
+  """
+  outputs = refs[:len(KEY_GRADS[grads])]
+  key_union, query_ring, row_ring, grad_staging, barriers = refs[len(KEY_GRADS[grads]):]
+  program = lax.axis_index("key_program")
+  head = lax.axis_index("head")
+  warpgroup = lax.axis_index("wg")
+  first = key_major_sweep_end(program, window=window, block_q=block_q, block_k=block_k,
+                              num_query_blocks=num_query_blocks)
+  num_steps = num_query_blocks - first
+  key_tiles, out_staging = key_union
+  q_ring, d_out_ring = query_ring
+  lse_ring, delta_ring = row_ring
+  key_full, query_full, query_free, tensor_core_turn = barriers
+
+  @pl.when(jnp.logical_and(num_steps > 0, warpgroup == PRODUCER))
+  def _producer():
+    stream_tiles(num_steps, [((q_c16_ref.at[head], d_out16_ref.at[head], lse_ref.at[head], delta_ref.at[head]),
+                              (q_ring, d_out_ring, lse_ring, delta_ring), query_full, query_free)],
+                 block_q, first_block=first)
+
+  @pl.when(jnp.logical_and(num_steps > 0, warpgroup < CONSUMERS))
+  def _consumer():
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    consumer = warpgroup
+    key_rows = pl.ds(program * CONSUMERS * block_k + consumer * block_k, block_k)
+    k_smem, keys_smem, v_smem = (key_tiles.at[consumer, t] for t in range(3))
+    for src, dst in ((k_c16_ref, k_smem), (keys16_ref, keys_smem), (v_c16_ref, v_smem)):
+      plgpu.copy_gmem_to_smem(src.at[head, key_rows], dst, key_full.at[consumer])
+    plgpu.barrier_wait(key_full.at[consumer])
+    staging = (None, None) if grad_staging is None else (grad_staging[0].at[consumer], grad_staging[1].at[consumer])
+    lookahead_unit = scale / KEY_STATE_SCALE
+    tile = (block_k, block_q)
+
+    def step(index, states):
+      slot = lax.rem(index, STAGES)
+      q_smem, d_out_smem = q_ring.at[slot], d_out_ring.at[slot]
+      plgpu.barrier_wait(query_full.at[slot])
+
+      def score_products(causal_acc, lookahead_acc, d_probs_acc):
+        plgpu.wgmma(causal_acc, k_smem, q_smem.T)
+        plgpu.wgmma(lookahead_acc, keys_smem, q_smem.T)
+        plgpu.wgmma(d_probs_acc, v_smem, d_out_smem.T)
+        take_turn(tensor_core_turn)
+        return causal_acc[...], lookahead_acc[...], d_probs_acc[...]
+
+      causal, lookahead, d_probs = pl.run_scoped(
+          score_products, *(plgpu.ACC(tile, jnp.float32) for _ in range(3)))
+      lookahead = lookahead * lookahead_unit
+      lse = lax.broadcast_in_dim(lse_ring.at[slot][...], tile, [1])
+      delta = lax.broadcast_in_dim(delta_ring.at[slot][...], tile, [1])
+      probs = jnp.exp(causal * scale - silu(lookahead) - lse)
+      d_scores = probs * (d_probs - delta)
+      if grads == "causal":   # in KEY_GRADS order: dK^C, dV^C
+        pairs = [(register_operand(d_scores.astype(LOOKAHEAD_DTYPE), staging[0]), q_smem),
+                 (register_operand(probs.astype(LOOKAHEAD_DTYPE), staging[1]), d_out_smem)]
+      else:
+        d_lookahead = -d_scores * _silu_grad(lookahead)
+        pairs = [(register_operand(d_lookahead.astype(LOOKAHEAD_DTYPE), staging[0]), q_smem)]
+      plgpu.barrier_arrive(tensor_core_turn)
+      plgpu.barrier_wait(tensor_core_turn)
+      states = tuple(products([pair], (block_k, head_dim), init=state, init_in_place=not interpreted)
+                     for pair, state in zip(pairs, states))
+      plgpu.barrier_arrive(query_free.at[slot])
+      return states
+
+    zeros = plgpu.layout_cast(jnp.zeros((block_k, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    states = sweep_in_turns(consumer, tensor_core_turn, num_steps, step, (zeros,) * len(outputs))
+    # The staging buffer aliases this consumer's own key tiles, which its products have read.
+    factors = {"dk_c": scale, "dv_c": 1.0, "d_keys": scale}
+    staging_tile = out_staging.at[consumer, pl.ds(0, block_k)]
+    for name, state, out_ref in zip(KEY_GRADS[grads], states, outputs):
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      staging_tile[...] = state * factors[name]
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(staging_tile, out_ref.at[head, key_rows])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _key_grad_scratch(grads, block_q, block_k, head_dim, interpreted):
+  """Shared memory and barriers of `_key_grad_kernel` (~161 KB at head dim 128)."""
+  staging = lambda: operand_smem((CONSUMERS, block_k, block_q), LOOKAHEAD_DTYPE)
+  return [
+      # Per consumer K^C, D * 2^-8 and V^C (float16), then (aliased) a float32 [block_k, d]
+      # staging tile for its results: 1.5 * block_k rows keep each consumer's tile inside
+      # its own key tiles.
+      plgpu.RefUnion(operand_smem((CONSUMERS, 3, block_k, head_dim), LOOKAHEAD_DTYPE),
+                     plgpu.SMEM((CONSUMERS, 3 * block_k // 2, head_dim), jnp.float32)),
+      (operand_smem((STAGES, block_q, head_dim), LOOKAHEAD_DTYPE),) * 2,             # Q^C, dO
+      (plgpu.SMEM((STAGES, block_q), jnp.float32),) * 2,                             # lse, delta
+      (staging(), staging()) if interpreted else None,                               # P^T, dS^T / dSU^T
+      (
+          plgpu.Barrier(num_arrivals=3, num_barriers=CONSUMERS),                 # key_full: K^C, D, V^C
+          plgpu.Barrier(num_arrivals=4, num_barriers=STAGES),                    # query_full: Q^C, dO, lse, delta
+          plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=STAGES),            # query_free
+          plgpu.Barrier(num_arrivals=CONSUMERS),                                 # tensor_core_turn
+      ),
+  ]
+
+
+def key_grads(q_c, k_c, keys, v_c, d_out, lse, delta, *, grads: str, scale: float, window: int, block_q: int,
+              block_k: int, keys_per_program: int, interpret):
+  """The key side's gradients from the pairs past the window.
+
+  Args:
+    grads: "causal" -> (dK^C, dV^C), "lookahead" -> (dD,).
+    Others as `accumulate_query_grads`.
+
+  Returns:
+    float32 [BH, L, d] per state in `KEY_GRADS[grads]`; zero for key blocks without
+    such pairs.
+  """
+  heads, length, head_dim = q_c.shape
+  check_length(length, block_q, keys_per_program)
+  if keys_per_program != CONSUMERS * block_k:
+    raise ValueError(f"key_grads: keys_per_program must be {CONSUMERS} * block_k, got {keys_per_program}")
+  interpreted = interpret is not None
+  kernel = functools.partial(_key_grad_kernel, grads=grads, scale=scale, window=window, block_q=block_q,
+                             block_k=block_k, num_query_blocks=length // block_q, head_dim=head_dim,
+                             interpreted=interpreted)
+  launch = plgpu.kernel(
+      kernel,
+      out_type=(),
+      scratch_types=_key_grad_scratch(grads, block_q, block_k, head_dim, interpreted),
+      grid=(length // keys_per_program, heads),
+      grid_names=("key_program", "head"),
+      num_threads=CONSUMERS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret,
+  )
+  f16 = lambda x: x.astype(LOOKAHEAD_DTYPE)
+  inputs = (f16(k_c), f16(keys * KEY_STATE_SCALE), f16(v_c), f16(q_c), f16(d_out), lse, delta)
+  rows = jax.ShapeDtypeStruct((heads, length, head_dim), jnp.float32)
+  return run_on_zeroed_refs(lambda *refs: launch(*inputs, *refs), (rows,) * len(KEY_GRADS[grads]))
