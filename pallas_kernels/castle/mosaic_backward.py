@@ -108,15 +108,15 @@ class _Sweep:
 
     - CASTLE-SWL, query blocks past the key block's window (lookahead_end .. N-1): W is
       zero there, so D is constant and W, R, dW, dV^U, dK^U, dQ^U drop out
-      (`with_lookahead=False`); with `past_window_elsewhere` the sweep leaves the blocks
-      from `elsewhere_start` on to `mosaic_past_window_backward` and starts from their
-      dD; then the blocks within reach of the window, masked;
+      (`with_lookahead=False`); from `query_grad_start` on, dQ^C drops out too when the
+      query-major kernel (`mosaic_past_window_backward.accumulate_query_grads`) computes
+      it (`with_query_grad=False`); then the blocks within reach of the window, masked;
     - CASTLE: the blocks after the diagonal, where every query follows every key and no
       mask is needed, then the diagonal block, masked.
   """
 
   def __init__(self, key_block, block_q: int, block_k: int, num_query_blocks: int, window: int | None,
-               past_window_elsewhere: bool):
+               query_grads_elsewhere: bool):
     if block_q != block_k:
       raise ValueError(f"the backward sweep takes block_q == block_k, got {block_q} and {block_k}")
     self.first = key_block
@@ -124,28 +124,25 @@ class _Sweep:
     self.window = window
     self.lookahead_end = num_query_blocks if window is None else jnp.minimum(
         num_query_blocks, lax.div((key_block + 1) * block_k - 1 + window, block_q) + 1)
-    self.past_window_elsewhere = past_window_elsewhere
-    self.elsewhere_start = num_query_blocks
-    if past_window_elsewhere:
-      # `mosaic_past_window_backward` works on key programs of the forward's size.
-      self.elsewhere_start = key_major_sweep_end(
+    self.query_grad_start = num_query_blocks
+    if query_grads_elsewhere:
+      # The query-major kernel works on key programs of the forward's size.
+      self.query_grad_start = key_major_sweep_end(
           lax.div(key_block, KEY_BLOCKS_PER_PROGRAM["warp_specialized"]), window=window, block_q=block_q,
           block_k=block_k, num_query_blocks=num_query_blocks)
-
-  @property
-  def top(self):
-    """One past the sweep's first (highest) query block."""
-    return self.elsewhere_start if self.window is not None else self.num_query_blocks
 
   def run(self, step, carry):
     def reverse(start, stop, carry, **flags):
       return lax.fori_loop(0, stop - start, lambda r, c: step(stop - 1 - r, c, **flags), carry)
 
     if self.window is not None:
-      carry = reverse(self.lookahead_end, self.elsewhere_start, carry, with_lookahead=False, masked=False)
-      return reverse(self.first, self.lookahead_end, carry, with_lookahead=True, masked=True)
-    carry = reverse(self.first + 1, self.num_query_blocks, carry, with_lookahead=True, masked=False)
-    return step(self.first, carry, with_lookahead=True, masked=True)
+      past_window = dict(with_lookahead=False, masked=False)
+      carry = reverse(self.query_grad_start, self.num_query_blocks, carry, with_query_grad=False, **past_window)
+      carry = reverse(self.lookahead_end, self.query_grad_start, carry, with_query_grad=True, **past_window)
+      return reverse(self.first, self.lookahead_end, carry, with_lookahead=True, masked=True, with_query_grad=True)
+    carry = reverse(self.first + 1, self.num_query_blocks, carry, with_lookahead=True, masked=False,
+                    with_query_grad=True)
+    return step(self.first, carry, with_lookahead=True, masked=True, with_query_grad=True)
 
 
 def _columns(ref, chunk: int, num_chunks: int):
@@ -173,16 +170,13 @@ def _zeros(shape):
 
 
 def _backward_kernel(
-    q_u_ref, k_c_ref, v_c_ref, keys_ref, *refs,
+    q_u_ref, k_c_ref, v_c_ref, keys_ref,
+    q_c_ref, q_c16_ref, k_u_ref, v_u16_ref, d_out_ref, in_block_t_ref, lse_ref, delta_ref,
+    dq_c_ref, dk_u_ref, dv_u_ref, d_in_block_ref,   # float32 accumulators in global memory
+    dq_u_ref, dk_c_ref, dv_c_ref,                   # outputs: the key block's gradients
+    key_smem, query_smem, in_block_smem, lse_smem, delta_smem, staging, out_smem, barriers, *,
     scale: float, window: int | None, block_q: int, block_k: int, num_query_blocks: int,
-    head_dim: int, interpreted: bool, past_window_elsewhere: bool):
-  # With `past_window_elsewhere` the pairs past the window come from
-  # `mosaic_past_window_backward`, and dD starts from their share (`d_keys_ref`).
-  d_keys_ref, refs = (refs[0], refs[1:]) if past_window_elsewhere else (None, refs)
-  (q_c_ref, q_c16_ref, k_u_ref, v_u16_ref, d_out_ref, in_block_t_ref, lse_ref, delta_ref,
-   dq_c_ref, dk_u_ref, dv_u_ref, d_in_block_ref,   # float32 accumulators in global memory
-   dq_u_ref, dk_c_ref, dv_c_ref,                   # outputs: the key block's gradients
-   key_smem, query_smem, in_block_smem, lse_smem, delta_smem, staging, out_smem, barriers) = refs
+    head_dim: int, interpreted: bool, query_grads_elsewhere: bool):
   products = functools.partial(wgmma_products, init_in_place=not interpreted)
   reduce_add = functools.partial(_reduce_add, out_smem=out_smem, barrier=barriers.io, with_tma=not interpreted)
   num_chunks = head_dim // CHUNK
@@ -198,7 +192,7 @@ def _backward_kernel(
   tile = (block_k, block_q)
   chunk_tile = (block_k, CHUNK)
 
-  sweep = _Sweep(key_block, block_q, block_k, num_query_blocks, window, past_window_elsewhere)
+  sweep = _Sweep(key_block, block_q, block_k, num_query_blocks, window, query_grads_elsewhere)
 
   @pl.when(warpgroup == _SCORE_WARPGROUP)
   def _():
@@ -214,7 +208,6 @@ def _backward_kernel(
       return state
 
     keys = load_state(keys_ref)
-    d_keys = [_zeros(chunk_tile) for _ in chunks] if d_keys_ref is None else load_state(d_keys_ref)
     plgpu.barrier_wait(barriers.keys)
 
     def stage_keys(keys):
@@ -222,11 +215,11 @@ def _backward_kernel(
         staging.keys[c][...] = (keys[c] * KEY_STATE_SCALE).astype(LOOKAHEAD_DTYPE)
       plgpu.commit_smem()
 
-    def step(query_block, carry, *, with_lookahead: bool, masked: bool):
+    def step(query_block, carry, *, with_lookahead: bool, masked: bool, with_query_grad: bool):
       keys, d_keys = carry
       rows = pl.ds(query_block * block_q, block_q)
 
-      @pl.when(query_block < sweep.top - 1)   # not the sweep's first step
+      @pl.when(query_block < num_query_blocks - 1)   # not the sweep's first step
       def _():
         plgpu.barrier_wait(barriers.consumed)
 
@@ -280,7 +273,7 @@ def _backward_kernel(
       plgpu.commit_smem()
 
       # dQ^C_i = (dS K^C_b + dSU D^(i)) * scale, with D entering scaled by 2^-8.
-      for c in chunks:
+      for c in (chunks if with_query_grad else ()):
         from_keys = products([(staging.d_lookahead.T, staging.keys[c])], (block_q, CHUNK))
         dq_c = products([(staging.d_scores.T, _columns(k_c_smem, c, num_chunks))], (block_q, CHUNK),
                         init=from_keys * (1.0 / KEY_STATE_SCALE))
@@ -313,7 +306,7 @@ def _backward_kernel(
       return keys, d_keys
 
     stage_keys(keys)
-    sweep.run(step, (keys, d_keys))
+    sweep.run(step, (keys, [_zeros(chunk_tile) for _ in chunks]))
     plgpu.wait_smem_to_gmem(0)
     plgpu.barrier_arrive(barriers.staging_free)
     plgpu.barrier_wait(barriers.consumed)
@@ -322,8 +315,8 @@ def _backward_kernel(
   def _():
     plgpu.barrier_wait(barriers.keys)
 
-    def step(_, carry, *, with_lookahead: bool, masked: bool):
-      del masked  # only the score warpgroup masks
+    def step(_, carry, *, with_lookahead: bool, masked: bool, with_query_grad: bool):
+      del masked, with_query_grad  # only the score warpgroup masks and computes dQ^C
       dk_c, dv_c, dq_u = carry
       plgpu.barrier_wait(barriers.query)
       if with_lookahead:
@@ -379,12 +372,12 @@ def backward(q_u, k_u, v_u, q_c, k_c, v_c, keys_final, d_out, lse, delta, in_blo
                      f"multiple of {CHUNK}; got {block_q}, {block_k} and {head_dim}")
   dtype = q_c.dtype
   num_chunks = head_dim // CHUNK
-  # CASTLE-SWL: the pairs past the window go to `mosaic_past_window_backward`.
+  # CASTLE-SWL: dQ^C of the pairs past the window comes from the query-major kernel.
   split = window is not None and config.splits_past_window
   kernel = functools.partial(
       _backward_kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
       num_query_blocks=length // block_q, head_dim=head_dim, interpreted=interpret is not None,
-      past_window_elsewhere=split)
+      query_grads_elsewhere=split)
   full_tile = lambda rows, dt: operand_smem((rows, head_dim), dt)
   square = lambda dt: operand_smem((block_k, block_q), dt)
   chunk = lambda dt: tuple(operand_smem((block_k, CHUNK), dt) for _ in range(num_chunks))
@@ -422,24 +415,18 @@ def backward(q_u, k_u, v_u, q_c, k_c, v_c, keys_final, d_out, lse, delta, in_blo
   )
   past_window = dict(scale=scale, window=window, block_q=block_q, block_k=block_k,
                      keys_per_program=config.keys_per_program, interpret=interpret)
-  key_side_inputs = (q_c, k_c, keys_final, v_c, d_out, lse, delta)
-  if split:
-    # The key side of the pairs past the window first: the sweep starts from their dD.
-    dk_c_past, dv_c_past = mosaic_past_window_backward.key_grads(*key_side_inputs, grads="causal", **past_window)
-    (d_keys_past,) = mosaic_past_window_backward.key_grads(*key_side_inputs, grads="lookahead", **past_window)
-  inputs = (q_u, k_c, v_c, keys_final, *((d_keys_past,) if split else ()), q_c, q_c.astype(LOOKAHEAD_DTYPE), k_u,
-            v_u.astype(LOOKAHEAD_DTYPE), d_out, in_block_t.astype(LOOKAHEAD_DTYPE), lse, delta)
+  inputs = (q_u, k_c, v_c, keys_final, q_c, q_c.astype(LOOKAHEAD_DTYPE), k_u, v_u.astype(LOOKAHEAD_DTYPE),
+            d_out, in_block_t.astype(LOOKAHEAD_DTYPE), lse, delta)
   rows = jax.ShapeDtypeStruct((heads, length, head_dim), jnp.float32)
 
   # dQ^C, dK^U, dV^U and dR are reduce-added into; dQ^U, dK^C, dV^C (after them) are written.
   def sweeps(*refs):
     launch(*inputs, *refs)
     if split:
-      mosaic_past_window_backward.accumulate_query_grads(*key_side_inputs, refs[0], **past_window)
+      mosaic_past_window_backward.accumulate_query_grads(q_c, k_c, keys_final, v_c, d_out, lse, delta, refs[0],
+                                                         **past_window)
 
   dq_c, dk_u, dv_u, d_in_block, dq_u, dk_c, dv_c = run_on_zeroed_refs(
       sweeps,
       (rows, rows, rows, jax.ShapeDtypeStruct((heads, length, block_q), jnp.float32), rows, rows, rows))
-  if split:
-    dk_c, dv_c = dk_c + dk_c_past, dv_c + dv_c_past
   return dq_u, dk_c, dv_c, dq_c, dk_u, dv_u, d_in_block

@@ -1,25 +1,22 @@
-"""CASTLE-SWL's backward over the (query, key) pairs past the lookahead window (Mosaic GPU).
+"""dQ^C of CASTLE-SWL's (query, key) pairs past the lookahead window, query-block major
+(Mosaic GPU).
 
-Past key s's window its lookahead key is final (`mosaic_past_window`), so these pairs
-need no walk back of D and none of the lookahead-weight gradients: only
+Past key s's window its lookahead key is final (`mosaic_past_window`), so for these
+pairs the query side of the backward is flash attention's with one more term,
 
-  dQ^C += (dS K^C + dSU D) s,   dK^C += dS^T Q^C s,   dV^C += P^T dO,   dD += dSU^T Q^C s,
+  dQ^C += (dS K^C + dSU D) s,
 
-with P = exp(S^C s - SiLU(S^U s) - lse), dS = P (dP - delta), dP = dO V^C^T and
-dSU = -dS SiLU'(S^U s), S^C = Q^C K^C^T, S^U = Q^C D^T. Three kernels, each with two
-consumer warpgroups alternating on the tensor cores and a producer warpgroup streaming
-tiles through a two-stage ring (as the forward's query-major kernel):
-
-- `accumulate_query_grads`: query-block major, dQ^C in registers, one reduce-add per
-  query block at the end;
-- `key_grads(..., "causal")`: key-block major, dK^C and dV^C in registers;
-- `key_grads(..., "lookahead")`: key-block major, dD in registers.
-
-A key block's three [64, d] float32 states (dK^C, dV^C, dD: 192 registers per thread at
-d = 128) do not fit one warpgroup next to its score tiles, so the key side runs twice,
-recomputing the scores (three products) in each: 14 products per pair in all instead of
-11, traded for kernels that keep the tensor cores busy. The key-major sweep inside the
-window (`mosaic_backward`) starts from the key-side results.
+with P = exp(S^C s - SiLU(S^U s) - lse), dS = P (dP - delta), dP = dO V^C^T,
+dSU = -dS SiLU'(S^U s), S^C = Q^C K^C^T and S^U = Q^C D^T. `accumulate_query_grads`
+keeps dQ^C in registers over the sweep and adds it into the backward's float32 dQ^C
+once per query block, instead of the key-major sweep's reduce-add per (key block,
+query block) pair; two consumer warpgroups alternate on the tensor cores and a producer
+warpgroup streams K^C, D and V^C through a two-stage ring (as the forward's
+query-major kernel). The key side of these pairs (dK^C, dV^C, dD) stays in the
+key-major sweep (`mosaic_backward`): a key block's three [64, d] float32 states are 192
+registers per thread at d = 128, more than one warpgroup can hold next to its score
+tiles, and splitting them over two key-major kernels (dK^C with dV^C, and dD) that
+recompute the scores measured slower on the H100 (benchmarks/RESULTS.md).
 
 Every operand is float16 (bf16 values within float16's range are exact; P <= 1; dO is
 scaled by the caller to max |dO| in [0.5, 1)); D enters scaled by 2^-8 as in the forward.
@@ -36,8 +33,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels.castle.kernels import _silu_grad, silu
-from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, key_major_sweep_end, operand_smem,
-                                                products, reduce_add_tiles, register_operand, run_on_zeroed_refs)
+from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, operand_smem, products,
+                                                reduce_add_tiles, register_operand)
 from pallas_kernels.castle.mosaic_past_window import (CONSUMER_REGISTERS, CONSUMERS, PRODUCER, STAGES, check_length,
                                                     num_key_blocks, stream_tiles, sweep_in_turns, take_turn)
 
@@ -175,153 +172,3 @@ def accumulate_query_grads(q_c, k_c, keys, v_c, d_out, lse, delta, dq_ref, *, sc
   f16 = lambda x: x.astype(LOOKAHEAD_DTYPE)
   launch(f16(q_c), f16(k_c), f16(keys * KEY_STATE_SCALE), f16(v_c), f16(d_out), lse, delta, dq_ref)
 
-
-# Which key-side states a `key_grads` kernel keeps in registers.
-KEY_GRADS = {"causal": ("dk_c", "dv_c"), "lookahead": ("d_keys",)}
-
-
-def _key_grad_kernel(k_c16_ref, keys16_ref, v_c16_ref, q_c16_ref, d_out16_ref, lse_ref, delta_ref, *refs,
-                     grads: str, scale: float, window: int, block_q: int, block_k: int, num_query_blocks: int,
-                     head_dim: int, interpreted: bool):
-  """One program: key rows [2 * block_k * p, 2 * block_k * (p + 1)) of one head, consumer c
-  owning key block 2p + c, over the query blocks past the program's window (key-row
-  frame [block_k, block_q]):
-
-    S^C^T = K^C Q^C^T,  S^U^T = (D * 2^-8) Q^C^T,  dP^T = V^C dO^T       (one wait)
-    P^T, dS^T (and dSU^T) as in the module docstring
-    "causal":    dV^C += P^T dO,  dK^C += dS^T Q^C (times s at the end)
-    "lookahead": dD += dSU^T Q^C (times s at the end)
-  """
-  outputs = refs[:len(KEY_GRADS[grads])]
-  key_union, query_ring, row_ring, grad_staging, barriers = refs[len(KEY_GRADS[grads]):]
-  program = lax.axis_index("key_program")
-  head = lax.axis_index("head")
-  warpgroup = lax.axis_index("wg")
-  first = key_major_sweep_end(program, window=window, block_q=block_q, block_k=block_k,
-                              num_query_blocks=num_query_blocks)
-  num_steps = num_query_blocks - first
-  key_tiles, out_staging = key_union
-  q_ring, d_out_ring = query_ring
-  lse_ring, delta_ring = row_ring
-  key_full, query_full, query_free, tensor_core_turn = barriers
-
-  @pl.when(jnp.logical_and(num_steps > 0, warpgroup == PRODUCER))
-  def _producer():
-    stream_tiles(num_steps, [((q_c16_ref.at[head], d_out16_ref.at[head], lse_ref.at[head], delta_ref.at[head]),
-                              (q_ring, d_out_ring, lse_ring, delta_ring), query_full, query_free)],
-                 block_q, first_block=first)
-
-  @pl.when(jnp.logical_and(num_steps > 0, warpgroup < CONSUMERS))
-  def _consumer():
-    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-    consumer = warpgroup
-    key_rows = pl.ds(program * CONSUMERS * block_k + consumer * block_k, block_k)
-    k_smem, keys_smem, v_smem = (key_tiles.at[consumer, t] for t in range(3))
-    for src, dst in ((k_c16_ref, k_smem), (keys16_ref, keys_smem), (v_c16_ref, v_smem)):
-      plgpu.copy_gmem_to_smem(src.at[head, key_rows], dst, key_full.at[consumer])
-    plgpu.barrier_wait(key_full.at[consumer])
-    staging = (None, None) if grad_staging is None else (grad_staging[0].at[consumer], grad_staging[1].at[consumer])
-    lookahead_unit = scale / KEY_STATE_SCALE
-    tile = (block_k, block_q)
-
-    def step(index, states):
-      slot = lax.rem(index, STAGES)
-      q_smem, d_out_smem = q_ring.at[slot], d_out_ring.at[slot]
-      plgpu.barrier_wait(query_full.at[slot])
-
-      def score_products(causal_acc, lookahead_acc, d_probs_acc):
-        plgpu.wgmma(causal_acc, k_smem, q_smem.T)
-        plgpu.wgmma(lookahead_acc, keys_smem, q_smem.T)
-        plgpu.wgmma(d_probs_acc, v_smem, d_out_smem.T)
-        take_turn(tensor_core_turn)
-        return causal_acc[...], lookahead_acc[...], d_probs_acc[...]
-
-      causal, lookahead, d_probs = pl.run_scoped(
-          score_products, *(plgpu.ACC(tile, jnp.float32) for _ in range(3)))
-      lookahead = lookahead * lookahead_unit
-      lse = lax.broadcast_in_dim(lse_ring.at[slot][...], tile, [1])
-      delta = lax.broadcast_in_dim(delta_ring.at[slot][...], tile, [1])
-      probs = jnp.exp(causal * scale - silu(lookahead) - lse)
-      d_scores = probs * (d_probs - delta)
-      if grads == "causal":   # in KEY_GRADS order: dK^C, dV^C
-        pairs = [(register_operand(d_scores.astype(LOOKAHEAD_DTYPE), staging[0]), q_smem),
-                 (register_operand(probs.astype(LOOKAHEAD_DTYPE), staging[1]), d_out_smem)]
-      else:
-        d_lookahead = -d_scores * _silu_grad(lookahead)
-        pairs = [(register_operand(d_lookahead.astype(LOOKAHEAD_DTYPE), staging[0]), q_smem)]
-      plgpu.barrier_arrive(tensor_core_turn)
-      plgpu.barrier_wait(tensor_core_turn)
-      states = tuple(products([pair], (block_k, head_dim), init=state, init_in_place=not interpreted)
-                     for pair, state in zip(pairs, states))
-      plgpu.barrier_arrive(query_free.at[slot])
-      return states
-
-    zeros = plgpu.layout_cast(jnp.zeros((block_k, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-    states = sweep_in_turns(consumer, tensor_core_turn, num_steps, step, (zeros,) * len(outputs))
-    # The staging buffer aliases this consumer's own key tiles, which its products have read.
-    factors = {"dk_c": scale, "dv_c": 1.0, "d_keys": scale}
-    staging_tile = out_staging.at[consumer, pl.ds(0, block_k)]
-    for name, state, out_ref in zip(KEY_GRADS[grads], states, outputs):
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      staging_tile[...] = state * factors[name]
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(staging_tile, out_ref.at[head, key_rows])
-    plgpu.wait_smem_to_gmem(0)
-
-
-def _key_grad_scratch(grads, block_q, block_k, head_dim, interpreted):
-  """Shared memory and barriers of `_key_grad_kernel` (~161 KB at head dim 128)."""
-  staging = lambda: operand_smem((CONSUMERS, block_k, block_q), LOOKAHEAD_DTYPE)
-  return [
-      # Per consumer K^C, D * 2^-8 and V^C (float16), then (aliased) a float32 [block_k, d]
-      # staging tile for its results: 1.5 * block_k rows keep each consumer's tile inside
-      # its own key tiles.
-      plgpu.RefUnion(operand_smem((CONSUMERS, 3, block_k, head_dim), LOOKAHEAD_DTYPE),
-                     plgpu.SMEM((CONSUMERS, 3 * block_k // 2, head_dim), jnp.float32)),
-      (operand_smem((STAGES, block_q, head_dim), LOOKAHEAD_DTYPE),) * 2,             # Q^C, dO
-      (plgpu.SMEM((STAGES, block_q), jnp.float32),) * 2,                             # lse, delta
-      (staging(), staging()) if interpreted else None,                               # P^T, dS^T / dSU^T
-      (
-          plgpu.Barrier(num_arrivals=3, num_barriers=CONSUMERS),                 # key_full: K^C, D, V^C
-          plgpu.Barrier(num_arrivals=4, num_barriers=STAGES),                    # query_full: Q^C, dO, lse, delta
-          plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=STAGES),            # query_free
-          plgpu.Barrier(num_arrivals=CONSUMERS),                                 # tensor_core_turn
-      ),
-  ]
-
-
-def key_grads(q_c, k_c, keys, v_c, d_out, lse, delta, *, grads: str, scale: float, window: int, block_q: int,
-              block_k: int, keys_per_program: int, interpret):
-  """The key side's gradients from the pairs past the window.
-
-  Args:
-    grads: "causal" -> (dK^C, dV^C), "lookahead" -> (dD,).
-    Others as `accumulate_query_grads`.
-
-  Returns:
-    float32 [BH, L, d] per state in `KEY_GRADS[grads]`; zero for key blocks without
-    such pairs.
-  """
-  heads, length, head_dim = q_c.shape
-  check_length(length, block_q, keys_per_program)
-  if keys_per_program != CONSUMERS * block_k:
-    raise ValueError(f"key_grads: keys_per_program must be {CONSUMERS} * block_k, got {keys_per_program}")
-  interpreted = interpret is not None
-  kernel = functools.partial(_key_grad_kernel, grads=grads, scale=scale, window=window, block_q=block_q,
-                             block_k=block_k, num_query_blocks=length // block_q, head_dim=head_dim,
-                             interpreted=interpreted)
-  launch = plgpu.kernel(
-      kernel,
-      out_type=(),
-      scratch_types=_key_grad_scratch(grads, block_q, block_k, head_dim, interpreted),
-      grid=(length // keys_per_program, heads),
-      grid_names=("key_program", "head"),
-      num_threads=CONSUMERS + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=interpret,
-  )
-  f16 = lambda x: x.astype(LOOKAHEAD_DTYPE)
-  inputs = (f16(k_c), f16(keys * KEY_STATE_SCALE), f16(v_c), f16(q_c), f16(d_out), lse, delta)
-  rows = jax.ShapeDtypeStruct((heads, length, head_dim), jnp.float32)
-  return run_on_zeroed_refs(lambda *refs: launch(*inputs, *refs), (rows,) * len(KEY_GRADS[grads]))
