@@ -1,10 +1,11 @@
 """CASTLE forward through the Mosaic GPU kernel, in the [batch, seq, heads, head_dim] layout.
 
-`castle_forward_mosaic` folds heads into the batch, zero-pads the sequence to a
-multiple of the blocks (exact: padded keys come after every real query, padded
-lookahead values are zero), precomputes the in-block scores R and the softmax
-shift in XLA, runs `mosaic_forward.forward` and normalizes. Not yet differentiable
-(the Mosaic backward is still to come) and not wired into `castle_attention`.
+`castle_forward_mosaic` folds heads into the batch, zero-pads the sequence to whole
+programs (`padded_length`; exact: padded keys come after every real query, padded
+lookahead values are zero), precomputes the in-block scores R and the softmax shift in
+XLA, runs the kernels (`mosaic_forward.forward`, or for CASTLE-SWL by default
+`mosaic_past_window.forward`) and normalizes. `mosaic_attention.castle_attention_mosaic`
+makes it differentiable.
 """
 
 from __future__ import annotations

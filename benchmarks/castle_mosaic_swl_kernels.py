@@ -1,0 +1,118 @@
+"""Time of each Mosaic GPU kernel of CASTLE-SWL's forward and backward, alone (H100).
+
+    python benchmarks/castle_mosaic_swl_kernels.py [--heads=18] [--seq=16384] [--window=512] \
+        [--iters=10] [--only=fwd,bwd]
+
+Runs each kernel on [heads (batch x heads), seq, 128] bf16 inputs, medians of --iters
+calls: the key-major forward over every pair and its window part alone (the sweep up to
+`key_major_sweep_end`), the query-major forward kernel of the pairs past the window
+(`mosaic_past_window`), both together, and the same for the backward (the key-major sweep
+over every pair, the split backward and its query-major dQ^C kernel alone). `--only`
+keeps the rows whose name contains one of its comma-separated words. Prints a table last
+with the TFLOP/s of the past-window kernels (their products over the past-window pairs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pallas_kernels.castle import mosaic_backward, mosaic_forward, mosaic_past_window  # noqa: E402
+from pallas_kernels.castle import mosaic_past_window_backward  # noqa: E402
+from pallas_kernels.castle.mosaic_config import CastleMosaicConfig  # noqa: E402
+from pallas_kernels.castle.mosaic_ops import _in_block_scores_transposed  # noqa: E402
+from timing import median_ms, run_meta, write_json  # noqa: E402
+
+HEAD_DIM = 128
+
+
+def past_window_pairs(heads: int, seq: int, window: int) -> int:
+  """(query, key) pairs that the query-major kernels sweep."""
+  programs = seq // 128
+  keys = sum(min(max(128 * q - window, 0) // 128, q) * 128 for q in range(programs))
+  return heads * keys * 128
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--heads", type=int, default=18, help="batch x heads")
+  parser.add_argument("--seq", type=int, default=16384)
+  parser.add_argument("--window", type=int, default=512)
+  parser.add_argument("--iters", type=int, default=10)
+  parser.add_argument("--only", default=None)
+  parser.add_argument("--json", default=None)
+  args = parser.parse_args(argv)
+  heads, seq, window = args.heads, args.seq, args.window
+  scale = HEAD_DIM ** -0.5
+  keys = jax.random.split(jax.random.key(0), 7)
+  inputs = tuple(jax.random.normal(k, (heads, seq, HEAD_DIM), jnp.float32).astype(jnp.bfloat16) for k in keys[:6])
+  q_u, k_u, v_u, q_c, k_c, v_c = inputs
+  d_out = (jax.random.normal(keys[6], (heads, seq, HEAD_DIM)) * 0.5).astype(jnp.bfloat16)
+  shift = jnp.full((heads, seq), 3.0, jnp.float32)
+  in_block_t = _in_block_scores_transposed(q_c, v_u, scale, 64)
+  split, key_major = CastleMosaicConfig(), CastleMosaicConfig(past_window="key_major")
+  common = dict(scale=scale, window=window, interpret=None)
+  past = dict(scale=scale, window=window, block_q=64, block_k=64, keys_per_program=128, interpret=None)
+
+  def forward(config, module):
+    return jax.jit(lambda *a: module.forward(*a, in_block_t, shift, config=config, **common))
+
+  acc, sums, lookahead_keys = forward(key_major, mosaic_forward)(*inputs)
+  lse = jnp.log(sums) + shift
+  delta = jnp.sum(acc / sums[..., None] * d_out.astype(jnp.float32), -1)
+  rows = jax.ShapeDtypeStruct((heads, seq, HEAD_DIM), jnp.float32)
+  sums_type = jax.ShapeDtypeStruct((heads, seq), jnp.float32)
+
+  window_part = jax.jit(lambda *a: mosaic_forward.run_on_zeroed_refs(
+      lambda *refs: mosaic_forward.forward_into(*a, in_block_t, shift, *refs, config=split, past_window=False,
+                                                **common), mosaic_forward.accumulator_types(a[3])))
+  query_major = jax.jit(lambda *a: mosaic_forward.run_on_zeroed_refs(
+      lambda acc_ref, sums_ref: mosaic_past_window.accumulate_past_window(
+          a[3].astype(jnp.float16), a[4].astype(jnp.float16), lookahead_keys, a[5], shift, acc_ref, sums_ref, **past),
+      (rows, sums_type)))
+
+  def backward(config):
+    return jax.jit(lambda *a: mosaic_backward.backward(*a, lookahead_keys, d_out, lse, delta, in_block_t,
+                                                       config=config, **common))
+
+  query_grads = jax.jit(lambda *a: mosaic_forward.run_on_zeroed_refs(
+      lambda dq_ref: mosaic_past_window_backward.accumulate_query_grads(
+          a[3], a[4], lookahead_keys, a[5], d_out, lse, delta, dq_ref, **past), (rows,)))
+  pairs = past_window_pairs(heads, seq, window)
+  product = 2 * pairs * HEAD_DIM   # FLOPs of one [*, d] product over the past-window pairs
+  candidates = [
+      ("fwd key-major, all pairs", forward(key_major, mosaic_forward), None),
+      ("fwd split (both kernels)", forward(split, mosaic_past_window), None),
+      ("fwd key-major, window part", window_part, None),
+      ("fwd query-major, past window", query_major, 3 * product),
+      ("bwd key-major, all pairs", backward(key_major), None),
+      ("bwd split (both kernels)", backward(split), None),
+      ("bwd query-major dQ^C, past window", query_grads, 5 * product),
+  ]
+  only = args.only.split(",") if args.only else None
+  results = []
+  for name, fn, flops in candidates:
+    if only and not any(word in name for word in only):
+      continue
+    ms = median_ms(fn, [inputs], args.iters)
+    results.append(dict(kernel=name, ms=ms, tflops=None if flops is None else flops / ms / 1e9))
+    print(results[-1], flush=True)
+
+  print(f"\n{heads} x {seq} x {HEAD_DIM}, window {window}, {jax.devices()[0].device_kind}, jax {jax.__version__}; "
+        f"{pairs / (heads * seq * (seq + 1) / 2):.0%} of the causal pairs past the window")
+  print("| kernel | ms | TFLOP/s |\n| --- | --- | --- |")
+  for row in results:
+    tflops = "" if row["tflops"] is None else f"{row['tflops']:.0f}"
+    print(f"| {row['kernel']} | {row['ms']:.2f} | {tflops} |")
+  write_json(args.json, run_meta(heads=heads, seq=seq, window=window, iters=args.iters), rows=results)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
