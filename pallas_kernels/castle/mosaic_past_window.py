@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -120,29 +119,45 @@ def sweep_in_turns(consumer, turn_barrier, num_steps, step, carry):
   return carry
 
 
+def query_major_program(key_sources, key_ring, ring_barriers, consume, *, window: int, block_q: int, block_k: int,
+                        keys_per_program: int):
+  """The warpgroups of one query-major program (query rows [CONSUMERS * block_q * p, ...)).
+
+  The producer streams the key blocks past the program's window from `key_sources`
+  (K^C, D, V refs [BH, L, d]) into `key_ring` (K^C and D signal key_full, V values_full;
+  `ring_barriers` = (key_full, values_full, key_free, values_free)); each consumer runs
+  `consume(consumer, head, rows, num_steps)` on its query block `rows`. Programs with no
+  such key block do nothing.
+  """
+  program = lax.axis_index("query_program")
+  head = lax.axis_index("head")
+  warpgroup = lax.axis_index("wg")
+  num_steps = num_key_blocks(program, window=window, block_q=block_q, block_k=block_k,
+                             keys_per_program=keys_per_program)
+  key_full, values_full, key_free, values_free = ring_barriers
+  k_src, keys_src, v_src = (ref.at[head] for ref in key_sources)
+
+  @pl.when(jnp.logical_and(num_steps > 0, warpgroup == PRODUCER))
+  def _producer():
+    stream_tiles(num_steps, [((k_src, keys_src), key_ring[:2], key_full, key_free),
+                             ((v_src,), key_ring[2:], values_full, values_free)], block_k)
+
+  @pl.when(jnp.logical_and(num_steps > 0, warpgroup < CONSUMERS))
+  def _consumer():
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    rows = pl.ds(program * CONSUMERS * block_q + warpgroup * block_q, block_q)
+    consume(warpgroup, head, rows, num_steps)
+
+
 def _forward_kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c_ref, shift_ref, acc_ref, sums_ref,
             query_smem, shift_smem, key_ring, out_smem, sums_smem, probs_staging, barriers, *,
             scale: float, window: int, block_q: int, block_k: int, keys_per_program: int, head_dim: int,
             interpreted: bool):
   """One program: query rows [2 * block_q * p, 2 * block_q * (p + 1)) of one head."""
-  program = lax.axis_index("query_program")
-  head = lax.axis_index("head")
-  warpgroup = lax.axis_index("wg")
-  num_steps = num_key_blocks(program, window=window, block_q=block_q, block_k=block_k,
-                              keys_per_program=keys_per_program)
   k_ring, keys_ring, v_ring = key_ring
   query_full, key_full, values_full, key_free, values_free, tensor_core_turn, accumulate_barrier = barriers
 
-  @pl.when(jnp.logical_and(num_steps > 0, warpgroup == PRODUCER))
-  def _producer():
-    stream_tiles(num_steps, [((k_c16_ref.at[head], keys16_ref.at[head]), key_ring[:2], key_full, key_free),
-                             ((v_c_ref.at[head],), key_ring[2:], values_full, values_free)], block_k)
-
-  @pl.when(jnp.logical_and(num_steps > 0, warpgroup < CONSUMERS))
-  def _consumer():
-    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-    consumer = warpgroup
-    rows = pl.ds(program * CONSUMERS * block_q + consumer * block_q, block_q)
+  def consume(consumer, head, rows, num_steps):
     q_smem = query_smem.at[consumer]
     plgpu.copy_gmem_to_smem(q_c16_ref.at[head, rows], q_smem, query_full.at[consumer])
     plgpu.copy_gmem_to_smem(shift_ref.at[head, rows], shift_smem.at[consumer], query_full.at[consumer])
@@ -184,6 +199,9 @@ def _forward_kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c_ref, shift_ref, acc_re
                     sums_smem.at[consumer], accumulate_barrier.at[consumer], with_tma=not interpreted)
     plgpu.wait_smem_to_gmem(0)
 
+  query_major_program((k_c16_ref, keys16_ref, v_c_ref), key_ring, (key_full, values_full, key_free, values_free),
+                      consume, window=window, block_q=block_q, block_k=block_k, keys_per_program=keys_per_program)
+
 
 def _forward_scratch(block_q, block_k, head_dim, interpreted):
   """Shared memory and barriers of `_forward_kernel` (~193 KB at head dim 128)."""
@@ -224,15 +242,25 @@ def accumulate_past_window(q_c16, k_c16, keys, v_c, shift, acc_ref, sums_ref, *,
       `key_major_sweep_end` this kernel complements.
     interpret: None, or `plgpu.InterpretGPUParams` (GPU interpret mode).
   """
-  heads, length, head_dim = q_c16.shape
+  launch = query_major_launch(_forward_kernel, _forward_scratch, q_c16.shape, scale=scale, window=window,
+                              block_q=block_q, block_k=block_k, keys_per_program=keys_per_program, interpret=interpret)
+  keys16 = (keys * KEY_STATE_SCALE).astype(LOOKAHEAD_DTYPE)
+  launch(q_c16, k_c16, keys16, v_c, shift, acc_ref, sums_ref)
+
+
+def query_major_launch(kernel, scratch, shape, *, scale: float, window: int, block_q: int, block_k: int,
+                       keys_per_program: int, interpret):
+  """`kernel` (a query-major past-window kernel) as a Mosaic GPU call on [BH, L, d] inputs:
+  one program per (CONSUMERS * block_q queries, head), CONSUMERS + 1 warpgroups, the
+  shared memory of `scratch(block_q, block_k, head_dim, interpreted)`."""
+  heads, length, head_dim = shape
   check_length(length, block_q, keys_per_program)
   interpreted = interpret is not None
-  kernel = functools.partial(_forward_kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
-                             keys_per_program=keys_per_program, head_dim=head_dim, interpreted=interpreted)
-  launch = plgpu.kernel(
-      kernel,
+  return plgpu.kernel(
+      functools.partial(kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
+                        keys_per_program=keys_per_program, head_dim=head_dim, interpreted=interpreted),
       out_type=(),
-      scratch_types=_forward_scratch(block_q, block_k, head_dim, interpreted),
+      scratch_types=scratch(block_q, block_k, head_dim, interpreted),
       grid=(length // (CONSUMERS * block_q), heads),
       grid_names=("query_program", "head"),
       num_threads=CONSUMERS + 1,
@@ -240,8 +268,6 @@ def accumulate_past_window(q_c16, k_c16, keys, v_c, shift, acc_ref, sums_ref, *,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
   )
-  keys16 = (keys * KEY_STATE_SCALE).astype(LOOKAHEAD_DTYPE)
-  launch(q_c16, k_c16, keys16, v_c, shift, acc_ref, sums_ref)
 
 
 def forward(q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, shift, *, scale: float, window: int,

@@ -24,9 +24,7 @@ scaled by the caller to max |dO| in [0.5, 1)); D enters scaled by 2^-8 as in the
 
 from __future__ import annotations
 
-import functools
 
-import jax
 from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -35,8 +33,8 @@ import jax.numpy as jnp
 from pallas_kernels.castle.kernels import _silu_grad, silu
 from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, operand_smem, products,
                                                 reduce_add_tiles, register_operand)
-from pallas_kernels.castle.mosaic_past_window import (CONSUMER_REGISTERS, CONSUMERS, PRODUCER, STAGES, check_length,
-                                                    num_key_blocks, stream_tiles, sweep_in_turns, take_turn)
+from pallas_kernels.castle.mosaic_past_window import (CONSUMERS, STAGES, query_major_launch, query_major_program,
+                                                    sweep_in_turns, take_turn)
 
 
 def _query_grad_kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c16_ref, d_out16_ref, lse_ref, delta_ref, dq_ref,
@@ -50,25 +48,11 @@ def _query_grad_kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c16_ref, d_out16_ref,
     P = exp(S^C s - SiLU(S^U s 2^8) - lse),  dS = P (dP - delta),  dSU = -dS SiLU'(S^U s 2^8)
     dQ^C += (dS K^C + dSU 2^8 (D * 2^-8)) s                              (P, dS from registers)
   """
-  program = lax.axis_index("query_program")
-  head = lax.axis_index("head")
-  warpgroup = lax.axis_index("wg")
-  num_steps = num_key_blocks(program, window=window, block_q=block_q, block_k=block_k,
-                              keys_per_program=keys_per_program)
   k_ring, keys_ring, v_ring = key_ring
   query_tiles, dq_staging = query_union
   query_full, key_full, values_full, key_free, values_free, tensor_core_turn, io = barriers
 
-  @pl.when(jnp.logical_and(num_steps > 0, warpgroup == PRODUCER))
-  def _producer():
-    stream_tiles(num_steps, [((k_c16_ref.at[head], keys16_ref.at[head]), key_ring[:2], key_full, key_free),
-                             ((v_c16_ref.at[head],), key_ring[2:], values_full, values_free)], block_k)
-
-  @pl.when(jnp.logical_and(num_steps > 0, warpgroup < CONSUMERS))
-  def _consumer():
-    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-    consumer = warpgroup
-    rows = pl.ds(program * CONSUMERS * block_q + consumer * block_q, block_q)
+  def consume(consumer, head, rows, num_steps):
     q_smem, d_out_smem = query_tiles.at[consumer, 0], query_tiles.at[consumer, 1]
     for src, dst in ((q_c16_ref, q_smem), (d_out16_ref, d_out_smem), (lse_ref, lse_smem.at[consumer]),
                      (delta_ref, delta_smem.at[consumer])):
@@ -117,6 +101,9 @@ def _query_grad_kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c16_ref, d_out16_ref,
                      with_tma=not interpreted)
     plgpu.wait_smem_to_gmem(0)
 
+  query_major_program((k_c16_ref, keys16_ref, v_c16_ref), key_ring, (key_full, values_full, key_free, values_free),
+                      consume, window=window, block_q=block_q, block_k=block_k, keys_per_program=keys_per_program)
+
 
 def _query_grad_scratch(block_q, block_k, head_dim, interpreted):
   """Shared memory and barriers of `_query_grad_kernel` (~161 KB at head dim 128)."""
@@ -153,22 +140,8 @@ def accumulate_query_grads(q_c, k_c, keys, v_c, d_out, lse, delta, dq_ref, *, sc
     lse, delta: float32 [BH, L].
     Others as `accumulate_past_window`.
   """
-  heads, length, head_dim = q_c.shape
-  check_length(length, block_q, keys_per_program)
-  interpreted = interpret is not None
-  kernel = functools.partial(_query_grad_kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
-                             keys_per_program=keys_per_program, head_dim=head_dim, interpreted=interpreted)
-  launch = plgpu.kernel(
-      kernel,
-      out_type=(),
-      scratch_types=_query_grad_scratch(block_q, block_k, head_dim, interpreted),
-      grid=(length // (CONSUMERS * block_q), heads),
-      grid_names=("query_program", "head"),
-      num_threads=CONSUMERS + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=interpret,
-  )
+  launch = query_major_launch(_query_grad_kernel, _query_grad_scratch, q_c.shape, scale=scale, window=window,
+                              block_q=block_q, block_k=block_k, keys_per_program=keys_per_program, interpret=interpret)
   f16 = lambda x: x.astype(LOOKAHEAD_DTYPE)
   launch(f16(q_c), f16(k_c), f16(keys * KEY_STATE_SCALE), f16(v_c), f16(d_out), lse, delta, dq_ref)
 
