@@ -152,11 +152,6 @@ def _columns(ref, chunk: int, num_chunks: int):
   return ref.at[..., pl.ds(chunk * CHUNK, CHUNK)]
 
 
-def _reduce_add(tile, gmem, out_smem, barrier, *, with_tma: bool):
-  """gmem += tile (float32) through the staging buffer `out_smem`."""
-  reduce_add_tiles([(tile, gmem, out_smem)], barrier, with_tma=with_tma)
-
-
 def _store_tile(tile, gmem, out_smem):
   """gmem = tile (float32) through the staging buffer `out_smem`."""
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -178,7 +173,8 @@ def _backward_kernel(
     scale: float, window: int | None, block_q: int, block_k: int, num_query_blocks: int,
     head_dim: int, interpreted: bool, query_grads_elsewhere: bool):
   products = functools.partial(wgmma_products, init_in_place=not interpreted)
-  reduce_add = functools.partial(_reduce_add, out_smem=out_smem, barrier=barriers.io, with_tma=not interpreted)
+  # gmem += tile (float32) through the one staging buffer `out_smem`.
+  reduce_add = lambda tile, gmem: reduce_add_tiles([(tile, gmem, out_smem)], barriers.io, with_tma=not interpreted)
   num_chunks = head_dim // CHUNK
   chunks = range(num_chunks)
   key_block = lax.axis_index("key_block")
@@ -198,16 +194,12 @@ def _backward_kernel(
   def _():
     for src, dst in zip((q_u_ref, k_c_ref, v_c_ref), key_smem):
       plgpu.copy_gmem_to_smem(src.at[head, key_rows], dst, barriers.keys)
-    def load_state(ref):
-      state = []
-      for c in chunks:
-        plgpu.copy_gmem_to_smem(gmem_columns(ref, key_rows, c), out_smem, barriers.io)
-        plgpu.barrier_wait(barriers.io)
-        state.append(plgpu.load(out_smem, layout=plgpu.Layout.WGMMA))
-        plgpu.commit_smem()  # the next copy overwrites what was just read
-      return state
-
-    keys = load_state(keys_ref)
+    keys = []
+    for c in chunks:
+      plgpu.copy_gmem_to_smem(gmem_columns(keys_ref, key_rows, c), out_smem, barriers.io)
+      plgpu.barrier_wait(barriers.io)
+      keys.append(plgpu.load(out_smem, layout=plgpu.Layout.WGMMA))
+      plgpu.commit_smem()  # the next copy overwrites what was just read
     plgpu.barrier_wait(barriers.keys)
 
     def stage_keys(keys):

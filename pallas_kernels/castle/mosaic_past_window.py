@@ -150,9 +150,9 @@ def query_major_program(key_sources, key_ring, ring_barriers, consume, *, window
 
 
 def _forward_kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c_ref, shift_ref, acc_ref, sums_ref,
-            query_smem, shift_smem, key_ring, out_smem, sums_smem, probs_staging, barriers, *,
-            scale: float, window: int, block_q: int, block_k: int, keys_per_program: int, head_dim: int,
-            interpreted: bool):
+                    query_smem, shift_smem, key_ring, out_smem, sums_smem, probs_staging, barriers, *,
+                    scale: float, window: int, block_q: int, block_k: int, keys_per_program: int, head_dim: int,
+                    interpreted: bool):
   """One program: query rows [2 * block_q * p, 2 * block_q * (p + 1)) of one head."""
   k_ring, keys_ring, v_ring = key_ring
   query_full, key_full, values_full, key_free, values_free, tensor_core_turn, accumulate_barrier = barriers

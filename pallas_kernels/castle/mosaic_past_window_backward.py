@@ -94,8 +94,7 @@ def _query_grad_kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c16_ref, d_out16_ref,
       d_lookahead = -d_scores * _silu_grad(lookahead) * (1.0 / KEY_STATE_SCALE)
       d_scores16 = register_operand(d_scores.astype(LOOKAHEAD_DTYPE), d_scores_staging)
       d_lookahead16 = register_operand(d_lookahead.astype(LOOKAHEAD_DTYPE), d_lookahead_staging)
-      plgpu.barrier_arrive(tensor_core_turn)
-      plgpu.barrier_wait(tensor_core_turn)
+      take_turn(tensor_core_turn)
       d_query = products([(d_scores16, k_ring.at[slot]), (d_lookahead16, keys_ring.at[slot])], (block_q, head_dim),
                          init=d_query, init_in_place=not interpreted)
       plgpu.barrier_arrive(key_free.at[slot])
