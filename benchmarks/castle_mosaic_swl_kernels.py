@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,35 @@ from pallas_kernels.castle.mosaic_ops import _in_block_scores_transposed  # noqa
 from timing import median_ms, run_meta, write_json  # noqa: E402
 
 HEAD_DIM = 128
+
+
+class KernelInputs(NamedTuple):
+  """Random bf16 inputs of the kernels and the forward's residuals."""
+  inputs: tuple          # q_u, k_u, v_u, q_c, k_c, v_c: [heads, seq, 128] bf16
+  d_out: jax.Array       # [heads, seq, 128] bf16
+  shift: jax.Array       # [heads, seq] float32, the forward's fixed softmax shift
+  in_block_t: jax.Array  # [heads, seq, 64], the R_ii^T tiles
+  lookahead_keys: jax.Array  # [heads, seq, 128] float32, the forward's final D
+  lse: jax.Array         # [heads, seq] float32
+  delta: jax.Array       # [heads, seq] float32, rowsum(out * d_out)
+  scale: float
+
+
+def kernel_inputs(heads: int, seq: int, window: int | None) -> KernelInputs:
+  """Inputs for the kernels at [heads, seq, 128]; runs the key-major forward once."""
+  scale = HEAD_DIM ** -0.5
+  keys = jax.random.split(jax.random.key(0), 7)
+  inputs = tuple(jax.random.normal(k, (heads, seq, HEAD_DIM), jnp.float32).astype(jnp.bfloat16) for k in keys[:6])
+  q_u, k_u, v_u, q_c, k_c, v_c = inputs
+  d_out = (jax.random.normal(keys[6], (heads, seq, HEAD_DIM)) * 0.5).astype(jnp.bfloat16)
+  shift = jnp.full((heads, seq), 3.0, jnp.float32)
+  in_block_t = _in_block_scores_transposed(q_c, v_u, scale, 64)
+  acc, sums, lookahead_keys = jax.jit(lambda *a: mosaic_forward.forward(
+      *a, in_block_t, shift, config=CastleMosaicConfig(past_window="key_major"), scale=scale, window=window,
+      interpret=None))(*inputs)
+  lse = jnp.log(sums) + shift
+  delta = jnp.sum(acc / sums[..., None] * d_out.astype(jnp.float32), -1)
+  return KernelInputs(inputs, d_out, shift, in_block_t, lookahead_keys, lse, delta, scale)
 
 
 def past_window_pairs(heads: int, seq: int, window: int) -> int:
@@ -49,13 +79,9 @@ def main(argv=None) -> int:
   parser.add_argument("--json", default=None)
   args = parser.parse_args(argv)
   heads, seq, window = args.heads, args.seq, args.window
-  scale = HEAD_DIM ** -0.5
-  keys = jax.random.split(jax.random.key(0), 7)
-  inputs = tuple(jax.random.normal(k, (heads, seq, HEAD_DIM), jnp.float32).astype(jnp.bfloat16) for k in keys[:6])
-  q_u, k_u, v_u, q_c, k_c, v_c = inputs
-  d_out = (jax.random.normal(keys[6], (heads, seq, HEAD_DIM)) * 0.5).astype(jnp.bfloat16)
-  shift = jnp.full((heads, seq), 3.0, jnp.float32)
-  in_block_t = _in_block_scores_transposed(q_c, v_u, scale, 64)
+  data = kernel_inputs(heads, seq, window)
+  inputs, d_out, shift, in_block_t = data.inputs, data.d_out, data.shift, data.in_block_t
+  lookahead_keys, lse, delta, scale = data.lookahead_keys, data.lse, data.delta, data.scale
   split, key_major = CastleMosaicConfig(), CastleMosaicConfig(past_window="key_major")
   common = dict(scale=scale, window=window, interpret=None)
   past = dict(scale=scale, window=window, block_q=64, block_k=64, keys_per_program=128, interpret=None)
@@ -63,9 +89,6 @@ def main(argv=None) -> int:
   def forward(config, module):
     return jax.jit(lambda *a: module.forward(*a, in_block_t, shift, config=config, **common))
 
-  acc, sums, lookahead_keys = forward(key_major, mosaic_forward)(*inputs)
-  lse = jnp.log(sums) + shift
-  delta = jnp.sum(acc / sums[..., None] * d_out.astype(jnp.float32), -1)
   rows = jax.ShapeDtypeStruct((heads, seq, HEAD_DIM), jnp.float32)
   sums_type = jax.ShapeDtypeStruct((heads, seq), jnp.float32)
 

@@ -63,7 +63,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels.castle.kernels import _silu_grad, sigmoid, silu
-from pallas_kernels.castle import mosaic_past_window_backward
+from pallas_kernels.castle import mosaic_past_window_backward, mosaic_profile
 from pallas_kernels.castle.mosaic_config import KEY_BLOCKS_PER_PROGRAM, WGMMA_ROWS, CastleMosaicConfig
 from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, key_major_sweep_end, operand_smem,
                                                 products as wgmma_products, reduce_add_tiles, run_on_zeroed_refs,
@@ -160,6 +160,12 @@ def _store_tile(tile, gmem, out_smem):
   plgpu.copy_smem_to_gmem(out_smem, gmem)
 
 
+def _phase(name: str, *, with_lookahead: bool):
+  """A named region of a step, as `mosaic_profile` reports it: steps that walk D back
+  ("lookahead: ...") and CASTLE-SWL's steps past the window ("past window: ...")."""
+  return jax.named_scope(("lookahead: " if with_lookahead else "past window: ") + name)
+
+
 def _zeros(shape):
   return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
@@ -210,91 +216,102 @@ def _backward_kernel(
     def step(query_block, carry, *, with_lookahead: bool, masked: bool, with_query_grad: bool):
       keys, d_keys = carry
       rows = pl.ds(query_block * block_q, block_q)
+      phase = functools.partial(_phase, with_lookahead=with_lookahead)
 
-      @pl.when(query_block < num_query_blocks - 1)   # not the sweep's first step
-      def _():
-        plgpu.barrier_wait(barriers.consumed)
+      with phase("wait for the accumulator warpgroup"):
+        @pl.when(query_block < num_query_blocks - 1)   # not the sweep's first step
+        def _():
+          plgpu.barrier_wait(barriers.consumed)
 
-      for src, dst in zip((q_c_ref, q_c16_ref, d_out_ref), (q_c_smem, q_c16_smem, d_out_smem)):
-        plgpu.copy_gmem_to_smem(src.at[head, rows], dst, barriers.query)
-      plgpu.copy_gmem_to_smem(lse_ref.at[head, rows], lse_smem, barriers.query)
-      plgpu.copy_gmem_to_smem(delta_ref.at[head, rows], delta_smem, barriers.query)
-      if with_lookahead:
-        for src, dst in zip((k_u_ref, v_u16_ref, in_block_t_ref), (k_u_smem, v_u16_smem, in_block_smem)):
-          plgpu.copy_gmem_to_smem(src.at[head, rows], dst, barriers.lookahead)
-      plgpu.barrier_wait(barriers.query)
+      with phase("load query tiles"):
+        for src, dst in zip((q_c_ref, q_c16_ref, d_out_ref), (q_c_smem, q_c16_smem, d_out_smem)):
+          plgpu.copy_gmem_to_smem(src.at[head, rows], dst, barriers.query)
+        plgpu.copy_gmem_to_smem(lse_ref.at[head, rows], lse_smem, barriers.query)
+        plgpu.copy_gmem_to_smem(delta_ref.at[head, rows], delta_smem, barriers.query)
+        if with_lookahead:
+          for src, dst in zip((k_u_ref, v_u16_ref, in_block_t_ref), (k_u_smem, v_u16_smem, in_block_smem)):
+            plgpu.copy_gmem_to_smem(src.at[head, rows], dst, barriers.lookahead)
+        plgpu.barrier_wait(barriers.query)
       causal_mask, visible = (_step_masks(key_block * block_k, query_block * block_q, tile, window)
                               if masked else (None, None))
 
       if with_lookahead:
-        # W, then D^(i+1) -> D^(i) with the forward's float16 product.
-        plgpu.barrier_wait(barriers.lookahead)
-        weights = sigmoid(products([(q_u_smem, k_u_smem.T)], tile) * scale)
-        if masked:
-          weights = jnp.where(visible, weights, 0.0)
-        staging.weights[...] = weights.astype(LOOKAHEAD_DTYPE)
-        plgpu.commit_smem()
-        keys = [keys[c] - products([(staging.weights, _columns(v_u16_smem, c, num_chunks))], chunk_tile)
-                for c in chunks]
-        stage_keys(keys)
+        with phase("walk D back"):
+          # W, then D^(i+1) -> D^(i) with the forward's float16 product.
+          plgpu.barrier_wait(barriers.lookahead)
+          weights = sigmoid(products([(q_u_smem, k_u_smem.T)], tile) * scale)
+          if masked:
+            weights = jnp.where(visible, weights, 0.0)
+          staging.weights[...] = weights.astype(LOOKAHEAD_DTYPE)
+          plgpu.commit_smem()
+          keys = [keys[c] - products([(staging.weights, _columns(v_u16_smem, c, num_chunks))], chunk_tile)
+                  for c in chunks]
+          stage_keys(keys)
       # Past the window (CASTLE-SWL) W is zero and D^(i) = D^(i+1), staged already.
 
-      # The forward's scores and probabilities.
-      lookahead_pairs = [(staging.keys[c], _columns(q_c16_smem, c, num_chunks).T) for c in chunks]
-      lookahead = products(lookahead_pairs, tile) * (scale / KEY_STATE_SCALE)
-      if with_lookahead:
-        lookahead = products([(staging.weights, in_block_smem)], tile, init=lookahead)
-      causal = products([(k_c_smem, q_c_smem.T)], tile) * scale
-      lse = lax.broadcast_in_dim(lse_smem[...], tile, [1])
-      probs = jnp.exp(causal - silu(lookahead) - lse)
-      if masked:
-        probs = jnp.where(causal_mask, probs, 0.0)
-      staging.probs[...] = probs.astype(dtype)
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(barriers.probs_ready)
-
-      # Softmax and the SiLU.
-      d_probs = products([(v_c_smem, d_out_smem.T)], tile)
-      d_scores = probs * (d_probs - lax.broadcast_in_dim(delta_smem[...], tile, [1]))
-      d_lookahead = -d_scores * _silu_grad(lookahead)
-      staging.d_scores[...] = d_scores.astype(dtype)
-      staging.d_lookahead[...] = d_lookahead.astype(LOOKAHEAD_DTYPE)
-      if with_lookahead:
-        for c in chunks:
-          staging.d_keys[c][...] = d_keys[c].astype(LOOKAHEAD_DTYPE)
-      plgpu.commit_smem()
-
-      # dQ^C_i = (dS K^C_b + dSU D^(i)) * scale, with D entering scaled by 2^-8.
-      for c in (chunks if with_query_grad else ()):
-        from_keys = products([(staging.d_lookahead.T, staging.keys[c])], (block_q, CHUNK))
-        dq_c = products([(staging.d_scores.T, _columns(k_c_smem, c, num_chunks))], (block_q, CHUNK),
-                        init=from_keys * (1.0 / KEY_STATE_SCALE))
-        reduce_add(dq_c * scale, gmem_columns(dq_c_ref, rows, c))
-
-      if with_lookahead:
-        # dR_ii = dSU W (the caller masks and scales it).
-        reduce_add(products([(staging.d_lookahead.T, staging.weights)], (block_q, block_q)),
-                   d_in_block_ref.at[head, rows])
-        # W's gradient: through the in-block term R W^T and through D^(i+1) (dD before
-        # this step's term).
-        d_weights = products([(staging.d_lookahead, in_block_smem.T)]
-                             + [(staging.d_keys[c], _columns(v_u16_smem, c, num_chunks).T) for c in chunks], tile)
-        for c in chunks:
-          reduce_add(products([(staging.weights.T, staging.d_keys[c])], (block_q, CHUNK)),
-                     gmem_columns(dv_u_ref, rows, c))
-      # dD becomes dL/dD^(i): add what this query block's scores read from D^(i).
-      d_keys = [d_keys[c] + products([(staging.d_lookahead, _columns(q_c16_smem, c, num_chunks))], chunk_tile)
-                * scale for c in chunks]
-
-      if with_lookahead:
-        weights = staging.weights[...].astype(jnp.float32)
-        staging.d_logits[...] = (d_weights * weights * (1.0 - weights) * scale).astype(dtype)
+      with phase("scores"):
+        # The forward's scores and probabilities.
+        lookahead_pairs = [(staging.keys[c], _columns(q_c16_smem, c, num_chunks).T) for c in chunks]
+        lookahead = products(lookahead_pairs, tile) * (scale / KEY_STATE_SCALE)
+        if with_lookahead:
+          lookahead = products([(staging.weights, in_block_smem)], tile, init=lookahead)
+        causal = products([(k_c_smem, q_c_smem.T)], tile) * scale
+        lse = lax.broadcast_in_dim(lse_smem[...], tile, [1])
+        probs = jnp.exp(causal - silu(lookahead) - lse)
+        if masked:
+          probs = jnp.where(causal_mask, probs, 0.0)
+        staging.probs[...] = probs.astype(dtype)
         plgpu.commit_smem()
-      plgpu.barrier_arrive(barriers.grads_ready)
+        plgpu.barrier_arrive(barriers.probs_ready)
+
+      with phase("score gradients"):
+        # Softmax and the SiLU.
+        d_probs = products([(v_c_smem, d_out_smem.T)], tile)
+        d_scores = probs * (d_probs - lax.broadcast_in_dim(delta_smem[...], tile, [1]))
+        d_lookahead = -d_scores * _silu_grad(lookahead)
+        staging.d_scores[...] = d_scores.astype(dtype)
+        staging.d_lookahead[...] = d_lookahead.astype(LOOKAHEAD_DTYPE)
+        if with_lookahead:
+          for c in chunks:
+            staging.d_keys[c][...] = d_keys[c].astype(LOOKAHEAD_DTYPE)
+        plgpu.commit_smem()
+
+      with phase("dQ^C"):
+        # dQ^C_i = (dS K^C_b + dSU D^(i)) * scale, with D entering scaled by 2^-8.
+        for c in (chunks if with_query_grad else ()):
+          from_keys = products([(staging.d_lookahead.T, staging.keys[c])], (block_q, CHUNK))
+          dq_c = products([(staging.d_scores.T, _columns(k_c_smem, c, num_chunks))], (block_q, CHUNK),
+                          init=from_keys * (1.0 / KEY_STATE_SCALE))
+          reduce_add(dq_c * scale, gmem_columns(dq_c_ref, rows, c))
+
       if with_lookahead:
-        for c in chunks:
-          reduce_add(products([(staging.d_logits.T, _columns(q_u_smem, c, num_chunks))], (block_q, CHUNK)),
-                     gmem_columns(dk_u_ref, rows, c))
+        with phase("dR, dW, dV^U"):
+          # dR_ii = dSU W (the caller masks and scales it).
+          reduce_add(products([(staging.d_lookahead.T, staging.weights)], (block_q, block_q)),
+                     d_in_block_ref.at[head, rows])
+          # W's gradient: through the in-block term R W^T and through D^(i+1) (dD before
+          # this step's term).
+          d_weights = products([(staging.d_lookahead, in_block_smem.T)]
+                               + [(staging.d_keys[c], _columns(v_u16_smem, c, num_chunks).T) for c in chunks],
+                               tile)
+          for c in chunks:
+            reduce_add(products([(staging.weights.T, staging.d_keys[c])], (block_q, CHUNK)),
+                       gmem_columns(dv_u_ref, rows, c))
+      with phase("dD"):
+        # dD becomes dL/dD^(i): add what this query block's scores read from D^(i).
+        d_keys = [d_keys[c] + products([(staging.d_lookahead, _columns(q_c16_smem, c, num_chunks))], chunk_tile)
+                  * scale for c in chunks]
+
+      with phase("dK^U"):
+        if with_lookahead:
+          weights = staging.weights[...].astype(jnp.float32)
+          staging.d_logits[...] = (d_weights * weights * (1.0 - weights) * scale).astype(dtype)
+          plgpu.commit_smem()
+        plgpu.barrier_arrive(barriers.grads_ready)
+        if with_lookahead:
+          for c in chunks:
+            reduce_add(products([(staging.d_logits.T, _columns(q_u_smem, c, num_chunks))], (block_q, CHUNK)),
+                       gmem_columns(dk_u_ref, rows, c))
       return keys, d_keys
 
     stage_keys(keys)
@@ -310,19 +327,24 @@ def _backward_kernel(
     def step(_, carry, *, with_lookahead: bool, masked: bool, with_query_grad: bool):
       del masked, with_query_grad  # only the score warpgroup masks and computes dQ^C
       dk_c, dv_c, dq_u = carry
-      plgpu.barrier_wait(barriers.query)
-      if with_lookahead:
-        plgpu.barrier_wait(barriers.lookahead)
-      plgpu.barrier_wait(barriers.probs_ready)
-      dv_c = [products([(staging.probs, _columns(d_out_smem, c, num_chunks))], chunk_tile, init=dv_c[c])
-              for c in chunks]
-      plgpu.barrier_wait(barriers.grads_ready)
-      dk_c = [products([(staging.d_scores, _columns(q_c_smem, c, num_chunks))], chunk_tile, init=dk_c[c])
-              for c in chunks]
-      if with_lookahead:
-        dq_u = [products([(staging.d_logits, _columns(k_u_smem, c, num_chunks))], chunk_tile, init=dq_u[c])
+      phase = functools.partial(_phase, with_lookahead=with_lookahead)
+      with phase("wait for P"):
+        plgpu.barrier_wait(barriers.query)
+        if with_lookahead:
+          plgpu.barrier_wait(barriers.lookahead)
+        plgpu.barrier_wait(barriers.probs_ready)
+      with phase("dV^C"):
+        dv_c = [products([(staging.probs, _columns(d_out_smem, c, num_chunks))], chunk_tile, init=dv_c[c])
                 for c in chunks]
-      plgpu.barrier_arrive(barriers.consumed)
+      with phase("wait for dS"):
+        plgpu.barrier_wait(barriers.grads_ready)
+      with phase("dK^C, dQ^U"):
+        dk_c = [products([(staging.d_scores, _columns(q_c_smem, c, num_chunks))], chunk_tile, init=dk_c[c])
+                for c in chunks]
+        if with_lookahead:
+          dq_u = [products([(staging.d_logits, _columns(k_u_smem, c, num_chunks))], chunk_tile, init=dq_u[c])
+                  for c in chunks]
+        plgpu.barrier_arrive(barriers.consumed)
       return dk_c, dv_c, dq_u
 
     zeros = [_zeros(chunk_tile) for _ in chunks]
@@ -402,7 +424,7 @@ def backward(q_u, k_u, v_u, q_c, k_c, v_c, keys_final, d_out, lse, delta, in_blo
       grid_names=("key_block", "head"),
       num_threads=2,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=mosaic_profile.compiler_params(),
       interpret=interpret,
   )
   past_window = dict(scale=scale, window=window, block_q=block_q, block_k=block_k,

@@ -56,6 +56,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels.castle.kernels import sigmoid, silu
+from pallas_kernels.castle import mosaic_profile
 from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
 
 # D enters a float16 product scaled by this power of two (exact), and the product is
@@ -597,7 +598,7 @@ def forward_into(q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, shift, acc_ref, sums_
       scratch_types=scratch,
       grid=(length // config.keys_per_program, heads),
       grid_names=("key_block", "head"),
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=mosaic_profile.compiler_params(),
       interpret=interpret,
       **mesh,
   )

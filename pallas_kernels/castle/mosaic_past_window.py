@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.castle.kernels import silu
 from pallas_kernels.castle import mosaic_forward
+from pallas_kernels.castle import mosaic_profile
 from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
 from pallas_kernels.castle.mosaic_forward import (
     KEY_STATE_SCALE, LOOKAHEAD_DTYPE, PAST_WINDOW_QUERY_BLOCKS, PROBS_DTYPE, accumulate_rows, matmul, operand_smem,
@@ -265,7 +266,7 @@ def query_major_launch(kernel, scratch, shape, *, scale: float, window: int, blo
       grid_names=("query_program", "head"),
       num_threads=CONSUMERS + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=mosaic_profile.compiler_params(),
       interpret=interpret,
   )
 
