@@ -2,12 +2,14 @@
 Triton CASTLE kernels, in one process (medians of --iters calls after a warm-up).
 
     python benchmarks/castle_mosaic_backward.py [--shapes=16x2048,2x16384] [--heads=16] \\
-        [--castle_heads=16] [--head_dim=128] [--window=512] [--json=out.json]
+        [--castle_heads=16] [--head_dim=128] [--window=512] [--skip=triton,key-major] [--json=out.json]
 
 Rows: cuDNN causal attention (`jax.nn.dot_product_attention(implementation="cudnn")`,
 --heads heads; the ratios' baseline, full causal also with --window, plus a row of
 cuDNN's own local window), `castle_attention_mosaic` (the Mosaic GPU forward and backward
-kernels; with --window also with `past_window="key_major"`) and the Triton CASTLE kernels
+kernels; with --window also with the past-window pairs' key side in the key-major sweep
+(`past_window_key_grads="key_major_sweep"`) and with every pair swept key-major
+(`past_window="key_major"`)) and the Triton CASTLE kernels
 (`castle_attention(implementation="pallas")`), --castle_heads heads each;
 fwd and fwd+bwd (gradients of all inputs) times, and fwd+bwd as a multiple of cuDNN's.
 TFLOP/s count the matmuls as built, in units of one product over the causal half of
@@ -54,6 +56,8 @@ def main(argv=None) -> int:
   parser.add_argument("--head_dim", type=int, default=128)
   parser.add_argument("--window", type=int, default=None, help="CASTLE-SWL window (cuDNN's baseline row stays full causal)")
   parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--skip", default=None,
+                      help="comma-separated words: rows whose name contains one are skipped (cuDNN always runs)")
   parser.add_argument("--json", default=None)
   args = parser.parse_args(argv)
   window = args.window
@@ -65,20 +69,23 @@ def main(argv=None) -> int:
     castle_shape = (batch, seq, args.castle_heads, args.head_dim)
     cudnn = lambda local: lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=True, implementation="cudnn", local_window_size=local)
-    mosaic = lambda past_window: lambda *a: castle_attention_mosaic(
-        *a, window=window, config=CastleMosaicConfig(past_window=past_window))
+    mosaic = lambda **config: lambda *a: castle_attention_mosaic(*a, window=window, config=CastleMosaicConfig(**config))
     candidates = [("cuDNN", args.heads, _CAUSAL_PRODUCTS, 3, cudnn_shape, cudnn(None)),
-                  ("CASTLE mosaic", args.castle_heads, _CASTLE_PRODUCTS, 6, castle_shape, mosaic("query_major"))]
+                  ("CASTLE mosaic", args.castle_heads, _CASTLE_PRODUCTS, 6, castle_shape, mosaic())]
     if window is not None:
       # The issue's baseline stays full causal attention; these rows show the window's own
       # cuDNN time and the Mosaic forward that sweeps every pair key-major.
       candidates[1:1] = [("cuDNN window", args.heads, _CAUSAL_PRODUCTS, 3, cudnn_shape, cudnn((window, 0)))]
+      candidates.append(("CASTLE mosaic, past window's key side in the key-major sweep", args.castle_heads,
+                         _CASTLE_PRODUCTS, 6, castle_shape, mosaic(past_window_key_grads="key_major_sweep")))
       candidates.append(("CASTLE mosaic, past window key-major", args.castle_heads, _CASTLE_PRODUCTS, 6,
-                         castle_shape, mosaic("key_major")))
+                         castle_shape, mosaic(past_window="key_major")))
     candidates.append(("CASTLE triton", args.castle_heads, _CASTLE_PRODUCTS, 6, castle_shape,
                        lambda *a: castle_attention(*a, window=window, implementation="pallas", pallas_config=TRITON)))
     base = None
     for name, heads, products, num_inputs, shape, fn in candidates:
+      if args.skip and any(word in name for word in args.skip.split(",")) and name != "cuDNN":
+        continue
       args_sets = [_inputs(seed, shape, num_inputs) for seed in range(2)]
       result = time_forward_and_gradients(fn, num_inputs, args_sets, args.iters)
       row = {"shape": f"{batch}x{seq}x{heads}x{args.head_dim}", "kernel": name, **result}

@@ -69,14 +69,20 @@ def _case(number):
   return inputs, jax.random.normal(keys[6], shape, jnp.float32).astype(jnp.bfloat16), window
 
 
+# The kernels' ways with the pairs past the window: query-major kernels for the forward and
+# dQ^C, the key side in a kernel of its own (default) or in the key-major sweep; or all of
+# it in the key-major sweeps.
+VARIANTS = {"query_major": CastleMosaicConfig(), "key_major": CastleMosaicConfig(past_window="key_major"),
+            "key_grads_in_sweep": CastleMosaicConfig(past_window_key_grads="key_major_sweep")}
+
+
 def _run_cases_in_this_process(out_dir):
-  """Both sweeps' forward and gradients per case, saved for the test process (the
+  """Every variant's forward and gradients per case, saved for the test process (the
   subprocess side)."""
   for number in range(len(CASES)):
     inputs, cotangent, window = _case(number)
     scale = inputs[0].shape[-1] ** -0.5
-    for past_window in ("query_major", "key_major"):
-      config = CastleMosaicConfig(past_window=past_window)
+    for past_window, config in VARIANTS.items():
       result = castle_forward_mosaic(*inputs, scale=scale, window=window, interpret=True, config=config)
       _, vjp = jax.vjp(lambda *a: castle_attention_mosaic(*a, window=window, config=config, interpret=True), *inputs)
       grads = [np.asarray(g.astype(jnp.float32)) for g in vjp(cotangent)]
@@ -116,22 +122,25 @@ def test_split_forward_matches_the_parallel_form(interpreted, number):
 
 @pytest.mark.parametrize("number", range(len(CASES)))
 def test_split_backward_matches_the_parallel_form(interpreted, number):
-  """All six gradients with dQ^C of the past-window pairs from the query-major kernel,
-  against autodiff of `castle_parallel` and against the key-major backward."""
+  """All six gradients with dQ^C of the past-window pairs from the query-major kernel and
+  their key side from its own kernel or the key-major sweep, against autodiff of
+  `castle_parallel` and against the key-major backward."""
   from castle_jax.ops.castle.reference import castle_parallel
   inputs, cotangent, window = _case(number)
   f32 = tuple(x.astype(jnp.float32) for x in inputs)
   with jax.default_matmul_precision("highest"):
     _, vjp = jax.vjp(lambda *a: castle_parallel(*a, window=window), *f32)
     ref_grads = vjp(cotangent.astype(jnp.float32))
-  split, key_major = interpreted(number, "query_major")["grads"], interpreted(number, "key_major")["grads"]
-  for name, grad, other, ref in zip(("q_u", "k_u", "v_u", "q_c", "k_c", "v_c"), split, key_major, ref_grads):
-    assert np.isfinite(grad).all(), f"d{name}"
-    # bf16 gradients, float16 lookahead products: ~3e-3, as the key-major backward.
-    assert rel_err(grad, ref) < 1e-2, f"d{name}: {rel_err(grad, ref):.3g}"
-    # dQ^C's past-window share is computed differently (float16 dS instead of bf16), the
-    # others only through the forward's summation order.
-    assert rel_err(grad, other) < 2e-3, f"d{name}: {rel_err(grad, other):.3g}"
+  key_major = interpreted(number, "key_major")["grads"]
+  for variant in ("query_major", "key_grads_in_sweep"):
+    split = interpreted(number, variant)["grads"]
+    for name, grad, other, ref in zip(("q_u", "k_u", "v_u", "q_c", "k_c", "v_c"), split, key_major, ref_grads):
+      assert np.isfinite(grad).all(), f"{variant} d{name}"
+      # bf16 gradients, float16 lookahead products: ~3e-3, as the key-major backward.
+      assert rel_err(grad, ref) < 1e-2, f"{variant} d{name}: {rel_err(grad, ref):.3g}"
+      # The past-window shares are computed differently (float16 dS and P instead of
+      # bf16), the others only through the forward's summation order.
+      assert rel_err(grad, other) < 2e-3, f"{variant} d{name}: {rel_err(grad, other):.3g}"
 
 
 def test_split_lowers_for_hopper():
@@ -146,11 +155,13 @@ def test_split_lowers_for_hopper():
   assert counts == [4, 2, 2], counts
   head_dim_64 = _inputs(0, (1, 256, 2, 64))
   assert mosaic_kernels_lowered_for_h100((forward("query_major", 100),), head_dim_64) == [4]
-  # The backward adds the query-major dQ^C kernel to the key-major one.
-  gradients = lambda config: jax.grad(lambda *a: jnp.sum(castle_attention_mosaic(
-      *a, window=512, config=CastleMosaicConfig(past_window=config), interpret=False).astype(jnp.float32)),
+  # The backward adds the key-side kernel and the query-major dQ^C kernel to the key-major one.
+  gradients = lambda **config: jax.grad(lambda *a: jnp.sum(castle_attention_mosaic(
+      *a, window=512, config=CastleMosaicConfig(**config), interpret=False).astype(jnp.float32)),
       argnums=tuple(range(6)))
-  assert mosaic_kernels_lowered_for_h100((gradients("query_major"), gradients("key_major")), inputs) == [6, 3]
+  assert mosaic_kernels_lowered_for_h100(
+      (gradients(), gradients(past_window_key_grads="key_major_sweep"), gradients(past_window="key_major")),
+      inputs) == [7, 6, 3]
 
 
 def test_config_names_the_choices():
@@ -160,4 +171,8 @@ def test_config_names_the_choices():
     CastleKernelConfig(mosaic_past_window="fast")
   assert CastleKernelConfig.from_string("mosaic_past_window=key_major").mosaic_config.past_window == "key_major"
   assert CastleMosaicConfig().splits_past_window
+  assert CastleMosaicConfig().splits_past_window_key_grads
+  assert not CastleMosaicConfig(past_window="key_major").splits_past_window_key_grads
+  with pytest.raises(ValueError, match=r"past_window_key_grads must be one of \('own_kernel', 'key_major_sweep'\)"):
+    CastleMosaicConfig(past_window_key_grads="elsewhere")
   assert not CastleMosaicConfig(schedule="simple").splits_past_window

@@ -47,8 +47,8 @@ def test_mosaic_gradients_match_xla(shape, window):
   loss = lambda *a: jnp.sum(castle_attention_mosaic(*a, window=window).astype(jnp.float32))
   kernels = [jax.jit(f).lower(*inputs).as_text().count("custom_call @mosaic_gpu")
              for f in (loss, jax.grad(loss, argnums=tuple(range(6))))]
-  # The forward's kernels and the backward's: under a window also the query-major dQ^C kernel.
-  assert kernels[0] >= 1 and kernels[1] == kernels[0] + (1 if window is None else 2)
+  # The forward's kernels and the backward's: under a window also the past-window key-side and dQ^C kernels.
+  assert kernels[0] >= 1 and kernels[1] == kernels[0] + (1 if window is None else 3)
   grads = _grads(lambda *a: castle_attention_mosaic(*a, window=window), inputs, cotangent)
   f32 = tuple(x.astype(jnp.float32) for x in inputs)
   with jax.default_matmul_precision("highest"):
@@ -104,8 +104,9 @@ def test_rematerialized_training_loss_matches_triton():
     ((2, 2048, 4, 64), 64),      # head dim 64, a window of one block
 ])
 def test_past_window_split_gradients_match_key_major(shape, window):
-  """dQ^C of CASTLE-SWL's past-window pairs from the query-major kernel (the default)
-  against the backward that computes every pair's dQ^C key-major, and against XLA."""
+  """CASTLE-SWL's past-window pairs split off (the default: dQ^C in the query-major kernel,
+  dK^C, dV^C and dD in a key-side kernel of their own) against the backward that sweeps
+  every pair key-major, and against XLA."""
   from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
   inputs, cotangent = _inputs(shape[1] + window, shape)
   grads = {past_window: _grads(lambda *a: castle_attention_mosaic(

@@ -110,13 +110,15 @@ class _Sweep:
       zero there, so D is constant and W, R, dW, dV^U, dK^U, dQ^U drop out
       (`with_lookahead=False`); from `query_grad_start` on, dQ^C drops out too when the
       query-major kernel (`mosaic_past_window_backward.accumulate_query_grads`) computes
-      it (`with_query_grad=False`); then the blocks within reach of the window, masked;
+      it (`with_query_grad=False`), and with `key_grads_elsewhere` those steps are left
+      to `mosaic_past_window_backward.key_grads` altogether (the sweep then starts from its
+      dD); then the blocks within reach of the window, masked;
     - CASTLE: the blocks after the diagonal, where every query follows every key and no
       mask is needed, then the diagonal block, masked.
   """
 
   def __init__(self, key_block, block_q: int, block_k: int, num_query_blocks: int, window: int | None,
-               query_grads_elsewhere: bool):
+               query_grads_elsewhere: bool, key_grads_elsewhere: bool):
     if block_q != block_k:
       raise ValueError(f"the backward sweep takes block_q == block_k, got {block_q} and {block_k}")
     self.first = key_block
@@ -130,6 +132,8 @@ class _Sweep:
       self.query_grad_start = key_major_sweep_end(
           lax.div(key_block, KEY_BLOCKS_PER_PROGRAM["warp_specialized"]), window=window, block_q=block_q,
           block_k=block_k, num_query_blocks=num_query_blocks)
+    # One past the sweep's first (highest) query block.
+    self.top = self.query_grad_start if key_grads_elsewhere else num_query_blocks
 
   def run(self, step, carry):
     def reverse(start, stop, carry, **flags):
@@ -137,7 +141,7 @@ class _Sweep:
 
     if self.window is not None:
       past_window = dict(with_lookahead=False, masked=False)
-      carry = reverse(self.query_grad_start, self.num_query_blocks, carry, with_query_grad=False, **past_window)
+      carry = reverse(self.query_grad_start, self.top, carry, with_query_grad=False, **past_window)
       carry = reverse(self.lookahead_end, self.query_grad_start, carry, with_query_grad=True, **past_window)
       return reverse(self.first, self.lookahead_end, carry, with_lookahead=True, masked=True, with_query_grad=True)
     carry = reverse(self.first + 1, self.num_query_blocks, carry, with_lookahead=True, masked=False,
@@ -171,13 +175,15 @@ def _zeros(shape):
 
 
 def _backward_kernel(
-    q_u_ref, k_c_ref, v_c_ref, keys_ref,
-    q_c_ref, q_c16_ref, k_u_ref, v_u16_ref, d_out_ref, in_block_t_ref, lse_ref, delta_ref,
-    dq_c_ref, dk_u_ref, dv_u_ref, d_in_block_ref,   # float32 accumulators in global memory
-    dq_u_ref, dk_c_ref, dv_c_ref,                   # outputs: the key block's gradients
-    key_smem, query_smem, in_block_smem, lse_smem, delta_smem, staging, out_smem, barriers, *,
+    q_u_ref, k_c_ref, v_c_ref, keys_ref, *refs,
     scale: float, window: int | None, block_q: int, block_k: int, num_query_blocks: int,
-    head_dim: int, interpreted: bool, query_grads_elsewhere: bool):
+    head_dim: int, interpreted: bool, query_grads_elsewhere: bool, key_grads_elsewhere: bool):
+  # With `key_grads_elsewhere`, dD starts from the share of the pairs past the window.
+  d_keys_ref, refs = (refs[0], refs[1:]) if key_grads_elsewhere else (None, refs)
+  (q_c_ref, q_c16_ref, k_u_ref, v_u16_ref, d_out_ref, in_block_t_ref, lse_ref, delta_ref,
+   dq_c_ref, dk_u_ref, dv_u_ref, d_in_block_ref,   # float32 accumulators in global memory
+   dq_u_ref, dk_c_ref, dv_c_ref,                   # outputs: the key block's gradients
+   key_smem, query_smem, in_block_smem, lse_smem, delta_smem, staging, out_smem, barriers) = refs
   products = functools.partial(wgmma_products, init_in_place=not interpreted)
   # gmem += tile (float32) through the one staging buffer `out_smem`.
   reduce_add = lambda tile, gmem: reduce_add_tiles([(tile, gmem, out_smem)], barriers.io, with_tma=not interpreted)
@@ -194,18 +200,24 @@ def _backward_kernel(
   tile = (block_k, block_q)
   chunk_tile = (block_k, CHUNK)
 
-  sweep = _Sweep(key_block, block_q, block_k, num_query_blocks, window, query_grads_elsewhere)
+  sweep = _Sweep(key_block, block_q, block_k, num_query_blocks, window, query_grads_elsewhere, key_grads_elsewhere)
 
   @pl.when(warpgroup == _SCORE_WARPGROUP)
   def _():
     for src, dst in zip((q_u_ref, k_c_ref, v_c_ref), key_smem):
       plgpu.copy_gmem_to_smem(src.at[head, key_rows], dst, barriers.keys)
-    keys = []
-    for c in chunks:
-      plgpu.copy_gmem_to_smem(gmem_columns(keys_ref, key_rows, c), out_smem, barriers.io)
-      plgpu.barrier_wait(barriers.io)
-      keys.append(plgpu.load(out_smem, layout=plgpu.Layout.WGMMA))
-      plgpu.commit_smem()  # the next copy overwrites what was just read
+
+    def load_state(ref):
+      state = []
+      for c in chunks:
+        plgpu.copy_gmem_to_smem(gmem_columns(ref, key_rows, c), out_smem, barriers.io)
+        plgpu.barrier_wait(barriers.io)
+        state.append(plgpu.load(out_smem, layout=plgpu.Layout.WGMMA))
+        plgpu.commit_smem()  # the next copy overwrites what was just read
+      return state
+
+    keys = load_state(keys_ref)
+    d_keys = [_zeros(chunk_tile) for _ in chunks] if d_keys_ref is None else load_state(d_keys_ref)
     plgpu.barrier_wait(barriers.keys)
 
     def stage_keys(keys):
@@ -219,7 +231,7 @@ def _backward_kernel(
       phase = functools.partial(_phase, with_lookahead=with_lookahead)
 
       with phase("wait for the accumulator warpgroup"):
-        @pl.when(query_block < num_query_blocks - 1)   # not the sweep's first step
+        @pl.when(query_block < sweep.top - 1)   # not the sweep's first step
         def _():
           plgpu.barrier_wait(barriers.consumed)
 
@@ -315,7 +327,7 @@ def _backward_kernel(
       return keys, d_keys
 
     stage_keys(keys)
-    sweep.run(step, (keys, [_zeros(chunk_tile) for _ in chunks]))
+    sweep.run(step, (keys, d_keys))
     plgpu.wait_smem_to_gmem(0)
     plgpu.barrier_arrive(barriers.staging_free)
     plgpu.barrier_wait(barriers.consumed)
@@ -386,12 +398,14 @@ def backward(q_u, k_u, v_u, q_c, k_c, v_c, keys_final, d_out, lse, delta, in_blo
                      f"multiple of {CHUNK}; got {block_q}, {block_k} and {head_dim}")
   dtype = q_c.dtype
   num_chunks = head_dim // CHUNK
-  # CASTLE-SWL: dQ^C of the pairs past the window comes from the query-major kernel.
+  # CASTLE-SWL: dQ^C of the pairs past the window comes from the query-major kernel, and
+  # (by default) their dK^C, dV^C and dD from a key-major kernel of their own.
   split = window is not None and config.splits_past_window
+  split_key_grads = window is not None and config.splits_past_window_key_grads
   kernel = functools.partial(
       _backward_kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
       num_query_blocks=length // block_q, head_dim=head_dim, interpreted=interpret is not None,
-      query_grads_elsewhere=split)
+      query_grads_elsewhere=split, key_grads_elsewhere=split_key_grads)
   full_tile = lambda rows, dt: operand_smem((rows, head_dim), dt)
   square = lambda dt: operand_smem((block_k, block_q), dt)
   chunk = lambda dt: tuple(operand_smem((block_k, CHUNK), dt) for _ in range(num_chunks))
@@ -429,8 +443,13 @@ def backward(q_u, k_u, v_u, q_c, k_c, v_c, keys_final, d_out, lse, delta, in_blo
   )
   past_window = dict(scale=scale, window=window, block_q=block_q, block_k=block_k,
                      keys_per_program=config.keys_per_program, interpret=interpret)
-  inputs = (q_u, k_c, v_c, keys_final, q_c, q_c.astype(LOOKAHEAD_DTYPE), k_u, v_u.astype(LOOKAHEAD_DTYPE),
-            d_out, in_block_t.astype(LOOKAHEAD_DTYPE), lse, delta)
+  if split_key_grads:
+    # First: the sweep starts its walk back from these pairs' dD.
+    dk_c_past, dv_c_past, d_keys_past = mosaic_past_window_backward.key_grads(
+        q_c, k_c, keys_final, v_c, d_out, lse, delta, **past_window)
+  inputs = (q_u, k_c, v_c, keys_final, *((d_keys_past,) if split_key_grads else ()), q_c,
+            q_c.astype(LOOKAHEAD_DTYPE), k_u, v_u.astype(LOOKAHEAD_DTYPE), d_out, in_block_t.astype(LOOKAHEAD_DTYPE),
+            lse, delta)
   rows = jax.ShapeDtypeStruct((heads, length, head_dim), jnp.float32)
 
   # dQ^C, dK^U, dV^U and dR are reduce-added into; dQ^U, dK^C, dV^C (after them) are written.
@@ -443,4 +462,6 @@ def backward(q_u, k_u, v_u, q_c, k_c, v_c, keys_final, d_out, lse, delta, in_blo
   dq_c, dk_u, dv_u, d_in_block, dq_u, dk_c, dv_c = run_on_zeroed_refs(
       sweeps,
       (rows, rows, rows, jax.ShapeDtypeStruct((heads, length, block_q), jnp.float32), rows, rows, rows))
+  if split_key_grads:
+    dk_c, dv_c = dk_c + dk_c_past, dv_c + dv_c_past
   return dq_u, dk_c, dv_c, dq_c, dk_u, dv_u, d_in_block

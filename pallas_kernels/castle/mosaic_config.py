@@ -13,6 +13,8 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 SCHEDULES = ("warp_specialized", "simple")
 # How the warp-specialized forward runs CASTLE-SWL's (key, query) pairs past the window.
 PAST_WINDOW_SWEEPS = ("query_major", "key_major")
+# Where the backward computes the key side (dK^C, dV^C, dD) of those pairs.
+PAST_WINDOW_KEY_GRADS = ("own_kernel", "key_major_sweep")
 # Key blocks per program of each schedule (one consumer warpgroup per key block).
 KEY_BLOCKS_PER_PROGRAM = {"warp_specialized": 2, "simple": 1}
 
@@ -41,16 +43,22 @@ class CastleMosaicConfig:
       second kernel, query-block major, with the output tile in registers
       (`mosaic_past_window`); "key_major" runs them in the key-major sweep, which
       reduce-adds a [block_q, d] float32 output tile per step.
+    past_window_key_grads: CASTLE-SWL backward with past_window="query_major": the key side
+      of the pairs past the window (dK^C, dV^C, dD) in a kernel of its own with a producer
+      warpgroup streaming the query tiles ("own_kernel", default;
+      `mosaic_past_window_backward.key_grads`), the key-major sweep then starting from its
+      dD, or inside the synchronous key-major sweep ("key_major_sweep").
   """
 
   block_q: int = 64
   block_k: int = 64
   schedule: str = "warp_specialized"
   past_window: str = "query_major"
+  past_window_key_grads: str = "own_kernel"
 
   def __post_init__(self):
     check_int_fields(self, power_of_two=("block_q", "block_k"), tiles=("block_q", "block_k"),
-                     skip=("schedule", "past_window"))
+                     skip=("schedule", "past_window", "past_window_key_grads"))
     for name in ("block_q", "block_k"):
       if getattr(self, name) != WGMMA_ROWS:
         raise ValueError(f"CastleMosaicConfig.{name} must be {WGMMA_ROWS} (one warpgroup's wgmma rows and one "
@@ -61,6 +69,9 @@ class CastleMosaicConfig:
     if self.past_window not in PAST_WINDOW_SWEEPS:
       raise ValueError(f"CastleMosaicConfig.past_window must be one of {PAST_WINDOW_SWEEPS}, got "
                        f"{self.past_window!r}")
+    if self.past_window_key_grads not in PAST_WINDOW_KEY_GRADS:
+      raise ValueError(f"CastleMosaicConfig.past_window_key_grads must be one of {PAST_WINDOW_KEY_GRADS}, got "
+                       f"{self.past_window_key_grads!r}")
 
   @property
   def keys_per_program(self) -> int:
@@ -71,6 +82,11 @@ class CastleMosaicConfig:
   def splits_past_window(self) -> bool:
     """Whether a CASTLE-SWL forward runs its past-window pairs in `mosaic_past_window`."""
     return self.schedule == "warp_specialized" and self.past_window == "query_major"
+
+  @property
+  def splits_past_window_key_grads(self) -> bool:
+    """Whether a CASTLE-SWL backward runs the past-window pairs' key side in its own kernel."""
+    return self.splits_past_window and self.past_window_key_grads == "own_kernel"
 
   @classmethod
   def from_string(cls, text: str) -> "CastleMosaicConfig":

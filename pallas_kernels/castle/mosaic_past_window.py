@@ -78,8 +78,9 @@ def num_key_blocks(query_program, *, window, block_q, block_k, keys_per_program)
   return key_programs * (keys_per_program // block_k)
 
 
-def stream_tiles(num_steps, groups, block: int):
-  """The producer warpgroup: row blocks 0 .. num_steps - 1 of the sources into ring slots.
+def stream_tiles(num_steps, groups, block: int, first_block=0):
+  """The producer warpgroup: row blocks first_block .. first_block + num_steps - 1 of the
+  sources into ring slots.
 
   groups: (sources, ring buffers, full barriers, free barriers) tuples; the sources are
   one head's [L, ...] refs, each ring buffer [STAGES, block, ...]. A group's copies of a
@@ -91,7 +92,7 @@ def stream_tiles(num_steps, groups, block: int):
   @pl.loop(0, num_steps)
   def _load(step):
     slot = lax.rem(step, STAGES)
-    rows = pl.ds(step * block, block)
+    rows = pl.ds((first_block + step) * block, block)
     for sources, ring, full, free in groups:
       @pl.when(step >= STAGES)
       def _():

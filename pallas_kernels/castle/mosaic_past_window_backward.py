@@ -31,16 +31,20 @@ of the key-major kernel (2.91e-3 vs 2.95e-3).
 
 from __future__ import annotations
 
+import functools
 
+import jax
 from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels.castle.kernels import _silu_grad, silu
-from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, operand_smem, products,
-                                                reduce_add_tiles, register_operand)
-from pallas_kernels.castle.mosaic_past_window import (CONSUMERS, STAGES, query_major_launch, query_major_program,
+from pallas_kernels.castle import mosaic_profile
+from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, key_major_sweep_end, operand_smem,
+                                                products, reduce_add_tiles, register_operand, run_on_zeroed_refs)
+from pallas_kernels.castle.mosaic_past_window import (CONSUMER_REGISTERS, CONSUMERS, STAGES, check_length,
+                                                    query_major_launch, query_major_program, stream_tiles,
                                                     sweep_in_turns, take_turn)
 
 
@@ -151,3 +155,184 @@ def accumulate_query_grads(q_c, k_c, keys, v_c, d_out, lse, delta, dq_ref, *, sc
   f16 = lambda x: x.astype(LOOKAHEAD_DTYPE)
   launch(f16(q_c), f16(k_c), f16(keys * KEY_STATE_SCALE), f16(v_c), f16(d_out), lse, delta, dq_ref)
 
+
+
+# Warpgroups of the key-side kernel: one key block's scores and dD, its dK^C and dV^C,
+# and the producer.
+_SCORES, _ACCUMULATOR, _KEY_SIDE_PRODUCER = 0, 1, 2
+
+
+def _key_grad_kernel(k_c16_ref, keys16_ref, v_c16_ref, q_c16_ref, d_out16_ref, lse_ref, delta_ref,
+                     dk_c_ref, dv_c_ref, d_keys_ref,
+                     key_tiles, query_ring, row_ring, grad_staging, out_staging, lookahead_staging, barriers, *,
+                     scale: float, window: int, block_q: int, block_k: int, num_query_blocks: int, head_dim: int,
+                     interpreted: bool):
+  """One program: key block b (rows [block_k * b, block_k * (b + 1))) of one head, over
+  the query blocks past its key program's window, in the key-row frame [block_k, block_q]:
+
+    S^C^T = K^C Q^C^T,  S^U^T = (D * 2^-8) Q^C^T,  dP^T = V^C dO^T      (one wait)
+    P^T = exp(S^C^T s - SiLU(S^U^T s 2^8) - lse),  dS^T = P^T (dP^T - delta),
+    dSU^T = -dS^T SiLU'(S^U^T s 2^8)
+    dD += dSU^T Q^C          (the scores warpgroup; dSU from registers)
+    dV^C += P^T dO,  dK^C += dS^T Q^C     (the accumulator warpgroup; P^T, dS^T staged)
+
+  The states are split by warpgroup as in the key-major sweep (dD: 64 registers per
+  thread at d = 128, dK^C and dV^C: 128), and the producer streams Q^C, dO, lse and delta
+  through a two-stage ring, so the next query block loads under this one's products.
+  """
+  key_block = lax.axis_index("key_block")
+  head = lax.axis_index("head")
+  warpgroup = lax.axis_index("wg")
+  first = key_major_sweep_end(lax.div(key_block, CONSUMERS), window=window, block_q=block_q, block_k=block_k,
+                              num_query_blocks=num_query_blocks)
+  num_steps = num_query_blocks - first
+  key_rows = pl.ds(key_block * block_k, block_k)
+  k_smem, keys_smem, v_smem = key_tiles
+  q_ring, d_out_ring = query_ring
+  lse_ring, delta_ring = row_ring
+  probs_staging, d_scores_staging = grad_staging
+  key_full, query_full, query_free, grads_ready, staging_free = barriers
+  products_in_place = functools.partial(products, init_in_place=not interpreted)
+  tile = (block_k, block_q)
+
+  def store(state, out_ref, staging):
+    staging[...] = state
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(staging, out_ref.at[head, key_rows])
+
+  @pl.when(jnp.logical_and(num_steps > 0, warpgroup == _KEY_SIDE_PRODUCER))
+  def _producer():
+    stream_tiles(num_steps, [((q_c16_ref.at[head], d_out16_ref.at[head], lse_ref.at[head], delta_ref.at[head]),
+                              (q_ring, d_out_ring, lse_ring, delta_ring), query_full, query_free)],
+                 block_q, first_block=first)
+
+  @pl.when(jnp.logical_and(num_steps > 0, warpgroup == _SCORES))
+  def _scores():
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    for src, dst in ((k_c16_ref, k_smem), (keys16_ref, keys_smem), (v_c16_ref, v_smem)):
+      plgpu.copy_gmem_to_smem(src.at[head, key_rows], dst, key_full)
+    plgpu.barrier_wait(key_full)
+    lookahead_unit = scale / KEY_STATE_SCALE
+
+    def step(index, d_keys):
+      slot = lax.rem(index, STAGES)
+      q_smem, d_out_smem = q_ring.at[slot], d_out_ring.at[slot]
+      plgpu.barrier_wait(query_full.at[slot])
+
+      def score_products(causal_acc, lookahead_acc, d_probs_acc):
+        plgpu.wgmma(causal_acc, k_smem, q_smem.T)
+        plgpu.wgmma(lookahead_acc, keys_smem, q_smem.T)
+        plgpu.wgmma(d_probs_acc, v_smem, d_out_smem.T)
+        return causal_acc[...], lookahead_acc[...], d_probs_acc[...]
+
+      causal, lookahead, d_probs = pl.run_scoped(score_products, *(plgpu.ACC(tile, jnp.float32) for _ in range(3)))
+      lookahead = lookahead * lookahead_unit
+      lse = lax.broadcast_in_dim(lse_ring.at[slot][...], tile, [1])
+      delta = lax.broadcast_in_dim(delta_ring.at[slot][...], tile, [1])
+      probs = jnp.exp(causal * scale - silu(lookahead) - lse)
+      d_scores = probs * (d_probs - delta)
+      d_lookahead = -d_scores * _silu_grad(lookahead)
+
+      # The accumulator warpgroup has read this slot's staging two steps ago.
+      @pl.when(index >= STAGES)
+      def _():
+        plgpu.barrier_wait(staging_free.at[slot])
+      probs_staging.at[slot][...] = probs.astype(LOOKAHEAD_DTYPE)
+      d_scores_staging.at[slot][...] = d_scores.astype(LOOKAHEAD_DTYPE)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(grads_ready.at[slot])
+      d_lookahead16 = register_operand(d_lookahead.astype(LOOKAHEAD_DTYPE), lookahead_staging)
+      d_keys = products_in_place([(d_lookahead16, q_smem)], (block_k, head_dim), init=d_keys)
+      plgpu.barrier_arrive(query_free.at[slot])
+      return d_keys
+
+    d_keys = lax.fori_loop(0, num_steps, step, _zero_rows(block_k, head_dim))
+    # Observe the accumulator warpgroup's releases of the last steps (a waiter may not skip a phase).
+    for last in range(STAGES, 0, -1):
+      @pl.when(num_steps >= last)
+      def _():
+        plgpu.barrier_wait(staging_free.at[lax.rem(num_steps - last, STAGES)])
+    store(d_keys * scale, d_keys_ref, out_staging.at[0])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(jnp.logical_and(num_steps > 0, warpgroup == _ACCUMULATOR))
+  def _accumulator():
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+
+    def step(index, states):
+      dk_c, dv_c = states
+      slot = lax.rem(index, STAGES)
+      q_smem, d_out_smem = q_ring.at[slot], d_out_ring.at[slot]
+      plgpu.barrier_wait(query_full.at[slot])
+      plgpu.barrier_wait(grads_ready.at[slot])
+      dv_c = products_in_place([(probs_staging.at[slot], d_out_smem)], (block_k, head_dim), init=dv_c)
+      dk_c = products_in_place([(d_scores_staging.at[slot], q_smem)], (block_k, head_dim), init=dk_c)
+      plgpu.barrier_arrive(staging_free.at[slot])
+      plgpu.barrier_arrive(query_free.at[slot])
+      return dk_c, dv_c
+
+    zeros = _zero_rows(block_k, head_dim)
+    dk_c, dv_c = lax.fori_loop(0, num_steps, step, (zeros, zeros))
+    store(dk_c * scale, dk_c_ref, out_staging.at[1])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    store(dv_c, dv_c_ref, out_staging.at[1])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _zero_rows(rows, head_dim):
+  return plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+
+
+def _key_grad_scratch(block_q, block_k, head_dim, interpreted):
+  """Shared memory and barriers of `_key_grad_kernel` (~209 KB at head dim 128)."""
+  ring = lambda rows: operand_smem((STAGES, rows, head_dim), LOOKAHEAD_DTYPE)
+  key_tile = lambda: operand_smem((block_k, head_dim), LOOKAHEAD_DTYPE)
+  square_ring = lambda: operand_smem((STAGES, block_k, block_q), LOOKAHEAD_DTYPE)
+  return [
+      (key_tile(), key_tile(), key_tile()),                                      # K^C, D * 2^-8, V^C
+      (ring(block_q), ring(block_q)),                                            # Q^C, dO
+      (plgpu.SMEM((STAGES, block_q), jnp.float32),) * 2,                        # lse, delta
+      (square_ring(), square_ring()),                                            # P^T, dS^T
+      plgpu.SMEM((2, block_k, head_dim), jnp.float32),                           # result staging per warpgroup
+      operand_smem((block_k, block_q), LOOKAHEAD_DTYPE) if interpreted else None,  # dSU^T
+      (
+          plgpu.Barrier(num_arrivals=3),                                         # key_full: K^C, D, V^C
+          plgpu.Barrier(num_arrivals=4, num_barriers=STAGES),                    # query_full: Q^C, dO, lse, delta
+          plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),                    # query_free: both warpgroups
+          plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),                    # grads_ready: P^T, dS^T staged
+          plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),                    # staging_free
+      ),
+  ]
+
+
+def key_grads(q_c, k_c, keys, v_c, d_out, lse, delta, *, scale: float, window: int, block_q: int, block_k: int,
+              keys_per_program: int, interpret):
+  """The key side's gradients (dK^C, dV^C, dD) from the pairs past the window.
+
+  Args: as `accumulate_query_grads`.
+
+  Returns:
+    dk_c, dv_c, d_keys: float32 [BH, L, d]; zero for key blocks without such pairs. The
+    key-major sweep (`mosaic_backward`) then starts its walk back from d_keys.
+  """
+  heads, length, head_dim = q_c.shape
+  check_length(length, block_q, keys_per_program)
+  if keys_per_program != CONSUMERS * block_k:
+    raise ValueError(f"key_grads: keys_per_program must be {CONSUMERS} * block_k, got {keys_per_program}")
+  interpreted = interpret is not None
+  launch = plgpu.kernel(
+      functools.partial(_key_grad_kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
+                        num_query_blocks=length // block_q, head_dim=head_dim, interpreted=interpreted),
+      out_type=(),
+      scratch_types=_key_grad_scratch(block_q, block_k, head_dim, interpreted),
+      grid=(length // block_k, heads),
+      grid_names=("key_block", "head"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=mosaic_profile.compiler_params(),
+      interpret=interpret,
+  )
+  f16 = lambda x: x.astype(LOOKAHEAD_DTYPE)
+  inputs = (f16(k_c), f16(keys * KEY_STATE_SCALE), f16(v_c), f16(q_c), f16(d_out), lse, delta)
+  rows = jax.ShapeDtypeStruct((heads, length, head_dim), jnp.float32)
+  return run_on_zeroed_refs(lambda *refs: launch(*inputs, *refs), (rows,) * 3)
