@@ -7,7 +7,9 @@ Runs each kernel on [heads (batch x heads), seq, 128] bf16 inputs, medians of --
 calls: the key-major forward over every pair and its window part alone (the sweep up to
 `key_major_sweep_end`), the query-major forward kernel of the pairs past the window
 (`mosaic_past_window`), both together, and the same for the backward (the key-major sweep
-over every pair, the split backward and its query-major dQ^C kernel alone). `--only`
+over every pair; the split backward, with the past-window key side in its own kernel (the
+default) or in the key-major sweep; its query-major dQ^C kernel and its key-side kernel
+alone). `--only`
 keeps the rows whose name contains one of its comma-separated words. Prints a table last
 with the TFLOP/s of the past-window kernels (their products over the past-window pairs).
 """
@@ -83,6 +85,7 @@ def main(argv=None) -> int:
   inputs, d_out, shift, in_block_t = data.inputs, data.d_out, data.shift, data.in_block_t
   lookahead_keys, lse, delta, scale = data.lookahead_keys, data.lse, data.delta, data.scale
   split, key_major = CastleMosaicConfig(), CastleMosaicConfig(past_window="key_major")
+  key_grads_in_sweep = CastleMosaicConfig(past_window_key_grads="key_major_sweep")
   common = dict(scale=scale, window=window, interpret=None)
   past = dict(scale=scale, window=window, block_q=64, block_k=64, keys_per_program=128, interpret=None)
 
@@ -107,6 +110,8 @@ def main(argv=None) -> int:
   query_grads = jax.jit(lambda *a: mosaic_forward.run_on_zeroed_refs(
       lambda dq_ref: mosaic_past_window_backward.accumulate_query_grads(
           a[3], a[4], lookahead_keys, a[5], d_out, lse, delta, dq_ref, **past), (rows,)))
+  key_grads = jax.jit(lambda *a: mosaic_past_window_backward.key_grads(
+      a[3], a[4], lookahead_keys, a[5], d_out, lse, delta, **past))
   pairs = past_window_pairs(heads, seq, window)
   product = 2 * pairs * HEAD_DIM   # FLOPs of one [*, d] product over the past-window pairs
   candidates = [
@@ -115,8 +120,10 @@ def main(argv=None) -> int:
       ("fwd key-major, window part", window_part, None),
       ("fwd query-major, past window", query_major, 3 * product),
       ("bwd key-major, all pairs", backward(key_major), None),
-      ("bwd split (both kernels)", backward(split), None),
+      ("bwd split (all three kernels)", backward(split), None),
+      ("bwd split, key side in the key-major sweep", backward(key_grads_in_sweep), None),
       ("bwd query-major dQ^C, past window", query_grads, 5 * product),
+      ("bwd key-side kernel (dK^C, dV^C, dD), past window", key_grads, 6 * product),
   ]
   only = args.only.split(",") if args.only else None
   results = []

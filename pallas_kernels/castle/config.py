@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.castle.mosaic_config import PAST_WINDOW_SWEEPS, SCHEDULES, CastleMosaicConfig
+from pallas_kernels.castle.mosaic_config import PAST_WINDOW_KEY_GRADS, PAST_WINDOW_SWEEPS, SCHEDULES, CastleMosaicConfig
 from pallas_kernels.config_checks import check_int_fields, parse_config
 
 LOOKAHEAD_OPERANDS = ("split", "float16", "input")
@@ -39,6 +39,9 @@ class CastleKernelConfig:
       products always take float16 operands.
     mosaic_past_window: the Mosaic forward's `CastleMosaicConfig.past_window`
       ("query_major" or "key_major"): how CASTLE-SWL's pairs past the window run.
+    mosaic_past_window_key_grads: `CastleMosaicConfig.past_window_key_grads`
+      ("own_kernel" or "key_major_sweep"): where the backward computes those pairs' dK^C,
+      dV^C and dD.
     block_q: query rows per step of the forward sweep.
     block_k: key rows per forward program (rows of D held in registers).
     num_warps, num_stages: Triton launch parameters of the forward kernel.
@@ -71,21 +74,25 @@ class CastleKernelConfig:
   backend: str = "auto"
   mosaic_schedule: str = "warp_specialized"
   mosaic_past_window: str = "query_major"
+  mosaic_past_window_key_grads: str = "own_kernel"
 
   def __post_init__(self):
     for name, allowed in (("lookahead_operands", LOOKAHEAD_OPERANDS), ("backend", BACKENDS),
-                          ("mosaic_schedule", SCHEDULES), ("mosaic_past_window", PAST_WINDOW_SWEEPS)):
+                          ("mosaic_schedule", SCHEDULES), ("mosaic_past_window", PAST_WINDOW_SWEEPS),
+                          ("mosaic_past_window_key_grads", PAST_WINDOW_KEY_GRADS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"CastleKernelConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
     blocks = ("block_q", "block_k", "bwd_block_q", "bwd_block_k")
     check_int_fields(self, power_of_two=blocks + ("num_warps", "bwd_num_warps"), tiles=blocks,
-                     skip=("lookahead_operands", "backend", "mosaic_schedule", "mosaic_past_window"))
+                     skip=("lookahead_operands", "backend", "mosaic_schedule", "mosaic_past_window",
+                           "mosaic_past_window_key_grads"))
 
   @property
   def mosaic_config(self) -> CastleMosaicConfig:
-    """The Mosaic kernels' config: their fixed 64 x 64 tiles, `mosaic_schedule` and
-    `mosaic_past_window`."""
-    return CastleMosaicConfig(schedule=self.mosaic_schedule, past_window=self.mosaic_past_window)
+    """The Mosaic kernels' config: their fixed 64 x 64 tiles, `mosaic_schedule`,
+    `mosaic_past_window` and `mosaic_past_window_key_grads`."""
+    return CastleMosaicConfig(schedule=self.mosaic_schedule, past_window=self.mosaic_past_window,
+                              past_window_key_grads=self.mosaic_past_window_key_grads)
 
   @classmethod
   def from_string(cls, text: str) -> "CastleKernelConfig":

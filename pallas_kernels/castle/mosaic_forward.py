@@ -98,6 +98,24 @@ def products(pairs, shape, init=None, *, init_in_place: bool = True):
   return product if init is None else init + product
 
 
+def accumulate_products(pair_groups, states, *, init_in_place: bool = True):
+  """(states[k] + sum of a @ b over pair_groups[k] for each k): several accumulators at
+  once, every wgmma issued before the one wait (`products` waits for each accumulator).
+
+  GPU interpret mode cannot start an accumulator from a value; there each group is a
+  `products` call, added afterwards.
+  """
+  if not init_in_place:
+    return tuple(products(pairs, state.shape, state, init_in_place=False) for pairs, state in zip(pair_groups, states))
+
+  def accumulate(acc_refs):
+    for pairs, acc_ref in zip(pair_groups, acc_refs):
+      for a, b in pairs:
+        plgpu.wgmma(acc_ref, a, b)
+
+  return pl.run_state(accumulate)(tuple(plgpu.ACC.init(state) for state in states))
+
+
 def matmul(a, b, shape, init=None, *, init_in_place: bool = True):
   """init + a @ b (`products` of one pair)."""
   return products([(a, b)], shape, init, init_in_place=init_in_place)

@@ -1,22 +1,23 @@
-"""dQ^C of CASTLE-SWL's (query, key) pairs past the lookahead window, query-block major
-(Mosaic GPU).
+"""The backward of CASTLE-SWL's (query, key) pairs past the lookahead window (Mosaic GPU).
 
-Past key s's window its lookahead key is final (`mosaic_past_window`), so for these
-pairs the query side of the backward is flash attention's with one more term,
+Past key s's window its lookahead key is final (`mosaic_past_window`), so these pairs'
+backward is flash attention's with one more score term: with S^C = Q^C K^C^T,
+S^U = Q^C D^T, P = exp(S^C s - SiLU(S^U s) - lse), dP = dO V^C^T, dS = P (dP - delta)
+and dSU = -dS SiLU'(S^U s),
 
-  dQ^C += (dS K^C + dSU D) s,
+  dQ^C += (dS K^C + dSU D) s,   dK^C += dS^T Q^C s,   dV^C += P^T dO,   dD += dSU^T Q^C s.
 
-with P = exp(S^C s - SiLU(S^U s) - lse), dS = P (dP - delta), dP = dO V^C^T,
-dSU = -dS SiLU'(S^U s), S^C = Q^C K^C^T and S^U = Q^C D^T. `accumulate_query_grads`
-keeps dQ^C in registers over the sweep and adds it into the backward's float32 dQ^C
-once per query block, instead of the key-major sweep's reduce-add per (key block,
-query block) pair; two consumer warpgroups alternate on the tensor cores and a producer
-warpgroup streams K^C, D and V^C through a two-stage ring (as the forward's
-query-major kernel). The key side of these pairs (dK^C, dV^C, dD) stays in the
-key-major sweep (`mosaic_backward`): a key block's three [64, d] float32 states are 192
-registers per thread at d = 128, more than one warpgroup can hold next to its score
-tiles, and splitting them over two key-major kernels (dK^C with dV^C, and dD) that
-recompute the scores measured slower on the H100 (benchmarks/RESULTS.md).
+Two kernels, neither of which walks D back:
+- `accumulate_query_grads`, query-block major: dQ^C in registers over the sweep, added
+  into the backward's float32 dQ^C once per query block instead of the key-major sweep's
+  reduce-add per (key block, query block) pair; two consumer warpgroups alternate on the
+  tensor cores and a producer warpgroup streams K^C, D and V^C through a two-stage ring
+  (as the forward's query-major kernel).
+- `key_grads`, key-block major: dK^C, dV^C and dD of one key block in one warpgroup's
+  registers (192 per thread at d = 128), fed by a warpgroup that computes the scores and
+  stages P^T, dS^T and dSU^T, and a producer streaming Q^C, dO, lse and delta. The
+  key-major sweep (`mosaic_backward`) then runs only inside the window, starting its walk
+  back from this dD.
 
 Every operand is float16 (bf16 values within float16's range are exact; P <= 1; dO is
 scaled by the caller to max |dO| in [0.5, 1)); D enters scaled by 2^-8 as in the forward,
@@ -25,8 +26,8 @@ P-weighted mean of dP_t, so |dS| <= max_s |dP_ts| / 2 and |dSU| <= 0.55 max_s |d
 dSU * 2^8 stays below float16's 65504 while every |dO_t . v^C_s| < ~460 (after that
 rescaling: value vectors of norm ~40 aligned with a row of dO). dS below ~1.5e-5 keeps
 fewer significant bits than bfloat16 would (float16 subnormals); such terms are below the
-rounding of the larger ones in dQ^C. On the H100 at 16K the dQ^C error against XLA is that
-of the key-major kernel (2.91e-3 vs 2.95e-3).
+rounding of the larger ones in dQ^C. On the H100 at 16K the gradient errors against XLA are
+those of the key-major sweep or lower (dQ^C 2.91e-3 vs 2.95e-3, dK^C 2.25e-3 vs 2.46e-3).
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ import jax.numpy as jnp
 
 from pallas_kernels.castle.kernels import _silu_grad, silu
 from pallas_kernels.castle import mosaic_profile
-from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, key_major_sweep_end, operand_smem,
-                                                products, reduce_add_tiles, register_operand, run_on_zeroed_refs)
+from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, accumulate_products,
+                                                key_major_sweep_end, operand_smem, products, reduce_add_tiles,
+                                                register_operand, run_on_zeroed_refs)
 from pallas_kernels.castle.mosaic_past_window import (CONSUMER_REGISTERS, CONSUMERS, STAGES, check_length,
                                                     query_major_launch, query_major_program, stream_tiles,
                                                     sweep_in_turns, take_turn)
@@ -157,14 +159,14 @@ def accumulate_query_grads(q_c, k_c, keys, v_c, d_out, lse, delta, dq_ref, *, sc
 
 
 
-# Warpgroups of the key-side kernel: one key block's scores and dD, its dK^C and dV^C,
-# and the producer.
+# Warpgroups of the key-side kernel: one key block's scores and probabilities, its
+# gradients dK^C, dV^C and dD, and the producer.
 _SCORES, _ACCUMULATOR, _KEY_SIDE_PRODUCER = 0, 1, 2
 
 
 def _key_grad_kernel(k_c16_ref, keys16_ref, v_c16_ref, q_c16_ref, d_out16_ref, lse_ref, delta_ref,
                      dk_c_ref, dv_c_ref, d_keys_ref,
-                     key_tiles, query_ring, row_ring, grad_staging, out_staging, lookahead_staging, barriers, *,
+                     key_tiles, query_ring, row_ring, grad_staging, out_staging, barriers, *,
                      scale: float, window: int, block_q: int, block_k: int, num_query_blocks: int, head_dim: int,
                      interpreted: bool):
   """One program: key block b (rows [block_k * b, block_k * (b + 1))) of one head, over
@@ -172,13 +174,14 @@ def _key_grad_kernel(k_c16_ref, keys16_ref, v_c16_ref, q_c16_ref, d_out16_ref, l
 
     S^C^T = K^C Q^C^T,  S^U^T = (D * 2^-8) Q^C^T,  dP^T = V^C dO^T      (one wait)
     P^T = exp(S^C^T s - SiLU(S^U^T s 2^8) - lse),  dS^T = P^T (dP^T - delta),
-    dSU^T = -dS^T SiLU'(S^U^T s 2^8)
-    dD += dSU^T Q^C          (the scores warpgroup; dSU from registers)
-    dV^C += P^T dO,  dK^C += dS^T Q^C     (the accumulator warpgroup; P^T, dS^T staged)
+    dSU^T = -dS^T SiLU'(S^U^T s 2^8)                                    (the scores warpgroup)
+    dV^C += P^T dO,  dK^C += dS^T Q^C,  dD += dSU^T Q^C                  (the accumulator warpgroup)
 
-  The states are split by warpgroup as in the key-major sweep (dD: 64 registers per
-  thread at d = 128, dK^C and dV^C: 128), and the producer streams Q^C, dO, lse and delta
-  through a two-stage ring, so the next query block loads under this one's products.
+  The scores warpgroup holds no state: it stages P^T, dS^T and dSU^T (float16) in a
+  two-slot ring, so it computes the next query block's scores while the accumulator
+  warpgroup (the three [block_k, d] float32 states: 192 registers per thread at d = 128)
+  runs this one's three products; the producer streams Q^C, dO, lse and delta through a
+  two-stage ring.
   """
   key_block = lax.axis_index("key_block")
   head = lax.axis_index("head")
@@ -190,15 +193,8 @@ def _key_grad_kernel(k_c16_ref, keys16_ref, v_c16_ref, q_c16_ref, d_out16_ref, l
   k_smem, keys_smem, v_smem = key_tiles
   q_ring, d_out_ring = query_ring
   lse_ring, delta_ring = row_ring
-  probs_staging, d_scores_staging = grad_staging
   key_full, query_full, query_free, grads_ready, staging_free = barriers
-  products_in_place = functools.partial(products, init_in_place=not interpreted)
   tile = (block_k, block_q)
-
-  def store(state, out_ref, staging):
-    staging[...] = state
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(staging, out_ref.at[head, key_rows])
 
   @pl.when(jnp.logical_and(num_steps > 0, warpgroup == _KEY_SIDE_PRODUCER))
   def _producer():
@@ -214,7 +210,8 @@ def _key_grad_kernel(k_c16_ref, keys16_ref, v_c16_ref, q_c16_ref, d_out16_ref, l
     plgpu.barrier_wait(key_full)
     lookahead_unit = scale / KEY_STATE_SCALE
 
-    def step(index, d_keys):
+    @pl.loop(0, num_steps)
+    def _step(index):
       slot = lax.rem(index, STAGES)
       q_smem, d_out_smem = q_ring.at[slot], d_out_ring.at[slot]
       plgpu.barrier_wait(query_full.at[slot])
@@ -226,6 +223,7 @@ def _key_grad_kernel(k_c16_ref, keys16_ref, v_c16_ref, q_c16_ref, d_out16_ref, l
         return causal_acc[...], lookahead_acc[...], d_probs_acc[...]
 
       causal, lookahead, d_probs = pl.run_scoped(score_products, *(plgpu.ACC(tile, jnp.float32) for _ in range(3)))
+      plgpu.barrier_arrive(query_free.at[slot])
       lookahead = lookahead * lookahead_unit
       lse = lax.broadcast_in_dim(lse_ring.at[slot][...], tile, [1])
       delta = lax.broadcast_in_dim(delta_ring.at[slot][...], tile, [1])
@@ -233,58 +231,50 @@ def _key_grad_kernel(k_c16_ref, keys16_ref, v_c16_ref, q_c16_ref, d_out16_ref, l
       d_scores = probs * (d_probs - delta)
       d_lookahead = -d_scores * _silu_grad(lookahead)
 
-      # The accumulator warpgroup has read this slot's staging two steps ago.
+      # The accumulator warpgroup has read this slot's tiles of two steps ago.
       @pl.when(index >= STAGES)
       def _():
         plgpu.barrier_wait(staging_free.at[slot])
-      probs_staging.at[slot][...] = probs.astype(LOOKAHEAD_DTYPE)
-      d_scores_staging.at[slot][...] = d_scores.astype(LOOKAHEAD_DTYPE)
+      for staging, value in zip(grad_staging, (probs, d_scores, d_lookahead)):
+        staging.at[slot][...] = value.astype(LOOKAHEAD_DTYPE)
       plgpu.commit_smem()
       plgpu.barrier_arrive(grads_ready.at[slot])
-      d_lookahead16 = register_operand(d_lookahead.astype(LOOKAHEAD_DTYPE), lookahead_staging)
-      d_keys = products_in_place([(d_lookahead16, q_smem)], (block_k, head_dim), init=d_keys)
-      plgpu.barrier_arrive(query_free.at[slot])
-      return d_keys
 
-    d_keys = lax.fori_loop(0, num_steps, step, _zero_rows(block_k, head_dim))
     # Observe the accumulator warpgroup's releases of the last steps (a waiter may not skip a phase).
     for last in range(STAGES, 0, -1):
       @pl.when(num_steps >= last)
       def _():
         plgpu.barrier_wait(staging_free.at[lax.rem(num_steps - last, STAGES)])
-    store(d_keys * scale, d_keys_ref, out_staging.at[0])
-    plgpu.wait_smem_to_gmem(0)
 
   @pl.when(jnp.logical_and(num_steps > 0, warpgroup == _ACCUMULATOR))
   def _accumulator():
     plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    probs_staging, d_scores_staging, d_lookahead_staging = grad_staging
 
     def step(index, states):
-      dk_c, dv_c = states
       slot = lax.rem(index, STAGES)
       q_smem, d_out_smem = q_ring.at[slot], d_out_ring.at[slot]
       plgpu.barrier_wait(query_full.at[slot])
       plgpu.barrier_wait(grads_ready.at[slot])
-      dv_c = products_in_place([(probs_staging.at[slot], d_out_smem)], (block_k, head_dim), init=dv_c)
-      dk_c = products_in_place([(d_scores_staging.at[slot], q_smem)], (block_k, head_dim), init=dk_c)
+      states = accumulate_products([((probs_staging.at[slot], d_out_smem),), ((d_scores_staging.at[slot], q_smem),),
+                                    ((d_lookahead_staging.at[slot], q_smem),)], states,
+                                   init_in_place=not interpreted)
       plgpu.barrier_arrive(staging_free.at[slot])
       plgpu.barrier_arrive(query_free.at[slot])
-      return dk_c, dv_c
+      return states
 
-    zeros = _zero_rows(block_k, head_dim)
-    dk_c, dv_c = lax.fori_loop(0, num_steps, step, (zeros, zeros))
-    store(dk_c * scale, dk_c_ref, out_staging.at[1])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    store(dv_c, dv_c_ref, out_staging.at[1])
+    zeros = plgpu.layout_cast(jnp.zeros((block_k, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    dv_c, dk_c, d_keys = lax.fori_loop(0, num_steps, step, (zeros, zeros, zeros))
+    for state, out_ref in ((dk_c * scale, dk_c_ref), (dv_c, dv_c_ref), (d_keys * scale, d_keys_ref)):
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      out_staging[...] = state
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_staging, out_ref.at[head, key_rows])
     plgpu.wait_smem_to_gmem(0)
 
 
-def _zero_rows(rows, head_dim):
-  return plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-
-
-def _key_grad_scratch(block_q, block_k, head_dim, interpreted):
-  """Shared memory and barriers of `_key_grad_kernel` (~209 KB at head dim 128)."""
+def _key_grad_scratch(block_q, block_k, head_dim):
+  """Shared memory and barriers of `_key_grad_kernel` (~193 KB at head dim 128)."""
   ring = lambda rows: operand_smem((STAGES, rows, head_dim), LOOKAHEAD_DTYPE)
   key_tile = lambda: operand_smem((block_k, head_dim), LOOKAHEAD_DTYPE)
   square_ring = lambda: operand_smem((STAGES, block_k, block_q), LOOKAHEAD_DTYPE)
@@ -292,14 +282,13 @@ def _key_grad_scratch(block_q, block_k, head_dim, interpreted):
       (key_tile(), key_tile(), key_tile()),                                      # K^C, D * 2^-8, V^C
       (ring(block_q), ring(block_q)),                                            # Q^C, dO
       (plgpu.SMEM((STAGES, block_q), jnp.float32),) * 2,                        # lse, delta
-      (square_ring(), square_ring()),                                            # P^T, dS^T
-      plgpu.SMEM((2, block_k, head_dim), jnp.float32),                           # result staging per warpgroup
-      operand_smem((block_k, block_q), LOOKAHEAD_DTYPE) if interpreted else None,  # dSU^T
+      (square_ring(), square_ring(), square_ring()),                             # P^T, dS^T, dSU^T
+      plgpu.SMEM((block_k, head_dim), jnp.float32),                              # result staging
       (
           plgpu.Barrier(num_arrivals=3),                                         # key_full: K^C, D, V^C
           plgpu.Barrier(num_arrivals=4, num_barriers=STAGES),                    # query_full: Q^C, dO, lse, delta
           plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),                    # query_free: both warpgroups
-          plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),                    # grads_ready: P^T, dS^T staged
+          plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),                    # grads_ready: P^T, dS^T, dSU^T
           plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),                    # staging_free
       ),
   ]
@@ -324,7 +313,7 @@ def key_grads(q_c, k_c, keys, v_c, d_out, lse, delta, *, scale: float, window: i
       functools.partial(_key_grad_kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
                         num_query_blocks=length // block_q, head_dim=head_dim, interpreted=interpreted),
       out_type=(),
-      scratch_types=_key_grad_scratch(block_q, block_k, head_dim, interpreted),
+      scratch_types=_key_grad_scratch(block_q, block_k, head_dim),
       grid=(length // block_k, heads),
       grid_names=("key_block", "head"),
       num_threads=3,
