@@ -50,6 +50,31 @@ from pallas_kernels.castle.mosaic_past_window import (CONSUMER_REGISTERS, CONSUM
                                                     sweep_in_turns, take_turn)
 
 
+def _score_products(pairs, tile, while_issued=None):
+  """S^C, S^U * 2^-8 and dP of one tile: the three (a, b) wgmma operand `pairs` issued
+  together and waited on once (`while_issued()` runs in between)."""
+  def issue(*accs):
+    for acc, (a, b) in zip(accs, pairs):
+      plgpu.wgmma(acc, a, b)
+    if while_issued is not None:
+      while_issued()
+    return tuple(acc[...] for acc in accs)
+
+  return pl.run_scoped(issue, *(plgpu.ACC(tile, jnp.float32) for _ in pairs))
+
+
+def _score_gradients(causal, lookahead, d_probs, lse_smem, delta_smem, *, scale: float, query_axis: int):
+  """(P, dS, dSU) of one tile of past-window pairs from its `_score_products` (float32) and
+  its query rows' lse and delta (shared-memory refs [block_q], broadcast along `query_axis`
+  of the tile)."""
+  lookahead = lookahead * (scale / KEY_STATE_SCALE)
+  lse = lax.broadcast_in_dim(lse_smem[...], causal.shape, [query_axis])
+  delta = lax.broadcast_in_dim(delta_smem[...], causal.shape, [query_axis])
+  probs = jnp.exp(causal * scale - silu(lookahead) - lse)
+  d_scores = probs * (d_probs - delta)
+  return probs, d_scores, -d_scores * _silu_grad(lookahead)
+
+
 def _query_grad_kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c16_ref, d_out16_ref, lse_ref, delta_ref, dq_ref,
                        query_union, lse_smem, delta_smem, key_ring, grad_staging, barriers, *, scale: float,
                        window: int, block_q: int, block_k: int, keys_per_program: int, head_dim: int,
@@ -73,7 +98,6 @@ def _query_grad_kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c16_ref, d_out16_ref,
     plgpu.barrier_wait(query_full.at[consumer])
     d_scores_staging, d_lookahead_staging = (None, None) if grad_staging is None else (
         grad_staging[0].at[consumer], grad_staging[1].at[consumer])
-    lookahead_unit = scale / KEY_STATE_SCALE
     tile = (block_q, block_k)
 
     def step(index, d_query):
@@ -81,23 +105,14 @@ def _query_grad_kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c16_ref, d_out16_ref,
       plgpu.barrier_wait(key_full.at[slot])
       plgpu.barrier_wait(values_full.at[slot])
 
-      def score_products(causal_acc, lookahead_acc, d_probs_acc):
-        plgpu.wgmma(causal_acc, q_smem, k_ring.at[slot].T)
-        plgpu.wgmma(lookahead_acc, q_smem, keys_ring.at[slot].T)
-        plgpu.wgmma(d_probs_acc, d_out_smem, v_ring.at[slot].T)
-        take_turn(tensor_core_turn)
-        return causal_acc[...], lookahead_acc[...], d_probs_acc[...]
-
-      causal, lookahead, d_probs = pl.run_scoped(
-          score_products, *(plgpu.ACC(tile, jnp.float32) for _ in range(3)))
+      scores = _score_products([(q_smem, k_ring.at[slot].T), (q_smem, keys_ring.at[slot].T),
+                                (d_out_smem, v_ring.at[slot].T)], tile,
+                               while_issued=functools.partial(take_turn, tensor_core_turn))
       plgpu.barrier_arrive(values_free.at[slot])
-      lookahead = lookahead * lookahead_unit
-      lse = lax.broadcast_in_dim(lse_smem.at[consumer][...], tile, [0])
-      delta = lax.broadcast_in_dim(delta_smem.at[consumer][...], tile, [0])
-      probs = jnp.exp(causal * scale - silu(lookahead) - lse)
-      d_scores = probs * (d_probs - delta)
+      probs, d_scores, d_lookahead = _score_gradients(
+          *scores, lse_smem.at[consumer], delta_smem.at[consumer], scale=scale, query_axis=0)
       # D enters scaled by 2^-8, so dSU is scaled by 2^8 to match (exact).
-      d_lookahead = -d_scores * _silu_grad(lookahead) * (1.0 / KEY_STATE_SCALE)
+      d_lookahead = d_lookahead * (1.0 / KEY_STATE_SCALE)
       d_scores16 = register_operand(d_scores.astype(LOOKAHEAD_DTYPE), d_scores_staging)
       d_lookahead16 = register_operand(d_lookahead.astype(LOOKAHEAD_DTYPE), d_lookahead_staging)
       take_turn(tensor_core_turn)
@@ -208,7 +223,6 @@ def _key_grad_kernel(k_c16_ref, keys16_ref, v_c16_ref, q_c16_ref, d_out16_ref, l
     for src, dst in ((k_c16_ref, k_smem), (keys16_ref, keys_smem), (v_c16_ref, v_smem)):
       plgpu.copy_gmem_to_smem(src.at[head, key_rows], dst, key_full)
     plgpu.barrier_wait(key_full)
-    lookahead_unit = scale / KEY_STATE_SCALE
 
     @pl.loop(0, num_steps)
     def _step(index):
@@ -216,20 +230,10 @@ def _key_grad_kernel(k_c16_ref, keys16_ref, v_c16_ref, q_c16_ref, d_out16_ref, l
       q_smem, d_out_smem = q_ring.at[slot], d_out_ring.at[slot]
       plgpu.barrier_wait(query_full.at[slot])
 
-      def score_products(causal_acc, lookahead_acc, d_probs_acc):
-        plgpu.wgmma(causal_acc, k_smem, q_smem.T)
-        plgpu.wgmma(lookahead_acc, keys_smem, q_smem.T)
-        plgpu.wgmma(d_probs_acc, v_smem, d_out_smem.T)
-        return causal_acc[...], lookahead_acc[...], d_probs_acc[...]
-
-      causal, lookahead, d_probs = pl.run_scoped(score_products, *(plgpu.ACC(tile, jnp.float32) for _ in range(3)))
+      scores = _score_products([(k_smem, q_smem.T), (keys_smem, q_smem.T), (v_smem, d_out_smem.T)], tile)
       plgpu.barrier_arrive(query_free.at[slot])
-      lookahead = lookahead * lookahead_unit
-      lse = lax.broadcast_in_dim(lse_ring.at[slot][...], tile, [1])
-      delta = lax.broadcast_in_dim(delta_ring.at[slot][...], tile, [1])
-      probs = jnp.exp(causal * scale - silu(lookahead) - lse)
-      d_scores = probs * (d_probs - delta)
-      d_lookahead = -d_scores * _silu_grad(lookahead)
+      probs, d_scores, d_lookahead = _score_gradients(
+          *scores, lse_ring.at[slot], delta_ring.at[slot], scale=scale, query_axis=1)
 
       # The accumulator warpgroup has read this slot's tiles of two steps ago.
       @pl.when(index >= STAGES)
