@@ -64,9 +64,13 @@ class Interrupt(Exception):
   """Raised from a training callback to stop a run between steps."""
 
 
-def mosaic_kernels_lowered_for_h100(functions, inputs) -> list[int]:
-  """How many Mosaic GPU kernel calls each function's program has, lowered for an H100 on CPU."""
+def lowered_for_h100(f, inputs) -> str:
+  """The StableHLO text of jit(f)(*inputs) lowered for an H100, on any machine."""
   mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H100 80GB HBM3", None, "cuda"))
   with jax.sharding.use_abstract_mesh(mesh):
-    return [jax.jit(f).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text().count("custom_call @mosaic_gpu")
-            for f in functions]
+    return jax.jit(f).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def mosaic_kernels_lowered_for_h100(functions, inputs) -> list[int]:
+  """How many Mosaic GPU kernel calls each function's program has, lowered for an H100 on CPU."""
+  return [lowered_for_h100(f, inputs).count("custom_call @mosaic_gpu") for f in functions]
