@@ -2,14 +2,25 @@
 
 The profiler runs only on a GPU (its trace is written by a host callback, which cannot be
 lowered for CUDA on a CPU machine); here: the compiler parameters inside and outside
-`recording`, and the trace summary on a trace laid out the way Mosaic GPU writes one.
+`recording`, the trace summary on a trace laid out the way Mosaic GPU writes one, and
+that `benchmarks/castle_mosaic_profile.py` traces each kernel with the phases it reports.
 """
 
 import json
+import os
+import sys
 
+import jax
+from jax.extend import core
+import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.castle import mosaic_profile
+from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import castle_mosaic_profile  # noqa: E402
+from castle_mosaic_swl_kernels import KernelInputs  # noqa: E402
 
 
 def test_recording_turns_the_profiler_on_for_its_block_only(tmp_path):
@@ -53,3 +64,32 @@ def test_recording_rejects_a_useless_buffer(tmp_path):
   with pytest.raises(ValueError, match="ranges_per_warpgroup must be positive"):
     with mosaic_profile.recording(str(tmp_path), ranges_per_warpgroup=0):
       pass
+
+
+@pytest.mark.parametrize("kernel", ["key_major_sweep", "key_side", "query_grads"])
+def test_profile_benchmark_traces_each_kernel_with_its_phases(kernel):
+  """The benchmark's kernel calls trace (kernel bodies included) and carry the phase names
+  its trace selection looks for."""
+  heads, seq, window = 1, 256, 64
+  rows = lambda dtype=jnp.bfloat16: jnp.zeros((heads, seq, 128), dtype)
+  data = KernelInputs(inputs=tuple(rows() for _ in range(6)), d_out=rows(), shift=jnp.zeros((heads, seq)),
+                      in_block_t=jnp.zeros((heads, seq, 64)), lookahead_keys=rows(jnp.float32),
+                      lse=jnp.zeros((heads, seq)), delta=jnp.zeros((heads, seq)), scale=128 ** -0.5)
+  call = castle_mosaic_profile.kernel_call(kernel, data, window, CastleMosaicConfig())
+  phases = _name_stacks(jax.make_jaxpr(call)(*data.inputs).jaxpr, set())
+  _, prefix = castle_mosaic_profile.KERNELS[kernel]
+  prefix = prefix or "past window: "
+  assert len([name for name in phases if name.startswith(prefix)]) >= 5, sorted(phases)
+
+
+def _name_stacks(jaxpr, found):
+  """Every equation's name stack in `jaxpr` and the jaxprs nested in its equations."""
+  for eqn in jaxpr.eqns:
+    found.add(str(eqn.source_info.name_stack))
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(sub, core.ClosedJaxpr):
+          _name_stacks(sub.jaxpr, found)
+        elif isinstance(sub, core.Jaxpr):
+          _name_stacks(sub, found)
+  return found

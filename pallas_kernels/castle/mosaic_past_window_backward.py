@@ -50,6 +50,11 @@ from pallas_kernels.castle.mosaic_past_window import (CONSUMER_REGISTERS, CONSUM
                                                     sweep_in_turns, take_turn)
 
 
+def _phase(kernel: str, name: str):
+  """A named region of a kernel's step, as `mosaic_profile` reports it ("<kernel>: <name>")."""
+  return jax.named_scope(f"{kernel}: {name}")
+
+
 def _score_products(pairs, tile, while_issued=None):
   """S^C, S^U * 2^-8 and dP of one tile: the three (a, b) wgmma operand `pairs` issued
   together and waited on once (`while_issued()` runs in between)."""
@@ -102,23 +107,28 @@ def _query_grad_kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c16_ref, d_out16_ref,
 
     def step(index, d_query):
       slot = lax.rem(index, STAGES)
-      plgpu.barrier_wait(key_full.at[slot])
-      plgpu.barrier_wait(values_full.at[slot])
+      with _phase("dQ^C", "wait for the key tiles"):
+        plgpu.barrier_wait(key_full.at[slot])
+        plgpu.barrier_wait(values_full.at[slot])
 
-      scores = _score_products([(q_smem, k_ring.at[slot].T), (q_smem, keys_ring.at[slot].T),
-                                (d_out_smem, v_ring.at[slot].T)], tile,
-                               while_issued=functools.partial(take_turn, tensor_core_turn))
-      plgpu.barrier_arrive(values_free.at[slot])
-      probs, d_scores, d_lookahead = _score_gradients(
-          *scores, lse_smem.at[consumer], delta_smem.at[consumer], scale=scale, query_axis=0)
-      # D enters scaled by 2^-8, so dSU is scaled by 2^8 to match (exact).
-      d_lookahead = d_lookahead * (1.0 / KEY_STATE_SCALE)
-      d_scores16 = register_operand(d_scores.astype(LOOKAHEAD_DTYPE), d_scores_staging)
-      d_lookahead16 = register_operand(d_lookahead.astype(LOOKAHEAD_DTYPE), d_lookahead_staging)
-      take_turn(tensor_core_turn)
-      d_query = products([(d_scores16, k_ring.at[slot]), (d_lookahead16, keys_ring.at[slot])], (block_q, head_dim),
-                         init=d_query, init_in_place=not interpreted)
-      plgpu.barrier_arrive(key_free.at[slot])
+      with _phase("dQ^C", "score products"):
+        scores = _score_products([(q_smem, k_ring.at[slot].T), (q_smem, keys_ring.at[slot].T),
+                                  (d_out_smem, v_ring.at[slot].T)], tile,
+                                 while_issued=functools.partial(take_turn, tensor_core_turn))
+        plgpu.barrier_arrive(values_free.at[slot])
+      with _phase("dQ^C", "P, dS, dSU"):
+        probs, d_scores, d_lookahead = _score_gradients(
+            *scores, lse_smem.at[consumer], delta_smem.at[consumer], scale=scale, query_axis=0)
+        # D enters scaled by 2^-8, so dSU is scaled by 2^8 to match (exact).
+        d_lookahead = d_lookahead * (1.0 / KEY_STATE_SCALE)
+        d_scores16 = register_operand(d_scores.astype(LOOKAHEAD_DTYPE), d_scores_staging)
+        d_lookahead16 = register_operand(d_lookahead.astype(LOOKAHEAD_DTYPE), d_lookahead_staging)
+      with _phase("dQ^C", "wait for the turn"):
+        take_turn(tensor_core_turn)
+      with _phase("dQ^C", "dQ^C products"):
+        d_query = products([(d_scores16, k_ring.at[slot]), (d_lookahead16, keys_ring.at[slot])],
+                           (block_q, head_dim), init=d_query, init_in_place=not interpreted)
+        plgpu.barrier_arrive(key_free.at[slot])
       return d_query
 
     d_query = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
@@ -228,21 +238,26 @@ def _key_grad_kernel(k_c16_ref, keys16_ref, v_c16_ref, q_c16_ref, d_out16_ref, l
     def _step(index):
       slot = lax.rem(index, STAGES)
       q_smem, d_out_smem = q_ring.at[slot], d_out_ring.at[slot]
-      plgpu.barrier_wait(query_full.at[slot])
+      with _phase("key side", "wait for the query tiles"):
+        plgpu.barrier_wait(query_full.at[slot])
 
-      scores = _score_products([(k_smem, q_smem.T), (keys_smem, q_smem.T), (v_smem, d_out_smem.T)], tile)
-      plgpu.barrier_arrive(query_free.at[slot])
-      probs, d_scores, d_lookahead = _score_gradients(
-          *scores, lse_ring.at[slot], delta_ring.at[slot], scale=scale, query_axis=1)
+      with _phase("key side", "score products"):
+        scores = _score_products([(k_smem, q_smem.T), (keys_smem, q_smem.T), (v_smem, d_out_smem.T)], tile)
+        plgpu.barrier_arrive(query_free.at[slot])
+      with _phase("key side", "P, dS, dSU"):
+        probs, d_scores, d_lookahead = _score_gradients(
+            *scores, lse_ring.at[slot], delta_ring.at[slot], scale=scale, query_axis=1)
 
-      # The accumulator warpgroup has read this slot's tiles of two steps ago.
-      @pl.when(index >= STAGES)
-      def _():
-        plgpu.barrier_wait(staging_free.at[slot])
-      for staging, value in zip(grad_staging, (probs, d_scores, d_lookahead)):
-        staging.at[slot][...] = value.astype(LOOKAHEAD_DTYPE)
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(grads_ready.at[slot])
+      with _phase("key side", "wait for the staging slot"):
+        # The accumulator warpgroup has read this slot's tiles of two steps ago.
+        @pl.when(index >= STAGES)
+        def _():
+          plgpu.barrier_wait(staging_free.at[slot])
+      with _phase("key side", "stage P, dS, dSU"):
+        for staging, value in zip(grad_staging, (probs, d_scores, d_lookahead)):
+          staging.at[slot][...] = value.astype(LOOKAHEAD_DTYPE)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(grads_ready.at[slot])
 
     # Observe the accumulator warpgroup's releases of the last steps (a waiter may not skip a phase).
     for last in range(STAGES, 0, -1):
@@ -258,13 +273,16 @@ def _key_grad_kernel(k_c16_ref, keys16_ref, v_c16_ref, q_c16_ref, d_out16_ref, l
     def step(index, states):
       slot = lax.rem(index, STAGES)
       q_smem, d_out_smem = q_ring.at[slot], d_out_ring.at[slot]
-      plgpu.barrier_wait(query_full.at[slot])
-      plgpu.barrier_wait(grads_ready.at[slot])
-      states = accumulate_products([((probs_staging.at[slot], d_out_smem),), ((d_scores_staging.at[slot], q_smem),),
-                                    ((d_lookahead_staging.at[slot], q_smem),)], states,
-                                   init_in_place=not interpreted)
-      plgpu.barrier_arrive(staging_free.at[slot])
-      plgpu.barrier_arrive(query_free.at[slot])
+      with _phase("key side", "wait for P, dS, dSU"):
+        plgpu.barrier_wait(query_full.at[slot])
+        plgpu.barrier_wait(grads_ready.at[slot])
+      with _phase("key side", "dV^C, dK^C, dD products"):
+        states = accumulate_products([((probs_staging.at[slot], d_out_smem),),
+                                      ((d_scores_staging.at[slot], q_smem),),
+                                      ((d_lookahead_staging.at[slot], q_smem),)], states,
+                                     init_in_place=not interpreted)
+        plgpu.barrier_arrive(staging_free.at[slot])
+        plgpu.barrier_arrive(query_free.at[slot])
       return states
 
     zeros = plgpu.layout_cast(jnp.zeros((block_k, head_dim), jnp.float32), plgpu.Layout.WGMMA)
