@@ -67,7 +67,7 @@ from pallas_kernels.castle import mosaic_past_window_backward, mosaic_profile
 from pallas_kernels.castle.mosaic_config import KEY_BLOCKS_PER_PROGRAM, WGMMA_ROWS, CastleMosaicConfig
 from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, key_major_sweep_end, operand_smem,
                                                 products as wgmma_products, reduce_add_tiles, run_on_zeroed_refs,
-                                                step_masks as _step_masks)
+                                                step_masks as _step_masks, wgmma_zeros)
 
 # Columns per chunk of a [64, head_dim] tile: one 128-byte swizzle span of 16-bit values.
 CHUNK = 64
@@ -170,10 +170,6 @@ def _phase(name: str, *, with_lookahead: bool):
   return jax.named_scope(("lookahead: " if with_lookahead else "past window: ") + name)
 
 
-def _zeros(shape):
-  return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-
-
 def _backward_kernel(
     q_u_ref, k_c_ref, v_c_ref, keys_ref, *refs,
     scale: float, window: int | None, block_q: int, block_k: int, num_query_blocks: int,
@@ -217,7 +213,7 @@ def _backward_kernel(
       return state
 
     keys = load_state(keys_ref)
-    d_keys = [_zeros(chunk_tile) for _ in chunks] if d_keys_ref is None else load_state(d_keys_ref)
+    d_keys = [wgmma_zeros(chunk_tile) for _ in chunks] if d_keys_ref is None else load_state(d_keys_ref)
     plgpu.barrier_wait(barriers.keys)
 
     def stage_keys(keys):
@@ -359,7 +355,7 @@ def _backward_kernel(
         plgpu.barrier_arrive(barriers.consumed)
       return dk_c, dv_c, dq_u
 
-    zeros = [_zeros(chunk_tile) for _ in chunks]
+    zeros = [wgmma_zeros(chunk_tile) for _ in chunks]
     dk_c, dv_c, dq_u = sweep.run(step, (zeros, zeros, zeros))
     plgpu.barrier_wait(barriers.staging_free)
     for grads, ref, factor in ((dk_c, dk_c_ref, scale), (dv_c, dv_c_ref, 1.0), (dq_u, dq_u_ref, 1.0)):

@@ -116,6 +116,11 @@ def accumulate_products(pair_groups, states, *, init_in_place: bool = True):
   return pl.run_state(accumulate)(tuple(plgpu.ACC.init(state) for state in states))
 
 
+def wgmma_zeros(shape):
+  """A float32 zero tile in the wgmma accumulator layout (a state's start)."""
+  return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+
+
 def matmul(a, b, shape, init=None, *, init_in_place: bool = True):
   """init + a @ b (`products` of one pair)."""
   return products([(a, b)], shape, init, init_in_place=init_in_place)
@@ -218,7 +223,7 @@ def _forward_kernel(
     return multiply(weights16, v_u16_smem, (block_k, head_dim), init=keys)
 
   first = lax.div(key_block * block_k, block_q)
-  keys = plgpu.layout_cast(jnp.zeros((block_k, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+  keys = wgmma_zeros((block_k, head_dim))
   # The diagonal block is masked; so is every step under a window (its edge moves).
   keys = step(first, keys, masked=True)
   keys = lax.fori_loop(first + 1, num_query_blocks, functools.partial(step, masked=window is not None), keys)
@@ -452,7 +457,7 @@ def _consume(consumer, program, head, first, lookahead_end, sweep_end, acc_ref, 
 
     return keys
 
-  keys = plgpu.layout_cast(jnp.zeros((block_k, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+  keys = wgmma_zeros((block_k, head_dim))
   # Masks: the program's first two query blocks hold both key blocks' diagonals (and
   # queries before consumer 1's keys); under a window every lookahead step is masked (its
   # edge moves) and the steps past it need none. Every step after those is unmasked.

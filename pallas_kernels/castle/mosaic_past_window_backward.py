@@ -44,15 +44,20 @@ from pallas_kernels.castle.kernels import _silu_grad, silu
 from pallas_kernels.castle import mosaic_profile
 from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, accumulate_products,
                                                 key_major_sweep_end, operand_smem, products, reduce_add_tiles,
-                                                register_operand, run_on_zeroed_refs)
+                                                register_operand, run_on_zeroed_refs, wgmma_zeros)
 from pallas_kernels.castle.mosaic_past_window import (CONSUMER_REGISTERS, CONSUMERS, STAGES, check_length,
-                                                    query_major_launch, query_major_program, stream_tiles,
-                                                    sweep_in_turns, take_turn)
+                                                    observe_last_releases, query_major_launch,
+                                                    query_major_program, stream_tiles, sweep_in_turns, take_turn)
 
 
 def _phase(kernel: str, name: str):
   """A named region of a kernel's step, as `mosaic_profile` reports it ("<kernel>: <name>")."""
   return jax.named_scope(f"{kernel}: {name}")
+
+
+def _float16_operands(q_c, k_c, keys, v_c, d_out):
+  """The kernels' float16 operands: Q^C, K^C, D * 2^-8, V^C and dO."""
+  return tuple(x.astype(LOOKAHEAD_DTYPE) for x in (q_c, k_c, keys * KEY_STATE_SCALE, v_c, d_out))
 
 
 def _score_products(pairs, tile, while_issued=None):
@@ -131,7 +136,7 @@ def _query_grad_kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c16_ref, d_out16_ref,
         plgpu.barrier_arrive(key_free.at[slot])
       return d_query
 
-    d_query = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    d_query = wgmma_zeros((block_q, head_dim))
     d_query = sweep_in_turns(consumer, tensor_core_turn, num_steps, step, d_query)
     # The staging buffer aliases this consumer's own query tiles, which its products have read.
     reduce_add_tiles([(d_query * scale, dq_ref.at[head, rows], dq_staging.at[consumer])], io.at[consumer],
@@ -179,9 +184,8 @@ def accumulate_query_grads(q_c, k_c, keys, v_c, d_out, lse, delta, dq_ref, *, sc
   """
   launch = query_major_launch(_query_grad_kernel, _query_grad_scratch, q_c.shape, scale=scale, window=window,
                               block_q=block_q, block_k=block_k, keys_per_program=keys_per_program, interpret=interpret)
-  f16 = lambda x: x.astype(LOOKAHEAD_DTYPE)
-  launch(f16(q_c), f16(k_c), f16(keys * KEY_STATE_SCALE), f16(v_c), f16(d_out), lse, delta, dq_ref)
-
+  q_c16, k_c16, keys16, v_c16, d_out16 = _float16_operands(q_c, k_c, keys, v_c, d_out)
+  launch(q_c16, k_c16, keys16, v_c16, d_out16, lse, delta, dq_ref)
 
 
 # Warpgroups of the key-side kernel: one key block's scores and probabilities, its
@@ -259,11 +263,9 @@ def _key_grad_kernel(k_c16_ref, keys16_ref, v_c16_ref, q_c16_ref, d_out16_ref, l
         plgpu.commit_smem()
         plgpu.barrier_arrive(grads_ready.at[slot])
 
-    # Observe the accumulator warpgroup's releases of the last steps (a waiter may not skip a phase).
-    for last in range(STAGES, 0, -1):
-      @pl.when(num_steps >= last)
-      def _():
-        plgpu.barrier_wait(staging_free.at[lax.rem(num_steps - last, STAGES)])
+    # The accumulator warpgroup's releases of the last steps (num_steps is a positive
+    # multiple of STAGES: key_major_sweep_end rounds to whole query programs).
+    observe_last_releases([staging_free], num_steps)
 
   @pl.when(jnp.logical_and(num_steps > 0, warpgroup == _ACCUMULATOR))
   def _accumulator():
@@ -285,7 +287,7 @@ def _key_grad_kernel(k_c16_ref, keys16_ref, v_c16_ref, q_c16_ref, d_out16_ref, l
         plgpu.barrier_arrive(query_free.at[slot])
       return states
 
-    zeros = plgpu.layout_cast(jnp.zeros((block_k, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    zeros = wgmma_zeros((block_k, head_dim))
     dv_c, dk_c, d_keys = lax.fori_loop(0, num_steps, step, (zeros, zeros, zeros))
     for state, out_ref in ((dk_c * scale, dk_c_ref), (dv_c, dv_c_ref), (d_keys * scale, d_keys_ref)):
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -343,7 +345,7 @@ def key_grads(q_c, k_c, keys, v_c, d_out, lse, delta, *, scale: float, window: i
       compiler_params=mosaic_profile.compiler_params(),
       interpret=interpret,
   )
-  f16 = lambda x: x.astype(LOOKAHEAD_DTYPE)
-  inputs = (f16(k_c), f16(keys * KEY_STATE_SCALE), f16(v_c), f16(q_c), f16(d_out), lse, delta)
+  q_c16, k_c16, keys16, v_c16, d_out16 = _float16_operands(q_c, k_c, keys, v_c, d_out)
+  inputs = (k_c16, keys16, v_c16, q_c16, d_out16, lse, delta)
   rows = jax.ShapeDtypeStruct((heads, length, head_dim), jnp.float32)
   return run_on_zeroed_refs(lambda *refs: launch(*inputs, *refs), (rows,) * 3)
