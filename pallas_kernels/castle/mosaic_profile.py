@@ -1,22 +1,23 @@
 """Per-phase timelines of the CASTLE Mosaic GPU kernels, from Mosaic GPU's on-device profiler.
 
-The kernels mark their phases with `jax.named_scope` (e.g. "load_query", "scores",
-"reduce_add"). Under `recording(directory)` every kernel traced inside the block is
-compiled with the profiler on: thread 0 of each warpgroup writes a (name, SM clock) pair
-at the start and end of each named region into shared memory, and the host writes one
-Perfetto/Chrome trace per call into `directory` (`*-trace.json`). `phase_table` turns
-such a trace into per-phase cycle counts.
+The kernels mark their phases with `jax.named_scope` (e.g. "lookahead: scores",
+"key side: score products"). Under `recording(directory)` every kernel traced inside the
+block is compiled with the profiler on: thread 0 of each warpgroup writes a (name, SM
+clock) pair at the start and end of each named region into shared memory, and the host
+writes one Perfetto/Chrome trace per call into `directory` (`*-trace.json`).
+`phase_table` turns such a trace into per-phase cycle counts.
 
-    with mosaic_profile.recording("/tmp/traces", ranges_per_warpgroup=48):
+    with mosaic_profile.recording("/tmp/traces", ranges_per_warpgroup=24):
       jax.block_until_ready(jax.jit(kernel_call)(*inputs))
-    print(mosaic_profile.phase_table(mosaic_profile.latest_trace("/tmp/traces")))
+    print(mosaic_profile.phase_table(mosaic_profile.latest_trace("/tmp/traces"), warpgroups_per_program=2))
 
 The event buffer takes 16 bytes per range per warpgroup of shared memory on top of the
-kernel's own (the backward at head dim 128 leaves ~3 KB: 48 ranges per warpgroup for its
-two warpgroups). With bounds checking on, a warpgroup's ranges past the buffer are dropped,
-so a trace covers the first steps of each program's sweep. Times are SM clock cycles
-(1,000 cycles = 0.5 us at 2 GHz); the regions end where the kernel waits for its
-asynchronous work, so a wgmma's time shows up in the region that waits on it.
+kernel's own (the key-major backward at head dim 128 leaves ~1 KB: 24 ranges per
+warpgroup for its two warpgroups; 32 did not fit on the H100). With bounds checking on, a
+warpgroup's ranges past the buffer are dropped, so a trace covers the first steps of each
+program's sweep. Times are SM clock cycles (1,000 cycles = 0.5 us at 2 GHz); the regions
+end where the kernel waits for its asynchronous work, so a wgmma's time shows up in the
+region that waits on it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ _recording: dict = {}
 
 
 @contextlib.contextmanager
-def recording(directory: str, ranges_per_warpgroup: int = 48):
+def recording(directory: str, ranges_per_warpgroup: int = 24):
   """Compile the CASTLE Mosaic kernels traced in this block with the on-device profiler.
 
   Args:
