@@ -121,6 +121,15 @@ def wgmma_zeros(shape):
   return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
 
+def observe_last_releases(free_barriers, num_steps, stages: int):
+  """Waits for the releases of a ring's last `stages` steps (slot = step mod stages),
+  which no later refill waited for: a waiter may not skip a barrier's phase (GPU
+  interpret mode checks it). num_steps >= stages."""
+  for last in range(stages, 0, -1):
+    for free in free_barriers:
+      plgpu.barrier_wait(free.at[lax.rem(num_steps - last, stages)])
+
+
 def matmul(a, b, shape, init=None, *, init_in_place: bool = True):
   """init + a @ b (`products` of one pair)."""
   return products([(a, b)], shape, init, init_in_place=init_in_place)
@@ -346,10 +355,7 @@ def _warp_specialized_kernel(
         plgpu.copy_gmem_to_smem(in_block_t_ref.at[head, rows], in_block_smem, lookahead_full)
         plgpu.copy_gmem_to_smem(v_u16_ref.at[head, rows], v_u16_smem, lookahead_full)
 
-    # Observe the releases of the last steps too: a waiter may not skip a barrier's phase
-    # (GPU interpret mode checks it), and the program's end is the natural place.
-    for last in range(_STAGES, 0, -1):
-      plgpu.barrier_wait(query_free.at[lax.rem(sweep_end - last - first, _STAGES)])
+    observe_last_releases([query_free], sweep_end - first, _STAGES)
     plgpu.barrier_wait(lookahead_free)
 
   @pl.when(warpgroup < _CONSUMERS)

@@ -41,7 +41,7 @@ from pallas_kernels.castle import mosaic_profile
 from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
 from pallas_kernels.castle.mosaic_forward import (
     KEY_STATE_SCALE, LOOKAHEAD_DTYPE, PAST_WINDOW_QUERY_BLOCKS, PROBS_DTYPE, accumulate_rows, matmul, operand_smem,
-    register_operand, run_on_zeroed_refs, wgmma_zeros)
+    observe_last_releases, register_operand, run_on_zeroed_refs, wgmma_zeros)
 
 # Both directions: two consumer warpgroups (each one query block, or one key block) and a
 # producer warpgroup streaming the other side's tiles through a ring of STAGES slots.
@@ -100,16 +100,7 @@ def stream_tiles(num_steps, groups, block: int, first_block=0):
       for src, dst in zip(sources, ring):
         plgpu.copy_gmem_to_smem(src.at[rows], dst.at[slot], full.at[slot])
 
-  observe_last_releases([free for _, _, _, free in groups], num_steps)
-
-
-def observe_last_releases(free_barriers, num_steps):
-  """Waits for the releases of a ring's last STAGES steps, which no later refill waited
-  for (a waiter may not skip a barrier's phase). num_steps: a positive multiple of STAGES.
-  """
-  for last in range(STAGES, 0, -1):
-    for free in free_barriers:
-      plgpu.barrier_wait(free.at[lax.rem(num_steps - last, STAGES)])
+  observe_last_releases([free for _, _, _, free in groups], num_steps, STAGES)
 
 
 def take_turn(turn_barrier):

@@ -43,11 +43,11 @@ import jax.numpy as jnp
 from pallas_kernels.castle.kernels import _silu_grad, silu
 from pallas_kernels.castle import mosaic_profile
 from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, accumulate_products,
-                                                key_major_sweep_end, operand_smem, products, reduce_add_tiles,
-                                                register_operand, run_on_zeroed_refs, wgmma_zeros)
+                                                key_major_sweep_end, observe_last_releases, operand_smem, products,
+                                                reduce_add_tiles, register_operand, run_on_zeroed_refs, wgmma_zeros)
 from pallas_kernels.castle.mosaic_past_window import (CONSUMER_REGISTERS, CONSUMERS, STAGES, check_length,
-                                                    observe_last_releases, query_major_launch,
-                                                    query_major_program, stream_tiles, sweep_in_turns, take_turn)
+                                                    query_major_launch, query_major_program, stream_tiles,
+                                                    sweep_in_turns, take_turn)
 
 
 def _phase(kernel: str, name: str):
@@ -265,7 +265,7 @@ def _key_grad_kernel(k_c16_ref, keys16_ref, v_c16_ref, q_c16_ref, d_out16_ref, l
 
     # The accumulator warpgroup's releases of the last steps (num_steps is a positive
     # multiple of STAGES: key_major_sweep_end rounds to whole query programs).
-    observe_last_releases([staging_free], num_steps)
+    observe_last_releases([staging_free], num_steps, STAGES)
 
   @pl.when(jnp.logical_and(num_steps > 0, warpgroup == _ACCUMULATOR))
   def _accumulator():
