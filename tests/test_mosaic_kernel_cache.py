@@ -1,34 +1,81 @@
-"""Identical Mosaic GPU kernels hash alike, so jaxlib compiles them once per process
-(`pallas_kernels.mosaic_kernel_cache`). Checked on the program lowered for an H100 on
-CPU: the kernel hash is what jaxlib's compile cache is keyed by."""
+"""A model's layers of Mosaic GPU kernels are lowered and compiled once, not per layer.
+
+Two mechanisms, both checked on the program lowered for an H100 on CPU:
+- the op's forward and backward are jitted (`pallas_kernels.castle.mosaic_attention`), so
+  every layer that calls them with equal shapes calls one lowered function;
+- identical kernels hash alike (`pallas_kernels.mosaic_kernel_cache`), so jaxlib, whose
+  compile cache is keyed by the kernel hash, compiles the kernels that several lowered
+  functions share (the forward inside and outside a rematerialized block, the overflow
+  rerun) once per process.
+"""
 
 import re
 
+import jax
 import jax.numpy as jnp
 
 from helpers import lowered_for_h100
 from pallas_kernels import mosaic_kernel_cache
 from pallas_kernels.castle.mosaic_attention import castle_attention_mosaic
+from pallas_kernels.gca.mosaic_attention import gca_attention_mosaic
+
+_INPUTS = tuple(jnp.full((1, 128, 1, 64), 0.1 * (i + 1), jnp.bfloat16) for i in range(6))
 
 
-def _kernel_hashes(f, inputs) -> list[str]:
-  return re.findall(r'kernel_hash = "([^"]*)"', lowered_for_h100(f, inputs))
+def _attention(*a):
+  return castle_attention_mosaic(*a, window=64, interpret=False)
 
 
-def test_layers_of_identical_kernels_share_one_hash_each():
-  inputs = tuple(jnp.full((1, 128, 1, 64), 0.1 * (i + 1), jnp.bfloat16) for i in range(6))
-  attention = lambda *a: castle_attention_mosaic(*a, window=64, interpret=False)
+def _kernel_hashes(f) -> list[str]:
+  return re.findall(r'kernel_hash = "([^"]*)"', lowered_for_h100(f, _INPUTS))
 
-  def two_layers(*a):
-    first = attention(*a)
-    return attention(first, *a[1:])
 
-  one, two = _kernel_hashes(attention, inputs), _kernel_hashes(two_layers, inputs)
-  assert len(two) == 2 * len(one) > 0
-  # Within a layer too: the overflow rerun's call sites run the first call's kernels.
+def _gradient_of_layers(layers: int):
+  def loss(*a):
+    x = a[0]
+    for _ in range(layers):
+      x = jax.checkpoint(_attention)(x, *a[1:])
+    return jnp.sum(x.astype(jnp.float32))
+  return jax.grad(loss, argnums=tuple(range(6)))
+
+
+def test_identical_kernels_share_one_hash():
+  one = _kernel_hashes(_attention)
+  assert len(one) > 0
+  # The overflow rerun's call sites run the first call's kernels.
   assert len(set(one)) == len(one) // 2
-  # Without the shared basename every call site has its own hash: 2 * len(one) distinct.
-  assert set(two) == set(one), "a second layer added kernel hashes of its own"
+  gradient = _kernel_hashes(_gradient_of_layers(2))
+  # The forward appears in several lowered functions (primal, residuals, recomputed):
+  # each kernel hashes alike wherever it appears. Without the shared basename every
+  # call site has a hash of its own.
+  assert len(gradient) > len(set(gradient))
+  assert set(one) <= set(gradient)
+
+
+def test_layers_lower_the_kernels_once():
+  # Without the jitted forward and backward, each layer adds its own call sites.
+  three, six = (_kernel_hashes(_gradient_of_layers(n)) for n in (3, 6))
+  assert len(six) == len(three)
+  assert set(six) == set(three)
+
+
+def test_gca_layers_lower_the_kernels_once():
+  chunk_k = chunk_v = jnp.full((1, 4, 64, 1, 64), 0.1, jnp.bfloat16)
+  weights = jnp.full((1, 2, 2), 0.5, jnp.float32)
+  indices = jnp.array([[[0, 1], [1, 2]]], jnp.int32)
+
+  def gradient(layers: int):
+    def loss(q, chunk_k, chunk_v, weights):
+      for _ in range(layers):
+        q = jax.checkpoint(lambda q, *a: gca_attention_mosaic(q, *a, indices, scale=0.125))(q, chunk_k, chunk_v,
+                                                                                           weights)
+      return jnp.sum(q.astype(jnp.float32))
+    return jax.grad(loss, argnums=(0, 1, 2, 3))
+
+  q = jnp.full((1, 128, 1, 64), 0.1, jnp.bfloat16)
+  three, six = (re.findall(r'kernel_hash = "([^"]*)"', lowered_for_h100(gradient(n), (q, chunk_k, chunk_v, weights)))
+                for n in (3, 6))
+  assert 0 < len(six) == len(three)
 
 
 def test_steps_aside_for_dumps(monkeypatch):

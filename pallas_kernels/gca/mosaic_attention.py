@@ -36,13 +36,21 @@ def _interpret(interpreted: bool):
   return plgpu.InterpretGPUParams() if interpreted else None
 
 
+# Jitted, as CASTLE's Mosaic op is, so that layers calling the op with equal shapes share one
+# lowered program: lowering Mosaic kernels again per call site costs seconds of host time.
+@functools.partial(jax.jit, static_argnames=("chunk_len", "scale", "stages", "overlap", "interpreted"))
+def _forward(queries, keys, values, weights, indices, *, chunk_len, scale, stages, overlap, interpreted):
+  return forward_native(queries, keys, values, weights, indices, chunk_len=chunk_len, scale=scale, stages=stages,
+                        overlap=overlap, interpret=_interpret(interpreted))
+
+
 def _gca_fwd(queries, keys, values, weights, indices, chunk_len, scale, stages, overlap, interpreted):
-  out, lse = keep_for_backward(forward_native(queries, keys, values, weights, indices, chunk_len=chunk_len,
-                                              scale=scale, stages=stages, overlap=overlap,
-                                              interpret=_interpret(interpreted)))
+  out, lse = keep_for_backward(_forward(queries, keys, values, weights, indices, chunk_len=chunk_len, scale=scale,
+                                        stages=stages, overlap=overlap, interpreted=interpreted))
   return out, (queries, keys, values, weights, indices, lse)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
 def _gca_bwd(chunk_len, scale, stages, overlap, interpreted, residuals, d_out):
   del overlap  # a forward schedule
   queries, keys, values, weights, indices, lse = residuals
