@@ -7,7 +7,8 @@ Times the same jitted, sharded train step that `python -m train` runs (gradient
 accumulation included), fed with random tokens so the input pipeline is not
 measured. MFU = model FLOPs per token (6 x matmul parameters + causal attention
 core, see `training_flops_per_token`) x tokens/s / datasheet bf16 peak.
-Prints a one-line table last and optionally writes JSON.
+Prints a one-line table last (with the time to compile the step and run it twice) and
+optionally writes JSON.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def main(argv):
   print(f"| {result['device']} x{result['devices']} | {result['params'] / 1e6:.1f}M params | T={result['seq_len']} "
         f"| batch {result['batch']} (accum {result['grad_accum_steps']}) | {result['step_s_median'] * 1e3:.1f} ms/step "
         f"| {result['tokens_per_s']:.0f} tok/s | {result['model_tflops_per_s_per_device']:.1f} TFLOP/s | MFU {mfu} "
-        f"| peak {peak_gb:.1f} GiB |")
+        f"| peak {peak_gb:.1f} GiB | compile + 2 steps {result['warmup_s']:.0f} s |")
 
 
 if __name__ == "__main__":
