@@ -63,9 +63,10 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels.castle.kernels import _silu_grad, sigmoid, silu
-from pallas_kernels.castle import mosaic_past_window_backward, mosaic_profile
+from pallas_kernels.castle import mosaic_past_window_backward
 from pallas_kernels.castle.mosaic_config import KEY_BLOCKS_PER_PROGRAM, WGMMA_ROWS, CastleMosaicConfig
-from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, key_major_sweep_end, operand_smem,
+from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, key_major_launch,
+                                                key_major_sweep_end, operand_smem,
                                                 products as wgmma_products, reduce_add_tiles, run_on_zeroed_refs,
                                                 step_masks as _step_masks, wgmma_zeros)
 
@@ -426,17 +427,8 @@ def backward(q_u, k_u, v_u, q_c, k_c, v_c, keys_final, d_out, lse, delta, in_blo
                 consumed=plgpu.Barrier(num_arrivals=1),
                 staging_free=plgpu.Barrier(num_arrivals=1)),
   ]
-  launch = plgpu.kernel(
-      kernel,
-      out_type=(),
-      scratch_types=scratch,
-      grid=(length // block_k, heads),
-      grid_names=("key_block", "head"),
-      num_threads=2,
-      thread_name="wg",
-      compiler_params=mosaic_profile.compiler_params(),
-      interpret=interpret,
-  )
+  launch = key_major_launch(kernel, scratch, length=length, heads=heads, keys_per_program=block_k,
+                            interpret=interpret, num_threads=2)
   past_window = dict(scale=scale, window=window, block_q=block_q, block_k=block_k,
                      keys_per_program=config.keys_per_program, interpret=interpret)
   if split_key_grads:

@@ -590,6 +590,24 @@ def accumulator_types(q_c):
   return rows, jax.ShapeDtypeStruct((heads, length), jnp.float32), rows
 
 
+def key_major_launch(kernel, scratch, *, length: int, heads: int, keys_per_program: int, interpret,
+                     num_threads: int | None = None):
+  """`kernel` as a Mosaic GPU call with one program per (keys_per_program keys, head), grid
+  axes "key_block" and "head", and `num_threads` warpgroups on axis "wg" (None: one
+  warpgroup, no axis); the key-block-major kernels of the forward and the backward."""
+  mesh = {} if num_threads is None else dict(num_threads=num_threads, thread_name="wg")
+  return plgpu.kernel(
+      kernel,
+      out_type=(),
+      scratch_types=scratch,
+      grid=(length // keys_per_program, heads),
+      grid_names=("key_block", "head"),
+      compiler_params=mosaic_profile.compiler_params(),
+      interpret=interpret,
+      **mesh,
+  )
+
+
 def forward_into(q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, shift, acc_ref, sums_ref, keys_ref, *, scale: float,
                  window: int | None, config: CastleMosaicConfig, interpret, past_window: bool = True):
   """`forward`'s kernel, reduce-adding into `acc_ref` and `sums_ref` and writing `keys_ref`.
@@ -614,22 +632,14 @@ def forward_into(q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, shift, acc_ref, sums_
     inputs = (q_u, k_c.astype(LOOKAHEAD_DTYPE), v_c.astype(PROBS_DTYPE), q_c.astype(LOOKAHEAD_DTYPE), k_u,
               v_u.astype(LOOKAHEAD_DTYPE), (in_block_t * (KEY_STATE_SCALE / scale)).astype(LOOKAHEAD_DTYPE),
               shift)
-    mesh = dict(num_threads=_CONSUMERS + 1, thread_name="wg")
+    mesh = dict(num_threads=_CONSUMERS + 1)
   else:
     kernel = functools.partial(_forward_kernel, **params)
     scratch = _simple_scratch(block_q, block_k, head_dim, dtype, interpreted)
     inputs = (q_u, k_c, v_c, q_c, q_c.astype(LOOKAHEAD_DTYPE), k_u, v_u.astype(LOOKAHEAD_DTYPE),
               in_block_t.astype(LOOKAHEAD_DTYPE), shift)
     mesh = {}
-  launch = plgpu.kernel(
-      kernel,
-      out_type=(),
-      scratch_types=scratch,
-      grid=(length // config.keys_per_program, heads),
-      grid_names=("key_block", "head"),
-      compiler_params=mosaic_profile.compiler_params(),
-      interpret=interpret,
-      **mesh,
-  )
+  launch = key_major_launch(kernel, scratch, length=length, heads=heads, keys_per_program=config.keys_per_program,
+                            interpret=interpret, **mesh)
   # acc and sums are reduce-added into; keys (after them) is written.
   launch(*inputs, acc_ref, sums_ref, keys_ref)

@@ -41,8 +41,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels.castle.kernels import _silu_grad, silu
-from pallas_kernels.castle import mosaic_profile
-from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, accumulate_products,
+from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, accumulate_products, key_major_launch,
                                                 key_major_sweep_end, observe_last_releases, operand_smem, products,
                                                 reduce_add_tiles, register_operand, run_on_zeroed_refs, wgmma_zeros)
 from pallas_kernels.castle.mosaic_past_window import (CONSUMER_REGISTERS, CONSUMERS, STAGES, check_length,
@@ -333,18 +332,11 @@ def key_grads(q_c, k_c, keys, v_c, d_out, lse, delta, *, scale: float, window: i
   if keys_per_program != CONSUMERS * block_k:
     raise ValueError(f"key_grads: keys_per_program must be {CONSUMERS} * block_k, got {keys_per_program}")
   interpreted = interpret is not None
-  launch = plgpu.kernel(
+  launch = key_major_launch(
       functools.partial(_key_grad_kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
                         num_query_blocks=length // block_q, head_dim=head_dim, interpreted=interpreted),
-      out_type=(),
-      scratch_types=_key_grad_scratch(block_q, block_k, head_dim),
-      grid=(length // block_k, heads),
-      grid_names=("key_block", "head"),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=mosaic_profile.compiler_params(),
-      interpret=interpret,
-  )
+      _key_grad_scratch(block_q, block_k, head_dim), length=length, heads=heads, keys_per_program=block_k,
+      interpret=interpret, num_threads=3)
   q_c16, k_c16, keys16, v_c16, d_out16 = _float16_operands(q_c, k_c, keys, v_c, d_out)
   inputs = (k_c16, keys16, v_c16, q_c16, d_out16, lse, delta)
   rows = jax.ShapeDtypeStruct((heads, length, head_dim), jnp.float32)
