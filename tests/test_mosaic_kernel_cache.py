@@ -26,17 +26,17 @@ def _attention(*a):
   return castle_attention_mosaic(*a, window=64, interpret=False)
 
 
-def _kernel_hashes(f) -> list[str]:
-  return re.findall(r'kernel_hash = "([^"]*)"', lowered_for_h100(f, _INPUTS))
+def _kernel_hashes(f, inputs=_INPUTS) -> list[str]:
+  return re.findall(r'kernel_hash = "([^"]*)"', lowered_for_h100(f, inputs))
 
 
-def _gradient_of_layers(layers: int):
-  def loss(*a):
-    x = a[0]
+def _gradient_of_layers(layers: int, attention=_attention, num_inputs: int = 6):
+  """The gradient of `layers` rematerialized calls of attention(x, *rest), each feeding the next its x."""
+  def loss(x, *rest):
     for _ in range(layers):
-      x = jax.checkpoint(_attention)(x, *a[1:])
+      x = jax.checkpoint(attention)(x, *rest)
     return jnp.sum(x.astype(jnp.float32))
-  return jax.grad(loss, argnums=tuple(range(6)))
+  return jax.grad(loss, argnums=tuple(range(num_inputs)))
 
 
 def test_identical_kernels_share_one_hash():
@@ -64,16 +64,9 @@ def test_gca_layers_lower_the_kernels_once():
   weights = jnp.full((1, 2, 2), 0.5, jnp.float32)
   indices = jnp.array([[[0, 1], [1, 2]]], jnp.int32)
 
-  def gradient(layers: int):
-    def loss(q, chunk_k, chunk_v, weights):
-      for _ in range(layers):
-        q = jax.checkpoint(lambda q, *a: gca_attention_mosaic(q, *a, indices, scale=0.125))(q, chunk_k, chunk_v,
-                                                                                           weights)
-      return jnp.sum(q.astype(jnp.float32))
-    return jax.grad(loss, argnums=(0, 1, 2, 3))
-
   q = jnp.full((1, 128, 1, 64), 0.1, jnp.bfloat16)
-  three, six = (re.findall(r'kernel_hash = "([^"]*)"', lowered_for_h100(gradient(n), (q, chunk_k, chunk_v, weights)))
+  attention = lambda q, *a: gca_attention_mosaic(q, *a, indices, scale=0.125)
+  three, six = (_kernel_hashes(_gradient_of_layers(n, attention, num_inputs=4), (q, chunk_k, chunk_v, weights))
                 for n in (3, 6))
   assert 0 < len(six) == len(three)
 
