@@ -62,8 +62,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.castle.kernels import _silu_grad, sigmoid, silu
-from pallas_kernels.castle import mosaic_past_window_backward
+from pallas_kernels.castle import mosaic_math, mosaic_past_window_backward
 from pallas_kernels.castle.mosaic_config import KEY_BLOCKS_PER_PROGRAM, WGMMA_ROWS, CastleMosaicConfig
 from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, key_major_launch,
                                                 key_major_sweep_end, operand_smem,
@@ -248,7 +247,7 @@ def _backward_kernel(
         with phase("walk D back"):
           # W, then D^(i+1) -> D^(i) with the forward's float16 product.
           plgpu.barrier_wait(barriers.lookahead)
-          weights = sigmoid(products([(q_u_smem, k_u_smem.T)], tile) * scale)
+          weights = mosaic_math.sigmoid(products([(q_u_smem, k_u_smem.T)], tile) * scale)
           if masked:
             weights = jnp.where(visible, weights, 0.0)
           staging.weights[...] = weights.astype(LOOKAHEAD_DTYPE)
@@ -266,7 +265,7 @@ def _backward_kernel(
           lookahead = products([(staging.weights, in_block_smem)], tile, init=lookahead)
         causal = products([(k_c_smem, q_c_smem.T)], tile) * scale
         lse = lax.broadcast_in_dim(lse_smem[...], tile, [1])
-        probs = jnp.exp(causal - silu(lookahead) - lse)
+        probs = jnp.exp(causal - mosaic_math.silu(lookahead) - lse)
         if masked:
           probs = jnp.where(causal_mask, probs, 0.0)
         staging.probs[...] = probs.astype(dtype)
@@ -277,7 +276,7 @@ def _backward_kernel(
         # Softmax and the SiLU.
         d_probs = products([(v_c_smem, d_out_smem.T)], tile)
         d_scores = probs * (d_probs - lax.broadcast_in_dim(delta_smem[...], tile, [1]))
-        d_lookahead = -d_scores * _silu_grad(lookahead)
+        d_lookahead = -d_scores * mosaic_math.silu_grad(lookahead)
         staging.d_scores[...] = d_scores.astype(dtype)
         staging.d_lookahead[...] = d_lookahead.astype(LOOKAHEAD_DTYPE)
         if with_lookahead:

@@ -55,8 +55,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.castle.kernels import sigmoid, silu
-from pallas_kernels.castle import mosaic_profile
+from pallas_kernels.castle import mosaic_math, mosaic_profile
 from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
 
 # D enters a float16 product scaled by this power of two (exact), and the product is
@@ -207,7 +206,7 @@ def _forward_kernel(
                             if masked else (None, None))
 
     # W: lookahead weights of this key block's tokens s against query-block keys j.
-    weights = sigmoid(multiply(q_u_smem, k_u_smem.T, (block_k, block_q)) * scale)
+    weights = mosaic_math.sigmoid(multiply(q_u_smem, k_u_smem.T, (block_k, block_q)) * scale)
     if masked:
       weights = jnp.where(visible, weights, 0.0)
     weights16 = register_operand(weights.astype(LOOKAHEAD_DTYPE), weights_staging)
@@ -219,7 +218,7 @@ def _forward_kernel(
 
     causal = multiply(k_c_smem, q_c_smem.T, (block_k, block_q)) * scale
     shift = lax.broadcast_in_dim(shift_smem[...], (block_k, block_q), [1])
-    probs = jnp.exp(causal - silu(lookahead) - shift)
+    probs = jnp.exp(causal - mosaic_math.silu(lookahead) - shift)
     if masked:
       probs = jnp.where(causal_mask, probs, 0.0)
 
@@ -409,7 +408,7 @@ def _consume(consumer, program, head, first, lookahead_end, sweep_end, acc_ref, 
       plgpu.barrier_wait(k_u_full.at[slot])
       logits = multiply(q_u_keys, k_u_ring.at[slot].T, (block_k, block_q)) * scale  # waits for all three
       plgpu.barrier_arrive(query_free.at[slot])
-      weights = sigmoid(logits)
+      weights = mosaic_math.sigmoid(logits)
       if masked:
         weights = jnp.where(visible, weights, 0.0)
       weights16 = register_operand(weights.astype(LOOKAHEAD_DTYPE), weights_staging)
@@ -423,7 +422,7 @@ def _consume(consumer, program, head, first, lookahead_end, sweep_end, acc_ref, 
     causal, lookahead, keys = pl.run_scoped(
         products, plgpu.ACC((block_k, block_q), jnp.float32), plgpu.ACC((block_k, block_q), jnp.float32))
     lookahead = lookahead * lookahead_unit
-    scores = causal * scale - silu(lookahead) - shift
+    scores = causal * scale - mosaic_math.silu(lookahead) - shift
     probs32 = jnp.exp(scores)
     if masked:
       probs32 = jnp.where(causal_mask, probs32, 0.0)

@@ -35,8 +35,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.castle.kernels import silu
-from pallas_kernels.castle import mosaic_forward
+from pallas_kernels.castle import mosaic_forward, mosaic_math
 from pallas_kernels.castle import mosaic_profile
 from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
 from pallas_kernels.castle.mosaic_forward import (
@@ -179,7 +178,7 @@ def _forward_kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c_ref, shift_ref, acc_re
           score_products, plgpu.ACC((block_q, block_k), jnp.float32), plgpu.ACC((block_q, block_k), jnp.float32))
       plgpu.barrier_arrive(key_free.at[slot])
       shift = lax.broadcast_in_dim(shift_smem.at[consumer][...], (block_q, block_k), [0])
-      probs32 = jnp.exp(causal * scale - silu(lookahead * lookahead_unit) - shift)
+      probs32 = jnp.exp(causal * scale - mosaic_math.silu(lookahead * lookahead_unit) - shift)
       sums = sums + jnp.sum(probs32, axis=1)
       probs = register_operand(probs32.astype(PROBS_DTYPE), staging)
       # The partner's products run while this warpgroup computed the exponentials; the

@@ -40,7 +40,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.castle.kernels import _silu_grad, silu
+from pallas_kernels.castle import mosaic_math
 from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, accumulate_products, key_major_launch,
                                                 key_major_sweep_end, observe_last_releases, operand_smem, products,
                                                 reduce_add_tiles, register_operand, run_on_zeroed_refs, wgmma_zeros)
@@ -79,9 +79,10 @@ def _score_gradients(causal, lookahead, d_probs, lse_smem, delta_smem, *, scale:
   lookahead = lookahead * (scale / KEY_STATE_SCALE)
   lse = lax.broadcast_in_dim(lse_smem[...], causal.shape, [query_axis])
   delta = lax.broadcast_in_dim(delta_smem[...], causal.shape, [query_axis])
-  probs = jnp.exp(causal * scale - silu(lookahead) - lse)
+  silu, silu_grad = mosaic_math.silu_and_grad(lookahead)
+  probs = jnp.exp(causal * scale - silu - lse)
   d_scores = probs * (d_probs - delta)
-  return probs, d_scores, -d_scores * _silu_grad(lookahead)
+  return probs, d_scores, -d_scores * silu_grad
 
 
 def _query_grad_kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c16_ref, d_out16_ref, lse_ref, delta_ref, dq_ref,
