@@ -6,7 +6,7 @@
 Runs each kernel on [heads (batch x heads), seq, 128] bf16 inputs, medians of --iters
 calls: the key-major forward over every pair and its window part alone (the sweep up to
 `key_major_sweep_end`), the query-major forward kernel of the pairs past the window
-(`mosaic_past_window`), both together, and the same for the backward (the key-major sweep
+(`mosaic_past_window`, with 128- and 64-key steps), both together, and the same for the backward (the key-major sweep
 over every pair; the split backward, with the past-window key side in its own kernel (the
 default) or in the key-major sweep; its query-major dQ^C kernel and its key-side kernel
 alone). `--only`
@@ -98,10 +98,12 @@ def main(argv=None) -> int:
   window_part = jax.jit(lambda *a: mosaic_forward.run_on_zeroed_refs(
       lambda *refs: mosaic_forward.forward_into(*a, in_block_t, shift, *refs, config=split, past_window=False,
                                                 **common), mosaic_forward.accumulator_types(a[3])))
-  query_major = jax.jit(lambda *a: mosaic_forward.run_on_zeroed_refs(
-      lambda acc_ref, sums_ref: mosaic_past_window.accumulate_past_window(
-          a[3].astype(jnp.float16), a[4].astype(jnp.float16), lookahead_keys, a[5], shift, acc_ref, sums_ref, **past),
-      (rows, sums_type)))
+  def query_major(step_keys):
+    return jax.jit(lambda *a: mosaic_forward.run_on_zeroed_refs(
+        lambda acc_ref, sums_ref: mosaic_past_window.accumulate_past_window(
+            a[3].astype(jnp.float16), a[4].astype(jnp.float16), lookahead_keys, a[5], shift, acc_ref, sums_ref,
+            **dict(past, block_k=step_keys)),
+        (rows, sums_type)))
 
   def backward(config):
     return jax.jit(lambda *a: mosaic_backward.backward(*a, lookahead_keys, d_out, lse, delta, in_block_t,
@@ -118,7 +120,8 @@ def main(argv=None) -> int:
       ("fwd key-major, all pairs", forward(key_major, mosaic_forward), None),
       ("fwd split (both kernels)", forward(split, mosaic_past_window), None),
       ("fwd key-major, window part", window_part, None),
-      ("fwd query-major, past window", query_major, 3 * product),
+      ("fwd query-major, past window (128-key steps)", query_major(128), 3 * product),
+      ("fwd query-major, past window (64-key steps)", query_major(64), 3 * product),
       ("bwd key-major, all pairs", backward(key_major), None),
       ("bwd split (all three kernels)", backward(split), None),
       ("bwd split, key side in the key-major sweep", backward(key_grads_in_sweep), None),

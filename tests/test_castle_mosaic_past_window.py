@@ -73,13 +73,17 @@ def _case(number):
 # dQ^C, the key side in a kernel of its own (default) or in the key-major sweep; or all of
 # it in the key-major sweeps.
 VARIANTS = {"query_major": CastleMosaicConfig(), "key_major": CastleMosaicConfig(past_window="key_major"),
-            "key_grads_in_sweep": CastleMosaicConfig(past_window_key_grads="key_major_sweep")}
+            "key_grads_in_sweep": CastleMosaicConfig(past_window_key_grads="key_major_sweep"),
+            "step_keys_64": CastleMosaicConfig(past_window_step_keys=64)}
+# Variants that differ from the default only in the forward: their gradients are not run.
+FORWARD_ONLY = ("step_keys_64",)
 
 
 def _variants(number):
-  """The variants run on CASES[number]: the non-default key side on one case only (GPU
-  interpret mode is slow)."""
-  return tuple(VARIANTS) if number == 1 else ("query_major", "key_major")
+  """The variants run on CASES[number]: the non-default key side and forward steps on one
+  case each (GPU interpret mode is slow)."""
+  return {1: ("query_major", "key_major", "key_grads_in_sweep"), 2: ("query_major", "key_major", "step_keys_64")}.get(
+      number, ("query_major", "key_major"))
 
 
 def _run_cases_in_this_process(out_dir):
@@ -91,10 +95,13 @@ def _run_cases_in_this_process(out_dir):
     for past_window in _variants(number):
       config = VARIANTS[past_window]
       result = castle_forward_mosaic(*inputs, scale=scale, window=window, interpret=True, config=config)
-      _, vjp = jax.vjp(lambda *a: castle_attention_mosaic(*a, window=window, config=config, interpret=True), *inputs)
-      grads = [np.asarray(g.astype(jnp.float32)) for g in vjp(cotangent)]
+      grads = []
+      if past_window not in FORWARD_ONLY:
+        _, vjp = jax.vjp(lambda *a: castle_attention_mosaic(*a, window=window, config=config, interpret=True), *inputs)
+        grads = [np.asarray(g.astype(jnp.float32)) for g in vjp(cotangent)]
       np.savez(os.path.join(out_dir, f"{number}_{past_window}.npz"), out=np.asarray(result.out.astype(jnp.float32)),
-               lse=np.asarray(result.lse), keys=np.asarray(result.lookahead_keys), grads=np.stack(grads))
+               lse=np.asarray(result.lse), keys=np.asarray(result.lookahead_keys),
+               grads=np.stack(grads) if grads else np.zeros(0))
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +132,11 @@ def test_split_forward_matches_the_parallel_form(interpreted, number):
   assert rel_err(split["out"], key_major["out"]) < 2e-3
   assert rel_err(split["lse"], key_major["lse"]) < 1e-5
   np.testing.assert_array_equal(split["keys"], key_major["keys"])
+  if "step_keys_64" in _variants(number):
+    # 64-key steps: the same products, summed over 64 keys at a time instead of 128.
+    narrow = interpreted(number, "step_keys_64")
+    assert rel_err(narrow["out"], split["out"]) < 1e-5 and rel_err(narrow["lse"], split["lse"]) < 1e-6
+    assert rel_err(narrow["out"], ref_out) < 1e-2
 
 
 @pytest.mark.parametrize("number", range(len(CASES)))
@@ -139,7 +151,7 @@ def test_split_backward_matches_the_parallel_form(interpreted, number):
     _, vjp = jax.vjp(lambda *a: castle_parallel(*a, window=window), *f32)
     ref_grads = vjp(cotangent.astype(jnp.float32))
   key_major = interpreted(number, "key_major")["grads"]
-  for variant in (v for v in _variants(number) if v != "key_major"):
+  for variant in (v for v in _variants(number) if v != "key_major" and v not in FORWARD_ONLY):
     split = interpreted(number, variant)["grads"]
     for name, grad, other, ref in zip(("q_u", "k_u", "v_u", "q_c", "k_c", "v_c"), split, key_major, ref_grads):
       assert np.isfinite(grad).all(), f"{variant} d{name}"
@@ -162,6 +174,10 @@ def test_split_lowers_for_hopper():
   assert counts == [4, 2, 2], counts
   head_dim_64 = _inputs(0, (1, 256, 2, 64))
   assert mosaic_kernels_lowered_for_h100((forward("query_major", 100),), head_dim_64) == [4]
+  # 64-key steps (the default, 128, fills shared memory to within ~2 KB at head dim 128).
+  narrow_steps = lambda *a: castle_forward_mosaic(*a, scale=128 ** -0.5, window=512,
+                                                  config=CastleMosaicConfig(past_window_step_keys=64)).out
+  assert mosaic_kernels_lowered_for_h100((narrow_steps,), inputs) == [4]
   # The backward adds the key-side kernel and the query-major dQ^C kernel to the key-major one.
   gradients = lambda **config: jax.grad(lambda *a: jnp.sum(castle_attention_mosaic(
       *a, window=512, config=CastleMosaicConfig(**config), interpret=False).astype(jnp.float32)),
@@ -187,3 +203,8 @@ def test_config_names_the_choices():
   with pytest.raises(ValueError, match=r"past_window_key_grads must be one of \('own_kernel', 'key_major_sweep'\)"):
     CastleMosaicConfig(past_window_key_grads="elsewhere")
   assert not CastleMosaicConfig(schedule="simple").splits_past_window
+  with pytest.raises(ValueError, match=r"past_window_step_keys must be one of \(64, 128\), got 256"):
+    CastleMosaicConfig(past_window_step_keys=256)
+  with pytest.raises(ValueError, match=r"mosaic_past_window_step_keys must be one of \(64, 128\), got 32"):
+    CastleKernelConfig(mosaic_past_window_step_keys=32)
+  assert CastleKernelConfig.from_string("mosaic_past_window_step_keys=64").mosaic_config.past_window_step_keys == 64

@@ -78,15 +78,18 @@ def test_mosaic_forward_matches_triton_lse(schedule):
     ((1, 16384, 2, 128), 512),   # long: ~97% of the pairs past the window
 ])
 def test_past_window_split_matches_key_major(shape, window):
-  """CASTLE-SWL's pairs past the window in the query-major kernel (the default) against
-  the parallel form and against the forward that sweeps every pair key-major."""
+  """CASTLE-SWL's pairs past the window in the query-major kernel (the default, 128-key
+  steps, and 64-key steps) against the parallel form and against the forward that sweeps
+  every pair key-major."""
   inputs = _inputs(shape[1] + window, shape)
-  results = {}
-  for past_window in ("query_major", "key_major"):
-    config = CastleMosaicConfig(past_window=past_window)
-    results[past_window] = jax.jit(lambda *a: castle_forward_mosaic(
-        *a, scale=shape[-1] ** -0.5, window=window, config=config))(*inputs)
-  split, key_major = results["query_major"], results["key_major"]
+  configs = {"query_major": CastleMosaicConfig(), "key_major": CastleMosaicConfig(past_window="key_major"),
+             "64-key steps": CastleMosaicConfig(past_window_step_keys=64)}
+  results = {name: jax.jit(lambda *a: castle_forward_mosaic(*a, scale=shape[-1] ** -0.5, window=window,
+                                                            config=config))(*inputs)
+             for name, config in configs.items()}
+  split, key_major, narrow = results["query_major"], results["key_major"], results["64-key steps"]
+  assert rel_err(narrow.out.astype(jnp.float32), split.out.astype(jnp.float32)) < 1e-3
+  assert rel_err(narrow.lse, split.lse) < 1e-5
   ref_out, ref_keys = _reference(inputs, window)
   out = np.asarray(split.out.astype(jnp.float32))
   assert np.isfinite(out).all()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.castle.mosaic_config import PAST_WINDOW_KEY_GRADS, PAST_WINDOW_SWEEPS, SCHEDULES, CastleMosaicConfig
+from pallas_kernels.castle.mosaic_config import (PAST_WINDOW_KEY_GRADS, PAST_WINDOW_STEP_KEYS, PAST_WINDOW_SWEEPS, SCHEDULES,
+                                                CastleMosaicConfig)
 from pallas_kernels.config_checks import check_int_fields, parse_config
 
 LOOKAHEAD_OPERANDS = ("split", "float16", "input")
@@ -42,6 +43,8 @@ class CastleKernelConfig:
     mosaic_past_window_key_grads: `CastleMosaicConfig.past_window_key_grads`
       ("own_kernel" or "key_major_sweep"): where the backward computes those pairs' dK^C,
       dV^C and dD.
+    mosaic_past_window_step_keys: `CastleMosaicConfig.past_window_step_keys` (128 or 64):
+      keys per step of the query-major forward past the window.
     block_q: query rows per step of the forward sweep.
     block_k: key rows per forward program (rows of D held in registers).
     num_warps, num_stages: Triton launch parameters of the forward kernel.
@@ -75,11 +78,13 @@ class CastleKernelConfig:
   mosaic_schedule: str = "warp_specialized"
   mosaic_past_window: str = "query_major"
   mosaic_past_window_key_grads: str = "own_kernel"
+  mosaic_past_window_step_keys: int = 128
 
   def __post_init__(self):
     for name, allowed in (("lookahead_operands", LOOKAHEAD_OPERANDS), ("backend", BACKENDS),
                           ("mosaic_schedule", SCHEDULES), ("mosaic_past_window", PAST_WINDOW_SWEEPS),
-                          ("mosaic_past_window_key_grads", PAST_WINDOW_KEY_GRADS)):
+                          ("mosaic_past_window_key_grads", PAST_WINDOW_KEY_GRADS),
+                          ("mosaic_past_window_step_keys", PAST_WINDOW_STEP_KEYS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"CastleKernelConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
     blocks = ("block_q", "block_k", "bwd_block_q", "bwd_block_k")
@@ -90,9 +95,10 @@ class CastleKernelConfig:
   @property
   def mosaic_config(self) -> CastleMosaicConfig:
     """The Mosaic kernels' config: their fixed 64 x 64 tiles, `mosaic_schedule`,
-    `mosaic_past_window` and `mosaic_past_window_key_grads`."""
+    `mosaic_past_window`, `mosaic_past_window_key_grads` and `mosaic_past_window_step_keys`."""
     return CastleMosaicConfig(schedule=self.mosaic_schedule, past_window=self.mosaic_past_window,
-                              past_window_key_grads=self.mosaic_past_window_key_grads)
+                              past_window_key_grads=self.mosaic_past_window_key_grads,
+                              past_window_step_keys=self.mosaic_past_window_step_keys)
 
   @classmethod
   def from_string(cls, text: str) -> "CastleKernelConfig":

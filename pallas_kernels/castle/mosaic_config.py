@@ -15,6 +15,8 @@ SCHEDULES = ("warp_specialized", "simple")
 PAST_WINDOW_SWEEPS = ("query_major", "key_major")
 # Where the backward computes the key side (dK^C, dV^C, dD) of those pairs.
 PAST_WINDOW_KEY_GRADS = ("own_kernel", "key_major_sweep")
+# Keys per step of the query-major forward past the window (at most a key program).
+PAST_WINDOW_STEP_KEYS = (64, 128)
 # Key blocks per program of each schedule (one consumer warpgroup per key block).
 KEY_BLOCKS_PER_PROGRAM = {"warp_specialized": 2, "simple": 1}
 
@@ -48,6 +50,9 @@ class CastleMosaicConfig:
       warpgroup streaming the query tiles ("own_kernel", default;
       `mosaic_past_window_backward.key_grads`), the key-major sweep then starting from its
       dD, or inside the synchronous key-major sweep ("key_major_sweep").
+    past_window_step_keys: keys per step of the query-major forward past the window
+      (`mosaic_past_window`): 128 (default; one key program per step, [64, 128] score
+      tiles, half the barrier rounds per key, shared memory full) or 64.
   """
 
   block_q: int = 64
@@ -55,6 +60,7 @@ class CastleMosaicConfig:
   schedule: str = "warp_specialized"
   past_window: str = "query_major"
   past_window_key_grads: str = "own_kernel"
+  past_window_step_keys: int = 128
 
   def __post_init__(self):
     check_int_fields(self, power_of_two=("block_q", "block_k"), tiles=("block_q", "block_k"),
@@ -69,6 +75,9 @@ class CastleMosaicConfig:
     if self.past_window not in PAST_WINDOW_SWEEPS:
       raise ValueError(f"CastleMosaicConfig.past_window must be one of {PAST_WINDOW_SWEEPS}, got "
                        f"{self.past_window!r}")
+    if self.past_window_step_keys not in PAST_WINDOW_STEP_KEYS:
+      raise ValueError(f"CastleMosaicConfig.past_window_step_keys must be one of {PAST_WINDOW_STEP_KEYS}, got "
+                       f"{self.past_window_step_keys!r}")
     if self.past_window_key_grads not in PAST_WINDOW_KEY_GRADS:
       raise ValueError(f"CastleMosaicConfig.past_window_key_grads must be one of {PAST_WINDOW_KEY_GRADS}, got "
                        f"{self.past_window_key_grads!r}")

@@ -123,10 +123,12 @@ def wgmma_zeros(shape):
 def observe_last_releases(free_barriers, num_steps, stages: int):
   """Waits for the releases of a ring's last `stages` steps (slot = step mod stages),
   which no later refill waited for: a waiter may not skip a barrier's phase (GPU
-  interpret mode checks it). num_steps >= stages."""
+  interpret mode checks it). Fewer steps than stages: only those steps' releases."""
   for last in range(stages, 0, -1):
-    for free in free_barriers:
-      plgpu.barrier_wait(free.at[lax.rem(num_steps - last, stages)])
+    @pl.when(num_steps >= last)
+    def _():
+      for free in free_barriers:
+        plgpu.barrier_wait(free.at[lax.rem(num_steps - last, stages)])
 
 
 def matmul(a, b, shape, init=None, *, init_in_place: bool = True):

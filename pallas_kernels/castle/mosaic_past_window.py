@@ -15,7 +15,8 @@ the key-major sweep reduce-adds a [block_q, d] float32 tile per step, which is w
 this kernel avoids for the rest. Both kernels add into the same float32 accumulators
 with the same fixed per-row softmax shift, so the caller's normalization is unchanged.
 
-Per step (key block b, in the query-row frame [block_q queries, block_k keys]):
+Per step (key block b of block_k = 128 keys by default, in the query-row frame
+[block_q queries, block_k keys]):
 
   S^C = Q^C_i K^C_b^T,  S^U = Q^C_i (D_b * 2^-8)^T          (two wgmmas, float16, one wait)
   P   = exp(S^C * scale - SiLU(S^U * scale * 2^8) - shift_i)
@@ -23,7 +24,9 @@ Per step (key block b, in the query-row frame [block_q queries, block_k keys]):
 
 A producer warpgroup streams K^C_b, D_b and V^C_b through a two-stage ring; the two
 consumers alternate on the tensor cores (each one's exponentials run under the other's
-products), ordered by a two-arrival barrier, as in flash attention 3.
+products), ordered by a two-arrival barrier, as in flash attention 3. With 128-key steps
+the ring takes 192 KB at head dim 128, so each consumer's output leaves through its own
+Q^C tile once its sweep is done, in two float32 column halves.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from pallas_kernels.castle import mosaic_forward, mosaic_math
 from pallas_kernels.castle import mosaic_profile
 from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
 from pallas_kernels.castle.mosaic_forward import (
-    KEY_STATE_SCALE, LOOKAHEAD_DTYPE, PAST_WINDOW_QUERY_BLOCKS, PROBS_DTYPE, accumulate_rows, matmul, operand_smem,
+    KEY_STATE_SCALE, LOOKAHEAD_DTYPE, PAST_WINDOW_QUERY_BLOCKS, PROBS_DTYPE, matmul, operand_smem, reduce_add_tiles,
     observe_last_releases, register_operand, run_on_zeroed_refs, wgmma_zeros)
 
 # Both directions: two consumer warpgroups (each one query block, or one key block) and a
@@ -84,7 +87,7 @@ def stream_tiles(num_steps, groups, block: int, first_block=0):
   groups: (sources, ring buffers, full barriers, free barriers) tuples; the sources are
   one head's [L, ...] refs, each ring buffer [STAGES, block, ...]. A group's copies of a
   step signal its `full` barrier; its slot is refilled once both consumers released it
-  through `free`. The number of steps is 0 or a multiple of STAGES.
+  through `free`.
   """
   plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
@@ -148,15 +151,17 @@ def query_major_program(key_sources, key_ring, ring_barriers, consume, *, window
 
 
 def _forward_kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c_ref, shift_ref, acc_ref, sums_ref,
-                    query_smem, shift_smem, key_ring, out_smem, sums_smem, probs_staging, barriers, *,
+                    query_union, key_ring, shift_smem, probs_staging, barriers, *,
                     scale: float, window: int, block_q: int, block_k: int, keys_per_program: int, head_dim: int,
                     interpreted: bool):
-  """One program: query rows [2 * block_q * p, 2 * block_q * (p + 1)) of one head."""
+  """One program: query rows [2 * block_q * p, 2 * block_q * (p + 1)) of one head, in steps
+  of block_k keys (64, or 128: one key program, half the barrier rounds per key)."""
   k_ring, keys_ring, v_ring = key_ring
-  query_full, key_full, values_full, key_free, values_free, tensor_core_turn, accumulate_barrier = barriers
+  query_tiles, out_staging = query_union
+  query_full, key_full, values_full, key_free, values_free, tensor_core_turn, accumulate_barriers = barriers
 
   def consume(consumer, head, rows, num_steps):
-    q_smem = query_smem.at[consumer]
+    q_smem = query_tiles.at[consumer]
     plgpu.copy_gmem_to_smem(q_c16_ref.at[head, rows], q_smem, query_full.at[consumer])
     plgpu.copy_gmem_to_smem(shift_ref.at[head, rows], shift_smem.at[consumer], query_full.at[consumer])
     plgpu.barrier_wait(query_full.at[consumer])
@@ -193,8 +198,17 @@ def _forward_kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c_ref, shift_ref, acc_re
     out = wgmma_zeros((block_q, head_dim))
     sums = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     out, sums = sweep_in_turns(consumer, tensor_core_turn, num_steps, step, (out, sums))
-    accumulate_rows(out, sums, acc_ref.at[head, rows], sums_ref.at[head, rows], out_smem.at[consumer],
-                    sums_smem.at[consumer], accumulate_barrier.at[consumer], with_tma=not interpreted)
+    # The [block_q, d] float32 output leaves through this consumer's own Q^C tile (free
+    # after its last score products) in two column halves, and the row sums through its
+    # shift (read for the last time above): with 128-key steps the ring fills the rest of
+    # shared memory.
+    half = head_dim // 2
+    acc = acc_ref.at[head, rows]
+    reduce_add = functools.partial(reduce_add_tiles, with_tma=not interpreted)
+    reduce_add([(out[:, :half], acc.at[:, pl.ds(0, half)], out_staging.at[consumer])],
+               accumulate_barriers[0].at[consumer])
+    reduce_add([(out[:, half:], acc.at[:, pl.ds(half, half)], out_staging.at[consumer]),
+                (sums, sums_ref.at[head, rows], shift_smem.at[consumer])], accumulate_barriers[1].at[consumer])
     plgpu.wait_smem_to_gmem(0)
 
   query_major_program((k_c16_ref, keys16_ref, v_c_ref), key_ring, (key_full, values_full, key_free, values_free),
@@ -202,14 +216,17 @@ def _forward_kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c_ref, shift_ref, acc_re
 
 
 def _forward_scratch(block_q, block_k, head_dim, interpreted):
-  """Shared memory and barriers of `_forward_kernel` (~193 KB at head dim 128)."""
+  """Shared memory and barriers of `_forward_kernel` (at head dim 128: ~225 KB with 128-key
+  steps, ~129 KB with 64)."""
   ring = lambda dtype: operand_smem((STAGES, block_k, head_dim), dtype)
   return [
-      operand_smem((CONSUMERS, block_q, head_dim), LOOKAHEAD_DTYPE),            # Q^C (float16)
-      plgpu.SMEM((CONSUMERS, block_q), jnp.float32),                             # shift
+      # Per consumer, Q^C (float16), then (aliased) its output staging: half the columns in float32.
+      plgpu.RefUnion(operand_smem((CONSUMERS, block_q, head_dim), LOOKAHEAD_DTYPE),
+                     plgpu.SMEM((CONSUMERS, block_q, head_dim // 2), jnp.float32)),
       (ring(LOOKAHEAD_DTYPE), ring(LOOKAHEAD_DTYPE), ring(PROBS_DTYPE)),          # K^C, D * 2^-8, V^C
-      plgpu.SMEM((CONSUMERS, block_q, head_dim), jnp.float32),                   # output staging
-      plgpu.SMEM((CONSUMERS, block_q), jnp.float32),                             # row-sum staging
+      # Last: a small buffer before the 1 KB-aligned ring would cost its padding, and at
+      # 128-key steps the kernel is within ~2 KB of the limit.
+      plgpu.SMEM((CONSUMERS, block_q), jnp.float32),                             # shift, then row-sum staging
       operand_smem((CONSUMERS, block_q, block_k), PROBS_DTYPE) if interpreted else None,
       (
           plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),                 # query_full: Q^C, shift
@@ -218,7 +235,10 @@ def _forward_scratch(block_q, block_k, head_dim, interpreted):
           plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=STAGES),           # key_free
           plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=STAGES),           # values_free
           plgpu.Barrier(num_arrivals=CONSUMERS),                                 # tensor_core_turn
-          plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),                 # interpret-mode accumulate
+          # Interpret mode's reduce-adds (one arrival per tile): the first output half,
+          # then the second with the row sums.
+          (plgpu.Barrier(num_arrivals=1, num_barriers=CONSUMERS),
+           plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS)),
       ),
   ]
 
@@ -235,22 +255,27 @@ def accumulate_past_window(q_c16, k_c16, keys, v_c, shift, acc_ref, sums_ref, *,
     shift: float32 [BH, L], the per-row softmax shift (the key-major sweep's).
     acc_ref, sums_ref: float32 refs [BH, L, d] and [BH, L], added into.
     scale, window: the score scale and the CASTLE-SWL window.
-    block_q, block_k: tile rows (64: one warpgroup's wgmma).
+    block_q: query rows per consumer (64: one warpgroup's wgmma).
+    block_k: keys per step, a divisor of keys_per_program (64, or 128: [64, 128] score
+      tiles, half the barrier rounds per key).
     keys_per_program: the key-major sweep's keys per program, whose
       `key_major_sweep_end` this kernel complements.
     interpret: None, or `plgpu.InterpretGPUParams` (GPU interpret mode).
   """
   launch = query_major_launch(_forward_kernel, _forward_scratch, q_c16.shape, scale=scale, window=window,
-                              block_q=block_q, block_k=block_k, keys_per_program=keys_per_program, interpret=interpret)
+                              block_q=block_q, block_k=block_k, keys_per_program=keys_per_program, interpret=interpret,
+                              # The row sums run over a WGMMA tile's columns, inside each warp.
+                              warp_local_reductions=True)
   keys16 = (keys * KEY_STATE_SCALE).astype(LOOKAHEAD_DTYPE)
   launch(q_c16, k_c16, keys16, v_c, shift, acc_ref, sums_ref)
 
 
 def query_major_launch(kernel, scratch, shape, *, scale: float, window: int, block_q: int, block_k: int,
-                       keys_per_program: int, interpret):
+                       keys_per_program: int, interpret, warp_local_reductions: bool = False):
   """`kernel` (a query-major past-window kernel) as a Mosaic GPU call on [BH, L, d] inputs:
   one program per (CONSUMERS * block_q queries, head), CONSUMERS + 1 warpgroups, the
-  shared memory of `scratch(block_q, block_k, head_dim, interpreted)`."""
+  shared memory of `scratch(block_q, block_k, head_dim, interpreted)`
+  (`warp_local_reductions`: see `mosaic_profile.compiler_params`)."""
   heads, length, head_dim = shape
   check_length(length, block_q, keys_per_program)
   interpreted = interpret is not None
@@ -263,7 +288,7 @@ def query_major_launch(kernel, scratch, shape, *, scale: float, window: int, blo
       grid_names=("query_program", "head"),
       num_threads=CONSUMERS + 1,
       thread_name="wg",
-      compiler_params=mosaic_profile.compiler_params(),
+      compiler_params=mosaic_profile.compiler_params(warp_local_reductions=warp_local_reductions),
       interpret=interpret,
   )
 
@@ -282,7 +307,7 @@ def forward(q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, shift, *, scale: float, wi
                                 scale=scale, window=window, config=config, interpret=interpret, past_window=False)
     accumulate_past_window(
         q_c.astype(LOOKAHEAD_DTYPE), k_c.astype(LOOKAHEAD_DTYPE), keys_ref[...], v_c.astype(PROBS_DTYPE), shift,
-        acc_ref, sums_ref, scale=scale, window=window, block_q=block_q, block_k=block_k,
+        acc_ref, sums_ref, scale=scale, window=window, block_q=block_q, block_k=config.past_window_step_keys,
         keys_per_program=config.keys_per_program, interpret=interpret)
 
   return run_on_zeroed_refs(both_sweeps, mosaic_forward.accumulator_types(q_c))

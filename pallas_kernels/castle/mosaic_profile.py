@@ -55,13 +55,20 @@ def recording(directory: str, ranges_per_warpgroup: int = 24):
     _recording.update(previous)
 
 
-def compiler_params() -> plgpu.CompilerParams:
+def compiler_params(*, warp_local_reductions: bool = False) -> plgpu.CompilerParams:
   """The CASTLE kernels' compiler parameters: fast approximate exp/sigmoid, and the
-  profiler when inside `recording`."""
+  profiler when inside `recording`.
+
+  Mosaic GPU sets aside 2 KB of shared memory for a kernel with any reduction, in case
+  one crosses warps. `warp_local_reductions` (every reduction stays inside a warp, e.g.
+  row sums of a WGMMA tile over its columns) gives that back; a reduction that would need
+  it then fails to lower.
+  """
+  extra = dict(reduction_scratch_bytes=0) if warp_local_reductions else {}
   if not _recording:
-    return plgpu.CompilerParams(approx_math=True)
+    return plgpu.CompilerParams(approx_math=True, **extra)
   return plgpu.CompilerParams(approx_math=True, profile_space=_recording["ranges"],
-                              profile_dir=_recording["directory"], profile_bounds_check=True)
+                              profile_dir=_recording["directory"], profile_bounds_check=True, **extra)
 
 
 def latest_trace(directory: str, containing: str | None = None) -> str:
