@@ -300,7 +300,7 @@ def forward(q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, shift, *, scale: float, wi
   Same arguments and results. The key-major sweep runs first, up to each key program's
   `key_major_sweep_end`, and returns the final D that the query-major kernel needs.
   """
-  block_q, block_k = config.block_q, config.block_k
+  block_q = config.block_q
 
   def both_sweeps(acc_ref, sums_ref, keys_ref):
     mosaic_forward.forward_into(q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, shift, acc_ref, sums_ref, keys_ref,
