@@ -208,3 +208,23 @@ def test_config_names_the_choices():
   with pytest.raises(ValueError, match=r"mosaic_past_window_step_keys must be one of \(64, 128\), got 32"):
     CastleKernelConfig(mosaic_past_window_step_keys=32)
   assert CastleKernelConfig.from_string("mosaic_past_window_step_keys=64").mosaic_config.past_window_step_keys == 64
+
+
+@pytest.mark.parametrize("keys_per_program", [1, 2])
+@pytest.mark.parametrize("window", [1, 5, 63, 64, 65, 100, 128, 129, 512, 1000])
+def test_window_interior_steps_need_no_mask(window, keys_per_program):
+  """The key-major sweeps skip the masks from the diagonal to `window_interior_end`: exactly
+  the query blocks where every (key, query) pair is inside the lookahead window."""
+  from pallas_kernels.castle.mosaic_forward import window_interior_end
+  num_query_blocks = 40
+  for key_block in range(6):
+    keys = np.arange(key_block * BLOCK, (key_block + keys_per_program) * BLOCK)
+    diagonal_end = key_block + keys_per_program
+    lookahead_end = min(num_query_blocks, (keys[-1] + window) // BLOCK + 1)
+    interior_end = int(window_interior_end(jnp.int32(keys[0]), jnp.int32(diagonal_end), jnp.int32(lookahead_end),
+                                           window=window, block_q=BLOCK))
+    assert diagonal_end <= interior_end <= lookahead_end
+    for query_block in range(diagonal_end, lookahead_end):
+      queries = np.arange(query_block * BLOCK, (query_block + 1) * BLOCK)
+      inside = (queries[None] > keys[:, None]) & (queries[None] <= keys[:, None] + window)
+      assert inside.all() == (query_block < interior_end), (key_block, query_block, interior_end)

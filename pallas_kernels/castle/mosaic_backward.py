@@ -67,7 +67,7 @@ from pallas_kernels.castle.mosaic_config import KEY_BLOCKS_PER_PROGRAM, WGMMA_RO
 from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, key_major_launch,
                                                 key_major_sweep_end, operand_smem,
                                                 products as wgmma_products, reduce_add_tiles, run_on_zeroed_refs,
-                                                step_masks as _step_masks, wgmma_zeros)
+                                                step_masks as _step_masks, wgmma_zeros, window_interior_end)
 
 # Columns per chunk of a [64, head_dim] tile: one 128-byte swizzle span of 16-bit values.
 CHUNK = 64
@@ -112,7 +112,8 @@ class _Sweep:
       query-major kernel (`mosaic_past_window_backward.accumulate_query_grads`) computes
       it (`with_query_grad=False`), and with `key_grads_elsewhere` those steps are left
       to `mosaic_past_window_backward.key_grads` altogether (the sweep then starts from its
-      dD); then the blocks within reach of the window, masked;
+      dD); then the blocks within reach of the window: masked at its edge, unmasked
+      between the diagonal and the edge (`window_interior_end`), masked on the diagonal;
     - CASTLE: the blocks after the diagonal, where every query follows every key and no
       mask is needed, then the diagonal block, masked.
   """
@@ -126,6 +127,9 @@ class _Sweep:
     self.window = window
     self.lookahead_end = num_query_blocks if window is None else jnp.minimum(
         num_query_blocks, lax.div((key_block + 1) * block_k - 1 + window, block_q) + 1)
+    if window is not None:
+      self.interior_end = window_interior_end(key_block * block_k, key_block + 1, self.lookahead_end,
+                                              window=window, block_q=block_q)
     self.query_grad_start = num_query_blocks
     if query_grads_elsewhere:
       # The query-major kernel works on key programs of the forward's size.
@@ -143,7 +147,11 @@ class _Sweep:
       past_window = dict(with_lookahead=False, masked=False)
       carry = reverse(self.query_grad_start, self.top, carry, with_query_grad=False, **past_window)
       carry = reverse(self.lookahead_end, self.query_grad_start, carry, with_query_grad=True, **past_window)
-      return reverse(self.first, self.lookahead_end, carry, with_lookahead=True, masked=True, with_query_grad=True)
+      # Inside the window only the diagonal block and the window's edge need masks.
+      lookahead = dict(with_lookahead=True, with_query_grad=True)
+      carry = reverse(self.interior_end, self.lookahead_end, carry, masked=True, **lookahead)
+      carry = reverse(self.first + 1, self.interior_end, carry, masked=False, **lookahead)
+      return step(self.first, carry, masked=True, **lookahead)
     carry = reverse(self.first + 1, self.num_query_blocks, carry, with_lookahead=True, masked=False,
                     with_query_grad=True)
     return step(self.first, carry, with_lookahead=True, masked=True, with_query_grad=True)

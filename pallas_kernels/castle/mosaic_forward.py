@@ -152,6 +152,20 @@ def step_masks(key_start, query_start, shape, window: int | None):
   return query_minus_key >= 0, lookahead
 
 
+def window_interior_end(key_start, diagonal_end, lookahead_end, *, window: int, block_q: int):
+  """CASTLE-SWL: one past the last query block inside the window of every key from
+  `key_start` on, so that its steps need no mask (the lookahead mask s < j <= s + W and
+  the causal one are all true there). The sweep's steps from `diagonal_end` (past the
+  diagonal blocks) up to this one run unmasked; the window's edge, up to `lookahead_end`,
+  stays masked. Never below `diagonal_end` or above `lookahead_end`.
+
+  Block i lies inside the window of key s >= key_start when its last query
+  i * block_q + block_q - 1 <= key_start + W.
+  """
+  last_inside = lax.div(jnp.maximum(key_start + window + 1 - block_q, 0), block_q)
+  return jnp.minimum(lookahead_end, jnp.maximum(diagonal_end, last_inside + 1))
+
+
 def run_on_zeroed_refs(call, types):
   """`call(*refs)` (a Mosaic GPU kernel that writes, or reduce-adds into, refs given as its
   last arguments) on zero-filled refs of `types`; returns their final values.
@@ -466,15 +480,19 @@ def _consume(consumer, program, head, first, lookahead_end, sweep_end, acc_ref, 
 
   keys = wgmma_zeros((block_k, head_dim))
   # Masks: the program's first two query blocks hold both key blocks' diagonals (and
-  # queries before consumer 1's keys); under a window every lookahead step is masked (its
-  # edge moves) and the steps past it need none. Every step after those is unmasked.
+  # queries before consumer 1's keys); under a window so do the steps at its edge (from
+  # the first query block past consumer 0's keys' window on), and the steps past the
+  # window need none. Every other step is unmasked.
   lookahead_step = functools.partial(step, with_lookahead=True)
+  diagonal_end = first + _CONSUMERS
+  keys = lax.fori_loop(first, diagonal_end, functools.partial(lookahead_step, masked=True), keys)
   if window is None:
-    keys = lax.fori_loop(first, first + _CONSUMERS, functools.partial(lookahead_step, masked=True), keys)
-    keys = lax.fori_loop(first + _CONSUMERS, num_query_blocks, functools.partial(lookahead_step, masked=False),
-                         keys)
+    keys = lax.fori_loop(diagonal_end, num_query_blocks, functools.partial(lookahead_step, masked=False), keys)
   else:
-    keys = lax.fori_loop(first, lookahead_end, functools.partial(lookahead_step, masked=True), keys)
+    interior_end = window_interior_end(program * _CONSUMERS * block_k, diagonal_end, lookahead_end, window=window,
+                                       block_q=block_q)
+    keys = lax.fori_loop(diagonal_end, interior_end, functools.partial(lookahead_step, masked=False), keys)
+    keys = lax.fori_loop(interior_end, lookahead_end, functools.partial(lookahead_step, masked=True), keys)
     keys = lax.fori_loop(lookahead_end, sweep_end, functools.partial(step, with_lookahead=False, masked=False),
                          keys)
 
