@@ -1,6 +1,9 @@
 """The Mosaic CASTLE kernels' sigmoid, SiLU and SiLU' (`pallas_kernels.castle.mosaic_math`)
 against jax.nn on CPU, over the whole float32 range the kernels see, ends included."""
 
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,3 +32,16 @@ def test_silu_and_its_gradient_match_autodiff():
   np.testing.assert_allclose(silu_grad, want_grad, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(mosaic_math.silu(x), silu, rtol=0, atol=0)
   np.testing.assert_allclose(mosaic_math.silu_grad(x), silu_grad, rtol=1e-6, atol=1e-7)
+
+
+def test_sigmoid_variants_of_the_ab_benchmark_are_sigmoids():
+  """`benchmarks/castle_mosaic_sigmoid_ab.py` times each variant inside the kernels; each
+  must be a sigmoid (jitted: a compiler folding (y + c) - c would break the polynomial)."""
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+  import castle_mosaic_sigmoid_ab as ab
+  x = _points()
+  for name, variant in ab.VARIANTS.items():
+    got = np.asarray(jax.jit(variant)(x))
+    np.testing.assert_allclose(got, jax.nn.sigmoid(x), rtol=1e-5, atol=1e-6, err_msg=name)
+  y = jnp.linspace(-125.0, 125.0, 100001)
+  np.testing.assert_allclose(jax.jit(ab.exp2_on_fma_units)(y), jnp.exp2(y), rtol=8e-6)

@@ -100,6 +100,7 @@ class _Barriers(NamedTuple):
   grads_ready: object   # dS^T and dL are staged (score -> accumulator warpgroup)
   consumed: object      # the accumulator warpgroup is done with the step's tiles
   staging_free: object  # the score warpgroup's last reduce-add has read `out_smem`
+  epilogue: object      # GPU interpret mode: the accumulator warpgroup's final reduce-adds' reads
 
 
 class _Sweep:
@@ -368,7 +369,12 @@ def _backward_kernel(
     plgpu.barrier_wait(barriers.staging_free)
     for grads, ref, factor in ((dk_c, dk_c_ref, scale), (dv_c, dv_c_ref, 1.0), (dq_u, dq_u_ref, 1.0)):
       for c in chunks:
-        _store_tile(grads[c] * factor, gmem_columns(ref, key_rows, c), out_smem)
+        gmem = gmem_columns(ref, key_rows, c)
+        if key_grads_elsewhere and ref is not dq_u_ref:
+          # The key-side kernel wrote the pairs past the window's share already.
+          reduce_add_tiles([(grads[c] * factor, gmem, out_smem)], barriers.epilogue, with_tma=not interpreted)
+        else:
+          _store_tile(grads[c] * factor, gmem, out_smem)
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -432,31 +438,30 @@ def backward(q_u, k_u, v_u, q_c, k_c, v_c, keys_final, d_out, lse, delta, in_blo
                 probs_ready=plgpu.Barrier(num_arrivals=1),
                 grads_ready=plgpu.Barrier(num_arrivals=1),
                 consumed=plgpu.Barrier(num_arrivals=1),
-                staging_free=plgpu.Barrier(num_arrivals=1)),
+                staging_free=plgpu.Barrier(num_arrivals=1),
+                epilogue=plgpu.Barrier(num_arrivals=1)),
   ]
   launch = key_major_launch(kernel, scratch, length=length, heads=heads, keys_per_program=block_k,
                             interpret=interpret, num_threads=2)
   past_window = dict(scale=scale, window=window, block_q=block_q, block_k=block_k,
                      keys_per_program=config.keys_per_program, interpret=interpret)
-  if split_key_grads:
-    # First: the sweep starts its walk back from these pairs' dD.
-    dk_c_past, dv_c_past, d_keys_past = mosaic_past_window_backward.key_grads(
-        q_c, k_c, keys_final, v_c, d_out, lse, delta, **past_window)
-  inputs = (q_u, k_c, v_c, keys_final, *((d_keys_past,) if split_key_grads else ()), q_c,
-            q_c.astype(LOOKAHEAD_DTYPE), k_u, v_u.astype(LOOKAHEAD_DTYPE), d_out, in_block_t.astype(LOOKAHEAD_DTYPE),
-            lse, delta)
+  query_tiles = (q_c.astype(LOOKAHEAD_DTYPE), k_u, v_u.astype(LOOKAHEAD_DTYPE), d_out,
+                 in_block_t.astype(LOOKAHEAD_DTYPE), lse, delta)
   rows = jax.ShapeDtypeStruct((heads, length, head_dim), jnp.float32)
+  # dQ^C, dK^U, dV^U and dR are reduce-added into; dQ^U is written; dK^C and dV^C are
+  # written, or with `split_key_grads` written by the key-side kernel (with dD, which the
+  # sweep starts its walk back from) and then reduce-added into by the sweep.
+  types = (rows, rows, rows, jax.ShapeDtypeStruct((heads, length, block_q), jnp.float32), rows, rows, rows)
 
-  # dQ^C, dK^U, dV^U and dR are reduce-added into; dQ^U, dK^C, dV^C (after them) are written.
-  def sweeps(*refs):
-    launch(*inputs, *refs)
+  def sweeps(dq_c, dk_u, dv_u, d_in_block, dq_u, dk_c, dv_c, *d_keys):
+    if split_key_grads:
+      mosaic_past_window_backward.key_grads_into(q_c, k_c, keys_final, v_c, d_out, lse, delta, dk_c, dv_c,
+                                                 *d_keys, **past_window)
+    launch(q_u, k_c, v_c, keys_final, *d_keys, q_c, *query_tiles, dq_c, dk_u, dv_u, d_in_block, dq_u, dk_c, dv_c)
     if split:
-      mosaic_past_window_backward.accumulate_query_grads(q_c, k_c, keys_final, v_c, d_out, lse, delta, refs[0],
+      mosaic_past_window_backward.accumulate_query_grads(q_c, k_c, keys_final, v_c, d_out, lse, delta, dq_c,
                                                          **past_window)
 
-  dq_c, dk_u, dv_u, d_in_block, dq_u, dk_c, dv_c = run_on_zeroed_refs(
-      sweeps,
-      (rows, rows, rows, jax.ShapeDtypeStruct((heads, length, block_q), jnp.float32), rows, rows, rows))
-  if split_key_grads:
-    dk_c, dv_c = dk_c + dk_c_past, dv_c + dv_c_past
+  dq_c, dk_u, dv_u, d_in_block, dq_u, dk_c, dv_c, *_ = run_on_zeroed_refs(
+      sweeps, types + ((rows,) if split_key_grads else ()))
   return dq_u, dk_c, dv_c, dq_c, dk_u, dv_u, d_in_block

@@ -318,15 +318,16 @@ def _key_grad_scratch(block_q, block_k, head_dim):
   ]
 
 
-def key_grads(q_c, k_c, keys, v_c, d_out, lse, delta, *, scale: float, window: int, block_q: int, block_k: int,
-              keys_per_program: int, interpret):
-  """The key side's gradients (dK^C, dV^C, dD) from the pairs past the window.
+def key_grads_into(q_c, k_c, keys, v_c, d_out, lse, delta, dk_c_ref, dv_c_ref, d_keys_ref, *, scale: float,
+                   window: int, block_q: int, block_k: int, keys_per_program: int, interpret):
+  """The key side's gradients (dK^C, dV^C, dD) from the pairs past the window, written into
+  zero-filled float32 [BH, L, d] refs: key blocks without such pairs are left as they are.
+
+  The key-major sweep (`mosaic_backward`) runs next inside the same `pl.run_state`: it
+  starts its walk back from `d_keys_ref` and reduce-adds its own dK^C and dV^C into these
+  refs, so no [BH, L, d] sum is left for XLA.
 
   Args: as `accumulate_query_grads`.
-
-  Returns:
-    dk_c, dv_c, d_keys: float32 [BH, L, d]; zero for key blocks without such pairs. The
-    key-major sweep (`mosaic_backward`) then starts its walk back from d_keys.
   """
   heads, length, head_dim = q_c.shape
   check_length(length, block_q, keys_per_program)
@@ -339,6 +340,17 @@ def key_grads(q_c, k_c, keys, v_c, d_out, lse, delta, *, scale: float, window: i
       _key_grad_scratch(block_q, block_k, head_dim), length=length, heads=heads, keys_per_program=block_k,
       interpret=interpret, num_threads=3)
   q_c16, k_c16, keys16, v_c16, d_out16 = _float16_operands(q_c, k_c, keys, v_c, d_out)
-  inputs = (k_c16, keys16, v_c16, q_c16, d_out16, lse, delta)
-  rows = jax.ShapeDtypeStruct((heads, length, head_dim), jnp.float32)
-  return run_on_zeroed_refs(lambda *refs: launch(*inputs, *refs), (rows,) * 3)
+  launch(k_c16, keys16, v_c16, q_c16, d_out16, lse, delta, dk_c_ref, dv_c_ref, d_keys_ref)
+
+
+def key_grads(q_c, k_c, keys, v_c, d_out, lse, delta, **kwargs):
+  """`key_grads_into` on fresh refs.
+
+  Args: as `accumulate_query_grads`.
+
+  Returns:
+    dk_c, dv_c, d_keys: float32 [BH, L, d]; zero for key blocks without pairs past the window.
+  """
+  rows = jax.ShapeDtypeStruct(q_c.shape, jnp.float32)
+  return run_on_zeroed_refs(
+      lambda *refs: key_grads_into(q_c, k_c, keys, v_c, d_out, lse, delta, *refs, **kwargs), (rows,) * 3)
