@@ -367,11 +367,13 @@ def _backward_kernel(
     zeros = [wgmma_zeros(chunk_tile) for _ in chunks]
     dk_c, dv_c, dq_u = sweep.run(step, (zeros, zeros, zeros))
     plgpu.barrier_wait(barriers.staging_free)
-    for grads, ref, factor in ((dk_c, dk_c_ref, scale), (dv_c, dv_c_ref, 1.0), (dq_u, dq_u_ref, 1.0)):
+    # With `key_grads_elsewhere` the key-side kernel has written the share of the pairs past
+    # the window into dK^C and dV^C already.
+    for grads, ref, factor, add in ((dk_c, dk_c_ref, scale, key_grads_elsewhere),
+                                    (dv_c, dv_c_ref, 1.0, key_grads_elsewhere), (dq_u, dq_u_ref, 1.0, False)):
       for c in chunks:
         gmem = gmem_columns(ref, key_rows, c)
-        if key_grads_elsewhere and ref is not dq_u_ref:
-          # The key-side kernel wrote the pairs past the window's share already.
+        if add:
           reduce_add_tiles([(grads[c] * factor, gmem, out_smem)], barriers.epilogue, with_tma=not interpreted)
         else:
           _store_tile(grads[c] * factor, gmem, out_smem)
