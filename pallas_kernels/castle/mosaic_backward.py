@@ -221,9 +221,10 @@ def _backward_kernel(
         plgpu.commit_smem()  # the next copy overwrites what was just read
       return state
 
-    keys = load_state(keys_ref)
-    d_keys = [wgmma_zeros(chunk_tile) for _ in chunks] if d_keys_ref is None else load_state(d_keys_ref)
-    plgpu.barrier_wait(barriers.keys)
+    with jax.named_scope("prologue: D, dD and the key tiles"):
+      keys = load_state(keys_ref)
+      d_keys = [wgmma_zeros(chunk_tile) for _ in chunks] if d_keys_ref is None else load_state(d_keys_ref)
+      plgpu.barrier_wait(barriers.keys)
 
     def stage_keys(keys):
       for c in chunks:
@@ -339,7 +340,8 @@ def _backward_kernel(
 
   @pl.when(warpgroup == _ACCUMULATOR_WARPGROUP)
   def _():
-    plgpu.barrier_wait(barriers.keys)
+    with jax.named_scope("prologue: the key tiles"):
+      plgpu.barrier_wait(barriers.keys)
 
     def step(_, carry, *, with_lookahead: bool, masked: bool, with_query_grad: bool):
       del masked, with_query_grad  # only the score warpgroup masks and computes dQ^C
