@@ -10,7 +10,7 @@ Variants (each replaces `mosaic_math.sigmoid`, from which SiLU and SiLU' are bui
 - rsqrt:  rsqrt(1 + e^-x)^2, two MUFU instructions (ex2, rsqrt), the kernels' choice;
 - tanh:   0.5 + 0.5 tanh(x / 2), one MUFU instruction (tanh.approx.f32, ~2^-11
           relative error): shows how much the MUFU unit limits a kernel;
-- poly:   rsqrt(1 + 2^y)^2 with 2^y on the FMA units (degree-4 polynomial, 3.6e-6
+- poly:   rsqrt(1 + 2^y)^2 with 2^y on the FMA units (degree-4 polynomial, 7.3e-6
           relative error; Cody-Waite split through the float32 exponent bits): one MUFU
           instruction, ten more FMA/ALU ones.
 Prints each kernel's time per variant and its outputs' largest difference from
