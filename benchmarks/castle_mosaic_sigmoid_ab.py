@@ -31,10 +31,8 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from castle_mosaic_swl_kernels import HEAD_DIM, kernel_inputs, past_window_pairs  # noqa: E402
-from pallas_kernels.castle import mosaic_forward, mosaic_math, mosaic_past_window  # noqa: E402
-from pallas_kernels.castle import mosaic_past_window_backward  # noqa: E402
-from pallas_kernels.castle.mosaic_config import CastleMosaicConfig  # noqa: E402
+from castle_mosaic_swl_kernels import HEAD_DIM, kernel_inputs, past_window_pairs, split_kernels  # noqa: E402
+from pallas_kernels.castle import mosaic_math  # noqa: E402
 from timing import median_ms  # noqa: E402
 
 _ROUND_TO_INTEGER = 12582912.0   # 1.5 * 2^23: adding it rounds a float32 below 2^22 to an integer
@@ -68,42 +66,27 @@ VARIANTS = {
     "poly": _poly_sigmoid,
 }
 
+# The kernels of `castle_mosaic_swl_kernels.split_kernels`.
+KERNELS = ("fwd_window", "fwd_past", "bwd_dq", "bwd_keys")
+
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--variants", default="divide,rsqrt,tanh,poly")
-  parser.add_argument("--kernels", default="fwd_window,fwd_past,bwd_dq,bwd_keys")
+  parser.add_argument("--kernels", default=",".join(KERNELS))
   parser.add_argument("--heads", type=int, default=18, help="batch x heads")
   parser.add_argument("--seq", type=int, default=16384)
   parser.add_argument("--window", type=int, default=512)
   parser.add_argument("--iters", type=int, default=5)
   args = parser.parse_args(argv)
+  for flag, names, known in (("--variants", args.variants, VARIANTS), ("--kernels", args.kernels, KERNELS)):
+    unknown = [name for name in names.split(",") if name not in known]
+    if unknown:
+      parser.error(f"{flag}: unknown {unknown}; choose from {list(known)}")
   heads, seq, window = args.heads, args.seq, args.window
   t0 = time.time()
   data = kernel_inputs(heads, seq, window)
   print(f"inputs {time.time() - t0:.0f}s", flush=True)
-  keys = data.lookahead_keys
-  past = dict(scale=data.scale, window=window, block_q=64, block_k=64, keys_per_program=128, interpret=None)
-  rows = jax.ShapeDtypeStruct((heads, seq, HEAD_DIM), jnp.float32)
-  sums_type = jax.ShapeDtypeStruct((heads, seq), jnp.float32)
-
-  kernels = {
-      "fwd_window": lambda: jax.jit(lambda *a: mosaic_forward.run_on_zeroed_refs(
-          lambda *refs: mosaic_forward.forward_into(
-              *a, data.in_block_t, data.shift, *refs, config=CastleMosaicConfig(), past_window=False,
-              scale=data.scale, window=window, interpret=None),
-          mosaic_forward.accumulator_types(a[3]))),
-      "fwd_past": lambda: jax.jit(lambda *a: mosaic_forward.run_on_zeroed_refs(
-          lambda acc_ref, sums_ref: mosaic_past_window.accumulate_past_window(
-              a[3].astype(jnp.float16), a[4].astype(jnp.float16), keys, a[5], data.shift, acc_ref, sums_ref,
-              **past),
-          (rows, sums_type))),
-      "bwd_dq": lambda: jax.jit(lambda *a: mosaic_forward.run_on_zeroed_refs(
-          lambda dq_ref: mosaic_past_window_backward.accumulate_query_grads(
-              a[3], a[4], keys, a[5], data.d_out, data.lse, data.delta, dq_ref, **past), (rows,))),
-      "bwd_keys": lambda: jax.jit(lambda *a: mosaic_past_window_backward.key_grads(
-          a[3], a[4], keys, a[5], data.d_out, data.lse, data.delta, **past)),
-  }
   product = 2 * past_window_pairs(heads, seq, window) * HEAD_DIM
   flops = {"fwd_past": 3 * product, "bwd_dq": 5 * product, "bwd_keys": 6 * product}
   variants = args.variants.split(",")
@@ -113,7 +96,7 @@ def main(argv=None) -> int:
     for variant in variants:
       mosaic_math.sigmoid = VARIANTS[variant]
       t0 = time.time()
-      fn = kernels[name]()
+      fn = split_kernels(data, window)[name]   # traced anew with this sigmoid
       outs[variant] = jax.block_until_ready(fn(*data.inputs))
       ms = median_ms(fn, [data.inputs], args.iters)
       rate = f"{flops[name] / ms / 1e9:.0f}" if name in flops else ""

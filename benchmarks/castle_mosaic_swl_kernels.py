@@ -64,6 +64,35 @@ def kernel_inputs(heads: int, seq: int, window: int | None) -> KernelInputs:
   return KernelInputs(inputs, d_out, shift, in_block_t, lookahead_keys, lse, delta, scale)
 
 
+def split_kernels(data: KernelInputs, window: int, step_keys: int = 128) -> dict:
+  """Fresh jitted calls, each of the six inputs, of the CASTLE-SWL split's kernels alone on
+  `data`'s residuals: "fwd_window" (the key-major forward up to `key_major_sweep_end`),
+  "fwd_past" (the query-major forward past the window, `step_keys` keys per step),
+  "bwd_dq" (the query-major dQ^C kernel) and "bwd_keys" (the key-side kernel). Fresh on
+  every call, so that each traces the kernels' current code."""
+  heads, seq, _ = data.inputs[0].shape
+  keys, shift, scale = data.lookahead_keys, data.shift, data.scale
+  residuals = (data.d_out, data.lse, data.delta)
+  past = dict(scale=scale, window=window, block_q=64, block_k=64, keys_per_program=128, interpret=None)
+  rows = jax.ShapeDtypeStruct((heads, seq, HEAD_DIM), jnp.float32)
+  sums_type = jax.ShapeDtypeStruct((heads, seq), jnp.float32)
+  return {
+      "fwd_window": jax.jit(lambda *a: mosaic_forward.run_on_zeroed_refs(
+          lambda *refs: mosaic_forward.forward_into(*a, data.in_block_t, shift, *refs, config=CastleMosaicConfig(),
+                                                    past_window=False, scale=scale, window=window, interpret=None),
+          mosaic_forward.accumulator_types(a[3]))),
+      "fwd_past": jax.jit(lambda *a: mosaic_forward.run_on_zeroed_refs(
+          lambda acc_ref, sums_ref: mosaic_past_window.accumulate_past_window(
+              a[3].astype(jnp.float16), a[4].astype(jnp.float16), keys, a[5], shift, acc_ref, sums_ref,
+              **dict(past, block_k=step_keys)),
+          (rows, sums_type))),
+      "bwd_dq": jax.jit(lambda *a: mosaic_forward.run_on_zeroed_refs(
+          lambda dq_ref: mosaic_past_window_backward.accumulate_query_grads(
+              a[3], a[4], keys, a[5], *residuals, dq_ref, **past), (rows,))),
+      "bwd_keys": jax.jit(lambda *a: mosaic_past_window_backward.key_grads(a[3], a[4], keys, a[5], *residuals, **past)),
+  }
+
+
 def past_window_pairs(heads: int, seq: int, window: int) -> int:
   """(query, key) pairs that the query-major kernels sweep."""
   programs = seq // 128
@@ -87,46 +116,29 @@ def main(argv=None) -> int:
   split, key_major = CastleMosaicConfig(), CastleMosaicConfig(past_window="key_major")
   key_grads_in_sweep = CastleMosaicConfig(past_window_key_grads="key_major_sweep")
   common = dict(scale=scale, window=window, interpret=None)
-  past = dict(scale=scale, window=window, block_q=64, block_k=64, keys_per_program=128, interpret=None)
 
   def forward(config, module):
     return jax.jit(lambda *a: module.forward(*a, in_block_t, shift, config=config, **common))
-
-  rows = jax.ShapeDtypeStruct((heads, seq, HEAD_DIM), jnp.float32)
-  sums_type = jax.ShapeDtypeStruct((heads, seq), jnp.float32)
-
-  window_part = jax.jit(lambda *a: mosaic_forward.run_on_zeroed_refs(
-      lambda *refs: mosaic_forward.forward_into(*a, in_block_t, shift, *refs, config=split, past_window=False,
-                                                **common), mosaic_forward.accumulator_types(a[3])))
-  def query_major(step_keys):
-    return jax.jit(lambda *a: mosaic_forward.run_on_zeroed_refs(
-        lambda acc_ref, sums_ref: mosaic_past_window.accumulate_past_window(
-            a[3].astype(jnp.float16), a[4].astype(jnp.float16), lookahead_keys, a[5], shift, acc_ref, sums_ref,
-            **dict(past, block_k=step_keys)),
-        (rows, sums_type)))
 
   def backward(config):
     return jax.jit(lambda *a: mosaic_backward.backward(*a, lookahead_keys, d_out, lse, delta, in_block_t,
                                                        config=config, **common))
 
-  query_grads = jax.jit(lambda *a: mosaic_forward.run_on_zeroed_refs(
-      lambda dq_ref: mosaic_past_window_backward.accumulate_query_grads(
-          a[3], a[4], lookahead_keys, a[5], d_out, lse, delta, dq_ref, **past), (rows,)))
-  key_grads = jax.jit(lambda *a: mosaic_past_window_backward.key_grads(
-      a[3], a[4], lookahead_keys, a[5], d_out, lse, delta, **past))
+  kernels = split_kernels(data, window)
   pairs = past_window_pairs(heads, seq, window)
   product = 2 * pairs * HEAD_DIM   # FLOPs of one [*, d] product over the past-window pairs
   candidates = [
       ("fwd key-major, all pairs", forward(key_major, mosaic_forward), None),
       ("fwd split (both kernels)", forward(split, mosaic_past_window), None),
-      ("fwd key-major, window part", window_part, None),
-      ("fwd query-major, past window (128-key steps)", query_major(128), 3 * product),
-      ("fwd query-major, past window (64-key steps)", query_major(64), 3 * product),
+      ("fwd key-major, window part", kernels["fwd_window"], None),
+      ("fwd query-major, past window (128-key steps)", kernels["fwd_past"], 3 * product),
+      ("fwd query-major, past window (64-key steps)", split_kernels(data, window, step_keys=64)["fwd_past"],
+       3 * product),
       ("bwd key-major, all pairs", backward(key_major), None),
       ("bwd split (all three kernels)", backward(split), None),
       ("bwd split, key side in the key-major sweep", backward(key_grads_in_sweep), None),
-      ("bwd query-major dQ^C, past window", query_grads, 5 * product),
-      ("bwd key-side kernel (dK^C, dV^C, dD), past window", key_grads, 6 * product),
+      ("bwd query-major dQ^C, past window", kernels["bwd_dq"], 5 * product),
+      ("bwd key-side kernel (dK^C, dV^C, dD), past window", kernels["bwd_keys"], 6 * product),
   ]
   only = args.only.split(",") if args.only else None
   results = []
