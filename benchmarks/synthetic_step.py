@@ -1,5 +1,6 @@
 """The jitted, sharded train step of a config timed on synthetic tokens (no input pipeline):
-`measure` and the per-op GPU time of a trace, shared by train_throughput.py and train_loop.py."""
+`measure`, the per-op GPU time of a trace and the overlap of compute and collectives in it
+(`timeline_breakdown`), shared by train_throughput.py, train_loop.py and multi_gpu.py."""
 
 from __future__ import annotations
 
@@ -122,3 +123,71 @@ def device_time_by_op(profile_dir: str, top: int = 25) -> list[tuple[str, str, f
     print(f"no device op lines in the trace; planes/lines found: {sorted((p.name, l.name) for p, l in lines)[:40]}")
   rows = sorted(((l, n, ms, c) for (l, n), (ms, c) in totals.items()), key=lambda r: -r[2])
   return rows[:top]
+
+
+def _union_ns(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+  """Sorted, disjoint cover of [start, end) intervals."""
+  merged: list[tuple[int, int]] = []
+  for start, end in sorted(intervals):
+    if merged and start <= merged[-1][1]:
+      merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+    else:
+      merged.append((start, end))
+  return merged
+
+
+def _covered_ns(intervals: list[tuple[int, int]]) -> int:
+  return sum(end - start for start, end in intervals)
+
+
+def _minus_ns(cover: list[tuple[int, int]], holes: list[tuple[int, int]]) -> int:
+  """Length of `cover` outside `holes` (both disjoint and sorted)."""
+  total, j = 0, 0
+  for start, end in cover:
+    position = start
+    while j < len(holes) and holes[j][1] <= position:
+      j += 1
+    k = j
+    while position < end:
+      if k < len(holes) and holes[k][0] < end:
+        total += max(0, holes[k][0] - position)
+        position = max(position, holes[k][1])
+        k += 1
+      else:
+        total += end - position
+        position = end
+  return total
+
+
+def busy_breakdown(kernels: list[tuple[int, int, bool]], steps: int) -> dict[str, float]:
+  """Per-step milliseconds of one device's kernels [(start_ns, end_ns, is_collective)]:
+  `span` (first start to last end), `compute` and `collective` (time some kernel of that kind
+  runs), `exposed_collective` (a collective runs and no compute kernel does: the time data
+  parallelism adds when nothing hides it) and `idle` (no kernel at all: launch or host gaps)."""
+  compute = _union_ns([(s, e) for s, e, c in kernels if not c])
+  collective = _union_ns([(s, e) for s, e, c in kernels if c])
+  every = _union_ns([(s, e) for s, e, _ in kernels])
+  span = (every[-1][1] - every[0][0]) if every else 0
+  per_step = lambda ns: ns / 1e6 / steps  # noqa: E731
+  return {"span": per_step(span), "compute": per_step(_covered_ns(compute)),
+          "collective": per_step(_covered_ns(collective)),
+          "exposed_collective": per_step(_minus_ns(collective, compute)),
+          "idle": per_step(span - _covered_ns(every))}
+
+
+COLLECTIVE_KERNEL_MARKERS = ("nccl", "all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+
+
+def timeline_breakdown(profile_dir: str, steps: int) -> dict[str, dict[str, float]]:
+  """`busy_breakdown` of every GPU in the newest trace under profile_dir (kernel events of
+  its "Stream" lines; NCCL kernels are the collectives), keyed by device plane name."""
+  paths = glob.glob(os.path.join(profile_dir, "**", "*.xplane.pb"), recursive=True)
+  result = {}
+  for plane in jax.profiler.ProfileData.from_file(max(paths, key=os.path.getmtime)).planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    kernels = [(e.start_ns, e.end_ns, any(m in e.name.lower() for m in COLLECTIVE_KERNEL_MARKERS))
+               for line in plane.lines if line.name.startswith("Stream") for e in line.events]
+    if kernels:
+      result[plane.name] = busy_breakdown(kernels, steps)
+  return result

@@ -48,7 +48,7 @@ from castle_jax.layers.mlp import SwiGLU
 from castle_jax.layers.norms import RMSNorm
 from castle_jax.config import ModelConfig
 from castle_jax.models.family_options import parse_family_options
-from castle_jax.models.transformer import next_token_losses
+from castle_jax.models.transformer import next_token_losses, rematerialized
 from castle_jax.ops.gca import gca_attention, retrieval_scores, select_chunks
 from castle_jax.sharding import constrain, with_axes
 
@@ -294,7 +294,7 @@ class DRT(nn.Module):
                           cfg.weights_dtype)
     x = insert_landmarks(embed(tokens), landmark, size)
     x = constrain(x, ("batch", "act_length", "act_embed"))
-    block = nn.remat(DRTBlock, prevent_cse=False, policy=cfg.checkpoint_policy) if cfg.remat else DRTBlock
+    block = rematerialized(DRTBlock, cfg)
 
     lower = cfg.n_layers // 2
     for layer in range(lower):

@@ -43,6 +43,19 @@ class DecoderBlock(nn.Module):
     return constrain(x, ("batch", "act_length", "act_embed")), cache
 
 
+def rematerialized(block_cls, config: ModelConfig):
+  """block_cls under `nn.remat` with the config's policy when model.remat is set, else block_cls.
+
+  The blocks are not scanned, so the recomputed forward is fenced off (prevent_cse=True):
+  without the fence XLA merges it with the original forward as common subexpressions on one
+  GPU (remat then saves no memory), while under a device mesh the shard_map around the
+  kernels keeps it, so the same model ran 25% more attention work on N devices than on one.
+  """
+  if not config.remat:
+    return block_cls
+  return nn.remat(block_cls, prevent_cse=True, policy=config.checkpoint_policy)
+
+
 class TransformerLM(nn.Module):
   """Decoder-only language model.
 
@@ -74,9 +87,7 @@ class TransformerLM(nn.Module):
     embed = token_embedding(cfg, "embed")
     x = constrain(embed(tokens), ("batch", "act_length", "act_embed"))
 
-    block_cls = DecoderBlock
-    if cfg.remat and caches is None:
-      block_cls = nn.remat(DecoderBlock, prevent_cse=False, policy=cfg.checkpoint_policy)
+    block_cls = rematerialized(DecoderBlock, cfg) if caches is None else DecoderBlock
     new_caches = []
     for layer in range(cfg.n_layers):
       x, cache = block_cls(cfg, name=f"block_{layer}")(x, positions, None if caches is None else caches[layer], tree)
