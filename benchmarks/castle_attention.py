@@ -1,6 +1,6 @@
 """CASTLE attention speed and memory next to standard attention, in one run.
 
-    python benchmarks/castle_attention.py [--seq_lens=2048,8192,16384] [--tokens=32768] \
+    python -m benchmarks.castle_attention [--seq_lens=2048,8192,16384] [--tokens=32768] \
         [--impls=xla,cudnn] [--window=512] [--json=out.json]
 
 For each sequence length T the batch is tokens // T (the CASTLE paper's XL attention
@@ -35,28 +35,31 @@ import jax.numpy as jnp
 from castle_jax.ops.attention import causal_attention
 from castle_jax.ops.castle import castle_attention
 from pallas_kernels.castle import CastleKernelConfig
-from timing import error_text, run_meta, time_forward_and_gradients, torch_median_ms, write_json
+from benchmarks.timing import error_text, run_meta, time_forward_and_gradients, torch_median_ms, write_json
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
   name: str
   heads: int
-  num_inputs: int            # 6 for CASTLE, 3 for standard attention
-  fn: Callable               # (*inputs) -> out
+  num_inputs: int  # 6 for CASTLE, 3 for standard attention
+  fn: Callable  # (*inputs) -> out
   castle: bool
 
 
 def _castle_case(impl: str, heads: int, window, block_size: int, pallas_config=None, label: str = "") -> Case:
   def fn(*inputs):
-    return castle_attention(*inputs, window=window, implementation=impl, block_size=block_size,
-                            pallas_config=pallas_config)
+    return castle_attention(
+      *inputs, window=window, implementation=impl, block_size=block_size, pallas_config=pallas_config
+    )
+
   return Case(f"castle_{impl}{label}", heads, 6, fn, True)
 
 
 def _standard_case(impl: str, heads: int) -> Case:
   def fn(q, k, v):
     return causal_attention(q, k, v, implementation=impl)
+
   return Case("mha_cudnn" if impl == "cudnn" else "mha_xla", heads, 3, fn, False)
 
 
@@ -104,19 +107,22 @@ def measure_peer(batch: int, seq: int, heads: int, head_dim: int, iters: int) ->
   try:
     import torch
     from lookahead_keys_attention.lookahead_keys_attention_triton import castle_attention_triton
+
     generator = torch.Generator(device="cuda").manual_seed(0)
     shape = (batch, heads, seq, head_dim)
-    inputs = [torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=generator).requires_grad_()
-              for _ in range(6)]
+    inputs = [
+      torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=generator).requires_grad_() for _ in range(6)
+    ]
     cotangent = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=generator)
     with torch.no_grad():
-      result["fwd_ms"] = torch_median_ms(lambda: castle_attention_triton(*inputs, head_dim ** -0.5, False), iters,
-                                         warmup=1)
+      result["fwd_ms"] = torch_median_ms(
+        lambda: castle_attention_triton(*inputs, head_dim**-0.5, False), iters, warmup=1
+      )
 
     def forward_backward():
       for x in inputs:
         x.grad = None
-      castle_attention_triton(*inputs, head_dim ** -0.5, False).backward(cotangent)
+      castle_attention_triton(*inputs, head_dim**-0.5, False).backward(cotangent)
 
     result["fwd_bwd_ms"] = torch_median_ms(forward_backward, iters, warmup=1)
   except Exception as e:  # a missing or failing peer must not lose the other rows
@@ -133,15 +139,22 @@ def main(argv=None) -> int:
   parser.add_argument("--head_dim", type=int, default=128)
   parser.add_argument("--window", type=int, default=0, help="CASTLE-SWL window; 0 = full CASTLE")
   parser.add_argument("--block_size", type=int, default=64, help="block size of the XLA blockwise path")
-  parser.add_argument("--impls", default="xla,cudnn",
-                      help="comma list of: xla, pallas, reference (CASTLE); cudnn, xla_mha (standard)")
-  parser.add_argument("--pallas_configs", default="",
-                      help="';'-separated kernel configs of CastleKernelConfig fields as key=value, e.g. "
-                           "'block_q=32,block_k=64;block_q=64,lookahead_operands=split', each timed as its own "
-                           "row (default: the heuristic config)")
-  parser.add_argument("--peer_seq_lens", default="",
-                      help="comma list of lengths at which to time the PyPI lookahead-keys-attention kernel's "
-                           "forward and forward+backward (slow: ~1.3 s per forward at 2K)")
+  parser.add_argument(
+    "--impls", default="xla,cudnn", help="comma list of: xla, pallas, reference (CASTLE); cudnn, xla_mha (standard)"
+  )
+  parser.add_argument(
+    "--pallas_configs",
+    default="",
+    help="';'-separated kernel configs of CastleKernelConfig fields as key=value, e.g. "
+    "'block_q=32,block_k=64;block_q=64,lookahead_operands=split', each timed as its own "
+    "row (default: the heuristic config)",
+  )
+  parser.add_argument(
+    "--peer_seq_lens",
+    default="",
+    help="comma list of lengths at which to time the PyPI lookahead-keys-attention kernel's "
+    "forward and forward+backward (slow: ~1.3 s per forward at 2K)",
+  )
   parser.add_argument("--peer_iters", type=int, default=3)
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--dtype", default="bfloat16")
@@ -181,8 +194,9 @@ def main(argv=None) -> int:
     row = measure_peer(args.tokens // seq, seq, args.heads, args.head_dim, args.peer_iters)
     if "error" not in row:
       row["fwd_tflops"] = forward_flops(cases[0], row["batch"], seq, args.head_dim, window) / row["fwd_ms"] / 1e9
-      ours = next((r for r in rows if r["seq"] == seq and r["impl"].startswith("castle_pallas") and "error" not in r),
-                  None)
+      ours = next(
+        (r for r in rows if r["seq"] == seq and r["impl"].startswith("castle_pallas") and "error" not in r), None
+      )
       if ours:
         row["peer_over_ours_fwd"] = row["fwd_ms"] / ours["fwd_ms"]
         if "fwd_bwd_ms" in row:
@@ -192,8 +206,7 @@ def main(argv=None) -> int:
 
   baseline_name = next((c.name for c in cases if not c.castle), None)
   for row in rows:
-    base = next((r for r in rows if r["impl"] == baseline_name and r["seq"] == row["seq"] and "error" not in r),
-                None)
+    base = next((r for r in rows if r["impl"] == baseline_name and r["seq"] == row["seq"] and "error" not in r), None)
     if base and "error" not in row and "fwd_bwd_ms" in row:
       row["fwd_ratio"] = row["fwd_ms"] / base["fwd_ms"]
       row["fwd_bwd_ratio"] = row["fwd_bwd_ms"] / base["fwd_bwd_ms"]
@@ -203,8 +216,10 @@ def main(argv=None) -> int:
 
   print(f"\n{meta['device']} | jax {meta['jax']} | {args.dtype} | window {window} | {args.tokens} tokens")
   width = max(18, max(len(c.name) for c in cases) + 1)
-  header = f"{'impl':<{width}}{'B x T':>12}{'H':>4}{'fwd ms':>10}{'fwd+bwd ms':>12}{'fwd TF/s':>10}" \
-           f"{'f+b TF/s':>10}{'x base f+b':>11}{'peak GiB':>10}"
+  header = (
+    f"{'impl':<{width}}{'B x T':>12}{'H':>4}{'fwd ms':>10}{'fwd+bwd ms':>12}{'fwd TF/s':>10}"
+    f"{'f+b TF/s':>10}{'x base f+b':>11}{'peak GiB':>10}"
+  )
   print(header)
   for r in rows:
     if "error" in r:
@@ -212,13 +227,17 @@ def main(argv=None) -> int:
       continue
     if r["impl"] == "peer_pypi_triton":
       nan = float("nan")
-      print(f"{r['impl']:<{width}}{r['batch']:>5} x {r['seq']:<6}{r['heads']:>4}{r['fwd_ms']:>10.2f}"
-            f"{r.get('fwd_bwd_ms', nan):>12.2f}{r['fwd_tflops']:>10.2f}  peer / ours: fwd "
-            f"{r.get('peer_over_ours_fwd', nan):.0f}x, fwd+bwd {r.get('peer_over_ours_fwd_bwd', nan):.0f}x")
+      print(
+        f"{r['impl']:<{width}}{r['batch']:>5} x {r['seq']:<6}{r['heads']:>4}{r['fwd_ms']:>10.2f}"
+        f"{r.get('fwd_bwd_ms', nan):>12.2f}{r['fwd_tflops']:>10.2f}  peer / ours: fwd "
+        f"{r.get('peer_over_ours_fwd', nan):.0f}x, fwd+bwd {r.get('peer_over_ours_fwd_bwd', nan):.0f}x"
+      )
       continue
-    print(f"{r['impl']:<{width}}{r['batch']:>5} x {r['seq']:<6}{r['heads']:>4}{r['fwd_ms']:>10.2f}{r['fwd_bwd_ms']:>12.2f}"
-          f"{r['fwd_tflops']:>10.1f}{r['fwd_bwd_tflops']:>10.1f}{r.get('fwd_bwd_ratio', float('nan')):>11.2f}"
-          f"{r['peak_gib']:>10.2f}")
+    print(
+      f"{r['impl']:<{width}}{r['batch']:>5} x {r['seq']:<6}{r['heads']:>4}{r['fwd_ms']:>10.2f}{r['fwd_bwd_ms']:>12.2f}"
+      f"{r['fwd_tflops']:>10.1f}{r['fwd_bwd_tflops']:>10.1f}{r.get('fwd_bwd_ratio', float('nan')):>11.2f}"
+      f"{r['peak_gib']:>10.2f}"
+    )
   return 0
 
 

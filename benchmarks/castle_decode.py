@@ -1,6 +1,6 @@
 """One-token decoding step: CASTLE's UQ-KV cache next to a standard KV cache, in one run.
 
-    python benchmarks/castle_decode.py [--batch=64] [--length=16384] [--heads=9] \
+    python -m benchmarks.castle_decode [--batch=64] [--length=16384] [--heads=9] \
         [--baseline_heads=16] [--head_dim=128] [--window=512] [--impls=xla,pallas] \
         [--decode_configs='block_rows=64;block_rows=128,num_warps=8'] [--json=out.json]
 
@@ -29,7 +29,7 @@ from castle_jax.ops.attention import KVCache
 from castle_jax.ops.attention import causal_mask, masked_attention
 from castle_jax.ops.castle import UQKVCache, decode_step
 from pallas_kernels.castle import CastleDecodeConfig
-from timing import run_meta, write_json
+from benchmarks.timing import run_meta, write_json
 
 
 def _cache_bytes(cache) -> int:
@@ -59,19 +59,25 @@ def castle_row(batch, length, heads, head_dim, window, dtype, iters, implementat
   full = (batch, capacity, heads, head_dim)
   query_rows = capacity if window is None else min(window, capacity)
   cache = UQKVCache(
-      lookahead_keys=_filled(full, dtype, keys[0]),
-      lookahead_queries=_filled((batch, query_rows, heads, head_dim), dtype, keys[1]),
-      causal_keys=_filled(full, dtype, keys[2]),
-      causal_values=_filled(full, dtype, keys[3]),
-      length=jnp.asarray(length, jnp.int32), window=window)
+    lookahead_keys=_filled(full, dtype, keys[0]),
+    lookahead_queries=_filled((batch, query_rows, heads, head_dim), dtype, keys[1]),
+    causal_keys=_filled(full, dtype, keys[2]),
+    causal_values=_filled(full, dtype, keys[3]),
+    length=jnp.asarray(length, jnp.int32),
+    window=window,
+  )
   token = tuple(_filled((batch, 1, heads, head_dim), dtype, k) for k in keys[4:10])
-  step = jax.jit(functools.partial(decode_step, implementation=implementation, pallas_config=config),
-                 donate_argnums=0)
+  step = jax.jit(functools.partial(decode_step, implementation=implementation, pallas_config=config), donate_argnums=0)
   name = "castle" if window is None else f"castle_swl(W={window})"
   name += f" {implementation}" + (f" {_config_label(config)}" if config else "")
-  return {"impl": name, "implementation": implementation, "config": config and dataclasses.asdict(config),
-          "heads": heads, "step_ms": _time_steps(step, cache, token, iters),
-          "cache_gib": _cache_bytes(cache) / 2**30}
+  return {
+    "impl": name,
+    "implementation": implementation,
+    "config": config and dataclasses.asdict(config),
+    "heads": heads,
+    "step_ms": _time_steps(step, cache, token, iters),
+    "cache_gib": _cache_bytes(cache) / 2**30,
+  }
 
 
 def _config_label(config):
@@ -95,9 +101,12 @@ def mha_row(batch, length, heads, head_dim, dtype, iters):
     cache = cache.append(k, v)
     return masked_attention(q, cache.keys, cache.values, causal_mask(positions, cache.key_positions())), cache
 
-  return {"impl": "mha_kv_cache", "heads": heads,
-          "step_ms": _time_steps(jax.jit(step, donate_argnums=0), cache, token, iters),
-          "cache_gib": _cache_bytes(cache) / 2**30}
+  return {
+    "impl": "mha_kv_cache",
+    "heads": heads,
+    "step_ms": _time_steps(jax.jit(step, donate_argnums=0), cache, token, iters),
+    "cache_gib": _cache_bytes(cache) / 2**30,
+  }
 
 
 def main(argv=None) -> int:
@@ -109,9 +118,12 @@ def main(argv=None) -> int:
   parser.add_argument("--head_dim", type=int, default=128)
   parser.add_argument("--window", type=int, default=512, help="CASTLE-SWL window (0: skip SWL)")
   parser.add_argument("--impls", default="xla,pallas", help="CASTLE decoding steps to time: xla, pallas")
-  parser.add_argument("--decode_configs", default="",
-                      help="';'-separated Pallas kernel tilings, CastleDecodeConfig fields as key=value, e.g. "
-                           "'block_rows=64,splits=8;block_rows=128' (default: one row with the default)")
+  parser.add_argument(
+    "--decode_configs",
+    default="",
+    help="';'-separated Pallas kernel tilings, CastleDecodeConfig fields as key=value, e.g. "
+    "'block_rows=64,splits=8;block_rows=128' (default: one row with the default)",
+  )
   parser.add_argument("--iters", type=int, default=20)
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--json", default=None)
@@ -124,20 +136,27 @@ def main(argv=None) -> int:
     for implementation in args.impls.split(","):
       configs = _parse_configs(args.decode_configs) if implementation == "pallas" else [None]
       for config in configs:
-        rows.append(castle_row(args.batch, args.length, args.heads, args.head_dim, window, dtype, args.iters,
-                               implementation, config))
+        rows.append(
+          castle_row(
+            args.batch, args.length, args.heads, args.head_dim, window, dtype, args.iters, implementation, config
+          )
+        )
   base = rows[0]
   for row in rows:
     row["step_ratio"] = row["step_ms"] / base["step_ms"]
     row["cache_ratio"] = row["cache_gib"] / base["cache_gib"]
   meta = run_meta(batch=args.batch, length=args.length, head_dim=args.head_dim, dtype=args.dtype)
   write_json(args.json, meta, rows=rows)
-  print(f"\n{meta['device']} | jax {meta['jax']} | batch {args.batch} | cache length {args.length} | "
-        f"head_dim {args.head_dim} | {args.dtype}")
+  print(
+    f"\n{meta['device']} | jax {meta['jax']} | batch {args.batch} | cache length {args.length} | "
+    f"head_dim {args.head_dim} | {args.dtype}"
+  )
   print(f"{'impl':<36}{'heads':>6}{'step ms':>10}{'x mha':>8}{'cache GiB':>11}{'x mha':>8}")
   for r in rows:
-    print(f"{r['impl']:<36}{r['heads']:>6}{r['step_ms']:>10.3f}{r['step_ratio']:>8.2f}{r['cache_gib']:>11.2f}"
-          f"{r['cache_ratio']:>8.2f}")
+    print(
+      f"{r['impl']:<36}{r['heads']:>6}{r['step_ms']:>10.3f}{r['step_ratio']:>8.2f}{r['cache_gib']:>11.2f}"
+      f"{r['cache_ratio']:>8.2f}"
+    )
   return 0
 
 

@@ -1,6 +1,6 @@
 """CASTLE Pallas kernels timed alone (forward kernel, backward kernel), per kernel config.
 
-    python benchmarks/castle_kernels.py [--seq=16384] [--tokens=32768] \\
+    python -m benchmarks.castle_kernels [--seq=16384] [--tokens=32768] \\
         [--configs='block_q=32,block_k=64;block_q=32,block_k=64,lookahead_operands=split'] \\
         [--without_atomics] [--flash_reference] [--json=out.json]
 
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.castle import CastleKernelConfig, kernels, ops
-from timing import error_text, median_ms, run_meta, write_json
+from benchmarks.timing import error_text, median_ms, run_meta, write_json
 
 
 def _store_instead_of_atomic_add(ref, idx, val):
@@ -31,30 +31,56 @@ def _store_instead_of_atomic_add(ref, idx, val):
 
 
 def time_kernels(config, batch_heads: int, seq: int, head_dim: int, iters: int, without_atomics: bool) -> dict:
-  scale = head_dim ** -0.5
+  scale = head_dim**-0.5
   sets = []
   for seed in range(2):
     keys = jax.random.split(jax.random.key(seed), 7)
-    sets.append([jax.random.normal(k, (batch_heads, seq, head_dim), jnp.float32).astype(jnp.bfloat16)
-                 for k in keys])
+    sets.append([jax.random.normal(k, (batch_heads, seq, head_dim), jnp.float32).astype(jnp.bfloat16) for k in keys])
   atomic_add = kernels.relaxed_atomic_add
   if without_atomics:
     kernels.relaxed_atomic_add = _store_instead_of_atomic_add
   try:
-    forward = jax.jit(lambda q_u, k_u, v_u, q_c, k_c, v_c: kernels.forward(
-        q_u, k_u, v_u, q_c, k_c, v_c, ops._diagonal_scores(q_c, k_c, scale),
-        ops._in_block_scores(q_c, v_u, scale, config.block_q), scale=scale, window=None, config=config,
-        interpret=False))
+    forward = jax.jit(
+      lambda q_u, k_u, v_u, q_c, k_c, v_c: kernels.forward(
+        q_u,
+        k_u,
+        v_u,
+        q_c,
+        k_c,
+        v_c,
+        ops._diagonal_scores(q_c, k_c, scale),
+        ops._in_block_scores(q_c, v_u, scale, config.block_q),
+        scale=scale,
+        window=None,
+        config=config,
+        interpret=False,
+      )
+    )
     backward = jax.jit(lambda *a: kernels.backward(*a, scale=scale, window=None, config=config, interpret=False))
     residuals = jax.jit(lambda *a: ops._forward(*a, scale, None, config, False))
     backward_args = []
     for q_u, k_u, v_u, q_c, k_c, v_c, d_out in sets:
       out, lse, keys = residuals(q_u, k_u, v_u, q_c, k_c, v_c)
       delta = jnp.sum(out * d_out.astype(jnp.float32), -1)
-      backward_args.append((q_u, k_u, v_u, q_c, k_c, v_c, keys, d_out, lse, delta,
-                            ops._in_block_scores(q_c, v_u, scale, config.bwd_block_q)))
-    return {"fwd_kernel_ms": median_ms(forward, [tuple(s[:6]) for s in sets], iters),
-            "bwd_kernel_ms": median_ms(backward, backward_args, iters)}
+      backward_args.append(
+        (
+          q_u,
+          k_u,
+          v_u,
+          q_c,
+          k_c,
+          v_c,
+          keys,
+          d_out,
+          lse,
+          delta,
+          ops._in_block_scores(q_c, v_u, scale, config.bwd_block_q),
+        )
+      )
+    return {
+      "fwd_kernel_ms": median_ms(forward, [tuple(s[:6]) for s in sets], iters),
+      "bwd_kernel_ms": median_ms(backward, backward_args, iters),
+    }
   except Exception as e:  # one failing config must not lose the others
     return {"error": error_text(e)}
   finally:
@@ -63,16 +89,22 @@ def time_kernels(config, batch_heads: int, seq: int, head_dim: int, iters: int, 
 
 def time_flash_reference(batch: int, seq: int, heads: int, head_dim: int, iters: int) -> dict:
   from jax.experimental.pallas.ops.gpu import attention
+
   def inputs(seed):
-    return tuple(jax.random.normal(k, (batch, seq, heads, head_dim), jnp.float32).astype(jnp.bfloat16)
-                 for k in jax.random.split(jax.random.key(seed), 4))
+    return tuple(
+      jax.random.normal(k, (batch, seq, heads, head_dim), jnp.float32).astype(jnp.bfloat16)
+      for k in jax.random.split(jax.random.key(seed), 4)
+    )
+
   sets = [inputs(0), inputs(1)]
   block_sizes = attention.BlockSizes(128, 64, 64, 64, 64, 64)
-  fn = lambda q, k, v: attention.mha(q, k, v, None, sm_scale=head_dim ** -0.5, causal=True, block_sizes=block_sizes)
+  fn = lambda q, k, v: attention.mha(q, k, v, None, sm_scale=head_dim**-0.5, causal=True, block_sizes=block_sizes)
   loss = lambda q, k, v, c: jnp.sum(fn(q, k, v).astype(jnp.float32) * c.astype(jnp.float32))
   try:
-    return {"fwd_ms": median_ms(jax.jit(fn), [s[:3] for s in sets], iters),
-            "fwd_bwd_ms": median_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), sets, iters)}
+    return {
+      "fwd_ms": median_ms(jax.jit(fn), [s[:3] for s in sets], iters),
+      "fwd_bwd_ms": median_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), sets, iters),
+    }
   except Exception as e:
     return {"error": error_text(e)}
 
@@ -83,9 +115,12 @@ def main(argv=None) -> int:
   parser.add_argument("--tokens", type=int, default=32768, help="batch * seq")
   parser.add_argument("--heads", type=int, default=9)
   parser.add_argument("--head_dim", type=int, default=128)
-  parser.add_argument("--configs", default="",
-                      help="';'-separated CastleKernelConfig fields as key=value, e.g. 'block_q=32,block_k=64;"
-                           "bwd_block_k=16' (default: one row with the default config)")
+  parser.add_argument(
+    "--configs",
+    default="",
+    help="';'-separated CastleKernelConfig fields as key=value, e.g. 'block_q=32,block_k=64;"
+    "bwd_block_k=16' (default: one row with the default config)",
+  )
   parser.add_argument("--without_atomics", action="store_true", help="also time each config with plain stores")
   parser.add_argument("--flash_reference", action="store_true")
   parser.add_argument("--iters", type=int, default=10)
@@ -100,7 +135,7 @@ def main(argv=None) -> int:
   rows = []
   for spec in args.configs.split(";"):  # "" is the default config
     config = CastleKernelConfig.from_string(spec)
-    for without_atomics in ((False, True) if args.without_atomics else (False,)):
+    for without_atomics in (False, True) if args.without_atomics else (False,):
       row = {"config": spec, "without_atomics": without_atomics}
       row.update(time_kernels(config, batch * args.heads, args.seq, args.head_dim, args.iters, without_atomics))
       rows.append(row)

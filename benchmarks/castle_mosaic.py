@@ -2,7 +2,7 @@
 forward and the Triton CASTLE forward, in one process (medians of --iters calls after a
 warm-up).
 
-    python benchmarks/castle_mosaic.py [--runs=16x2048,2x16384,2x16384/512] [--heads=16]
+    python -m benchmarks.castle_mosaic [--runs=16x2048,2x16384,2x16384/512] [--heads=16]
         [--head_dim=128] [--iters=20] [--json=out.json]
 
 Each run is batch x seq, with "/W" for CASTLE-SWL with window W. The Mosaic kernel
@@ -20,26 +20,24 @@ products (W, W R^T, D's step) over the T x W band only: 1.5 * causal + 6 * B*H*T
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from castle_jax.ops.castle import castle_attention  # noqa: E402
 from pallas_kernels.castle import CastleKernelConfig  # noqa: E402
 from pallas_kernels.castle.mosaic_config import CastleMosaicConfig  # noqa: E402
 from pallas_kernels.castle.mosaic_ops import castle_forward_mosaic  # noqa: E402
-from timing import error_text, median_ms, run_meta, write_json  # noqa: E402
+from benchmarks.timing import error_text, median_ms, run_meta, write_json  # noqa: E402
 
 # The Triton rows ask for the Triton kernels: backend 'auto' may pick Mosaic.
 TRITON = CastleKernelConfig(backend="triton")
 
 
 def parse_run(text: str):
-  """"BxT" or "BxT/W" -> (batch, seq, window or None)."""
+  """ "BxT" or "BxT/W" -> (batch, seq, window or None)."""
   shape, _, window = text.partition("/")
   batch, seq = (int(x) for x in shape.split("x"))
   return batch, seq, int(window) if window else None
@@ -54,21 +52,27 @@ def castle_flops(batch, seq, heads, head_dim, window):
 
 def kernels(head_dim, window):
   """(name, forward fn of the six projections) for each CASTLE forward."""
+
   def mosaic(schedule, past_window="query_major"):
     config = CastleMosaicConfig(schedule=schedule, past_window=past_window)
-    return lambda *a: castle_forward_mosaic(*a, scale=head_dim ** -0.5, window=window, config=config).out
-  past_window_rows = () if window is None else (
-      ("mosaic warp_specialized, past window key-major", mosaic("warp_specialized", "key_major")),)
-  return (("mosaic warp_specialized", mosaic("warp_specialized")),
-          *past_window_rows,
-          ("mosaic simple", mosaic("simple")),
-          ("triton", lambda *a: castle_attention(*a, window=window, implementation="pallas", pallas_config=TRITON)))
+    return lambda *a: castle_forward_mosaic(*a, scale=head_dim**-0.5, window=window, config=config).out
+
+  past_window_rows = (
+    ()
+    if window is None
+    else (("mosaic warp_specialized, past window key-major", mosaic("warp_specialized", "key_major")),)
+  )
+  return (
+    ("mosaic warp_specialized", mosaic("warp_specialized")),
+    *past_window_rows,
+    ("mosaic simple", mosaic("simple")),
+    ("triton", lambda *a: castle_attention(*a, window=window, implementation="pallas", pallas_config=TRITON)),
+  )
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--runs", default="16x2048,2x16384,2x16384/512",
-                      help="batch x seq[/window], comma-separated")
+  parser.add_argument("--runs", default="16x2048,2x16384,2x16384/512", help="batch x seq[/window], comma-separated")
   parser.add_argument("--heads", type=int, default=16)
   parser.add_argument("--head_dim", type=int, default=128)
   parser.add_argument("--iters", type=int, default=20)
@@ -86,8 +90,15 @@ def main(argv=None) -> int:
       try:
         cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
         baselines[batch, seq] = median_ms(cudnn, [tuple(xs[3:])], args.iters)
-        rows.append(dict(run=f"{batch}x{seq}", kernel="cuDNN causal fwd", ms=baselines[batch, seq], ratio=1.0,
-                         tflops=causal_flops / baselines[batch, seq] / 1e9))
+        rows.append(
+          dict(
+            run=f"{batch}x{seq}",
+            kernel="cuDNN causal fwd",
+            ms=baselines[batch, seq],
+            ratio=1.0,
+            tflops=causal_flops / baselines[batch, seq] / 1e9,
+          )
+        )
       except Exception as e:  # the CASTLE rows still print their ms
         baselines[batch, seq] = None
         rows.append(dict(run=f"{batch}x{seq}", kernel="cuDNN causal fwd", error=error_text(e)))
@@ -97,14 +108,14 @@ def main(argv=None) -> int:
     for name, fn in kernels(args.head_dim, window):
       try:
         ms = median_ms(jax.jit(fn), [tuple(xs)], args.iters)
-        rows.append(dict(run=label, kernel=f"CASTLE {name}", ms=ms, ratio=ms / base if base else None,
-                         tflops=flops / ms / 1e9))
+        rows.append(
+          dict(run=label, kernel=f"CASTLE {name}", ms=ms, ratio=ms / base if base else None, tflops=flops / ms / 1e9)
+        )
       except Exception as e:  # one failing kernel must not lose the other rows
         rows.append(dict(run=label, kernel=f"CASTLE {name}", error=error_text(e)))
       print(rows[-1], flush=True)
 
-  print(f"\nforward, bf16, {args.heads} heads x {args.head_dim}, {jax.devices()[0].device_kind}, "
-        f"jax {jax.__version__}")
+  print(f"\nforward, bf16, {args.heads} heads x {args.head_dim}, {jax.devices()[0].device_kind}, jax {jax.__version__}")
   print("| run | kernel | ms | x cuDNN causal fwd | TFLOP/s |\n| --- | --- | --- | --- | --- |")
   for row in rows:
     if "error" in row:

@@ -1,7 +1,7 @@
 """CASTLE forward + backward on Pallas Mosaic GPU next to cuDNN causal attention and the
 Triton CASTLE kernels, in one process (medians of --iters calls after a warm-up).
 
-    python benchmarks/castle_mosaic_backward.py [--shapes=16x2048,2x16384] [--heads=16] \\
+    python -m benchmarks.castle_mosaic_backward [--shapes=16x2048,2x16384] [--heads=16] \\
         [--castle_heads=16] [--head_dim=128] [--window=512] [--skip=triton,key-major] [--json=out.json]
 
 Rows: cuDNN causal attention (`jax.nn.dot_product_attention(implementation="cudnn")`,
@@ -21,19 +21,17 @@ the score matrix (B H T^2 d FLOPs): causal attention 2 forward + 5 backward, CAS
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from castle_jax.ops.castle import castle_attention  # noqa: E402
 from pallas_kernels.castle import CastleKernelConfig  # noqa: E402
 from pallas_kernels.castle.mosaic_attention import castle_attention_mosaic  # noqa: E402
 from pallas_kernels.castle.mosaic_config import CastleMosaicConfig  # noqa: E402
-from timing import run_meta, time_forward_and_gradients, write_json  # noqa: E402
+from benchmarks.timing import run_meta, time_forward_and_gradients, write_json  # noqa: E402
 
 # The Triton rows ask for the Triton kernels: backend 'auto' may pick Mosaic.
 TRITON = CastleKernelConfig(backend="triton")
@@ -54,10 +52,13 @@ def main(argv=None) -> int:
   parser.add_argument("--heads", type=int, default=16, help="cuDNN heads")
   parser.add_argument("--castle_heads", type=int, default=16, help="CASTLE heads (the XL model has 9)")
   parser.add_argument("--head_dim", type=int, default=128)
-  parser.add_argument("--window", type=int, default=None, help="CASTLE-SWL window (cuDNN's baseline row stays full causal)")
+  parser.add_argument(
+    "--window", type=int, default=None, help="CASTLE-SWL window (cuDNN's baseline row stays full causal)"
+  )
   parser.add_argument("--iters", type=int, default=20)
-  parser.add_argument("--skip", default=None,
-                      help="comma-separated words: rows whose name contains one are skipped (cuDNN always runs)")
+  parser.add_argument(
+    "--skip", default=None, help="comma-separated words: rows whose name contains one are skipped (cuDNN always runs)"
+  )
   parser.add_argument("--json", default=None)
   args = parser.parse_args(argv)
   window = args.window
@@ -67,21 +68,50 @@ def main(argv=None) -> int:
     causal_pairs = batch * seq * seq * args.head_dim  # FLOPs of one product per head
     cudnn_shape = (batch, seq, args.heads, args.head_dim)
     castle_shape = (batch, seq, args.castle_heads, args.head_dim)
-    cudnn = lambda local: lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=True, implementation="cudnn", local_window_size=local)
+    cudnn = lambda local: (
+      lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn", local_window_size=local
+      )
+    )
     mosaic = lambda **config: lambda *a: castle_attention_mosaic(*a, window=window, config=CastleMosaicConfig(**config))
-    candidates = [("cuDNN", args.heads, _CAUSAL_PRODUCTS, 3, cudnn_shape, cudnn(None)),
-                  ("CASTLE mosaic", args.castle_heads, _CASTLE_PRODUCTS, 6, castle_shape, mosaic())]
+    candidates = [
+      ("cuDNN", args.heads, _CAUSAL_PRODUCTS, 3, cudnn_shape, cudnn(None)),
+      ("CASTLE mosaic", args.castle_heads, _CASTLE_PRODUCTS, 6, castle_shape, mosaic()),
+    ]
     if window is not None:
       # The issue's baseline stays full causal attention; these rows show the window's own
       # cuDNN time and the Mosaic forward that sweeps every pair key-major.
       candidates[1:1] = [("cuDNN window", args.heads, _CAUSAL_PRODUCTS, 3, cudnn_shape, cudnn((window, 0)))]
-      candidates.append(("CASTLE mosaic, past window's key side in the key-major sweep", args.castle_heads,
-                         _CASTLE_PRODUCTS, 6, castle_shape, mosaic(past_window_key_grads="key_major_sweep")))
-      candidates.append(("CASTLE mosaic, past window key-major", args.castle_heads, _CASTLE_PRODUCTS, 6,
-                         castle_shape, mosaic(past_window="key_major")))
-    candidates.append(("CASTLE triton", args.castle_heads, _CASTLE_PRODUCTS, 6, castle_shape,
-                       lambda *a: castle_attention(*a, window=window, implementation="pallas", pallas_config=TRITON)))
+      candidates.append(
+        (
+          "CASTLE mosaic, past window's key side in the key-major sweep",
+          args.castle_heads,
+          _CASTLE_PRODUCTS,
+          6,
+          castle_shape,
+          mosaic(past_window_key_grads="key_major_sweep"),
+        )
+      )
+      candidates.append(
+        (
+          "CASTLE mosaic, past window key-major",
+          args.castle_heads,
+          _CASTLE_PRODUCTS,
+          6,
+          castle_shape,
+          mosaic(past_window="key_major"),
+        )
+      )
+    candidates.append(
+      (
+        "CASTLE triton",
+        args.castle_heads,
+        _CASTLE_PRODUCTS,
+        6,
+        castle_shape,
+        lambda *a: castle_attention(*a, window=window, implementation="pallas", pallas_config=TRITON),
+      )
+    )
     base = None
     for name, heads, products, num_inputs, shape, fn in candidates:
       if args.skip and any(word in name for word in args.skip.split(",")) and name != "cuDNN":
@@ -98,16 +128,20 @@ def main(argv=None) -> int:
       print(row, flush=True)
       rows.append(row)
 
-  print(f"\n| shape (BxTxHxd) | kernel | fwd ms | fwd+bwd ms | x cuDNN fwd+bwd | TFLOP/s (fwd+bwd) |"
-        f"{'' if window is None else f'  window {window}'}")
+  print(
+    f"\n| shape (BxTxHxd) | kernel | fwd ms | fwd+bwd ms | x cuDNN fwd+bwd | TFLOP/s (fwd+bwd) |"
+    f"{'' if window is None else f'  window {window}'}"
+  )
   print("| --- | --- | --- | --- | --- | --- |")
   for row in rows:
     if "error" in row:
       print(f"| {row['shape']} | {row['kernel']} | failed: {row['error']} | | | |")
       continue
     ratio = f"{row['x_cudnn']:.2f}" if "x_cudnn" in row else "1.00" if row["kernel"] == "cuDNN" else "-"
-    print(f"| {row['shape']} | {row['kernel']} | {row['fwd_ms']:.2f} | {row['fwd_bwd_ms']:.2f} | {ratio} | "
-          f"{row['tflops']:.0f} |")
+    print(
+      f"| {row['shape']} | {row['kernel']} | {row['fwd_ms']:.2f} | {row['fwd_bwd_ms']:.2f} | {ratio} | "
+      f"{row['tflops']:.0f} |"
+    )
   write_json(args.json, run_meta(window=window, iters=args.iters), rows=rows)
   return 0
 

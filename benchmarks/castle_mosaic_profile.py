@@ -1,6 +1,6 @@
 """Where the CASTLE Mosaic GPU backward's steps spend their cycles (H100, on-device profiler).
 
-    python benchmarks/castle_mosaic_profile.py [--kernel=key_major_sweep|key_side|query_grads] \
+    python -m benchmarks.castle_mosaic_profile [--kernel=key_major_sweep|key_side|query_grads] \
         [--heads=2] [--seq=16384] [--window=512|none] [--ranges=24] [--trace_dir=/tmp/castle_traces] \
         [--past_window=query_major|key_major]
 
@@ -25,15 +25,13 @@ in --trace_dir.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from castle_mosaic_swl_kernels import kernel_inputs  # noqa: E402
+from benchmarks.castle_mosaic_swl_kernels import kernel_inputs  # noqa: E402
 from pallas_kernels.castle import mosaic_backward, mosaic_forward, mosaic_past_window_backward  # noqa: E402
 from pallas_kernels.castle import mosaic_profile  # noqa: E402
 from pallas_kernels.castle.mosaic_config import CastleMosaicConfig  # noqa: E402
@@ -48,16 +46,20 @@ def kernel_call(kernel: str, data, window, config):
   past = dict(scale=data.scale, window=window, block_q=64, block_k=64, keys_per_program=128, interpret=None)
   residuals = (data.lookahead_keys, data.d_out, data.lse, data.delta)
   if kernel == "key_major_sweep":
-    return lambda *a: mosaic_backward.backward(*a, *residuals, data.in_block_t, scale=data.scale, window=window,
-                                               config=config, interpret=None)
+    return lambda *a: mosaic_backward.backward(
+      *a, *residuals, data.in_block_t, scale=data.scale, window=window, config=config, interpret=None
+    )
   keys, d_out, lse, delta = residuals
   if kernel == "key_side":
     return lambda q_u, k_u, v_u, q_c, k_c, v_c: mosaic_past_window_backward.key_grads(
-        q_c, k_c, keys, v_c, d_out, lse, delta, **past)
+      q_c, k_c, keys, v_c, d_out, lse, delta, **past
+    )
   return lambda q_u, k_u, v_u, q_c, k_c, v_c: mosaic_forward.run_on_zeroed_refs(
-      lambda dq_ref: mosaic_past_window_backward.accumulate_query_grads(q_c, k_c, keys, v_c, d_out, lse, delta,
-                                                                        dq_ref, **past),
-      (jax.ShapeDtypeStruct(q_c.shape, jnp.float32),))
+    lambda dq_ref: mosaic_past_window_backward.accumulate_query_grads(
+      q_c, k_c, keys, v_c, d_out, lse, delta, dq_ref, **past
+    ),
+    (jax.ShapeDtypeStruct(q_c.shape, jnp.float32),),
+  )
 
 
 def main(argv=None) -> int:
@@ -79,11 +81,13 @@ def main(argv=None) -> int:
     jax.block_until_ready(jax.jit(call)(*data.inputs))
   jax.effects_barrier()  # the trace is written by a host callback
   warpgroups, prefix = KERNELS[args.kernel]
-  if prefix is None:   # the split backward also runs other kernels, whose traces have other phases
+  if prefix is None:  # the split backward also runs other kernels, whose traces have other phases
     prefix = "lookahead: " if window is None else "past window: "
   trace = mosaic_profile.latest_trace(args.trace_dir, containing=prefix)
-  print(f"\n{args.kernel}, {args.heads} x {args.seq} x 128, window {window}, {jax.devices()[0].device_kind}, "
-        f"jax {jax.__version__}; trace {trace}")
+  print(
+    f"\n{args.kernel}, {args.heads} x {args.seq} x 128, window {window}, {jax.devices()[0].device_kind}, "
+    f"jax {jax.__version__}; trace {trace}"
+  )
   print(mosaic_profile.phase_table(trace, warpgroups))
   return 0
 

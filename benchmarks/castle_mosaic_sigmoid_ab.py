@@ -1,6 +1,6 @@
 """A/B of the sigmoid inside the Mosaic GPU CASTLE-SWL kernels, in one process (H100).
 
-    python benchmarks/castle_mosaic_sigmoid_ab.py [--variants=divide,rsqrt,tanh,poly] \
+    python -m benchmarks.castle_mosaic_sigmoid_ab [--variants=divide,rsqrt,tanh,poly] \
         [--kernels=fwd_window,fwd_past,bwd_dq,bwd_keys] [--heads=18] [--seq=16384] [--window=512]
 
 Every (query, key) pair takes a SiLU (and in the backward its derivative), so the
@@ -20,7 +20,6 @@ Prints each kernel's time per variant and its outputs' largest difference from
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -28,16 +27,19 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from castle_mosaic_swl_kernels import HEAD_DIM, kernel_inputs, past_window_pairs, split_kernels  # noqa: E402
+from benchmarks.castle_mosaic_swl_kernels import HEAD_DIM, kernel_inputs, past_window_pairs, split_kernels  # noqa: E402
 from pallas_kernels.castle import mosaic_math  # noqa: E402
-from timing import median_ms  # noqa: E402
+from benchmarks.timing import median_ms  # noqa: E402
 
-_ROUND_TO_INTEGER = 12582912.0   # 1.5 * 2^23: adding it rounds a float32 below 2^22 to an integer
-_EXP2_FRACTION = (1.0000001192092896, 0.6931210160255432, 0.2402210682630539, 0.055922120809555054,
-                  0.009676046669483185)  # 2^f on [-1/2, 1/2], Chebyshev fit, degree 4
+_ROUND_TO_INTEGER = 12582912.0  # 1.5 * 2^23: adding it rounds a float32 below 2^22 to an integer
+_EXP2_FRACTION = (
+  1.0000001192092896,
+  0.6931210160255432,
+  0.2402210682630539,
+  0.055922120809555054,
+  0.009676046669483185,
+)  # 2^f on [-1/2, 1/2], Chebyshev fit, degree 4
 
 
 def exp2_on_fma_units(y):
@@ -60,10 +62,10 @@ def _poly_sigmoid(x):
 
 
 VARIANTS = {
-    "divide": lambda x: 1.0 / (1.0 + jnp.exp(-x)),
-    "rsqrt": mosaic_math.sigmoid,
-    "tanh": lambda x: 0.5 + 0.5 * jnp.tanh(0.5 * x),
-    "poly": _poly_sigmoid,
+  "divide": lambda x: 1.0 / (1.0 + jnp.exp(-x)),
+  "rsqrt": mosaic_math.sigmoid,
+  "tanh": lambda x: 0.5 + 0.5 * jnp.tanh(0.5 * x),
+  "poly": _poly_sigmoid,
 }
 
 # The kernels of `castle_mosaic_swl_kernels.split_kernels`.
@@ -96,16 +98,21 @@ def main(argv=None) -> int:
     for variant in variants:
       mosaic_math.sigmoid = VARIANTS[variant]
       t0 = time.time()
-      fn = split_kernels(data, window)[name]   # traced anew with this sigmoid
+      fn = split_kernels(data, window)[name]  # traced anew with this sigmoid
       outs[variant] = jax.block_until_ready(fn(*data.inputs))
       ms = median_ms(fn, [data.inputs], args.iters)
       rate = f"{flops[name] / ms / 1e9:.0f}" if name in flops else ""
       reference = outs[variants[0]]
-      diff = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(a)))
-                 for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(outs[variant])))
+      diff = max(
+        float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(a)))
+        for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(outs[variant]))
+      )
       table.append((name, variant, ms, rate, diff))
-      print(f"{name} {variant}: {ms:.3f} ms {rate} TFLOP/s, differs from {variants[0]} by {diff:.1e} "
-            f"(compile + run {time.time() - t0:.0f}s)", flush=True)
+      print(
+        f"{name} {variant}: {ms:.3f} ms {rate} TFLOP/s, differs from {variants[0]} by {diff:.1e} "
+        f"(compile + run {time.time() - t0:.0f}s)",
+        flush=True,
+      )
   mosaic_math.sigmoid = VARIANTS["rsqrt"]
   print(f"\n{heads} x {seq} x {HEAD_DIM}, window {window}, {jax.devices()[0].device_kind}, jax {jax.__version__}")
   print(f"| kernel | sigmoid | ms | TFLOP/s | max diff from {variants[0]} (rel.) |\n| --- | --- | --- | --- | --- |")

@@ -1,6 +1,6 @@
 """CASTLE-SWL's pairs inside the window as batched XLA tile products, timed (H100).
 
-    python benchmarks/castle_window_tiles_xla.py [--heads=18] [--seq=16384] [--window=512] [--iters=10]
+    python -m benchmarks.castle_window_tiles_xla [--heads=18] [--seq=16384] [--window=512] [--iters=10]
 
 The Mosaic kernels walk each key block's lookahead state D through the window one query
 block at a time: a serial chain of small products per key block. This benchmark times the
@@ -28,16 +28,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from timing import median_ms, run_meta, write_json  # noqa: E402
+from benchmarks.timing import median_ms, run_meta, write_json  # noqa: E402
 
 TILE = 64
 
@@ -51,11 +48,12 @@ def _from_block(x: jax.Array, offset: int) -> jax.Array:
   pad[1] = (max(-offset, 0), max(offset, 0))
   padded = jnp.pad(x, pad)
   start = max(offset, 0)
-  return padded[:, start:start + blocks]
+  return padded[:, start : start + blocks]
 
 
-def window_tiles(q_u, k_u, v_u, q_c, k_c, v_c, shift, *, window: int, diagonals: int,
-                 dtype=jnp.bfloat16) -> tuple[jax.Array, jax.Array, jax.Array]:
+def window_tiles(
+  q_u, k_u, v_u, q_c, k_c, v_c, shift, *, window: int, diagonals: int, dtype=jnp.bfloat16
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The tiles (i, i - delta), delta < diagonals, of CASTLE-SWL with a fixed softmax shift.
 
   Args:
@@ -74,9 +72,11 @@ def window_tiles(q_u, k_u, v_u, q_c, k_c, v_c, shift, *, window: int, diagonals:
   heads, seq, head_dim = q_c.shape
   blocks = seq // TILE
   if seq % TILE or window < 1 or diagonals < 1:
-    raise ValueError(f"window_tiles: seq must be a multiple of {TILE} (got {seq}), window and diagonals >= 1 "
-                     f"(got {window}, {diagonals})")
-  scale = head_dim ** -0.5
+    raise ValueError(
+      f"window_tiles: seq must be a multiple of {TILE} (got {seq}), window and diagonals >= 1 "
+      f"(got {window}, {diagonals})"
+    )
+  scale = head_dim**-0.5
   to_blocks = lambda x: x.astype(dtype).reshape(heads, blocks, TILE, head_dim)
   q_u, k_u, v_u, q_c, k_c, v_c = (to_blocks(x) for x in (q_u, k_u, v_u, q_c, k_c, v_c))
   shift = shift.reshape(heads, blocks, TILE)
@@ -106,8 +106,9 @@ def window_tiles(q_u, k_u, v_u, q_c, k_c, v_c, shift, *, window: int, diagonals:
   acc = jnp.zeros((heads, blocks, TILE, head_dim), jnp.float32)
   sums = jnp.zeros((heads, blocks, TILE), jnp.float32)
   for delta in range(diagonals):
-    lookahead = sum(product("bntj,bnsj->bnts", vs[delta - e], _from_block(sig[e], -delta))
-                    for e in range(min(delta + 1, reach)))
+    lookahead = sum(
+      product("bntj,bnsj->bnts", vs[delta - e], _from_block(sig[e], -delta)) for e in range(min(delta + 1, reach))
+    )
     causal = product("bntd,bnsd->bnts", q_c, _from_block(k_c, -delta)) * scale
     visible = block_ids >= delta
     if delta == 0:
@@ -115,8 +116,7 @@ def window_tiles(q_u, k_u, v_u, q_c, k_c, v_c, shift, *, window: int, diagonals:
     probs = jnp.where(visible, jnp.exp(causal - jax.nn.silu(lookahead) - shift[..., None]), 0.0)
     acc = acc + product("bnts,bnsd->bntd", probs.astype(dtype), _from_block(v_c, -delta))
     sums = sums + probs.sum(-1)
-  return (acc.reshape(heads, seq, head_dim), sums.reshape(heads, seq),
-          final_keys.reshape(heads, seq, head_dim))
+  return (acc.reshape(heads, seq, head_dim), sums.reshape(heads, seq), final_keys.reshape(heads, seq, head_dim))
 
 
 def main():
@@ -138,11 +138,15 @@ def main():
   def loss(*x):
     return sum(jnp.sum(y * c) for y, c in zip(tiles(*x), cotangents))
 
-  rows = {"fwd": median_ms(jax.jit(tiles), [inputs], args.iters),
-          "fwd+bwd": median_ms(jax.jit(jax.grad(loss, argnums=tuple(range(6)))), [inputs], args.iters)}
+  rows = {
+    "fwd": median_ms(jax.jit(tiles), [inputs], args.iters),
+    "fwd+bwd": median_ms(jax.jit(jax.grad(loss, argnums=tuple(range(6)))), [inputs], args.iters),
+  }
   write_json(args.json, run_meta(**vars(args)), rows=rows)
-  print(f"{args.heads} x {args.seq} x 128, window {args.window}, {diagonals} tile diagonals, "
-        f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
+  print(
+    f"{args.heads} x {args.seq} x 128, window {args.window}, {diagonals} tile diagonals, "
+    f"{jax.devices()[0].device_kind}, jax {jax.__version__}"
+  )
   print("| window tiles in XLA | ms |\n| --- | --- |")
   for name, ms in rows.items():
     print(f"| {name} | {ms:.2f} |")

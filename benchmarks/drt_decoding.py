@@ -1,7 +1,7 @@
 """DRT streaming decoding (`castle_jax.models.drt_decoding.DRTStream`): prefill and
 per-token speed, device and host memory, at long contexts, with the paper's 128M shape.
 
-    python benchmarks/drt_decoding.py [--lengths=65536,1048576] [--segment_chunks=64] \
+    python -m benchmarks.drt_decoding [--lengths=65536,1048576] [--segment_chunks=64] \
         [--decode_tokens=32] [--check_length=4096] [--dtype=bfloat16] [--json=out.json]
 
 The model is randomly initialised (speed and memory do not depend on the weights):
@@ -31,14 +31,22 @@ from castle_jax.config import ModelConfig
 from castle_jax.eval.passkey import device_memory
 from castle_jax.models.drt import DRT, DRTOptions
 from castle_jax.models.drt_decoding import DRTStream
-from timing import run_meta, write_json
+from benchmarks.timing import run_meta, write_json
 
-GIB = 2 ** 30
+GIB = 2**30
 
 
 def drt_128m(dtype: str, vocab: int) -> DRT:
-  config = ModelConfig(family="drt", vocab_size=vocab, d_model=768, n_layers=12, n_heads=12, dtype=dtype,
-                       sliding_window=512, attention_kwargs=(("positions", "alibi"),))
+  config = ModelConfig(
+    family="drt",
+    vocab_size=vocab,
+    d_model=768,
+    n_layers=12,
+    n_heads=12,
+    dtype=dtype,
+    sliding_window=512,
+    attention_kwargs=(("positions", "alibi"),),
+  )
   return DRT(config, DRTOptions(chunk_size=64, top_k=8, retrieval_groups=1, encoder_layers=2))
 
 
@@ -55,9 +63,13 @@ def check_row(dtype: str, length: int, vocab: int, segment_chunks: int) -> dict:
   expected = jax.jit(lambda p, t: model.apply({"params": p}, t)[0][:, -256:])(params, tokens)
   stream = DRTStream(model, params, 1, length, segment_chunks=segment_chunks)
   got = stream.feed(np.asarray(tokens), keep=256)
-  return {"check": dtype, "tokens": length, "max_abs_diff": float(jnp.max(jnp.abs(got - expected))),
-          "max_abs_logit": float(jnp.max(jnp.abs(expected))),
-          "argmax_agreement": float(jnp.mean(jnp.argmax(got, -1) == jnp.argmax(expected, -1)))}
+  return {
+    "check": dtype,
+    "tokens": length,
+    "max_abs_diff": float(jnp.max(jnp.abs(got - expected))),
+    "max_abs_logit": float(jnp.max(jnp.abs(expected))),
+    "argmax_agreement": float(jnp.mean(jnp.argmax(got, -1) == jnp.argmax(expected, -1))),
+  }
 
 
 def speed_row(model: DRT, params, length: int, decode_tokens: int, segment_chunks: int, vocab: int) -> dict:
@@ -66,8 +78,9 @@ def speed_row(model: DRT, params, length: int, decode_tokens: int, segment_chunk
   prompt = rng.integers(0, vocab, (1, length), dtype=np.int32)
   warm = DRTStream(model, params, 1, capacity, segment_chunks=segment_chunks)
   # Two segments, a partial chunk, then single tokens through every in-chunk offset, within capacity.
-  warm_tokens = max(1, min(length, capacity - model.options.chunk_size - 1,
-                           2 * segment_chunks * model.options.chunk_size + 17))
+  warm_tokens = max(
+    1, min(length, capacity - model.options.chunk_size - 1, 2 * segment_chunks * model.options.chunk_size + 17)
+  )
   logits = warm.feed(prompt[:, :warm_tokens])
   for _ in range(model.options.chunk_size + 1):  # every single-token piece shape
     logits = warm.feed(np.asarray(jnp.argmax(logits[:, -1], -1))[:, None])
@@ -83,10 +96,16 @@ def speed_row(model: DRT, params, length: int, decode_tokens: int, segment_chunk
     logits = stream.feed(np.asarray(jnp.argmax(logits[:, -1], -1))[:, None])
   jax.block_until_ready(logits)
   decode_ms = (time.perf_counter() - start) / decode_tokens * 1e3
-  return {"tokens": length, "prefill_s": prefill_s, "prefill_tokens_per_s": length / prefill_s,
-          "decode_ms_per_token": decode_ms, "device_state_mib": stream.device_state_bytes / 2 ** 20,
-          "landmarks_mib": stream.state.landmarks.nbytes / 2 ** 20,
-          "host_chunk_memory_gib": stream.memory.nbytes / GIB, **device_memory()}
+  return {
+    "tokens": length,
+    "prefill_s": prefill_s,
+    "prefill_tokens_per_s": length / prefill_s,
+    "decode_ms_per_token": decode_ms,
+    "device_state_mib": stream.device_state_bytes / 2**20,
+    "landmarks_mib": stream.state.landmarks.nbytes / 2**20,
+    "host_chunk_memory_gib": stream.memory.nbytes / GIB,
+    **device_memory(),
+  }
 
 
 def main(argv=None) -> int:
@@ -110,16 +129,22 @@ def main(argv=None) -> int:
     rows.append(speed_row(model, params, length, args.decode_tokens, args.segment_chunks, args.vocab))
     print(rows[-1], flush=True)
   write_json(args.json, {"meta": run_meta(), "args": vars(args), "rows": rows})
-  print(f"\n{'tokens':>9} {'prefill s':>9} {'tok/s':>9} {'ms/token':>9} {'state MiB':>9} {'lmk MiB':>8} "
-        f"{'host GiB':>8} {'dev peak GiB':>12}")
+  print(
+    f"\n{'tokens':>9} {'prefill s':>9} {'tok/s':>9} {'ms/token':>9} {'state MiB':>9} {'lmk MiB':>8} "
+    f"{'host GiB':>8} {'dev peak GiB':>12}"
+  )
   for r in rows:
     if "prefill_s" in r:
-      print(f"{r['tokens']:>9} {r['prefill_s']:>9.2f} {r['prefill_tokens_per_s']:>9.0f} "
-            f"{r['decode_ms_per_token']:>9.2f} {r['device_state_mib']:>9.1f} {r['landmarks_mib']:>8.1f} "
-            f"{r['host_chunk_memory_gib']:>8.2f} {r.get('device_peak_gib', 0.0):>12.2f}")
+      print(
+        f"{r['tokens']:>9} {r['prefill_s']:>9.2f} {r['prefill_tokens_per_s']:>9.0f} "
+        f"{r['decode_ms_per_token']:>9.2f} {r['device_state_mib']:>9.1f} {r['landmarks_mib']:>8.1f} "
+        f"{r['host_chunk_memory_gib']:>8.2f} {r.get('device_peak_gib', 0.0):>12.2f}"
+      )
     else:
-      print(f"check {r['check']} at {r['tokens']}: max |diff| {r['max_abs_diff']:.2e} "
-            f"(max |logit| {r['max_abs_logit']:.2f}), argmax agreement {r['argmax_agreement']:.3f}")
+      print(
+        f"check {r['check']} at {r['tokens']}: max |diff| {r['max_abs_diff']:.2e} "
+        f"(max |logit| {r['max_abs_logit']:.2f}), argmax agreement {r['argmax_agreement']:.3f}"
+      )
   return 0
 
 

@@ -1,7 +1,7 @@
 """Grouped cross attention (GCA) forward and forward+backward, next to the decoder's
 sliding-window ALiBi self-attention over the same tokens.
 
-    python benchmarks/gca_attention.py [--tokens=16384,65536] [--batch=4] [--heads=12] \
+    python -m benchmarks.gca_attention [--tokens=16384,65536] [--batch=4] [--heads=12] \
         [--head_dim=64] [--chunk=64] [--top_k=8] \
         [--impls=xla,pallas,reference,pallas_mosaic_fwd,pallas_mosaic,dense_cudnn] \
         [--pallas_configs="block_rows=64;block_rows=32,num_warps=4"] \
@@ -45,7 +45,7 @@ from castle_jax.ops.gca import gca_attention
 from pallas_kernels.gca import GcaKernelConfig
 from pallas_kernels.gca.mosaic_attention import gca_attention_mosaic
 from pallas_kernels.gca.mosaic_forward import gca_forward_mosaic
-from timing import error_text, median_ms, run_meta, time_forward_and_gradients, write_json
+from benchmarks.timing import error_text, median_ms, run_meta, time_forward_and_gradients, write_json
 
 
 def gca_inputs(batch, tokens, heads, head_dim, chunk, top_k, dtype, seed):
@@ -70,8 +70,20 @@ def with_rates(row: dict, timings: dict, flops: float) -> dict:
   return row
 
 
-def gca_row(impl, batch, tokens, heads, head_dim, chunk, top_k, dtype, iters, pallas_config=None, label="",
-            mosaic_variant_text="2"):
+def gca_row(
+  impl,
+  batch,
+  tokens,
+  heads,
+  head_dim,
+  chunk,
+  top_k,
+  dtype,
+  iters,
+  pallas_config=None,
+  label="",
+  mosaic_variant_text="2",
+):
   """impl: a `gca_attention` implementation, or "pallas_mosaic" (`gca_attention_mosaic` with
   `mosaic_variant_text`, a --mosaic_stages entry)."""
   sets = [gca_inputs(batch, tokens, heads, head_dim, chunk, top_k, dtype, seed) for seed in range(2)]
@@ -82,8 +94,9 @@ def gca_row(impl, batch, tokens, heads, head_dim, chunk, top_k, dtype, iters, pa
   def fn(q, chunk_k, chunk_v, weights):
     if impl == "pallas_mosaic":
       stages, overlap = mosaic_variant(mosaic_variant_text)
-      return gca_attention_mosaic(q, chunk_k, chunk_v, weights, indices, scale=head_dim ** -0.5, stages=stages,
-                                  overlap=overlap)
+      return gca_attention_mosaic(
+        q, chunk_k, chunk_v, weights, indices, scale=head_dim**-0.5, stages=stages, overlap=overlap
+      )
     return gca_attention(q, chunk_k, chunk_v, weights, indices, implementation=impl, pallas_config=pallas_config)
 
   timings = time_forward_and_gradients(fn, 4, [s[:4] + (s[5],) for s in sets], iters)
@@ -106,15 +119,23 @@ def mosaic_forward_row(batch, tokens, heads, head_dim, chunk, top_k, dtype, iter
   sets = [gca_inputs(batch, tokens, heads, head_dim, chunk, top_k, dtype, seed) for seed in range(2)]
   positions = sets[0][0].shape[1]
   indices = sets[0][4]
-  scale = head_dim ** -0.5
+  scale = head_dim**-0.5
   stages, overlap = mosaic_variant(variant)
-  forward = jax.jit(lambda q, chunk_k, chunk_v, weights: gca_forward_mosaic(q, chunk_k, chunk_v, weights, indices,
-                                                                            scale=scale, stages=stages,
-                                                                            overlap=overlap)[0])
+  forward = jax.jit(
+    lambda q, chunk_k, chunk_v, weights: gca_forward_mosaic(
+      q, chunk_k, chunk_v, weights, indices, scale=scale, stages=stages, overlap=overlap
+    )[0]
+  )
   fwd_ms = median_ms(forward, [s[:4] for s in sets], iters)
   flops = 4 * batch * positions * heads * top_k * chunk * head_dim
-  return {"impl": f"gca_pallas_mosaic_fwd[{variant}]", "tokens": tokens, "positions": positions,
-          "fwd_ms": fwd_ms, "fwd_gflop": flops / 1e9, "fwd_tflops": flops / fwd_ms / 1e9}
+  return {
+    "impl": f"gca_pallas_mosaic_fwd[{variant}]",
+    "tokens": tokens,
+    "positions": positions,
+    "fwd_ms": fwd_ms,
+    "fwd_gflop": flops / 1e9,
+    "fwd_tflops": flops / fwd_ms / 1e9,
+  }
 
 
 def window_row(impl, batch, tokens, heads, head_dim, chunk, window, dtype, iters):
@@ -129,8 +150,9 @@ def window_row(impl, batch, tokens, heads, head_dim, chunk, window, dtype, iters
 
   def fn(q, k, v):
     if impl == "cudnn_plain":
-      return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(window - 1, 0),
-                                          implementation="cudnn")
+      return jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, local_window_size=(window - 1, 0), implementation="cudnn"
+      )
     return alibi_window_attention(q, k, v, window=window, implementation=impl)
 
   # Visible keys per query ~ window: 4 * window * head_dim FLOPs per query and head.
@@ -171,17 +193,29 @@ def main(argv=None) -> int:
   parser.add_argument("--chunk", type=int, default=64)
   parser.add_argument("--top_k", type=int, default=8)
   parser.add_argument("--window", type=int, default=512, help="sliding window of the self-attention rows")
-  parser.add_argument("--window_impls", default="cudnn,cudnn_plain,xla",
-                      help="self-attention rows: ALiBi window on 'cudnn'/'xla', 'cudnn_plain' (no ALiBi); '' for none")
-  parser.add_argument("--impls", default="xla",
-                      help="comma-separated GCA implementations (xla, pallas, reference, pallas_mosaic_fwd, "
-                           "pallas_mosaic) and 'dense_cudnn' (the same work as dense cuDNN attention)")
-  parser.add_argument("--pallas_configs", default="",
-                      help="';'-separated GcaKernelConfig fields as key=value, e.g. 'block_rows=64;num_stages=3': "
-                           "one 'pallas' row each (default: the default config)")
-  parser.add_argument("--mosaic_stages", default="2",
-                      help="comma-separated K/V ring depths of the Mosaic rows, one row each; 'N+overlap' runs the "
-                           "forward's overlapped schedule (N >= 3), e.g. '2,3,3+overlap'")
+  parser.add_argument(
+    "--window_impls",
+    default="cudnn,cudnn_plain,xla",
+    help="self-attention rows: ALiBi window on 'cudnn'/'xla', 'cudnn_plain' (no ALiBi); '' for none",
+  )
+  parser.add_argument(
+    "--impls",
+    default="xla",
+    help="comma-separated GCA implementations (xla, pallas, reference, pallas_mosaic_fwd, "
+    "pallas_mosaic) and 'dense_cudnn' (the same work as dense cuDNN attention)",
+  )
+  parser.add_argument(
+    "--pallas_configs",
+    default="",
+    help="';'-separated GcaKernelConfig fields as key=value, e.g. 'block_rows=64;num_stages=3': "
+    "one 'pallas' row each (default: the default config)",
+  )
+  parser.add_argument(
+    "--mosaic_stages",
+    default="2",
+    help="comma-separated K/V ring depths of the Mosaic rows, one row each; 'N+overlap' runs the "
+    "forward's overlapped schedule (N >= 3), e.g. '2,3,3+overlap'",
+  )
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--json", default=None)
@@ -192,14 +226,28 @@ def main(argv=None) -> int:
     for impl in args.impls.split(","):
       if impl == "pallas_mosaic":
         for variant in args.mosaic_stages.split(","):
-          rows.append(gca_row(impl, args.batch, tokens, args.heads, args.head_dim, args.chunk, args.top_k, dtype,
-                              args.iters, label=f"[{variant}]", mosaic_variant_text=variant))
+          rows.append(
+            gca_row(
+              impl,
+              args.batch,
+              tokens,
+              args.heads,
+              args.head_dim,
+              args.chunk,
+              args.top_k,
+              dtype,
+              args.iters,
+              label=f"[{variant}]",
+              mosaic_variant_text=variant,
+            )
+          )
           print(rows[-1], flush=True)
         continue
       if impl == "dense_cudnn":
         try:
-          rows.append(dense_row(args.batch, tokens, args.heads, args.head_dim, args.chunk, args.top_k, dtype,
-                                args.iters))
+          rows.append(
+            dense_row(args.batch, tokens, args.heads, args.head_dim, args.chunk, args.top_k, dtype, args.iters)
+          )
         except Exception as e:  # report and go on
           rows.append({"impl": "dense_same_work_cudnn", "tokens": tokens, "error": error_text(e)})
         print(rows[-1], flush=True)
@@ -207,8 +255,11 @@ def main(argv=None) -> int:
       if impl == "pallas_mosaic_fwd":
         for variant in args.mosaic_stages.split(","):
           try:
-            rows.append(mosaic_forward_row(args.batch, tokens, args.heads, args.head_dim, args.chunk, args.top_k,
-                                           dtype, args.iters, variant))
+            rows.append(
+              mosaic_forward_row(
+                args.batch, tokens, args.heads, args.head_dim, args.chunk, args.top_k, dtype, args.iters, variant
+              )
+            )
           except Exception as e:  # report and go on
             rows.append({"impl": f"gca_pallas_mosaic_fwd[{variant}]", "tokens": tokens, "error": error_text(e)})
           print(rows[-1], flush=True)
@@ -216,19 +267,35 @@ def main(argv=None) -> int:
       specs = args.pallas_configs.split(";") if impl == "pallas" and args.pallas_configs else [None]
       for spec in specs:
         config = GcaKernelConfig.from_string(spec) if spec else None
-        rows.append(gca_row(impl, args.batch, tokens, args.heads, args.head_dim, args.chunk, args.top_k, dtype,
-                            args.iters, config, f"[{spec}]" if spec else ""))
+        rows.append(
+          gca_row(
+            impl,
+            args.batch,
+            tokens,
+            args.heads,
+            args.head_dim,
+            args.chunk,
+            args.top_k,
+            dtype,
+            args.iters,
+            config,
+            f"[{spec}]" if spec else "",
+          )
+        )
         print(rows[-1], flush=True)
     for impl in args.window_impls.split(",") if args.window_impls else ():
       try:
-        rows.append(window_row(impl, args.batch, tokens, args.heads, args.head_dim, args.chunk, args.window, dtype,
-                               args.iters))
+        rows.append(
+          window_row(impl, args.batch, tokens, args.heads, args.head_dim, args.chunk, args.window, dtype, args.iters)
+        )
       except Exception as e:  # report and go on
         rows.append({"impl": f"window_{args.window}_{impl}", "tokens": tokens, "error": error_text(e)})
       print(rows[-1], flush=True)
   write_json(args.json, run_meta(**vars(args)), rows=rows)
-  print(f"\n| {jax.devices()[0].device_kind} | batch {args.batch} | {args.heads} x {args.head_dim} | chunk "
-        f"{args.chunk} | k {args.top_k} | {args.dtype} |")
+  print(
+    f"\n| {jax.devices()[0].device_kind} | batch {args.batch} | {args.heads} x {args.head_dim} | chunk "
+    f"{args.chunk} | k {args.top_k} | {args.dtype} |"
+  )
   print("| impl | tokens | fwd ms | fwd+bwd ms | fwd / fwd+bwd TFLOP/s | peak GiB |")
   print("| --- | --- | --- | --- | --- | --- |")
   for r in rows:

@@ -1,6 +1,6 @@
 """In-context-learning curves: loss vs position in context of trained checkpoints.
 
-    python benchmarks/icl_curve.py --workdirs=runs/icl_power,runs/icl_mha,runs/icl_swa \
+    python -m benchmarks.icl_curve --workdirs=runs/icl_power,runs/icl_mha,runs/icl_swa \
         [--seq_len=4096] [--max_docs=64] [--output=docs/icl_curve]
 
 Each workdir is a `python -m train` run (config.json + checkpoints). The evaluation
@@ -46,7 +46,7 @@ def document_windows(data_config, tokenizer, seq_len: int, max_docs: int, split:
     text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
     tokens = np.concatenate([[tokenizer.bos_id], tokenizer.encode(text)])
     if len(tokens) >= seq_len + 1:
-      windows.append(tokens[:seq_len + 1])
+      windows.append(tokens[: seq_len + 1])
     if len(windows) == max_docs:
       break
   if not windows:
@@ -56,6 +56,7 @@ def document_windows(data_config, tokenizer, seq_len: int, max_docs: int, split:
 
 def per_position_loss(model, params, windows: np.ndarray, batch_size: int = 1) -> np.ndarray:
   """float64 [seq_len]: mean NLL (nats) of predicting token t + 1 from tokens 0..t."""
+
   @jax.jit
   def nll(tokens):
     logits, _ = model.apply({"params": params}, tokens[:, :-1])
@@ -64,14 +65,15 @@ def per_position_loss(model, params, windows: np.ndarray, batch_size: int = 1) -
 
   total = np.zeros(windows.shape[1] - 1)
   for start in range(0, len(windows), batch_size):
-    total += np.asarray(nll(windows[start:start + batch_size]), np.float64).sum(0)
+    total += np.asarray(nll(windows[start : start + batch_size]), np.float64).sum(0)
   return total / len(windows)
 
 
 def log_bins(length: int, per_octave: int) -> list[tuple[int, int]]:
   """[(start, stop)) position bins whose widths grow geometrically, covering 0..length-1."""
-  edges = sorted({0, length} | {int(round(2 ** (i / per_octave))) for i in range(
-      int(np.log2(length) * per_octave) + 1)})
+  edges = sorted(
+    {0, length} | {int(round(2 ** (i / per_octave))) for i in range(int(np.log2(length) * per_octave) + 1)}
+  )
   return [(a, b) for a, b in zip(edges[:-1], edges[1:]) if a < length]
 
 
@@ -87,18 +89,25 @@ def main(argv):
     data = config["data"]
     seq_len = _SEQ_LEN.value or data["seq_len"]
     data_config = ml_collections.ConfigDict(data)
-    windows = document_windows(data_config, tokenizer, seq_len, _MAX_DOCS.value,
-                               _SPLIT.value or data["eval_split"])
+    windows = document_windows(data_config, tokenizer, seq_len, _MAX_DOCS.value, _SPLIT.value or data["eval_split"])
     losses = per_position_loss(model, params, windows)
     name = os.path.basename(os.path.normpath(workdir))
     model_config = config["model"]
     results[name] = {
-        "workdir": workdir, "step": step, "documents": len(windows), "seq_len": seq_len,
-        "attention": model_config["attention"], "sliding_window": model_config["sliding_window"],
-        "attention_kwargs": model_config.get("attention_kwargs", {}),
-        "loss": [round(x, 5) for x in losses.tolist()]}
-    print(f"{name}: step {step}, {len(windows)} documents x {seq_len} tokens, mean loss {losses.mean():.4f}, "
-          f"last quarter {losses[3 * seq_len // 4:].mean():.4f}", flush=True)
+      "workdir": workdir,
+      "step": step,
+      "documents": len(windows),
+      "seq_len": seq_len,
+      "attention": model_config["attention"],
+      "sliding_window": model_config["sliding_window"],
+      "attention_kwargs": model_config.get("attention_kwargs", {}),
+      "loss": [round(x, 5) for x in losses.tolist()],
+    }
+    print(
+      f"{name}: step {step}, {len(windows)} documents x {seq_len} tokens, mean loss {losses.mean():.4f}, "
+      f"last quarter {losses[3 * seq_len // 4 :].mean():.4f}",
+      flush=True,
+    )
 
   seq_len = min(len(r["loss"]) for r in results.values())
   bins = log_bins(seq_len, _BINS_PER_OCTAVE.value)
@@ -116,6 +125,7 @@ def main(argv):
   print(f"wrote {_OUTPUT.value}.json and {_OUTPUT.value}.csv")
   try:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except ImportError:

@@ -1,6 +1,6 @@
 """LongSpec speculative decoding against the same target's autoregressive decoding.
 
-    python benchmarks/longspec.py --target_workdir=runs/longspec_target_tiny \
+    python -m benchmarks.longspec --target_workdir=runs/longspec_target_tiny \
         --draft=runs/longspec_draft_tiny_long --prompt_lengths=256,448 --new_tokens=64 \
         --prompts=2 --temperatures=0,1 --tree=4,16,16,16,16 --tree=1,1,1,1,1 --out=longspec.json
 
@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from castle_jax.eval.cli import format_table, validation_tokens  # noqa: E402
 from castle_jax.inference import continue_decoding, prefill_caches, speculative_generate  # noqa: E402
@@ -45,18 +44,23 @@ def _ints(text: str) -> list[int]:
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--target_workdir", required=True)
-  parser.add_argument("--draft", action="append", required=True,
-                      help="a draft workdir, or NAME=WORKDIR (repeat for ablation rows)")
+  parser.add_argument(
+    "--draft", action="append", required=True, help="a draft workdir, or NAME=WORKDIR (repeat for ablation rows)"
+  )
   parser.add_argument("--prompt_lengths", type=_ints, default=[4096, 16384])
   parser.add_argument("--new_tokens", type=int, default=512)
   parser.add_argument("--prompts", type=int, default=2, help="timed prompts per length (after one warm-up)")
   parser.add_argument("--temperatures", type=lambda t: [float(x) for x in t.split(",")], default=[0.0, 1.0])
   parser.add_argument("--tree", type=_ints, action="append", help="nodes per level (repeat: tree vs chain)")
   parser.add_argument("--tree_attention", action="append", help="xla (hybrid) and/or reference (dense)")
-  parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                      help="decode in this dtype instead of the configs' (float32 also sets full-precision matmuls: "
-                           "the check that speculative and autoregressive outputs are identical, free of bf16 "
-                           "rounding differences between a 1-token step and a 69-token tree pass)")
+  parser.add_argument(
+    "--dtype",
+    default=None,
+    choices=["float32", "bfloat16"],
+    help="decode in this dtype instead of the configs' (float32 also sets full-precision matmuls: "
+    "the check that speculative and autoregressive outputs are identical, free of bf16 "
+    "rounding differences between a 1-token step and a 69-token tree pass)",
+  )
   parser.add_argument("--out", default=None, help="JSON file for every measurement")
   args = parser.parse_args(argv)
   args.tree = args.tree or [[4, 16, 16, 16, 16]]
@@ -79,7 +83,7 @@ def _prompts(config, tokenizer, length: int, count: int, new_tokens: int) -> lis
   if stream.size < stride * (count + 1):
     print(f"note: the validation split has {stream.size} tokens; prompts repeat it", file=sys.stderr)
     stream = np.resize(stream, stride * (count + 1))
-  return [stream[i * stride:i * stride + length][None] for i in range(count + 1)]
+  return [stream[i * stride : i * stride + length][None] for i in range(count + 1)]
 
 
 def _autoregressive(target, prompt, new_tokens, temperature, seed):
@@ -88,9 +92,18 @@ def _autoregressive(target, prompt, new_tokens, temperature, seed):
   caches = prefill_caches(target.model, target.params, prompt[:, :-1], prompt.shape[1] + new_tokens)
   jax.block_until_ready(caches)
   start = time.perf_counter()
-  tokens, _ = jax.block_until_ready(continue_decoding(
-      target.model, target.params, caches, prompt[:, -1], jnp.int32(prompt.shape[1] - 1), jax.random.key(seed),
-      new_tokens, temperature))
+  tokens, _ = jax.block_until_ready(
+    continue_decoding(
+      target.model,
+      target.params,
+      caches,
+      prompt[:, -1],
+      jnp.int32(prompt.shape[1] - 1),
+      jax.random.key(seed),
+      new_tokens,
+      temperature,
+    )
+  )
   return np.asarray(tokens), time.perf_counter() - start
 
 
@@ -121,25 +134,40 @@ def run(args) -> list[dict]:
         for tree in args.tree:
           for implementation in args.tree_attention:
             call = lambda prompt, seed: speculative_generate(
-                target.model, target.params, draft.model, draft.params, jnp.asarray(prompt, jnp.int32),
-                max_new_tokens=args.new_tokens, tree=tuple(tree), temperature=temperature,
-                rng=jax.random.key(seed), tree_attention_impl=implementation)
+              target.model,
+              target.params,
+              draft.model,
+              draft.params,
+              jnp.asarray(prompt, jnp.int32),
+              max_new_tokens=args.new_tokens,
+              tree=tuple(tree),
+              temperature=temperature,
+              rng=jax.random.key(seed),
+              tree_attention_impl=implementation,
+            )
             call(prompts[0], 0)  # compile
             results = [call(p, i) for i, p in enumerate(prompts[1:])]
-            differences = [_first_difference(np.asarray(r.tokens[:, length:]), b)
-                           for r, (b, _) in zip(results, baseline)]
+            differences = [
+              _first_difference(np.asarray(r.tokens[:, length:]), b) for r, (b, _) in zip(results, baseline)
+            ]
             identical = all(d is None for d in differences) if temperature == 0 else None
             seconds = sum(r.decode_seconds for r in results)
             rounds = sum(r.rounds for r in results)
             row = {
-                "prompt_length": length, "temperature": temperature, "draft": name, "tree": tree,
-                "tree_attention": implementation, "tau": args.new_tokens * len(results) / rounds,
-                "tokens_per_s": args.new_tokens * len(results) / seconds, "autoregressive_tokens_per_s": base_tps,
-                "identical_to_autoregressive": identical,
-                "first_difference": differences if temperature == 0 else None,
-                "dtype": target.model.config.dtype,
-                "draft_state_bytes": sum(x.nbytes for x in jax.tree.leaves(results[0].draft_cache)),
-                "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "prompt_length": length,
+              "temperature": temperature,
+              "draft": name,
+              "tree": tree,
+              "tree_attention": implementation,
+              "tau": args.new_tokens * len(results) / rounds,
+              "tokens_per_s": args.new_tokens * len(results) / seconds,
+              "autoregressive_tokens_per_s": base_tps,
+              "identical_to_autoregressive": identical,
+              "first_difference": differences if temperature == 0 else None,
+              "dtype": target.model.config.dtype,
+              "draft_state_bytes": sum(x.nbytes for x in jax.tree.leaves(results[0].draft_cache)),
+              "device": jax.devices()[0].device_kind,
+              "jax": jax.__version__,
             }
             row["speedup"] = row["tokens_per_s"] / base_tps
             rows.append(row)
@@ -155,12 +183,27 @@ def main(argv=None) -> list[dict]:
   if args.out:
     with open(args.out, "w") as f:
       json.dump(rows, f, indent=2)
-  table = [[r["prompt_length"], r["temperature"], r["dtype"], r["draft"], ",".join(map(str, r["tree"])), r["tree_attention"],
-            f"{r['tau']:.2f}", f"{r['tokens_per_s']:.1f}", f"{r['autoregressive_tokens_per_s']:.1f}",
-            f"{r['speedup']:.2f}x", {None: "-", True: "yes", False: "NO"}[r["identical_to_autoregressive"]]]
-           for r in rows]
-  print(format_table(["prompt", "T", "dtype", "draft", "tree", "attention", "tau", "tok/s", "AR tok/s", "speedup",
-                      "same as AR"], table))
+  table = [
+    [
+      r["prompt_length"],
+      r["temperature"],
+      r["dtype"],
+      r["draft"],
+      ",".join(map(str, r["tree"])),
+      r["tree_attention"],
+      f"{r['tau']:.2f}",
+      f"{r['tokens_per_s']:.1f}",
+      f"{r['autoregressive_tokens_per_s']:.1f}",
+      f"{r['speedup']:.2f}x",
+      {None: "-", True: "yes", False: "NO"}[r["identical_to_autoregressive"]],
+    ]
+    for r in rows
+  ]
+  print(
+    format_table(
+      ["prompt", "T", "dtype", "draft", "tree", "attention", "tau", "tok/s", "AR tok/s", "speedup", "same as AR"], table
+    )
+  )
   return rows
 
 

@@ -42,7 +42,7 @@ if [ "$STAGE" != bench ]; then
   fi
 fi
 [ "$STAGE" = train ] && exit 0
-BENCH=("$PY" benchmarks/longspec.py --target_workdir="$RUNS/target" --prompt_lengths="${LENGTHS:-256,448}"
+BENCH=("$PY" -m benchmarks.longspec --target_workdir="$RUNS/target" --prompt_lengths="${LENGTHS:-256,448}"
        --new_tokens="${NEW_TOKENS:-64}" --prompts="${PROMPTS:-2}")
 # BENCH_FLAGS: the main comparison's rows (default: temperatures 0 and 1, tree and chain).
 "${BENCH[@]}" --draft=longspec="$RUNS/draft" ${BENCH_FLAGS:---temperatures=0,1 --tree=4,16,16,16,16 --tree=1,1,1,1,1} \

@@ -1,7 +1,7 @@
 """Multi-GPU checks and scaling on one host, in one run (about 5-8 minutes on 2 GPUs).
 
-    python benchmarks/multi_gpu.py [--out=DIR] [--parts=equivalence,restart,scaling] [--devices=N]
-    python benchmarks/multi_gpu.py --smoke      # CPU, 8 fake devices, tiny shapes (interpret-mode kernels)
+    python -m benchmarks.multi_gpu [--out=DIR] [--parts=equivalence,restart,scaling] [--devices=N]
+    python -m benchmarks.multi_gpu --smoke      # CPU, 8 fake devices, tiny shapes (interpret-mode kernels)
 
 Parts (each in its own try/except: one failure does not lose the others):
   equivalence  For attention mha (cuDNN on GPU in bf16, XLA otherwise), castle (Pallas) and
@@ -59,23 +59,39 @@ def parse_args(argv=None):
   parser.add_argument("--devices", type=int, default=0, help="N (default: all local devices)")
   parser.add_argument("--attentions", default="mha,castle,power")
   parser.add_argument("--presets", default=",".join(PRESETS))
-  parser.add_argument("--layers", type=int, default=None, help="scaling: layers of each preset (0: the preset's; "
-                      "default 4, smoke 1)")
+  parser.add_argument(
+    "--layers", type=int, default=None, help="scaling: layers of each preset (0: the preset's; default 4, smoke 1)"
+  )
   parser.add_argument("--per_device_batch", type=int, default=None, help="scaling: sequences per device (8, smoke 2)")
   parser.add_argument("--steps", type=int, default=None, help="scaling: timed steps after 2 warm-up steps (5, smoke 2)")
   parser.add_argument("--restart_steps", type=int, default=0, help="restart: steps (0: 300 on GPU, 60 smoke)")
   parser.add_argument("--budget_s", type=float, default=450, help="skip what would start after this many seconds")
-  parser.add_argument("--dtypes", default=None, help="equivalence: compute dtypes (default bfloat16,float32; smoke "
-                      "float32)")
-  parser.add_argument("--tokens_per_device", type=int, default=0, help="scaling: tokens per device per step "
-                      "(sequences = this / the preset's seq_len; overrides --per_device_batch)")
-  parser.add_argument("--override", action="append", default=[], metavar="[PRESET:]KEY=VALUE",
-                      help="scaling: set a config key of every preset (or of PRESET), e.g. "
-                      "power_p2_s:model.attention_kwargs.chunk_size=1024; repeatable")
-  parser.add_argument("--layouts", default="", help="scaling: only these layouts besides 1 device (e.g. dp; "
-                      "default: every layout)")
-  parser.add_argument("--profile", action="store_true", help="scaling: trace 2 more steps of each row and split "
-                      "its GPU time into compute, collectives (exposed or hidden) and idle")
+  parser.add_argument(
+    "--dtypes", default=None, help="equivalence: compute dtypes (default bfloat16,float32; smoke float32)"
+  )
+  parser.add_argument(
+    "--tokens_per_device",
+    type=int,
+    default=0,
+    help="scaling: tokens per device per step (sequences = this / the preset's seq_len; overrides --per_device_batch)",
+  )
+  parser.add_argument(
+    "--override",
+    action="append",
+    default=[],
+    metavar="[PRESET:]KEY=VALUE",
+    help="scaling: set a config key of every preset (or of PRESET), e.g. "
+    "power_p2_s:model.attention_kwargs.chunk_size=1024; repeatable",
+  )
+  parser.add_argument(
+    "--layouts", default="", help="scaling: only these layouts besides 1 device (e.g. dp; default: every layout)"
+  )
+  parser.add_argument(
+    "--profile",
+    action="store_true",
+    help="scaling: trace 2 more steps of each row and split "
+    "its GPU time into compute, collectives (exposed or hidden) and idle",
+  )
   args = parser.parse_args(argv)
   if args.dtypes is None:
     args.dtypes = "float32" if args.smoke else "bfloat16,float32"
@@ -91,6 +107,7 @@ def parse_args(argv=None):
 def free_port() -> int:
   """A TCP port no one listens on now (for the coordinator of a local job)."""
   import socket
+
   with socket.socket() as s:
     s.bind(("localhost", 0))
     return s.getsockname()[1]
@@ -100,7 +117,6 @@ ARGS = parse_args() if __name__ == "__main__" else None
 if ARGS is not None and ARGS.smoke:  # before jax starts
   os.environ["JAX_PLATFORMS"] = "cpu"
   os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 
 
 # --- HLO collectives ------------------------------------------------------------------------------
@@ -130,11 +146,16 @@ def summarize_collectives(found, seq_len: int, head_dim: int) -> dict:
   gathers = [shape for name, shape in found if name == "all-gather"]
   operand = [s for s in gathers if len(s) == 4 and s[1] == seq_len and s[3] == head_dim]
   activation = [s for s in gathers if len(s) >= 3 and s[1] == seq_len]
-  return {"counts": counts, "kernel_operand_all_gathers": operand, "activation_all_gathers": activation,
-          "all_gather_shapes": sorted(set(gathers))[:20]}
+  return {
+    "counts": counts,
+    "kernel_operand_all_gathers": operand,
+    "activation_all_gathers": activation,
+    "all_gather_shapes": sorted(set(gathers))[:20],
+  }
 
 
 # --- equivalence and collectives ------------------------------------------------------------------
+
 
 def small_model(attention: str, smoke: bool, dtype: str | None = None):
   """(ModelConfig, seq_len, batch): a 2-layer model whose dims differ from seq_len, so
@@ -143,17 +164,37 @@ def small_model(attention: str, smoke: bool, dtype: str | None = None):
   otherwise (cuDNN has no float32 attention)."""
   from castle_jax.models import ModelConfig
   import jax
+
   on_gpu = jax.default_backend() == "gpu"
   dtype = dtype or ("float32" if smoke else "bfloat16")
-  impl = {"mha": "cudnn" if on_gpu and dtype != "float32" else "xla", "castle": "pallas",
-          "power": "pallas"}[attention]
+  impl = {"mha": "cudnn" if on_gpu and dtype != "float32" else "xla", "castle": "pallas", "power": "pallas"}[attention]
   kwargs = {"power": (("p", 2), ("chunk_size", 64 if smoke else 128))}.get(attention, ())
   if smoke:
-    config = ModelConfig(vocab_size=128, d_model=48, n_layers=1, n_heads=8, head_dim=16, mlp_hidden=96,
-                         attention=attention, attention_impl=impl, attention_kwargs=kwargs, dtype=dtype)
+    config = ModelConfig(
+      vocab_size=128,
+      d_model=48,
+      n_layers=1,
+      n_heads=8,
+      head_dim=16,
+      mlp_hidden=96,
+      attention=attention,
+      attention_impl=impl,
+      attention_kwargs=kwargs,
+      dtype=dtype,
+    )
     return config, 64, 8
-  config = ModelConfig(vocab_size=1024, d_model=384, n_layers=2, n_heads=8, head_dim=64, mlp_hidden=1024,
-                       attention=attention, attention_impl=impl, attention_kwargs=kwargs, dtype=dtype)
+  config = ModelConfig(
+    vocab_size=1024,
+    d_model=384,
+    n_layers=2,
+    n_heads=8,
+    head_dim=64,
+    mlp_hidden=1024,
+    attention=attention,
+    attention_impl=impl,
+    attention_kwargs=kwargs,
+    dtype=dtype,
+  )
   return config, 256, 16
 
 
@@ -182,8 +223,9 @@ def loss_and_grads_on(mesh_sizes, devices, model_config, host_params, batch) -> 
       nll, weights = token_losses(model, params, batch, pad_id=-1)
       return nll.sum() / weights.sum()
 
-    fn = jax.jit(jax.value_and_grad(loss), in_shardings=(shardings.params, batch_sharding),
-                 out_shardings=(None, shardings.params))
+    fn = jax.jit(
+      jax.value_and_grad(loss), in_shardings=(shardings.params, batch_sharding), out_shardings=(None, shardings.params)
+    )
     params = jax.device_put(host_params, shardings.params)
     device_batch = jax.device_put(batch, batch_sharding)
     compiled = fn.lower(params, device_batch).compile()
@@ -193,6 +235,7 @@ def loss_and_grads_on(mesh_sizes, devices, model_config, host_params, batch) -> 
 
 def rel_err(x, y) -> float:
   import numpy as np
+
   x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
   return float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))
 
@@ -234,6 +277,7 @@ def layout_problem(model_config, mesh_sizes, devices, seq_len: int) -> str | Non
 def gradient_errors(grads, reference) -> dict[str, float]:
   """Relative-norm error of every parameter's gradient, by parameter path."""
   import jax
+
   paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
   return dict(zip(paths, jax.tree.leaves(jax.tree.map(rel_err, grads, reference))))
 
@@ -288,8 +332,13 @@ def check_equivalence(attention: str, n: int, smoke: bool, dtypes: tuple[str, ..
   for dtype in dtypes:
     config = configs[dtype][0]
     ref_loss, ref_grads = references[dtype]
-    row_base = {"part": "equivalence", "attention": attention, "impl": config.attention_impl, "devices": n,
-                "dtype": dtype}
+    row_base = {
+      "part": "equivalence",
+      "attention": attention,
+      "impl": config.attention_impl,
+      "devices": n,
+      "dtype": dtype,
+    }
     if dtype == "float32":
       tolerance, rounding = FLOAT32_TOLERANCE, None
     else:
@@ -307,11 +356,19 @@ def check_equivalence(attention: str, n: int, smoke: bool, dtypes: tuple[str, ..
           with precision(dtype):
             value, grads, hlo = loss_and_grads_on(sizes, devices[:n], config, host_params, batch)
           errors = gradient_errors(grads, ref_grads)
-          row.update(loss=value, loss_1dev=ref_loss, loss_rel_err=abs(value - ref_loss) / abs(ref_loss),
-                     max_grad_rel_err=max(errors.values()), worst_grads=_worst(errors))
+          row.update(
+            loss=value,
+            loss_1dev=ref_loss,
+            loss_rel_err=abs(value - ref_loss) / abs(ref_loss),
+            max_grad_rel_err=max(errors.values()),
+            worst_grads=_worst(errors),
+          )
           row.update(summarize_collectives(collectives(hlo), seq_len, config.qk_head_dim))
-          row["ok"] = (row["loss_rel_err"] < max(tolerance, FLOAT32_TOLERANCE)
-                       and row["max_grad_rel_err"] <= tolerance and not row["kernel_operand_all_gathers"])
+          row["ok"] = (
+            row["loss_rel_err"] < max(tolerance, FLOAT32_TOLERANCE)
+            and row["max_grad_rel_err"] <= tolerance
+            and not row["kernel_operand_all_gathers"]
+          )
       except Exception as e:  # noqa: BLE001 - record and go on
         row.update(ok=False, error=f"{type(e).__name__}: {e}"[:800], traceback=traceback.format_exc()[-3000:])
       print(f"  equivalence {attention:6s} {dtype:8s} {layout:5s} {_brief(row)}", flush=True)
@@ -325,13 +382,19 @@ def _brief(row) -> str:
   if "skipped" in row:
     return f"skipped: {row['skipped'][:200]}"
   counts = " ".join(f"{k}={v}" for k, v in row["counts"].items() if v)
-  bound = (f" (bound {row['tolerance']:.1e} = {BF16_ROUNDING_FACTOR:g} x bf16 rounding {row['rounding_err']:.1e})"
-           if row.get("rounding_err") else f" (bound {row['tolerance']:.0e})")
-  return (f"loss err {row['loss_rel_err']:.1e} grad err {row['max_grad_rel_err']:.1e}{bound} | "
-          f"{counts or 'no collectives'} | kernel-operand all-gathers {row['kernel_operand_all_gathers'] or 0}")
+  bound = (
+    f" (bound {row['tolerance']:.1e} = {BF16_ROUNDING_FACTOR:g} x bf16 rounding {row['rounding_err']:.1e})"
+    if row.get("rounding_err")
+    else f" (bound {row['tolerance']:.0e})"
+  )
+  return (
+    f"loss err {row['loss_rel_err']:.1e} grad err {row['max_grad_rel_err']:.1e}{bound} | "
+    f"{counts or 'no collectives'} | kernel-operand all-gathers {row['kernel_operand_all_gathers'] or 0}"
+  )
 
 
 # --- scaling ---------------------------------------------------------------------------------------
+
 
 def _set_dotted(config, key: str, text: str) -> None:
   """config.<key> = text parsed as the field's type (an --override)."""
@@ -356,6 +419,7 @@ def _set_dotted(config, key: str, text: str) -> None:
 def preset_config(name: str, args, mesh_sizes, num_devices: int, batch_per_device: int):
   import copy
   import importlib
+
   config = copy.deepcopy(importlib.import_module(f"configs.{name}").get_config())
   with config.unlocked():
     m = config.model
@@ -385,23 +449,26 @@ def preset_config(name: str, args, mesh_sizes, num_devices: int, batch_per_devic
 def _timeline(profile_dir: str) -> dict:
   """The step's GPU time split into compute, collectives (exposed: not hidden under compute)
   and idle, per step: device 0's and the largest exposed-collective time of any device."""
-  from synthetic_step import timeline_breakdown
+  from benchmarks.synthetic_step import timeline_breakdown
+
   per_device = timeline_breakdown(profile_dir, steps=2)
   if not per_device:
     return {}
   first = per_device[min(per_device)]
-  return {**{k: round(v, 3) for k, v in first.items()},
-          "max_exposed_collective": round(max(d["exposed_collective"] for d in per_device.values()), 3)}
+  return {
+    **{k: round(v, 3) for k, v in first.items()},
+    "max_exposed_collective": round(max(d["exposed_collective"] for d in per_device.values()), 3),
+  }
 
 
 def run_scaling(preset: str, n: int, args, deadline: float) -> list[dict]:
   import jax
   from castle_jax.models import ModelConfig
-  from synthetic_step import measure
+  from benchmarks.synthetic_step import measure
+
   rows = []
   wanted = set(filter(None, args.layouts.split(","))) or set(layouts(n))
-  runs = [("1 device", (1, 1, 1), 1)] + [(layout, sizes, n) for layout, sizes in layouts(n).items()
-                                         if layout in wanted]
+  runs = [("1 device", (1, 1, 1), 1)] + [(layout, sizes, n) for layout, sizes in layouts(n).items() if layout in wanted]
   single = None
   for layout, sizes, devices in runs:
     row = {"part": "scaling", "preset": preset, "layout": layout, "mesh": sizes, "devices": devices}
@@ -412,23 +479,34 @@ def run_scaling(preset: str, n: int, args, deadline: float) -> list[dict]:
     try:
       config = preset_config(preset, args, sizes, devices, args.per_device_batch)
       row["batch"] = config.data.batch_size
-      problem = layout_problem(ModelConfig.from_mapping(config.model), sizes, jax.devices()[:devices],
-                               config.data.seq_len)
+      problem = layout_problem(
+        ModelConfig.from_mapping(config.model), sizes, jax.devices()[:devices], config.data.seq_len
+      )
       if problem:
         row.update(ok=True, skipped=problem)
       else:
         profile_dir = tempfile.mkdtemp(prefix="multi_gpu_trace_") if args.profile else None
         result = measure(config, args.steps, profile_dir)
         per_device = result["tokens_per_s"] / devices
-        row.update(seq_len=config.data.seq_len, n_layers=config.model.n_layers, step_s=result["step_s_median"],
-                   warmup_s=result["warmup_s"], tokens_per_s=result["tokens_per_s"],
-                   tokens_per_s_per_device=per_device, mfu=result["mfu"],
-                   peak_bytes_in_use=result["peak_bytes_in_use"], ok=True)
+        row.update(
+          seq_len=config.data.seq_len,
+          n_layers=config.model.n_layers,
+          step_s=result["step_s_median"],
+          warmup_s=result["warmup_s"],
+          tokens_per_s=result["tokens_per_s"],
+          tokens_per_s_per_device=per_device,
+          mfu=result["mfu"],
+          peak_bytes_in_use=result["peak_bytes_in_use"],
+          ok=True,
+        )
         if profile_dir:
-          from synthetic_step import device_time_by_op
+          from benchmarks.synthetic_step import device_time_by_op
+
           row["timeline_ms"] = _timeline(profile_dir)
-          row["ops_ms_per_step"] = {name: round(ms / 2 / devices, 4)  # 2 traced steps, summed over devices
-                                    for _, name, ms, _ in device_time_by_op(profile_dir, top=80)}
+          row["ops_ms_per_step"] = {
+            name: round(ms / 2 / devices, 4)  # 2 traced steps, summed over devices
+            for _, name, ms, _ in device_time_by_op(profile_dir, top=80)
+          }
           shutil.rmtree(profile_dir, ignore_errors=True)
         if layout == "1 device":
           single = per_device
@@ -467,16 +545,24 @@ def _scaling_brief(row) -> str:
     text += f", {row['efficiency']:.0%} of 1 device"
   timeline = row.get("timeline_ms")
   if timeline:
-    text += (f" | GPU ms/step: compute {timeline['compute']:.1f}, collectives {timeline['collective']:.1f} "
-             f"(exposed {timeline['max_exposed_collective']:.1f}), idle {timeline['idle']:.1f}")
+    text += (
+      f" | GPU ms/step: compute {timeline['compute']:.1f}, collectives {timeline['collective']:.1f} "
+      f"(exposed {timeline['max_exposed_collective']:.1f}), idle {timeline['idle']:.1f}"
+    )
   return text
 
 
 # --- kill and restart ------------------------------------------------------------------------------
 
+
 def _job_env(index: int, address: str, smoke: bool) -> dict:
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-             JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(index))
+  env = dict(
+    os.environ,
+    PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    JAX_COORDINATOR_ADDRESS=address,
+    JAX_NUM_PROCESSES="2",
+    JAX_PROCESS_ID=str(index),
+  )
   if smoke:
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
   else:  # one GPU per process; deterministic reductions so that curves compare exactly
@@ -486,14 +572,33 @@ def _job_env(index: int, address: str, smoke: bool) -> dict:
 
 def _launch(workdir: str, data_dir: str, steps: int, smoke: bool, log) -> list[subprocess.Popen]:
   address = f"localhost:{free_port()}"
-  settings = {"model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4, "data.seq_len": 64,
-              "data.batch_size": 8, "train.steps": steps, "train.warmup_steps": 5, "train.log_every": 1,
-              "train.eval_batches": 0, "train.checkpoint_every": max(steps // 6, 2), "train.keep_checkpoints": 3,
-              "train.progress_bar": False, "data.data_dir": data_dir}
-  command = [sys.executable, "-m", "train", "--config=configs/tiny.py", f"--workdir={workdir}",
-             *(f"--config.{k}={v}" for k, v in settings.items())]
-  return [subprocess.Popen(command, cwd=ROOT, env=_job_env(i, address, smoke), stdout=log, stderr=subprocess.STDOUT)
-          for i in range(2)]
+  settings = {
+    "model.d_model": 64,
+    "model.n_layers": 2,
+    "model.n_heads": 4,
+    "data.seq_len": 64,
+    "data.batch_size": 8,
+    "train.steps": steps,
+    "train.warmup_steps": 5,
+    "train.log_every": 1,
+    "train.eval_batches": 0,
+    "train.checkpoint_every": max(steps // 6, 2),
+    "train.keep_checkpoints": 3,
+    "train.progress_bar": False,
+    "data.data_dir": data_dir,
+  }
+  command = [
+    sys.executable,
+    "-m",
+    "train",
+    "--config=configs/tiny.py",
+    f"--workdir={workdir}",
+    *(f"--config.{k}={v}" for k, v in settings.items()),
+  ]
+  return [
+    subprocess.Popen(command, cwd=ROOT, env=_job_env(i, address, smoke), stdout=log, stderr=subprocess.STDOUT)
+    for i in range(2)
+  ]
 
 
 def _metrics_lines(workdir: str) -> list[dict]:
@@ -523,10 +628,18 @@ def run_restart(args, out_dir: str) -> dict:
   row = {"part": "restart", "steps": steps}
   with open(os.path.join(base, "jobs.log"), "w") as log:
     # Build the corpus once, in a child (this process must not start a backend on the GPUs it shares).
-    subprocess.run([sys.executable, "-c", f"from castle_jax.data.pipeline import get_builder; "
-                    f"get_builder('python_stdlib', {data_dir!r})"], cwd=ROOT, check=True, stdout=log,
-                   stderr=subprocess.STDOUT, env=dict(os.environ, JAX_PLATFORMS="cpu",
-                                                      PYTHONPATH=_job_env(0, "", True)["PYTHONPATH"]))
+    subprocess.run(
+      [
+        sys.executable,
+        "-c",
+        f"from castle_jax.data.pipeline import get_builder; get_builder('python_stdlib', {data_dir!r})",
+      ],
+      cwd=ROOT,
+      check=True,
+      stdout=log,
+      stderr=subprocess.STDOUT,
+      env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=_job_env(0, "", True)["PYTHONPATH"]),
+    )
     start = time.time()
     reference = os.path.join(base, "uninterrupted")
     codes = _wait(_launch(reference, data_dir, steps, args.smoke, log), 240)
@@ -542,8 +655,9 @@ def run_restart(args, out_dir: str) -> dict:
         break
       time.sleep(0.02)
     if any(j.poll() is not None for j in jobs):
-      raise RuntimeError(f"the job ended before the kill (exit codes {[j.poll() for j in jobs]}); raise "
-                         "--restart_steps")
+      raise RuntimeError(
+        f"the job ended before the kill (exit codes {[j.poll() for j in jobs]}); raise --restart_steps"
+      )
     jobs[1].send_signal(signal.SIGKILL)
     row["killed_after_step"] = max((r["step"] for r in _metrics_lines(killed)), default=0)
     # A scheduler ends the whole job when one task dies; give process 0 a few seconds alone.
@@ -551,8 +665,9 @@ def run_restart(args, out_dir: str) -> dict:
     if jobs[0].poll() is None:
       jobs[0].send_signal(signal.SIGKILL)
       jobs[0].wait()
-    row["checkpoints_after_kill"] = sorted(int(s) for s in os.listdir(os.path.join(killed, "checkpoints"))
-                                           if s.isdigit())
+    row["checkpoints_after_kill"] = sorted(
+      int(s) for s in os.listdir(os.path.join(killed, "checkpoints")) if s.isdigit()
+    )
     logged_before = len(_metrics_lines(killed))
     log.write(f"\n==== relaunch after killing process 1 at step {row['killed_after_step']} ====\n")
     log.flush()
@@ -565,13 +680,17 @@ def run_restart(args, out_dir: str) -> dict:
   resumed = {r["step"]: r["loss"] for r in _metrics_lines(killed) if r["split"] == "train"}  # last record wins
   differences = [abs(resumed[s] - expected[s]) / abs(expected[s]) for s in expected if s in resumed]
   relaunched = _metrics_lines(killed)[logged_before:]
-  row.update(steps_compared=len(differences), max_loss_rel_diff=max(differences, default=None),
-             resumed_from_step=relaunched[0]["step"] - 1 if relaunched else None)
+  row.update(
+    steps_compared=len(differences),
+    max_loss_rel_diff=max(differences, default=None),
+    resumed_from_step=relaunched[0]["step"] - 1 if relaunched else None,
+  )
   row["ok"] = len(differences) == steps and max(differences) <= 1e-6
   return row
 
 
 # --- driver ----------------------------------------------------------------------------------------
+
 
 def print_table(rows: list[dict]) -> None:
   print("\n| part | what | layout | devices | result | ok |")
@@ -583,14 +702,19 @@ def print_table(rows: list[dict]) -> None:
       what, result = r["preset"], _scaling_brief(r)
     else:
       what = r["part"]
-      result = r.get("error") or (f"killed after step {r['killed_after_step']}, resumed, {r['steps_compared']} steps, "
-                                  f"max loss diff {r['max_loss_rel_diff']:.1e}")
-    print(f"| {r['part']} | {what} | {r.get('layout', '2 processes')} | {r.get('devices', 2)} | "
-          f"{result[:240]} | {'skipped' if 'skipped' in r else 'yes' if r.get('ok') else 'NO'} |")
+      result = r.get("error") or (
+        f"killed after step {r['killed_after_step']}, resumed, {r['steps_compared']} steps, "
+        f"max loss diff {r['max_loss_rel_diff']:.1e}"
+      )
+    print(
+      f"| {r['part']} | {what} | {r.get('layout', '2 processes')} | {r.get('devices', 2)} | "
+      f"{result[:240]} | {'skipped' if 'skipped' in r else 'yes' if r.get('ok') else 'NO'} |"
+    )
 
 
 def main(args) -> int:
   import jax
+
   start = time.time()
   deadline = start + args.budget_s
   os.makedirs(args.out, exist_ok=True)
@@ -608,8 +732,14 @@ def main(args) -> int:
     try:
       rows.append(run_restart(args, args.out))
     except Exception as e:  # noqa: BLE001
-      rows.append({"part": "restart", "ok": False, "error": f"{type(e).__name__}: {e}"[:800],
-                   "traceback": traceback.format_exc()[-3000:]})
+      rows.append(
+        {
+          "part": "restart",
+          "ok": False,
+          "error": f"{type(e).__name__}: {e}"[:800],
+          "traceback": traceback.format_exc()[-3000:],
+        }
+      )
     print(f"  {rows[-1]}", flush=True)
     save()
   n = args.devices or jax.local_device_count()
@@ -620,14 +750,29 @@ def main(args) -> int:
   if "equivalence" in parts and n >= 2:
     for attention in args.attentions.split(","):
       if time.time() > deadline:
-        rows.append({"part": "equivalence", "attention": attention, "impl": "-", "ok": False,
-                     "error": "skipped: --budget_s reached"})
+        rows.append(
+          {
+            "part": "equivalence",
+            "attention": attention,
+            "impl": "-",
+            "ok": False,
+            "error": "skipped: --budget_s reached",
+          }
+        )
         continue
       try:
         rows.extend(check_equivalence(attention, n, args.smoke, tuple(args.dtypes.split(","))))
       except Exception as e:  # noqa: BLE001
-        rows.append({"part": "equivalence", "attention": attention, "impl": "-", "ok": False,
-                     "error": f"{type(e).__name__}: {e}"[:800], "traceback": traceback.format_exc()[-3000:]})
+        rows.append(
+          {
+            "part": "equivalence",
+            "attention": attention,
+            "impl": "-",
+            "ok": False,
+            "error": f"{type(e).__name__}: {e}"[:800],
+            "traceback": traceback.format_exc()[-3000:],
+          }
+        )
       save()
   if "scaling" in parts and n >= 2:
     for preset in args.presets.split(","):
@@ -641,8 +786,10 @@ def main(args) -> int:
   if args.profile:
     print_op_growth(rows)
   print_table(rows)
-  print(f"\n{sum(bool(r.get('ok')) for r in rows)}/{len(rows)} ok in {info['total_s']:.0f} s; "
-        f"details in {os.path.join(args.out, 'results.json')}")
+  print(
+    f"\n{sum(bool(r.get('ok')) for r in rows)}/{len(rows)} ok in {info['total_s']:.0f} s; "
+    f"details in {os.path.join(args.out, 'results.json')}"
+  )
   return 0 if all(r.get("ok") for r in rows) else 1
 
 

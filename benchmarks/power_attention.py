@@ -1,6 +1,6 @@
 """Power attention speed next to standard attention and the paper authors' kernels, in one run.
 
-    python benchmarks/power_attention.py [--seq_lens=4096,16384,65536] [--tokens=65536] \
+    python -m benchmarks.power_attention [--seq_lens=4096,16384,65536] [--tokens=65536] \
         [--impls=pallas,xla,cudnn,authors] [--chunk_sizes=1024] [--json=out.json]
 
 For each sequence length T the batch is tokens // T (the power-attention paper's
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from castle_jax.ops.attention import causal_attention
 from castle_jax.ops.power import power_attention
 from pallas_kernels.power import PowerKernelConfig, default_config, discumsum, kernels, power_attention_pallas
-from timing import error_text, median_ms, run_meta, time_forward_and_gradients, torch_median_ms, write_json
+from benchmarks.timing import error_text, median_ms, run_meta, time_forward_and_gradients, torch_median_ms, write_json
 
 
 def power_forward_flops(batch: int, seq: int, heads: int, head_dim: int, chunk: int) -> float:
@@ -80,12 +80,19 @@ def measure_jax(name: str, fn, batch, seq, heads, head_dim, dtype, iters, gated:
 
 def measure_authors(batch, seq, heads, head_dim, chunk, iters) -> dict:
   """The authors' kernels (PyPI `retention`), bf16, p = 2, gating, fwd and fwd+bwd."""
-  row = {"impl": f"authors[c={chunk}]", "batch": batch, "seq": seq, "heads": heads, "head_dim": head_dim,
-         "chunk": chunk}
+  row = {
+    "impl": f"authors[c={chunk}]",
+    "batch": batch,
+    "seq": seq,
+    "heads": heads,
+    "head_dim": head_dim,
+    "chunk": chunk,
+  }
   try:
     import torch
     import torch.nn.functional as F
     from retention.triton import power_retention
+
     generator = torch.Generator(device="cuda").manual_seed(0)
     randn = lambda *shape: torch.randn(*shape, device="cuda", generator=generator)
     q, k, v = (randn(batch, seq, heads, head_dim).to(torch.bfloat16).requires_grad_() for _ in range(3))
@@ -134,15 +141,27 @@ def kernel_breakdown(batch, seq, heads, head_dim, chunk, dtype, iters, config=No
   opts = dict(chunk=chunk, config=config, interpret=False)
   mha = dict(heads=heads, kv_heads=heads)
   cases = [
-      ("update_state", lambda: kernels.update_state(x, w, r, **opts), 2 * dim * head_dim * tokens),
-      ("query_state_attention", lambda: kernels.query_state_attention(x, x, w, g, state, normalizer, **mha, **opts),
-       (2 * dim * head_dim + 2 * (chunk + 1) * head_dim) * tokens),
-      ("state_gradient(queries)", lambda: kernels.state_gradient(x, w, r, state, normalizer, **mha, **opts),
-       2 * dim * head_dim * tokens),
-      ("state_gradient(keys)", lambda: kernels.state_gradient(x, w, r, state, normalizer, **mha, with_product=True,
-                                                              **opts), 4 * dim * head_dim * tokens),
-      ("attention_backward", lambda: kernels.attention_backward(x, x, w, g, w, r, **mha, **opts),
-       5 * (chunk + 1) * head_dim * tokens),
+    ("update_state", lambda: kernels.update_state(x, w, r, **opts), 2 * dim * head_dim * tokens),
+    (
+      "query_state_attention",
+      lambda: kernels.query_state_attention(x, x, w, g, state, normalizer, **mha, **opts),
+      (2 * dim * head_dim + 2 * (chunk + 1) * head_dim) * tokens,
+    ),
+    (
+      "state_gradient(queries)",
+      lambda: kernels.state_gradient(x, w, r, state, normalizer, **mha, **opts),
+      2 * dim * head_dim * tokens,
+    ),
+    (
+      "state_gradient(keys)",
+      lambda: kernels.state_gradient(x, w, r, state, normalizer, **mha, with_product=True, **opts),
+      4 * dim * head_dim * tokens,
+    ),
+    (
+      "attention_backward",
+      lambda: kernels.attention_backward(x, x, w, g, w, r, **mha, **opts),
+      5 * (chunk + 1) * head_dim * tokens,
+    ),
   ]
   rows = []
   for name, fn, flops in cases:
@@ -150,15 +169,21 @@ def kernel_breakdown(batch, seq, heads, head_dim, chunk, dtype, iters, config=No
     ms = median_ms(lambda *_: compiled(), [()], iters)
     rows.append({"kernel": name, "batch": batch, "seq": seq, "chunk": chunk, "ms": ms, "tflops": flops / ms / 1e9})
   states = jax.random.normal(keys[5], (bh, n, dim, head_dim), jnp.float32)
-  totals = g[:, chunk - 1::chunk]
+  totals = g[:, chunk - 1 :: chunk]
   size = jnp.dtype(dtype).itemsize
   scans = [
-      # Reads the own states, writes the entering states.
-      ("discumsum", lambda: discumsum.discumsum(states, totals, states[:, 0], entering_dtype=dtype, interpret=False),
-       states.size * (4 + size)),
-      # Reads the direct gradients and the entering states, writes the own states' gradients.
-      ("reverse_discumsum", lambda: discumsum.reverse_discumsum(states, totals, state, states[:, 0], interpret=False),
-       states.size * (4 + size + 4)),
+    # Reads the own states, writes the entering states.
+    (
+      "discumsum",
+      lambda: discumsum.discumsum(states, totals, states[:, 0], entering_dtype=dtype, interpret=False),
+      states.size * (4 + size),
+    ),
+    # Reads the direct gradients and the entering states, writes the own states' gradients.
+    (
+      "reverse_discumsum",
+      lambda: discumsum.reverse_discumsum(states, totals, state, states[:, 0], interpret=False),
+      states.size * (4 + size + 4),
+    ),
   ]
   for name, fn, moved in scans:
     compiled = jax.jit(fn)
@@ -173,18 +198,23 @@ def main(argv=None) -> int:
   parser.add_argument("--tokens", type=int, default=65536, help="batch * seq for every length")
   parser.add_argument("--heads", type=int, default=12)
   parser.add_argument("--head_dim", type=int, default=64)
-  parser.add_argument("--impls", default="pallas,xla,cudnn,authors",
-                      help="comma list of: pallas, xla, cudnn, authors")
+  parser.add_argument("--impls", default="pallas,xla,cudnn,authors", help="comma list of: pallas, xla, cudnn, authors")
   parser.add_argument("--chunk_sizes", default="1024", help="chunk sizes of our chunked rows")
   parser.add_argument("--authors_chunk_sizes", default="1024", help="chunk sizes of the authors' rows")
-  parser.add_argument("--authors_autotune", action="store_true",
-                      help="let the authors' kernels autotune (minutes on the first call)")
-  parser.add_argument("--pallas_configs", default="",
-                      help="';'-separated kernel configs of PowerKernelConfig fields as key=value, e.g. "
-                           "'block_t=32,num_warps=8;row_group=2', each its own row (default: the default config)")
-  parser.add_argument("--breakdown_seq_lens", default="",
-                      help="comma list of lengths at which to also time each Pallas kernel alone (at the first "
-                           "chunk size)")
+  parser.add_argument(
+    "--authors_autotune", action="store_true", help="let the authors' kernels autotune (minutes on the first call)"
+  )
+  parser.add_argument(
+    "--pallas_configs",
+    default="",
+    help="';'-separated kernel configs of PowerKernelConfig fields as key=value, e.g. "
+    "'block_t=32,num_warps=8;row_group=2', each its own row (default: the default config)",
+  )
+  parser.add_argument(
+    "--breakdown_seq_lens",
+    default="",
+    help="comma list of lengths at which to also time each Pallas kernel alone (at the first chunk size)",
+  )
   parser.add_argument("--no_gating", action="store_true")
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--dtype", default="bfloat16")
@@ -210,8 +240,14 @@ def main(argv=None) -> int:
     shape = (batch, seq, args.heads, args.head_dim)
     for impl in impls:
       if impl == "cudnn":
-        row = measure_jax("cudnn", lambda q, k, v: causal_attention(q, k, v, implementation="cudnn"), *shape,
-                          dtype, args.iters, gated=False)
+        row = measure_jax(
+          "cudnn",
+          lambda q, k, v: causal_attention(q, k, v, implementation="cudnn"),
+          *shape,
+          dtype,
+          args.iters,
+          gated=False,
+        )
         if "error" not in row:
           row["fwd_flops"] = standard_forward_flops(*shape)
         rows.append(row)
@@ -222,18 +258,22 @@ def main(argv=None) -> int:
             row["fwd_flops"] = power_forward_flops(*shape, chunk)
           rows.append(row)
       else:
-        configs = [(spec, PowerKernelConfig.from_string(spec)) for spec in args.pallas_configs.split(";")] \
-            if impl == "pallas" and args.pallas_configs else [("", None)]
+        configs = (
+          [(spec, PowerKernelConfig.from_string(spec)) for spec in args.pallas_configs.split(";")]
+          if impl == "pallas" and args.pallas_configs
+          else [("", None)]
+        )
         for chunk in chunks:
           for spec, config in configs:
             if config is None:
               fn = lambda q, k, v, log_g=None, chunk=chunk, impl=impl: power_attention(
-                  q, k, v, log_g, p=2, chunk_size=chunk, implementation=impl)
+                q, k, v, log_g, p=2, chunk_size=chunk, implementation=impl
+              )
             else:
               fn = lambda q, k, v, log_g=None, chunk=chunk, config=config: power_attention_pallas(
-                  q, k, v, log_g, scale=args.head_dim**-0.5, chunk_size=chunk, config=config)[0]
-            row = measure_jax(f"{impl}[c={chunk}{';' + spec if spec else ''}]", fn, *shape, dtype, args.iters,
-                              gated)
+                q, k, v, log_g, scale=args.head_dim**-0.5, chunk_size=chunk, config=config
+              )[0]
+            row = measure_jax(f"{impl}[c={chunk}{';' + spec if spec else ''}]", fn, *shape, dtype, args.iters, gated)
             row["chunk"] = chunk
             if "error" not in row:
               row["fwd_flops"] = power_forward_flops(*shape, chunk)
@@ -245,8 +285,9 @@ def main(argv=None) -> int:
   breakdown = []
   if "pallas" in impls:
     for seq in (int(s) for s in args.breakdown_seq_lens.split(",") if s):
-      breakdown += kernel_breakdown(args.tokens // seq, seq, args.heads, args.head_dim, min(chunks[0], seq), dtype,
-                                    args.iters)
+      breakdown += kernel_breakdown(
+        args.tokens // seq, seq, args.heads, args.head_dim, min(chunks[0], seq), dtype, args.iters
+      )
 
   for row in rows:
     if "error" in row:
@@ -255,8 +296,7 @@ def main(argv=None) -> int:
     row["fwd_bwd_tflops"] = 3.5 * row["fwd_flops"] / row["fwd_bwd_ms"] / 1e9
     same_seq = [r for r in rows if r["seq"] == row["seq"] and "error" not in r]
     cudnn = next((r for r in same_seq if r["impl"] == "cudnn"), None)
-    authors = min((r for r in same_seq if r["impl"].startswith("authors")), key=lambda r: r["fwd_bwd_ms"],
-                  default=None)
+    authors = min((r for r in same_seq if r["impl"].startswith("authors")), key=lambda r: r["fwd_bwd_ms"], default=None)
     if cudnn:
       row["cudnn_over_this_fwd_bwd"] = cudnn["fwd_bwd_ms"] / row["fwd_bwd_ms"]
     if authors:
@@ -265,18 +305,24 @@ def main(argv=None) -> int:
   meta = run_meta(dtype=args.dtype, p=2, gating=gated, tokens=args.tokens, authors_autotune=args.authors_autotune)
   write_json(args.json, meta, rows=rows, kernels=breakdown)
 
-  print(f"\n{meta['device']} | jax {meta['jax']} | {args.dtype} | p=2 | gating {gated} | {args.tokens} tokens"
-        f" | speed-ups: >1 means this row is faster")
+  print(
+    f"\n{meta['device']} | jax {meta['jax']} | {args.dtype} | p=2 | gating {gated} | {args.tokens} tokens"
+    f" | speed-ups: >1 means this row is faster"
+  )
   width = max(16, max(len(r["impl"]) for r in rows) + 1)
-  print(f"{'impl':<{width}}{'B x T':>13}{'fwd ms':>9}{'f+b ms':>9}{'fwd TF/s':>9}{'f+b TF/s':>9}"
-        f"{'vs cudnn':>9}{'vs authors':>11}{'peak GiB':>9}")
+  print(
+    f"{'impl':<{width}}{'B x T':>13}{'fwd ms':>9}{'f+b ms':>9}{'fwd TF/s':>9}{'f+b TF/s':>9}"
+    f"{'vs cudnn':>9}{'vs authors':>11}{'peak GiB':>9}"
+  )
   for r in rows:
     if "error" in r:
       print(f"{r['impl']:<{width}}{r['batch']:>5} x {r['seq']:<6}  {r['error']}")
       continue
-    print(f"{r['impl']:<{width}}{r['batch']:>5} x {r['seq']:<6}{r['fwd_ms']:>9.2f}{r['fwd_bwd_ms']:>9.2f}"
-          f"{r['fwd_tflops']:>9.1f}{r['fwd_bwd_tflops']:>9.1f}{r.get('cudnn_over_this_fwd_bwd', math.nan):>9.2f}"
-          f"{r.get('authors_best_over_this_fwd_bwd', math.nan):>11.2f}{r['peak_gib']:>9.2f}")
+    print(
+      f"{r['impl']:<{width}}{r['batch']:>5} x {r['seq']:<6}{r['fwd_ms']:>9.2f}{r['fwd_bwd_ms']:>9.2f}"
+      f"{r['fwd_tflops']:>9.1f}{r['fwd_bwd_tflops']:>9.1f}{r.get('cudnn_over_this_fwd_bwd', math.nan):>9.2f}"
+      f"{r.get('authors_best_over_this_fwd_bwd', math.nan):>11.2f}{r['peak_gib']:>9.2f}"
+    )
   if breakdown:
     print(f"\n{'kernel (alone)':<24}{'B x T':>13}{'chunk':>7}{'ms':>9}{'TF/s or GB/s':>14}")
     for r in breakdown:

@@ -1,6 +1,6 @@
 """One-token decoding step of power attention (recurrent state) next to a KV-cache step.
 
-    python benchmarks/power_decode.py [--batch=64] [--lengths=4096,16384,65536] [--heads=12] \
+    python -m benchmarks.power_decode [--batch=64] [--lengths=4096,16384,65536] [--heads=12] \
         [--head_dim=64] [--json=out.json]
 
 Times `castle_jax.ops.power.decode_step` (p = 2, gating, spow state: output from the state,
@@ -19,26 +19,33 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from castle_decode import _cache_bytes, _filled, _time_steps, mha_row
+from benchmarks.castle_decode import _cache_bytes, _filled, _time_steps, mha_row
 from castle_jax.ops.power import decode_step, init_cache
-from timing import run_meta, write_json
+from benchmarks.timing import run_meta, write_json
 
 
 def power_row(batch, length, heads, head_dim, dtype, iters):
   keys = jax.random.split(jax.random.key(2), 6)
   cache = init_cache(batch, heads, head_dim, p=2)
   # A state of `length` tokens has the same size and cost as any other: fill it with numbers.
-  cache = type(cache)(_filled(cache.state.shape, jnp.float32, keys[0]),
-                      jnp.abs(_filled(cache.normalizer.shape, jnp.float32, keys[1])), jnp.asarray(length, jnp.int32))
+  cache = type(cache)(
+    _filled(cache.state.shape, jnp.float32, keys[0]),
+    jnp.abs(_filled(cache.normalizer.shape, jnp.float32, keys[1])),
+    jnp.asarray(length, jnp.int32),
+  )
   token = tuple(_filled((batch, 1, heads, head_dim), dtype, k) for k in keys[2:5])
   token += (jax.nn.log_sigmoid(_filled((batch, 1, heads), jnp.float32, keys[5]) + 6.9),)
 
   def step(cache, q, k, v, log_g):
     return decode_step(cache, q, k, v, log_g, p=2)
 
-  return {"impl": "power_p2_state", "heads": heads, "length": length,
-          "step_ms": _time_steps(jax.jit(step, donate_argnums=0), cache, token, iters),
-          "cache_gib": _cache_bytes(cache) / 2**30}
+  return {
+    "impl": "power_p2_state",
+    "heads": heads,
+    "length": length,
+    "step_ms": _time_steps(jax.jit(step, donate_argnums=0), cache, token, iters),
+    "cache_gib": _cache_bytes(cache) / 2**30,
+  }
 
 
 def main(argv=None) -> int:
@@ -63,8 +70,9 @@ def main(argv=None) -> int:
     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
   meta = run_meta(batch=args.batch, head_dim=args.head_dim, heads=args.heads, dtype=args.dtype)
   write_json(args.json, meta, rows=rows)
-  print(f"\n{meta['device']} | jax {meta['jax']} | batch {args.batch} | {args.heads} heads x {args.head_dim} | "
-        f"{args.dtype}")
+  print(
+    f"\n{meta['device']} | jax {meta['jax']} | batch {args.batch} | {args.heads} heads x {args.head_dim} | {args.dtype}"
+  )
   print(f"{'impl':<18}{'length':>8}{'step ms':>10}{'cache GiB':>11}")
   for r in rows:
     print(f"{r['impl']:<18}{r['length']:>8}{r['step_ms']:>10.3f}{r['cache_gib']:>11.3f}")

@@ -23,8 +23,13 @@ from train.step import jit_train_step
 from train.throughput import peak_flops_per_device
 
 
-def measure(config, steps: int, profile_dir: str | None = None, token_ids: int | None = None,
-            host_batches: list[dict] | None = None) -> dict:
+def measure(
+  config,
+  steps: int,
+  profile_dir: str | None = None,
+  token_ids: int | None = None,
+  host_batches: list[dict] | None = None,
+) -> dict:
   """Times `steps` train steps of `config` (median, after 2 warm-up steps) on random tokens.
 
   Args:
@@ -45,9 +50,15 @@ def measure(config, steps: int, profile_dir: str | None = None, token_ids: int |
   with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
     _, shardings = state_shardings(model, tx, mesh, seq_len)
     state = init_train_state(model, tx, jax.random.key(0), seq_len, shardings)
-    step = jit_train_step(model=model, tx=tx, schedule=schedule, pad_id=-1,
-                          grad_accum_steps=config.train.grad_accum_steps, state_shardings=shardings,
-                          batch_sharding=batch_sharding)
+    step = jit_train_step(
+      model=model,
+      tx=tx,
+      schedule=schedule,
+      pad_id=-1,
+      grad_accum_steps=config.train.grad_accum_steps,
+      state_shardings=shardings,
+      batch_sharding=batch_sharding,
+    )
     # Several distinct batches, so repeated steps do not replay one buffer.
     if host_batches is None:
       host_batches = []
@@ -77,26 +88,26 @@ def measure(config, steps: int, profile_dir: str | None = None, token_ids: int |
   peak = peak_flops_per_device()
   memory = jax.devices()[0].memory_stats() or {}
   return {
-      "device": jax.devices()[0].device_kind,
-      "devices": jax.device_count(),
-      "jax": jax.__version__,
-      "attention": model_config.attention,
-      "attention_impl": model_config.attention_impl,
-      "params": count_parameters(model_config),
-      "seq_len": seq_len,
-      "batch": batch,
-      "grad_accum_steps": config.train.grad_accum_steps,
-      "dtype": model_config.dtype,
-      "step_s_median": step_s,
-      "step_s_min": min(times),
-      "step_s_max": max(times),
-      "warmup_s": warmup_s,
-      "tokens_per_s": tokens_per_s,
-      "model_tflops_per_s_per_device": tokens_per_s * flops_per_token / jax.device_count() / 1e12,
-      "mfu": None if peak is None else tokens_per_s * flops_per_token / (peak * jax.device_count()),
-      "peak_bytes_in_use": memory.get("peak_bytes_in_use"),
-      "final_loss": float(metrics["loss"]),
-      "token_ids": token_ids or model_config.vocab_size,
+    "device": jax.devices()[0].device_kind,
+    "devices": jax.device_count(),
+    "jax": jax.__version__,
+    "attention": model_config.attention,
+    "attention_impl": model_config.attention_impl,
+    "params": count_parameters(model_config),
+    "seq_len": seq_len,
+    "batch": batch,
+    "grad_accum_steps": config.train.grad_accum_steps,
+    "dtype": model_config.dtype,
+    "step_s_median": step_s,
+    "step_s_min": min(times),
+    "step_s_max": max(times),
+    "warmup_s": warmup_s,
+    "tokens_per_s": tokens_per_s,
+    "model_tflops_per_s_per_device": tokens_per_s * flops_per_token / jax.device_count() / 1e12,
+    "mfu": None if peak is None else tokens_per_s * flops_per_token / (peak * jax.device_count()),
+    "peak_bytes_in_use": memory.get("peak_bytes_in_use"),
+    "final_loss": float(metrics["loss"]),
+    "token_ids": token_ids or model_config.vocab_size,
   }
 
 
@@ -107,11 +118,14 @@ def device_time_by_op(profile_dir: str, top: int = 25) -> list[tuple[str, str, f
   plugin of jax 0.11.2 have only per-stream lines ("Stream #N(...)") of kernel names.
   """
   paths = glob.glob(os.path.join(profile_dir, "**", "*.xplane.pb"), recursive=True)
-  planes = [p for p in jax.profiler.ProfileData.from_file(max(paths, key=os.path.getmtime)).planes
-            if p.name.startswith("/device:")]
-  lines = [(p, l) for p in planes for l in p.lines]
-  wanted = [(p, l) for p, l in lines if l.name in ("XLA Ops", "XLA Modules")]
-  wanted = wanted or [(p, l) for p, l in lines if l.name.startswith("Stream")]
+  planes = [
+    p
+    for p in jax.profiler.ProfileData.from_file(max(paths, key=os.path.getmtime)).planes
+    if p.name.startswith("/device:")
+  ]
+  lines = [(plane, line) for plane in planes for line in plane.lines]
+  wanted = [(plane, line) for plane, line in lines if line.name in ("XLA Ops", "XLA Modules")]
+  wanted = wanted or [(plane, line) for plane, line in lines if line.name.startswith("Stream")]
   totals = collections.defaultdict(lambda: [0.0, 0])
   for _, line in wanted:
     label = "stream" if line.name.startswith("Stream") else line.name
@@ -120,8 +134,8 @@ def device_time_by_op(profile_dir: str, top: int = 25) -> list[tuple[str, str, f
       entry[0] += event.duration_ns / 1e6
       entry[1] += 1
   if not totals:
-    print(f"no device op lines in the trace; planes/lines found: {sorted((p.name, l.name) for p, l in lines)[:40]}")
-  rows = sorted(((l, n, ms, c) for (l, n), (ms, c) in totals.items()), key=lambda r: -r[2])
+    print(f"no device op lines in the trace; planes/lines found: {sorted((p.name, ln.name) for p, ln in lines)[:40]}")
+  rows = sorted(((label, n, ms, c) for (label, n), (ms, c) in totals.items()), key=lambda r: -r[2])
   return rows[:top]
 
 
@@ -169,10 +183,13 @@ def busy_breakdown(kernels: list[tuple[int, int, bool]], steps: int) -> dict[str
   every = _union_ns([(s, e) for s, e, _ in kernels])
   span = (every[-1][1] - every[0][0]) if every else 0
   per_step = lambda ns: ns / 1e6 / steps  # noqa: E731
-  return {"span": per_step(span), "compute": per_step(_covered_ns(compute)),
-          "collective": per_step(_covered_ns(collective)),
-          "exposed_collective": per_step(_minus_ns(collective, compute)),
-          "idle": per_step(span - _covered_ns(every))}
+  return {
+    "span": per_step(span),
+    "compute": per_step(_covered_ns(compute)),
+    "collective": per_step(_covered_ns(collective)),
+    "exposed_collective": per_step(_minus_ns(collective, compute)),
+    "idle": per_step(span - _covered_ns(every)),
+  }
 
 
 COLLECTIVE_KERNEL_MARKERS = ("nccl", "all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
@@ -186,8 +203,12 @@ def timeline_breakdown(profile_dir: str, steps: int) -> dict[str, dict[str, floa
   for plane in jax.profiler.ProfileData.from_file(max(paths, key=os.path.getmtime)).planes:
     if not plane.name.startswith("/device:GPU"):
       continue
-    kernels = [(e.start_ns, e.end_ns, any(m in e.name.lower() for m in COLLECTIVE_KERNEL_MARKERS))
-               for line in plane.lines if line.name.startswith("Stream") for e in line.events]
+    kernels = [
+      (e.start_ns, e.end_ns, any(m in e.name.lower() for m in COLLECTIVE_KERNEL_MARKERS))
+      for line in plane.lines
+      if line.name.startswith("Stream")
+      for e in line.events
+    ]
     if kernels:
       result[plane.name] = busy_breakdown(kernels, steps)
   return result

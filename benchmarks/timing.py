@@ -1,5 +1,5 @@
-"""Timing, memory and JSON-record helpers shared by the benchmark scripts (run from the repo
-root as `python benchmarks/<name>.py`, which puts this folder on sys.path)."""
+"""Timing, memory and JSON-record helpers shared by the benchmark scripts (each runs from the
+repository root as `python -m benchmarks.<name>`)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ def median_ms(fn: Callable, args_sets: Sequence[tuple], iters: int) -> float:
   Cycles through `args_sets` so that no two consecutive calls see the same buffers.
   """
   import jax
+
   for args in args_sets[:2]:
     jax.block_until_ready(fn(*args))
   times = []
@@ -31,6 +32,7 @@ def median_ms(fn: Callable, args_sets: Sequence[tuple], iters: int) -> float:
 def torch_median_ms(fn: Callable[[], object], iters: int, warmup: int = 2) -> float:
   """The same for a PyTorch callable on CUDA (synchronizing after each call)."""
   import torch
+
   for _ in range(warmup):
     fn()
   torch.cuda.synchronize()
@@ -51,8 +53,9 @@ def peak_bytes(compiled) -> int | None:
     return None
   if stats is None:
     return None
-  return int(stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
-             - stats.alias_size_in_bytes)
+  return int(
+    stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+  )
 
 
 def error_text(e: Exception) -> str:
@@ -68,6 +71,7 @@ def time_forward_and_gradients(fn: Callable, num_inputs: int, args_sets: Sequenc
   """
   import jax
   import jax.numpy as jnp
+
   forward = jax.jit(lambda *a: fn(*a[:-1]))
 
   def loss(*a):
@@ -76,16 +80,18 @@ def time_forward_and_gradients(fn: Callable, num_inputs: int, args_sets: Sequenc
   backward = jax.jit(jax.grad(loss, argnums=tuple(range(num_inputs))))
   try:
     compiled = backward.lower(*args_sets[0]).compile()
-    return {"fwd_ms": median_ms(forward, args_sets, iters), "fwd_bwd_ms": median_ms(compiled, args_sets, iters),
-            "peak_gib": (peak_bytes(compiled) or 0) / 2**30}
+    return {
+      "fwd_ms": median_ms(forward, args_sets, iters),
+      "fwd_bwd_ms": median_ms(compiled, args_sets, iters),
+      "peak_gib": (peak_bytes(compiled) or 0) / 2**30,
+    }
   except Exception as e:  # report and go on
     return {"error": error_text(e)}
 
 
 def run_meta(**options) -> dict:
   """The header of a run's JSON record: device, jax version, the run's options, date."""
-  return {"device": jax.devices()[0].device_kind, "jax": jax.__version__, **options,
-          "date": time.strftime("%Y-%m-%d")}
+  return {"device": jax.devices()[0].device_kind, "jax": jax.__version__, **options, "date": time.strftime("%Y-%m-%d")}
 
 
 def write_json(path: str | None, meta: dict, **sections) -> None:

@@ -1,6 +1,6 @@
 """The real training loop against its own train step on synthetic tokens, same config, one process.
 
-    python benchmarks/train_loop.py --config=configs/baseline_s.py --steps=30 \
+    python -m benchmarks.train_loop --config=configs/baseline_s.py --steps=30 \
         [--config.data.batch_size=16 --config.train.grad_accum_steps=1] [--json=out.json]
 
 1. Synthetic: the jitted, sharded train step alone on random device-resident tokens
@@ -25,17 +25,14 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from synthetic_step import measure  # noqa: E402
+from benchmarks.synthetic_step import measure  # noqa: E402
 
 from castle_jax.data.pipeline import make_lm_iterator  # noqa: E402
 from castle_jax.data.tokenizer import load_tokenizer  # noqa: E402
@@ -82,8 +79,12 @@ def real_loop(config, warmup: int, steps: int, log_every: int) -> dict:
   if not measured:
     raise ValueError(f"no log window after step {warmup}: raise --steps or lower --log_every")
   rates = [r["tokens_per_sec"] for r in measured]
-  result = {"tokens_per_s_median": statistics.median(rates), "tokens_per_s_windows": rates, "wall_s": wall_s,
-            "final_loss": records[max(records)]["loss"]}
+  result = {
+    "tokens_per_s_median": statistics.median(rates),
+    "tokens_per_s_windows": rates,
+    "wall_s": wall_s,
+    "final_loss": records[max(records)]["loss"],
+  }
   waits = [r["data_wait_s"] for r in measured if "data_wait_s" in r]
   if waits:
     result["data_wait_s_median"] = statistics.median(waits)
@@ -101,26 +102,38 @@ def main(argv):
   real = real_loop(config, _WARMUP.value, _STEPS.value, _LOG_EVERY.value)
   ratio = real["tokens_per_s_median"] / synthetic["tokens_per_s"]
   ratio_same_data = real["tokens_per_s_median"] / on_real_batches["tokens_per_s"]
-  result = {"synthetic": synthetic, "synthetic_on_real_batches": on_real_batches, "real": real,
-            "input_pipeline_tokens_per_s": pipeline, "real_over_synthetic": ratio,
-            "real_over_synthetic_on_real_batches": ratio_same_data,
-            "config": {"attention": config.model.attention, "batch": config.data.batch_size,
-                       "seq_len": config.data.seq_len, "grad_accum_steps": config.train.grad_accum_steps,
-                       "worker_count": config.data.worker_count}}
+  result = {
+    "synthetic": synthetic,
+    "synthetic_on_real_batches": on_real_batches,
+    "real": real,
+    "input_pipeline_tokens_per_s": pipeline,
+    "real_over_synthetic": ratio,
+    "real_over_synthetic_on_real_batches": ratio_same_data,
+    "config": {
+      "attention": config.model.attention,
+      "batch": config.data.batch_size,
+      "seq_len": config.data.seq_len,
+      "grad_accum_steps": config.train.grad_accum_steps,
+      "worker_count": config.data.worker_count,
+    },
+  }
   if _JSON.value:
     with open(_JSON.value, "w") as f:
       json.dump(result, f, indent=2)
   mfu = synthetic["mfu"]
   wait = real.get("data_wait_s_median")
-  print(f"| {synthetic['device']} | {config.model.attention} | batch {config.data.batch_size} "
-        f"(accum {config.train.grad_accum_steps}) x {config.data.seq_len} "
-        f"| synthetic {synthetic['tokens_per_s']:.0f} tok/s ({synthetic['step_s_median'] * 1e3:.0f} ms/step"
-        + (f", MFU {mfu:.1%}" if mfu is not None else "") + ") "
-        f"| same step on real batches {on_real_batches['tokens_per_s']:.0f} tok/s "
-        f"| real loop {real['tokens_per_s_median']:.0f} tok/s | real/synthetic {ratio:.3f} "
-        f"| real/same-data step {ratio_same_data:.3f} "
-        + (f"| data wait {wait * 1e3:.1f} ms/step " if wait is not None else "")
-        + f"| input pipeline alone {pipeline / 1e6:.2f}M tok/s |")
+  print(
+    f"| {synthetic['device']} | {config.model.attention} | batch {config.data.batch_size} "
+    f"(accum {config.train.grad_accum_steps}) x {config.data.seq_len} "
+    f"| synthetic {synthetic['tokens_per_s']:.0f} tok/s ({synthetic['step_s_median'] * 1e3:.0f} ms/step"
+    + (f", MFU {mfu:.1%}" if mfu is not None else "")
+    + ") "
+    f"| same step on real batches {on_real_batches['tokens_per_s']:.0f} tok/s "
+    f"| real loop {real['tokens_per_s_median']:.0f} tok/s | real/synthetic {ratio:.3f} "
+    f"| real/same-data step {ratio_same_data:.3f} "
+    + (f"| data wait {wait * 1e3:.1f} ms/step " if wait is not None else "")
+    + f"| input pipeline alone {pipeline / 1e6:.2f}M tok/s |"
+  )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Training throughput and MFU of a config's train step, on synthetic tokens.
 
-    python benchmarks/train_throughput.py --config=configs/baseline_s.py --steps=20 \
+    python -m benchmarks.train_throughput --config=configs/baseline_s.py --steps=20 \
         [--config.train.grad_accum_steps=8] [--json=out.json]
 
 Times the same jitted, sharded train step that `python -m train` runs (gradient
@@ -18,7 +18,7 @@ import json
 from absl import app, flags
 from ml_collections import config_flags
 
-from synthetic_step import device_time_by_op, measure
+from benchmarks.synthetic_step import device_time_by_op, measure
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps (after 2 warm-up steps).")
@@ -37,10 +37,12 @@ def main(argv):
       json.dump(result, f, indent=2)
   mfu = "n/a" if result["mfu"] is None else f"{result['mfu']:.1%}"
   peak_gb = (result["peak_bytes_in_use"] or 0) / 2**30
-  print(f"| {result['device']} x{result['devices']} | {result['params'] / 1e6:.1f}M params | T={result['seq_len']} "
-        f"| batch {result['batch']} (accum {result['grad_accum_steps']}) | {result['step_s_median'] * 1e3:.1f} ms/step "
-        f"| {result['tokens_per_s']:.0f} tok/s | {result['model_tflops_per_s_per_device']:.1f} TFLOP/s | MFU {mfu} "
-        f"| peak {peak_gb:.1f} GiB | compile + 2 steps {result['warmup_s']:.0f} s |")
+  print(
+    f"| {result['device']} x{result['devices']} | {result['params'] / 1e6:.1f}M params | T={result['seq_len']} "
+    f"| batch {result['batch']} (accum {result['grad_accum_steps']}) | {result['step_s_median'] * 1e3:.1f} ms/step "
+    f"| {result['tokens_per_s']:.0f} tok/s | {result['model_tflops_per_s_per_device']:.1f} TFLOP/s | MFU {mfu} "
+    f"| peak {peak_gb:.1f} GiB | compile + 2 steps {result['warmup_s']:.0f} s |"
+  )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Hybrid tree attention: the Pallas kernel against the XLA split form, dense masked attention
 over [cache ; tree], and single-token decoding steps, at the LongSpec target's heads.
 
-    python benchmarks/tree_attention.py --lengths=4096,16384,32768 --nodes=69 \
+    python -m benchmarks.tree_attention --lengths=4096,16384,32768 --nodes=69 \
         --configs="block_keys=64;block_keys=128;block_rows=64,block_keys=64" --out=tree_attention.json
 
 Each row times one compiled function that runs `--repeats` passes over `--layers`
@@ -28,20 +28,18 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from castle_jax.eval.cli import format_table  # noqa: E402
 from castle_jax.ops.attention.reference import masked_attention  # noqa: E402
 from castle_jax.ops.tree_attention import cache_attention, tree_attention, tree_mask_from_parents  # noqa: E402
 from pallas_kernels.tree_attention import TreeAttentionConfig  # noqa: E402
-from timing import error_text, median_ms  # noqa: E402
+from benchmarks.timing import error_text, median_ms  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -77,12 +75,15 @@ def tree_parents(nodes: int, seed: int = 0) -> np.ndarray:
 def _chain(attend, repeats: int):
   """A jitted fn(q, per_layer) running `attend(q, *per_layer[i])` over the layers `repeats`
   times, each call's q the previous call's output."""
+
   def run(q, per_layer):
     def one_pass(_, q):
       for inputs in per_layer:
         q = attend(q, *inputs).astype(q.dtype)
       return q
+
     return jax.lax.fori_loop(0, repeats, one_pass, q)
+
   return jax.jit(run)
 
 
@@ -98,8 +99,14 @@ def main(argv=None) -> int:
   def record(kind, length, nodes, name, fn, fn_args, bytes_read):
     try:
       ms = median_ms(fn, [fn_args], args.iters) / (layers * args.repeats)
-      row = {"kind": kind, "length": length, "nodes": nodes, "name": name, "ms_per_layer": ms,
-             "gb_per_s": bytes_read / ms / 1e6}
+      row = {
+        "kind": kind,
+        "length": length,
+        "nodes": nodes,
+        "name": name,
+        "ms_per_layer": ms,
+        "gb_per_s": bytes_read / ms / 1e6,
+      }
     except Exception as e:  # one failing row must not lose the others
       row = {"kind": kind, "length": length, "nodes": nodes, "name": name, "error": error_text(e)}
     records.append(row)
@@ -121,10 +128,12 @@ def main(argv=None) -> int:
     chain = functools.partial(_chain, repeats=args.repeats)
 
     # A read of each layer's filled K and V, scaled by the carry so that it stays in the loop.
-    read = lambda x, k, v: x + jnp.sum(k[:, :length] * x[0, 0, 0, 0], dtype=jnp.float32) + jnp.sum(
-        v[:, :length] * x[0, 0, 0, 0], dtype=jnp.float32)
-    record("read", length, 0, "read K,V (bandwidth)", chain(read), (q_one, list(zip(cache_k, cache_v))),
-           cache_bytes)
+    read = lambda x, k, v: (
+      x
+      + jnp.sum(k[:, :length] * x[0, 0, 0, 0], dtype=jnp.float32)
+      + jnp.sum(v[:, :length] * x[0, 0, 0, 0], dtype=jnp.float32)
+    )
+    record("read", length, 0, "read K,V (bandwidth)", chain(read), (q_one, list(zip(cache_k, cache_v))), cache_bytes)
 
     slots = jnp.arange(capacity + n)
     dense_mask = jnp.concatenate([jnp.broadcast_to(slots[None, :capacity] < length, (n, capacity)), mask], axis=1)
@@ -136,26 +145,38 @@ def main(argv=None) -> int:
 
     tree_inputs = (q_tree, list(zip(cache_k, cache_v, tree_k, tree_v)))
     record("tree", length, n, "dense masked [cache ; tree]", chain(dense), tree_inputs, cache_bytes)
-    for name, impl, config in ([("xla split", "xla", None), ("pallas", "pallas", None)]
-                               + [(f"pallas {text}", "pallas", config)
-                                  for text, config in configs]):
+    for name, impl, config in [("xla split", "xla", None), ("pallas", "pallas", None)] + [
+      (f"pallas {text}", "pallas", config) for text, config in configs
+    ]:
       attend = functools.partial(
-          lambda q, ck, cv, tk, tv, impl, config: tree_attention(q, ck, cv, filled, tk, tv, mask,
-                                                                 implementation=impl, pallas_config=config),
-          impl=impl, config=config)
+        lambda q, ck, cv, tk, tv, impl, config: tree_attention(
+          q, ck, cv, filled, tk, tv, mask, implementation=impl, pallas_config=config
+        ),
+        impl=impl,
+        config=config,
+      )
       record("tree", length, n, name, chain(attend), tree_inputs, cache_bytes)
 
     one_inputs = (q_one, list(zip(cache_k, cache_v)))
     step_mask = jnp.broadcast_to(jnp.arange(capacity)[None, None, :] < length, (b, 1, capacity))
-    record("decode", length, 1, "masked over capacity (previous step)",
-           chain(lambda q, ck, cv: masked_attention(q, ck, cv, step_mask)), one_inputs, cache_bytes)
+    record(
+      "decode",
+      length,
+      1,
+      "masked over capacity (previous step)",
+      chain(lambda q, ck, cv: masked_attention(q, ck, cv, step_mask)),
+      one_inputs,
+      cache_bytes,
+    )
     for name, impl in (("xla cache part", "xla"), ("pallas", "pallas")):
-      attend = functools.partial(lambda q, ck, cv, impl: cache_attention(q, ck, cv, filled, implementation=impl)[0],
-                                 impl=impl)
+      attend = functools.partial(
+        lambda q, ck, cv, impl: cache_attention(q, ck, cv, filled, implementation=impl)[0], impl=impl
+      )
       record("decode", length, 1, name, chain(attend), one_inputs, cache_bytes)
     kv_lengths = jnp.full((b,), length, jnp.int32)
-    cudnn = lambda q, ck, cv: jax.nn.dot_product_attention(q, ck, cv, key_value_seq_lengths=kv_lengths,
-                                                           implementation="cudnn")
+    cudnn = lambda q, ck, cv: jax.nn.dot_product_attention(
+      q, ck, cv, key_value_seq_lengths=kv_lengths, implementation="cudnn"
+    )
     record("decode", length, 1, "cuDNN (key lengths)", chain(cudnn), one_inputs, cache_bytes)
 
   rows = []
@@ -168,18 +189,35 @@ def main(argv=None) -> int:
       rows.append([row["length"], row["nodes"], row["name"], "error", "", "", "", row["error"][:60]])
       continue
     ms = row["ms_per_layer"]
-    rows.append([row["length"], row["nodes"], row["name"], f"{1e3 * ms:.1f}", f"{row['gb_per_s']:.0f}",
-                 f"{dense['ms_per_layer'] / ms:.2f}x" if dense and row["kind"] == "tree" else "",
-                 f"{ms / one['ms_per_layer']:.2f}" if one else "",
-                 f"{ms / read['ms_per_layer']:.2f}" if read else ""])
+    rows.append(
+      [
+        row["length"],
+        row["nodes"],
+        row["name"],
+        f"{1e3 * ms:.1f}",
+        f"{row['gb_per_s']:.0f}",
+        f"{dense['ms_per_layer'] / ms:.2f}x" if dense and row["kind"] == "tree" else "",
+        f"{ms / one['ms_per_layer']:.2f}" if one else "",
+        f"{ms / read['ms_per_layer']:.2f}" if read else "",
+      ]
+    )
   if args.out:
     with open(args.out, "w") as f:
-      json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "args": vars(args),
-                 "rows": records}, f, indent=1)
-  print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}, {args.dtype}, batch {b}, {h} query / {kv} KV "
-        f"heads of {d}, {args.repeats} x {layers} calls per timing, medians per call")
-  print(format_table(["cache", "n", "implementation", "us/call", "GB/s (cache K,V)", "speed-up vs dense",
-                      "/ pallas n=1", "/ read"], rows))
+      json.dump(
+        {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "args": vars(args), "rows": records},
+        f,
+        indent=1,
+      )
+  print(
+    f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}, {args.dtype}, batch {b}, {h} query / {kv} KV "
+    f"heads of {d}, {args.repeats} x {layers} calls per timing, medians per call"
+  )
+  print(
+    format_table(
+      ["cache", "n", "implementation", "us/call", "GB/s (cache K,V)", "speed-up vs dense", "/ pallas n=1", "/ read"],
+      rows,
+    )
+  )
   return 0
 
 

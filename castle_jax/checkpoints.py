@@ -125,7 +125,8 @@ class Checkpointer:
     self._keep = keep
     with _quiet_absl() if read_only else contextlib.nullcontext():  # read_only logs 3 warnings about itself
       options = ocp.CheckpointManagerOptions(
-          max_to_keep=keep, create=not read_only, enable_async_checkpointing=async_save, read_only=read_only)
+        max_to_keep=keep, create=not read_only, enable_async_checkpointing=async_save, read_only=read_only
+      )
       self._manager = ocp.CheckpointManager(self.directory, options=options)
     self._pending: list[int] = []  # saved steps whose manifest is not written yet
     self._hasher = futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-manifest")
@@ -149,8 +150,9 @@ class Checkpointer:
     if not self._manager.save(step, args=ocp.args.Composite(**items)):
       # Orbax skips a step that is not newer than its latest one; never lose a save silently.
       raise CheckpointError(
-          f"Checkpoint step {step} was not written: {self.directory} already holds steps {self.all_steps()}. "
-          "Use a new --workdir, or --config.train.resume=False --config.train.overwrite=True to start over.")
+        f"Checkpoint step {step} was not written: {self.directory} already holds steps {self.all_steps()}. "
+        "Use a new --workdir, or --config.train.resume=False --config.train.overwrite=True to start over."
+      )
     self._pending.append(step)
 
   def _finish_pending(self) -> None:
@@ -187,6 +189,7 @@ class Checkpointer:
     if jax.process_count() == 1:
       return verify_step(self.step_dir(step))
     from jax.experimental import multihost_utils
+
     problem = verify_step(self.step_dir(step)) if self._is_main else None
     ok = bool(multihost_utils.broadcast_one_to_all(jax.numpy.asarray(problem is None)))
     return None if ok else (problem or f"step {step} failed verification on process 0 (see its log)")
@@ -204,8 +207,7 @@ class Checkpointer:
     try:
       return self._manager.restore(step, args=ocp.args.Composite(**items))["state"]
     except Exception as e:  # noqa: BLE001 - Orbax/TensorStore raise many types; all mean "unreadable"
-      raise CheckpointError(
-          f"Checkpoint step {step} in {self.directory} cannot be restored: {_one_line(e)}") from e
+      raise CheckpointError(f"Checkpoint step {step} in {self.directory} cannot be restored: {_one_line(e)}") from e
 
   def restore_params(self, step: int, abstract_params: Any) -> Any:
     """Restores only the `params` subtree of the saved state (no optimizer state
@@ -214,16 +216,15 @@ class Checkpointer:
     if problem is not None:
       raise CheckpointError(f"Checkpoint step {step} in {self.directory} is damaged: {problem}")
     restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_params)
-    args = ocp.args.PyTreeRestore(item={"params": abstract_params}, restore_args={"params": restore_args},
-                                  partial_restore=True)
+    args = ocp.args.PyTreeRestore(
+      item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True
+    )
     try:
       return self._manager.restore(step, args=ocp.args.Composite(state=args))["state"]["params"]
     except Exception as e:  # noqa: BLE001
-      raise CheckpointError(
-          f"Checkpoint step {step} in {self.directory} cannot be restored: {_one_line(e)}") from e
+      raise CheckpointError(f"Checkpoint step {step} in {self.directory} cannot be restored: {_one_line(e)}") from e
 
-  def restore_newest_params(self, abstract_params: Any, *, step: int | None = None,
-                            log=None) -> tuple[Any, int]:
+  def restore_newest_params(self, abstract_params: Any, *, step: int | None = None, log=None) -> tuple[Any, int]:
     """(params, step): the parameters of `step`, or else of the newest step that
     verifies and reads; a damaged newer step is reported (one line each) and skipped.
 
@@ -249,11 +250,13 @@ class Checkpointer:
       if damaged:
         log(f"WARNING: using step {candidate} of {self.directory}: the newer step(s) {damaged} are damaged")
       return params, candidate
-    raise CheckpointError(f"No usable checkpoint in {self.directory}: every step ({damaged}) is damaged "
-                          "(see the lines above)")
+    raise CheckpointError(
+      f"No usable checkpoint in {self.directory}: every step ({damaged}) is damaged (see the lines above)"
+    )
 
-  def restore_good(self, abstract_state: Any, data_iterator: Any | None = None, *,
-                   step: int | None = None, log=None) -> tuple[Any, int, list[tuple[int, str]]]:
+  def restore_good(
+    self, abstract_state: Any, data_iterator: Any | None = None, *, step: int | None = None, log=None
+  ) -> tuple[Any, int, list[tuple[int, str]]]:
     """Restores `step`, or else the newest step that verifies and reads.
 
     A damaged newer step is reported (one line each), moved aside to
@@ -267,24 +270,28 @@ class Checkpointer:
     log = log or (lambda text: print(text, file=sys.stderr, flush=True))
     steps = self.all_steps()
     if step is not None and step not in steps:
-      raise CheckpointError(f"train.resume_step={step}: there is no checkpoint for step {step} in "
-                            f"{self.directory}; available: {steps}")
+      raise CheckpointError(
+        f"train.resume_step={step}: there is no checkpoint for step {step} in {self.directory}; available: {steps}"
+      )
     damaged: list[tuple[int, str]] = []
-    for candidate in ([step] if step is not None else sorted(steps, reverse=True)):
+    for candidate in [step] if step is not None else sorted(steps, reverse=True):
       try:
         state = self.restore(candidate, abstract_state, data_iterator)
       except CheckpointError as e:
         log(f"ERROR: {e}")
         damaged.append((candidate, str(e)))
         if step is not None:
-          raise CheckpointError(f"{e}. Pick another step with --config.train.resume_step (available: {steps})") \
-              from e.__cause__
+          raise CheckpointError(
+            f"{e}. Pick another step with --config.train.resume_step (available: {steps})"
+          ) from e.__cause__
         continue
       newer = [s for s in steps if s > candidate]
       if damaged:
-        log(f"WARNING: {'!' * 60}\nWARNING: the latest checkpoint(s) {[s for s, _ in damaged]} could not be "
-            f"used; RESUMING FROM THE OLDER STEP {candidate}. Steps {candidate + 1}.. will be trained again.\n"
-            f"WARNING: {'!' * 60}")
+        log(
+          f"WARNING: {'!' * 60}\nWARNING: the latest checkpoint(s) {[s for s, _ in damaged]} could not be "
+          f"used; RESUMING FROM THE OLDER STEP {candidate}. Steps {candidate + 1}.. will be trained again.\n"
+          f"WARNING: {'!' * 60}"
+        )
       if newer:
         moved = self.set_aside(newer, "damaged" if step is None else "after-resume-step")
         log(f"WARNING: checkpoint steps {newer} were moved to {moved} (kept, not deleted)")
@@ -292,9 +299,10 @@ class Checkpointer:
     if not steps:
       raise CheckpointError(f"No checkpoints in {self.directory}")
     raise CheckpointError(
-        f"No usable checkpoint in {self.directory}: every step ({', '.join(str(s) for s, _ in damaged)}) is "
-        "damaged (see the lines above). Start over with a new --workdir or --config.train.resume=False "
-        "--config.train.overwrite=True (the damaged run is moved aside, not deleted).")
+      f"No usable checkpoint in {self.directory}: every step ({', '.join(str(s) for s, _ in damaged)}) is "
+      "damaged (see the lines above). Start over with a new --workdir or --config.train.resume=False "
+      "--config.train.overwrite=True (the damaged run is moved aside, not deleted)."
+    )
 
   def set_aside(self, steps: list[int], reason: str) -> str:
     """Moves step directories to `<workdir>/checkpoints_set_aside/` (process 0)."""
@@ -306,6 +314,7 @@ class Checkpointer:
         shutil.move(self.step_dir(step), os.path.join(destination, f"{step}.{reason}.{stamp}"))
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils
+
       multihost_utils.sync_global_devices("castle_jax: checkpoints set aside")
     self._manager.reload()
     return destination

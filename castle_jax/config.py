@@ -93,7 +93,8 @@ class ModelConfig:
       raise ValueError(f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.kv_heads})")
     if not self.head_dim and self.d_model % self.n_heads:
       raise ValueError(
-          f"model.d_model ({self.d_model}) is not divisible by model.n_heads ({self.n_heads}); set model.head_dim")
+        f"model.d_model ({self.d_model}) is not divisible by model.n_heads ({self.n_heads}); set model.head_dim"
+      )
     if self.qk_head_dim % 2:
       raise ValueError(f"head dim must be even for RoPE, got {self.qk_head_dim}")
     for name in ("dtype", "param_dtype"):
@@ -103,8 +104,10 @@ class ModelConfig:
       raise ValueError(f"model.remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
     kind = get_attention(self.attention)
     if self.attention_impl is not None and self.attention_impl not in kind.implementations:
-      raise ValueError(f"model.attention_impl={self.attention_impl!r} is not an implementation of attention "
-                       f"{self.attention!r}; choose one of {kind.implementations} or None (the best the backend runs)")
+      raise ValueError(
+        f"model.attention_impl={self.attention_impl!r} is not an implementation of attention "
+        f"{self.attention!r}; choose one of {kind.implementations} or None (the best the backend runs)"
+      )
     self.options  # parses and checks model.attention_kwargs now, not at the first forward pass
 
   @classmethod
@@ -115,8 +118,9 @@ class ModelConfig:
     unknown = sorted(set(fields) - known)
     if unknown:
       raise ValueError(f"Unknown model config keys {unknown}; known keys: {sorted(known)}")
-    pairs = {name: tuple(sorted(dict(fields.pop(name, None) or {}).items()))
-             for name in ("attention_kwargs", "family_kwargs")}
+    pairs = {
+      name: tuple(sorted(dict(fields.pop(name, None) or {}).items())) for name in ("attention_kwargs", "family_kwargs")
+    }
     return cls(**fields, **pairs)
 
   @functools.cached_property

@@ -21,22 +21,22 @@ import jax
 MESH_AXES = ("data", "fsdp", "tensor")
 
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    # activations
-    ("batch", ("data", "fsdp")),
-    ("act_length", None),
-    ("act_embed", None),
-    ("act_heads", "tensor"),
-    ("act_kv_heads", "tensor"),
-    ("act_mlp", "tensor"),
-    ("act_vocab", "tensor"),
-    # parameters
-    ("vocab", "tensor"),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("head_dim", None),
-    ("mlp", "tensor"),
-    ("norm", None),
+  # activations
+  ("batch", ("data", "fsdp")),
+  ("act_length", None),
+  ("act_embed", None),
+  ("act_heads", "tensor"),
+  ("act_kv_heads", "tensor"),
+  ("act_mlp", "tensor"),
+  ("act_vocab", "tensor"),
+  # parameters
+  ("vocab", "tensor"),
+  ("embed", "fsdp"),
+  ("heads", "tensor"),
+  ("kv_heads", "tensor"),
+  ("head_dim", None),
+  ("mlp", "tensor"),
+  ("norm", None),
 )
 
 # Logical layouts of per-head activations as attention ops take them.
@@ -77,8 +77,10 @@ def check_divisible(shape: Sequence[int], mesh_axes: Sequence[tuple[str, ...]], 
   for dim, (size, axes) in enumerate(zip(shape, mesh_axes)):
     ways = math.prod(mesh.shape[axis] for axis in axes)
     if size % ways:
-      raise ValueError(f"{what} cannot be sharded: shape {tuple(shape)}, dimension {dim} is split over mesh axes "
-                       f"{tuple(axes)} ({ways} ways) and must be a multiple of {ways}. {fix}")
+      raise ValueError(
+        f"{what} cannot be sharded: shape {tuple(shape)}, dimension {dim} is split over mesh axes "
+        f"{tuple(axes)} ({ways} ways) and must be a multiple of {ways}. {fix}"
+      )
 
 
 def map_over_shards(fn: Callable, args: Sequence, in_axes: Sequence, out_axes, *, what: str):
@@ -115,8 +117,13 @@ def map_over_shards(fn: Callable, args: Sequence, in_axes: Sequence, out_axes, *
     return fn(*args)
   for index, (arg, names) in enumerate(zip(args, in_axes)):
     for leaf in jax.tree.leaves(arg):
-      check_divisible(leaf.shape, [_mesh_axes(name, mesh) for name in names or ()], mesh, f"{what}: argument {index}",
-                      "Change the batch size / head count or the mesh")
+      check_divisible(
+        leaf.shape,
+        [_mesh_axes(name, mesh) for name in names or ()],
+        mesh,
+        f"{what}: argument {index}",
+        "Change the batch size / head count or the mesh",
+      )
   in_specs = tuple(spec(names) for names in in_axes)
   out_specs = tuple(spec(names) for names in out_axes) if isinstance(out_axes, list) else spec(out_axes)
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)

@@ -58,8 +58,10 @@ def read_config(workdir: str, *, what: str = "--workdir") -> ml_collections.Conf
   flag or key that gave the workdir) when it has no config.json."""
   config = saved_config(os.path.abspath(workdir))
   if config is None:
-    raise FileNotFoundError(f"{os.path.join(os.path.abspath(workdir), CONFIG_NAME)} not found: {what} must be a "
-                            "directory written by `python -m train`")
+    raise FileNotFoundError(
+      f"{os.path.join(os.path.abspath(workdir), CONFIG_NAME)} not found: {what} must be a "
+      "directory written by `python -m train`"
+    )
   return ml_collections.ConfigDict(config)
 
 
@@ -72,14 +74,16 @@ def resolve_tokenizer_path(workdir: str, tokenizer: str) -> str:
   return inside if os.path.exists(inside) else tokenizer
 
 
-def abstract_params(model: nn.Module, seq_len: int, device: jax.Device | None = None,
-                    mesh: jax.sharding.Mesh | None = None) -> Any:
+def abstract_params(
+  model: nn.Module, seq_len: int, device: jax.Device | None = None, mesh: jax.sharding.Mesh | None = None
+) -> Any:
   """The model's parameters as ShapeDtypeStructs, from `jax.eval_shape` of its family's
   init (nothing is computed): sharded over `mesh` by their logical axis names, or else
   placed on one device (default: the first)."""
   with jax.set_mesh(None):
-    boxed = jax.eval_shape(lambda rng: family_of(model).init_variables(model, rng, seq_len)["params"],
-                           jax.random.key(0))
+    boxed = jax.eval_shape(
+      lambda rng: family_of(model).init_variables(model, rng, seq_len)["params"], jax.random.key(0)
+    )
   is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
   if mesh is None:
     single = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
@@ -94,8 +98,9 @@ def abstract_params(model: nn.Module, seq_len: int, device: jax.Device | None = 
   return jax.tree.map(place, boxed, shardings, is_leaf=is_box)
 
 
-def restore_params(workdir: str, abstract: Any, *, step: int | None = None, log=None,
-                   what: str = "--workdir") -> tuple[Any, int]:
+def restore_params(
+  workdir: str, abstract: Any, *, step: int | None = None, log=None, what: str = "--workdir"
+) -> tuple[Any, int]:
   """(params, step) of a workdir's checkpoint, restored into the shardings of
   `abstract` (a tree of ShapeDtypeStructs; the optimizer state is not read).
 
@@ -156,7 +161,8 @@ def params_fingerprint(params: Any) -> str:
   the device, so sharded and multi-host trees work)."""
   leaves = jax.tree_util.tree_leaves_with_path(params)
   heads = jax.jit(lambda xs: [x.reshape(-1)[:_FINGERPRINT_ELEMENTS].astype(jnp.float32) for x in xs])(
-      [x for _, x in leaves])
+    [x for _, x in leaves]
+  )
   digest = hashlib.sha256()
   for (path, leaf), head in zip(leaves, heads):
     digest.update(f"{jax.tree_util.keystr(path)}{tuple(leaf.shape)}".encode())
@@ -182,8 +188,7 @@ class FrozenParams(NamedTuple):
   fingerprint: str
 
 
-def load_frozen_params(config: ModelConfig, mesh: jax.sharding.Mesh | None = None, *,
-                       log=None) -> FrozenParams | None:
+def load_frozen_params(config: ModelConfig, mesh: jax.sharding.Mesh | None = None, *, log=None) -> FrozenParams | None:
   """The frozen parameters config's family trains against, restored into `mesh` (None: one
   device), or None for a family without any.
 
@@ -196,8 +201,10 @@ def load_frozen_params(config: ModelConfig, mesh: jax.sharding.Mesh | None = Non
   saved = ModelConfig.from_mapping(read_config(source.workdir, what=source.setting).model)
   differing = source.differences(saved)
   if differing:
-    raise ValueError(f"{source.setting}={source.workdir} holds another model than this config expects: "
-                     f"{'; '.join(differing)}. Copy that run's model values into this config")
+    raise ValueError(
+      f"{source.setting}={source.workdir} holds another model than this config expects: "
+      f"{'; '.join(differing)}. Copy that run's model values into this config"
+    )
   abstract = abstract_params(build_model(source.model_config), 8, mesh=mesh)
   params, step = restore_params(source.workdir, abstract, step=source.step, log=log, what=source.setting)
   frozen = {source.name: params}
@@ -213,8 +220,10 @@ def load_draft(draft_workdir: str, target: TrainedModel, *, step: int | None = N
   differ)."""
   draft = load_trained_model(draft_workdir, step, log=log)
   if draft.model.config.family != longspec_draft.FAMILY:
-    raise ValueError(f"--draft_workdir={draft_workdir} holds a {draft.model.config.family!r} model, not a "
-                     f"{longspec_draft.FAMILY!r} draft")
+    raise ValueError(
+      f"--draft_workdir={draft_workdir} holds a {draft.model.config.family!r} model, not a "
+      f"{longspec_draft.FAMILY!r} draft"
+    )
   differing = longspec_draft.width_differences(target.model.config, draft.model.config)
   if differing:
     raise ValueError(f"the draft in {draft_workdir} was built for another target: {'; '.join(differing)}")
@@ -222,7 +231,8 @@ def load_draft(draft_workdir: str, target: TrainedModel, *, step: int | None = N
   theirs = params_fingerprint({longspec_draft.TARGET: target.params})
   if record is not None and record.get("fingerprint") != theirs:
     raise ValueError(
-        f"the draft in {draft_workdir} was trained for the target in {record.get('workdir')} (step "
-        f"{record.get('step')}, fingerprint {record.get('fingerprint')}), not for this target (fingerprint "
-        f"{theirs}): train a draft for this target, or pass the target it was trained for")
+      f"the draft in {draft_workdir} was trained for the target in {record.get('workdir')} (step "
+      f"{record.get('step')}, fingerprint {record.get('fingerprint')}), not for this target (fingerprint "
+      f"{theirs}): train a draft for this target, or pass the target it was trained for"
+    )
   return draft

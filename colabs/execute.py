@@ -60,17 +60,25 @@ def _kernel_manager(spec_root: pathlib.Path) -> AsyncKernelManager:
   a Jupyter installation on the machine points to."""
   kernel_dir = spec_root / KERNEL_NAME
   kernel_dir.mkdir(parents=True)
-  spec = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-          "display_name": "Python 3", "language": "python"}
+  spec = {
+    "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+    "display_name": "Python 3",
+    "language": "python",
+  }
   (kernel_dir / "kernel.json").write_text(json.dumps(spec))
   # IPC sockets (files in the spec folder) rather than TCP ports on localhost: nothing to
   # collide with when tests run notebooks in parallel, and no unencrypted-TCP warning.
-  return AsyncKernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec_root)]),
-                            transport="ipc", ip=str(spec_root / "kernel"))
+  return AsyncKernelManager(
+    kernel_name=KERNEL_NAME,
+    kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec_root)]),
+    transport="ipc",
+    ip=str(spec_root / "kernel"),
+  )
 
 
-def execute_notebook(notebook: nbformat.NotebookNode, *, working_dir: pathlib.Path,
-                     timeout_s: int = DEFAULT_TIMEOUT_S) -> nbformat.NotebookNode:
+def execute_notebook(
+  notebook: nbformat.NotebookNode, *, working_dir: pathlib.Path, timeout_s: int = DEFAULT_TIMEOUT_S
+) -> nbformat.NotebookNode:
   """Runs every cell of `notebook` in place (outputs replaced) in a fresh kernel started in
   `working_dir`, and shuts the kernel down.
 
@@ -81,8 +89,13 @@ def execute_notebook(notebook: nbformat.NotebookNode, *, working_dir: pathlib.Pa
   """
   with tempfile.TemporaryDirectory() as spec_root:
     # No per-cell timestamps in the saved metadata: a refresh then changes only what the cells print.
-    client = NotebookClient(notebook, km=_kernel_manager(pathlib.Path(spec_root)), timeout=timeout_s, record_timing=False,
-                            resources={"metadata": {"path": str(working_dir)}})
+    client = NotebookClient(
+      notebook,
+      km=_kernel_manager(pathlib.Path(spec_root)),
+      timeout=timeout_s,
+      record_timing=False,
+      resources={"metadata": {"path": str(working_dir)}},
+    )
     client.execute(cleanup_kc=True, env=kernel_environment())
   return notebook
 

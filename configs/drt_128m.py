@@ -60,8 +60,7 @@ def paper_128m_config():
 def drt_128m_config(retrieval_groups: int = 1):
   c = paper_128m_config()
   c.model.family = "drt"
-  c.model.family_kwargs = dict(chunk_size=CHUNK_SIZE, top_k=8, retrieval_groups=retrieval_groups,
-                               encoder_layers=2)
+  c.model.family_kwargs = dict(chunk_size=CHUNK_SIZE, top_k=8, retrieval_groups=retrieval_groups, encoder_layers=2)
   return c
 
 

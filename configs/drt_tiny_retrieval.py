@@ -19,8 +19,7 @@ from configs.drt_tiny_passkey import get_config as drt_tiny_passkey_config
 
 def get_config():
   c = drt_tiny_passkey_config()
-  c.model.family_kwargs = dict(chunk_size=31, top_k=17, retrieval_groups=1, encoder_layers=1,
-                               gca_output="residual")
+  c.model.family_kwargs = dict(chunk_size=31, top_k=17, retrieval_groups=1, encoder_layers=1, gca_output="residual")
   c.data.seq_len = 511
   c.data.batch_size = 32
   t = c.train

@@ -12,8 +12,9 @@ from configs.longspec_target_s import get_config as target_config
 def get_config():
   c = target_config()
   c.model.family = "longspec_draft"
-  c.model.family_kwargs = dict(target_workdir="runs/longspec_target_s", window=512, anchor_tokens=4,
-                               max_offset=7168, min_shift=1, max_shift=5)
+  c.model.family_kwargs = dict(
+    target_workdir="runs/longspec_target_s", window=512, anchor_tokens=4, max_offset=7168, min_shift=1, max_shift=5
+  )
   c.data.seq_len = 1024
   c.data.batch_size = 128
   t = c.train

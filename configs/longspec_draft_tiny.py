@@ -18,8 +18,9 @@ from configs.longspec_target_tiny import get_config as target_config
 def get_config():
   c = target_config()
   c.model.family = "longspec_draft"
-  c.model.family_kwargs = dict(target_workdir="runs/longspec_target_tiny", window=64, anchor_tokens=4,
-                               max_offset=384, min_shift=1, max_shift=5)
+  c.model.family_kwargs = dict(
+    target_workdir="runs/longspec_target_tiny", window=64, anchor_tokens=4, max_offset=384, min_shift=1, max_shift=5
+  )
   c.data.seq_len = 128
   c.data.batch_size = 16
   c.train.learning_rate = 3e-3

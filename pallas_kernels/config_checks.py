@@ -30,8 +30,10 @@ def check_int_fields(config, *, power_of_two: tuple[str, ...], tiles: tuple[str,
       raise ValueError(f"{kind}.{name} must be a power of two, got {getattr(config, name)}")
   for name in tiles:
     if getattr(config, name) < SMALLEST_TILE:
-      raise ValueError(f"{kind}.{name} must be >= {SMALLEST_TILE} (the smallest tile the GPU's matrix units "
-                       f"take), got {getattr(config, name)}")
+      raise ValueError(
+        f"{kind}.{name} must be >= {SMALLEST_TILE} (the smallest tile the GPU's matrix units "
+        f"take), got {getattr(config, name)}"
+      )
 
 
 def parse_config(cls, text: str):

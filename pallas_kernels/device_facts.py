@@ -63,9 +63,13 @@ class KernelChoice(NamedTuple):
   capability: str | None = None
 
 
-def pick_kernels(requested: str, mosaic_reason: Callable[[], str | None], *,
-                 capability: Callable[[], str | None],
-                 auto_declines: Callable[[], str | None] = lambda: None) -> KernelChoice:
+def pick_kernels(
+  requested: str,
+  mosaic_reason: Callable[[], str | None],
+  *,
+  capability: Callable[[], str | None],
+  auto_declines: Callable[[], str | None] = lambda: None,
+) -> KernelChoice:
   """The kernels for a config's `backend`: "triton"; "mosaic" (with the reason if they cannot
   run); "auto": Mosaic on a Hopper GPU where they can run and `auto_declines()` gives no
   reason against them (e.g. not measured faster), else Triton.
@@ -96,6 +100,8 @@ def announce(choice: KernelChoice, *, op: str, config_name: str, log_once: LogOn
   if choice.reason is not None:
     if choice.kernels == "mosaic":
       raise ValueError(f"{op}: {config_name}.backend='mosaic' cannot run: {choice.reason}")
-    log_once(f"{op}: backend='auto' runs the Triton kernels on this compute capability {choice.capability} GPU: "
-             f"{choice.reason}")
+    log_once(
+      f"{op}: backend='auto' runs the Triton kernels on this compute capability {choice.capability} GPU: "
+      f"{choice.reason}"
+    )
   return choice.kernels

@@ -51,8 +51,7 @@ def _lowering(ctx: triton_lowering.LoweringRuleContext, *args_flat, args_tree):
     raise NotImplementedError("relaxed_atomic_add supports a single indexer")
   ptr = triton_lowering._compute_pointers_from_indices(ptr, block_info, indexers[0])
   val = triton_lowering._ensure_ir_value(val, value_aval)
-  return triton_lowering._atomic_rmw(tt_dialect.RMWOp.FADD, ptr, val,
-                                     semantic=tt_dialect.MemSemantic.RELAXED)
+  return triton_lowering._atomic_rmw(tt_dialect.RMWOp.FADD, ptr, val, semantic=tt_dialect.MemSemantic.RELAXED)
 
 
 def relaxed_atomic_add(ref, idx, val) -> None:

@@ -51,6 +51,7 @@ def full_float32_matmuls():
 def stdlib_data_dir(tmp_path_factory):
   """A TFDS data dir with the real python_stdlib corpus built in it (~1 s)."""
   from castle_jax.data.pipeline import get_builder
+
   data_dir = str(tmp_path_factory.mktemp("tfds"))
   get_builder("python_stdlib", data_dir)
   return data_dir
@@ -75,6 +76,7 @@ def tiny_run_config(tmp_path, stdlib_data_dir):
   """configs/tiny.py shrunk to `helpers.TINY_RUN_SETTINGS`, in a fresh workdir."""
   from configs import tiny
   from helpers import tiny_run
+
   return tiny_run(tiny, str(tmp_path / "run"), stdlib_data_dir)
 
 
@@ -93,8 +95,10 @@ def finished_tiny_run(tmp_path_factory, stdlib_data_dir) -> FinishedRun:
   from helpers import tiny_run
   from train.metrics import read_metrics
   from train.trainer import train
-  config = tiny_run(tiny, str(tmp_path_factory.mktemp("finished") / "run"), stdlib_data_dir,
-                    **{"train.eval_batches": 1})
+
+  config = tiny_run(
+    tiny, str(tmp_path_factory.mktemp("finished") / "run"), stdlib_data_dir, **{"train.eval_batches": 1}
+  )
   result = train(config)
   losses = {s: r["loss"] for s, r in read_metrics(os.path.join(config.workdir, "metrics.jsonl")).items()}
   return FinishedRun(config, result, losses)

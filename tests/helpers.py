@@ -8,8 +8,12 @@ import numpy as np
 
 # The house tolerance policy (DESIGN.md, chain of trust): relative-norm error against a
 # float32/float64 reference, by the dtype the compared path computes in.
-TOLERANCES = {jnp.dtype(jnp.float64): 1e-12, jnp.dtype(jnp.float32): 1e-5,
-              jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 1e-2}
+TOLERANCES = {
+  jnp.dtype(jnp.float64): 1e-12,
+  jnp.dtype(jnp.float32): 1e-5,
+  jnp.dtype(jnp.bfloat16): 1e-2,
+  jnp.dtype(jnp.float16): 1e-2,
+}
 
 
 def rel_err(x, y) -> float:
@@ -39,10 +43,18 @@ def assert_close(actual, expected, tol: float | None = None) -> None:
 # The tiny model and run of the training tests, as config values ("section.key") and
 # as command-line overrides.
 TINY_RUN_SETTINGS = {
-    "model.d_model": 32, "model.n_layers": 1, "model.n_heads": 2,
-    "data.seq_len": 32, "data.batch_size": 8,
-    "train.steps": 8, "train.warmup_steps": 2, "train.log_every": 1, "train.eval_every": 4,
-    "train.eval_batches": 0, "train.checkpoint_every": 4, "train.progress_bar": False,
+  "model.d_model": 32,
+  "model.n_layers": 1,
+  "model.n_heads": 2,
+  "data.seq_len": 32,
+  "data.batch_size": 8,
+  "train.steps": 8,
+  "train.warmup_steps": 2,
+  "train.log_every": 1,
+  "train.eval_every": 4,
+  "train.eval_batches": 0,
+  "train.checkpoint_every": 4,
+  "train.progress_bar": False,
 }
 
 
@@ -50,6 +62,7 @@ def tiny_run(config_module, workdir: str, data_dir: str, **overrides):
   """`config_module.get_config()` shrunk to TINY_RUN_SETTINGS plus `overrides`
   ({"section.key": value}), training into `workdir` on the corpus in `data_dir`."""
   import copy
+
   c = copy.deepcopy(config_module.get_config())
   with c.unlocked():
     c.workdir = workdir

@@ -22,7 +22,7 @@ def test_blockwise_matches_definition_with_gradients(seq, window, heads, kv_head
   cotangent = jax.random.normal(keys[3], q.shape)
   expected = jax.jit(alibi_window_reference, static_argnames="window")(q, k, v, window=window)
   assert rel_err(jax.jit(alibi_window_attention, static_argnames="window")(q, k, v, window=window), expected) < 1e-5
-  loss = lambda fn: (lambda q, k, v: jnp.sum(fn(q, k, v, window=window) * cotangent))
+  loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v, window=window) * cotangent)
   got = jax.jit(jax.grad(loss(alibi_window_attention), argnums=(0, 1, 2)))(q, k, v)
   want = jax.jit(jax.grad(loss(alibi_window_reference), argnums=(0, 1, 2)))(q, k, v)
   for name, g, w in zip("qkv", got, want):
@@ -50,8 +50,9 @@ def test_mha_layer_with_alibi_decodes_like_its_training_forward():
   from castle_jax.config import ModelConfig
   from castle_jax.layers.mha import MultiHeadAttention, cache_for
 
-  config = ModelConfig(d_model=32, n_heads=4, n_kv_heads=2, dtype="float32", sliding_window=5,
-                       attention_kwargs=(("positions", "alibi"),))
+  config = ModelConfig(
+    d_model=32, n_heads=4, n_kv_heads=2, dtype="float32", sliding_window=5, attention_kwargs=(("positions", "alibi"),)
+  )
   layer = MultiHeadAttention(config)
   x = jax.random.normal(jax.random.key(0), (2, 13, 32))
   positions = jnp.broadcast_to(jnp.arange(13), (2, 13))
@@ -61,13 +62,14 @@ def test_mha_layer_with_alibi_decodes_like_its_training_forward():
   cache = cache_for(config, 2, 16)
   steps = []
   for t in range(13):
-    out, cache = apply(params, x[:, t:t + 1], positions[:, t:t + 1], cache)
+    out, cache = apply(params, x[:, t : t + 1], positions[:, t : t + 1], cache)
     steps.append(out)
   assert rel_err(jnp.concatenate(steps, axis=1), trained) < 1e-5
 
 
 def test_alibi_needs_a_window():
   from castle_jax.config import ModelConfig
+
   with pytest.raises(ValueError, match="set model.sliding_window"):
     ModelConfig(attention_kwargs=(("positions", "alibi"),))
   with pytest.raises(ValueError, match="positions must be one of"):

@@ -45,8 +45,9 @@ class XlaMatchesReferenceTest(chex.TestCase):
       return lambda q, k, v: jnp.sum(attention(impl)(q, k, v) * cot)
 
     assert_close(attention("xla")(q, k, v), attention("reference")(q, k, v))
-    assert_close(jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v),
-                 jax.grad(loss("reference"), argnums=(0, 1, 2))(q, k, v))
+    assert_close(
+      jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v), jax.grad(loss("reference"), argnums=(0, 1, 2))(q, k, v)
+    )
 
 
 def test_reference_matches_softmax_definition_brute_force():
@@ -72,10 +73,13 @@ def test_default_on_cpu_is_xla_and_cudnn_is_refused():
       causal_attention(q, k, v, implementation="cudnn")
 
 
-@pytest.mark.parametrize("bad, match", [
+@pytest.mark.parametrize(
+  "bad, match",
+  [
     (dict(window=0), "window"),
     (dict(implementation="flash"), "causal_attention: unknown implementation .flash."),
-])
+  ],
+)
 def test_bad_arguments(bad, match):
   q, k, v = _qkv(seed=5)
   with pytest.raises(ValueError, match=match):

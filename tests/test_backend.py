@@ -31,12 +31,18 @@ def test_choose_reports_unknown_and_unsupported_choices_and_logs_the_default(cap
     def unsupported():
       calls.append(name)
       return why
+
     return unsupported
 
-  table = {"fast": backend.Implementation(reason("fast", "needs a bigger head dim")),
-           "slow": backend.Implementation(reason("slow", None))}
-  with pytest.raises(ValueError, match=r"my_op: my_arg='fast' cannot run: needs a bigger head dim\. "
-                                       r"Alternatives: \['slow'\]"):
+  table = {
+    "fast": backend.Implementation(reason("fast", "needs a bigger head dim")),
+    "slow": backend.Implementation(reason("slow", None)),
+  }
+  with pytest.raises(
+    ValueError,
+    match=r"my_op: my_arg='fast' cannot run: needs a bigger head dim\. "
+    r"Alternatives: \['slow'\]",
+  ):
     backend.choose("my_op", "fast", table, ("fast", "slow"), argument="my_arg")
   with pytest.raises(ValueError, match=r"my_op: unknown implementation 'fastest'; choose one of \('fast', 'slow'\)"):
     backend.choose("my_op", "fastest", table, ("fast", "slow"))
@@ -50,9 +56,11 @@ def test_choose_reports_unknown_and_unsupported_choices_and_logs_the_default(cap
 @pytest.mark.parametrize("op", ["causal_attention", "castle_attention", "power_attention"])
 def test_every_op_logs_its_default_choice(op, caplog):
   x = _normal(0, (1, 8, 2, 16))
-  run = {"causal_attention": lambda: causal_attention(x, x, x),
-         "castle_attention": lambda: castle_attention(x, x, x, x, x, x, block_size=4),
-         "power_attention": lambda: power_attention(x, x, x, chunk_size=4)}[op]
+  run = {
+    "causal_attention": lambda: causal_attention(x, x, x),
+    "castle_attention": lambda: castle_attention(x, x, x, x, x, x, block_size=4),
+    "power_attention": lambda: power_attention(x, x, x, chunk_size=4),
+  }[op]
   with caplog.at_level(logging.DEBUG, logger="castle_jax.ops.backend"):
     run()
   # On CPU the GPU paths are skipped, and the log says why.
@@ -62,8 +70,11 @@ def test_every_op_logs_its_default_choice(op, caplog):
 
 def test_explicit_choices_that_cannot_run_raise():
   x = _normal(1, (1, 8, 2, 16))
-  with pytest.raises(ValueError, match=r"causal_attention: implementation='cudnn' cannot run: cuDNN attention "
-                                       r"needs a CUDA GPU.*Alternatives"):
+  with pytest.raises(
+    ValueError,
+    match=r"causal_attention: implementation='cudnn' cannot run: cuDNN attention "
+    r"needs a CUDA GPU.*Alternatives",
+  ):
     causal_attention(x, x, x, implementation="cudnn")
   with pytest.raises(ValueError, match=r"power_attention: implementation='pallas' cannot run: .*p=2 only"):
     power_attention(x, x, x, p=4, chunk_size=64, implementation="pallas")
@@ -112,19 +123,28 @@ def test_power_flop_count_follows_the_chunk_that_runs(monkeypatch):
 
 def test_model_config_checks_the_implementation_against_the_attention():
   base = dict(vocab_size=64, d_model=32, n_layers=1, n_heads=2)
-  with pytest.raises(ValueError, match=r"model.attention_impl='cudnn' is not an implementation of attention "
-                                       r"'castle'; choose one of \('reference', 'xla', 'pallas'\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"model.attention_impl='cudnn' is not an implementation of attention "
+    r"'castle'; choose one of \('reference', 'xla', 'pallas'\)",
+  ):
     ModelConfig(**base, attention="castle", attention_impl="cudnn")
   assert ModelConfig(**base, attention="mha", attention_impl="cudnn").attention_impl == "cudnn"
 
 
-@pytest.mark.parametrize("cls, text, expected", [
-    (CastleKernelConfig, "block_q=64, block_k=32,lookahead_operands=split",
-     CastleKernelConfig(block_q=64, block_k=32, lookahead_operands="split")),
+@pytest.mark.parametrize(
+  "cls, text, expected",
+  [
+    (
+      CastleKernelConfig,
+      "block_q=64, block_k=32,lookahead_operands=split",
+      CastleKernelConfig(block_q=64, block_k=32, lookahead_operands="split"),
+    ),
     (CastleDecodeConfig, "block_rows=64,splits=none", CastleDecodeConfig(block_rows=64, splits=None)),
     (PowerKernelConfig, "block_t=32,num_stages=2", PowerKernelConfig(block_t=32, num_stages=2)),
     (PowerKernelConfig, "", PowerKernelConfig()),
-])
+  ],
+)
 def test_kernel_configs_parse_from_key_value_strings(cls, text, expected):
   assert cls.from_string(text) == expected
 
@@ -135,13 +155,20 @@ def test_kernel_config_strings_name_the_bad_key():
   with pytest.raises(ValueError, match=r"'64' is not key=value"):
     PowerKernelConfig.from_string("64")
   with pytest.raises(ValueError, match="model.attention_kwargs.kernel_config: 'block_t=48'.*block_t must be a power"):
-    ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, attention="power",
-                attention_kwargs=(("kernel_config", "block_t=48"),))
+    ModelConfig(
+      vocab_size=64,
+      d_model=32,
+      n_layers=1,
+      n_heads=2,
+      attention="power",
+      attention_kwargs=(("kernel_config", "block_t=48"),),
+    )
 
 
 def test_kernel_configs_reach_the_ops(monkeypatch):
   """model.attention_kwargs.kernel_config is parsed once and passed to the op."""
   from castle_jax.layers import castle as castle_layer
+
   seen = {}
 
   def spy(*args, pallas_config=None, **kwargs):
@@ -150,7 +177,15 @@ def test_kernel_configs_reach_the_ops(monkeypatch):
 
   monkeypatch.setattr(castle_layer, "castle_attention", spy)
   from castle_jax.models import build_model
-  config = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, dtype="float32", attention="castle",
-                       attention_kwargs=(("kernel_config", "block_q=16,block_k=16"),))
+
+  config = ModelConfig(
+    vocab_size=64,
+    d_model=32,
+    n_layers=1,
+    n_heads=2,
+    dtype="float32",
+    attention="castle",
+    attention_kwargs=(("kernel_config", "block_q=16,block_k=16"),),
+  )
   build_model(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
   assert seen["config"] == CastleKernelConfig(block_q=16, block_k=16)

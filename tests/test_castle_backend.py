@@ -19,6 +19,7 @@ from castle_jax.ops.castle import castle_attention
 from helpers import rel_err
 from pallas_kernels.castle import CastleKernelConfig, attention, backend
 from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
+
 # The Mosaic backward test's random inputs (six bf16 tensors and a cotangent).
 from test_castle_mosaic_backward import _NAMES, _inputs
 
@@ -29,29 +30,43 @@ AMPERE = "8.0"
 @pytest.fixture
 def capability(monkeypatch):
   """Fakes the device's compute capability: capability(value)."""
+
   def fake(value):
     monkeypatch.setattr(backend, "compute_capability", lambda: value)
+
   return fake
 
 
 @pytest.fixture
 def measured_faster(monkeypatch):
   """Fills the table of cases where Mosaic measured faster: measured_faster(*cases)."""
+
   def fill(*cases):
     monkeypatch.setattr(backend, "MOSAIC_FASTER_CASES", frozenset(cases))
+
   return fill
 
 
 def _choose(backend_name="auto", dtype=jnp.bfloat16, head_dim=128, window=None, interpret=False, **config):
-  return backend.choose_backend(CastleKernelConfig(backend=backend_name, **config), dtype=dtype,
-                                head_dim=head_dim, window=window, interpret=interpret)
+  return backend.choose_backend(
+    CastleKernelConfig(backend=backend_name, **config),
+    dtype=dtype,
+    head_dim=head_dim,
+    window=window,
+    interpret=interpret,
+  )
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
     (dict(backend="cuda"), r"CastleKernelConfig.backend must be one of \('auto', 'triton', 'mosaic'\), got 'cuda'"),
-    (dict(mosaic_schedule="pingpong"),
-     r"CastleKernelConfig.mosaic_schedule must be one of \('warp_specialized', 'simple'\), got 'pingpong'"),
-])
+    (
+      dict(mosaic_schedule="pingpong"),
+      r"CastleKernelConfig.mosaic_schedule must be one of \('warp_specialized', 'simple'\), got 'pingpong'",
+    ),
+  ],
+)
 def test_config_rejects_unknown_backends_and_schedules(kwargs, match):
   with pytest.raises(ValueError, match=match):
     CastleKernelConfig(**kwargs)
@@ -98,11 +113,14 @@ def test_auto_logs_once_why_triton_runs_on_hopper(capability, caplog):
   assert "bfloat16 or float16 inputs, got float32" in messages[1]
 
 
-@pytest.mark.parametrize("change, match", [
+@pytest.mark.parametrize(
+  "change, match",
+  [
     (dict(head_dim=96), r"head_dim in \(64, 128\), got 96"),
     (dict(dtype=jnp.float32), "bfloat16 or float16 inputs, got float32"),
     (dict(lookahead_operands="split"), "lookahead_operands='split' is a Triton setting"),
-])
+  ],
+)
 def test_mosaic_rejects_inputs_it_cannot_take(capability, change, match):
   capability(HOPPER)
   with pytest.raises(ValueError, match=r"backend='mosaic' cannot run: .*" + match):
@@ -111,21 +129,28 @@ def test_mosaic_rejects_inputs_it_cannot_take(capability, change, match):
 
 def test_mosaic_needs_hopper_unless_interpreted(capability):
   capability(AMPERE)
-  with pytest.raises(ValueError, match=r"need a Hopper GPU \(compute capability 9.x\), this is compute capability "
-                                       r"8.0; use CastleKernelConfig\(backend='triton'\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"need a Hopper GPU \(compute capability 9.x\), this is compute capability "
+    r"8.0; use CastleKernelConfig\(backend='triton'\)",
+  ):
     _choose("mosaic")
   assert _choose("mosaic", interpret=True) == "mosaic"
   capability(HOPPER)
   assert _choose("mosaic") == "mosaic"
 
 
-@pytest.mark.parametrize("value, table, expected", [
+@pytest.mark.parametrize(
+  "value, table, expected",
+  [
     (HOPPER, [(64, "bfloat16", True)], "mosaic"),
     (HOPPER, [], "triton"),
     (AMPERE, [(64, "bfloat16", True)], "triton"),
-])
-def test_castle_attention_routes_to_the_chosen_kernels(monkeypatch, capability, measured_faster, value, table,
-                                                       expected):
+  ],
+)
+def test_castle_attention_routes_to_the_chosen_kernels(
+  monkeypatch, capability, measured_faster, value, table, expected
+):
   """Both kernel paths stubbed: which one runs, with what, under backend="auto"."""
   capability(value)
   measured_faster(*table)
@@ -135,6 +160,7 @@ def test_castle_attention_routes_to_the_chosen_kernels(monkeypatch, capability, 
     def run(*inputs, **kwargs):
       calls.append((name, kwargs))
       return jnp.zeros_like(inputs[3])
+
     return run
 
   monkeypatch.setattr(attention, "castle_attention_mosaic", stub("mosaic"))
@@ -163,8 +189,9 @@ def test_mosaic_backend_through_castle_attention_matches_xla(monkeypatch):
   # The one-warpgroup schedule: the default warp-specialized one needs a thread per
   # warpgroup in GPU interpret mode (docs/castle_mosaic.md).
   config = CastleKernelConfig(backend="mosaic", mosaic_schedule="simple")
-  out, vjp = jax.vjp(lambda *a: castle_attention(*a, window=window, implementation="pallas", pallas_config=config),
-                     *inputs)
+  out, vjp = jax.vjp(
+    lambda *a: castle_attention(*a, window=window, implementation="pallas", pallas_config=config), *inputs
+  )
   grads = vjp(cotangent)
   assert configs == [CastleMosaicConfig(schedule="simple")]
 

@@ -30,12 +30,12 @@ from pallas_kernels.castle.mosaic_ops import castle_forward_mosaic
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 # (shape, window) for each schedule; small T keeps interpret mode fast.
 CASES = {
-    "simple": [((1, 100, 2, 64), None)],          # ragged: 100 tokens in blocks of 64
-    "warp_specialized": [
-        ((1, 200, 2, 64), None),                   # ragged; program 0 has steps after its diagonals
-        ((1, 300, 1, 64), 100),                    # SWL, window > block; later steps without W
-        ((1, 128, 1, 128), 5),                     # head dim 128, a window inside one block
-    ],
+  "simple": [((1, 100, 2, 64), None)],  # ragged: 100 tokens in blocks of 64
+  "warp_specialized": [
+    ((1, 200, 2, 64), None),  # ragged; program 0 has steps after its diagonals
+    ((1, 300, 1, 64), 100),  # SWL, window > block; later steps without W
+    ((1, 128, 1, 128), 5),  # head dim 128, a window inside one block
+  ],
 }
 # GPU interpret mode runs each warpgroup as a thread whose XLA CPU program may hand its
 # blocking barrier waits to XLA's intra-op thread pool. That pool has one thread per core,
@@ -51,8 +51,13 @@ def _inputs(seed, shape, dtype=jnp.bfloat16):
 
 
 def _mosaic(inputs, window, interpret=True, schedule="warp_specialized"):
-  return castle_forward_mosaic(*inputs, scale=inputs[0].shape[-1] ** -0.5, window=window, interpret=interpret,
-                               config=CastleMosaicConfig(schedule=schedule))
+  return castle_forward_mosaic(
+    *inputs,
+    scale=inputs[0].shape[-1] ** -0.5,
+    window=window,
+    interpret=interpret,
+    config=CastleMosaicConfig(schedule=schedule),
+  )
 
 
 def _case_inputs(shape, window):
@@ -63,9 +68,13 @@ def _run_cases_in_this_process(schedule, out_dir):
   """Runs CASES[schedule] and saves out, lse and lookahead keys per case (the subprocess side)."""
   for number, (shape, window) in enumerate(CASES[schedule]):
     result = _mosaic(_case_inputs(shape, window), window, schedule=schedule)
-    np.savez(os.path.join(out_dir, f"{schedule}_{number}.npz"), out=np.asarray(result.out.astype(jnp.float32)),
-             lse=np.asarray(result.lse), keys=np.asarray(result.lookahead_keys),
-             out_dtype=str(result.out.dtype))
+    np.savez(
+      os.path.join(out_dir, f"{schedule}_{number}.npz"),
+      out=np.asarray(result.out.astype(jnp.float32)),
+      lse=np.asarray(result.lse),
+      keys=np.asarray(result.lookahead_keys),
+      out_dtype=str(result.out.dtype),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -80,26 +89,36 @@ def kernel_results(tmp_path_factory):
       if schedule == "simple":
         _run_cases_in_this_process(schedule, out_dir)
       else:
-        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {_INTERPRET_XLA_FLAG}".strip(),
-                   PYTHONPATH=os.pathsep.join([os.path.dirname(TESTS_DIR), TESTS_DIR]), JAX_PLATFORMS="cpu")
+        env = dict(
+          os.environ,
+          XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {_INTERPRET_XLA_FLAG}".strip(),
+          PYTHONPATH=os.pathsep.join([os.path.dirname(TESTS_DIR), TESTS_DIR]),
+          JAX_PLATFORMS="cpu",
+        )
         code = f"import test_castle_mosaic as t; t._run_cases_in_this_process({schedule!r}, {out_dir!r})"
         run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
-      computed[schedule] = [np.load(os.path.join(out_dir, f"{schedule}_{number}.npz"))
-                            for number in range(len(CASES[schedule]))]
+      computed[schedule] = [
+        np.load(os.path.join(out_dir, f"{schedule}_{number}.npz")) for number in range(len(CASES[schedule]))
+      ]
     return computed[schedule]
+
   return results
 
 
 def _reference_lse(inputs, window):
   """Row log-sum-exp of the scores A from the naive softmax over visible keys."""
   from castle_jax.ops.castle.common import combined_scores, lookahead_visible
+
   q_u, k_u, v_u, q_c, k_c, _ = inputs
   seq, head_dim = q_u.shape[1], q_u.shape[-1]
-  scale = head_dim ** -0.5
+  scale = head_dim**-0.5
   positions = jnp.arange(seq)
-  weights = jnp.where(lookahead_visible(positions, positions, window),
-                      jax.nn.sigmoid(jnp.einsum("bshd,bjhd->bhsj", q_u, k_u) * scale), 0.0)
+  weights = jnp.where(
+    lookahead_visible(positions, positions, window),
+    jax.nn.sigmoid(jnp.einsum("bshd,bjhd->bhsj", q_u, k_u) * scale),
+    0.0,
+  )
   # u_s^t for s < t: only keys j <= t count.
   values_scores = jnp.einsum("bthd,bjhd->bhtj", q_c, v_u) * scale
   causal_values = positions[:, None] >= positions[None, :]
@@ -111,9 +130,14 @@ def _reference_lse(inputs, window):
 
 # The warp-specialized schedule is experimental (it races on the GPU): its interpret-mode
 # cases run with -m slow, which keeps the default suite fast.
-@pytest.mark.parametrize("schedule, number", [
+@pytest.mark.parametrize(
+  "schedule, number",
+  [
     pytest.param(s, n, marks=pytest.mark.slow) if s == "warp_specialized" else (s, n)
-    for s, cases in CASES.items() for n in range(len(cases))])
+    for s, cases in CASES.items()
+    for n in range(len(cases))
+  ],
+)
 def test_interpret_matches_xla(kernel_results, schedule, number):
   shape, window = CASES[schedule][number]
   result = kernel_results(schedule)[number]
@@ -130,25 +154,34 @@ def test_interpret_matches_xla(kernel_results, schedule, number):
   assert rel_err(result["keys"], ref_keys) < 1e-2
 
 
-@pytest.mark.parametrize("schedule, head_dim, window", [
+@pytest.mark.parametrize(
+  "schedule, head_dim, window",
+  [
     ("simple", 128, None),
-    ("warp_specialized", 128, 512),   # both kinds of step: with W and (SWL) without
+    ("warp_specialized", 128, 512),  # both kinds of step: with W and (SWL) without
     ("warp_specialized", 64, 100),
-])
+  ],
+)
 def test_lowers_for_hopper(schedule, head_dim, window):
   """The Mosaic GPU lowering (layouts, wgmma shapes, TMA, the reduce-add) for an H100 on CPU."""
   inputs = _inputs(0, (1, 256, 2, head_dim))
   mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H100 80GB HBM3", None, "cuda"))
   with jax.sharding.use_abstract_mesh(mesh):
-    lowered = jax.jit(lambda *a: _mosaic(a, window, interpret=False, schedule=schedule)).trace(*inputs).lower(
-        lowering_platforms=("cuda",))
+    lowered = (
+      jax.jit(lambda *a: _mosaic(a, window, interpret=False, schedule=schedule))
+      .trace(*inputs)
+      .lower(lowering_platforms=("cuda",))
+    )
   assert "mosaic_gpu" in lowered.as_text()
 
 
-@pytest.mark.parametrize("change, message", [
+@pytest.mark.parametrize(
+  "change, message",
+  [
     (lambda x: x.astype(jnp.float32), "bfloat16 or float16"),
     (lambda x: x[..., :32], "head_dim"),
-])
+  ],
+)
 def test_rejects_what_the_kernel_cannot_take(change, message):
   inputs = tuple(change(x) for x in _inputs(0, (1, 64, 1, 64)))
   with pytest.raises(ValueError, match=message):

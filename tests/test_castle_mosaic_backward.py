@@ -29,15 +29,18 @@ def _inputs(seed, shape, dtype=jnp.bfloat16):
   return inputs, jax.random.normal(keys[6], shape, jnp.float32).astype(dtype)
 
 
-@pytest.mark.parametrize("shape, window, cotangent_scale", [
-    ((1, 100, 2, 64), None, 1.0),    # ragged: 100 tokens in blocks of 64
-    ((1, 200, 1, 64), 70, 1.0),      # SWL, the window longer than a block; steps past it
-    ((1, 192, 1, 128), 5, 1.0),      # head dim 128, a window inside one block; steps past it
-    ((1, 130, 1, 128), None, 1.0),   # head dim 128 without a window: the lookahead path every step
+@pytest.mark.parametrize(
+  "shape, window, cotangent_scale",
+  [
+    ((1, 100, 2, 64), None, 1.0),  # ragged: 100 tokens in blocks of 64
+    ((1, 200, 1, 64), 70, 1.0),  # SWL, the window longer than a block; steps past it
+    ((1, 192, 1, 128), 5, 1.0),  # head dim 128, a window inside one block; steps past it
+    ((1, 130, 1, 128), None, 1.0),  # head dim 128 without a window: the lookahead path every step
     # A training loss's cotangents (a mean over many tokens): without rescaling, the float16
     # lookahead products would see them as subnormals (d{q,k,v}_u 40-80% off).
     ((1, 100, 2, 64), None, 1e-6),
-])
+  ],
+)
 def test_gradients_match_the_parallel_form(shape, window, cotangent_scale):
   inputs, cotangent = _inputs(shape[1] + (window or 0), shape)
   cotangent = (cotangent.astype(jnp.float32) * cotangent_scale).astype(cotangent.dtype)
@@ -79,18 +82,26 @@ def test_rematerialized_forward_still_runs_its_kernel():
   inputs, _ = _inputs(0, (1, 128, 2, 64))
   loss = lambda *a: jnp.sum(jnp.tanh(castle_attention_mosaic(*a, interpret=False).astype(jnp.float32)))
   kernels = mosaic_kernels_lowered_for_h100(
-      (loss, jax.value_and_grad(loss, argnums=tuple(range(6))),
-       jax.value_and_grad(jax.checkpoint(loss), argnums=tuple(range(6)))), inputs)
+    (
+      loss,
+      jax.value_and_grad(loss, argnums=tuple(range(6))),
+      jax.value_and_grad(jax.checkpoint(loss), argnums=tuple(range(6))),
+    ),
+    inputs,
+  )
   # The value's forward, then the recomputed one, then the backward.
   forward, plain, rematerialized = kernels
   assert rematerialized == plain + forward, kernels
 
 
-@pytest.mark.parametrize("change, message", [
+@pytest.mark.parametrize(
+  "change, message",
+  [
     (lambda x: x.astype(jnp.float32), "bfloat16 or float16"),
     (lambda x: x[..., :32], "head_dim"),
     (lambda x: x[0], r"q_u must be \[batch, seq, heads, head_dim\]"),
-])
+  ],
+)
 def test_rejects_what_the_kernels_cannot_take(change, message):
   inputs, _ = _inputs(0, (1, 64, 1, 64))
   with pytest.raises(ValueError, match=message):

@@ -1,9 +1,6 @@
 """The Mosaic CASTLE kernels' sigmoid, SiLU and SiLU' (`pallas_kernels.castle.mosaic_math`)
 against jax.nn on CPU, over the whole float32 range the kernels see, ends included."""
 
-import os
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,8 +34,8 @@ def test_silu_and_its_gradient_match_autodiff():
 def test_sigmoid_variants_of_the_ab_benchmark_are_sigmoids():
   """`benchmarks/castle_mosaic_sigmoid_ab.py` times each variant inside the kernels; each
   must be a sigmoid (jitted: a compiler folding (y + c) - c would break the polynomial)."""
-  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-  import castle_mosaic_sigmoid_ab as ab
+  from benchmarks import castle_mosaic_sigmoid_ab as ab
+
   x = _points()
   for name, variant in ab.VARIANTS.items():
     got = np.asarray(jax.jit(variant)(x))

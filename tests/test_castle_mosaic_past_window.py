@@ -41,20 +41,26 @@ def test_the_two_sweeps_cover_every_pair_once(length, window):
   in exactly one kernel, and the query-major kernel gets only pairs where every key is
   past its lookahead window."""
   num_query_blocks = length // BLOCK
-  covered = np.zeros((num_query_blocks, num_query_blocks), int)   # [key block, query block]
+  covered = np.zeros((num_query_blocks, num_query_blocks), int)  # [key block, query block]
   for program in range(length // PROGRAM):
-    end = int(key_major_sweep_end(jnp.int32(program), window=window, block_q=BLOCK, block_k=BLOCK,
-                                  num_query_blocks=num_query_blocks))
+    end = int(
+      key_major_sweep_end(
+        jnp.int32(program), window=window, block_q=BLOCK, block_k=BLOCK, num_query_blocks=num_query_blocks
+      )
+    )
     for key_block in (2 * program, 2 * program + 1):
-      covered[key_block, 2 * program:end] += 1
+      covered[key_block, 2 * program : end] += 1
   for query_program in range(length // PROGRAM):
-    key_programs = int(past_window_key_programs(jnp.int32(query_program), window=window, keys_per_program=PROGRAM,
-                                                queries_per_program=PROGRAM))
+    key_programs = int(
+      past_window_key_programs(
+        jnp.int32(query_program), window=window, keys_per_program=PROGRAM, queries_per_program=PROGRAM
+      )
+    )
     assert key_programs <= query_program
     if key_programs:
       last_key, first_query = key_programs * PROGRAM - 1, query_program * PROGRAM
-      assert first_query > last_key + window   # W = 0 for every pair of these blocks
-    covered[:2 * key_programs, 2 * query_program:2 * query_program + 2] += 1
+      assert first_query > last_key + window  # W = 0 for every pair of these blocks
+    covered[: 2 * key_programs, 2 * query_program : 2 * query_program + 2] += 1
   key_blocks, query_blocks = np.indices(covered.shape)
   expected = (query_blocks >= key_blocks // 2 * 2).astype(int)
   np.testing.assert_array_equal(covered, expected)
@@ -72,9 +78,12 @@ def _case(number):
 # The kernels' ways with the pairs past the window: query-major kernels for the forward and
 # dQ^C, the key side in a kernel of its own (default) or in the key-major sweep; or all of
 # it in the key-major sweeps.
-VARIANTS = {"query_major": CastleMosaicConfig(), "key_major": CastleMosaicConfig(past_window="key_major"),
-            "key_grads_in_sweep": CastleMosaicConfig(past_window_key_grads="key_major_sweep"),
-            "step_keys_64": CastleMosaicConfig(past_window_step_keys=64)}
+VARIANTS = {
+  "query_major": CastleMosaicConfig(),
+  "key_major": CastleMosaicConfig(past_window="key_major"),
+  "key_grads_in_sweep": CastleMosaicConfig(past_window_key_grads="key_major_sweep"),
+  "step_keys_64": CastleMosaicConfig(past_window_step_keys=64),
+}
 # Variants that differ from the default only in the forward: their gradients are not run.
 FORWARD_ONLY = ("step_keys_64",)
 
@@ -83,7 +92,8 @@ def _variants(number):
   """The variants run on CASES[number]: the non-default key side and forward steps on one
   case each (GPU interpret mode is slow)."""
   return {1: ("query_major", "key_major", "key_grads_in_sweep"), 2: ("query_major", "key_major", "step_keys_64")}.get(
-      number, ("query_major", "key_major"))
+    number, ("query_major", "key_major")
+  )
 
 
 def _run_cases_in_this_process(out_dir):
@@ -99,16 +109,24 @@ def _run_cases_in_this_process(out_dir):
       if past_window not in FORWARD_ONLY:
         _, vjp = jax.vjp(lambda *a: castle_attention_mosaic(*a, window=window, config=config, interpret=True), *inputs)
         grads = [np.asarray(g.astype(jnp.float32)) for g in vjp(cotangent)]
-      np.savez(os.path.join(out_dir, f"{number}_{past_window}.npz"), out=np.asarray(result.out.astype(jnp.float32)),
-               lse=np.asarray(result.lse), keys=np.asarray(result.lookahead_keys),
-               grads=np.stack(grads) if grads else np.zeros(0))
+      np.savez(
+        os.path.join(out_dir, f"{number}_{past_window}.npz"),
+        out=np.asarray(result.out.astype(jnp.float32)),
+        lse=np.asarray(result.lse),
+        keys=np.asarray(result.lookahead_keys),
+        grads=np.stack(grads) if grads else np.zeros(0),
+      )
 
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
   out_dir = str(tmp_path_factory.mktemp("past_window"))
-  env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {_INTERPRET_XLA_FLAG}".strip(),
-             PYTHONPATH=os.pathsep.join([os.path.dirname(TESTS_DIR), TESTS_DIR]), JAX_PLATFORMS="cpu")
+  env = dict(
+    os.environ,
+    XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {_INTERPRET_XLA_FLAG}".strip(),
+    PYTHONPATH=os.pathsep.join([os.path.dirname(TESTS_DIR), TESTS_DIR]),
+    JAX_PLATFORMS="cpu",
+  )
   code = f"import test_castle_mosaic_past_window as t; t._run_cases_in_this_process({out_dir!r})"
   run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
   assert run.returncode == 0, run.stderr[-3000:]
@@ -118,6 +136,7 @@ def interpreted(tmp_path_factory):
 @pytest.mark.parametrize("number", range(len(CASES)))
 def test_split_forward_matches_the_parallel_form(interpreted, number):
   from castle_jax.ops.castle.blockwise import castle_blockwise_prefill
+
   inputs, _, window = _case(number)
   f32 = tuple(x.astype(jnp.float32) for x in inputs)
   with jax.default_matmul_precision("highest"):
@@ -145,6 +164,7 @@ def test_split_backward_matches_the_parallel_form(interpreted, number):
   their key side from its own kernel or the key-major sweep, against autodiff of
   `castle_parallel` and against the key-major backward."""
   from castle_jax.ops.castle.reference import castle_parallel
+
   inputs, cotangent, window = _case(number)
   f32 = tuple(x.astype(jnp.float32) for x in inputs)
   with jax.default_matmul_precision("highest"):
@@ -166,25 +186,33 @@ def test_split_lowers_for_hopper():
   """Both kernels lower for an H100 (layouts, wgmma shapes and dtypes, TMA, shared memory
   within 227 KB); only CASTLE-SWL with past_window="query_major" runs the second one."""
   inputs = _inputs(0, (1, 256, 2, 128))
-  forward = lambda config, window: lambda *a: castle_forward_mosaic(
-      *a, scale=128 ** -0.5, window=window, config=CastleMosaicConfig(past_window=config)).out
+  forward = lambda config, window: (
+    lambda *a: (
+      castle_forward_mosaic(*a, scale=128**-0.5, window=window, config=CastleMosaicConfig(past_window=config)).out
+    )
+  )
   # Each forward runs its kernels twice: the second time in the overflow rerun's branch.
   counts = mosaic_kernels_lowered_for_h100(
-      (forward("query_major", 512), forward("key_major", 512), forward("query_major", None)), inputs)
+    (forward("query_major", 512), forward("key_major", 512), forward("query_major", None)), inputs
+  )
   assert counts == [4, 2, 2], counts
   head_dim_64 = _inputs(0, (1, 256, 2, 64))
   assert mosaic_kernels_lowered_for_h100((forward("query_major", 100),), head_dim_64) == [4]
   # 64-key steps (the default, 128, fills shared memory to within ~2 KB at head dim 128).
-  narrow_steps = lambda *a: castle_forward_mosaic(*a, scale=128 ** -0.5, window=512,
-                                                  config=CastleMosaicConfig(past_window_step_keys=64)).out
+  narrow_steps = lambda *a: (
+    castle_forward_mosaic(*a, scale=128**-0.5, window=512, config=CastleMosaicConfig(past_window_step_keys=64)).out
+  )
   assert mosaic_kernels_lowered_for_h100((narrow_steps,), inputs) == [4]
   # The backward adds the key-side kernel and the query-major dQ^C kernel to the key-major one.
-  gradients = lambda **config: jax.grad(lambda *a: jnp.sum(castle_attention_mosaic(
-      *a, window=512, config=CastleMosaicConfig(**config), interpret=False).astype(jnp.float32)),
-      argnums=tuple(range(6)))
+  gradients = lambda **config: jax.grad(
+    lambda *a: jnp.sum(
+      castle_attention_mosaic(*a, window=512, config=CastleMosaicConfig(**config), interpret=False).astype(jnp.float32)
+    ),
+    argnums=tuple(range(6)),
+  )
   assert mosaic_kernels_lowered_for_h100(
-      (gradients(), gradients(past_window_key_grads="key_major_sweep"), gradients(past_window="key_major")),
-      inputs) == [7, 6, 3]
+    (gradients(), gradients(past_window_key_grads="key_major_sweep"), gradients(past_window="key_major")), inputs
+  ) == [7, 6, 3]
 
 
 def test_config_names_the_choices():
@@ -216,13 +244,17 @@ def test_window_interior_steps_need_no_mask(window, keys_per_program):
   """The key-major sweeps skip the masks from the diagonal to `window_interior_end`: exactly
   the query blocks where every (key, query) pair is inside the lookahead window."""
   from pallas_kernels.castle.mosaic_forward import window_interior_end
+
   num_query_blocks = 40
   for key_block in range(6):
     keys = np.arange(key_block * BLOCK, (key_block + keys_per_program) * BLOCK)
     diagonal_end = key_block + keys_per_program
     lookahead_end = min(num_query_blocks, (keys[-1] + window) // BLOCK + 1)
-    interior_end = int(window_interior_end(jnp.int32(keys[0]), jnp.int32(diagonal_end), jnp.int32(lookahead_end),
-                                           window=window, block_q=BLOCK))
+    interior_end = int(
+      window_interior_end(
+        jnp.int32(keys[0]), jnp.int32(diagonal_end), jnp.int32(lookahead_end), window=window, block_q=BLOCK
+      )
+    )
     assert diagonal_end <= interior_end <= lookahead_end
     for query_block in range(diagonal_end, lookahead_end):
       queries = np.arange(query_block * BLOCK, (query_block + 1) * BLOCK)

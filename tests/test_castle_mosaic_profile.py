@@ -7,8 +7,6 @@ that `benchmarks/castle_mosaic_profile.py` traces each kernel with the phases it
 """
 
 import json
-import os
-import sys
 
 import jax
 from jax.extend import core
@@ -17,10 +15,8 @@ import pytest
 
 from pallas_kernels.castle import mosaic_profile
 from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-import castle_mosaic_profile  # noqa: E402
-from castle_mosaic_swl_kernels import KernelInputs  # noqa: E402
+from benchmarks import castle_mosaic_profile
+from benchmarks.castle_mosaic_swl_kernels import KernelInputs
 
 
 def test_recording_turns_the_profiler_on_for_its_block_only(tmp_path):
@@ -40,11 +36,16 @@ def test_phase_table_sums_cycles_per_warpgroup_and_region(tmp_path):
   # Two programs of two warpgroups (tids 1, 2 and 3, 4); times in microseconds as the
   # trace writes them (ns / 1e3), so 1.0 is 1,000 cycles.
   events = [
-      _event("scores", True, 0.0, 1), _event("scores", False, 3.0, 1),
-      _event("dD", True, 3.0, 1), _event("dD", False, 4.0, 1),
-      _event("dV^C", True, 0.0, 2), _event("dV^C", False, 2.0, 2),
-      _event("scores", True, 10.0, 3), _event("scores", False, 15.0, 3),
-      _event("dV^C", True, 10.0, 4), _event("dV^C", False, 14.0, 4),
+    _event("scores", True, 0.0, 1),
+    _event("scores", False, 3.0, 1),
+    _event("dD", True, 3.0, 1),
+    _event("dD", False, 4.0, 1),
+    _event("dV^C", True, 0.0, 2),
+    _event("dV^C", False, 2.0, 2),
+    _event("scores", True, 10.0, 3),
+    _event("scores", False, 15.0, 3),
+    _event("dV^C", True, 10.0, 4),
+    _event("dV^C", False, 14.0, 4),
   ]
   trace = tmp_path / "kernel-1-trace.json"
   trace.write_text(json.dumps({"displayTimeUnit": "ns", "traceEvents": events}))
@@ -72,9 +73,16 @@ def test_profile_benchmark_traces_each_kernel_with_its_phases(kernel):
   its trace selection looks for."""
   heads, seq, window = 1, 256, 64
   rows = lambda dtype=jnp.bfloat16: jnp.zeros((heads, seq, 128), dtype)
-  data = KernelInputs(inputs=tuple(rows() for _ in range(6)), d_out=rows(), shift=jnp.zeros((heads, seq)),
-                      in_block_t=jnp.zeros((heads, seq, 64)), lookahead_keys=rows(jnp.float32),
-                      lse=jnp.zeros((heads, seq)), delta=jnp.zeros((heads, seq)), scale=128 ** -0.5)
+  data = KernelInputs(
+    inputs=tuple(rows() for _ in range(6)),
+    d_out=rows(),
+    shift=jnp.zeros((heads, seq)),
+    in_block_t=jnp.zeros((heads, seq, 64)),
+    lookahead_keys=rows(jnp.float32),
+    lse=jnp.zeros((heads, seq)),
+    delta=jnp.zeros((heads, seq)),
+    scale=128**-0.5,
+  )
   call = castle_mosaic_profile.kernel_call(kernel, data, window, CastleMosaicConfig())
   phases = _name_stacks(jax.make_jaxpr(call)(*data.inputs).jaxpr, set())
   _, prefix = castle_mosaic_profile.KERNELS[kernel]

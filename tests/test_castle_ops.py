@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 
 from castle_jax.ops.castle import (
-    castle_attention,
-    castle_blockwise,
-    castle_parallel,
-    castle_recurrent,
-    decode_step,
-    init_cache,
-    lookahead_keys,
-    prefill,
+  castle_attention,
+  castle_blockwise,
+  castle_parallel,
+  castle_recurrent,
+  decode_step,
+  init_cache,
+  lookahead_keys,
+  prefill,
 )
 from castle_jax.ops.castle.reference import lookahead_scores_parallel
 from helpers import rel_err
@@ -86,8 +86,7 @@ def test_lookahead_keys_match_brute_force_sum():
 # --- blockwise <-> parallel ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("block_size, window", [
-    (4, None), (5, 3), (1, None), (3, 1), (16, None), (4, 30), (2, 6)])
+@pytest.mark.parametrize("block_size, window", [(4, None), (5, 3), (1, None), (3, 1), (16, None), (4, 30), (2, 6)])
 def test_blockwise_matches_parallel_float32(block_size, window):
   inputs = _inputs(seed=10 + block_size)
   out = _blockwise(inputs, window, block_size)
@@ -132,8 +131,7 @@ def test_blockwise_gradients_match_parallel_autodiff(block_size, window):
 
   grad_fn = functools.partial(jax.grad, argnums=tuple(range(6)))
   expected = jax.jit(grad_fn(loss(functools.partial(castle_parallel, window=window))))(*inputs)
-  grads = jax.jit(grad_fn(loss(functools.partial(
-      castle_blockwise, window=window, block_size=block_size))))(*inputs)
+  grads = jax.jit(grad_fn(loss(functools.partial(castle_blockwise, window=window, block_size=block_size))))(*inputs)
   for name, grad, ref in zip(("q_u", "k_u", "v_u", "q_c", "k_c", "v_c"), grads, expected):
     assert rel_err(grad, ref) < 1e-5, name
 
@@ -157,16 +155,16 @@ def test_blockwise_is_causal(window):
   perturbed = tuple(x + jnp.where(future, 100.0 * n, 0.0) for x, n in zip(inputs, noise))
   out = _blockwise(inputs, window, 4)
   out_perturbed = _blockwise(perturbed, window, 4)
-  np.testing.assert_array_equal(out[:, :last_kept + 1], out_perturbed[:, :last_kept + 1])
-  assert rel_err(out_perturbed[:, last_kept + 1:], out[:, last_kept + 1:]) > 1e-2
+  np.testing.assert_array_equal(out[:, : last_kept + 1], out_perturbed[:, : last_kept + 1])
+  assert rel_err(out_perturbed[:, last_kept + 1 :], out[:, last_kept + 1 :]) > 1e-2
 
 
 def test_blockwise_memory_is_linear_in_length():
   """The gradient program holds no [T, T] array and its scratch grows ~linearly in T."""
+
   def compiled(seq):
     spec = jax.ShapeDtypeStruct((1, seq, 1, 16), jnp.float32)
-    grad = jax.grad(
-        lambda *a: jnp.sum(castle_blockwise(*a, block_size=32)), argnums=tuple(range(6)))
+    grad = jax.grad(lambda *a: jnp.sum(castle_blockwise(*a, block_size=32)), argnums=tuple(range(6)))
     return jax.jit(grad).lower(*[spec] * 6).compile()
 
   small, large = compiled(2048), compiled(4096)
@@ -195,12 +193,12 @@ class DecodeFromEmptyCacheTest(chex.TestCase):
       cache = init_cache(SHAPE[0], seq + 2, SHAPE[2], SHAPE[3], jnp.float64, window=window)
       step = self.variant(decode_step)
       for t in range(seq):
-        out, cache = step(cache, *(x[:, t:t + 1] for x in inputs))
+        out, cache = step(cache, *(x[:, t : t + 1] for x in inputs))
         assert int(cache.length) == t + 1
-        assert rel_err(out, expected[:, t:t + 1]) < 1e-12, t
+        assert rel_err(out, expected[:, t : t + 1]) < 1e-12, t
         keys_t = lookahead_keys(*inputs[:3], t + 1, window=window)
-        assert rel_err(cache.lookahead_keys[:, :t + 1], keys_t) < 1e-12, t
-        assert np.all(np.asarray(cache.lookahead_keys[:, t + 1:]) == 0)
+        assert rel_err(cache.lookahead_keys[:, : t + 1], keys_t) < 1e-12, t
+        assert np.all(np.asarray(cache.lookahead_keys[:, t + 1 :]) == 0)
 
 
 @pytest.mark.parametrize("window, prompt_len", [(None, 4), (3, 6), (30, 4), (2, 1), (None, 11)])
@@ -211,15 +209,14 @@ def test_prefill_then_decode_matches_parallel(window, prompt_len):
   cache = init_cache(batch, seq, heads, head_dim, jnp.float32, window=window)
   if window is not None:
     assert cache.lookahead_queries.shape[1] == min(window, seq)
-  out, cache = jax.jit(prefill, static_argnames="block_size")(
-      cache, *(x[:, :prompt_len] for x in inputs), block_size=4)
+  out, cache = jax.jit(prefill, static_argnames="block_size")(cache, *(x[:, :prompt_len] for x in inputs), block_size=4)
   assert rel_err(out, expected[:, :prompt_len]) < 1e-5
   keys = lookahead_keys(*inputs[:3], prompt_len, window=window)
   assert rel_err(cache.lookahead_keys[:, :prompt_len], keys) < 1e-5
   step = jax.jit(decode_step)
   for t in range(prompt_len, seq):
-    out, cache = step(cache, *(x[:, t:t + 1] for x in inputs))
-    assert rel_err(out, expected[:, t:t + 1]) < 1e-5, t
+    out, cache = step(cache, *(x[:, t : t + 1] for x in inputs))
+    assert rel_err(out, expected[:, t : t + 1]) < 1e-5, t
   assert rel_err(cache.lookahead_keys, lookahead_keys(*inputs[:3], seq, window=window)) < 1e-5
 
 
@@ -232,14 +229,17 @@ def test_decode_ignores_poisoned_empty_slots():
   cache = init_cache(batch, seq + 3, heads, head_dim, jnp.float32, window=window)
   _, cache = prefill(cache, *(x[:, :prompt_len] for x in inputs))
   empty = (jnp.arange(cache.capacity) >= prompt_len)[None, :, None, None]
-  cache = cache.replace(**{
+  cache = cache.replace(
+    **{
       name: jnp.where(empty, jnp.nan, getattr(cache, name))
-      for name in ("lookahead_keys", "causal_keys", "causal_values")})
+      for name in ("lookahead_keys", "causal_keys", "causal_values")
+    }
+  )
   expected = _parallel(inputs, window)
   step = jax.jit(decode_step)
   for t in range(prompt_len, seq):
-    out, cache = step(cache, *(x[:, t:t + 1] for x in inputs))
-    assert rel_err(out, expected[:, t:t + 1]) < 1e-5, t
+    out, cache = step(cache, *(x[:, t : t + 1] for x in inputs))
+    assert rel_err(out, expected[:, t : t + 1]) < 1e-5, t
 
 
 def test_decode_bf16_cache_and_inputs():
@@ -251,7 +251,7 @@ def test_decode_bf16_cache_and_inputs():
   outs = [out]
   step = jax.jit(decode_step)
   for t in range(5, seq):
-    out, cache = step(cache, *(x[:, t:t + 1] for x in inputs))
+    out, cache = step(cache, *(x[:, t : t + 1] for x in inputs))
     outs.append(out)
   out = jnp.concatenate(outs, axis=1)
   assert out.dtype == jnp.bfloat16 and cache.lookahead_keys.dtype == jnp.bfloat16
@@ -307,13 +307,16 @@ def test_mismatched_shape_or_dtype_names_the_argument(index, name):
     castle_attention(*bad_dtype)
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
     (dict(window=0), "window"),
     (dict(window=-2), "window"),
     (dict(window=2.5), "window"),
     (dict(implementation="flash"), "castle_attention: unknown implementation .flash."),
     (dict(block_size=0), "block_size"),
-])
+  ],
+)
 def test_bad_arguments(kwargs, match):
   with pytest.raises(ValueError, match=match):
     castle_attention(*_inputs(seed=93), **kwargs)

@@ -40,13 +40,13 @@ def _kernels(*inputs, **kwargs):
 def _value_and_grads(fn, inputs, cotangent):
   def loss(*args):
     return jnp.sum(fn(*args).astype(jnp.float32) * cotangent)
+
   out = jax.jit(fn)(*inputs)
   return out, jax.jit(jax.grad(loss, argnums=range(6)))(*inputs)
 
 
 def _check_against_parallel(inputs, cotangent, window, config, tol_out, tol_grad):
-  out, grads = _value_and_grads(
-      lambda *a: _kernels(*a, window=window, config=config), inputs, cotangent)
+  out, grads = _value_and_grads(lambda *a: _kernels(*a, window=window, config=config), inputs, cotangent)
   f32 = tuple(x.astype(jnp.float32) for x in inputs)
   ref, ref_grads = _value_and_grads(lambda *a: castle_parallel(*a, window=window), f32, cotangent)
   assert out.dtype == inputs[0].dtype and out.shape == inputs[0].shape
@@ -111,9 +111,14 @@ def test_score_overflow_falls_back_to_the_row_maximum():
   heads, _ = ops._prepare(inputs, SMALL)
   scale = 1 / np.sqrt(SHAPE[-1])
   _, sums, _ = kernels.forward(
-      *heads, shift=ops._diagonal_scores(heads[3], heads[4], scale),
-      in_block=ops._in_block_scores(heads[3], heads[2], scale, SMALL.block_q), scale=scale, window=None,
-      config=SMALL, interpret=True)
+    *heads,
+    shift=ops._diagonal_scores(heads[3], heads[4], scale),
+    in_block=ops._in_block_scores(heads[3], heads[2], scale, SMALL.block_q),
+    scale=scale,
+    window=None,
+    config=SMALL,
+    interpret=True,
+  )
   assert not np.all(np.isfinite(np.asarray(sums)))
   out = _check_against_parallel(inputs, cotangent, None, SMALL, 1e-5, 1e-4)
   assert np.all(np.isfinite(np.asarray(out)))
@@ -125,12 +130,15 @@ def test_entry_point_dispatches_to_the_kernels():
   assert rel_err(out, castle_parallel(*inputs)) < 1e-5
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
     (dict(block_q=24), "block_q must be a power of two"),
     (dict(block_k=8), "block_k must be >= 16"),
     (dict(num_warps=0), "num_warps must be an int >= 1"),
     (dict(lookahead_operands="fp16"), "lookahead_operands must be one of"),
-])
+  ],
+)
 def test_bad_kernel_config(kwargs, match):
   with pytest.raises(ValueError, match=match):
     CastleKernelConfig(**kwargs)

@@ -46,12 +46,12 @@ def test_decoding_matches_parallel_form_and_definition(window):
   _, cache = prefill(cache, *(x[:, :prompt] for x in inputs))
   step = _pallas_step()
   for t in range(prompt, seq):
-    out, cache = step(cache, *(x[:, t:t + 1] for x in inputs))
+    out, cache = step(cache, *(x[:, t : t + 1] for x in inputs))
     assert int(cache.length) == t + 1
-    assert rel_err(out, expected[:, t:t + 1]) < 1e-5, t
+    assert rel_err(out, expected[:, t : t + 1]) < 1e-5, t
     if t % 9 == 0 or t == seq - 1:
       keys = lookahead_keys(*inputs[:3], t + 1, window=window)
-      assert rel_err(cache.lookahead_keys[:, :t + 1], keys) < 1e-5, t
+      assert rel_err(cache.lookahead_keys[:, : t + 1], keys) < 1e-5, t
   assert np.all(np.asarray(cache.lookahead_keys[:, seq:]) == 0)
 
 
@@ -63,8 +63,8 @@ def test_decoding_from_an_empty_cache_and_one_split():
   cache = init_cache(batch, CAPACITY, heads, head_dim, jnp.float32)
   step = _pallas_step(CastleDecodeConfig(block_rows=16, splits=1))
   for t in range(20):
-    out, cache = step(cache, *(x[:, t:t + 1] for x in inputs))
-    assert rel_err(out, expected[:, t:t + 1]) < 1e-5, t
+    out, cache = step(cache, *(x[:, t : t + 1] for x in inputs))
+    assert rel_err(out, expected[:, t : t + 1]) < 1e-5, t
 
 
 def test_kernel_agrees_with_xla_step_in_bf16():
@@ -89,12 +89,16 @@ def test_decoding_ignores_poisoned_empty_slots():
   prompt = 20
   _, cache = prefill(cache, *(x[:, :prompt] for x in inputs))
   empty = (jnp.arange(CAPACITY) >= prompt)[None, :, None, None]
-  cache = cache.replace(**{name: jnp.where(empty, jnp.nan, getattr(cache, name))
-                           for name in ("lookahead_keys", "lookahead_queries", "causal_keys", "causal_values")})
+  cache = cache.replace(
+    **{
+      name: jnp.where(empty, jnp.nan, getattr(cache, name))
+      for name in ("lookahead_keys", "lookahead_queries", "causal_keys", "causal_values")
+    }
+  )
   expected = castle_parallel(*inputs)
-  out, cache = _pallas_step()(cache, *(x[:, prompt:prompt + 1] for x in inputs))
-  assert rel_err(out, expected[:, prompt:prompt + 1]) < 1e-5
-  assert np.all(np.isfinite(np.asarray(cache.lookahead_keys[:, :prompt + 1])))
+  out, cache = _pallas_step()(cache, *(x[:, prompt : prompt + 1] for x in inputs))
+  assert rel_err(out, expected[:, prompt : prompt + 1]) < 1e-5
+  assert np.all(np.isfinite(np.asarray(cache.lookahead_keys[:, : prompt + 1])))
 
 
 def test_append_tokens_passes_the_implementation_on():
@@ -102,8 +106,9 @@ def test_append_tokens_passes_the_implementation_on():
   batch, seq, heads, head_dim = SHAPE
   cache = init_cache(batch, CAPACITY, heads, head_dim, jnp.float32)
   _, cache = prefill(cache, *(x[:, :10] for x in inputs))
-  text = str(jax.make_jaxpr(lambda c, *a: append_tokens(c, *a, implementation="pallas"))(
-      cache, *(x[:, 10:12] for x in inputs)))
+  text = str(
+    jax.make_jaxpr(lambda c, *a: append_tokens(c, *a, implementation="pallas"))(cache, *(x[:, 10:12] for x in inputs))
+  )
   assert "castle_decode" in text
   out, cache = append_tokens(cache, *(x[:, 10:12] for x in inputs), implementation="pallas")
   assert rel_err(out, castle_parallel(*inputs)[:, 10:12]) < 1e-5

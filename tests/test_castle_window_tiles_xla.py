@@ -2,18 +2,13 @@
 tiles without a serial lookahead state) against the definitions: outputs, final
 lookahead keys and gradients, on random inputs."""
 
-import os
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from castle_jax.ops.castle.reference import castle_parallel, lookahead_keys
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-import castle_window_tiles_xla  # noqa: E402
+from benchmarks import castle_window_tiles_xla
 
 
 def _inputs(length, head_dim=16, seed=0):
@@ -25,8 +20,8 @@ def _attention_from_tiles(*inputs, window):
   heads = [x[:, :, 0] for x in inputs]
   length = heads[0].shape[1]
   acc, sums, keys = castle_window_tiles_xla.window_tiles(
-      *heads, jnp.zeros((1, length)), window=window, diagonals=length // castle_window_tiles_xla.TILE,
-      dtype=jnp.float32)
+    *heads, jnp.zeros((1, length)), window=window, diagonals=length // castle_window_tiles_xla.TILE, dtype=jnp.float32
+  )
   return (acc / sums[..., None])[:, :, None], keys[:, :, None]
 
 
@@ -41,9 +36,10 @@ def test_tiles_match_the_parallel_form(length, window):
 def test_tile_gradients_match_the_parallel_form():
   inputs = _inputs(192, seed=1)
   cotangent = jnp.asarray(np.random.default_rng(2).normal(size=inputs[0].shape), jnp.float32)
-  grads = [jax.grad(lambda *x: jnp.sum(f(*x) * cotangent), argnums=tuple(range(6)))(*inputs)
-           for f in (lambda *x: _attention_from_tiles(*x, window=100)[0],
-                     lambda *x: castle_parallel(*x, window=100))]
+  grads = [
+    jax.grad(lambda *x: jnp.sum(f(*x) * cotangent), argnums=tuple(range(6)))(*inputs)
+    for f in (lambda *x: _attention_from_tiles(*x, window=100)[0], lambda *x: castle_parallel(*x, window=100))
+  ]
   for ours, want in zip(*grads):
     np.testing.assert_allclose(ours, want, atol=1e-4)
 
@@ -54,7 +50,7 @@ def test_window_part_only_covers_the_window():
   shift = jnp.zeros((1, 512))
   window_only = castle_window_tiles_xla.window_tiles(*inputs, shift, window=100, diagonals=3, dtype=jnp.float32)
   every_pair = castle_window_tiles_xla.window_tiles(*inputs, shift, window=100, diagonals=8, dtype=jnp.float32)
-  np.testing.assert_allclose(window_only[2], every_pair[2], atol=1e-5)   # the same final keys
+  np.testing.assert_allclose(window_only[2], every_pair[2], atol=1e-5)  # the same final keys
   assert np.all(np.asarray(window_only[1]) <= np.asarray(every_pair[1]) + 1e-5)
   assert not np.allclose(window_only[1][:, 256:], every_pair[1][:, 256:])
 

@@ -15,8 +15,9 @@ from castle_jax.models import count_parameters
 from train.config import validate_keys
 from train.run_checks import validate_train_config
 
-CONFIGS = sorted(p.stem for p in (pathlib.Path(__file__).resolve().parent.parent / "configs").glob("*.py")
-                 if p.stem != "__init__")
+CONFIGS = sorted(
+  p.stem for p in (pathlib.Path(__file__).resolve().parent.parent / "configs").glob("*.py") if p.stem != "__init__"
+)
 PASSKEY_CONFIGS = [name for name in CONFIGS if name.endswith("_passkey")]
 # <base>_passkey fine-tunes configs/<base>.py (a run of <base> is its train.init_from).
 FINE_TUNE_CONFIGS = [name for name in PASSKEY_CONFIGS if name.removesuffix("_passkey") in CONFIGS]
@@ -72,8 +73,7 @@ def test_passkey_configs_produce_batches(name, stdlib_data_dir):
   c.data.data_dir = stdlib_data_dir
   tokenizer = load_tokenizer(c.data.tokenizer)
   check_passkey_config(c.data, tokenizer)
-  it = make_lm_iterator(c.data, tokenizer, split=c.data.train_split, shuffle=True, process_index=0,
-                        process_count=1)
+  it = make_lm_iterator(c.data, tokenizer, split=c.data.train_split, shuffle=True, process_index=0, process_count=1)
   batch = next(it)
   shape = (c.data.batch_size, c.data.seq_len)
   assert batch["inputs"].shape == batch["targets"].shape == shape

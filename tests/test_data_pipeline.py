@@ -58,10 +58,12 @@ def test_documents_are_the_files(data_config, small_source_dir):
 def test_packing_reproduces_the_token_stream(data_config):
   documents = _documents(data_config, "validation")
   stream = np.concatenate(
-      [[TOKENIZER.bos_id, *TOKENIZER.encode(d["text"].decode()), TOKENIZER.eos_id] for d in documents])
+    [[TOKENIZER.bos_id, *TOKENIZER.encode(d["text"].decode()), TOKENIZER.eos_id] for d in documents]
+  )
   data_config.batch_size = 1
-  iterator = make_lm_iterator(data_config, TOKENIZER, split="validation", shuffle=False,
-                              process_index=0, process_count=1)
+  iterator = make_lm_iterator(
+    data_config, TOKENIZER, split="validation", shuffle=False, process_index=0, process_count=1
+  )
   windows = []
   while sum(len(w) for w in windows) < 2 * len(stream):
     batch = next(iterator)
@@ -105,10 +107,13 @@ def test_iterator_state_round_trip(data_config):
     np.testing.assert_array_equal(next(fresh)["inputs"], batch)
 
 
-@pytest.mark.parametrize("field, value, match", [
+@pytest.mark.parametrize(
+  "field, value, match",
+  [
     ("batch_size", 3, "data.batch_size"),
     ("seq_len", 0, "data.seq_len"),
-])
+  ],
+)
 def test_bad_batching(data_config, field, value, match):
   data_config[field] = value
   with pytest.raises(ValueError, match=match):
@@ -130,21 +135,27 @@ def _tree(root, files):
   return root
 
 
-@pytest.mark.parametrize("files, match", [
+@pytest.mark.parametrize(
+  "files, match",
+  [
     (None, "does not exist"),
     ({}, "no .py files: the corpus would be empty"),
     ({"README.txt": "no python here"}, "no .py files: the corpus would be empty"),
     ({"only.py": "x = 1\n"}, "only one .py file \\(only.py\\)"),
     ({"a.py": b"\xff\xfe\x00binary", "b.py": b"\x80\x81"}, "0 usable"),
     ({"a.py": "x = 1\n", "b.py": b"\x80\x81", "c.py": ""}, "1 usable"),
-])
+  ],
+)
 def test_bad_corpora_are_one_line_errors_and_leave_no_cache(tmp_path, files, match):
   source = tmp_path / "src"
   if files is not None:
     _tree(source, files) if files else source.mkdir()
   data_dir = tmp_path / "tfds"
-  with pytest.warns(UserWarning, match="not UTF-8") if files and any(
-      isinstance(v, bytes) for v in files.values()) else contextlib.nullcontext():
+  with (
+    pytest.warns(UserWarning, match="not UTF-8")
+    if files and any(isinstance(v, bytes) for v in files.values())
+    else contextlib.nullcontext()
+  ):
     with pytest.raises(ValueError, match="data.source_dir .*" + match) as error:
       get_builder("python_stdlib", str(data_dir), str(source))
   assert "\n" not in str(error.value)
@@ -197,12 +208,15 @@ def test_real_stdlib_corpus(stdlib_data_dir):
 def test_prefetch_keeps_the_batches_and_the_resume_position(data_config, worker_count):
   if worker_count:
     from absl import flags
+
     if not flags.FLAGS.is_parsed():
       flags.FLAGS.mark_as_parsed()  # grain's worker processes read absl flags (`python -m train` parses them)
+
   def iterator(prefetch):
     data_config.worker_count = worker_count
-    return make_lm_iterator(data_config, TOKENIZER, split="train", shuffle=True, process_index=0, process_count=1,
-                            prefetch=prefetch)
+    return make_lm_iterator(
+      data_config, TOKENIZER, split="train", shuffle=True, process_index=0, process_count=1, prefetch=prefetch
+    )
 
   plain = iterator(0)
   expected = [next(plain)["inputs"] for _ in range(12)]
@@ -225,13 +239,23 @@ def test_processes_started_together_share_one_build(tmp_path, small_source_dir):
   # one process's failed attempt removed the folder another was writing.
   import subprocess
   import sys
-  script = ("import sys; from castle_jax.data.pipeline import get_builder; "
-            "b = get_builder('python_stdlib', sys.argv[1], sys.argv[2]); "
-            "print(sum(b.info.splits[s].num_examples for s in ('train', 'validation')))")
+
+  script = (
+    "import sys; from castle_jax.data.pipeline import get_builder; "
+    "b = get_builder('python_stdlib', sys.argv[1], sys.argv[2]); "
+    "print(sum(b.info.splits[s].num_examples for s in ('train', 'validation')))"
+  )
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-  processes = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "tfds"), small_source_dir],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-               for _ in range(3)]
+  processes = [
+    subprocess.Popen(
+      [sys.executable, "-c", script, str(tmp_path / "tfds"), small_source_dir],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+      env=env,
+    )
+    for _ in range(3)
+  ]
   results = [p.communicate(timeout=300) for p in processes]
   for process, (out, err) in zip(processes, results):
     assert process.returncode == 0, err[-2000:]

@@ -12,8 +12,17 @@ import pytest
 from castle_jax.config import ModelConfig
 from castle_jax.models.drt import DRT, DRTOptions, insert_landmarks, real_positions, serve_next_chunk
 
-CONFIG = ModelConfig(family="drt", vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, dtype="float32",
-                     sliding_window=6, attention_kwargs=(("positions", "alibi"),))
+CONFIG = ModelConfig(
+  family="drt",
+  vocab_size=64,
+  d_model=32,
+  n_layers=4,
+  n_heads=4,
+  n_kv_heads=2,
+  dtype="float32",
+  sliding_window=6,
+  attention_kwargs=(("positions", "alibi"),),
+)
 OPTIONS = DRTOptions(chunk_size=4, top_k=2, encoder_layers=1)
 
 
@@ -28,8 +37,9 @@ def model_and_params():
 
 def _apply(model, train=False):
   """Jitted logits of `model` (one compile per input shape)."""
-  return jax.jit(lambda params, tokens, rng: model.apply({"params": params}, tokens, train=train,
-                                                          rngs={"gumbel": rng})[0])
+  return jax.jit(
+    lambda params, tokens, rng: model.apply({"params": params}, tokens, train=train, rngs={"gumbel": rng})[0]
+  )
 
 
 def _tokens(seed, length=30):
@@ -74,7 +84,9 @@ def test_gumbel_noise_only_in_training(model_and_params):
   model, params = model_and_params
   tokens = _tokens(2, 40)
   evaluate = _apply(model)
-  np.testing.assert_array_equal(evaluate(params, tokens, jax.random.key(0)), evaluate(params, tokens, jax.random.key(9)))
+  np.testing.assert_array_equal(
+    evaluate(params, tokens, jax.random.key(0)), evaluate(params, tokens, jax.random.key(9))
+  )
   train = _apply(model, train=True)
   train_runs = [train(params, tokens, jax.random.key(s)) for s in range(4)]
   assert any(float(jnp.max(jnp.abs(r - train_runs[0]))) > 0 for r in train_runs[1:])
@@ -95,11 +107,14 @@ def test_retriever_learns_through_the_chunk_weights(model_and_params, options):
   assert float(jnp.linalg.norm(grads["chunk_memory"]["key"]["kernel"])) > 0
 
 
-@pytest.mark.parametrize("fields, message", [
+@pytest.mark.parametrize(
+  "fields, message",
+  [
     (dict(chunk_size=0), "chunk_size must be an int >= 1"),
     (dict(retriever="bm25"), "retriever must be one of"),
     (dict(gumbel=1), "gumbel must be True or False"),
-])
+  ],
+)
 def test_bad_options_are_named(fields, message):
   with pytest.raises(ValueError, match=message):
     DRTOptions(**fields)
@@ -113,15 +128,19 @@ def test_layer_groups_must_divide():
 
 def test_family_entry_counts_parameters_and_rejects_bad_configs():
   from castle_jax.models import build_model, count_parameters, training_flops_per_token
-  config = dataclasses.replace(CONFIG, family="drt",
-                               family_kwargs=(("chunk_size", 4), ("encoder_layers", 1), ("top_k", 2)))
+
+  config = dataclasses.replace(
+    CONFIG, family="drt", family_kwargs=(("chunk_size", 4), ("encoder_layers", 1), ("top_k", 2))
+  )
   model = build_model(config)
   params = nn.unbox(jax.jit(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))())
   assert count_parameters(config) == sum(x.size for x in jax.tree.leaves(params))
   assert training_flops_per_token(config, 64) > 6 * count_parameters(config) - 6 * 64 * 32
-  for changes, message in ((dict(sliding_window=0), "model.sliding_window"),
-                           (dict(family_kwargs=(("chunk", 4),)), r"Unknown model.family_kwargs \['chunk'\]"),
-                           (dict(attention_kwargs=()), "positions='alibi'")):
+  for changes, message in (
+    (dict(sliding_window=0), "model.sliding_window"),
+    (dict(family_kwargs=(("chunk", 4),)), r"Unknown model.family_kwargs \['chunk'\]"),
+    (dict(attention_kwargs=()), "positions='alibi'"),
+  ):
     with pytest.raises(ValueError, match=message):
       build_model(dataclasses.replace(config, **changes))
 

@@ -18,8 +18,17 @@ from castle_jax.models.drt import DRT, DRTOptions
 from castle_jax.models.drt_decoding import HOST_MEMORY_KIND, DRTStream, HostChunkMemory, piece_layout, to_host
 from castle_jax.ops.attention import WindowKVCache
 
-CONFIG = ModelConfig(family="drt", vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, dtype="float32",
-                     sliding_window=6, attention_kwargs=(("positions", "alibi"),))
+CONFIG = ModelConfig(
+  family="drt",
+  vocab_size=64,
+  d_model=32,
+  n_layers=4,
+  n_heads=4,
+  n_kv_heads=2,
+  dtype="float32",
+  sliding_window=6,
+  attention_kwargs=(("positions", "alibi"),),
+)
 
 
 @pytest.fixture(scope="module")

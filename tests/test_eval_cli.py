@@ -21,8 +21,12 @@ from train.trainer import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
-DRT_SETTINGS = {"model.n_layers": 2, "data.seq_len": 64, "train.steps": 4,
-                "model.family_kwargs": dict(chunk_size=8, top_k=2, retrieval_groups=1, encoder_layers=1)}
+DRT_SETTINGS = {
+  "model.n_layers": 2,
+  "data.seq_len": 64,
+  "train.steps": 4,
+  "model.family_kwargs": dict(chunk_size=8, top_k=2, retrieval_groups=1, encoder_layers=1),
+}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +42,7 @@ def _read(path):
 
 
 def _check_plot(json_path, stderr):
-  png = json_path[:-len(".json")] + ".png"
+  png = json_path[: -len(".json")] + ".png"
   if HAS_MATPLOTLIB:
     assert os.path.getsize(png) > 0
   else:
@@ -46,8 +50,12 @@ def _check_plot(json_path, stderr):
 
 
 def test_passkey_cli_writes_table_json_and_plot(drt_workdir, tmp_path, capsys):
-  assert passkey.main([f"--workdir={drt_workdir}", "--lengths=96,160", "--examples=3", "--batch_size=3",
-                       f"--output={tmp_path}"]) == 0
+  assert (
+    passkey.main(
+      [f"--workdir={drt_workdir}", "--lengths=96,160", "--examples=3", "--batch_size=3", f"--output={tmp_path}"]
+    )
+    == 0
+  )
   out, err = capsys.readouterr()
   assert out.splitlines()[0].split() == ["length", "first-token", "acc", "all-token", "acc", "examples", "seconds"]
   record = _read(tmp_path / "passkey_step4.json")
@@ -60,8 +68,9 @@ def test_passkey_cli_writes_table_json_and_plot(drt_workdir, tmp_path, capsys):
     depths = [e["depth"] for e in result["per_example"]]
     assert depths == sorted(depths)  # --depths=even: spread over the context
   # Example i has the same passkey at every length.
-  assert [e["passkey"] for e in record["results"][0]["per_example"]] == \
-      [e["passkey"] for e in record["results"][1]["per_example"]]
+  assert [e["passkey"] for e in record["results"][0]["per_example"]] == [
+    e["passkey"] for e in record["results"][1]["per_example"]
+  ]
   _check_plot(str(tmp_path / "passkey_step4.json"), err)
 
 
@@ -81,22 +90,39 @@ def test_passkey_cli_scores_the_tail_logits_of_the_hook(drt_workdir, tmp_path, m
         if position < length:
           logits[np.arange(tokens.shape[0]), row, tokens[:, position]] = 1.0
       return logits
+
     return last_logits
 
   for shift, expected in ((0, 1.0), (-1, 0.0)):  # -1: each row "predicts" its own input token
-    monkeypatch.setitem(registry.MODEL_FAMILIES, "drt",
-                        dataclasses.replace(registry.MODEL_FAMILIES["drt"], last_logits=oracle(shift)))
+    monkeypatch.setitem(
+      registry.MODEL_FAMILIES, "drt", dataclasses.replace(registry.MODEL_FAMILIES["drt"], last_logits=oracle(shift))
+    )
     output = str(tmp_path / f"shift{shift}.json")
-    assert passkey.main([f"--workdir={drt_workdir}", "--lengths=80", "--examples=4", "--batch_size=2",
-                         "--digits=6", f"--output={output}"]) == 0
+    assert (
+      passkey.main(
+        [
+          f"--workdir={drt_workdir}",
+          "--lengths=80",
+          "--examples=4",
+          "--batch_size=2",
+          "--digits=6",
+          f"--output={output}",
+        ]
+      )
+      == 0
+    )
     result = _read(output)["results"][0]
     assert (result["first_token"], result["all_tokens"]) == (expected, expected)
   assert calls[0][0] == (2, 80) and calls[0][1] < 20  # only the tail is asked for
 
 
 def test_perplexity_cli_on_drt(drt_workdir, tmp_path, capsys):
-  assert perplexity.main([f"--workdir={drt_workdir}", "--lengths=64,128", "--windows=2",
-                          f"--output={tmp_path / 'ppl.json'}"]) == 0
+  assert (
+    perplexity.main(
+      [f"--workdir={drt_workdir}", "--lengths=64,128", "--windows=2", f"--output={tmp_path / 'ppl.json'}"]
+    )
+    == 0
+  )
   out, err = capsys.readouterr()
   assert out.splitlines()[0].split()[:4] == ["length", "windows", "tokens", "loss"]
   record = _read(tmp_path / "ppl.json")
@@ -110,14 +136,18 @@ def test_perplexity_cli_on_drt(drt_workdir, tmp_path, capsys):
   _check_plot(str(tmp_path / "ppl.json"), err)
 
 
-def test_perplexity_cli_on_swa_skips_lengths_the_split_cannot_fill(tmp_path, stdlib_data_dir, small_source_dir,
-                                                                   capsys):
-  config = tiny_run(swa_tiny, str(tmp_path / "swa"), str(tmp_path / "tfds"), **{
-      "data.source_dir": small_source_dir, "train.steps": 2})
+def test_perplexity_cli_on_swa_skips_lengths_the_split_cannot_fill(tmp_path, stdlib_data_dir, small_source_dir, capsys):
+  config = tiny_run(
+    swa_tiny, str(tmp_path / "swa"), str(tmp_path / "tfds"), **{"data.source_dir": small_source_dir, "train.steps": 2}
+  )
   train(config)
   capsys.readouterr()
-  assert perplexity.main([f"--workdir={config.workdir}", "--lengths=32,100000", "--windows=1",
-                          f"--output={tmp_path / 'out'}"]) == 0
+  assert (
+    perplexity.main(
+      [f"--workdir={config.workdir}", "--lengths=32,100000", "--windows=1", f"--output={tmp_path / 'out'}"]
+    )
+    == 0
+  )
   _, err = capsys.readouterr()
   record = _read(tmp_path / "out" / "perplexity_step2.json")
   assert [r["length"] for r in record["results"]] == [32] and record["family"] == "transformer"
@@ -127,11 +157,20 @@ def test_perplexity_cli_on_swa_skips_lengths_the_split_cannot_fill(tmp_path, std
   assert "ERROR: --lengths=100000: no length fits the validation split" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("module, flags, message", [
+@pytest.mark.parametrize(
+  "module, flags, message",
+  [
     (passkey, [], "one of the arguments --workdir --pretrained is required"),
-    (passkey, ["--workdir={drt}", "--pretrained=drt_tiny_retrieval_topk"],
-     "argument --pretrained: not allowed with argument --workdir"),
-    (passkey, ["--pretrained=drt_tiny"], "argument --pretrained: invalid choice: 'drt_tiny' (choose from 'drt_tiny_retrieval_topk')"),
+    (
+      passkey,
+      ["--workdir={drt}", "--pretrained=drt_tiny_retrieval_topk"],
+      "argument --pretrained: not allowed with argument --workdir",
+    ),
+    (
+      passkey,
+      ["--pretrained=drt_tiny"],
+      "argument --pretrained: invalid choice: 'drt_tiny' (choose from 'drt_tiny_retrieval_topk')",
+    ),
     (passkey, ["--pretrained=drt_tiny_retrieval_topk", "--step=3"], "--step must be left out with --pretrained"),
     (passkey, ["--workdir={missing}"], "config.json not found: --workdir must be a directory written by"),
     (passkey, ["--workdir={drt}", "--lengths=1k"], "--lengths='1k' must be comma-separated integers"),
@@ -142,7 +181,8 @@ def test_perplexity_cli_on_swa_skips_lengths_the_split_cannot_fill(tmp_path, std
     (passkey, ["--workdir={drt}", "--depths=middle"], "argument --depths: invalid choice: 'middle'"),
     (perplexity, ["--workdir={drt}", "--windows=-1"], "--windows must be an integer >= 1, got -1"),
     (perplexity, ["--workdir={drt}", "--bogus=1"], "unrecognized arguments: --bogus=1"),
-])
+  ],
+)
 def test_bad_flags_are_one_error_line(module, flags, message, drt_workdir, tmp_path, capsys):
   flags = [f.format(missing=tmp_path / "nowhere", drt=drt_workdir) for f in flags]
   assert module.main(flags) == 1
@@ -154,14 +194,27 @@ def test_bad_flags_are_one_error_line(module, flags, message, drt_workdir, tmp_p
 
 @pytest.mark.parametrize("module", ["castle_jax.eval.passkey", "castle_jax.eval.perplexity"])
 def test_command_line_help_and_missing_workdir(module, tmp_path):
-  done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
-                        timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+  done = subprocess.run(
+    [sys.executable, "-m", module, "--help"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env={**os.environ, "PYTHONPATH": ROOT},
+  )
   assert done.returncode == 0 and "--workdir" in done.stdout and "--lengths" in done.stdout
-  done = subprocess.run([sys.executable, "-m", module, f"--workdir={tmp_path}"], cwd=ROOT, capture_output=True,
-                        text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+  done = subprocess.run(
+    [sys.executable, "-m", module, f"--workdir={tmp_path}"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env={**os.environ, "PYTHONPATH": ROOT},
+  )
   assert done.returncode == 1
   assert done.stderr.strip().splitlines() == [
-      f"ERROR: {tmp_path}/config.json not found: --workdir must be a directory written by `python -m train`"]
+    f"ERROR: {tmp_path}/config.json not found: --workdir must be a directory written by `python -m train`"
+  ]
 
 
 def test_passkey_top_k_flag_sets_the_retrieved_chunks(drt_workdir, tmp_path, monkeypatch, capsys):
@@ -171,12 +224,12 @@ def test_passkey_top_k_flag_sets_the_retrieved_chunks(drt_workdir, tmp_path, mon
     seen.append(module.options.top_k)
     return np.zeros((tokens.shape[0], count, 260), np.float32)
 
-  monkeypatch.setitem(registry.MODEL_FAMILIES, "drt",
-                      dataclasses.replace(registry.MODEL_FAMILIES["drt"], last_logits=last_logits))
+  monkeypatch.setitem(
+    registry.MODEL_FAMILIES, "drt", dataclasses.replace(registry.MODEL_FAMILIES["drt"], last_logits=last_logits)
+  )
   for flags, expected in (([], DRT_SETTINGS["model.family_kwargs"]["top_k"]), (["--top_k=5"], 5)):
     output = str(tmp_path / f"k{expected}.json")
-    assert passkey.main([f"--workdir={drt_workdir}", "--lengths=80", "--examples=1", f"--output={output}",
-                         *flags]) == 0
+    assert passkey.main([f"--workdir={drt_workdir}", "--lengths=80", "--examples=1", f"--output={output}", *flags]) == 0
     assert seen[-1] == expected and _read(output)["top_k"] == (5 if flags else None)
   capsys.readouterr()
   assert passkey.main([f"--workdir={drt_workdir}", "--top_k=0"]) == 1
@@ -185,8 +238,18 @@ def test_passkey_top_k_flag_sets_the_retrieved_chunks(drt_workdir, tmp_path, mon
 
 def test_passkey_cli_evaluates_a_shipped_model(tmp_path, stdlib_data_dir):
   output = str(tmp_path / "shipped.json")
-  assert passkey.main(["--pretrained=drt_tiny_retrieval_topk", "--lengths=1024", "--examples=2",
-                       f"--data_dir={stdlib_data_dir}", f"--output={output}"]) == 0
+  assert (
+    passkey.main(
+      [
+        "--pretrained=drt_tiny_retrieval_topk",
+        "--lengths=1024",
+        "--examples=2",
+        f"--data_dir={stdlib_data_dir}",
+        f"--output={output}",
+      ]
+    )
+    == 0
+  )
   record = json.load(open(output))
   assert record["pretrained"] == "drt_tiny_retrieval_topk" and "workdir" not in record
   assert record["step"] == 5000 and record["config"]["model"]["family"] == "drt"

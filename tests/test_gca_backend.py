@@ -31,22 +31,29 @@ DRT = dict(dtype=jnp.bfloat16, head_dim=64, chunk_len=63, query_len=64, heads=12
 @pytest.fixture
 def capability(monkeypatch):
   """Fakes the device's compute capability: capability(value)."""
+
   def fake(value):
     monkeypatch.setattr(backend, "compute_capability", lambda: value)
+
   return fake
 
 
 def _choose(backend_name="auto", interpret=False, mosaic_stages=2, **changes):
-  return backend.choose_backend(GcaKernelConfig(backend=backend_name, mosaic_stages=mosaic_stages),
-                                **dict(DRT, interpret=interpret, **changes))
+  return backend.choose_backend(
+    GcaKernelConfig(backend=backend_name, mosaic_stages=mosaic_stages), **dict(DRT, interpret=interpret, **changes)
+  )
 
 
 def test_config_validates_and_parses_the_backend():
   assert GcaKernelConfig().backend == "auto" and GcaKernelConfig().mosaic_stages == 2
-  assert GcaKernelConfig.from_string("backend=mosaic,mosaic_stages=3") == GcaKernelConfig(backend="mosaic",
-                                                                                           mosaic_stages=3)
-  with pytest.raises(ValueError, match=r"GcaKernelConfig.backend must be one of \('auto', 'triton', 'mosaic'\), "
-                                       r"got 'Mosaic'"):
+  assert GcaKernelConfig.from_string("backend=mosaic,mosaic_stages=3") == GcaKernelConfig(
+    backend="mosaic", mosaic_stages=3
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"GcaKernelConfig.backend must be one of \('auto', 'triton', 'mosaic'\), "
+    r"got 'Mosaic'",
+  ):
     GcaKernelConfig.from_string("backend=Mosaic")
   with pytest.raises(ValueError, match="mosaic_stages must be an int >= 1, got 0"):
     GcaKernelConfig(mosaic_stages=0)
@@ -94,12 +101,15 @@ def test_auto_logs_once_why_triton_runs_on_hopper(capability, caplog):
   assert "got dtype float32" in messages[0] and "got 32" in messages[1]
 
 
-@pytest.mark.parametrize("changes, message", [
+@pytest.mark.parametrize(
+  "changes, message",
+  [
     (dict(dtype=jnp.float32), "got dtype float32; cast q, chunk_k and chunk_v or use the Triton kernels"),
     (dict(head_dim=256), r"head_dim in \(64, 128\)"),
     (dict(chunk_len=128), "memory chunks of 1..64 keys"),
     (dict(mosaic_stages=20, head_dim=128), "mosaic_stages=20 asks for about .* KiB of shared memory"),
-])
+  ],
+)
 def test_explicit_mosaic_names_why_it_cannot_run(capability, changes, message):
   capability(HOPPER)
   with pytest.raises(ValueError, match=f"GcaKernelConfig.backend='mosaic' cannot run: .*{message}"):
@@ -108,8 +118,11 @@ def test_explicit_mosaic_names_why_it_cannot_run(capability, changes, message):
 
 def test_explicit_mosaic_needs_hopper_unless_interpreted(capability):
   capability(AMPERE)
-  with pytest.raises(ValueError, match=r"need a Hopper GPU \(compute capability 9.x\), this is compute capability "
-                                       r"8.0; use GcaKernelConfig\(backend='triton'\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"need a Hopper GPU \(compute capability 9.x\), this is compute capability "
+    r"8.0; use GcaKernelConfig\(backend='triton'\)",
+  ):
     _choose(backend_name="mosaic")
   assert _choose(backend_name="mosaic", interpret=True) == "mosaic"
   assert _choose(backend_name="triton") == "triton"
@@ -130,13 +143,17 @@ def spied_kernels(monkeypatch):
   """Counts the Mosaic kernels' calls (by name) and makes any Triton kernel call fail."""
   calls = []
   for name in ("forward_native", "backward_queries_native", "backward_memory_native"):
+
     def spy(*args, _name=name, _kernel=getattr(mosaic_attention, name), **kwargs):
       calls.append(_name)
       return _kernel(*args, **kwargs)
+
     monkeypatch.setattr(mosaic_attention, name, spy)
   for name in ("forward", "backward_queries", "backward_memory"):
+
     def refuse(*args, _name=name, **kwargs):
       raise AssertionError(f"the Triton kernel {_name} ran")
+
     monkeypatch.setattr(kernels, name, refuse)
   return calls
 
@@ -145,8 +162,18 @@ def test_pallas_runs_the_mosaic_kernels_and_matches_xla(spied_kernels):
   """backend="mosaic" in interpret mode on CPU. That "auto" picks the same kernels on a
   Hopper GPU is checked without running them (the lowering test below)."""
   pallas_config = GcaKernelConfig(backend="mosaic")
-  shape = dict(batch=1, query_chunks=2, query_len=64, heads=2, kv_heads=2, head_dim=64, memory_chunks=3,
-               chunk_len=63, top_k=2, dtype=jnp.bfloat16)
+  shape = dict(
+    batch=1,
+    query_chunks=2,
+    query_len=64,
+    heads=2,
+    kv_heads=2,
+    head_dim=64,
+    memory_chunks=3,
+    chunk_len=63,
+    top_k=2,
+    dtype=jnp.bfloat16,
+  )
   inputs = gca_inputs(0, **shape)
   *differentiable, indices = inputs
   cotangent = jax.random.normal(jax.random.key(1), inputs[0].shape, jnp.float32)
@@ -164,20 +191,27 @@ def test_pallas_runs_the_mosaic_kernels_and_matches_xla(spied_kernels):
     assert rel_err(grad, ref) < 1e-2, (name, rel_err(grad, ref))
 
 
-@pytest.mark.parametrize("backend_name, device, mosaic", [("auto", HOPPER, True), ("triton", HOPPER, False),
-                                                          ("auto", AMPERE, False)])
+@pytest.mark.parametrize(
+  "backend_name, device, mosaic", [("auto", HOPPER, True), ("triton", HOPPER, False), ("auto", AMPERE, False)]
+)
 def test_value_and_gradients_lower_for_an_h100(capability, backend_name, device, mosaic):
   capability(device)
   struct = jax.ShapeDtypeStruct
   memory = struct((1, 4, 63, 12, 64), jnp.bfloat16)
-  args = (struct((1, 4 * 64, 12, 64), jnp.bfloat16), memory, memory, struct((1, 4, 8), jnp.float32),
-          struct((1, 4, 8), jnp.int32))
+  args = (
+    struct((1, 4 * 64, 12, 64), jnp.bfloat16),
+    memory,
+    memory,
+    struct((1, 4, 8), jnp.float32),
+    struct((1, 4, 8), jnp.int32),
+  )
   config = GcaKernelConfig(backend=backend_name)
 
   def value_and_grads(*args):
     def loss(*differentiable):
       out = gca_attention_pallas(*differentiable, args[-1], scale=0.125, config=config, interpret=False)
       return jnp.sum(out.astype(jnp.float32))
+
     return jax.value_and_grad(loss, argnums=range(4))(*args[:-1])
 
   h100 = AbstractDevice("NVIDIA H100 80GB HBM3", None, "cuda")

@@ -36,8 +36,9 @@ pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
 H100_SHARED_MEMORY = 227 * 1024
 
 
-def gca_inputs(seed, *, batch, query_chunks, query_len, heads, kv_heads, head_dim, memory_chunks, chunk_len, top_k,
-            dtype):
+def gca_inputs(
+  seed, *, batch, query_chunks, query_len, heads, kv_heads, head_dim, memory_chunks, chunk_len, top_k, dtype
+):
   keys = jax.random.split(jax.random.key(seed), 5)
   q = jax.random.normal(keys[0], (batch, query_chunks * query_len, heads, head_dim), jnp.float32)
   chunk_k = jax.random.normal(keys[1], (batch, memory_chunks, chunk_len, kv_heads, head_dim), jnp.float32)
@@ -57,8 +58,9 @@ def _reference_lse(q, chunk_k, weights, indices, scale):
   batch, seq, heads, head_dim = q.shape
   query_chunks, top_k = indices.shape[1:]
   memory_chunks, kv_heads = chunk_k.shape[1], chunk_k.shape[3]
-  queries = q.astype(jnp.float32).reshape(batch, query_chunks, seq // query_chunks, kv_heads, heads // kv_heads,
-                                          head_dim)
+  queries = q.astype(jnp.float32).reshape(
+    batch, query_chunks, seq // query_chunks, kv_heads, heads // kv_heads, head_dim
+  )
   retrieved = jax.vmap(lambda k, i: k[i])(chunk_k.astype(jnp.float32), jnp.clip(indices, 0, memory_chunks - 1))
   scores = jnp.einsum("bcqhgd,bcjshd->bcjqhgs", queries, retrieved) * scale
   with_zero_logit = jnp.concatenate([jnp.zeros(scores.shape[:-1] + (1,)), scores], axis=-1)
@@ -67,14 +69,40 @@ def _reference_lse(q, chunk_k, weights, indices, scale):
 
 
 CASES = {
-    # drt_128m's per-head shape (64 query rows, 63-key chunks), plain heads, bf16, a
-    # two-stage ring refilled for the third slot.
-    "bf16": (dict(batch=1, query_chunks=3, query_len=64, heads=2, kv_heads=2, head_dim=64, memory_chunks=4,
-                  chunk_len=63, top_k=3, dtype=jnp.bfloat16), 2),
-    # grouped heads, two 64-row tiles per query chunk (65 rows), head dim 128, float16,
-    # one ring buffer reused by every slot.
-    "f16_grouped": (dict(batch=1, query_chunks=2, query_len=65, heads=4, kv_heads=2, head_dim=128,
-                         memory_chunks=3, chunk_len=40, top_k=2, dtype=jnp.float16), 1),
+  # drt_128m's per-head shape (64 query rows, 63-key chunks), plain heads, bf16, a
+  # two-stage ring refilled for the third slot.
+  "bf16": (
+    dict(
+      batch=1,
+      query_chunks=3,
+      query_len=64,
+      heads=2,
+      kv_heads=2,
+      head_dim=64,
+      memory_chunks=4,
+      chunk_len=63,
+      top_k=3,
+      dtype=jnp.bfloat16,
+    ),
+    2,
+  ),
+  # grouped heads, two 64-row tiles per query chunk (65 rows), head dim 128, float16,
+  # one ring buffer reused by every slot.
+  "f16_grouped": (
+    dict(
+      batch=1,
+      query_chunks=2,
+      query_len=65,
+      heads=4,
+      kv_heads=2,
+      head_dim=128,
+      memory_chunks=3,
+      chunk_len=40,
+      top_k=2,
+      dtype=jnp.float16,
+    ),
+    1,
+  ),
 }
 
 
@@ -107,9 +135,17 @@ def test_interpret_matches_xla_and_triton(case):
     queries = q.reshape(batch, shape["query_chunks"], query_len, heads, head_dim)
     padding = ((0, 0), (0, 0), (0, 64 - shape["chunk_len"]), (0, 0), (0, 0))
     memory_chunks = chunk_k.shape[1]
-    _, triton_lse = kernels.forward(queries, jnp.pad(chunk_k, padding), jnp.pad(chunk_v, padding), weights,
-                                    jnp.clip(indices, 0, memory_chunks - 1), tiling=tiling, scale=scale,
-                                    config=default_config(), interpret=True)
+    _, triton_lse = kernels.forward(
+      queries,
+      jnp.pad(chunk_k, padding),
+      jnp.pad(chunk_v, padding),
+      weights,
+      jnp.clip(indices, 0, memory_chunks - 1),
+      tiling=tiling,
+      scale=scale,
+      config=default_config(),
+      interpret=True,
+    )
     assert triton_lse.shape == lse.shape
     assert rel_err(lse, triton_lse) < 1e-3, rel_err(lse, triton_lse)
 
@@ -124,8 +160,14 @@ def drt_padded_structs(*, batch, tokens, heads, head_dim, chunk_len, top_k):
   struct = jax.ShapeDtypeStruct
   tile = struct((batch, query_chunks, 64, heads, head_dim), jnp.bfloat16)
   slots = struct((batch, query_chunks, top_k), jnp.float32)
-  return (tile, tile, tile, slots, struct(slots.shape, jnp.int32),
-          struct((batch, query_chunks, top_k, 64, heads), jnp.float32))
+  return (
+    tile,
+    tile,
+    tile,
+    slots,
+    struct(slots.shape, jnp.int32),
+    struct((batch, query_chunks, top_k, 64, heads), jnp.float32),
+  )
 
 
 def lower_for_hopper(function, args):
@@ -149,15 +191,15 @@ def lower_for_hopper(function, args):
   return lowered.as_text(), allocations[-1]
 
 
-@pytest.mark.parametrize("head_dim, stages, overlap", [(64, 2, False), (64, 3, True), (128, 4, False),
-                                                       (128, 3, True)])
+@pytest.mark.parametrize("head_dim, stages, overlap", [(64, 2, False), (64, 3, True), (128, 4, False), (128, 3, True)])
 def test_lowers_for_hopper_at_the_drt_shape(head_dim, stages, overlap):
   """The Mosaic GPU lowering (layouts, wgmma shapes incl. P from registers, TMA gathers) for
   an H100 at drt_128m's shape; the shared memory it allocates matches the module's estimate
   (plus the lowering's 2 KiB reduction scratch) and fits an H100 block."""
   queries, keys, values, weights, indices, _ = drt_padded_structs(**dict(DRT_128M, head_dim=head_dim))
-  forward = lambda *a: mosaic_forward.forward(*a, chunk_len=DRT_128M["chunk_len"], scale=head_dim ** -0.5,
-                                              stages=stages, overlap=overlap)
+  forward = lambda *a: mosaic_forward.forward(
+    *a, chunk_len=DRT_128M["chunk_len"], scale=head_dim**-0.5, stages=stages, overlap=overlap
+  )
   text, shared_memory = lower_for_hopper(forward, (queries, keys, values, weights, indices))
   assert "mosaic_gpu" in text
   estimate = mosaic_forward.shared_memory_bytes(head_dim, DRT_128M["top_k"], jnp.bfloat16, stages)
@@ -187,13 +229,16 @@ def _small(**changes):
   return gca_inputs(0, **shape)
 
 
-@pytest.mark.parametrize("inputs, stages, message", [
+@pytest.mark.parametrize(
+  "inputs, stages, message",
+  [
     (_small(dtype=jnp.float32), 2, "got dtype float32"),
     (_small(head_dim=32), 2, "head_dim in \\(64, 128\\) \\(last axis of q\\), got 32"),
     (_small(chunk_len=65, memory_chunks=3), 2, "chunk_len, axis 2 of chunk_k\\), got 65"),
     (_small(heads=3, kv_heads=2), 2, "heads \\(3\\) must be a multiple of kv_heads \\(2"),
     (_small(), 0, "stages must be an int >= 1"),
-])
+  ],
+)
 def test_rejects_what_the_kernel_cannot_take(inputs, stages, message):
   with pytest.raises(ValueError, match=message):
     mosaic_forward.gca_forward_mosaic(*inputs, scale=0.125, stages=stages, interpret=True)
@@ -209,5 +254,13 @@ def test_forward_native_rejects_unpadded_rows():
   queries = q.reshape(1, 1, 64, 2, 64)[:, :, :48]
   padding = ((0, 0), (0, 0), (0, 1), (0, 0), (0, 0))
   with pytest.raises(ValueError, match="multiple of 64 rows \\(query_rows\\), got 48"):
-    mosaic_forward.forward(queries, jnp.pad(chunk_k, padding), jnp.pad(chunk_v, padding), weights, indices,
-                           chunk_len=63, scale=0.125, interpret=plgpu.InterpretGPUParams())
+    mosaic_forward.forward(
+      queries,
+      jnp.pad(chunk_k, padding),
+      jnp.pad(chunk_v, padding),
+      weights,
+      indices,
+      chunk_len=63,
+      scale=0.125,
+      interpret=plgpu.InterpretGPUParams(),
+    )

@@ -34,8 +34,13 @@ def _padded(inputs, shape, query_rows):
   queries = q.reshape(batch, shape["query_chunks"], shape["query_len"], heads, head_dim)
   queries = jnp.pad(queries, ((0, 0), (0, 0), (0, query_rows - shape["query_len"]), (0, 0), (0, 0)))
   padding = ((0, 0), (0, 0), (0, mosaic_forward.CHUNK_TILE - shape["chunk_len"]), (0, 0), (0, 0))
-  return (queries, jnp.pad(chunk_k, padding), jnp.pad(chunk_v, padding), weights,
-          jnp.clip(indices, 0, chunk_k.shape[1] - 1))
+  return (
+    queries,
+    jnp.pad(chunk_k, padding),
+    jnp.pad(chunk_v, padding),
+    weights,
+    jnp.clip(indices, 0, chunk_k.shape[1] - 1),
+  )
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -56,8 +61,14 @@ def test_interpret_matches_triton_and_xla_gradients(case):
 
   # Autodiff of the XLA path in float32 (padded query rows have zero cotangent: sliced off).
   f32 = lambda x: x.astype(jnp.float32)
-  grad = jax.jit(jax.grad(lambda q32, w: jnp.sum(gca_attention(q32, f32(inputs[1]), f32(inputs[2]), w, inputs[4],
-                                                               implementation="xla") * f32(d_out)), argnums=(0, 1)))
+  grad = jax.jit(
+    jax.grad(
+      lambda q32, w: jnp.sum(
+        gca_attention(q32, f32(inputs[1]), f32(inputs[2]), w, inputs[4], implementation="xla") * f32(d_out)
+      ),
+      argnums=(0, 1),
+    )
+  )
   ref_d_q, ref_d_w = grad(f32(q), inputs[3])
   query_len = shape["query_len"]
   d_q = d_queries[:, :, :query_len].reshape(q.shape)
@@ -67,8 +78,9 @@ def test_interpret_matches_triton_and_xla_gradients(case):
 
   if query_len % 64 == 0:  # the Triton kernels' query tiles are then the same rows
     tiling = tiling_for(query_len, shape["heads"] // shape["kv_heads"], shape["chunk_len"], default_config())
-    triton = kernels.backward_queries(*padded, lse, d_out_padded, tiling=tiling, scale=scale, config=default_config(),
-                                      interpret=True)
+    triton = kernels.backward_queries(
+      *padded, lse, d_out_padded, tiling=tiling, scale=scale, config=default_config(), interpret=True
+    )
     for name, ours, theirs in zip(("d_queries", "delta", "d_weights"), (d_queries, delta, d_weights), triton):
       assert rel_err(ours, theirs) < 1e-3, (name, rel_err(ours, theirs))
 
@@ -98,8 +110,9 @@ def test_differentiable_op_matches_xla_autodiff(case):
 @pytest.mark.parametrize("head_dim, stages", [(64, 2), (128, 3)])
 def test_lowers_for_hopper_at_the_drt_shape(head_dim, stages):
   queries, keys, values, weights, indices, lse = drt_padded_structs(**dict(DRT_128M, head_dim=head_dim))
-  backward = lambda *a: mosaic_backward_queries.backward_queries(*a, chunk_len=DRT_128M["chunk_len"],
-                                                                 scale=head_dim ** -0.5, stages=stages)
+  backward = lambda *a: mosaic_backward_queries.backward_queries(
+    *a, chunk_len=DRT_128M["chunk_len"], scale=head_dim**-0.5, stages=stages
+  )
   text, shared_memory = lower_for_hopper(backward, (queries, keys, values, weights, indices, lse, queries))
   assert "mosaic_gpu" in text
   estimate = mosaic_backward_queries.shared_memory_bytes(head_dim, DRT_128M["top_k"], jnp.bfloat16, stages)
@@ -116,5 +129,6 @@ def test_rejects_mismatched_cotangent_and_log_normalizers():
   with pytest.raises(ValueError, match="d_out must be shaped like queries"):
     mosaic_backward_queries.backward_queries(*padded, lse, queries[:, :, :32], **options)
   with pytest.raises(ValueError, match="head_dim in"):
-    mosaic_backward_queries.backward_queries(*(x[..., :32] if x.ndim == 5 else x for x in padded), lse,
-                                             queries[..., :32], **options)
+    mosaic_backward_queries.backward_queries(
+      *(x[..., :32] if x.ndim == 5 else x for x in padded), lse, queries[..., :32], **options
+    )

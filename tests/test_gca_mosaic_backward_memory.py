@@ -34,10 +34,10 @@ INDICES = [[2, 2, 0], [1, 0, 2], [1, 2, 4]]
 NOBODY, EMPTY_SLOT_ONLY = 3, 4
 
 CASES = {
-    # drt_128m's per-head shape (64 query rows, 63-key chunks), bf16; 2 buffers for up to 4 steps.
-    "bf16": (dict(heads=2, kv_heads=2, query_len=64, head_dim=64, chunk_len=63, dtype=jnp.bfloat16), 2),
-    # grouped heads (2 per kv head), two 64-row tiles per query chunk: up to 16 steps through 1 buffer.
-    "f16_grouped": (dict(heads=2, kv_heads=1, query_len=65, head_dim=128, chunk_len=40, dtype=jnp.float16), 1),
+  # drt_128m's per-head shape (64 query rows, 63-key chunks), bf16; 2 buffers for up to 4 steps.
+  "bf16": (dict(heads=2, kv_heads=2, query_len=64, head_dim=64, chunk_len=63, dtype=jnp.bfloat16), 2),
+  # grouped heads (2 per kv head), two 64-row tiles per query chunk: up to 16 steps through 1 buffer.
+  "f16_grouped": (dict(heads=2, kv_heads=1, query_len=65, head_dim=128, chunk_len=40, dtype=jnp.float16), 1),
 }
 
 
@@ -61,22 +61,42 @@ def _kernel_gradients(inputs, shape, stages):
   queries, keys, values, weights, indices = padded.arrays
   query_rows = queries.shape[2]
   d_out_padded = pad_inputs(d_out, *attention_inputs[1:], stages=stages).arrays[0]
-  options = dict(chunk_len=shape["chunk_len"], scale=shape["head_dim"] ** -0.5, stages=stages,
-                 interpret=plgpu.InterpretGPUParams())
+  options = dict(
+    chunk_len=shape["chunk_len"], scale=shape["head_dim"] ** -0.5, stages=stages, interpret=plgpu.InterpretGPUParams()
+  )
   _, lse = mosaic_forward.forward_native(*padded.arrays, **options)
   _, row_dots = mosaic_backward_queries.backward_queries_native(*padded.arrays, lse, d_out_padded, **options)
   order, starts = retrieving_pairs(indices, weights, keys.shape[1])
-  ours = mosaic_backward_memory.backward_memory_native(queries, keys, values, weights, lse, row_dots, d_out_padded,
-                                                       order, starts, **options)
+  ours = mosaic_backward_memory.backward_memory_native(
+    queries, keys, values, weights, lse, row_dots, d_out_padded, order, starts, **options
+  )
 
   # The Triton kernel over the same whole 64-row tiles, deltas w_j r_j in its layout.
   to_triton = lambda slot_rows: slot_rows.transpose(0, 1, 3, 4, 2)
-  tiling = kernels.Tiling(query_len=query_rows, block_q=TILE_ROWS, heads_per_program=1,
-                          group=shape["heads"] // shape["kv_heads"], chunk_len=shape["chunk_len"],
-                          padded_chunk_len=CHUNK_TILE)
+  tiling = kernels.Tiling(
+    query_len=query_rows,
+    block_q=TILE_ROWS,
+    heads_per_program=1,
+    group=shape["heads"] // shape["kv_heads"],
+    chunk_len=shape["chunk_len"],
+    padded_chunk_len=CHUNK_TILE,
+  )
   delta = to_triton(row_dots * weights[:, :, None, :, None])
-  theirs = kernels.backward_memory(queries, keys, values, weights, to_triton(lse), delta, d_out_padded, order, starts,
-                                   tiling=tiling, scale=options["scale"], config=default_config(), interpret=True)
+  theirs = kernels.backward_memory(
+    queries,
+    keys,
+    values,
+    weights,
+    to_triton(lse),
+    delta,
+    d_out_padded,
+    order,
+    starts,
+    tiling=tiling,
+    scale=options["scale"],
+    config=default_config(),
+    interpret=True,
+  )
   return ours, theirs
 
 
@@ -94,8 +114,12 @@ def test_interpret_matches_triton_and_xla_autodiff(case):
     assert rel_err(ours, theirs) < tolerance, (name, rel_err(ours, theirs))
 
   f32 = lambda x: x.astype(jnp.float32)
-  grad = jax.jit(jax.grad(lambda k, v: jnp.sum(gca_attention(f32(q), k, v, weights, indices, implementation="xla")
-                                               * f32(d_out)), argnums=(0, 1)))
+  grad = jax.jit(
+    jax.grad(
+      lambda k, v: jnp.sum(gca_attention(f32(q), k, v, weights, indices, implementation="xla") * f32(d_out)),
+      argnums=(0, 1),
+    )
+  )
   ref_d_keys, ref_d_values = grad(f32(chunk_k), f32(chunk_v))
   chunk_len = shape["chunk_len"]
   for name, ours, ref in zip(("d_keys", "d_values"), (d_keys, d_values), (ref_d_keys, ref_d_values)):
@@ -110,17 +134,28 @@ def test_interpret_matches_triton_and_xla_autodiff(case):
 def test_lowers_for_hopper_at_the_drt_shape():
   """The Mosaic GPU lowering for an H100 at drt_128m's shape (dynamic step loop, TMA gathers by
   index, register operands, in-place accumulators) and the shared memory it allocates."""
-  batch, tokens, heads, head_dim, chunk_len, top_k = (DRT_128M[k] for k in ("batch", "tokens", "heads", "head_dim",
-                                                                             "chunk_len", "top_k"))
+  batch, tokens, heads, head_dim, chunk_len, top_k = (
+    DRT_128M[k] for k in ("batch", "tokens", "heads", "head_dim", "chunk_len", "top_k")
+  )
   chunks = tokens // chunk_len
   struct = jax.ShapeDtypeStruct
   for dim, stages in ((head_dim, 2), (128, 3)):
     tile = struct((batch, chunks, TILE_ROWS, heads, dim), jnp.bfloat16)
     slot_rows = struct((batch, chunks, heads, top_k, TILE_ROWS), jnp.float32)
-    args = (tile, tile, tile, struct((batch, chunks, top_k), jnp.float32), slot_rows, slot_rows, tile,
-            struct((batch, chunks * top_k), jnp.int32), struct((batch, chunks + 1), jnp.int32))
-    backward = lambda *a: mosaic_backward_memory.backward_memory_native(*a, chunk_len=chunk_len, scale=dim ** -0.5,
-                                                                        stages=stages)
+    args = (
+      tile,
+      tile,
+      tile,
+      struct((batch, chunks, top_k), jnp.float32),
+      slot_rows,
+      slot_rows,
+      tile,
+      struct((batch, chunks * top_k), jnp.int32),
+      struct((batch, chunks + 1), jnp.int32),
+    )
+    backward = lambda *a: mosaic_backward_memory.backward_memory_native(
+      *a, chunk_len=chunk_len, scale=dim**-0.5, stages=stages
+    )
     text, shared_memory = lower_for_hopper(backward, args)
     assert "mosaic_gpu" in text
     estimate = mosaic_backward_memory.shared_memory_bytes(dim, jnp.bfloat16, stages)
@@ -135,7 +170,8 @@ def test_rejects_bad_inputs():
   slot_rows = jnp.zeros((1, 3, 2, 3, TILE_ROWS), jnp.float32)
   order, starts = retrieving_pairs(indices, weights, keys.shape[1])
   call = lambda *a, **kw: mosaic_backward_memory.backward_memory_native(
-      *a, **dict(dict(chunk_len=63, scale=0.125, interpret=plgpu.InterpretGPUParams()), **kw))
+    *a, **dict(dict(chunk_len=63, scale=0.125, interpret=plgpu.InterpretGPUParams()), **kw)
+  )
   with pytest.raises(ValueError, match="lse and row_dots"):
     call(queries, keys, values, weights, slot_rows[..., :32], slot_rows, queries, order, starts)
   with pytest.raises(ValueError, match="d_out must be shaped like queries"):

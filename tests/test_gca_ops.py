@@ -9,19 +9,31 @@ import numpy as np
 import pytest
 
 from castle_jax.ops.gca import (
-    causal_chunk_mask,
-    gca_attention,
-    gca_chunked,
-    gca_reference,
-    retrieval_scores,
-    select_chunks,
-    softmax_one,
+  causal_chunk_mask,
+  gca_attention,
+  gca_chunked,
+  gca_reference,
+  retrieval_scores,
+  select_chunks,
+  softmax_one,
 )
 from helpers import rel_err
 
 
-def _inputs(seed, *, batch=2, query_chunks=3, query_len=5, heads=4, kv_heads=2, head_dim=8, memory_chunks=4,
-            chunk_len=6, top_k=3, dtype=jnp.float32):
+def _inputs(
+  seed,
+  *,
+  batch=2,
+  query_chunks=3,
+  query_len=5,
+  heads=4,
+  kv_heads=2,
+  head_dim=8,
+  memory_chunks=4,
+  chunk_len=6,
+  top_k=3,
+  dtype=jnp.float32,
+):
   keys = jax.random.split(jax.random.key(seed), 5)
   q = jax.random.normal(keys[0], (batch, query_chunks * query_len, heads, head_dim), dtype)
   chunk_k = jax.random.normal(keys[1], (batch, memory_chunks, chunk_len, kv_heads, head_dim), dtype)
@@ -64,11 +76,14 @@ def test_reference_matches_a_direct_loop():
   assert rel_err(gca_reference(*inputs), _direct_gca(*inputs)) < 1e-6
 
 
-@pytest.mark.parametrize("case", [
+@pytest.mark.parametrize(
+  "case",
+  [
     dict(),
     dict(heads=3, kv_heads=3, head_dim=5, chunk_len=7, query_len=1, top_k=1),
     dict(batch=1, heads=6, kv_heads=1, query_chunks=4, memory_chunks=2, top_k=5),  # k > memory chunks
-])
+  ],
+)
 def test_xla_path_matches_reference_outputs_and_gradients(case, full_float32_matmuls):
   q, chunk_k, chunk_v, weights, indices = _inputs(1, **case)
   if weights.shape[-1] > 1:
@@ -90,12 +105,12 @@ def test_xla_path_matches_reference_outputs_and_gradients(case, full_float32_mat
 
 def test_xla_path_bfloat16_against_float32_reference():
   inputs32 = _inputs(3)
-  q, chunk_k, chunk_v, weights, indices = (x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x
-                                           for x in inputs32)
+  q, chunk_k, chunk_v, weights, indices = (x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x for x in inputs32)
   out = jax.jit(gca_chunked)(q, chunk_k, chunk_v, weights, indices)
   assert out.dtype == jnp.bfloat16
-  expected = jax.jit(gca_reference)(*(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x
-                                      for x in (q, chunk_k, chunk_v, weights, indices)))
+  expected = jax.jit(gca_reference)(
+    *(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in (q, chunk_k, chunk_v, weights, indices))
+  )
   assert rel_err(out, expected) < 1e-2
 
 
@@ -120,7 +135,9 @@ def test_entry_point_implementations_agree_and_reject_unknown():
     gca_attention(*inputs, implementation="pallas")
 
 
-@pytest.mark.parametrize("change, message", [
+@pytest.mark.parametrize(
+  "change, message",
+  [
     (lambda a: (a[0][:, :-1], *a[1:]), "multiple of the query chunks"),
     (lambda a: (a[0], a[1][..., :4], a[2][..., :4], *a[3:]), "head_dim"),
     (lambda a: (a[0], a[1], a[2][:, :2], *a[3:]), "same shape"),
@@ -128,7 +145,8 @@ def test_entry_point_implementations_agree_and_reject_unknown():
     (lambda a: (*a[:4], a[4].astype(jnp.float32)), "must be integers"),
     (lambda a: (a[0][..., :3, :], *a[1:]), "multiple of chunk_k/chunk_v kv_heads"),
     (lambda a: (*a[:3], a[3][..., :0], a[4][..., :0]), "k >= 1"),
-])
+  ],
+)
 def test_bad_inputs_name_the_argument(change, message):
   with pytest.raises(ValueError, match=message):
     gca_attention(*change(_inputs(6)))
@@ -153,8 +171,8 @@ def test_retrieval_is_causal_and_weights_are_the_softmax_of_selected_scores():
   t = 3
   moved = landmarks.at[:, t:].add(5.0 * jax.random.normal(jax.random.key(9), (batch, chunks - t, dim)))
   moved_indices, moved_weights = select_chunks(retrieval_scores(queries, moved), top_k)
-  np.testing.assert_array_equal(moved_indices[:, :t + 1], indices[:, :t + 1])
-  np.testing.assert_array_equal(moved_weights[:, :t + 1], weights[:, :t + 1])
+  np.testing.assert_array_equal(moved_indices[:, : t + 1], indices[:, : t + 1])
+  np.testing.assert_array_equal(moved_weights[:, : t + 1], weights[:, : t + 1])
 
 
 def test_gradients_reach_selected_scores_only():

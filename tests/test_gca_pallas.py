@@ -30,12 +30,14 @@ from pallas_kernels.gca.ops import config_for, tiling_for, unsupported_reason
 
 pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
 
-GROUPED = dict(batch=2, query_chunks=3, query_len=5, heads=4, kv_heads=2, head_dim=16, memory_chunks=4, chunk_len=6,
-               top_k=3)
+GROUPED = dict(
+  batch=2, query_chunks=3, query_len=5, heads=4, kv_heads=2, head_dim=16, memory_chunks=4, chunk_len=6, top_k=3
+)
 
 
-def _inputs(seed, *, batch, query_chunks, query_len, heads, kv_heads, head_dim, memory_chunks, chunk_len, top_k,
-            dtype=jnp.float32):
+def _inputs(
+  seed, *, batch, query_chunks, query_len, heads, kv_heads, head_dim, memory_chunks, chunk_len, top_k, dtype=jnp.float32
+):
   keys = jax.random.split(jax.random.key(seed), 6)
   q = jax.random.normal(keys[0], (batch, query_chunks * query_len, heads, head_dim), jnp.float32)
   chunk_k = jax.random.normal(keys[1], (batch, memory_chunks, chunk_len, kv_heads, head_dim), jnp.float32)
@@ -72,8 +74,9 @@ def _check_against_reference(inputs, cotangent, tol, config=None):
   out, grads = _value_and_grads(pallas, inputs, cotangent)
   # The reference in float32 from the same (possibly bf16-rounded) inputs.
   inputs32 = tuple(x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in inputs)
-  ref_out, ref_grads = _value_and_grads(functools.partial(gca_attention, implementation="reference"), inputs32,
-                                        cotangent)
+  ref_out, ref_grads = _value_and_grads(
+    functools.partial(gca_attention, implementation="reference"), inputs32, cotangent
+  )
   assert out.dtype == inputs[0].dtype
   assert rel_err(out, ref_out) < tol, ("out", rel_err(out, ref_out))
   for name, grad, ref, x in zip(("q", "chunk_k", "chunk_v", "chunk_weights"), grads, ref_grads, inputs):
@@ -96,8 +99,9 @@ def test_several_query_blocks_and_head_blocks_match_the_reference():
   # 36 rows per query chunk: a 32-row block, then a 16-row block for the last 4 (two launches);
   # one head per program, so the memory side loops over 2 heads per kv head; chunks exactly
   # one tile; k = 4 > 3 memory chunks, so chunks repeat within a slot list.
-  shape = dict(batch=1, query_chunks=2, query_len=36, heads=4, kv_heads=2, head_dim=32, memory_chunks=3,
-               chunk_len=16, top_k=4)
+  shape = dict(
+    batch=1, query_chunks=2, query_len=36, heads=4, kv_heads=2, head_dim=32, memory_chunks=3, chunk_len=16, top_k=4
+  )
   config = GcaKernelConfig(block_rows=32, heads_per_program=1)
   assert tiling_for(36, 2, 16, config).segments == ((0, 32, 1), (32, 16, 1))
   inputs, cotangent = _inputs(1, **shape)
@@ -105,8 +109,9 @@ def test_several_query_blocks_and_head_blocks_match_the_reference():
 
 
 def test_plain_heads_and_a_clipped_index_match_the_reference():
-  shape = dict(batch=1, query_chunks=3, query_len=5, heads=3, kv_heads=3, head_dim=16, memory_chunks=2,
-               chunk_len=6, top_k=2)
+  shape = dict(
+    batch=1, query_chunks=3, query_len=5, heads=3, kv_heads=3, head_dim=16, memory_chunks=2, chunk_len=6, top_k=2
+  )
   inputs, cotangent = _inputs(2, **shape)
   q, chunk_k, chunk_v, weights, indices = inputs
   indices = indices.at[0, 1, 0].set(7)  # out of range: clipped to the last chunk, as the other paths do
@@ -142,8 +147,10 @@ def test_explicit_pallas_on_inputs_it_cannot_take_names_why():
 
 
 def _estimates(config, tiling, head_dim, dtype):
-  return {kernel: shared_memory.estimate(kernel, tiling, head_dim, dtype, getattr(config, field))
-          for kernel, field in shared_memory.STAGE_FIELDS.items()}
+  return {
+    kernel: shared_memory.estimate(kernel, tiling, head_dim, dtype, getattr(config, field))
+    for kernel, field in shared_memory.STAGE_FIELDS.items()
+  }
 
 
 # 8 query heads on 2 kv heads, head dim 128, 64 tokens + a landmark = 65 rows per query chunk,
@@ -171,8 +178,12 @@ def test_default_config_keeps_the_drt_shape_as_it_is():
   for dtype in (jnp.bfloat16, jnp.float32):
     config, tiling = config_for(None, query_len=64, group=1, chunk_len=63, head_dim=64, dtype=dtype)
     assert config == GcaKernelConfig() == default_config()
-    assert (tiling.block_q, tiling.heads_per_program, tiling.padded_chunk_len, tiling.segments) == (64, 1, 64,
-                                                                                                   ((0, 64, 1),))
+    assert (tiling.block_q, tiling.heads_per_program, tiling.padded_chunk_len, tiling.segments) == (
+      64,
+      1,
+      64,
+      ((0, 64, 1),),
+    )
 
 
 def test_explicit_config_over_the_budget_names_the_field():
@@ -187,34 +198,75 @@ def test_explicit_config_over_the_budget_names_the_field():
   chunks = jax.ShapeDtypeStruct((1, 2, 64, 2, 128), jnp.bfloat16)
   slots = (jax.ShapeDtypeStruct((1, 2, 1), jnp.float32), jax.ShapeDtypeStruct((1, 2, 1), jnp.int32))
   with pytest.raises(ValueError, match="memory_num_stages=2"):
-    jax.eval_shape(functools.partial(gca_attention_pallas, scale=1.0, config=GcaKernelConfig()),
-                   jax.ShapeDtypeStruct((1, 130, 8, 128), jnp.bfloat16), chunks, chunks, *slots)
+    jax.eval_shape(
+      functools.partial(gca_attention_pallas, scale=1.0, config=GcaKernelConfig()),
+      jax.ShapeDtypeStruct((1, 130, 8, 128), jnp.bfloat16),
+      chunks,
+      chunks,
+      *slots,
+    )
 
 
-@pytest.mark.parametrize("text, message", [
+@pytest.mark.parametrize(
+  "text, message",
+  [
     ("block_rows=24", "block_rows must be a power of two"),
     ("block_rows=8", "block_rows must be >= 16"),
     ("heads_per_program=3", "heads_per_program must be a power of two"),
     ("num_warps=0", "num_warps must be an int >= 1"),
     ("block_q=16", "has no key 'block_q'"),
-])
+  ],
+)
 def test_bad_configs_name_the_field(text, message):
   with pytest.raises(ValueError, match=message):
     GcaKernelConfig.from_string(text)
 
 
-@pytest.mark.parametrize("shape, dtype, config", [
+@pytest.mark.parametrize(
+  "shape, dtype, config",
+  [
     # drt_128m: 12 heads x 64, query chunks of 63 tokens + a landmark, memory chunks of 63 keys, k = 8.
-    (dict(batch=1, query_chunks=4, query_len=64, heads=12, kv_heads=12, head_dim=64, memory_chunks=4, chunk_len=63,
-          top_k=8), jnp.bfloat16, None),
+    (
+      dict(
+        batch=1,
+        query_chunks=4,
+        query_len=64,
+        heads=12,
+        kv_heads=12,
+        head_dim=64,
+        memory_chunks=4,
+        chunk_len=63,
+        top_k=8,
+      ),
+      jnp.bfloat16,
+      None,
+    ),
     (GROUPED, jnp.float32, None),
     # The benchmark's layout: 64 tokens + a landmark = 65 rows, run as 64 + 16.
-    (dict(batch=1, query_chunks=2, query_len=65, heads=4, kv_heads=4, head_dim=64, memory_chunks=2, chunk_len=64,
-          top_k=2), jnp.bfloat16, None),
-    (dict(batch=1, query_chunks=2, query_len=20, heads=8, kv_heads=2, head_dim=128, memory_chunks=3, chunk_len=200,
-          top_k=3), jnp.float16,
-     GcaKernelConfig(block_rows=32, heads_per_program=2, num_stages=1, bwd_num_stages=1, memory_num_stages=1)),
-])
+    (
+      dict(
+        batch=1, query_chunks=2, query_len=65, heads=4, kv_heads=4, head_dim=64, memory_chunks=2, chunk_len=64, top_k=2
+      ),
+      jnp.bfloat16,
+      None,
+    ),
+    (
+      dict(
+        batch=1,
+        query_chunks=2,
+        query_len=20,
+        heads=8,
+        kv_heads=2,
+        head_dim=128,
+        memory_chunks=3,
+        chunk_len=200,
+        top_k=3,
+      ),
+      jnp.float16,
+      GcaKernelConfig(block_rows=32, heads_per_program=2, num_stages=1, bwd_num_stages=1, memory_num_stages=1),
+    ),
+  ],
+)
 def test_kernels_lower_for_an_h100(shape, dtype, config):
   """Triton's limits (power-of-two tiles, 2-D products) apply when lowering for CUDA, which
   runs on CPU; interpret mode does not check them."""
@@ -225,6 +277,7 @@ def test_kernels_lower_for_an_h100(shape, dtype, config):
     def loss(*args):
       out = gca_attention_pallas(*args, scale=0.125, config=config, interpret=False)
       return jnp.sum(out.astype(jnp.float32))
+
     return jax.value_and_grad(loss, argnums=range(4))(*args)
 
   h100 = AbstractDevice("NVIDIA H100 80GB HBM3", None, "cuda")

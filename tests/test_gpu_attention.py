@@ -24,7 +24,8 @@ def test_cudnn_matches_reference_at_real_size(window, kv_heads):
 
   def loss(impl, cast):
     return lambda q, k, v: jnp.sum(
-        f32(causal_attention(cast(q), cast(k), cast(v), window=window, implementation=impl)) * cot)
+      f32(causal_attention(cast(q), cast(k), cast(v), window=window, implementation=impl)) * cot
+    )
 
   out = causal_attention(q, k, v, window=window, implementation="cudnn")
   ref = causal_attention(f32(q), f32(k), f32(v), window=window, implementation="reference")
@@ -44,6 +45,7 @@ def test_default_picks_cudnn_on_gpu_for_bf16():
 @pytest.mark.parametrize("kv_heads", [12, 4])
 def test_alibi_window_cudnn_matches_definition(kv_heads):
   from castle_jax.ops.attention.alibi import alibi_window_attention, alibi_window_reference
+
   keys = jax.random.split(jax.random.key(2), 4)
   q = jax.random.normal(keys[0], (2, 1300, 12, 64), jnp.bfloat16)
   k, v = (jax.random.normal(key, (2, 1300, kv_heads, 64), jnp.bfloat16) for key in keys[1:3])

@@ -23,6 +23,7 @@ def _loss(impl, window):
     *inputs, cot = inputs_and_cot
     out = castle_attention(*inputs, window=window, implementation=impl)
     return jnp.sum(out.astype(jnp.float32) * cot)
+
   return loss
 
 
@@ -51,5 +52,5 @@ def test_prefill_and_decode_match_reference():
     assert rel_err(out, ref[:, :prompt]) < 1e-5
     step = jax.jit(decode_step)
     for t in range(prompt, SHAPE[1]):
-      out, cache = step(cache, *(x[:, t:t + 1] for x in inputs))
+      out, cache = step(cache, *(x[:, t : t + 1] for x in inputs))
     assert rel_err(out, ref[:, -1:]) < 1e-5

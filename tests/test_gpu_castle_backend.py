@@ -15,6 +15,7 @@ import pytest
 from castle_jax.ops.castle import castle_attention
 from helpers import rel_err
 from pallas_kernels.castle import CastleKernelConfig, backend
+
 # The compiled Mosaic backward test's bf16 inputs and jitted gradients.
 from test_gpu_castle_mosaic_backward import _NAMES, _grads, _inputs
 

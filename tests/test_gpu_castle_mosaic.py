@@ -34,14 +34,17 @@ def _reference(inputs, window):
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("shape, window", [
+@pytest.mark.parametrize(
+  "shape, window",
+  [
     ((2, 2048, 9, 128), None),
     ((2, 2048, 9, 128), 512),
-    ((1, 1000, 9, 128), None),    # ragged: 1000 tokens in blocks of 64
-    ((2, 777, 4, 64), 200),       # ragged, head dim 64, SWL
-    ((1, 1, 2, 128), None),       # a single token
-    ((1, 8192, 2, 128), None),    # long sweeps: D sums up to 8K weighted values
-])
+    ((1, 1000, 9, 128), None),  # ragged: 1000 tokens in blocks of 64
+    ((2, 777, 4, 64), 200),  # ragged, head dim 64, SWL
+    ((1, 1, 2, 128), None),  # a single token
+    ((1, 8192, 2, 128), None),  # long sweeps: D sums up to 8K weighted values
+  ],
+)
 def test_mosaic_forward_matches_xla(shape, window, schedule):
   inputs = _inputs(shape[1] + (window or 0), shape)
   config = CastleMosaicConfig(schedule=schedule)
@@ -60,6 +63,7 @@ def test_mosaic_forward_matches_xla(shape, window, schedule):
 def test_mosaic_forward_matches_triton_lse(schedule):
   """The row log-sum-exp the backward will read, against the Triton kernels' forward."""
   from pallas_kernels.castle import ops as triton_ops
+
   shape = (1, 2048, 4, 128)
   inputs = _inputs(3, shape)
   scale = shape[-1] ** -0.5
@@ -71,22 +75,29 @@ def test_mosaic_forward_matches_triton_lse(schedule):
   assert rel_err(result.lse.reshape(-1, shape[1]), lse) < 1e-3
 
 
-@pytest.mark.parametrize("shape, window", [
+@pytest.mark.parametrize(
+  "shape, window",
+  [
     ((2, 4096, 9, 128), 512),
-    ((1, 3000, 4, 128), 100),    # ragged, a window between one and two blocks
-    ((2, 2048, 4, 64), 64),      # head dim 64, a window of one block
-    ((1, 16384, 2, 128), 512),   # long: ~97% of the pairs past the window
-])
+    ((1, 3000, 4, 128), 100),  # ragged, a window between one and two blocks
+    ((2, 2048, 4, 64), 64),  # head dim 64, a window of one block
+    ((1, 16384, 2, 128), 512),  # long: ~97% of the pairs past the window
+  ],
+)
 def test_past_window_split_matches_key_major(shape, window):
   """CASTLE-SWL's pairs past the window in the query-major kernel (the default, 128-key
   steps, and 64-key steps) against the parallel form and against the forward that sweeps
   every pair key-major."""
   inputs = _inputs(shape[1] + window, shape)
-  configs = {"query_major": CastleMosaicConfig(), "key_major": CastleMosaicConfig(past_window="key_major"),
-             "64-key steps": CastleMosaicConfig(past_window_step_keys=64)}
-  results = {name: jax.jit(lambda *a: castle_forward_mosaic(*a, scale=shape[-1] ** -0.5, window=window,
-                                                            config=config))(*inputs)
-             for name, config in configs.items()}
+  configs = {
+    "query_major": CastleMosaicConfig(),
+    "key_major": CastleMosaicConfig(past_window="key_major"),
+    "64-key steps": CastleMosaicConfig(past_window_step_keys=64),
+  }
+  results = {
+    name: jax.jit(lambda *a: castle_forward_mosaic(*a, scale=shape[-1] ** -0.5, window=window, config=config))(*inputs)
+    for name, config in configs.items()
+  }
   split, key_major, narrow = results["query_major"], results["key_major"], results["64-key steps"]
   assert rel_err(narrow.out.astype(jnp.float32), split.out.astype(jnp.float32)) < 1e-3
   assert rel_err(narrow.lse, split.lse) < 1e-5

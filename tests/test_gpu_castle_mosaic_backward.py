@@ -32,21 +32,27 @@ def _inputs(seed, shape):
 def _grads(attention, inputs, cotangent):
   def loss(*a):
     return jnp.sum(attention(*a).astype(jnp.float32) * cotangent.astype(jnp.float32))
+
   return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*inputs)
 
 
-@pytest.mark.parametrize("shape, window", [
+@pytest.mark.parametrize(
+  "shape, window",
+  [
     ((2, 2048, 9, 128), None),
     ((2, 2048, 9, 128), 512),
-    ((1, 1000, 9, 128), None),    # ragged: 1000 tokens in blocks of 64
-    ((2, 777, 4, 64), 200),       # ragged, head dim 64, SWL
-    ((1, 1, 2, 128), None),       # a single token
-])
+    ((1, 1000, 9, 128), None),  # ragged: 1000 tokens in blocks of 64
+    ((2, 777, 4, 64), 200),  # ragged, head dim 64, SWL
+    ((1, 1, 2, 128), None),  # a single token
+  ],
+)
 def test_mosaic_gradients_match_xla(shape, window):
   inputs, cotangent = _inputs(shape[1] + (window or 0), shape)
   loss = lambda *a: jnp.sum(castle_attention_mosaic(*a, window=window).astype(jnp.float32))
-  kernels = [jax.jit(f).lower(*inputs).as_text().count("custom_call @mosaic_gpu")
-             for f in (loss, jax.grad(loss, argnums=tuple(range(6))))]
+  kernels = [
+    jax.jit(f).lower(*inputs).as_text().count("custom_call @mosaic_gpu")
+    for f in (loss, jax.grad(loss, argnums=tuple(range(6))))
+  ]
   # The forward's kernels and the backward's: under a window also the past-window key-side and dQ^C kernels.
   assert kernels[0] >= 1 and kernels[1] == kernels[0] + (1 if window is None else 3)
   grads = _grads(lambda *a: castle_attention_mosaic(*a, window=window), inputs, cotangent)
@@ -68,7 +74,9 @@ def test_mosaic_gradients_match_triton():
   inputs, cotangent = _inputs(5, shape)
   scale = shape[-1] ** -0.5
   grads = _grads(lambda *a: castle_attention_mosaic(*a, scale=scale), inputs, cotangent)
-  ref_grads = _grads(lambda *a: castle_attention_pallas(*a, scale=scale, config=CastleKernelConfig(backend="triton")), inputs, cotangent)
+  ref_grads = _grads(
+    lambda *a: castle_attention_pallas(*a, scale=scale, config=CastleKernelConfig(backend="triton")), inputs, cotangent
+  )
   for name, grad, ref in zip(_NAMES, grads, ref_grads):
     error = rel_err(grad.astype(jnp.float32), ref.astype(jnp.float32))
     assert error < 1e-2, f"d{name}: relative error {error:.3g}"
@@ -89,7 +97,8 @@ def test_rematerialized_training_loss_matches_triton():
   mosaic = lambda *a: castle_attention_mosaic(*a, scale=scale, window=512)
   triton = lambda *a: castle_attention_pallas(*a, scale=scale, window=512, config=CastleKernelConfig(backend="triton"))
   (value, grads), (ref_value, ref_grads) = (
-      jax.jit(jax.value_and_grad(mean_loss(f), argnums=tuple(range(6))))(*inputs) for f in (mosaic, triton))
+    jax.jit(jax.value_and_grad(mean_loss(f), argnums=tuple(range(6))))(*inputs) for f in (mosaic, triton)
+  )
   assert np.isfinite(float(value)) and abs(float(value) - float(ref_value)) < 1e-3 * abs(float(ref_value)) + 1e-6
   for name, grad, ref in zip(_NAMES, grads, ref_grads):
     grad = np.asarray(grad.astype(jnp.float32))
@@ -98,20 +107,29 @@ def test_rematerialized_training_loss_matches_triton():
     assert error < 1e-2, f"d{name}: relative error {error:.3g}"
 
 
-@pytest.mark.parametrize("shape, window", [
-    ((1, 16384, 2, 128), 512),   # ~97% of the pairs past the window
-    ((1, 3000, 4, 128), 100),    # ragged, a window between one and two blocks
-    ((2, 2048, 4, 64), 64),      # head dim 64, a window of one block
-])
+@pytest.mark.parametrize(
+  "shape, window",
+  [
+    ((1, 16384, 2, 128), 512),  # ~97% of the pairs past the window
+    ((1, 3000, 4, 128), 100),  # ragged, a window between one and two blocks
+    ((2, 2048, 4, 64), 64),  # head dim 64, a window of one block
+  ],
+)
 def test_past_window_split_gradients_match_key_major(shape, window):
   """CASTLE-SWL's past-window pairs split off (the default: dQ^C in the query-major kernel,
   dK^C, dV^C and dD in a key-side kernel of their own) against the backward that sweeps
   every pair key-major, and against XLA."""
   from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
+
   inputs, cotangent = _inputs(shape[1] + window, shape)
-  grads = {past_window: _grads(lambda *a: castle_attention_mosaic(
-      *a, window=window, config=CastleMosaicConfig(past_window=past_window)), inputs, cotangent)
-      for past_window in ("query_major", "key_major")}
+  grads = {
+    past_window: _grads(
+      lambda *a: castle_attention_mosaic(*a, window=window, config=CastleMosaicConfig(past_window=past_window)),
+      inputs,
+      cotangent,
+    )
+    for past_window in ("query_major", "key_major")
+  }
   f32 = tuple(x.astype(jnp.float32) for x in inputs)
   with jax.default_matmul_precision("highest"):
     ref_grads = _grads(lambda *a: castle_blockwise(*a, window=window), f32, cotangent)
@@ -119,8 +137,11 @@ def test_past_window_split_gradients_match_key_major(shape, window):
   for name, grad, other, ref in zip(_NAMES, grads["query_major"], grads["key_major"], ref_grads):
     grad = np.asarray(grad.astype(jnp.float32))
     assert np.isfinite(grad).all(), f"d{name} is not finite"
-    errors[name] = (rel_err(grad, ref), rel_err(grad, other.astype(jnp.float32)),
-                    rel_err(other.astype(jnp.float32), ref))
+    errors[name] = (
+      rel_err(grad, ref),
+      rel_err(grad, other.astype(jnp.float32)),
+      rel_err(other.astype(jnp.float32), ref),
+    )
   message = ", ".join(f"d{n}: {a:.2e} / {b:.2e} (key-major {c:.2e})" for n, (a, b, c) in errors.items())
   print(message)
   for to_reference, to_key_major, key_major_to_reference in errors.values():

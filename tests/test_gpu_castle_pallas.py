@@ -25,13 +25,22 @@ def _grads(impl, window, inputs, cotangent):
   def loss(*args):
     out = castle_attention(*args, window=window, implementation=impl)
     return jnp.sum(out.astype(jnp.float32) * cotangent)
+
   return jax.jit(jax.grad(loss, argnums=range(6)))(*inputs)
 
 
-@pytest.mark.parametrize("head_dim, window, dtype, seq", [
-    (128, None, jnp.bfloat16, 1000), (96, 64, jnp.bfloat16, 1000), (64, 1024, jnp.bfloat16, 1000),
-    (128, None, jnp.float32, 700), (64, 200, jnp.float32, 700), (128, None, jnp.bfloat16, 1),
-    (128, None, jnp.bfloat16, 4096)])
+@pytest.mark.parametrize(
+  "head_dim, window, dtype, seq",
+  [
+    (128, None, jnp.bfloat16, 1000),
+    (96, 64, jnp.bfloat16, 1000),
+    (64, 1024, jnp.bfloat16, 1000),
+    (128, None, jnp.float32, 700),
+    (64, 200, jnp.float32, 700),
+    (128, None, jnp.bfloat16, 1),
+    (128, None, jnp.bfloat16, 4096),
+  ],
+)
 def test_pallas_matches_parallel_form(head_dim, window, dtype, seq):
   shape = (2, seq, 3, head_dim)
   inputs, cotangent = _inputs(head_dim + (window or 0), shape, dtype)
@@ -58,12 +67,15 @@ def test_default_on_gpu_is_pallas():
   assert "castle_forward" in text
 
 
-@pytest.mark.parametrize("head_dim, window, dtype", [
-    (128, None, jnp.bfloat16), (64, None, jnp.float32), (128, 200, jnp.bfloat16), (64, 1024, jnp.float32)])
+@pytest.mark.parametrize(
+  "head_dim, window, dtype",
+  [(128, None, jnp.bfloat16), (64, None, jnp.float32), (128, 200, jnp.bfloat16), (64, 1024, jnp.float32)],
+)
 def test_pallas_decoding_matches_xla_step(head_dim, window, dtype):
   """The fused decoding kernel against the XLA step: outputs and the whole cache after
   a prompt of 2500 tokens and 6 steps, capacity 3000 (a ragged last block)."""
   from castle_jax.ops.castle import decode_step, init_cache, prefill
+
   batch, heads, prompt, steps = 4, 3, 2500, 6
   inputs, _ = _inputs(7 + head_dim, (batch, prompt + steps, heads, head_dim), dtype)
   cache = init_cache(batch, 3000, heads, head_dim, dtype, window=window)
@@ -77,12 +89,13 @@ def test_pallas_decoding_matches_xla_step(head_dim, window, dtype):
         assert "castle_decode" in step.lower(cache, *(x[:, :1] for x in inputs)).as_text()
       state, outs = cache, []
       for t in range(prompt, prompt + steps):
-        out, state = step(state, *(x[:, t:t + 1] for x in inputs))
+        out, state = step(state, *(x[:, t : t + 1] for x in inputs))
         outs.append(out.astype(jnp.float32))
       caches[impl] = (jnp.concatenate(outs, axis=1), state)
   (out_xla, cache_xla), (out_pallas, cache_pallas) = caches["xla"], caches["pallas"]
   assert int(cache_pallas.length) == prompt + steps
   assert rel_err(out_pallas, out_xla) < tol
   for name in ("lookahead_keys", "lookahead_queries", "causal_keys", "causal_values"):
-    assert rel_err(getattr(cache_pallas, name).astype(jnp.float32),
-                   getattr(cache_xla, name).astype(jnp.float32)) < tol, name
+    assert (
+      rel_err(getattr(cache_pallas, name).astype(jnp.float32), getattr(cache_xla, name).astype(jnp.float32)) < tol
+    ), name

@@ -48,8 +48,13 @@ def _padded(inputs, *, query_chunks, query_len, heads, head_dim, chunk_len, **_)
   q, chunk_k, chunk_v, weights, indices = inputs
   padding = ((0, 0), (0, 0), (0, CHUNK_TILE - chunk_len), (0, 0), (0, 0))
   queries = q.reshape(q.shape[0], query_chunks, query_len, heads, head_dim)
-  return (queries, jnp.pad(chunk_k, padding), jnp.pad(chunk_v, padding), weights,
-          jnp.clip(indices, 0, chunk_k.shape[1] - 1))
+  return (
+    queries,
+    jnp.pad(chunk_k, padding),
+    jnp.pad(chunk_v, padding),
+    weights,
+    jnp.clip(indices, 0, chunk_k.shape[1] - 1),
+  )
 
 
 def _triton_tiling(shape):
@@ -58,20 +63,26 @@ def _triton_tiling(shape):
 
 def _triton_lse(inputs, shape):
   """The Triton forward's log-normalizers [batch, query_chunks, k, query_len, heads]."""
-  forward = jax.jit(lambda *a: kernels.forward(*a, tiling=_triton_tiling(shape), scale=shape["head_dim"] ** -0.5,
-                                               config=default_config(), interpret=False)[1])
+  forward = jax.jit(
+    lambda *a: kernels.forward(
+      *a, tiling=_triton_tiling(shape), scale=shape["head_dim"] ** -0.5, config=default_config(), interpret=False
+    )[1]
+  )
   return forward(*_padded(inputs, **shape))
 
 
 DRT_128M = dict(batch=2, query_chunks=64, query_len=64, heads=12, kv_heads=12, head_dim=64, chunk_len=63, top_k=8)
 
 
-@pytest.mark.parametrize("shape, stages, overlap", [
+@pytest.mark.parametrize(
+  "shape, stages, overlap",
+  [
     (DRT_128M, 2, False),
     (DRT_128M, 3, False),
     (DRT_128M, 3, True),
     (dict(batch=1, query_chunks=32, query_len=65, heads=8, kv_heads=2, head_dim=128, chunk_len=64, top_k=4), 2, False),
-])
+  ],
+)
 def test_compiled_forward_matches_the_xla_path(shape, stages, overlap):
   if not _is_hopper():
     pytest.skip("the Mosaic GPU kernel needs a Hopper (sm_90) GPU")
@@ -112,18 +123,28 @@ def test_compiled_backward_queries_matches_triton_and_xla(stages):
   options = dict(chunk_len=shape["chunk_len"], scale=scale, stages=stages)
   _, lse = jax.jit(lambda *a: mosaic_forward.forward(*a, **options))(*padded)
   d_queries, delta, d_weights = jax.jit(lambda *a: mosaic_backward_queries.backward_queries(*a, **options))(
-      *padded, lse, d_out_padded)
-  triton = jax.jit(lambda *a: kernels.backward_queries(*a, tiling=_triton_tiling(shape), scale=scale,
-                                                       config=default_config(), interpret=False))(
-      *padded, lse, d_out_padded)
-  for name, ours, theirs, tol in zip(("d_queries", "delta", "d_weights"), (d_queries, delta, d_weights), triton,
-                                     (1e-2, 2e-3, 2e-3)):
+    *padded, lse, d_out_padded
+  )
+  triton = jax.jit(
+    lambda *a: kernels.backward_queries(
+      *a, tiling=_triton_tiling(shape), scale=scale, config=default_config(), interpret=False
+    )
+  )(*padded, lse, d_out_padded)
+  for name, ours, theirs, tol in zip(
+    ("d_queries", "delta", "d_weights"), (d_queries, delta, d_weights), triton, (1e-2, 2e-3, 2e-3)
+  ):
     assert ours.shape == theirs.shape, name
     assert rel_err(ours, theirs) < tol, (name, rel_err(ours, theirs))
 
   f32 = lambda x: x.astype(jnp.float32)
-  grad = jax.jit(jax.grad(lambda q32, w: jnp.sum(gca_attention(q32, f32(inputs[1]), f32(inputs[2]), w, inputs[4],
-                                                               implementation="xla") * f32(d_out)), argnums=(0, 1)))
+  grad = jax.jit(
+    jax.grad(
+      lambda q32, w: jnp.sum(
+        gca_attention(q32, f32(inputs[1]), f32(inputs[2]), w, inputs[4], implementation="xla") * f32(d_out)
+      ),
+      argnums=(0, 1),
+    )
+  )
   ref_d_q, ref_d_w = grad(f32(q), inputs[3])
   assert rel_err(d_queries.reshape(q.shape), ref_d_q) < 1e-2
   assert rel_err(d_weights, ref_d_w) < 1e-2
@@ -131,11 +152,14 @@ def test_compiled_backward_queries_matches_triton_and_xla(stages):
 
 # The grouped head-dim-128 case is past the Triton memory-side kernel's shared memory (it
 # asks for ~570 KB), so there the XLA path is the only reference.
-@pytest.mark.parametrize("shape, stages, against_triton", [
+@pytest.mark.parametrize(
+  "shape, stages, against_triton",
+  [
     (DRT_128M, 2, True),
     (DRT_128M, 3, True),
     (dict(batch=1, query_chunks=32, query_len=128, heads=8, kv_heads=2, head_dim=128, chunk_len=64, top_k=4), 2, False),
-])
+  ],
+)
 def test_compiled_backward_memory_matches_triton_and_xla(shape, stages, against_triton):
   """dK and dV at drt_128m's shape (early chunks retrieved by many query chunks, some by none)
   and with grouped heads, two query tiles per chunk and head dim 128."""
@@ -155,8 +179,9 @@ def test_compiled_backward_memory_matches_triton_and_xla(shape, stages, against_
     _, lse = mosaic_forward.forward_native(*padded, **options)
     _, row_dots = mosaic_backward_queries.backward_queries_native(*padded, lse, d_out_padded, **options)
     order, starts = retrieving_pairs(padded[4], padded[3], padded[1].shape[1])
-    gradients = mosaic_backward_memory.backward_memory_native(*padded[:4], lse, row_dots, d_out_padded, order, starts,
-                                                              **options)
+    gradients = mosaic_backward_memory.backward_memory_native(
+      *padded[:4], lse, row_dots, d_out_padded, order, starts, **options
+    )
     return gradients, lse, row_dots, order, starts
 
   (d_keys, d_values), lse, row_dots, order, starts = mosaic(*padded)
@@ -166,17 +191,23 @@ def test_compiled_backward_memory_matches_triton_and_xla(shape, stages, against_
   if against_triton:
     to_triton = lambda slot_rows: slot_rows.transpose(0, 1, 3, 4, 2)
     delta = to_triton(row_dots * weights[:, :, None, :, None])
-    triton = jax.jit(lambda *a: kernels.backward_memory(*a, tiling=_triton_tiling(shape), scale=scale,
-                                                        config=default_config(), interpret=False))(
-        queries, keys, values, weights, to_triton(lse), delta, d_out_padded, order, starts)
+    triton = jax.jit(
+      lambda *a: kernels.backward_memory(
+        *a, tiling=_triton_tiling(shape), scale=scale, config=default_config(), interpret=False
+      )
+    )(queries, keys, values, weights, to_triton(lse), delta, d_out_padded, order, starts)
     # dV: the kernel rounds w_j P to bf16, the Triton kernel P (then scales the product by w_j).
     for name, ours, theirs, tol in zip(("d_keys", "d_values"), (d_keys, d_values), triton, (2e-3, 1e-2)):
       assert ours.shape == theirs.shape, name
       assert rel_err(ours, theirs) < tol, (name, rel_err(ours, theirs))
 
   f32 = lambda x: x.astype(jnp.float32)
-  grad = jax.jit(jax.grad(lambda k, v: jnp.sum(gca_attention(f32(q), k, v, inputs[3], inputs[4], implementation="xla")
-                                               * f32(d_out)), argnums=(0, 1)))
+  grad = jax.jit(
+    jax.grad(
+      lambda k, v: jnp.sum(gca_attention(f32(q), k, v, inputs[3], inputs[4], implementation="xla") * f32(d_out)),
+      argnums=(0, 1),
+    )
+  )
   ref_d_keys, ref_d_values = grad(f32(chunk_k), f32(chunk_v))
   chunk_len = shape["chunk_len"]
   assert rel_err(d_keys[:, :, :chunk_len], ref_d_keys) < 1e-2, rel_err(d_keys[:, :, :chunk_len], ref_d_keys)
@@ -198,14 +229,17 @@ def test_compiled_differentiable_op_matches_xla_autodiff():
 
   scale = DRT_128M["head_dim"] ** -0.5
   out, grads = value_and_grads(lambda *a: gca_attention_mosaic(*a, scale=scale), differentiable)
-  ref_out, ref_grads = value_and_grads(lambda *a: gca_attention(*a, implementation="xla"),
-                                       [x.astype(jnp.float32) for x in differentiable])
+  ref_out, ref_grads = value_and_grads(
+    lambda *a: gca_attention(*a, implementation="xla"), [x.astype(jnp.float32) for x in differentiable]
+  )
   assert rel_err(out, ref_out) < 1e-2
   for name, grad, ref in zip(("q", "chunk_k", "chunk_v", "chunk_weights"), grads, ref_grads):
     assert rel_err(grad, ref) < 1e-2, (name, rel_err(grad, ref))
 
 
-@pytest.mark.parametrize("backend, kernel", [("auto", "mosaic_gpu"), ("mosaic", "mosaic_gpu"), ("triton", "gca_forward")])
+@pytest.mark.parametrize(
+  "backend, kernel", [("auto", "mosaic_gpu"), ("mosaic", "mosaic_gpu"), ("triton", "gca_forward")]
+)
 def test_gca_attention_picks_the_backend(backend, kernel):
   """`gca_attention(implementation="pallas")` at the drt_128m shape: "auto" runs the Mosaic
   kernels on Hopper, each explicit backend its own; all match the XLA path."""
@@ -217,6 +251,7 @@ def test_gca_attention_picks_the_backend(backend, kernel):
   text = attention.lower(*inputs).as_text()
   assert kernel in text and ("gca_forward" in text) == (kernel == "gca_forward")
   reference = jax.jit(lambda *a: gca_attention(*a, implementation="xla"))(
-      *(x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in inputs))
+    *(x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in inputs)
+  )
   out = attention(*inputs)
   assert rel_err(out, reference) < 1e-2, rel_err(out, reference)

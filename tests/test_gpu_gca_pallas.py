@@ -55,12 +55,19 @@ DRT_128M = dict(batch=2, query_chunks=64, query_len=64, heads=12, kv_heads=12, h
 # Grouped heads of 128 are past the Triton kernels' shared memory (the memory-side kernel
 # asks for ~370 KB) and are refused with a ValueError naming the fix; the Mosaic kernels
 # ("auto" on Hopper) take them.
-@pytest.mark.parametrize("shape, dtype, tol, backend", [
+@pytest.mark.parametrize(
+  "shape, dtype, tol, backend",
+  [
     (DRT_128M, jnp.float32, 1e-5, "triton"),
     (DRT_128M, jnp.bfloat16, 1e-2, "triton"),
-    (dict(batch=1, query_chunks=32, query_len=65, heads=8, kv_heads=2, head_dim=128, chunk_len=64, top_k=4),
-     jnp.bfloat16, 1e-2, "auto"),
-])
+    (
+      dict(batch=1, query_chunks=32, query_len=65, heads=8, kv_heads=2, head_dim=128, chunk_len=64, top_k=4),
+      jnp.bfloat16,
+      1e-2,
+      "auto",
+    ),
+  ],
+)
 def test_compiled_kernels_match_the_xla_path(shape, dtype, tol, backend):
   if backend == "auto" and not is_hopper(compute_capability()):
     pytest.skip("off Hopper, 'auto' runs the Triton kernels, which cannot take this shape")

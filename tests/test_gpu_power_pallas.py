@@ -41,22 +41,32 @@ def _initial_state(seed, batch, kv_heads, head_dim):
 
 
 def _run(impl, chunk, inputs, cotangent, initial_state):
-  attention = functools.partial(power_attention, chunk_size=chunk, implementation=impl, expansion="tspow",
-                                d_tile=16, initial_state=initial_state)
+  attention = functools.partial(
+    power_attention, chunk_size=chunk, implementation=impl, expansion="tspow", d_tile=16, initial_state=initial_state
+  )
   _, state = jax.jit(functools.partial(attention, return_final_state=True))(*inputs)
   # Without the state a sequence within one chunk runs the attention form alone.
   out = jax.jit(attention)(*inputs)
 
   def loss(*args):
     return jnp.sum(attention(*args).astype(jnp.float32) * cotangent)
+
   grads = jax.jit(jax.grad(loss, argnums=range(4)))(*inputs)
   return out, state, grads
 
 
 # Few cases: each compiles every kernel anew (tens of seconds on the GPU machine).
-@pytest.mark.parametrize("head_dim, seq, chunk, heads, kv_heads, dtype", [
-    (64, 1000, 256, 4, 4, jnp.float32), (64, 2048, 1024, 6, 2, jnp.bfloat16), (32, 700, 128, 2, 2, jnp.bfloat16),
-    (64, 1, 64, 2, 2, jnp.bfloat16), (128, 512, 256, 2, 1, jnp.bfloat16), (64, 1000, 1024, 4, 2, jnp.bfloat16)])
+@pytest.mark.parametrize(
+  "head_dim, seq, chunk, heads, kv_heads, dtype",
+  [
+    (64, 1000, 256, 4, 4, jnp.float32),
+    (64, 2048, 1024, 6, 2, jnp.bfloat16),
+    (32, 700, 128, 2, 2, jnp.bfloat16),
+    (64, 1, 64, 2, 2, jnp.bfloat16),
+    (128, 512, 256, 2, 1, jnp.bfloat16),
+    (64, 1000, 1024, 4, 2, jnp.bfloat16),
+  ],
+)
 def test_compiled_kernels_match_the_chunked_form(head_dim, seq, chunk, heads, kv_heads, dtype):
   inputs, cotangent = _inputs(head_dim + seq, 2, seq, heads, kv_heads, head_dim, dtype)
   initial_state = _initial_state(seq, 2, kv_heads, head_dim) if seq == 1 else None

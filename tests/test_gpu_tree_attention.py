@@ -29,11 +29,14 @@ def _inputs(seed, batch, n, heads, kv_heads, head_dim, capacity, dtype):
   normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(dtype)
   parents = np.array([-1] + [np.random.default_rng(seed).integers(0, i) for i in range(1, n)], np.int32)
   mask = numpy_ancestors(parents)
-  return dict(q=normal(keys[0], (batch, n, heads, head_dim)),
-              cache_k=normal(keys[1], (batch, capacity, kv_heads, head_dim)),
-              cache_v=normal(keys[2], (batch, capacity, kv_heads, head_dim)),
-              tree_k=normal(keys[3], (batch, n, kv_heads, head_dim)),
-              tree_v=normal(keys[4], (batch, n, kv_heads, head_dim)), tree_mask=jnp.asarray(mask))
+  return dict(
+    q=normal(keys[0], (batch, n, heads, head_dim)),
+    cache_k=normal(keys[1], (batch, capacity, kv_heads, head_dim)),
+    cache_v=normal(keys[2], (batch, capacity, kv_heads, head_dim)),
+    tree_k=normal(keys[3], (batch, n, kv_heads, head_dim)),
+    tree_v=normal(keys[4], (batch, n, kv_heads, head_dim)),
+    tree_mask=jnp.asarray(mask),
+  )
 
 
 def _check(inputs, lengths, dtype, config=None):
@@ -51,9 +54,15 @@ def _check(inputs, lengths, dtype, config=None):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("config", [None, TreeAttentionConfig(block_rows=32, block_keys=32),
-                                    TreeAttentionConfig(block_rows=128, block_keys=128, splits=7)],
-                         ids=["default", "small", "large"])
+@pytest.mark.parametrize(
+  "config",
+  [
+    None,
+    TreeAttentionConfig(block_rows=32, block_keys=32),
+    TreeAttentionConfig(block_rows=128, block_keys=128, splits=7),
+  ],
+  ids=["default", "small", "large"],
+)
 def test_target_verification_shape(dtype, config):
   inputs = _inputs(0, batch=2, n=69, heads=8, kv_heads=4, head_dim=64, capacity=16384 + 300, dtype=dtype)
   _check(inputs, [16384 + 300, 9000], dtype, config)
@@ -65,10 +74,12 @@ def test_decoding_step_and_ragged_rows(dtype):
   lengths = jnp.asarray([0, 4999, 37], jnp.int32)
   _check(inputs, lengths, dtype)
   out, lse = jax.jit(functools.partial(cache_attention, implementation="pallas"))(
-      inputs["q"], inputs["cache_k"], inputs["cache_v"], lengths)
+    inputs["q"], inputs["cache_k"], inputs["cache_v"], lengths
+  )
   with jax.default_matmul_precision("highest"):
-    expected_out, expected_lse = cache_attention(inputs["q"], inputs["cache_k"], inputs["cache_v"], lengths,
-                                                 implementation="reference")
+    expected_out, expected_lse = cache_attention(
+      inputs["q"], inputs["cache_k"], inputs["cache_v"], lengths, implementation="reference"
+    )
   assert rel_err(out, expected_out) < TOLERANCE[dtype]
   np.testing.assert_array_equal(np.asarray(lse[0]), -np.inf)
 

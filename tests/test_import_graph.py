@@ -37,7 +37,7 @@ def _imported_names(node: ast.AST, module: str, is_package: bool) -> list[str]:
     return [alias.name for alias in node.names]
   if node.level:  # relative: resolve against this module's package
     package = module.split(".") if is_package else module.split(".")[:-1]
-    base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+    base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
   else:
     base = node.module
   return [f"{base}.{alias.name}" for alias in node.names] + [base]
@@ -98,11 +98,17 @@ def test_the_parser_sees_the_packages():
   assert "pallas_kernels.castle" in _graph()["castle_jax.ops.castle.api"]
 
 
-@pytest.mark.parametrize("package, forbidden", [("pallas_kernels", ("castle_jax", "train")),
-                                                ("castle_jax", ("train",))])
+@pytest.mark.parametrize(
+  "package, forbidden", [("pallas_kernels", ("castle_jax", "train")), ("castle_jax", ("train",))]
+)
 def test_no_upward_imports(package, forbidden):
-  bad = sorted((module, target) for module, (top, nested) in MODULES.items() if module.split(".")[0] == package
-               for target in _internal(top | nested) if target.split(".")[0] in forbidden)
+  bad = sorted(
+    (module, target)
+    for module, (top, nested) in MODULES.items()
+    if module.split(".")[0] == package
+    for target in _internal(top | nested)
+    if target.split(".")[0] in forbidden
+  )
   assert not bad, f"{package} must not import {forbidden}: {bad}"
 
 
@@ -114,7 +120,7 @@ def test_module_level_imports_have_no_cycle():
     state[module] = 1
     for target in sorted(graph[module]):
       if state.get(target) == 1:
-        cycle = path[path.index(target):] + [target]
+        cycle = path[path.index(target) :] + [target]
         pytest.fail("import cycle: " + " -> ".join(cycle))
       if target not in state:
         visit(target, path + [target])
@@ -130,7 +136,10 @@ ALLOWED_FUNCTION_LEVEL_IMPORTS: dict[str, str] = {}
 
 
 def test_no_function_level_imports_of_the_library():
-  found = sorted((module, target) for module, (_, nested) in MODULES.items()
-                 for target in _internal(nested) if target.split(".")[0] in ("castle_jax", "pallas_kernels")
-                 and module not in ALLOWED_FUNCTION_LEVEL_IMPORTS)
+  found = sorted(
+    (module, target)
+    for module, (_, nested) in MODULES.items()
+    for target in _internal(nested)
+    if target.split(".")[0] in ("castle_jax", "pallas_kernels") and module not in ALLOWED_FUNCTION_LEVEL_IMPORTS
+  )
   assert not found, f"import these at module top (or list them with a reason): {found}"

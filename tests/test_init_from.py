@@ -34,8 +34,11 @@ def _fine_tune(source_config, workdir, **train_values):
 
 
 def _adam_count(opt_state):
-  counts = [s.count for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
-            if isinstance(s, optax.ScaleByAdamState)]
+  counts = [
+    s.count
+    for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+    if isinstance(s, optax.ScaleByAdamState)
+  ]
   assert len(counts) == 1
   return int(counts[0])
 
@@ -77,8 +80,11 @@ def test_a_different_model_or_a_missing_source_is_an_error_before_anything_is_wr
   assert not os.path.exists(os.path.join(config.workdir, "config.json"))
 
   config = _fine_tune(source_config, tmp_path / "orphan", init_from=str(tmp_path / "nowhere"))
-  with pytest.raises(FileNotFoundError, match=r"nowhere/config.json not found: train.init_from=.* must be a "
-                                              r"directory written by `python -m train`"):
+  with pytest.raises(
+    FileNotFoundError,
+    match=r"nowhere/config.json not found: train.init_from=.* must be a "
+    r"directory written by `python -m train`",
+  ):
     train(config)
 
 
@@ -98,6 +104,7 @@ def test_a_drt_run_may_start_from_one_that_retrieved_other_chunks(tmp_path):
   """DRT's top_k and gumbel choose which chunks training reads, not the parameters: a
   sharper top-k may fine-tune a run that read every chunk; a chunk size may not."""
   from configs.drt_tiny_retrieval import get_config
+
   source_config = get_config()
   (tmp_path / "config.json").write_text(source_config.to_json())
   config = get_config()

@@ -68,8 +68,7 @@ def test_greedy_speculative_decoding_equals_greedy_target_decoding(pair, prompt_
 def test_cache_after_acceptance_equals_the_cache_of_sequential_decoding(pair):
   target, target_params, draft, draft_params = pair
   prompt = _prompt(11, seed=3)
-  result = speculative_generate(target, target_params, draft, draft_params, prompt, max_new_tokens=20,
-                                tree=(4, 8, 8))
+  result = speculative_generate(target, target_params, draft, draft_params, prompt, max_new_tokens=20, tree=(4, 8, 8))
   committed = result.tokens[:, :-1]  # every token but the last emitted one
   caches = target.init_cache(1, committed.shape[1])
   positions = jnp.arange(committed.shape[1])[None]
@@ -106,8 +105,9 @@ def test_tree_verification_equals_decoding_each_branch(pair):
     branch = np.nonzero(np.asarray(ancestors[node]))[0]
     expected.append(decode(tokens[:, branch], 9 + jnp.arange(branch.size)[None])[0, -1])
   for implementation in ("reference", "xla"):
-    logits, pending = target.apply({"params": target_params}, tokens, 9 + depths[None], caches,
-                                   TreeVerification(ancestors[None], implementation))
+    logits, pending = target.apply(
+      {"params": target_params}, tokens, 9 + depths[None], caches, TreeVerification(ancestors[None], implementation)
+    )
     assert int(pending[0].keys.shape[1]) == parents.size
     np.testing.assert_allclose(logits[0], jnp.stack(expected), atol=2e-5, rtol=2e-5)
 
@@ -147,8 +147,9 @@ def test_sampling_acceptance_preserves_the_target_distribution():
 def test_sampling_runs_end_to_end_and_is_reproducible(pair):
   target, target_params, draft, draft_params = pair
   prompt = _prompt(7, seed=6)
-  run = lambda key: speculative_generate(target, target_params, draft, draft_params, prompt, max_new_tokens=16,
-                                         tree=(4, 8), temperature=1.0, rng=key)
+  run = lambda key: speculative_generate(
+    target, target_params, draft, draft_params, prompt, max_new_tokens=16, tree=(4, 8), temperature=1.0, rng=key
+  )
   a, b, c = run(jax.random.key(1)), run(jax.random.key(1)), run(jax.random.key(2))
   np.testing.assert_array_equal(a.tokens, b.tokens)
   assert not np.array_equal(a.tokens, c.tokens)
@@ -170,13 +171,27 @@ def test_draft_decoding_equals_its_training_forward(pair):
   caches = target.init_cache(1, 24)
   _, caches = target.apply({"params": target_params}, tokens[:, :20], positions[:, :20], caches)
   cache = longspec_draft.DraftSelfCache.create(draft.config, 1, draft.options.window, 3, 2)
-  ring_keys, ring_values = draft.apply({"params": draft_params}, h[:, :20], positions[:, :20],
-                                       method=LongSpecDraft.self_keys_values)
-  cache = cache.replace(ring=cache.ring.replace(length=jnp.int32(20 - cache.ring.capacity)).append(
-      ring_keys[:, 20 - cache.ring.capacity:], ring_values[:, 20 - cache.ring.capacity:]))
+  ring_keys, ring_values = draft.apply(
+    {"params": draft_params}, h[:, :20], positions[:, :20], method=LongSpecDraft.self_keys_values
+  )
+  cache = cache.replace(
+    ring=cache.ring.replace(length=jnp.int32(20 - cache.ring.capacity)).append(
+      ring_keys[:, 20 - cache.ring.capacity :], ring_values[:, 20 - cache.ring.capacity :]
+    )
+  )
   visible = jnp.zeros((1, 1, 3), bool).at[0, 0, 0].set(True)
-  out, _ = draft.apply({"params": draft_params}, h[:, 20:], positions[:, 20:], cache, jnp.array([0]), visible,
-                       caches[-1].keys, caches[-1].values, caches[-1].length, method=LongSpecDraft.draft)
+  out, _ = draft.apply(
+    {"params": draft_params},
+    h[:, 20:],
+    positions[:, 20:],
+    cache,
+    jnp.array([0]),
+    visible,
+    caches[-1].keys,
+    caches[-1].values,
+    caches[-1].length,
+    method=LongSpecDraft.draft,
+  )
   np.testing.assert_allclose(out[0, 0], trained[0, 20], atol=2e-5, rtol=2e-5)
 
 
@@ -190,8 +205,14 @@ def test_draft_never_reads_the_target_past_its_shift(pair, shift):
   h = longspec_draft.embed_tokens(cfg, target_params, tokens)
   base = draft.apply({"params": draft_params}, h, positions, keys, values, jnp.int32(shift))
   changed_at = 6
-  poked = draft.apply({"params": draft_params}, h, positions, keys.at[:, changed_at].add(3.0),
-                      values.at[:, changed_at].add(3.0), jnp.int32(shift))
+  poked = draft.apply(
+    {"params": draft_params},
+    h,
+    positions,
+    keys.at[:, changed_at].add(3.0),
+    values.at[:, changed_at].add(3.0),
+    jnp.int32(shift),
+  )
   differs = np.abs(np.asarray(poked - base)).max(axis=(0, 2)) > 1e-6
   np.testing.assert_array_equal(differs, np.arange(12) >= changed_at + shift)
 
@@ -223,18 +244,25 @@ def test_training_loss_draws_offsets_and_shifts_only_in_training(pair):
 
 def test_draft_memory_is_constant_in_the_context_length(pair):
   _, _, draft, _ = pair
-  sizes = {length: sum(x.nbytes for x in jax.tree.leaves(
-      longspec_draft.DraftSelfCache.create(draft.config, 1, draft.options.window, 69, 6))) for length in (1, 10**6)}
+  sizes = {
+    length: sum(
+      x.nbytes
+      for x in jax.tree.leaves(longspec_draft.DraftSelfCache.create(draft.config, 1, draft.options.window, 69, 6))
+    )
+    for length in (1, 10**6)
+  }
   assert len(set(sizes.values())) == 1
   assert longspec_draft.param_count(draft.config) == sum(
-      x.size for x in jax.tree.leaves(longspec_draft.init_variables(draft, jax.random.key(0), 4)["params"]))
+    x.size for x in jax.tree.leaves(longspec_draft.init_variables(draft, jax.random.key(0), 4)["params"])
+  )
 
 
 def test_bad_input_is_named(pair):
   target, target_params, draft, draft_params = pair
   prompt = _prompt(4, seed=11)
-  call = lambda **kw: speculative_generate(target, target_params, draft, draft_params,
-                                           kw.pop("prompt", prompt), **{"max_new_tokens": 4, **kw})
+  call = lambda **kw: speculative_generate(
+    target, target_params, draft, draft_params, kw.pop("prompt", prompt), **{"max_new_tokens": 4, **kw}
+  )
   with pytest.raises(ValueError, match="batch 1"):
     call(prompt=jnp.zeros((2, 4), jnp.int32))
   with pytest.raises(ValueError, match="tree level 1 keeps 9 nodes"):
@@ -262,6 +290,7 @@ def test_bad_input_is_named(pair):
 
 def _draft_run(config_module, workdir, data_dir, target_workdir, **overrides):
   from helpers import tiny_run
+
   config = tiny_run(config_module, str(workdir), data_dir, **{"model.n_kv_heads": 1, **overrides})
   with config.unlocked():
     config.model.family_kwargs.target_workdir = target_workdir
@@ -275,8 +304,9 @@ def test_a_draft_trains_against_its_frozen_target_and_decodes_through_the_workdi
   from castle_jax.workdir import TrainedModel, frozen_record, load_draft, load_trained_model, params_fingerprint
   from train.trainer import train
 
-  target_config = tiny_run(longspec_target_tiny, str(tmp_path / "target"), stdlib_data_dir,
-                           **{"model.n_kv_heads": 1, "data.seq_len": 64})
+  target_config = tiny_run(
+    longspec_target_tiny, str(tmp_path / "target"), stdlib_data_dir, **{"model.n_kv_heads": 1, "data.seq_len": 64}
+  )
   train(target_config)
   draft_config = _draft_run(longspec_draft_tiny, tmp_path / "draft", stdlib_data_dir, target_config.workdir)
   with draft_config.unlocked():
@@ -285,15 +315,19 @@ def test_a_draft_trains_against_its_frozen_target_and_decodes_through_the_workdi
   assert "Frozen parameters ['target'] from step 8" in capfd.readouterr().err
   # Only the draft block trains: no target parameters in the state or the optimizer's.
   draft_size = sum(x.size for x in jax.tree.leaves(result.state.params))
-  assert set(result.state.params) == {"self_norm", "self_attention", "cross_norm", "cross_attention", "mlp_norm",
-                                      "mlp"}
+  assert set(result.state.params) == {"self_norm", "self_attention", "cross_norm", "cross_attention", "mlp_norm", "mlp"}
   assert sum(x.size for x in jax.tree.leaves(result.state.opt_state)) <= 2 * draft_size + 8
   target = load_trained_model(target_config.workdir)
   assert frozen_record(draft_config.workdir)["fingerprint"] == params_fingerprint({"target": target.params})
 
   # Stage 2 starts from stage 1 although its anchor-offset setting differs.
-  long_config = _draft_run(longspec_draft_tiny_long, tmp_path / "long", stdlib_data_dir, target_config.workdir,
-                           **{"data.seq_len": 64, "train.steps": 2})
+  long_config = _draft_run(
+    longspec_draft_tiny_long,
+    tmp_path / "long",
+    stdlib_data_dir,
+    target_config.workdir,
+    **{"data.seq_len": 64, "train.steps": 2},
+  )
   with long_config.unlocked():
     long_config.train.init_from = draft_config.workdir
   train(long_config)
@@ -301,16 +335,26 @@ def test_a_draft_trains_against_its_frozen_target_and_decodes_through_the_workdi
   draft = load_draft(long_config.workdir, target)
   prompt = jnp.asarray(target.tokenizer.encode("def main(x):\n    return"), jnp.int32)[None]
   expected = generate(target.model, target.params, prompt, max_new_tokens=24)
-  spoken = speculative_generate(target.model, target.params, draft.model, draft.params, prompt, max_new_tokens=24,
-                                tree=(2, 4, 4))
+  spoken = speculative_generate(
+    target.model, target.params, draft.model, draft.params, prompt, max_new_tokens=24, tree=(2, 4, 4)
+  )
   np.testing.assert_array_equal(spoken.tokens, expected)
 
-  command = [sys.executable, "-m", "train.generate", f"--workdir={target_config.workdir}",
-             f"--draft_workdir={long_config.workdir}", "--temperature=0", "--max_new_tokens=12", "--tree=2,4",
-             "--prompt=def "]
+  command = [
+    sys.executable,
+    "-m",
+    "train.generate",
+    f"--workdir={target_config.workdir}",
+    f"--draft_workdir={long_config.workdir}",
+    "--temperature=0",
+    "--max_new_tokens=12",
+    "--tree=2,4",
+    "--prompt=def ",
+  ]
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  ran = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": root})
+  ran = subprocess.run(
+    command, cwd=root, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": root}
+  )
   assert ran.returncode == 0, ran.stderr[-2000:]
   assert "# speculative: draft step 2, tree [2, 4]: tau" in ran.stdout
   with pytest.raises(ValueError, match="holds a 'transformer' model, not a 'longspec_draft' draft"):
@@ -318,8 +362,9 @@ def test_a_draft_trains_against_its_frozen_target_and_decodes_through_the_workdi
   other_target = TrainedModel(target.model, jax.tree.map(lambda x: x + 1.0, target.params), target.tokenizer, 8)
   with pytest.raises(ValueError, match="was trained for the target in"):
     load_draft(long_config.workdir, other_target)
-  wide = _draft_run(longspec_draft_tiny, tmp_path / "wide", stdlib_data_dir, target_config.workdir,
-                    **{"model.d_model": 48})
+  wide = _draft_run(
+    longspec_draft_tiny, tmp_path / "wide", stdlib_data_dir, target_config.workdir, **{"model.d_model": 48}
+  )
   with pytest.raises(ValueError, match="model.d_model: target 32, draft 48"):
     train(wide)
   assert not os.path.exists(os.path.join(wide.workdir, "checkpoints", "8"))

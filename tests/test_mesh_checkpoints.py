@@ -36,6 +36,7 @@ def _losses(workdir):
 def uninterrupted(tmp_path_factory, stdlib_data_dir):
   """The 2x2x2 run of STEPS steps (checkpoints at SAVED and STEPS): (config, workdir, losses)."""
   from configs import tiny
+
   base = tiny.get_config()
   with base.unlocked():
     base.data.data_dir = stdlib_data_dir
@@ -61,8 +62,9 @@ def test_resume_on_another_mesh_continues_the_loss_curve(uninterrupted, tmp_path
   assert sorted(resumed) == list(range(1, STEPS + 1))
   for step in range(1, SAVED + 1):
     assert resumed[step] == expected[step]  # the records of the first run, kept
-  np.testing.assert_allclose([resumed[s] for s in range(SAVED + 1, STEPS + 1)],
-                             [expected[s] for s in range(SAVED + 1, STEPS + 1)], rtol=1e-5)
+  np.testing.assert_allclose(
+    [resumed[s] for s in range(SAVED + 1, STEPS + 1)], [expected[s] for s in range(SAVED + 1, STEPS + 1)], rtol=1e-5
+  )
   kernel = result.state.params["block_0"]["attention"]["query"]["kernel"]
   assert len(kernel.sharding.device_set) == (1 if num_devices == 1 else 8)
   assert kernel.addressable_shards[0].data.shape[0] == kernel.shape[0] // fsdp
@@ -71,6 +73,7 @@ def test_resume_on_another_mesh_continues_the_loss_curve(uninterrupted, tmp_path
 def test_num_devices_outside_the_machine_is_named():
   import ml_collections
   from train.mesh import make_mesh
+
   with pytest.raises(ValueError, match=r"mesh.num_devices=9 must be -1 \(all\) or in 1..8"):
     make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1, num_devices=9)))
   assert make_mesh(ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, num_devices=2))).shape["data"] == 2

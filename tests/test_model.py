@@ -16,17 +16,21 @@ from castle_jax.models import ModelConfig, TransformerLM, count_parameters
 from helpers import rel_err
 
 VARIANTS = {
-    "mha": dict(),
-    "gqa_window": dict(n_kv_heads=2, sliding_window=4),
-    "untied_mqa": dict(n_kv_heads=1, tie_embeddings=False),
-    # Block size 4 makes the 11-token tests span several blocks and a ragged last one.
-    "castle": dict(attention="castle", n_heads=2, head_dim=16, attention_kwargs=(("block_size", 4),)),
-    "castle_swl": dict(attention="castle_swl", n_heads=2, head_dim=16,
-                       attention_kwargs=(("block_size", 4), ("lookahead_window", 3))),
-    # Chunk sizes 3-5 make the 11-token tests cross chunk boundaries with a ragged last chunk.
-    "power": dict(attention="power", attention_kwargs=(("chunk_size", 4),)),
-    "power_p4_gqa_tspow": dict(attention="power", n_kv_heads=2, attention_kwargs=(
-        ("chunk_size", 3), ("d_tile", 4), ("expansion", "tspow"), ("p", 4))),
+  "mha": dict(),
+  "gqa_window": dict(n_kv_heads=2, sliding_window=4),
+  "untied_mqa": dict(n_kv_heads=1, tie_embeddings=False),
+  # Block size 4 makes the 11-token tests span several blocks and a ragged last one.
+  "castle": dict(attention="castle", n_heads=2, head_dim=16, attention_kwargs=(("block_size", 4),)),
+  "castle_swl": dict(
+    attention="castle_swl", n_heads=2, head_dim=16, attention_kwargs=(("block_size", 4), ("lookahead_window", 3))
+  ),
+  # Chunk sizes 3-5 make the 11-token tests cross chunk boundaries with a ragged last chunk.
+  "power": dict(attention="power", attention_kwargs=(("chunk_size", 4),)),
+  "power_p4_gqa_tspow": dict(
+    attention="power",
+    n_kv_heads=2,
+    attention_kwargs=(("chunk_size", 3), ("d_tile", 4), ("expansion", "tspow"), ("p", 4)),
+  ),
 }
 
 
@@ -62,10 +66,10 @@ def test_future_tokens_never_change_past_logits(variant):
   tokens = _tokens(1)
   logits, _ = _apply(model, params, tokens)
   for t in (0, 5, 9):
-    changed = tokens.at[:, t + 1:].set((tokens[:, t + 1:] + 17) % 64)
+    changed = tokens.at[:, t + 1 :].set((tokens[:, t + 1 :] + 17) % 64)
     new_logits, _ = _apply(model, params, changed)
     np.testing.assert_array_equal(new_logits[:, : t + 1], logits[:, : t + 1])
-    assert np.abs(new_logits[:, t + 1:] - logits[:, t + 1:]).max() > 1e-3  # the test can fail
+    assert np.abs(new_logits[:, t + 1 :] - logits[:, t + 1 :]).max() > 1e-3  # the test can fail
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -114,7 +118,8 @@ def test_top_k_and_top_p_restrict_support():
   keys = jax.random.split(jax.random.key(0), 400)
   # One compiled draw over the 400 keys, not 400 eager calls.
   draw = lambda **kw: np.asarray(
-      jax.jit(jax.vmap(lambda key: sample_next_token(logits, key, temperature=1.0, **kw)[0]))(keys))
+    jax.jit(jax.vmap(lambda key: sample_next_token(logits, key, temperature=1.0, **kw)[0]))(keys)
+  )
   assert set(draw(top_k=2)) == {0, 1}
   assert set(draw(top_p=0.7)) == {0, 1}  # 0.5 < 0.7 so the second token is needed, the third is not
   assert set(draw()) == {0, 1, 2, 3}
@@ -130,6 +135,7 @@ def test_parameter_count_closed_form(variant):
 @pytest.mark.parametrize("size, paper", [("s", 160e6), ("m", 353e6), ("l", 756e6), ("xl", 1.310e9)])
 def test_paper_baselines_match_table3_parameter_counts(size, paper):
   from train.presets import paper_config
+
   config = ModelConfig.from_mapping(paper_config(size).model)
   assert abs(count_parameters(config) / paper - 1) < 0.01
   if size == "s":  # the closed form equals what init would create
@@ -138,11 +144,20 @@ def test_paper_baselines_match_table3_parameter_counts(size, paper):
     assert sum(np.prod(x.shape) for x in jax.tree.leaves(nn.unbox(shapes))) == count_parameters(config)
 
 
-@pytest.mark.parametrize("size, swl, paper", [
-    ("s", False, 160e6), ("m", False, 351e6), ("l", False, 753e6), ("xl", False, 1.304e9),
-    ("s", True, 160e6), ("xl", True, 1.304e9)])
+@pytest.mark.parametrize(
+  "size, swl, paper",
+  [
+    ("s", False, 160e6),
+    ("m", False, 351e6),
+    ("l", False, 753e6),
+    ("xl", False, 1.304e9),
+    ("s", True, 160e6),
+    ("xl", True, 1.304e9),
+  ],
+)
 def test_paper_castle_models_match_table3_parameter_counts(size, swl, paper):
   from train.presets import castle_paper_config
+
   config = ModelConfig.from_mapping(castle_paper_config(size, swl=swl).model)
   assert config.attention == ("castle_swl" if swl else "castle")
   assert abs(count_parameters(config) / paper - 1) < 0.01
@@ -152,20 +167,25 @@ def test_paper_castle_models_match_table3_parameter_counts(size, swl, paper):
     assert sum(np.prod(x.shape) for x in jax.tree.leaves(nn.unbox(shapes))) == count_parameters(config)
 
 
-@pytest.mark.parametrize("bad, match", [
+@pytest.mark.parametrize(
+  "bad, match",
+  [
     (dict(attention="castle_swl"), "needs model.attention_kwargs.lookahead_window"),
     (dict(attention="castle", attention_kwargs=(("lookahead_window", 4),)), "has no lookahead window"),
     (dict(attention="castle_swl", attention_kwargs=(("lookahead_window", 0),)), "lookahead_window must be an int >= 1"),
     (dict(attention="castle", attention_kwargs=(("block", 4),)), r"Unknown model.attention_kwargs \['block'\]"),
     (dict(attention="castle", n_kv_heads=2), "no grouped-query form"),
     (dict(attention="castle", sliding_window=4), "model.sliding_window"),
-])
+  ],
+)
 def test_bad_castle_options_are_reported(bad, match):
   with pytest.raises(ValueError, match=match):
     _model(**bad)
 
 
-@pytest.mark.parametrize("bad, match", [
+@pytest.mark.parametrize(
+  "bad, match",
+  [
     (dict(p=3), "model.attention_kwargs.p: p must be an even int >= 2"),
     (dict(p=1), "model.attention_kwargs.p: p must be an even int >= 2"),
     (dict(chunk_size=0), "model.attention_kwargs.chunk_size must be None or an int >= 1"),
@@ -175,7 +195,8 @@ def test_bad_castle_options_are_reported(bad, match):
     (dict(gating="yes"), "model.attention_kwargs.gating must be True or False"),
     (dict(gating=False, gate_bias=1.0), "gate_bias has no effect with gating=False"),
     (dict(degree=2), r"Unknown model.attention_kwargs \['degree'\]"),
-])
+  ],
+)
 def test_bad_power_options_are_reported(bad, match):
   with pytest.raises(ValueError, match=match):
     _model(attention="power", attention_kwargs=tuple(sorted(bad.items())))
@@ -184,12 +205,20 @@ def test_bad_power_options_are_reported(bad, match):
 
 
 def test_power_parameter_counts():
-  ungated = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, attention="power",
-                        attention_kwargs=(("gating", False),))
+  ungated = ModelConfig(
+    vocab_size=64,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    attention="power",
+    attention_kwargs=(("gating", False),),
+  )
   shapes = jax.eval_shape(lambda: TransformerLM(ungated).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
   assert sum(np.prod(x.shape) for x in jax.tree.leaves(nn.unbox(shapes))) == count_parameters(ungated)
   # The power-attention paper's small model has GPT-2 small's widths: 124M parameters.
   from train.presets import power_paper_config
+
   config = ModelConfig.from_mapping(power_paper_config("s").model)
   assert abs(count_parameters(config) / 124e6 - 1) < 0.01
   gated = config.n_layers * config.d_model * config.n_heads  # one gate per head and layer
@@ -200,6 +229,7 @@ def test_power_parameter_counts():
 def test_icl_configs_compare_equal_decoding_states():
   from castle_jax.layers.power import state_size
   from train.presets import icl_config
+
   power, window = (ModelConfig.from_mapping(icl_config(name).model) for name in ("power", "swa"))
   kv_cache = 2 * window.sliding_window * window.kv_heads * window.qk_head_dim
   assert abs(kv_cache / state_size(power) - 1) < 0.01
@@ -222,13 +252,16 @@ def test_unknown_attention_name_is_reported():
     _model(attention="flash")
 
 
-@pytest.mark.parametrize("bad, match", [
+@pytest.mark.parametrize(
+  "bad, match",
+  [
     (dict(n_heads=3), "not divisible"),
     (dict(n_kv_heads=3), "multiple of model.n_kv_heads"),
     (dict(d_model=0), "model.d_model must be >= 1"),
     (dict(dtype="float8"), "model.dtype"),
     (dict(head_dim=7, n_heads=2), "even"),
-])
+  ],
+)
 def test_bad_model_config(bad, match):
   with pytest.raises(ValueError, match=match):
     ModelConfig(**(dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4) | bad))
@@ -257,6 +290,7 @@ def test_mha_tree_verification_leaves_the_cache_and_refuses_what_it_cannot_verif
   """Tree verification (speculative decoding) returns the nodes' pending keys/values and
   leaves the cache as it was; training and window layers refuse a tree."""
   from castle_jax.layers.mha import MultiHeadAttention, PendingKV, TreeVerification
+
   config = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, dtype="float32")
   layer = MultiHeadAttention(config)
   x = jax.random.normal(jax.random.key(0), (1, 3, 32))
@@ -280,6 +314,7 @@ def test_mha_tree_verification_leaves_the_cache_and_refuses_what_it_cannot_verif
 def test_model_families_and_config_defaults():
   from castle_jax.models import MODEL_FAMILIES, build_model, family_of
   from train.config import base_config
+
   assert set(MODEL_FAMILIES) == {"transformer", "drt", "longspec_draft"}
   with pytest.raises(ValueError, match=r"Unknown model family 'retro' \(config model.family\)"):
     build_model(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, family="retro"))

@@ -32,10 +32,12 @@ def _kernel_hashes(f, inputs=_INPUTS) -> list[str]:
 
 def _gradient_of_layers(layers: int, attention=_attention, num_inputs: int = 6):
   """The gradient of `layers` rematerialized calls of attention(x, *rest), each feeding the next its x."""
+
   def loss(x, *rest):
     for _ in range(layers):
       x = jax.checkpoint(attention)(x, *rest)
     return jnp.sum(x.astype(jnp.float32))
+
   return jax.grad(loss, argnums=tuple(range(num_inputs)))
 
 
@@ -66,8 +68,9 @@ def test_gca_layers_lower_the_kernels_once():
 
   q = jnp.full((1, 128, 1, 64), 0.1, jnp.bfloat16)
   attention = lambda q, *a: gca_attention_mosaic(q, *a, indices, scale=0.125)
-  three, six = (_kernel_hashes(_gradient_of_layers(n, attention, num_inputs=4), (q, chunk_k, chunk_v, weights))
-                for n in (3, 6))
+  three, six = (
+    _kernel_hashes(_gradient_of_layers(n, attention, num_inputs=4), (q, chunk_k, chunk_v, weights)) for n in (3, 6)
+  )
   assert 0 < len(six) == len(three)
 
 

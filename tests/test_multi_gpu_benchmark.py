@@ -13,10 +13,9 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from benchmarks import multi_gpu, synthetic_step
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import multi_gpu  # noqa: E402
-import synthetic_step  # noqa: E402
 
 
 def test_collectives_are_read_from_hlo_text():
@@ -59,8 +58,10 @@ def test_float32_equivalence_passes_and_finds_planted_sharding_defects(monkeypat
 
   kernels = power_api.power_attention_pallas
   for axis, caught in ((2, {"tp"}), (0, {"dp", "fsdp"})):
+
     def defective(q, k, v, log_g, axis=axis, **options):
       return kernels(q, k, v, jnp.broadcast_to(jnp.mean(log_g, axis=axis, keepdims=True), log_g.shape), **options)
+
     monkeypatch.setattr(power_api, "power_attention_pallas", defective)
     found = error_by_layout(multi_gpu.check_equivalence("power", 2, smoke=True))
     assert {layout for layout, (ok, _, _) in found.items() if not ok} == caught, found
@@ -77,15 +78,22 @@ def test_a_layout_the_model_cannot_take_is_named_not_run():
 
 
 def test_overrides_set_typed_config_keys_and_name_unknown_ones():
-  args = multi_gpu.parse_args(["--smoke", "--override=power_p2_s:model.attention_kwargs.chunk_size=128",
-                               "--override=train.log_every=7", "--tokens_per_device=256"])
+  args = multi_gpu.parse_args(
+    [
+      "--smoke",
+      "--override=power_p2_s:model.attention_kwargs.chunk_size=128",
+      "--override=train.log_every=7",
+      "--tokens_per_device=256",
+    ]
+  )
   config = multi_gpu.preset_config("power_p2_s", args, (2, 1, 1), 2, 1)
   assert config.model.attention_kwargs.chunk_size == 128 and config.train.log_every == 7
   assert config.data.batch_size == 2 * 256 // config.data.seq_len
   assert multi_gpu.preset_config("baseline_s", args, (1, 1, 1), 1, 1).train.log_every == 7
   with pytest.raises(ValueError, match="'train.stepz' is not a config key"):
-    multi_gpu.preset_config("baseline_s", multi_gpu.parse_args(["--smoke", "--override=train.stepz=3"]), (1, 1, 1),
-                            1, 1)
+    multi_gpu.preset_config(
+      "baseline_s", multi_gpu.parse_args(["--smoke", "--override=train.stepz=3"]), (1, 1, 1), 1, 1
+    )
 
 
 def test_timeline_split_counts_exposed_collectives_and_idle_time():
@@ -98,8 +106,14 @@ def test_timeline_split_counts_exposed_collectives_and_idle_time():
 
 def _smoke(tmp_path, *args, timeout=600):
   out = tmp_path / "out"
-  done = subprocess.run([sys.executable, "benchmarks/multi_gpu.py", "--smoke", f"--out={out}", *args], cwd=ROOT,
-                        env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=timeout)
+  done = subprocess.run(
+    [sys.executable, "-m", "benchmarks.multi_gpu", "--smoke", f"--out={out}", *args],
+    cwd=ROOT,
+    env=dict(os.environ, PYTHONPATH=ROOT),
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
   rows = json.load(open(out / "results.json"))["rows"]
   return done, rows
 

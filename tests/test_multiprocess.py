@@ -25,20 +25,34 @@ from train.trainer import train
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def launch_job(workdir: str, data_dir: str, processes: int = 2, devices_per_process: int = 4,
-               extra: tuple[str, ...] = ()) -> list[subprocess.Popen]:
+def launch_job(
+  workdir: str, data_dir: str, processes: int = 2, devices_per_process: int = 4, extra: tuple[str, ...] = ()
+) -> list[subprocess.Popen]:
   """Starts `processes` copies of `python -m train` forming one job (env-var launch)."""
   address = f"localhost:{portpicker.pick_unused_port()}"
   overrides = [f"--config.{k}={v}" for k, v in TINY_RUN_SETTINGS.items()]
-  command = [sys.executable, "-m", "train", "--config=configs/tiny.py", f"--workdir={workdir}", *overrides,
-             f"--config.data.data_dir={data_dir}", *extra]
+  command = [
+    sys.executable,
+    "-m",
+    "train",
+    "--config=configs/tiny.py",
+    f"--workdir={workdir}",
+    *overrides,
+    f"--config.data.data_dir={data_dir}",
+    *extra,
+  ]
   jobs = []
   for index in range(processes):
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=address,
-               JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(index),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
-    jobs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True))
+    env = dict(
+      os.environ,
+      PYTHONPATH=ROOT,
+      JAX_PLATFORMS="cpu",
+      JAX_COORDINATOR_ADDRESS=address,
+      JAX_NUM_PROCESSES=str(processes),
+      JAX_PROCESS_ID=str(index),
+      XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
+    )
+    jobs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
   return jobs
 
 
@@ -62,8 +76,12 @@ class BothShards:
   process 0's rows followed by process 1's (the global batch of the job)."""
 
   def __init__(self, data_config, tokenizer, split, shuffle, prefetch=0):
-    self.shards = [make_lm_iterator(data_config, tokenizer, split=split, shuffle=shuffle, process_index=i,
-                                    process_count=2, prefetch=prefetch) for i in range(2)]
+    self.shards = [
+      make_lm_iterator(
+        data_config, tokenizer, split=split, shuffle=shuffle, process_index=i, process_count=2, prefetch=prefetch
+      )
+      for i in range(2)
+    ]
 
   def __next__(self):
     parts = [next(it) for it in self.shards]
@@ -106,8 +124,7 @@ def test_two_processes_train_like_one(tiny_run_config, tmp_path, monkeypatch):
   losses = _losses(str(tmp_path / "job"))
   steps = TINY_RUN_SETTINGS["train.steps"]
   assert sorted(losses) == list(range(1, steps + 1)), outputs[0][-2000:]
-  np.testing.assert_allclose([losses[s] for s in sorted(losses)], [expected[s] for s in sorted(expected)],
-                             rtol=2e-5)
+  np.testing.assert_allclose([losses[s] for s in sorted(losses)], [expected[s] for s in sorted(expected)], rtol=2e-5)
   assert losses[steps] < losses[1]
   # Each process saved its own position in its own shard of the documents.
   data_iter = tmp_path / "job" / "checkpoints" / str(steps) / "data_iter"
@@ -118,14 +135,20 @@ def test_two_processes_train_like_one(tiny_run_config, tmp_path, monkeypatch):
 
 def test_two_processes_read_different_documents(tiny_run_config):
   from castle_jax.data.tokenizer import load_tokenizer
+
   tokenizer = load_tokenizer("byte")
-  first = [next(make_lm_iterator(tiny_run_config.data, tokenizer, split="train", shuffle=True, process_index=i,
-                                 process_count=2))["inputs"] for i in range(2)]
+  first = [
+    next(
+      make_lm_iterator(tiny_run_config.data, tokenizer, split="train", shuffle=True, process_index=i, process_count=2)
+    )["inputs"]
+    for i in range(2)
+  ]
   assert first[0].shape == (TINY_RUN_SETTINGS["data.batch_size"] // 2, TINY_RUN_SETTINGS["data.seq_len"])
   assert not np.array_equal(first[0], first[1])
 
 
 # --- when to join a job --------------------------------------------------------------------------
+
 
 def test_job_spec_from_flags_and_environment():
   env = {"JAX_COORDINATOR_ADDRESS": "host0:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "2"}
@@ -138,21 +161,29 @@ def test_job_spec_from_flags_and_environment():
 
 
 def test_schedulers_are_detected_without_flags():
-  slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "16", "SLURM_PROCID": "3",
-           "SLURM_LOCALID": "3"}
+  slurm = {
+    "SLURM_JOB_ID": "7",
+    "SLURM_STEP_NODELIST": "n[1-2]",
+    "SLURM_NTASKS": "16",
+    "SLURM_PROCID": "3",
+    "SLURM_LOCALID": "3",
+  }
   assert job_spec(env=slurm).cluster == "slurm"
   assert job_spec(env=dict(slurm, SLURM_NTASKS="1")) is None  # one task: a plain run
   ompi = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_LOCAL_RANK": "0"}
   assert job_spec(env=ompi).cluster == "ompi"
 
 
-@pytest.mark.parametrize("env, match", [
+@pytest.mark.parametrize(
+  "env, match",
+  [
     ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"}, "missing: --coordinator_address / JAX_COORDINATOR_ADDRESS"),
     ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2"}, "missing: --process_id / JAX_PROCESS_ID"),
     ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"}, r"outside \[0, 2\)"),
     ({"JAX_COORDINATOR_ADDRESS": "h", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}, "needs a port"),
     ({"JAX_NUM_PROCESSES": "two"}, "JAX_NUM_PROCESSES must be an integer"),
-])
+  ],
+)
 def test_incomplete_settings_are_named(env, match):
   with pytest.raises(DistributedInitError, match=match):
     job_spec(env=env)
@@ -160,9 +191,17 @@ def test_incomplete_settings_are_named(env, match):
 
 def test_unreachable_coordinator_is_one_line(tmp_path):
   """Process 1 of a job whose process 0 never starts: a one-line error, exit 1."""
-  command = [sys.executable, "-m", "train", "--config=configs/tiny.py", f"--workdir={tmp_path}",
-             f"--coordinator_address=localhost:{portpicker.pick_unused_port()}", "--num_processes=2",
-             "--process_id=1", "--coordinator_timeout_s=3"]
+  command = [
+    sys.executable,
+    "-m",
+    "train",
+    "--config=configs/tiny.py",
+    f"--workdir={tmp_path}",
+    f"--coordinator_address=localhost:{portpicker.pick_unused_port()}",
+    "--num_processes=2",
+    "--process_id=1",
+    "--coordinator_timeout_s=3",
+  ]
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
   assert done.returncode == 1, done.stderr[-2000:]

@@ -54,8 +54,11 @@ def _with_parameters(notebook: nbformat.NotebookNode, values: dict) -> nbformat.
   return notebook
 
 
-@pytest.mark.parametrize("path", [pytest.param(path, marks=pytest.mark.slow) if path.stem in SLOW_NOTEBOOKS else path
-                                  for path in NOTEBOOKS], ids=[path.stem for path in NOTEBOOKS])
+@pytest.mark.parametrize(
+  "path",
+  [pytest.param(path, marks=pytest.mark.slow) if path.stem in SLOW_NOTEBOOKS else path for path in NOTEBOOKS],
+  ids=[path.stem for path in NOTEBOOKS],
+)
 def test_notebook_executes(path):
   notebook = nbformat.read(path, as_version=4)
   committed = path.read_bytes()

@@ -27,8 +27,9 @@ pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
 
 
 def _mesh():
-  return jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), devices=jax.devices()[:8],
-                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  return jax.make_mesh(
+    (2, 2, 2), ("data", "fsdp", "tensor"), devices=jax.devices()[:8], axis_types=(jax.sharding.AxisType.Auto,) * 3
+  )
 
 
 def _inputs(seed, shape=SHAPE):
@@ -39,6 +40,7 @@ def _inputs(seed, shape=SHAPE):
 def _attention_and_grads(inputs, cotangent):
   def loss(*args):
     return jnp.sum(castle_attention(*args, window=5, implementation="pallas", pallas_config=KERNELS) * cotangent)
+
   out = castle_attention(*inputs, window=5, implementation="pallas", pallas_config=KERNELS)
   return out, jax.grad(loss, argnums=range(6))(*inputs)
 
@@ -61,15 +63,16 @@ def test_castle_kernels_run_per_shard_and_match_unsharded():
 def test_pallas_prefill_and_decoding_per_shard(window):
   inputs, _ = _inputs(seed=1)
   batch, seq, heads, head_dim = SHAPE
-  step = jax.jit(lambda c, *a: decode_step(c, *a, implementation="pallas",
-                                           pallas_config=CastleDecodeConfig(block_rows=16, splits=2)))
+  step = jax.jit(
+    lambda c, *a: decode_step(c, *a, implementation="pallas", pallas_config=CastleDecodeConfig(block_rows=16, splits=2))
+  )
   fill = jax.jit(lambda c, *a: prefill(c, *a, implementation="pallas"))
 
   def run(inputs):
     cache = init_cache(batch, seq, heads, head_dim, jnp.float32, window=window)
     outs, cache = fill(cache, *(x[:, :20] for x in inputs))
     for t in range(20, seq):
-      out, cache = step(cache, *(x[:, t:t + 1] for x in inputs))
+      out, cache = step(cache, *(x[:, t : t + 1] for x in inputs))
       outs = jnp.concatenate([outs, out], axis=1)
     return outs, cache
 
@@ -93,8 +96,9 @@ def test_batch_that_does_not_divide_names_the_fix():
 
 def test_without_a_mesh_nothing_is_wrapped():
   x = jnp.ones((2, 4, 2, 16))
-  text = str(jax.make_jaxpr(lambda y: map_over_shards(jnp.sin, (y,), [SEQUENCE_HEADS_AXES], SEQUENCE_HEADS_AXES,
-                                                      what="sin"))(x))
+  text = str(
+    jax.make_jaxpr(lambda y: map_over_shards(jnp.sin, (y,), [SEQUENCE_HEADS_AXES], SEQUENCE_HEADS_AXES, what="sin"))(x)
+  )
   assert "shard_map" not in text
 
 
@@ -102,6 +106,7 @@ def test_power_kernels_run_per_shard_with_states():
   """Grouped heads (4 query heads on 2 key/value heads) split over tensor = 2, with an
   initial state and the final state."""
   from castle_jax.ops.power import PowerState, power_attention
+
   rng = jax.random.split(jax.random.key(3), 6)
   batch, seq, heads, kv_heads, dim = 4, 128, 4, 2, 16
   q = jax.random.normal(rng[0], (batch, seq, heads, dim))
@@ -111,18 +116,22 @@ def test_power_kernels_run_per_shard_with_states():
   _, state = power_attention(q, k, v, log_g, implementation="reference", return_final_state=True)
 
   def run(q, k, v, log_g, state):
-    out, final = power_attention(q, k, v, log_g, implementation="pallas", chunk_size=64, initial_state=state,
-                                 return_final_state=True)
+    out, final = power_attention(
+      q, k, v, log_g, implementation="pallas", chunk_size=64, initial_state=state, return_final_state=True
+    )
     return jnp.sum(out * out), (out, final)
 
   (_, (expected, expected_state)), expected_grads = jax.jit(jax.value_and_grad(run, argnums=(0, 1, 2), has_aux=True))(
-      q, k, v, log_g, state)
+    q, k, v, log_g, state
+  )
   mesh = _mesh()
   with jax.set_mesh(mesh):
     heads_sharding = NamedSharding(mesh, HEADS_SPEC)
-    args = (*jax.device_put((q, k, v), heads_sharding),
-            jax.device_put(log_g, NamedSharding(mesh, P(("data", "fsdp"), None, "tensor"))),
-            jax.device_put(state, NamedSharding(mesh, P(("data", "fsdp"), "tensor"))))
+    args = (
+      *jax.device_put((q, k, v), heads_sharding),
+      jax.device_put(log_g, NamedSharding(mesh, P(("data", "fsdp"), None, "tensor"))),
+      jax.device_put(state, NamedSharding(mesh, P(("data", "fsdp"), "tensor"))),
+    )
     grad_fn = jax.jit(jax.value_and_grad(run, argnums=(0, 1, 2), has_aux=True))
     assert "shard_map" in str(jax.make_jaxpr(grad_fn)(*args))
     (_, (out, final)), grads = grad_fn(*args)
@@ -137,6 +146,7 @@ def test_gca_kernels_run_per_shard():
   """Grouped heads (4 query heads on 2 key/value heads) split over tensor = 2; chunk weights
   and indices split over the batch only."""
   from castle_jax.ops.gca import gca_attention
+
   rng = jax.random.split(jax.random.key(4), 6)
   batch, query_chunks, query_len, heads, kv_heads, dim, memory_chunks, chunk_len, top_k = 4, 2, 5, 4, 2, 16, 3, 6, 2
   q = jax.random.normal(rng[0], (batch, query_chunks * query_len, heads, dim))
@@ -155,8 +165,11 @@ def test_gca_kernels_run_per_shard():
   with jax.set_mesh(mesh):
     memory_sharding = NamedSharding(mesh, P(("data", "fsdp"), None, None, "tensor", None))
     slot_sharding = NamedSharding(mesh, P(("data", "fsdp"), None, None))
-    args = (jax.device_put(q, NamedSharding(mesh, HEADS_SPEC)), *jax.device_put((chunk_k, chunk_v), memory_sharding),
-            *jax.device_put((weights, indices), slot_sharding))
+    args = (
+      jax.device_put(q, NamedSharding(mesh, HEADS_SPEC)),
+      *jax.device_put((chunk_k, chunk_v), memory_sharding),
+      *jax.device_put((weights, indices), slot_sharding),
+    )
     assert "shard_map" in str(jax.make_jaxpr(grad_fn)(*args))
     (_, out), grads = grad_fn(*args)
   assert rel_err(out, expected) < 1e-5
@@ -169,18 +182,23 @@ def test_tree_attention_kernel_runs_per_shard():
   heads on 2 key/value heads) over tensor = 2."""
   from castle_jax.ops.tree_attention import tree_attention
   from test_tree_attention import make_inputs
+
   inputs = make_inputs(8, batch=4, n=5, heads=4, kv_heads=2, head_dim=16, capacity=40, cache_length=[0, 40, 17, 3])
   run = jax.jit(lambda **kw: tree_attention(**kw, implementation="pallas", return_lse=True))
   expected = run(**inputs)
   mesh = _mesh()
   with jax.set_mesh(mesh):
     rows = NamedSharding(mesh, P(("data", "fsdp")))
-    sharded = {**inputs,
-               "q": jax.device_put(inputs["q"], NamedSharding(mesh, HEADS_SPEC)),
-               **{name: jax.device_put(inputs[name], NamedSharding(mesh, P(("data", "fsdp"), None, "tensor", None)))
-                  for name in ("cache_k", "cache_v", "tree_k", "tree_v")},
-               "cache_length": jax.device_put(inputs["cache_length"], rows),
-               "tree_mask": jax.device_put(inputs["tree_mask"], NamedSharding(mesh, P(("data", "fsdp"), None, None)))}
+    sharded = {
+      **inputs,
+      "q": jax.device_put(inputs["q"], NamedSharding(mesh, HEADS_SPEC)),
+      **{
+        name: jax.device_put(inputs[name], NamedSharding(mesh, P(("data", "fsdp"), None, "tensor", None)))
+        for name in ("cache_k", "cache_v", "tree_k", "tree_v")
+      },
+      "cache_length": jax.device_put(inputs["cache_length"], rows),
+      "tree_mask": jax.device_put(inputs["tree_mask"], NamedSharding(mesh, P(("data", "fsdp"), None, None))),
+    }
     assert "shard_map" in str(jax.make_jaxpr(run)(**sharded))
     out, lse = run(**sharded)
   assert rel_err(out, expected[0]) < 1e-6

@@ -17,9 +17,9 @@ def test_example_layout(length, align_to):
   text = TOKENIZER.decode(example.tokens)
   assert f"The passkey is: {example.passkey}." in text
   assert text.endswith(f"What is the passkey? The passkey is {example.passkey}")
-  answer = example.tokens[example.answer_start:example.answer_start + example.answer_length]
+  answer = example.tokens[example.answer_start : example.answer_start + example.answer_length]
   assert TOKENIZER.decode(answer) == example.passkey
-  assert TOKENIZER.decode(example.tokens[example.needle_position:]).startswith(" The passkey is:")
+  assert TOKENIZER.decode(example.tokens[example.needle_position :]).startswith(" The passkey is:")
   if align_to:
     assert (example.answer_start - len(" is ")) % align_to == 0
 
@@ -59,7 +59,7 @@ def test_scoring_from_tail_logits_matches_full_logits(align_to):
   early = np.roll(logits, 1, axis=0)  # each row predicts the token before the right one
   assert passkey.score_tail(early[-count:], example) == (False, False)
   with pytest.raises(ValueError, match="tail_count"):
-    passkey.score_tail(logits[-count - 1:], example)
+    passkey.score_tail(logits[-count - 1 :], example)
 
 
 def test_examples_spread_depths_evenly_and_keep_passkeys_across_lengths():

@@ -8,7 +8,7 @@ import pytest
 from castle_jax.data.passkey_data import minimum_length
 from castle_jax.data.pipeline import make_lm_iterator
 from castle_jax.data.tokenizer import ByteTokenizer
-from castle_jax.eval.passkey import QUESTION
+from castle_jax.data.passkey_prompts import QUESTION
 from train.config import base_config
 
 TOKENIZER = ByteTokenizer()
@@ -26,8 +26,14 @@ def data_config(tmp_path_factory, small_source_dir):
 
 
 def _iterator(data_config, split="train", process_index=0, process_count=1):
-  return make_lm_iterator(data_config, TOKENIZER, split=split, shuffle=split == "train",
-                          process_index=process_index, process_count=process_count)
+  return make_lm_iterator(
+    data_config,
+    TOKENIZER,
+    split=split,
+    shuffle=split == "train",
+    process_index=process_index,
+    process_count=process_count,
+  )
 
 
 def _batches(data_config, count=3, **kwargs):
@@ -51,7 +57,7 @@ def test_answer_targets_are_the_passkey_tokens_only(data_config):
       # Exactly the passkey's tokens, contiguous, predicted from "... The passkey is ".
       np.testing.assert_array_equal(targets[kept], TOKENIZER.encode(passkey))
       np.testing.assert_array_equal(kept, np.arange(kept[0], kept[0] + len(kept)))
-      assert TOKENIZER.decode(inputs[:kept[0] + 1]).endswith(QUESTION + " is ")
+      assert TOKENIZER.decode(inputs[: kept[0] + 1]).endswith(QUESTION + " is ")
       np.testing.assert_array_equal(inputs[kept[:-1] + 1], targets[kept[:-1]])  # the answer is in the inputs too
 
 
@@ -80,7 +86,7 @@ def test_lengths_vary_from_min_length_and_pad_the_tail(data_config):
     assert batch["inputs"].shape == (4, 120)
     for inputs, targets in zip(batch["inputs"], batch["targets"]):
       last = np.flatnonzero(targets != PAD)[-1]  # the passkey's last digit ends the prompt
-      assert (targets[last + 1:] == PAD).all() and (inputs[last + 2:] == PAD).all()
+      assert (targets[last + 1 :] == PAD).all() and (inputs[last + 2 :] == PAD).all()
       lengths.add(last + 1)
   assert min(lengths) >= 80 and max(lengths) <= 120 and len(lengths) > 5
 
@@ -124,8 +130,9 @@ def test_iterator_state_round_trip(data_config):
 
 def test_prefetch_keeps_the_batches(data_config):
   expected = _batches(data_config, count=4)
-  it = make_lm_iterator(data_config, TOKENIZER, split="train", shuffle=True, process_index=0, process_count=1,
-                        prefetch=2)
+  it = make_lm_iterator(
+    data_config, TOKENIZER, split="train", shuffle=True, process_index=0, process_count=1, prefetch=2
+  )
   for batch in expected:
     np.testing.assert_array_equal(next(it)["inputs"], batch["inputs"])
   it.close()
@@ -142,7 +149,9 @@ def test_shortest_prompt_fits(data_config):
     _iterator(data_config)
 
 
-@pytest.mark.parametrize("key, value, match", [
+@pytest.mark.parametrize(
+  "key, value, match",
+  [
     ("task", "mlm", r"data.task must be one of \('lm', 'passkey'\)"),
     ("passkey.loss", "prompt", r"data.passkey.loss must be one of \('answer', 'all'\)"),
     ("passkey.digits", 0, "data.passkey.digits must be an int >= 1"),
@@ -150,7 +159,8 @@ def test_shortest_prompt_fits(data_config):
     ("passkey.min_length", 10, r"data.passkey.min_length \(10\) must be 0"),
     ("passkey.min_length", 121, r"data.passkey.min_length \(121\) must be 0"),
     ("seq_len", 30, r"data.seq_len \(30\) is too short"),
-])
+  ],
+)
 def test_bad_config_values_name_the_key(data_config, key, value, match):
   section = data_config.passkey if key.startswith("passkey.") else data_config
   section[key.split(".")[-1]] = value

@@ -18,22 +18,22 @@ import numpy as np
 import pytest
 
 from castle_jax.ops.power import (
-    PowerState,
-    append_tokens,
-    decode_step,
-    expand,
-    expanded_dim,
-    init_cache,
-    power_attention,
-    power_attention_chunked,
-    power_attention_log_space,
-    power_attention_recurrent,
-    power_attention_reference,
-    prefill,
-    reference_state,
-    spow,
-    tpow,
-    tspow,
+  PowerState,
+  append_tokens,
+  decode_step,
+  expand,
+  expanded_dim,
+  init_cache,
+  power_attention,
+  power_attention_chunked,
+  power_attention_log_space,
+  power_attention_recurrent,
+  power_attention_reference,
+  prefill,
+  reference_state,
+  spow,
+  tpow,
+  tspow,
 )
 from castle_jax.ops.power.expansion import expansion_table
 from helpers import rel_err
@@ -100,16 +100,26 @@ def test_expansion_inner_product_is_the_power_float64(head_dim, p, expansion):
 
 def test_dimensions_match_table3():
   # Table 3 of the paper: d = 64, p = 2 .. 6.
-  table3 = {2: (4096, 2080), 3: (262144, 45760), 4: (16777216, 766480), 5: (1073741824, 10424128),
-            6: (68719476736, 119877472)}
+  table3 = {
+    2: (4096, 2080),
+    3: (262144, 45760),
+    4: (16777216, 766480),
+    5: (1073741824, 10424128),
+    6: (68719476736, 119877472),
+  }
   for p, (tpow_dim, spow_dim) in table3.items():
     assert expanded_dim(64, p, "tpow") == tpow_dim
     assert expanded_dim(64, p, "spow") == spow_dim
   # tspow: C(d / d_tile + p - 1, p) * d_tile^p (Sec. 4.1.1).
   assert expanded_dim(64, 2, "tspow", 8) == math.comb(9, 2) * 64 == 2304
   assert expanded_dim(64, 3, "tspow", 4) == math.comb(18, 3) * 64
-  for head_dim, p, expansion, d_tile in [(8, 2, "spow", None), (8, 4, "spow", None), (8, 3, "tpow", None),
-                                         (8, 2, "tspow", 2), (12, 4, "tspow", 3)]:
+  for head_dim, p, expansion, d_tile in [
+    (8, 2, "spow", None),
+    (8, 4, "spow", None),
+    (8, 3, "tpow", None),
+    (8, 2, "tspow", 2),
+    (12, 4, "tspow", 3),
+  ]:
     idx, weights = expansion_table(head_dim, p, expansion, d_tile)
     assert idx.shape == (expanded_dim(head_dim, p, expansion, d_tile), p) and weights.shape == idx.shape[:1]
 
@@ -120,7 +130,8 @@ def test_spow_matches_the_papers_examples():
     x = jnp.array([x1, x2])
     np.testing.assert_allclose(spow(x, 2), [x1 * x1, math.sqrt(2) * x1 * x2, x2 * x2], rtol=1e-15)
     np.testing.assert_allclose(
-        spow(x, 3), [x1**3, math.sqrt(3) * x1 * x1 * x2, math.sqrt(3) * x1 * x2 * x2, x2**3], rtol=1e-15)
+      spow(x, 3), [x1**3, math.sqrt(3) * x1 * x1 * x2, math.sqrt(3) * x1 * x2 * x2, x2**3], rtol=1e-15
+    )
 
 
 def test_tspow_interpolates_between_spow_and_tpow():
@@ -166,17 +177,23 @@ def test_outputs_are_the_weighted_mean_computed_by_hand():
     out = np.asarray(_attention_form(q, k, v, log_g, p=4, scale=0.3))
     b, i, h = 1, 4, 4
     kv_head = h // (HQ // HKV)
-    weights = np.array([(0.3 * q[b, i, h] @ k[b, j, kv_head]) ** 4 * np.exp(log_g[b, j + 1:i + 1, kv_head].sum())
-                        for j in range(i + 1)])
-    expected = weights @ v[b, :i + 1, kv_head] / weights.sum()
+    weights = np.array(
+      [
+        (0.3 * q[b, i, h] @ k[b, j, kv_head]) ** 4 * np.exp(log_g[b, j + 1 : i + 1, kv_head].sum())
+        for j in range(i + 1)
+      ]
+    )
+    expected = weights @ v[b, : i + 1, kv_head] / weights.sum()
     assert rel_err(out[b, i, h], expected) < 1e-13
 
 
 # --- chunked form -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("p, expansion, chunk_size, gating", [
-    (2, "spow", 4, True), (2, "spow", 1, True), (2, "tpow", 3, False), (4, "tspow", 16, True)])
+@pytest.mark.parametrize(
+  "p, expansion, chunk_size, gating",
+  [(2, "spow", 4, True), (2, "spow", 1, True), (2, "tpow", 3, False), (4, "tspow", 16, True)],
+)
 def test_chunked_matches_definition_float64(p, expansion, chunk_size, gating):
   with jax.enable_x64(True):
     inputs = _inputs(seed=20 + chunk_size, dtype=jnp.float64, gating=gating)
@@ -224,8 +241,11 @@ def test_length_one_outputs_the_value():
   q, k, v, log_g = inputs
   k_per_q = jnp.repeat(k, HQ // HKV, axis=2)
   q = q - (jnp.sum(q * k_per_q, -1, keepdims=True) / jnp.sum(k_per_q**2, -1, keepdims=True) - 1e-6) * k_per_q
-  for out in (_chunked(q, k, v, log_g, chunk_size=4)[0], power_attention_recurrent(q, k, v, log_g)[0],
-              decode_step(init_cache(B, HKV, D_HEAD, D_VALUE), q, k, v, log_g)[0]):
+  for out in (
+    _chunked(q, k, v, log_g, chunk_size=4)[0],
+    power_attention_recurrent(q, k, v, log_g)[0],
+    decode_step(init_cache(B, HKV, D_HEAD, D_VALUE), q, k, v, log_g)[0],
+  ):
     assert rel_err(out, expected) < 1e-5
 
 
@@ -240,10 +260,13 @@ def test_chunked_bf16_inputs():
 
 def _loss_with_state(fn, cotangents):
   """sum(out * c_out) + sum(state * c_state) + sum(normalizer * c_norm): every output is differentiated."""
+
   def loss(q, k, v, log_g):
     out, state = fn(q, k, v, log_g)
-    return (jnp.sum(out * cotangents[0]) + jnp.sum(state.state * cotangents[1])
-            + jnp.sum(state.normalizer * cotangents[2]))
+    return (
+      jnp.sum(out * cotangents[0]) + jnp.sum(state.state * cotangents[1]) + jnp.sum(state.normalizer * cotangents[2])
+    )
+
   return loss
 
 
@@ -252,8 +275,10 @@ def test_gradients_match_definition(p, chunk_size):
   inputs = _inputs(seed=60 + p)
   dim = expanded_dim(D_HEAD, p)
   rng = np.random.default_rng(61)
-  cotangents = tuple(jnp.asarray(rng.standard_normal(shape) / scale, jnp.float32) for shape, scale in [
-      ((B, T, HQ, D_VALUE), 1.0), ((B, HKV, dim, D_VALUE), dim), ((B, HKV, dim), dim)])
+  cotangents = tuple(
+    jnp.asarray(rng.standard_normal(shape) / scale, jnp.float32)
+    for shape, scale in [((B, T, HQ, D_VALUE), 1.0), ((B, HKV, dim, D_VALUE), dim), ((B, HKV, dim), dim)]
+  )
   grad = lambda fn: jax.jit(jax.grad(_loss_with_state(fn, cotangents), argnums=(0, 1, 2, 3)))(*inputs)
   expected = grad(lambda *a: _reference(*a, p=p))
   fast_paths = {"chunked": functools.partial(power_attention_chunked, p=p, chunk_size=chunk_size)}
@@ -271,14 +296,15 @@ def test_gradients_match_definition(p, chunk_size):
 def test_chunked_is_causal():
   inputs = _inputs(seed=70)
   last_kept = 5
-  future = (jnp.arange(T) > last_kept)
+  future = jnp.arange(T) > last_kept
   noise = _inputs(seed=71)
-  perturbed = tuple(x + jnp.where(future.reshape((1, T) + (1,) * (x.ndim - 2)), 3.0 * n, 0.0)
-                    for x, n in zip(inputs, noise))
+  perturbed = tuple(
+    x + jnp.where(future.reshape((1, T) + (1,) * (x.ndim - 2)), 3.0 * n, 0.0) for x, n in zip(inputs, noise)
+  )
   out, _ = _chunked(*inputs, chunk_size=4)
   out_perturbed, _ = _chunked(*perturbed, chunk_size=4)
-  np.testing.assert_array_equal(out[:, :last_kept + 1], out_perturbed[:, :last_kept + 1])
-  assert rel_err(out_perturbed[:, last_kept + 1:], out[:, last_kept + 1:]) > 1e-2
+  np.testing.assert_array_equal(out[:, : last_kept + 1], out_perturbed[:, : last_kept + 1])
+  assert rel_err(out_perturbed[:, last_kept + 1 :], out[:, last_kept + 1 :]) > 1e-2
 
 
 def test_chunked_memory_is_linear_in_length():
@@ -307,7 +333,8 @@ def test_recurrent_matches_definition_float64(p, expansion):
   with jax.enable_x64(True):
     inputs = _inputs(seed=80 + p, dtype=jnp.float64)
     out, state = jax.jit(power_attention_recurrent, static_argnames=("p", "expansion"))(
-        *inputs, p=p, expansion=expansion)
+      *inputs, p=p, expansion=expansion
+    )
     expected, expected_state = _reference(*inputs, p=p, expansion=expansion)
     assert rel_err(out, expected) < 1e-12
     assert rel_err(state.state, expected_state.state) < 1e-12
@@ -338,8 +365,10 @@ def test_prefill_then_decode_matches_definition(prompt_len, gating):
 
 def test_decoding_memory_is_constant_in_length():
   cache = init_cache(B, HKV, D_HEAD, D_VALUE)
-  shapes = [jax.tree.map(lambda x: x.shape, jax.eval_shape(append_tokens, cache, *_inputs(seed=95, seq=seq))[1])
-            for seq in (1, 64, 1000)]
+  shapes = [
+    jax.tree.map(lambda x: x.shape, jax.eval_shape(append_tokens, cache, *_inputs(seed=95, seq=seq))[1])
+    for seq in (1, 64, 1000)
+  ]
   assert shapes[0] == shapes[1] == shapes[2] == jax.tree.map(lambda x: x.shape, cache)
 
 
@@ -369,8 +398,9 @@ def test_default_implementation_is_xla_and_logged(caplog):
   with caplog.at_level(logging.DEBUG, logger="castle_jax.ops.backend"):
     out, state = jax.jit(functools.partial(power_attention, chunk_size=4, return_final_state=True))(*inputs)
   assert "xla" in caplog.text
-  expected, expected_state = jax.jit(functools.partial(
-      power_attention, implementation="reference", return_final_state=True))(*inputs)
+  expected, expected_state = jax.jit(
+    functools.partial(power_attention, implementation="reference", return_final_state=True)
+  )(*inputs)
   assert rel_err(out, expected) < 1e-5 and rel_err(state.state, expected_state.state) < 1e-5
 
 
@@ -379,25 +409,25 @@ def _bad_cases():
   ok = dict(q=q, k=k, v=v, log_g=log_g)
   state = PowerState(jnp.zeros((B, HKV, 7, D_VALUE)), jnp.zeros((B, HKV, 7)))
   return [
-      (dict(p=3), "p must be an even int >= 2"),
-      (dict(p=0), "p must be an even int >= 2"),
-      (dict(p=2.0), "p must be an even int"),
-      (dict(q=q[..., :4]), "k has head_dim 8 but q has 4"),
-      (dict(q=q[:, :, :5]), r"q heads \(5\) must be a multiple of k/v heads \(2\)"),
-      (dict(v=v[:, :, :1]), "v has 1 heads but k has 2"),
-      (dict(v=v[:, :5]), "must agree in batch and seq"),
-      (dict(q=q[0]), r"q must have shape \[batch, seq, heads, head_dim\]"),
-      (dict(k=k.astype(jnp.bfloat16)), "k has dtype bfloat16"),
-      (dict(log_g=jnp.zeros((B, T, HQ))), r"log_g must have shape \[batch, seq, kv_heads\] = \(2, 11, 2\)"),
-      (dict(chunk_size=0), "chunk_size must be"),
-      (dict(chunk_size=2.5), "chunk_size must be"),
-      (dict(expansion="sympow"), "Unknown expansion 'sympow'"),
-      (dict(expansion="tspow", d_tile=3), r"d_tile \(3\) must divide the head dim \(8\)"),
-      (dict(expansion="spow", d_tile=2), "d_tile=2 only applies to expansion='tspow'"),
-      (dict(scale=0.0), "scale must be None"),
-      (dict(implementation="flash"), "power_attention: unknown implementation 'flash'"),
-      (dict(initial_state=state), r"initial_state.state has shape \(2, 2, 7, 6\), expected \(2, 2, 36, 6\)"),
-      (dict(initial_state=(state.state, state.normalizer)), "initial_state must be a PowerState"),
+    (dict(p=3), "p must be an even int >= 2"),
+    (dict(p=0), "p must be an even int >= 2"),
+    (dict(p=2.0), "p must be an even int"),
+    (dict(q=q[..., :4]), "k has head_dim 8 but q has 4"),
+    (dict(q=q[:, :, :5]), r"q heads \(5\) must be a multiple of k/v heads \(2\)"),
+    (dict(v=v[:, :, :1]), "v has 1 heads but k has 2"),
+    (dict(v=v[:, :5]), "must agree in batch and seq"),
+    (dict(q=q[0]), r"q must have shape \[batch, seq, heads, head_dim\]"),
+    (dict(k=k.astype(jnp.bfloat16)), "k has dtype bfloat16"),
+    (dict(log_g=jnp.zeros((B, T, HQ))), r"log_g must have shape \[batch, seq, kv_heads\] = \(2, 11, 2\)"),
+    (dict(chunk_size=0), "chunk_size must be"),
+    (dict(chunk_size=2.5), "chunk_size must be"),
+    (dict(expansion="sympow"), "Unknown expansion 'sympow'"),
+    (dict(expansion="tspow", d_tile=3), r"d_tile \(3\) must divide the head dim \(8\)"),
+    (dict(expansion="spow", d_tile=2), "d_tile=2 only applies to expansion='tspow'"),
+    (dict(scale=0.0), "scale must be None"),
+    (dict(implementation="flash"), "power_attention: unknown implementation 'flash'"),
+    (dict(initial_state=state), r"initial_state.state has shape \(2, 2, 7, 6\), expected \(2, 2, 36, 6\)"),
+    (dict(initial_state=(state.state, state.normalizer)), "initial_state must be a PowerState"),
   ], ok
 
 

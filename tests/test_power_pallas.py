@@ -52,19 +52,27 @@ def test_tile_pairs_give_the_tspow_layout():
 @pytest.mark.parametrize("gating", [True, False])
 def test_outputs_and_final_state_match_the_definition(gating):
   inputs = _inputs(0, seq=40, gating=gating)
-  out, (state, normalizer) = jax.jit(functools.partial(power_attention_pallas, scale=D_HEAD**-0.5, chunk_size=16,
-                                                        config=SMALL))(*inputs)
-  expected, expected_state = jax.jit(functools.partial(power_attention, implementation="reference", expansion="tspow",
-                                                       d_tile=16, return_final_state=True))(*inputs)
+  out, (state, normalizer) = jax.jit(
+    functools.partial(power_attention_pallas, scale=D_HEAD**-0.5, chunk_size=16, config=SMALL)
+  )(*inputs)
+  expected, expected_state = jax.jit(
+    functools.partial(
+      power_attention, implementation="reference", expansion="tspow", d_tile=16, return_final_state=True
+    )
+  )(*inputs)
   assert rel_err(out, expected) < 1e-5
   assert rel_err(state, expected_state.state) < 1e-5
   assert rel_err(normalizer, expected_state.normalizer) < 1e-5
   # The check can fail: dropping the gates or the cross-chunk state changes the outputs.
   other = power_attention(*_inputs(0, seq=40, gating=not gating), implementation="reference")
   assert rel_err(other, expected) > 1e-2
-  one_chunk_each = jnp.concatenate([power_attention(*(None if x is None else x[:, s:s + 16] for x in inputs),
-                                                    implementation="reference")
-                                    for s in range(0, 40, 16)], axis=1)
+  one_chunk_each = jnp.concatenate(
+    [
+      power_attention(*(None if x is None else x[:, s : s + 16] for x in inputs), implementation="reference")
+      for s in range(0, 40, 16)
+    ],
+    axis=1,
+  )
   assert rel_err(one_chunk_each, expected) > 1e-2
 
 
@@ -79,26 +87,34 @@ def test_entry_point_with_states_in_another_layout_and_length_one():
   assert rel_err(state.state, expected_state.state) < 1e-5
   assert rel_err(state.normalizer, expected_state.normalizer) < 1e-5
   single = tuple(x[:, :1] for x in inputs)
-  assert rel_err(power_attention(*single, implementation="pallas"),
-                 power_attention(*single, implementation="reference")) < 1e-5
+  assert (
+    rel_err(power_attention(*single, implementation="pallas"), power_attention(*single, implementation="reference"))
+    < 1e-5
+  )
 
 
 def test_gradients_match_the_definition():
   inputs = _inputs(3, seq=40)
   initial = _state(4, expansion="tspow", d_tile=16)
   cotangent = jnp.asarray(np.random.default_rng(5).standard_normal((B, 40, HQ, D_VALUE)), jnp.float32)
-  state_cotangent = jax.tree.map(lambda x: jnp.asarray(np.random.default_rng(6).standard_normal(x.shape),
-                                                       jnp.float32), initial)
+  state_cotangent = jax.tree.map(
+    lambda x: jnp.asarray(np.random.default_rng(6).standard_normal(x.shape), jnp.float32), initial
+  )
 
   def loss(fn, q, k, v, log_g, state, normalizer):
     out, (final_state, final_normalizer) = fn(q, k, v, log_g, PowerState(state, normalizer))
-    return (jnp.sum(out * cotangent) + jnp.sum(final_state * state_cotangent.state)
-            + jnp.sum(final_normalizer * state_cotangent.normalizer))
+    return (
+      jnp.sum(out * cotangent)
+      + jnp.sum(final_state * state_cotangent.state)
+      + jnp.sum(final_normalizer * state_cotangent.normalizer)
+    )
 
-  ours = lambda q, k, v, g, s: power_attention_pallas(q, k, v, g, scale=D_HEAD**-0.5, chunk_size=16,
-                                                       initial_state=s, config=SMALL)
-  reference = lambda q, k, v, g, s: power_attention(q, k, v, g, implementation="reference", expansion="tspow",
-                                                    d_tile=16, initial_state=s, return_final_state=True)
+  ours = lambda q, k, v, g, s: power_attention_pallas(
+    q, k, v, g, scale=D_HEAD**-0.5, chunk_size=16, initial_state=s, config=SMALL
+  )
+  reference = lambda q, k, v, g, s: power_attention(
+    q, k, v, g, implementation="reference", expansion="tspow", d_tile=16, initial_state=s, return_final_state=True
+  )
   args = inputs + tuple(initial)
   grads = jax.jit(jax.grad(functools.partial(loss, ours), argnums=range(6)))(*args)
   expected = jax.jit(jax.grad(functools.partial(loss, reference), argnums=range(6)))(*args)
@@ -117,6 +133,7 @@ def test_discumsum_kernels_match_a_scan_and_its_gradient():
     def step(state, chunk):
       delta, total = chunk
       return jnp.exp(total)[:, None, None] * state + delta, state
+
     final, entering = jax.lax.scan(step, initial, (jnp.moveaxis(deltas, 1, 0), jnp.moveaxis(totals, 1, 0)))
     return jnp.moveaxis(entering, 0, 1), final
 
@@ -151,8 +168,9 @@ def test_one_chunk_without_states_runs_the_attention_form_alone(monkeypatch):
     assert rel_err(g, e) < 1e-4, name
   # Asking for the final state (or a longer sequence) takes the chunked path again (the
   # kernels are chosen while tracing: nothing needs to run).
-  jax.eval_shape(functools.partial(power_attention, chunk_size=64, implementation="pallas", return_final_state=True),
-                 *inputs)
+  jax.eval_shape(
+    functools.partial(power_attention, chunk_size=64, implementation="pallas", return_final_state=True), *inputs
+  )
   assert state_kernel_calls
 
 
@@ -164,23 +182,29 @@ def test_bf16_outputs():
   assert rel_err(out, expected) < 1e-2
 
 
-@pytest.mark.parametrize("change, match", [
+@pytest.mark.parametrize(
+  "change, match",
+  [
     (dict(p=4), "p=2 only"),
     (dict(chunk_size=100), "multiple of 64"),
-])
+  ],
+)
 def test_bad_options(change, match):
   options = dict(chunk_size=64, implementation="pallas") | change
   with pytest.raises(ValueError, match=match):
     power_attention(*_inputs(8, seq=8), **options)
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
     (dict(block_t=48), "block_t must be a power of two"),
     (dict(grad_block=8), "grad_block must be >= 16"),
     (dict(num_stages=0), "num_stages must be an int >= 1"),
     (dict(row_group=32), "row_group must be <= 16"),
     (dict(block_q=True), "block_q must be an int >= 1"),
-])
+  ],
+)
 def test_bad_kernel_config(kwargs, match):
   with pytest.raises(ValueError, match=match):
     PowerKernelConfig(**kwargs)
@@ -210,6 +234,7 @@ def test_gradients_through_the_entry_point_with_the_default_config():
 
 def test_default_implementation_on_a_gpu_picks_the_kernels_when_they_apply(monkeypatch):
   from castle_jax.ops.power import resolve
+
   sizes = dict(p=2, head_dim=D_HEAD, value_dim=D_VALUE, dtype=jnp.float32)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   assert resolve(None, 128, **sizes) == ("pallas", 128)
@@ -227,6 +252,7 @@ def test_default_implementation_on_a_gpu_picks_the_kernels_when_they_apply(monke
 def test_pallas_default_chunk_is_large(monkeypatch):
   import pallas_kernels.power as kernels_package
   from castle_jax.ops.power import api
+
   seen = {}
 
   def spy(*args, chunk_size, **kwargs):

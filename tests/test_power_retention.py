@@ -46,8 +46,7 @@ def _theirs(inputs, p, chunk_size, requires_grad=False):
 # (p, chunk_size, gating, heads, kv_heads). chunk_size None is their attention form (any
 # even p, grouped-query heads); their chunked reference expands with deg == 2 only, in
 # blocks of 16 features, and without grouped-query heads.
-CASES = [(2, None, True, 4, 2), (4, None, True, 3, 1), (4, None, False, 2, 2), (2, 8, True, 2, 2),
-         (2, 16, False, 2, 2)]
+CASES = [(2, None, True, 4, 2), (4, None, True, 3, 1), (4, None, False, 2, 2), (2, 8, True, 2, 2), (2, 16, False, 2, 2)]
 
 
 @pytest.mark.parametrize("p, chunk_size, gating, heads, kv_heads", CASES)
@@ -86,6 +85,6 @@ def test_gating_convention_matches():
   ours = power_attention(*inputs, p=2, implementation="reference")
   assert rel_err(ours, expected.detach().numpy()) < 1e-4
   shifted = np.roll(log_g, 1, axis=1)  # the other convention: token 6 forgets
-  assert rel_err(power_attention(*inputs[:3], shifted, p=2, implementation="reference"),
-                 expected.detach().numpy()) > 1e-3
-
+  assert (
+    rel_err(power_attention(*inputs[:3], shifted, p=2, implementation="reference"), expected.detach().numpy()) > 1e-3
+  )

@@ -2,7 +2,6 @@
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
@@ -31,8 +30,15 @@ def _run_steps(mesh_sizes, devices, grad_accum_steps=1, steps=2):
   with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
     _, shardings = state_shardings(model, tx, mesh, SEQ)
     state = init_train_state(model, tx, jax.random.key(0), SEQ, shardings)
-    step = jit_train_step(model=model, tx=tx, schedule=schedule, pad_id=-1, grad_accum_steps=grad_accum_steps,
-                          state_shardings=shardings, batch_sharding=batch_sharding)
+    step = jit_train_step(
+      model=model,
+      tx=tx,
+      schedule=schedule,
+      pad_id=-1,
+      grad_accum_steps=grad_accum_steps,
+      state_shardings=shardings,
+      batch_sharding=batch_sharding,
+    )
     losses = []
     for i in range(steps):
       tokens = jax.random.randint(jax.random.key(100 + i), (BATCH, SEQ + 1), 0, 128)
@@ -63,12 +69,15 @@ def test_sharded_step_matches_single_device(single_device_run, mesh_sizes, accum
   assert shard_shape == (64 // mesh_sizes[1], 4 // mesh_sizes[2], 16)
 
 
-@pytest.mark.parametrize("sizes, devices, match", [
+@pytest.mark.parametrize(
+  "sizes, devices, match",
+  [
     ((3, 1, 1), 8, "does not divide"),
     ((-1, -1, 1), 8, "At most one"),
     ((0, 1, 1), 8, ">= 1 or -1"),
     ((2, 2, 1), 8, "uses 4 devices but 8"),
-])
+  ],
+)
 def test_bad_mesh_shapes(sizes, devices, match):
   with pytest.raises(ValueError, match=match):
     resolve_mesh_shape(sizes, devices)
@@ -91,8 +100,17 @@ def test_unshardable_parameter_is_reported():
 def test_kernel_models_start_on_a_data_parallel_mesh(attention, kwargs):
   """The init's forward pass sees one sequence; the Pallas ops split the batch over the
   mesh and would reject it, so the parameters are created with no mesh set."""
-  config = ModelConfig(vocab_size=128, d_model=32, n_layers=1, n_heads=2, head_dim=16, attention=attention,
-                       attention_impl="pallas", attention_kwargs=kwargs, dtype="float32")
+  config = ModelConfig(
+    vocab_size=128,
+    d_model=32,
+    n_layers=1,
+    n_heads=2,
+    head_dim=16,
+    attention=attention,
+    attention_impl="pallas",
+    attention_kwargs=kwargs,
+    dtype="float32",
+  )
   mesh = make_mesh(ml_collections.ConfigDict(dict(data=8, fsdp=1, tensor=1)))
   model = TransformerLM(config)
   tx, _ = make_optimizer(base_config().train)

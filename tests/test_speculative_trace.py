@@ -22,8 +22,9 @@ TREE = (3, 6, 6)
 def pair():
   # A large init makes a random target's predictions depend on its context, so drafts are
   # sometimes accepted and sometimes not.
-  target_config = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, dtype="float32",
-                              init_std=0.3)
+  target_config = ModelConfig(
+    vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, dtype="float32", init_std=0.3
+  )
   target = build_model(target_config)
   target_params = nn.unbox(target.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
   draft_config = dataclasses.replace(target_config, family="longspec_draft", family_kwargs=(("window", 8),))
@@ -65,13 +66,13 @@ def test_each_round_is_a_tree_of_the_requested_shape_rooted_at_the_last_token(gr
     assert drafted.tokens[0] == committed[drafted.position]  # the root: the last committed token
     for level in range(1, shape.depth + 1):
       start = shape.level_start(level)
-      parents = drafted.parents[start:start + shape.level_size(level)]
+      parents = drafted.parents[start : start + shape.level_size(level)]
       assert ((parents >= shape.level_start(level - 1)) & (parents < start)).all()
     # Each level's (parent, token) pairs are distinct: the draft's top-n continuations.
     assert len(set(zip(drafted.parents.tolist(), drafted.tokens.tolist()))) == shape.nodes
     # What the round emitted follows its root in the output (the last round may be cut).
     end = min(drafted.position + 1 + drafted.kept, committed.size)
-    np.testing.assert_array_equal(committed[drafted.position + 1:end], drafted.emitted[:end - drafted.position - 1])
+    np.testing.assert_array_equal(committed[drafted.position + 1 : end], drafted.emitted[: end - drafted.position - 1])
   positions = [drafted.position for drafted in trace.rounds]
   assert positions[0] == prompt.shape[1] - 1
   np.testing.assert_array_equal(np.diff(positions), [drafted.kept for drafted in trace.rounds[:-1]])
@@ -98,9 +99,10 @@ def test_target_next_is_the_argmax_of_decoding_each_branch(pair, greedy_trace):
   target, target_params, _, _ = pair
   _, trace = greedy_trace
   drafted = trace.rounds[1]
-  committed = trace.tokens[:, :drafted.position]
-  forward = jax.jit(lambda tokens: target.apply({"params": target_params}, tokens,
-                                                jnp.arange(tokens.shape[1])[None])[0][0, -1])
+  committed = trace.tokens[:, : drafted.position]
+  forward = jax.jit(
+    lambda tokens: target.apply({"params": target_params}, tokens, jnp.arange(tokens.shape[1])[None])[0][0, -1]
+  )
   for node in range(drafted.tokens.size):
     branch = [node]
     while drafted.parents[branch[0]] >= 0:

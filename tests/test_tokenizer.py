@@ -38,6 +38,7 @@ def test_bpe_round_trip_and_byte_lengths(bpe):
 
 def test_bpe_without_specials_is_rejected(tmp_path):
   from tokenizers import Tokenizer, models
+
   path = str(tmp_path / "plain.json")
   Tokenizer(models.BPE()).save(path)
   with pytest.raises(ValueError, match="lacks the special tokens"):

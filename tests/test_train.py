@@ -86,8 +86,9 @@ def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(config):
     config.train.steps = 8
     config.train.learning_rate = 1e30  # finite, so accepted; the first update blows the weights up
     config.train.allow_schedule_change = True
-  with pytest.raises(TrainingDivergedError,
-                     match=r"step [56]: .*last good checkpoint is step 4.*resumed from checkpoint step 4"):
+  with pytest.raises(
+    TrainingDivergedError, match=r"step [56]: .*last good checkpoint is step 4.*resumed from checkpoint step 4"
+  ):
     train(config)
   model, params, _, step = load_trained_model(config.workdir)
   assert step == 4
@@ -105,7 +106,9 @@ def test_unknown_config_keys_are_rejected(config):
     locked.train.stpes = 10
 
 
-@pytest.mark.parametrize("override, match", [
+@pytest.mark.parametrize(
+  "override, match",
+  [
     (("data", "batch_size", 7), "data.batch_size"),
     (("train", "grad_accum_steps", 3), "data.batch_size"),
     (("data", "seq_len", 0), "data.seq_len"),
@@ -127,7 +130,8 @@ def test_unknown_config_keys_are_rejected(config):
     (("train", "steps", 0), "train.steps must be"),
     (("data", "prefetch", -1), "data.prefetch must be"),
     (("train", "overwrite", True), "train.overwrite must be used with train.resume=False"),
-])
+  ],
+)
 def test_bad_run_configs_fail_before_training(config, override, match):
   section, key, value = override
   with config.unlocked():
@@ -141,9 +145,15 @@ def test_bad_run_configs_fail_before_training(config, override, match):
 
 def test_config_help_lists_every_key_with_its_default():
   from train.config_help import config_help_text
+
   text = config_help_text()
-  for line in ("train.learning_rate = 0.0006", "train.overwrite = False", "train.resume_step = None",
-               "data.prefetch = 2", "model.d_model = 256"):
+  for line in (
+    "train.learning_rate = 0.0006",
+    "train.overwrite = False",
+    "train.resume_step = None",
+    "data.prefetch = 2",
+    "model.d_model = 256",
+  ):
     assert line in text
 
 
@@ -167,8 +177,9 @@ def test_eval_step_in_microbatches_sums_the_same():
   tokens = jax.random.randint(jax.random.key(0), (4, 9), 0, 31).at[3, 5:].set(31)  # 4 PAD targets in one row
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
   params = model.init(jax.random.key(1), batch["inputs"])["params"]
-  run = functools.partial(eval_step, params, batch, model=model, pad_id=31,
-                          token_byte_lengths=jnp.arange(32, dtype=jnp.float32))
+  run = functools.partial(
+    eval_step, params, batch, model=model, pad_id=31, token_byte_lengths=jnp.arange(32, dtype=jnp.float32)
+  )
   whole, split = jax.jit(run)(), jax.jit(lambda: run(microbatches=2))()
   assert float(whole["tokens"]) == 4 * 8 - 4
   for key in whole:
@@ -178,13 +189,19 @@ def test_eval_step_in_microbatches_sums_the_same():
 def test_a_misspelled_override_is_one_line(tmp_path):
   import subprocess
   import sys
+
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  done = subprocess.run([sys.executable, "-m", "train", "--config=configs/tiny.py", f"--workdir={tmp_path}",
-                         "--config.progress_bar=False"], cwd=root, capture_output=True, text=True, timeout=120)
+  done = subprocess.run(
+    [sys.executable, "-m", "train", "--config=configs/tiny.py", f"--workdir={tmp_path}", "--config.progress_bar=False"],
+    cwd=root,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert done.returncode == 1
   assert done.stderr.strip().splitlines() == [
-      "ERROR: unknown config key 'progress_bar' in --config.progress_bar; `python -m train --config_help` "
-      "lists every key"]
+    "ERROR: unknown config key 'progress_bar' in --config.progress_bar; `python -m train --config_help` lists every key"
+  ]
 
 
 def test_throughput_counts_input_positions_not_scored_targets():

@@ -13,9 +13,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from castle_jax.ops.tree_attention import (IMPLEMENTATIONS, cache_attention, masked_tree_attention, merge_attention,
-                                           node_depths, tree_attention, tree_attention_reference,
-                                           tree_mask_from_parents)
+from castle_jax.ops.tree_attention import (
+  IMPLEMENTATIONS,
+  cache_attention,
+  masked_tree_attention,
+  merge_attention,
+  node_depths,
+  tree_attention,
+  tree_attention_reference,
+  tree_mask_from_parents,
+)
 from helpers import assert_close, rel_err
 
 pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
@@ -52,20 +59,33 @@ def numpy_ancestors(parents: np.ndarray) -> np.ndarray:
   return mask
 
 
-def make_inputs(seed: int, *, batch: int = 2, n: int = 6, heads: int = 4, kv_heads: int = 2, head_dim: int = 8,
-                capacity: int = 11, cache_length=7, tree: str = "random", dtype=jnp.float32) -> dict:
+def make_inputs(
+  seed: int,
+  *,
+  batch: int = 2,
+  n: int = 6,
+  heads: int = 4,
+  kv_heads: int = 2,
+  head_dim: int = 8,
+  capacity: int = 11,
+  cache_length=7,
+  tree: str = "random",
+  dtype=jnp.float32,
+) -> dict:
   """Keyword arguments of `tree_attention`: random q/k/v and one tree per batch row."""
   # numpy draws: jax.random would compile anew for every shape.
   rng = np.random.default_rng(seed)
   normal = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
   parents = np.stack([chain_parents(n) if tree == "chain" else random_parents(rng, n) for _ in range(batch)])
-  return dict(q=normal(batch, n, heads, head_dim),
-              cache_k=normal(batch, capacity, kv_heads, head_dim),
-              cache_v=normal(batch, capacity, kv_heads, head_dim),
-              cache_length=jnp.asarray(cache_length, jnp.int32),
-              tree_k=normal(batch, n, kv_heads, head_dim),
-              tree_v=normal(batch, n, kv_heads, head_dim),
-              tree_mask=jnp.asarray(np.stack([numpy_ancestors(p) for p in parents])))
+  return dict(
+    q=normal(batch, n, heads, head_dim),
+    cache_k=normal(batch, capacity, kv_heads, head_dim),
+    cache_v=normal(batch, capacity, kv_heads, head_dim),
+    cache_length=jnp.asarray(cache_length, jnp.int32),
+    tree_k=normal(batch, n, kv_heads, head_dim),
+    tree_v=normal(batch, n, kv_heads, head_dim),
+    tree_mask=jnp.asarray(np.stack([numpy_ancestors(p) for p in parents])),
+  )
 
 
 def numpy_tree_attention(q, cache_k, cache_v, cache_length, tree_k, tree_v, tree_mask):
@@ -81,8 +101,8 @@ def numpy_tree_attention(q, cache_k, cache_v, cache_length, tree_k, tree_v, tree
     for h in range(heads):
       kv = h // group
       for i in range(n):
-        keys = np.concatenate([cache_k[b, :lengths[b], kv], tree_k[b, mask[b, i], kv]])
-        values = np.concatenate([cache_v[b, :lengths[b], kv], tree_v[b, mask[b, i], kv]])
+        keys = np.concatenate([cache_k[b, : lengths[b], kv], tree_k[b, mask[b, i], kv]])
+        values = np.concatenate([cache_v[b, : lengths[b], kv], tree_v[b, mask[b, i], kv]])
         if not len(keys):
           continue
         scores = keys @ q[b, i, h] / np.sqrt(head_dim)
@@ -100,18 +120,25 @@ def upcast(inputs: dict) -> dict:
 # --- tree masks -------------------------------------------------------------------------
 
 HAND_PARENTS = [-1, -1, 0, 0, 1, 2]  # two roots; 5 -> 2 -> 0
-HAND_MASK = np.array([[1, 0, 0, 0, 0, 0],
-                      [0, 1, 0, 0, 0, 0],
-                      [1, 0, 1, 0, 0, 0],
-                      [1, 0, 0, 1, 0, 0],
-                      [0, 1, 0, 0, 1, 0],
-                      [1, 0, 1, 0, 0, 1]], bool)
+HAND_MASK = np.array(
+  [
+    [1, 0, 0, 0, 0, 0],
+    [0, 1, 0, 0, 0, 0],
+    [1, 0, 1, 0, 0, 0],
+    [1, 0, 0, 1, 0, 0],
+    [0, 1, 0, 0, 1, 0],
+    [1, 0, 1, 0, 0, 1],
+  ],
+  bool,
+)
 
 
 def test_mask_and_depths_of_a_hand_written_tree_eager_and_jit():
   parents = jnp.array(HAND_PARENTS, jnp.int32)
-  for mask_fn, depth_fn in ((tree_mask_from_parents, node_depths),
-                            (jax.jit(tree_mask_from_parents), jax.jit(node_depths))):
+  for mask_fn, depth_fn in (
+    (tree_mask_from_parents, node_depths),
+    (jax.jit(tree_mask_from_parents), jax.jit(node_depths)),
+  ):
     mask = mask_fn(parents)
     chex.assert_type(mask, jnp.bool_)
     np.testing.assert_array_equal(mask, HAND_MASK)
@@ -138,8 +165,10 @@ def test_parents_out_of_topological_order_are_refused(parents):
     tree_mask_from_parents(jnp.array(parents, jnp.int32))
 
 
-@pytest.mark.parametrize("parents, match", [(np.zeros((1, 2, 3), np.int32), "parents must be int"),
-                                            (np.array([-1.0, 0.0]), "parents must hold integer")])
+@pytest.mark.parametrize(
+  "parents, match",
+  [(np.zeros((1, 2, 3), np.int32), "parents must be int"), (np.array([-1.0, 0.0]), "parents must hold integer")],
+)
 def test_parents_of_a_bad_shape_or_dtype_are_refused(parents, match):
   with pytest.raises(ValueError, match=match):
     tree_mask_from_parents(parents)
@@ -147,12 +176,16 @@ def test_parents_of_a_bad_shape_or_dtype_are_refused(parents, match):
 
 # --- the reference against the float64 loop --------------------------------------------
 
-@pytest.mark.parametrize("config", [
+
+@pytest.mark.parametrize(
+  "config",
+  [
     dict(),
     dict(heads=6, kv_heads=1, n=3, cache_length=11),
     dict(n=1, cache_length=0),
     dict(cache_length=[0, 4], tree="chain"),
-])
+  ],
+)
 def test_reference_matches_float64_loop(config):
   inputs = make_inputs(1, **config)
   out, lse = reference(**inputs)
@@ -165,8 +198,9 @@ def test_cache_attention_reference_matches_float64_loop_including_an_empty_row()
   inputs = make_inputs(2, cache_length=[0, 9])
   no_tree = jnp.zeros((6, 6), bool)
   expected_out, expected_lse = numpy_tree_attention(**{**inputs, "tree_mask": no_tree})
-  out, lse = jit_cache_attention(inputs["q"], inputs["cache_k"], inputs["cache_v"], inputs["cache_length"],
-                                 implementation="reference")
+  out, lse = jit_cache_attention(
+    inputs["q"], inputs["cache_k"], inputs["cache_v"], inputs["cache_length"], implementation="reference"
+  )
   np.testing.assert_array_equal(lse[0], -np.inf)
   np.testing.assert_array_equal(out[0], 0.0)
   assert rel_err(out, expected_out) < 1e-6
@@ -176,15 +210,15 @@ def test_cache_attention_reference_matches_float64_loop_including_an_empty_row()
 # --- the split path against the reference ----------------------------------------------
 
 SPLIT_CONFIGS = [
-    dict(),
-    dict(heads=6, kv_heads=1, head_dim=4),
-    dict(n=1),
-    dict(n=1, cache_length=0),
-    dict(cache_length=0, tree="chain"),
-    dict(cache_length=11),
-    dict(cache_length=[0, 11]),
-    dict(cache_length=[3, 8], tree="chain", batch=2),
-    dict(batch=3, n=7, heads=2, kv_heads=2, capacity=13, cache_length=[1, 13, 6]),
+  dict(),
+  dict(heads=6, kv_heads=1, head_dim=4),
+  dict(n=1),
+  dict(n=1, cache_length=0),
+  dict(cache_length=0, tree="chain"),
+  dict(cache_length=11),
+  dict(cache_length=[0, 11]),
+  dict(cache_length=[3, 8], tree="chain", batch=2),
+  dict(batch=3, n=7, heads=2, kv_heads=2, capacity=13, cache_length=[1, 13, 6]),
 ]
 
 
@@ -213,12 +247,18 @@ def test_one_compiled_function_serves_traced_lengths_and_trees():
     return tree_attention(q, cache_k, cache_v, cache_length, tree_k, tree_v, mask, return_lse=True)
 
   rng = np.random.default_rng(4)
-  trees = [[HAND_PARENTS, chain_parents(6)], [random_parents(rng, 6), HAND_PARENTS],
-           [chain_parents(6), random_parents(rng, 6)], [random_parents(rng, 6), random_parents(rng, 6)]]
+  trees = [
+    [HAND_PARENTS, chain_parents(6)],
+    [random_parents(rng, 6), HAND_PARENTS],
+    [chain_parents(6), random_parents(rng, 6)],
+    [random_parents(rng, 6), random_parents(rng, 6)],
+  ]
   for cache_length, tree in zip(([0, 0], [11, 11], [2, 7], [11, 0]), trees):
     parents = np.array(tree, np.int32)
-    inputs.update(cache_length=jnp.array(cache_length, jnp.int32),
-                  tree_mask=jnp.asarray(np.stack([numpy_ancestors(p) for p in parents])))
+    inputs.update(
+      cache_length=jnp.array(cache_length, jnp.int32),
+      tree_mask=jnp.asarray(np.stack([numpy_ancestors(p) for p in parents])),
+    )
     args = [inputs[name] for name in ("q", "cache_k", "cache_v", "cache_length", "tree_k", "tree_v")]
     assert_close(verify(*args, parents), reference(**inputs))
   assert len(calls) == 1
@@ -253,6 +293,7 @@ def test_nan_in_empty_slots_does_not_reach_the_xla_output():
 
 # --- merging ---------------------------------------------------------------------------
 
+
 def test_merged_parts_equal_attention_over_the_concatenation():
   inputs = make_inputs(7, cache_length=[5, 11])
   cache_part = jit_cache_attention(inputs["q"], inputs["cache_k"], inputs["cache_v"], inputs["cache_length"])
@@ -277,8 +318,10 @@ def test_merge_with_an_empty_part_returns_the_other_part_exactly():
   np.testing.assert_array_equal(empty_out, 0.0)
   np.testing.assert_array_equal(empty_lse, -np.inf)
   tree_out, tree_lse = jit_masked_tree_attention(inputs["q"], inputs["tree_k"], inputs["tree_v"], inputs["tree_mask"])
-  for merged_out, merged_lse in (jit_merge(empty_out, empty_lse, tree_out, tree_lse),
-                                 jit_merge(tree_out, tree_lse, empty_out, empty_lse)):
+  for merged_out, merged_lse in (
+    jit_merge(empty_out, empty_lse, tree_out, tree_lse),
+    jit_merge(tree_out, tree_lse, empty_out, empty_lse),
+  ):
     np.testing.assert_array_equal(merged_out, tree_out)
     np.testing.assert_array_equal(merged_lse, tree_lse)
   # The whole op with an empty cache is the tree part alone.
@@ -293,6 +336,7 @@ def test_merge_with_an_empty_part_returns_the_other_part_exactly():
 
 # --- implementation choice and input checks --------------------------------------------
 
+
 def test_default_is_xla_and_logged(caplog):
   inputs = make_inputs(10)
   with caplog.at_level(logging.DEBUG, logger="castle_jax.ops.backend"):
@@ -306,7 +350,9 @@ def _replace(name, value):
   return lambda inputs: {**inputs, name: value(inputs[name]) if callable(value) else value}
 
 
-@pytest.mark.parametrize("change, match", [
+@pytest.mark.parametrize(
+  "change, match",
+  [
     (_replace("q", lambda q: q[0]), r"q must have shape \[batch, n, heads, head_dim\]"),
     (_replace("q", lambda q: q.astype(jnp.int32)), "q must be floating"),
     (_replace("cache_k", lambda k: k[..., :4]), r"cache_k \(2, 11, 2, 4\) and cache_v"),
@@ -325,7 +371,8 @@ def _replace(name, value):
     (_replace("tree_mask", lambda m: m.astype(jnp.int32)), "tree_mask must be bool"),
     (_replace("tree_mask", lambda m: m[:, :, :4]), r"tree_mask must have shape \[batch, n, n\]"),
     (_replace("tree_mask", lambda m: m[:1]), "tree_mask must have shape"),
-])
+  ],
+)
 def test_bad_inputs_name_the_argument(change, match):
   with pytest.raises(ValueError, match=match):
     tree_attention(**change(make_inputs(11)))

@@ -35,16 +35,26 @@ reference = jax.jit(tree_attention_reference)
 
 @functools.partial(jax.jit, static_argnames="config")
 def pallas(q, cache_k, cache_v, cache_length, tree_k, tree_v, tree_mask, config=SMALL_TILES):
-  return tree_attention(q, cache_k, cache_v, cache_length, tree_k, tree_v, tree_mask, implementation="pallas",
-                        return_lse=True, pallas_config=config)
+  return tree_attention(
+    q,
+    cache_k,
+    cache_v,
+    cache_length,
+    tree_k,
+    tree_v,
+    tree_mask,
+    implementation="pallas",
+    return_lse=True,
+    pallas_config=config,
+  )
 
 
 CONFIGS = [
-    dict(),                                                    # 6 nodes x 2 heads per KV head: one row block
-    dict(n=1, cache_length=0),                                 # a decoding step on an empty cache
-    dict(n=1, cache_length=[40, 17], heads=2, kv_heads=2),     # a decoding step, plain heads
-    dict(cache_length=[0, 40], tree="chain"),                  # empty and full rows
-    dict(n=20, heads=4, kv_heads=1, cache_length=[33, 7]),     # 80 rows: 5 row blocks
+  dict(),  # 6 nodes x 2 heads per KV head: one row block
+  dict(n=1, cache_length=0),  # a decoding step on an empty cache
+  dict(n=1, cache_length=[40, 17], heads=2, kv_heads=2),  # a decoding step, plain heads
+  dict(cache_length=[0, 40], tree="chain"),  # empty and full rows
+  dict(n=20, heads=4, kv_heads=1, cache_length=[33, 7]),  # 80 rows: 5 row blocks
 ]
 
 
@@ -65,8 +75,9 @@ def test_default_tiles_and_one_compiled_function_for_traced_lengths_and_trees():
   @jax.jit
   def verify(cache_length, tree_mask):
     traces.append(1)
-    return tree_attention(**{**inputs, "cache_length": cache_length, "tree_mask": tree_mask},
-                          implementation="pallas", return_lse=True)
+    return tree_attention(
+      **{**inputs, "cache_length": cache_length, "tree_mask": tree_mask}, implementation="pallas", return_lse=True
+    )
 
   rng = np.random.default_rng(12)
   for lengths in ([300, 0], [129, 64], [1, 299]):
@@ -80,8 +91,11 @@ def test_slots_past_the_length_are_never_read():
   """NaN and huge values past each row's length: the outputs equal those of a clean cache."""
   inputs = make_inputs(13, head_dim=16, capacity=40, cache_length=[5, 18])
   beyond = (np.arange(40)[None, :] >= np.array([5, 18])[:, None])[:, :, None, None]
-  poisoned = {**inputs, "cache_k": jnp.where(beyond, jnp.nan, inputs["cache_k"]),
-              "cache_v": jnp.where(beyond, 1e30, inputs["cache_v"])}
+  poisoned = {
+    **inputs,
+    "cache_k": jnp.where(beyond, jnp.nan, inputs["cache_k"]),
+    "cache_v": jnp.where(beyond, 1e30, inputs["cache_v"]),
+  }
   out, lse = pallas(**poisoned)
   assert np.isfinite(np.asarray(out)).all()
   assert_close((out, lse), reference(**inputs))
@@ -111,16 +125,22 @@ def test_default_is_the_kernel_on_a_gpu_where_it_takes_the_head_dim(monkeypatch,
 
 
 def test_explicit_pallas_with_an_unsupported_head_dim_names_the_fix():
-  with pytest.raises(ValueError, match=r"implementation='pallas' cannot run: .*head_dim >= 16, got 8 "
-                                       r"\(use implementation='xla'\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"implementation='pallas' cannot run: .*head_dim >= 16, got 8 "
+    r"\(use implementation='xla'\)",
+  ):
     tree_attention(**make_inputs(16, head_dim=8), implementation="pallas")
 
 
-@pytest.mark.parametrize("fields, match", [
+@pytest.mark.parametrize(
+  "fields, match",
+  [
     (dict(block_keys=24), r"TreeAttentionConfig.block_keys must be a power of two, got 24"),
     (dict(block_rows=8), r"TreeAttentionConfig.block_rows must be >= 16"),
     (dict(splits=0), r"TreeAttentionConfig.splits must be an int >= 1, got 0"),
-])
+  ],
+)
 def test_config_checks_name_the_field(fields, match):
   with pytest.raises(ValueError, match=match):
     TreeAttentionConfig(**fields)
@@ -133,10 +153,15 @@ def test_lowers_for_an_h100(n, dtype):
   decoding step, lowered to the Triton backend for an H100 on this CPU."""
   shape = jax.ShapeDtypeStruct
   capacity = 16384 + 300
-  args = dict(q=shape((1, n, 8, 64), dtype), cache_k=shape((1, capacity, 4, 64), dtype),
-              cache_v=shape((1, capacity, 4, 64), dtype), cache_length=shape((), jnp.int32),
-              tree_k=shape((1, n, 4, 64), dtype), tree_v=shape((1, n, 4, 64), dtype),
-              tree_mask=shape((n, n), jnp.bool_))
+  args = dict(
+    q=shape((1, n, 8, 64), dtype),
+    cache_k=shape((1, capacity, 4, 64), dtype),
+    cache_v=shape((1, capacity, 4, 64), dtype),
+    cache_length=shape((), jnp.int32),
+    tree_k=shape((1, n, 4, 64), dtype),
+    tree_v=shape((1, n, 4, 64), dtype),
+    tree_mask=shape((n, n), jnp.bool_),
+  )
   run = functools.partial(tree_attention_pallas, interpret=False)  # the entry point interprets on CPU
   mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H100 80GB HBM3", None, "cuda"))
   with jax.sharding.use_abstract_mesh(mesh):

@@ -47,6 +47,7 @@ def _losses(workdir):
 
 # --- ownership -----------------------------------------------------------------------------------
 
+
 def test_a_rerun_never_mixes_runs_nor_replaces_config_json_and_overwrite_moves_the_old_run(config, tmp_path):
   _set(config, train__steps=4)
   train(config)
@@ -109,12 +110,19 @@ def test_a_locked_workdir_is_refused_at_once_and_a_stale_lock_is_taken_over(conf
 def test_bpe_workdir_is_self_contained_and_zero_means_none(config, tmp_path, monkeypatch):
   pytest.importorskip("tokenizers")
   from castle_jax.data.tokenizer import train_bpe_tokenizer
+
   corpus = ["def f(x):\n    return x + 1\n" * 20, "class A:\n    pass\n" * 20]
   original = tmp_path / "elsewhere" / "tok.json"
   train_bpe_tokenizer(corpus, vocab_size=300, path=str(original))
   # Also: eval_batches=0 is no evaluation (not a fake loss), checkpoint_every=0 only the last step.
-  _set(config, data__tokenizer=str(original), train__steps=2, train__eval_batches=0, train__eval_every=0,
-       train__checkpoint_every=0)
+  _set(
+    config,
+    data__tokenizer=str(original),
+    train__steps=2,
+    train__eval_batches=0,
+    train__eval_every=0,
+    train__checkpoint_every=0,
+  )
   result = train(config)
   assert result.last_eval_metrics == {}
   assert read_metrics(os.path.join(config.workdir, "metrics.jsonl"), split="eval") == {}
@@ -129,10 +137,14 @@ def test_bpe_workdir_is_self_contained_and_zero_means_none(config, tmp_path, mon
 
 # --- checkpoint integrity ------------------------------------------------------------------------
 
+
 def _small_state(value):
   noise = jax.random.normal(jax.random.key(value), (64, 64))  # incompressible: a real data file
-  return TrainState(step=jnp.int32(value), params={"w": noise.at[0, 0].set(value), "b": jnp.zeros(64)},
-                    opt_state=({"mu": jnp.ones(64)},))
+  return TrainState(
+    step=jnp.int32(value),
+    params={"w": noise.at[0, 0].set(value), "b": jnp.zeros(64)},
+    opt_state=({"mu": jnp.ones(64)},),
+  )
 
 
 def _abstract(state):
@@ -260,6 +272,7 @@ def test_resume_step_retrains_from_an_earlier_step(config):
 
 # --- signals and flushing ------------------------------------------------------------------------
 
+
 def test_tensorboard_events_are_flushed_at_every_write(tmp_path):
   writer = MetricsWriter(str(tmp_path))
   try:
@@ -274,8 +287,16 @@ def test_tensorboard_events_are_flushed_at_every_write(tmp_path):
 
 def _start_training(config, steps):
   overrides = [f"--config.{k}={v}" for k, v in SETTINGS.items()]
-  command = [sys.executable, "-m", "train", "--config=configs/tiny.py", f"--workdir={config.workdir}",
-             *overrides, f"--config.data.data_dir={config.data.data_dir}", f"--config.train.steps={steps}"]
+  command = [
+    sys.executable,
+    "-m",
+    "train",
+    "--config=configs/tiny.py",
+    f"--workdir={config.workdir}",
+    *overrides,
+    f"--config.data.data_dir={config.data.data_dir}",
+    f"--config.train.steps={steps}",
+  ]
   env = dict(os.environ, PYTHONPATH=ROOT)
   return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -293,10 +314,13 @@ def _interrupt_after_a_few_steps(config, signum):
   return process.returncode, out, err
 
 
-@pytest.mark.parametrize("signum, code", [
+@pytest.mark.parametrize(
+  "signum, code",
+  [
     (signal.SIGINT, 130),
     pytest.param(signal.SIGTERM, 143, marks=pytest.mark.slow),
-])
+  ],
+)
 def test_a_signal_saves_a_checkpoint_and_exits_cleanly(config, signum, code):
   returncode, out, err = _interrupt_after_a_few_steps(config, signum)
   last_line = err.strip().splitlines()[-1]
@@ -357,6 +381,7 @@ def test_every_kept_step_gets_a_manifest(tmp_path, keep):
 def test_model_check_names_changed_keys_and_accepts_keys_added_later_at_their_default(tmp_path):
   from train.config import base_config
   from train.workdir import check_model_unchanged
+
   config = base_config()
   saved = json.loads(config.to_json_best_effort())
   del saved["model"]["sliding_window"]  # as if the run predates this key

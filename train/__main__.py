@@ -27,18 +27,30 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics (overrides config.workdir).")
 _CONFIG_HELP = flags.DEFINE_bool("config_help", False, "Print every config key with its default and exit.")
 _TRACEBACK = flags.DEFINE_bool("traceback", False, "Show the full traceback of an error instead of one line.")
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
-                                   "Multi-process job: HOST:PORT of process 0 (default $JAX_COORDINATOR_ADDRESS).")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None,
-                                      "Multi-process job: number of processes (default $JAX_NUM_PROCESSES).")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None,
-                                   "Multi-process job: this process's id in 0..N-1 (default $JAX_PROCESS_ID).")
-_COORDINATOR_TIMEOUT = flags.DEFINE_integer("coordinator_timeout_s", 300,
-                                            "Multi-process job: seconds to wait for every process to join.")
+_COORDINATOR = flags.DEFINE_string(
+  "coordinator_address", None, "Multi-process job: HOST:PORT of process 0 (default $JAX_COORDINATOR_ADDRESS)."
+)
+_NUM_PROCESSES = flags.DEFINE_integer(
+  "num_processes", None, "Multi-process job: number of processes (default $JAX_NUM_PROCESSES)."
+)
+_PROCESS_ID = flags.DEFINE_integer(
+  "process_id", None, "Multi-process job: this process's id in 0..N-1 (default $JAX_PROCESS_ID)."
+)
+_COORDINATOR_TIMEOUT = flags.DEFINE_integer(
+  "coordinator_timeout_s", 300, "Multi-process job: seconds to wait for every process to join."
+)
 
 # Errors whose message says what to change: shown as one line.
-_CLEAR_ERRORS = (ValueError, FileNotFoundError, CheckpointError, ConfigMismatchError, WorkdirBusyError,
-                 WorkdirNotEmptyError, TrainingDivergedError, DistributedInitError)
+_CLEAR_ERRORS = (
+  ValueError,
+  FileNotFoundError,
+  CheckpointError,
+  ConfigMismatchError,
+  WorkdirBusyError,
+  WorkdirNotEmptyError,
+  TrainingDivergedError,
+  DistributedInitError,
+)
 
 
 def main(argv):
@@ -51,8 +63,9 @@ def main(argv):
     with config.unlocked():
       config.workdir = _WORKDIR.value
   try:
-    initialize_if_launched(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-                           initialization_timeout=_COORDINATOR_TIMEOUT.value)  # before any device use
+    initialize_if_launched(
+      _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, initialization_timeout=_COORDINATOR_TIMEOUT.value
+    )  # before any device use
     train(finalize(config))
   except TrainingInterrupted as e:
     print(e, file=sys.stderr, flush=True)
@@ -79,8 +92,11 @@ def _parse_flags(argv):
   except (AttributeError, KeyError) as e:
     overrides = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
     key = str(e).strip("\"'")
-    print(f"ERROR: unknown config key '{key}' in {' '.join(overrides)}; `python -m train --config_help` "
-          "lists every key", file=sys.stderr, flush=True)
+    print(
+      f"ERROR: unknown config key '{key}' in {' '.join(overrides)}; `python -m train --config_help` lists every key",
+      file=sys.stderr,
+      flush=True,
+    )
     sys.exit(1)
 
 

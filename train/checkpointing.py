@@ -3,11 +3,11 @@ reads checkpoints without importing `train`; these names are kept here for exist
 imports."""
 
 from castle_jax.checkpoints import (  # noqa: F401
-    MANIFEST_NAME,
-    SET_ASIDE_DIR,
-    Checkpointer,
-    CheckpointError,
-    file_sha256,
-    verify_step,
-    write_manifest,
+  MANIFEST_NAME,
+  SET_ASIDE_DIR,
+  Checkpointer,
+  CheckpointError,
+  file_sha256,
+  verify_step,
+  write_manifest,
 )

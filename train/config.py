@@ -48,8 +48,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   d = c.data
   d.dataset = "python_stdlib"  # any TFDS name; python_stdlib is built locally.
-  d.data_dir = ml_collections.config_dict.placeholder(str)  # None: $CASTLE_JAX_DATA_DIR or ~/.cache/castle_jax/tensorflow_datasets
-  d.source_dir = ml_collections.config_dict.placeholder(str)  # python_stdlib only: other .py files instead of the stdlib
+  d.data_dir = ml_collections.config_dict.placeholder(
+    str
+  )  # None: $CASTLE_JAX_DATA_DIR or ~/.cache/castle_jax/tensorflow_datasets
+  d.source_dir = ml_collections.config_dict.placeholder(
+    str
+  )  # python_stdlib only: other .py files instead of the stdlib
   d.text_key = "text"
   d.train_split = "train"
   d.eval_split = "validation"

@@ -52,7 +52,7 @@ class JobSpec:
 
 
 def detected_cluster(env: Mapping[str, str]) -> str | None:
-  """"slurm" or "ompi" when that launcher started more than one task, else None."""
+  """ "slurm" or "ompi" when that launcher started more than one task, else None."""
   if all(v in env for v in _SLURM_VARS) and int(env["SLURM_NTASKS"]) > 1:
     return "slurm"
   if all(v in env for v in _OMPI_VARS) and int(env["OMPI_COMM_WORLD_SIZE"]) > 1:
@@ -69,8 +69,12 @@ def _as_int(value, name: str) -> int | None:
     raise DistributedInitError(f"{name} must be an integer, got {value!r}") from None
 
 
-def job_spec(coordinator_address: str | None = None, num_processes: int | None = None,
-             process_id: int | None = None, env: Mapping[str, str] | None = None) -> JobSpec | None:
+def job_spec(
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+  env: Mapping[str, str] | None = None,
+) -> JobSpec | None:
   """The job this process belongs to, or None for a single-process run.
 
   Args:
@@ -89,8 +93,11 @@ def job_spec(coordinator_address: str | None = None, num_processes: int | None =
   count = num_processes if num_processes is not None else _as_int(env.get(ENV_COUNT), ENV_COUNT)
   index = process_id if process_id is not None else _as_int(env.get(ENV_ID), ENV_ID)
   cluster = detected_cluster(env)
-  given = {"--coordinator_address / " + ENV_ADDRESS: address, "--num_processes / " + ENV_COUNT: count,
-           "--process_id / " + ENV_ID: index}
+  given = {
+    "--coordinator_address / " + ENV_ADDRESS: address,
+    "--num_processes / " + ENV_COUNT: count,
+    "--process_id / " + ENV_ID: index,
+  }
   if cluster is not None:  # jax fills whatever is not given
     return JobSpec(address, count, index, cluster)
   if all(v is None for v in given.values()):
@@ -100,20 +107,28 @@ def job_spec(coordinator_address: str | None = None, num_processes: int | None =
   missing = [name for name, v in given.items() if v is None]
   if missing:
     raise DistributedInitError(
-        f"A multi-process job needs all three of coordinator address, process count and process id; "
-        f"missing: {', '.join(missing)}. Give every process the same address (HOST:PORT of process 0) and "
-        "count, and its own id 0..N-1.")
+      f"A multi-process job needs all three of coordinator address, process count and process id; "
+      f"missing: {', '.join(missing)}. Give every process the same address (HOST:PORT of process 0) and "
+      "count, and its own id 0..N-1."
+    )
   if count < 1 or not 0 <= index < count:
-    raise DistributedInitError(f"process id {index} is outside [0, {count}) (--process_id / {ENV_ID}, "
-                               f"--num_processes / {ENV_COUNT})")
+    raise DistributedInitError(
+      f"process id {index} is outside [0, {count}) (--process_id / {ENV_ID}, --num_processes / {ENV_COUNT})"
+    )
   if ":" not in address:
-    raise DistributedInitError(f"coordinator address {address!r} needs a port: HOST:PORT "
-                               f"(--coordinator_address / {ENV_ADDRESS})")
+    raise DistributedInitError(
+      f"coordinator address {address!r} needs a port: HOST:PORT (--coordinator_address / {ENV_ADDRESS})"
+    )
   return JobSpec(address, count, index)
 
 
-def initialize_if_launched(coordinator_address: str | None = None, num_processes: int | None = None,
-                           process_id: int | None = None, *, initialization_timeout: int = 300) -> JobSpec | None:
+def initialize_if_launched(
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+  *,
+  initialization_timeout: int = 300,
+) -> JobSpec | None:
   """Calls `jax.distributed.initialize` when this process is one of a multi-process
   job (see the module docstring); must run before anything touches a device.
 
@@ -128,20 +143,28 @@ def initialize_if_launched(coordinator_address: str | None = None, num_processes
   spec = job_spec(coordinator_address, num_processes, process_id)
   if spec is None:
     return None
-  where = (f"as process {spec.process_id} of {spec.num_processes} with coordinator {spec.coordinator_address}"
-           if spec.cluster is None else f"through {spec.cluster}")
+  where = (
+    f"as process {spec.process_id} of {spec.num_processes} with coordinator {spec.coordinator_address}"
+    if spec.cluster is None
+    else f"through {spec.cluster}"
+  )
   if spec.cluster is None and spec.process_id != 0:
     # jaxlib aborts the process (no Python exception) when the coordinator never answers.
     wait_for_coordinator(spec.coordinator_address, initialization_timeout, where)
   try:
-    jax.distributed.initialize(coordinator_address=spec.coordinator_address, num_processes=spec.num_processes,
-                               process_id=spec.process_id, initialization_timeout=initialization_timeout)
+    jax.distributed.initialize(
+      coordinator_address=spec.coordinator_address,
+      num_processes=spec.num_processes,
+      process_id=spec.process_id,
+      initialization_timeout=initialization_timeout,
+    )
   except Exception as e:  # noqa: BLE001 - jaxlib raises XlaRuntimeError/RuntimeError/ValueError
     text = " ".join(str(e).split())[:400]
     raise DistributedInitError(
-        f"Could not join the multi-process job {where}: {type(e).__name__}: {text}. Check that every process was "
-        "started with the same address and process count, that process 0 is running and that its port is "
-        "reachable from this host.") from e
+      f"Could not join the multi-process job {where}: {type(e).__name__}: {text}. Check that every process was "
+      "started with the same address and process count, that process 0 is running and that its port is "
+      "reachable from this host."
+    ) from e
   return spec
 
 
@@ -160,7 +183,8 @@ def wait_for_coordinator(address: str, timeout_s: float, where: str = "") -> Non
     except OSError as e:
       if time.monotonic() >= deadline:
         raise DistributedInitError(
-            f"Could not join the multi-process job {where}: nothing answers at {address} after {timeout_s:g} s "
-            f"({e}). Start process 0 (it hosts the coordinator) with the same --coordinator_address, check the "
-            "host name and that the port is open, or raise --coordinator_timeout_s.") from None
+          f"Could not join the multi-process job {where}: nothing answers at {address} after {timeout_s:g} s "
+          f"({e}). Start process 0 (it hosts the coordinator) with the same --coordinator_address, check the "
+          "host name and that the port is open, or raise --coordinator_timeout_s."
+        ) from None
       time.sleep(0.5)

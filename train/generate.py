@@ -54,14 +54,23 @@ def main(argv):
     print(f"ERROR: {e}", file=sys.stderr, flush=True)
     sys.exit(1)
   prompt = np.concatenate([[tokenizer.bos_id], tokenizer.encode(_PROMPT.value)]).astype(np.int32)
-  sampling = dict(rng=jax.random.key(_SEED.value), temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
-                  top_p=_TOP_P.value)
+  sampling = dict(
+    rng=jax.random.key(_SEED.value), temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value
+  )
   if _DRAFT.value:
     try:
       tree = tuple(int(w) for w in _TREE.value)
       draft = load_draft(_DRAFT.value, TrainedModel(model, params, tokenizer, step))
-      run = lambda: speculative_generate(model, params, draft.model, draft.params, jnp.asarray(prompt)[None],
-                                         max_new_tokens=_MAX_NEW.value, tree=tree, **sampling)
+      run = lambda: speculative_generate(
+        model,
+        params,
+        draft.model,
+        draft.params,
+        jnp.asarray(prompt)[None],
+        max_new_tokens=_MAX_NEW.value,
+        tree=tree,
+        **sampling,
+      )
       if _WARMUP.value:
         jax.block_until_ready(run().tokens)
       start = time.perf_counter()
@@ -71,9 +80,11 @@ def main(argv):
     except (FileNotFoundError, ValueError, CheckpointError) as e:
       print(f"ERROR: {e}", file=sys.stderr, flush=True)
       sys.exit(1)
-    print(f"# speculative: draft step {draft.step}, tree {list(tree)}: tau {result.mean_accepted:.2f} tokens per "
-          f"target forward over {result.rounds} rounds, {_MAX_NEW.value / seconds:.1f} tokens/s"
-          + ("" if _WARMUP.value else " (including compilation; --warmup to exclude it)"))
+    print(
+      f"# speculative: draft step {draft.step}, tree {list(tree)}: tau {result.mean_accepted:.2f} tokens per "
+      f"target forward over {result.rounds} rounds, {_MAX_NEW.value / seconds:.1f} tokens/s"
+      + ("" if _WARMUP.value else " (including compilation; --warmup to exclude it)")
+    )
   else:
     tokens = generate(model, params, jnp.asarray(prompt)[None], max_new_tokens=_MAX_NEW.value, **sampling)
   print(f"# step {step}, temperature {_TEMPERATURE.value}")

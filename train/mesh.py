@@ -29,8 +29,8 @@ def resolve_mesh_shape(sizes: Sequence[int], num_devices: int) -> tuple[int, ...
   shape = tuple(num_devices // known if s == -1 else s for s in sizes)
   if math.prod(shape) != num_devices:
     raise ValueError(
-        f"Mesh {names} uses {math.prod(shape)} devices but {num_devices} are available; "
-        "set one axis to -1 to fill")
+      f"Mesh {names} uses {math.prod(shape)} devices but {num_devices} are available; set one axis to -1 to fill"
+    )
   return shape
 
 
@@ -42,8 +42,10 @@ def select_devices(num_devices: int) -> list[jax.Device]:
   if not 1 <= num_devices <= len(devices):
     raise ValueError(f"mesh.num_devices={num_devices} must be -1 (all) or in 1..{len(devices)} (the devices available)")
   if jax.process_count() > 1 and num_devices != len(devices):
-    raise ValueError(f"mesh.num_devices={num_devices} cannot leave devices out of a job of {jax.process_count()} "
-                     "processes (every process must hold part of the mesh); use -1")
+    raise ValueError(
+      f"mesh.num_devices={num_devices} cannot leave devices out of a job of {jax.process_count()} "
+      "processes (every process must hold part of the mesh); use -1"
+    )
   return devices[:num_devices]
 
 
@@ -54,8 +56,9 @@ def make_mesh(mesh_config, devices: Sequence[jax.Device] | None = None) -> jax.s
     devices = select_devices(mesh_config.get("num_devices", -1))
   devices = list(devices)
   shape = resolve_mesh_shape([mesh_config[a] for a in MESH_AXES], len(devices))
-  return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
-                       devices=np.asarray(devices).reshape(-1))
+  return jax.make_mesh(
+    shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES), devices=np.asarray(devices).reshape(-1)
+  )
 
 
 def data_parallel_size(mesh: jax.sharding.Mesh) -> int:

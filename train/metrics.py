@@ -33,6 +33,7 @@ class MetricsWriter:
     if tensorboard:
       # imported here: only process 0 writes events
       from tensorboardX.event_file_writer import EventsWriter
+
       directory = os.path.join(workdir, "tensorboard")
       os.makedirs(directory, exist_ok=True)
       self._tb = EventsWriter(os.path.join(directory, "events"))
@@ -45,9 +46,11 @@ class MetricsWriter:
     if self._tb is not None:
       from tensorboardX.proto.event_pb2 import Event
       from tensorboardX.summary import scalar
+
       for key, value in scalars.items():
-        self._tb.write_event(Event(wall_time=record["time"], step=int(step),
-                                   summary=scalar(f"{split}/{key}", float(value))))
+        self._tb.write_event(
+          Event(wall_time=record["time"], step=int(step), summary=scalar(f"{split}/{key}", float(value)))
+        )
       self._tb.flush()
 
   def close(self) -> None:
@@ -90,23 +93,26 @@ class ThroughputWindow:
 
   def summary(self) -> dict[str, float]:
     elapsed = max(time.perf_counter() - self._start - self._paused, 1e-9)
-    out = {"tokens_per_sec": self._tokens / elapsed,
-           "data_wait_s": self._data_wait / max(self._steps, 1)}
+    out = {"tokens_per_sec": self._tokens / elapsed, "data_wait_s": self._data_wait / max(self._steps, 1)}
     if self._peak_total is not None:
       out["mfu"] = out["tokens_per_sec"] * self._flops_per_token / self._peak_total
     return out
 
 
 def format_train_line(step: int, record: Mapping[str, float]) -> str:
-  return (f"step {step:6d} | loss {record['loss']:.4f} | grad_norm {record['grad_norm']:.3f} | "
-          f"lr {record['learning_rate']:.2e} | {record['tokens_per_sec']:.0f} tok/s"
-          + (f" | MFU {record['mfu']:.1%}" if "mfu" in record else "")
-          + f" | data wait {record['data_wait_s'] * 1e3:.1f} ms/step")
+  return (
+    f"step {step:6d} | loss {record['loss']:.4f} | grad_norm {record['grad_norm']:.3f} | "
+    f"lr {record['learning_rate']:.2e} | {record['tokens_per_sec']:.0f} tok/s"
+    + (f" | MFU {record['mfu']:.1%}" if "mfu" in record else "")
+    + f" | data wait {record['data_wait_s'] * 1e3:.1f} ms/step"
+  )
 
 
 def format_eval_line(step: int, record: Mapping[str, float]) -> str:
-  return (f"step {step:6d} | eval loss {record['loss']:.4f} | ppl {record['perplexity']:.2f} | "
-          f"{record['bits_per_byte']:.4f} bits/byte")
+  return (
+    f"step {step:6d} | eval loss {record['loss']:.4f} | ppl {record['perplexity']:.2f} | "
+    f"{record['bits_per_byte']:.4f} bits/byte"
+  )
 
 
 def read_metrics(path: str, split: str = "train") -> dict[int, dict]:

@@ -12,8 +12,12 @@ def learning_rate_schedule(train_config) -> optax.Schedule:
   if t.warmup_steps < 0 or t.warmup_steps > t.steps:
     raise ValueError(f"train.warmup_steps must be in [0, train.steps={t.steps}], got {t.warmup_steps}")
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=t.learning_rate, warmup_steps=t.warmup_steps,
-      decay_steps=max(t.steps, t.warmup_steps + 1), end_value=t.learning_rate * t.min_lr_ratio)
+    init_value=0.0,
+    peak_value=t.learning_rate,
+    warmup_steps=t.warmup_steps,
+    decay_steps=max(t.steps, t.warmup_steps + 1),
+    end_value=t.learning_rate * t.min_lr_ratio,
+  )
 
 
 def _decay_mask(params):
@@ -25,6 +29,7 @@ def make_optimizer(train_config) -> tuple[optax.GradientTransformation, optax.Sc
   t = train_config
   schedule = learning_rate_schedule(t)
   tx = optax.chain(
-      optax.clip_by_global_norm(t.grad_clip),
-      optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=_decay_mask))
+    optax.clip_by_global_norm(t.grad_clip),
+    optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=_decay_mask),
+  )
   return tx, schedule

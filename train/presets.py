@@ -17,10 +17,10 @@ from train.config import base_config
 
 # size -> (n_layers, d_model, baseline heads, head_dim, peak learning rate)
 PAPER_SHAPES = {
-    "s": (12, 896, 14, 64, 6.0e-4),
-    "m": (24, 1024, 16, 64, 3.0e-4),
-    "l": (24, 1536, 16, 96, 2.5e-4),
-    "xl": (24, 2048, 16, 128, 2.0e-4),
+  "s": (12, 896, 14, 64, 6.0e-4),
+  "m": (24, 1024, 16, 64, 3.0e-4),
+  "l": (24, 1536, 16, 96, 2.5e-4),
+  "xl": (24, 2048, 16, 128, 2.0e-4),
 }
 PAPER_VOCAB_SIZE = 50304
 PAPER_SEQ_LEN = 2048
@@ -32,8 +32,9 @@ CASTLE_HEADS = {"s": 8, "m": 9, "l": 9, "xl": 9}
 CASTLE_SWL_WINDOWS = {"s": 128, "m": 512, "l": 512, "xl": 512}
 
 
-def paper_config(size: str, *, attention: str = "mha", n_heads: int | None = None,
-                 micro_batch: int = 16) -> ml_collections.ConfigDict:
+def paper_config(
+  size: str, *, attention: str = "mha", n_heads: int | None = None, micro_batch: int = 16
+) -> ml_collections.ConfigDict:
   """The Table 3 configuration of one model size.
 
   Args:
@@ -72,8 +73,9 @@ def paper_config(size: str, *, attention: str = "mha", n_heads: int | None = Non
 def castle_paper_config(size: str, *, swl: bool = False, micro_batch: int = 16) -> ml_collections.ConfigDict:
   """CASTLE-{size} (or CASTLE-SWL-{size} with `swl`) of Table 3: the baseline's recipe
   with CASTLE_HEADS[size] heads and, for SWL, lookahead window CASTLE_SWL_WINDOWS[size]."""
-  c = paper_config(size, attention="castle_swl" if swl else "castle", n_heads=CASTLE_HEADS.get(size),
-                   micro_batch=micro_batch)
+  c = paper_config(
+    size, attention="castle_swl" if swl else "castle", n_heads=CASTLE_HEADS.get(size), micro_batch=micro_batch
+  )
   if swl:
     c.model.attention_kwargs.lookahead_window = CASTLE_SWL_WINDOWS[size]
   return c
@@ -94,8 +96,9 @@ POWER_PAPER_MIN_LR = 1e-5
 POWER_PAPER_STEPS = 64_000
 
 
-def power_paper_config(size: str = "s", *, p: int = 2, attention: str = "power", chunk_size: int = 256,
-                       micro_batch: int = 32) -> ml_collections.ConfigDict:
+def power_paper_config(
+  size: str = "s", *, p: int = 2, attention: str = "power", chunk_size: int = 256, micro_batch: int = 32
+) -> ml_collections.ConfigDict:
   """The power-attention paper's Appendix D setup for one GPT-2 size.
 
   The block stays this library's (RMSNorm, SwiGLU, RoPE): the paper, too, changes

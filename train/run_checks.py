@@ -20,26 +20,24 @@ def validate_train_config(config) -> None:
   _require(isinstance(t.steps, int) and t.steps >= 1, "train.steps", "an integer >= 1", t.steps)
   _require(t.log_every >= 1, "train.log_every", ">= 1", t.log_every)
   _require(t.eval_every >= 0, "train.eval_every", ">= 0 (0: only at the last step)", t.eval_every)
-  _require(t.checkpoint_every >= 0, "train.checkpoint_every", ">= 0 (0: only at the last step)",
-           t.checkpoint_every)
+  _require(t.checkpoint_every >= 0, "train.checkpoint_every", ">= 0 (0: only at the last step)", t.checkpoint_every)
   _require(t.eval_batches >= 0, "train.eval_batches", ">= 0 (0: no evaluation)", t.eval_batches)
   _require(t.keep_checkpoints >= 1, "train.keep_checkpoints", ">= 1", t.keep_checkpoints)
   finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)
-  _require(finite(t.learning_rate) and t.learning_rate > 0, "train.learning_rate", "a finite number > 0",
-           t.learning_rate)
-  _require(finite(t.min_lr_ratio) and 0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", "in [0, 1]",
-           t.min_lr_ratio)
+  _require(
+    finite(t.learning_rate) and t.learning_rate > 0, "train.learning_rate", "a finite number > 0", t.learning_rate
+  )
+  _require(finite(t.min_lr_ratio) and 0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", "in [0, 1]", t.min_lr_ratio)
   _require(finite(t.b1) and 0 <= t.b1 < 1, "train.b1", "in [0, 1)", t.b1)
   _require(finite(t.b2) and 0 <= t.b2 < 1, "train.b2", "in [0, 1)", t.b2)
   _require(finite(t.eps) and t.eps > 0, "train.eps", "a finite number > 0", t.eps)
-  _require(finite(t.weight_decay) and t.weight_decay >= 0, "train.weight_decay", "a finite number >= 0",
-           t.weight_decay)
+  _require(finite(t.weight_decay) and t.weight_decay >= 0, "train.weight_decay", "a finite number >= 0", t.weight_decay)
   _require(finite(t.grad_clip) and t.grad_clip > 0, "train.grad_clip", "a finite number > 0", t.grad_clip)
   _require(t.resume_step is None or t.resume_step >= 0, "train.resume_step", ">= 0 or None", t.resume_step)
-  _require(t.resume_step is None or t.resume, "train.resume_step", "unset when train.resume=False",
-           t.resume_step)
-  _require(not (t.overwrite and t.resume), "train.overwrite", "used with train.resume=False (it starts over)",
-           t.overwrite)
+  _require(t.resume_step is None or t.resume, "train.resume_step", "unset when train.resume=False", t.resume_step)
+  _require(
+    not (t.overwrite and t.resume), "train.overwrite", "used with train.resume=False (it starts over)", t.overwrite
+  )
   _require(d.prefetch >= 0, "data.prefetch", ">= 0 (0: no background reading)", d.prefetch)
   _require(d.worker_count >= 0, "data.worker_count", ">= 0", d.worker_count)
 
@@ -51,11 +49,15 @@ def check_schedule_unchanged(saved: Mapping[str, Any] | None, config, workdir: s
   so the caller can warn."""
   if not saved or "train" not in saved:
     return []
-  differing = [f"train.{k}: {saved['train'].get(k)!r} -> {config.train[k]!r}"
-               for k in _SCHEDULE_KEYS if k in saved["train"] and saved["train"][k] != config.train[k]]
+  differing = [
+    f"train.{k}: {saved['train'].get(k)!r} -> {config.train[k]!r}"
+    for k in _SCHEDULE_KEYS
+    if k in saved["train"] and saved["train"][k] != config.train[k]
+  ]
   if differing and not config.train.allow_schedule_change:
     raise ValueError(
-        f"Resuming the run in {workdir} with a different learning-rate schedule ({'; '.join(differing)}): "
-        "the warm-up/cosine schedule would be rebuilt and the learning rate would jump at the resumed "
-        "step. Pass --config.train.allow_schedule_change=True to do it anyway, or keep the old values.")
+      f"Resuming the run in {workdir} with a different learning-rate schedule ({'; '.join(differing)}): "
+      "the warm-up/cosine schedule would be rebuilt and the learning rate would jump at the resumed "
+      "step. Pass --config.train.allow_schedule_change=True to do it anyway, or keep the old values."
+    )
   return differing

@@ -22,8 +22,9 @@ class TrainingInterrupted(Exception):
     self.step = step
     self.exit_code = 128 + signum
     name = signal.Signals(signum).name
-    super().__init__(f"Stopped by {name} after step {step}; checkpoint saved in {checkpoint_dir}. "
-                     "Re-run the same command to resume.")
+    super().__init__(
+      f"Stopped by {name} after step {step}; checkpoint saved in {checkpoint_dir}. Re-run the same command to resume."
+    )
 
 
 class StopSignals:
@@ -42,8 +43,11 @@ class StopSignals:
       raise KeyboardInterrupt  # second Ctrl-C: stop without waiting for the checkpoint
     self.requested = signum
     # os.write, not print: the handler may interrupt a print to the same stream.
-    os.write(2, f"\n{signal.Signals(signum).name} received: finishing this step and saving a checkpoint "
-                "(Ctrl-C again to abort without saving)\n".encode())
+    os.write(
+      2,
+      f"\n{signal.Signals(signum).name} received: finishing this step and saving a checkpoint "
+      "(Ctrl-C again to abort without saving)\n".encode(),
+    )
 
   def __enter__(self):
     # Handlers can only be installed from the main thread (notebooks may run elsewhere).

@@ -30,15 +30,17 @@ def _boxed_init(model: nn.Module, tx: optax.GradientTransformation, rng: jax.Arr
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
 
-def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh,
-                    seq_len: int) -> tuple[TrainState, TrainState]:
+def state_shardings(
+  model: nn.Module, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, seq_len: int
+) -> tuple[TrainState, TrainState]:
   """(abstract state: ShapeDtypeStructs with shardings, the NamedShardings tree)."""
   with jax.set_mesh(None):  # see init_train_state
     boxed = jax.eval_shape(lambda r: _boxed_init(model, tx, r, seq_len), jax.random.key(0))
   specs = nn.get_partition_spec(boxed)
   shardings = nn.logical_to_mesh_sharding(specs, mesh, LOGICAL_AXIS_RULES)
   abstract = jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), _strip_boxes(boxed), shardings)
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), _strip_boxes(boxed), shardings
+  )
   _check_divisible(abstract)
   return abstract, shardings
 
@@ -53,12 +55,18 @@ def _check_divisible(abstract: TrainState) -> None:
   """Raises a clear error when a parameter dimension cannot be split over its mesh axes."""
   for path, leaf in jax.tree_util.tree_leaves_with_path(abstract.params):
     axes = [(axis,) if isinstance(axis, str) else tuple(axis or ()) for axis in leaf.sharding.spec]
-    check_divisible(leaf.shape, axes, leaf.sharding.mesh, f"Parameter {jax.tree_util.keystr(path)}",
-                    "Change the model sizes (e.g. model.n_heads, model.vocab_size) or the mesh (config.mesh).")
+    check_divisible(
+      leaf.shape,
+      axes,
+      leaf.sharding.mesh,
+      f"Parameter {jax.tree_util.keystr(path)}",
+      "Change the model sizes (e.g. model.n_heads, model.vocab_size) or the mesh (config.mesh).",
+    )
 
 
-def init_train_state(model: nn.Module, tx: optax.GradientTransformation, rng: jax.Array,
-                     seq_len: int, shardings: TrainState) -> TrainState:
+def init_train_state(
+  model: nn.Module, tx: optax.GradientTransformation, rng: jax.Array, seq_len: int, shardings: TrainState
+) -> TrainState:
   """Initializes parameters and optimizer state directly into their shardings.
 
   The model's init runs a forward pass on one [1, seq_len] sequence only to create the

@@ -15,8 +15,7 @@ from castle_jax.models import family_of
 from train.state import TrainState
 
 
-def token_losses(model: nn.Module, params: Any, batch: dict[str, jax.Array], pad_id: int,
-                 rng: jax.Array | None = None):
+def token_losses(model: nn.Module, params: Any, batch: dict[str, jax.Array], pad_id: int, rng: jax.Array | None = None):
   """Per-token loss and weights of the model's family (`castle_jax.models.registry`).
 
   Args:
@@ -33,8 +32,10 @@ def token_losses(model: nn.Module, params: Any, batch: dict[str, jax.Array], pad
 def _microbatches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Array]:
   """[B, ...] -> [count, B/count, ...] taking rows i, i+count, ... so that each
   microbatch is spread over the same devices as the batch (no communication)."""
+
   def split(x):
     return x.reshape(x.shape[0] // count, count, *x.shape[1:]).swapaxes(0, 1)
+
   return jax.tree.map(split, batch)
 
 
@@ -44,9 +45,18 @@ def with_frozen(params: Any, frozen: dict[str, Any] | None) -> Any:
   return params if not frozen else {**params, **frozen}
 
 
-def train_step(state: TrainState, batch: dict[str, jax.Array], frozen: dict[str, Any] | None = None, *,
-               model: nn.Module, tx: optax.GradientTransformation, schedule: optax.Schedule, pad_id: int,
-               grad_accum_steps: int = 1, seed: int = 0) -> tuple[TrainState, dict[str, jax.Array]]:
+def train_step(
+  state: TrainState,
+  batch: dict[str, jax.Array],
+  frozen: dict[str, Any] | None = None,
+  *,
+  model: nn.Module,
+  tx: optax.GradientTransformation,
+  schedule: optax.Schedule,
+  pad_id: int,
+  grad_accum_steps: int = 1,
+  seed: int = 0,
+) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer update on the mean token loss of the whole (global) batch.
 
   The model's training noise (if any) comes from key(seed) folded with the step and the
@@ -63,35 +73,45 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], frozen: dict[str,
   if grad_accum_steps == 1:
     (loss_sum, count), grads = value_and_grad(state.params, batch, step_rng)
   else:
+
     def accumulate(carry, micro_and_index):
       loss_sum, count, grads = carry
       micro, index = micro_and_index
-      (l, c), g = value_and_grad(state.params, micro, jax.random.fold_in(step_rng, index))
-      return (loss_sum + l, count + c, jax.tree.map(jnp.add, grads, g)), None
+      (micro_loss, micro_count), g = value_and_grad(state.params, micro, jax.random.fold_in(step_rng, index))
+      return (loss_sum + micro_loss, count + micro_count, jax.tree.map(jnp.add, grads, g)), None
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     (loss_sum, count, grads), _ = jax.lax.scan(
-        accumulate, (jnp.float32(0), jnp.float32(0), zeros),
-        (_microbatches(batch, grad_accum_steps), jnp.arange(grad_accum_steps)))
+      accumulate,
+      (jnp.float32(0), jnp.float32(0), zeros),
+      (_microbatches(batch, grad_accum_steps), jnp.arange(grad_accum_steps)),
+    )
 
   count = jnp.maximum(count, 1.0)
   grads = jax.tree.map(lambda g: g / count, grads)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = {
-      "loss": loss_sum / count,
-      "grad_norm": optax.global_norm(grads),
-      "learning_rate": schedule(state.step),
-      "tokens": count,
-      # What throughput counts: every input position the model ran on. `tokens` (the
-      # scored targets) is far smaller when only some targets count (passkey answers).
-      "input_tokens": jnp.float32(batch["inputs"].size),
+    "loss": loss_sum / count,
+    "grad_norm": optax.global_norm(grads),
+    "learning_rate": schedule(state.step),
+    "tokens": count,
+    # What throughput counts: every input position the model ran on. `tokens` (the
+    # scored targets) is far smaller when only some targets count (passkey answers).
+    "input_tokens": jnp.float32(batch["inputs"].size),
   }
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def eval_step(params: Any, batch: dict[str, jax.Array], *, model: nn.Module, pad_id: int,
-              token_byte_lengths: jax.Array, microbatches: int = 1) -> dict[str, jax.Array]:
+def eval_step(
+  params: Any,
+  batch: dict[str, jax.Array],
+  *,
+  model: nn.Module,
+  pad_id: int,
+  token_byte_lengths: jax.Array,
+  microbatches: int = 1,
+) -> dict[str, jax.Array]:
   """Sums for validation: nll (nats), scored tokens and the UTF-8 bytes they stand for
   (`castle_jax.eval.perplexity.loss_sums`, which the evaluation commands use too).
 
@@ -107,15 +127,29 @@ def eval_step(params: Any, batch: dict[str, jax.Array], *, model: nn.Module, pad
   return jax.tree.map(jnp.sum, per_micro)
 
 
-def jit_train_step(*, model: nn.Module, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                   pad_id: int, grad_accum_steps: int, state_shardings: TrainState,
-                   batch_sharding: jax.sharding.Sharding, seed: int = 0, frozen: dict[str, Any] | None = None):
+def jit_train_step(
+  *,
+  model: nn.Module,
+  tx: optax.GradientTransformation,
+  schedule: optax.Schedule,
+  pad_id: int,
+  grad_accum_steps: int,
+  state_shardings: TrainState,
+  batch_sharding: jax.sharding.Sharding,
+  seed: int = 0,
+  frozen: dict[str, Any] | None = None,
+):
   """`train_step` compiled with explicit in/out shardings; the old state is donated.
   Called as step(state, batch); `frozen` (already placed) is passed as an argument of
   the compiled step, never baked into it as constants."""
-  step = functools.partial(train_step, model=model, tx=tx, schedule=schedule, pad_id=pad_id,
-                           grad_accum_steps=grad_accum_steps, seed=seed)
+  step = functools.partial(
+    train_step, model=model, tx=tx, schedule=schedule, pad_id=pad_id, grad_accum_steps=grad_accum_steps, seed=seed
+  )
   frozen_shardings = jax.tree.map(lambda x: x.sharding, frozen)
-  compiled = jax.jit(step, in_shardings=(state_shardings, batch_sharding, frozen_shardings),
-                     out_shardings=(state_shardings, None), donate_argnums=0)
+  compiled = jax.jit(
+    step,
+    in_shardings=(state_shardings, batch_sharding, frozen_shardings),
+    out_shardings=(state_shardings, None),
+    donate_argnums=0,
+  )
   return lambda state, batch: compiled(state, batch, frozen)

@@ -6,9 +6,9 @@ import jax
 
 # Dense (no sparsity) bf16 tensor-core peaks from the vendors' datasheets, FLOP/s.
 PEAK_BF16_FLOPS = {
-    "H100": 989e12,  # SXM
-    "H200": 989e12,
-    "A100": 312e12,
+  "H100": 989e12,  # SXM
+  "H200": 989e12,
+  "A100": 312e12,
 }
 
 

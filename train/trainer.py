@@ -89,9 +89,10 @@ def _validate_batching(config: ml_collections.ConfigDict, mesh: jax.sharding.Mes
   shards = data_parallel_size(mesh)
   if d.batch_size < 1 or d.batch_size % (shards * t.grad_accum_steps):
     raise ValueError(
-        f"data.batch_size ({d.batch_size}) must be a positive multiple of mesh data x fsdp ({shards}) "
-        f"x train.grad_accum_steps ({t.grad_accum_steps}) so every device gets whole sequences "
-        "in every microbatch")
+      f"data.batch_size ({d.batch_size}) must be a positive multiple of mesh data x fsdp ({shards}) "
+      f"x train.grad_accum_steps ({t.grad_accum_steps}) so every device gets whole sequences "
+      "in every microbatch"
+    )
   if d.batch_size % jax.process_count():
     raise ValueError(f"data.batch_size ({d.batch_size}) must be divisible by the {jax.process_count()} processes")
 
@@ -106,16 +107,26 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
   tokenizer = load_tokenizer(config.data.tokenizer)
   if model_config.vocab_size < tokenizer.vocab_size:
     raise ValueError(
-        f"model.vocab_size ({model_config.vocab_size}) is smaller than the tokenizer's vocabulary "
-        f"({tokenizer.vocab_size}); raise model.vocab_size")
+      f"model.vocab_size ({model_config.vocab_size}) is smaller than the tokenizer's vocabulary "
+      f"({tokenizer.vocab_size}); raise model.vocab_size"
+    )
   mesh = make_mesh(config.mesh)
   _validate_batching(config, mesh)
   model = build_model(model_config)
   tx, schedule = make_optimizer(config.train)
   batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"), None))
-  return Run(config=config, workdir=os.path.abspath(config.workdir), model_config=model_config, model=model,
-             tokenizer=tokenizer, mesh=mesh, tx=tx, schedule=schedule, batch_sharding=batch_sharding,
-             flops_per_token=training_flops_per_token(model_config, config.data.seq_len))
+  return Run(
+    config=config,
+    workdir=os.path.abspath(config.workdir),
+    model_config=model_config,
+    model=model,
+    tokenizer=tokenizer,
+    mesh=mesh,
+    tx=tx,
+    schedule=schedule,
+    batch_sharding=batch_sharding,
+    flops_per_token=training_flops_per_token(model_config, config.data.seq_len),
+  )
 
 
 def open_workdir(run: Run) -> tuple[workdir_lib.WorkdirLock | None, Checkpointer]:
@@ -136,8 +147,10 @@ def open_workdir(run: Run) -> tuple[workdir_lib.WorkdirLock | None, Checkpointer
       workdir_lib.check_tokenizer_unchanged(run.workdir, run.config.data.tokenizer)
       changed = check_schedule_unchanged(workdir_lib.saved_config(run.workdir), run.config, run.workdir)
       if changed:
-        _print(f"WARNING: {'!' * 60}\nWARNING: the learning-rate schedule changes at the resumed step "
-               f"({'; '.join(changed)}; train.allow_schedule_change=True)\nWARNING: {'!' * 60}")
+        _print(
+          f"WARNING: {'!' * 60}\nWARNING: the learning-rate schedule changes at the resumed step "
+          f"({'; '.join(changed)}; train.allow_schedule_change=True)\nWARNING: {'!' * 60}"
+        )
     elif t.resume_step is not None:
       raise ValueError(f"train.resume_step={t.resume_step} but there are no checkpoints in {checkpointer.directory}")
     elif t.init_from:
@@ -161,8 +174,9 @@ class InitSource:
   step: int
 
 
-def restore_or_init(run: Run, checkpointer: Checkpointer, abstract_state: TrainState, shardings: TrainState,
-                    train_iter) -> tuple[TrainState, int | None, InitSource | None]:
+def restore_or_init(
+  run: Run, checkpointer: Checkpointer, abstract_state: TrainState, shardings: TrainState, train_iter
+) -> tuple[TrainState, int | None, InitSource | None]:
   """(state, the checkpoint step resumed from or None, the run the parameters were
   initialised from or None); restores `train_iter` in place.
 
@@ -171,19 +185,29 @@ def restore_or_init(run: Run, checkpointer: Checkpointer, abstract_state: TrainS
   t = run.config.train
   if t.resume and checkpointer.all_steps():
     state, step, _ = checkpointer.restore_good(abstract_state, train_iter, step=t.resume_step, log=_print)
-    _print(f"Resumed from step {step} in {checkpointer.directory}"
-           + (f"; train.init_from={t.init_from} is ignored (this run's own checkpoints win)" if t.init_from else ""))
+    _print(
+      f"Resumed from step {step} in {checkpointer.directory}"
+      + (f"; train.init_from={t.init_from} is ignored (this run's own checkpoints win)" if t.init_from else "")
+    )
     return state, step, None
   if t.init_from:
     source = os.path.abspath(t.init_from)
     params, step = restore_params(source, abstract_state.params, log=_print, what="train.init_from")
-    start = jax.jit(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=run.tx.init(p)),
-                    out_shardings=shardings, donate_argnums=0)
-    _print(f"Initialised the parameters from step {step} of {source} (train.init_from); the optimizer state "
-           "and the step start fresh")
+    start = jax.jit(
+      lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=run.tx.init(p)),
+      out_shardings=shardings,
+      donate_argnums=0,
+    )
+    _print(
+      f"Initialised the parameters from step {step} of {source} (train.init_from); the optimizer state "
+      "and the step start fresh"
+    )
     return start(params), None, InitSource(source, step)
-  return init_train_state(run.model, run.tx, jax.random.key(run.config.seed), run.config.data.seq_len,
-                          shardings), None, None
+  return (
+    init_train_state(run.model, run.tx, jax.random.key(run.config.seed), run.config.data.seq_len, shardings),
+    None,
+    None,
+  )
 
 
 def load_frozen_params(run: Run) -> FrozenParams | None:
@@ -192,10 +216,13 @@ def load_frozen_params(run: Run) -> FrozenParams | None:
   frozen = load_frozen(run.model_config, run.mesh, log=_print)
   if frozen is None:
     return None
-  workdir_lib.check_same_tokenizer(frozen.workdir, run.config.data.tokenizer,
-                                   what=f"the frozen parameters' run {frozen.workdir}")
-  _print(f"Frozen parameters {sorted(frozen.params)} from step {frozen.step} of {frozen.workdir} "
-         f"(fingerprint {frozen.fingerprint})")
+  workdir_lib.check_same_tokenizer(
+    frozen.workdir, run.config.data.tokenizer, what=f"the frozen parameters' run {frozen.workdir}"
+  )
+  _print(
+    f"Frozen parameters {sorted(frozen.params)} from step {frozen.step} of {frozen.workdir} "
+    f"(fingerprint {frozen.fingerprint})"
+  )
   return frozen
 
 
@@ -208,31 +235,35 @@ def _global_batch(local_batch: dict[str, np.ndarray], sharding: jax.sharding.Nam
   return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local_batch.items()}
 
 
-def _check_finite(step: int, metrics: dict[str, float], checkpointer: Checkpointer,
-                  resumed_step: int | None) -> None:
+def _check_finite(step: int, metrics: dict[str, float], checkpointer: Checkpointer, resumed_step: int | None) -> None:
   bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
   if not bad:
     return
   checkpointer.wait()
   latest = checkpointer.latest_step()
-  message = (f"Training diverged at step {step}: {bad}. No checkpoint was written from this point on; "
-             + (f"the last good checkpoint is step {latest} in {checkpointer.directory}." if latest is not None
-                else f"no checkpoint had been written yet in {checkpointer.directory}."))
+  message = f"Training diverged at step {step}: {bad}. No checkpoint was written from this point on; " + (
+    f"the last good checkpoint is step {latest} in {checkpointer.directory}."
+    if latest is not None
+    else f"no checkpoint had been written yet in {checkpointer.directory}."
+  )
   suspect = resumed_step is not None and step - resumed_step <= RECENT_RESUME_STEPS
   if suspect:
     older = [s for s in checkpointer.all_steps() if s < resumed_step]
-    message += (f" This run resumed from checkpoint step {resumed_step} "
-                f"({checkpointer.step_dir(resumed_step)}) only {step - resumed_step} step(s) earlier: suspect "
-                "that checkpoint first"
-                + (f" and resume from an older one with --config.train.resume_step=N (available: {older})."
-                   if older else "."))
-  message += (" Otherwise l" if suspect else " L") + \
-      "ower train.learning_rate, raise train.warmup_steps or check the data, then resume."
+    message += (
+      f" This run resumed from checkpoint step {resumed_step} "
+      f"({checkpointer.step_dir(resumed_step)}) only {step - resumed_step} step(s) earlier: suspect "
+      "that checkpoint first"
+      + (f" and resume from an older one with --config.train.resume_step=N (available: {older})." if older else ".")
+    )
+  message += (
+    " Otherwise l" if suspect else " L"
+  ) + "ower train.learning_rate, raise train.warmup_steps or check the data, then resume."
   raise TrainingDivergedError(message)
 
 
-def evaluate(params, eval_fn: Callable, config: ml_collections.ConfigDict, tokenizer: Tokenizer,
-             batch_sharding) -> dict[str, float]:
+def evaluate(
+  params, eval_fn: Callable, config: ml_collections.ConfigDict, tokenizer: Tokenizer, batch_sharding
+) -> dict[str, float]:
   """Validation loss, perplexity and bits per byte over `train.eval_batches` batches
   read from the start of the eval split (the same batches every time)."""
   iterator = make_lm_iterator(config.data, tokenizer, split=config.data.eval_split, shuffle=False)
@@ -250,15 +281,17 @@ class StepLogger:
   """Fetches the pending step metrics at log steps, checks them, adds throughput
   and writes them to metrics.jsonl, TensorBoard and the console."""
 
-  def __init__(self, run: Run, writer: MetricsWriter, checkpointer: Checkpointer, start_step: int,
-               resumed_step: int | None):
+  def __init__(
+    self, run: Run, writer: MetricsWriter, checkpointer: Checkpointer, start_step: int, resumed_step: int | None
+  ):
     t = run.config.train
     self._writer, self._checkpointer, self._resumed_step = writer, checkpointer, resumed_step
     self._is_main = jax.process_index() == 0
     self._window = ThroughputWindow(run.flops_per_token, peak_flops_per_device(), jax.device_count())
     self._pending: list[tuple[int, Any, float]] = []  # (step, metrics on device, data wait s)
-    self.progress = tqdm.tqdm(total=t.steps, initial=start_step, disable=not (t.progress_bar and self._is_main),
-                              unit="step", dynamic_ncols=True)
+    self.progress = tqdm.tqdm(
+      total=t.steps, initial=start_step, disable=not (t.progress_bar and self._is_main), unit="step", dynamic_ncols=True
+    )
 
   def add(self, step: int, metrics: Any, data_wait_s: float) -> None:
     self._pending.append((step, metrics, data_wait_s))
@@ -301,24 +334,47 @@ def _agreed_stop(stop: StopSignals, log_step: bool) -> int | None:
   if not log_step:
     return None
   from jax.experimental import multihost_utils
+
   signum = int(np.max(multihost_utils.process_allgather(np.int32(stop.requested or 0))))
   return signum or None
 
 
-def run_loop(run: Run, state: TrainState, shardings: TrainState, train_iter, checkpointer: Checkpointer,
-             writer: MetricsWriter, resumed_step: int | None, stop: StopSignals,
-             after_step: Callable[[int], None] | None, frozen: dict[str, Any] | None = None) -> TrainResult:
+def run_loop(
+  run: Run,
+  state: TrainState,
+  shardings: TrainState,
+  train_iter,
+  checkpointer: Checkpointer,
+  writer: MetricsWriter,
+  resumed_step: int | None,
+  stop: StopSignals,
+  after_step: Callable[[int], None] | None,
+  frozen: dict[str, Any] | None = None,
+) -> TrainResult:
   """Steps from the state's step to `train.steps`: fetch, step, log, eval, save.
   `frozen`: the family's frozen parameters (`load_frozen_params`), or None."""
   config, t = run.config, run.config.train
   start_step = int(jax.device_get(state.step))
-  step_fn = jit_train_step(model=run.model, tx=run.tx, schedule=run.schedule, pad_id=run.tokenizer.pad_id,
-                           grad_accum_steps=t.grad_accum_steps, state_shardings=shardings,
-                           batch_sharding=run.batch_sharding, seed=config.seed, frozen=frozen)
-  compiled_eval = jax.jit(functools.partial(
-      eval_step, model=run.model, pad_id=run.tokenizer.pad_id,
+  step_fn = jit_train_step(
+    model=run.model,
+    tx=run.tx,
+    schedule=run.schedule,
+    pad_id=run.tokenizer.pad_id,
+    grad_accum_steps=t.grad_accum_steps,
+    state_shardings=shardings,
+    batch_sharding=run.batch_sharding,
+    seed=config.seed,
+    frozen=frozen,
+  )
+  compiled_eval = jax.jit(
+    functools.partial(
+      eval_step,
+      model=run.model,
+      pad_id=run.tokenizer.pad_id,
       token_byte_lengths=jnp.asarray(run.tokenizer.token_byte_lengths, jnp.float32),
-      microbatches=t.grad_accum_steps))
+      microbatches=t.grad_accum_steps,
+    )
+  )
   eval_fn = lambda params, batch: compiled_eval(with_frozen(params, frozen), batch)
   logger = StepLogger(run, writer, checkpointer, start_step, resumed_step)
   last_train, last_eval = {}, {}
@@ -357,8 +413,7 @@ def run_loop(run: Run, state: TrainState, shardings: TrainState, train_iter, che
   return TrainResult(state, last_train, last_eval)
 
 
-def train(config: ml_collections.ConfigDict, *,
-          after_step: Callable[[int], None] | None = None) -> TrainResult:
+def train(config: ml_collections.ConfigDict, *, after_step: Callable[[int], None] | None = None) -> TrainResult:
   """Runs (or resumes) training as described by `config`.
 
   Args:
@@ -384,8 +439,9 @@ def train(config: ml_collections.ConfigDict, *,
       stack.enter_context(nn.logical_axis_rules(LOGICAL_AXIS_RULES))
       abstract_state, shardings = state_shardings(run.model, run.tx, run.mesh, config.data.seq_len)
       frozen = load_frozen_params(run)
-      train_iter = make_lm_iterator(config.data, run.tokenizer, split=config.data.train_split, shuffle=True,
-                                    prefetch=config.data.prefetch)
+      train_iter = make_lm_iterator(
+        config.data, run.tokenizer, split=config.data.train_split, shuffle=True, prefetch=config.data.prefetch
+      )
       state, resumed_step, init_source = restore_or_init(run, checkpointer, abstract_state, shardings, train_iter)
       workdir_lib.write_run_files(run.workdir, config)
       writer = MetricsWriter(run.workdir)
@@ -395,13 +451,25 @@ def train(config: ml_collections.ConfigDict, *,
         recorded = frozen_record(run.workdir)
         if resumed_step is not None and recorded and recorded.get("fingerprint") != frozen.fingerprint:
           raise workdir_lib.ConfigMismatchError(
-              f"The checkpoints in {run.workdir} were trained against other frozen parameters ({recorded}); "
-              f"{frozen.workdir} step {frozen.step} has fingerprint {frozen.fingerprint}. Point the run at the "
-              "same source (e.g. model.family_kwargs.target_step), or start over in a new --workdir")
-        workdir_lib.write_frozen_record(run.workdir, source=frozen.workdir, step=frozen.step,
-                                        fingerprint=frozen.fingerprint)
-      return run_loop(run, state, shardings, train_iter, checkpointer, writer, resumed_step, stop, after_step,
-                      None if frozen is None else frozen.params)
+            f"The checkpoints in {run.workdir} were trained against other frozen parameters ({recorded}); "
+            f"{frozen.workdir} step {frozen.step} has fingerprint {frozen.fingerprint}. Point the run at the "
+            "same source (e.g. model.family_kwargs.target_step), or start over in a new --workdir"
+          )
+        workdir_lib.write_frozen_record(
+          run.workdir, source=frozen.workdir, step=frozen.step, fingerprint=frozen.fingerprint
+        )
+      return run_loop(
+        run,
+        state,
+        shardings,
+        train_iter,
+        checkpointer,
+        writer,
+        resumed_step,
+        stop,
+        after_step,
+        None if frozen is None else frozen.params,
+      )
   finally:
     try:
       if train_iter is not None:

@@ -38,8 +38,14 @@ import jax
 
 from castle_jax.checkpoints import file_sha256
 from castle_jax.models import ModelConfig, family_of
-from castle_jax.workdir import (CONFIG_NAME, FROZEN_NAME, TOKENIZER_NAME, read_config, resolve_tokenizer_path,
-                                saved_config)
+from castle_jax.workdir import (
+  CONFIG_NAME,
+  FROZEN_NAME,
+  TOKENIZER_NAME,
+  read_config,
+  resolve_tokenizer_path,
+  saved_config,
+)
 from train.config import base_config
 
 LOCK_NAME = ".lock"
@@ -75,6 +81,7 @@ def _agree(ok: bool, what: str) -> None:
   if jax.process_count() == 1:
     return
   from jax.experimental import multihost_utils
+
   agreed = bool(multihost_utils.broadcast_one_to_all(jax.numpy.asarray(ok)))
   if not agreed and jax.process_index() != 0:
     raise RuntimeError(f"Process 0 failed to {what}; see its log")
@@ -104,11 +111,15 @@ class WorkdirLock:
         if e.errno not in (errno.EAGAIN, errno.EACCES):
           raise
         holder = self.holder()
-        who = (f"pid {holder.get('pid')} on host {holder.get('host')} (started {holder.get('started')})"
-               if holder else "another process")
+        who = (
+          f"pid {holder.get('pid')} on host {holder.get('host')} (started {holder.get('started')})"
+          if holder
+          else "another process"
+        )
         raise WorkdirBusyError(
-            f"Workdir {self.workdir} is in use by {who}: wait for that run to end or stop it, "
-            f"or use another --workdir (lock file {self.path})") from None
+          f"Workdir {self.workdir} is in use by {who}: wait for that run to end or stop it, "
+          f"or use another --workdir (lock file {self.path})"
+        ) from None
       # The file may have been removed (released) between open and flock: retry on the new one.
       try:
         same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
@@ -121,12 +132,16 @@ class WorkdirLock:
     if previous and previous.get("pid") != os.getpid():
       alive = previous.get("host") == socket.gethostname() and _pid_alive(int(previous.get("pid", -1)))
       warnings.warn(
-          f"Taking over a stale lock on {self.workdir} left by pid {previous.get('pid')} on host "
-          f"{previous.get('host')} (started {previous.get('started')})"
-          + (" — that pid is alive but does not hold the lock" if alive else ", which is no longer running"),
-          stacklevel=2)
-    record = {"pid": os.getpid(), "host": socket.gethostname(),
-              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        f"Taking over a stale lock on {self.workdir} left by pid {previous.get('pid')} on host "
+        f"{previous.get('host')} (started {previous.get('started')})"
+        + (" — that pid is alive but does not hold the lock" if alive else ", which is no longer running"),
+        stacklevel=2,
+      )
+    record = {
+      "pid": os.getpid(),
+      "host": socket.gethostname(),
+      "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(record).encode(), 0)
     os.fsync(fd)
@@ -209,10 +224,11 @@ def claim_for_fresh_run(workdir: str, *, resume: bool, overwrite: bool) -> str |
     return None
   if not overwrite:
     raise WorkdirNotEmptyError(
-        f"Workdir {workdir} already holds a run ({', '.join(found)}) and train.resume=False would mix two "
-        "runs in it. Continue it (drop --config.train.resume=False), start over in a new --workdir, or "
-        "pass --config.train.overwrite=True to move the old run aside (to a sibling folder "
-        f"{os.path.basename(workdir)}.old-<time>; nothing is deleted).")
+      f"Workdir {workdir} already holds a run ({', '.join(found)}) and train.resume=False would mix two "
+      "runs in it. Continue it (drop --config.train.resume=False), start over in a new --workdir, or "
+      "pass --config.train.overwrite=True to move the old run aside (to a sibling folder "
+      f"{os.path.basename(workdir)}.old-<time>; nothing is deleted)."
+    )
   destination = f"{workdir}.old-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
   suffix = 1
   while os.path.exists(destination):
@@ -225,6 +241,7 @@ def claim_for_fresh_run(workdir: str, *, resume: bool, overwrite: bool) -> str |
         shutil.move(os.path.join(workdir, name), os.path.join(destination, name))
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
+
     multihost_utils.sync_global_devices("castle_jax: old run moved aside")
   return destination
 
@@ -268,9 +285,10 @@ def check_model_unchanged(workdir: str, model_config) -> None:
   differing = model_differences(saved["model"], model_config)
   if differing:
     raise ConfigMismatchError(
-        f"The checkpoints in {workdir} were trained with another model config ({'; '.join(differing)}). "
-        "Restore those values to resume, or start over in a new --workdir (or with "
-        "--config.train.resume=False --config.train.overwrite=True).")
+      f"The checkpoints in {workdir} were trained with another model config ({'; '.join(differing)}). "
+      "Restore those values to resume, or start over in a new --workdir (or with "
+      "--config.train.resume=False --config.train.overwrite=True)."
+    )
 
 
 def check_init_from(source: str, model_config, tokenizer: str) -> None:
@@ -284,14 +302,17 @@ def check_init_from(source: str, model_config, tokenizer: str) -> None:
   source = os.path.abspath(source)
   saved = read_config(source, what=f"train.init_from={source}").to_dict()
   training_only = family_of(ModelConfig.from_mapping(model_config)).training_only_kwargs
-  differing = [line for line in model_differences(saved.get("model", {}), model_config)
-               if not any(line.startswith(f"model.family_kwargs.{key}:") for key in training_only)]
+  differing = [
+    line
+    for line in model_differences(saved.get("model", {}), model_config)
+    if not any(line.startswith(f"model.family_kwargs.{key}:") for key in training_only)
+  ]
   if differing:
     raise ConfigMismatchError(
-        f"train.init_from={source} was trained with another model config ({'; '.join(differing)}): "
-        "its parameters only fit the same model.* values; set them, or init from another run")
-  check_same_tokenizer(source, tokenizer, what=f"train.init_from={source}",
-                       fix="to fine-tune from that run")
+      f"train.init_from={source} was trained with another model config ({'; '.join(differing)}): "
+      "its parameters only fit the same model.* values; set them, or init from another run"
+    )
+  check_same_tokenizer(source, tokenizer, what=f"train.init_from={source}", fix="to fine-tune from that run")
 
 
 def check_same_tokenizer(source: str, tokenizer: str, *, what: str, fix: str = "") -> None:
@@ -299,12 +320,17 @@ def check_same_tokenizer(source: str, tokenizer: str, *, what: str, fix: str = "
   setting, or a BPE file with the same contents. ConfigMismatchError names `what`."""
   saved = read_config(source, what=what).to_dict()
   theirs = resolve_tokenizer_path(source, saved["data"]["tokenizer"])
-  same = theirs == tokenizer or ("byte" not in (theirs, tokenizer) and os.path.isfile(theirs)
-                                 and os.path.isfile(tokenizer) and file_sha256(theirs) == file_sha256(tokenizer))
+  same = theirs == tokenizer or (
+    "byte" not in (theirs, tokenizer)
+    and os.path.isfile(theirs)
+    and os.path.isfile(tokenizer)
+    and file_sha256(theirs) == file_sha256(tokenizer)
+  )
   if not same:
     raise ConfigMismatchError(
-        f"data.tokenizer {tokenizer} differs from the tokenizer of {what} ({theirs}); "
-        f"pass --config.data.tokenizer={theirs}" + (f" {fix}" if fix else ""))
+      f"data.tokenizer {tokenizer} differs from the tokenizer of {what} ({theirs}); "
+      f"pass --config.data.tokenizer={theirs}" + (f" {fix}" if fix else "")
+    )
 
 
 def check_tokenizer_unchanged(workdir: str, tokenizer: str) -> None:
@@ -314,8 +340,9 @@ def check_tokenizer_unchanged(workdir: str, tokenizer: str) -> None:
     return
   if os.path.abspath(tokenizer) != os.path.abspath(copy) and file_sha256(tokenizer) != file_sha256(copy):
     raise ConfigMismatchError(
-        f"data.tokenizer {tokenizer} differs from the tokenizer the checkpoints in {workdir} were trained "
-        f"with ({copy}); pass --config.data.tokenizer={copy} to resume, or start over in a new --workdir")
+      f"data.tokenizer {tokenizer} differs from the tokenizer the checkpoints in {workdir} were trained "
+      f"with ({copy}); pass --config.data.tokenizer={copy} to resume, or start over in a new --workdir"
+    )
 
 
 def write_run_files(workdir: str, config) -> None:
@@ -340,7 +367,6 @@ def write_run_files(workdir: str, config) -> None:
   with open(temporary, "w") as f:
     f.write(config.to_json_best_effort(indent=2))
   os.replace(temporary, path)
-
 
 
 def write_frozen_record(workdir: str, *, source: str, step: int, fingerprint: str) -> None:

@@ -42,21 +42,26 @@ def check_passkey_config(data_config, tokenizer: Tokenizer) -> None:
   need = minimum_length(tokenizer, p.digits, p.align_to)
   if data_config.seq_len + 1 < need:
     raise ValueError(
-        f"data.seq_len ({data_config.seq_len}) is too short for a passkey prompt of data.passkey.digits="
-        f"{p.digits}" + (f" aligned to data.passkey.align_to={p.align_to}" if p.align_to else "")
-        + f": it needs seq_len >= {need - 1}; raise data.seq_len")
+      f"data.seq_len ({data_config.seq_len}) is too short for a passkey prompt of data.passkey.digits="
+      f"{p.digits}"
+      + (f" aligned to data.passkey.align_to={p.align_to}" if p.align_to else "")
+      + f": it needs seq_len >= {need - 1}; raise data.seq_len"
+    )
   if p.min_length and not need - 1 <= p.min_length <= data_config.seq_len:
     raise ValueError(
-        f"data.passkey.min_length ({p.min_length}) must be 0 (every example fills data.seq_len) or in "
-        f"[{need - 1} (the shortest prompt), {data_config.seq_len} (data.seq_len)]")
+      f"data.passkey.min_length ({p.min_length}) must be 0 (every example fills data.seq_len) or in "
+      f"[{need - 1} (the shortest prompt), {data_config.seq_len} (data.seq_len)]"
+    )
 
 
 def minimum_length(tokenizer: Tokenizer, digits: int, align_to: int | None) -> int:
   """Tokens (answer included) of the shortest prompt: BOS, needle, question, answer,
   one haystack token, and up to align_to - 1 alignment pads."""
   passkey = "0" * digits
-  fixed = 1 + sum(len(tokenizer.encode(text)) for text in (
-      NEEDLE.format(passkey=passkey), QUESTION, ANSWER.format(passkey=""), passkey))
+  fixed = 1 + sum(
+    len(tokenizer.encode(text))
+    for text in (NEEDLE.format(passkey=passkey), QUESTION, ANSWER.format(passkey=""), passkey)
+  )
   return fixed + 1 + (align_to - 1 if align_to else 0)
 
 
@@ -85,8 +90,11 @@ class PasskeyExamples:
         text = text.decode("utf-8", errors="replace")
       # A token spans at least one character: 8x the characters bounds the work and
       # almost always gives `length` tokens; a short document is followed by the next.
-      pieces.append(np.concatenate([self.tokenizer.encode(text[:8 * length])[:length],
-                                    [self.tokenizer.eos_id, self.tokenizer.bos_id]]).astype(np.int32))
+      pieces.append(
+        np.concatenate(
+          [self.tokenizer.encode(text[: 8 * length])[:length], [self.tokenizer.eos_id, self.tokenizer.bos_id]]
+        ).astype(np.int32)
+      )
       count += len(pieces[-1])
       index += 1
     return np.concatenate(pieces)
@@ -94,20 +102,27 @@ class PasskeyExamples:
   def __call__(self, index: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng([self.seed, self.salt, int(index)])
     length = int(rng.integers(self.min_length, self.seq_len + 1)) + 1
-    example = make_example(self.tokenizer, self.haystack(rng, length), length, seed=int(rng.integers(2**62)),
-                           digits=self.digits, align_to=self.align_to)
+    example = make_example(
+      self.tokenizer,
+      self.haystack(rng, length),
+      length,
+      seed=int(rng.integers(2**62)),
+      digits=self.digits,
+      align_to=self.align_to,
+    )
     window = np.full(self.seq_len + 1, self.tokenizer.pad_id, np.int32)
     window[:length] = example.tokens
     targets = window[1:].copy()
     if self.loss == "answer":
       keep = np.zeros_like(targets, dtype=bool)
-      keep[example.answer_start - 1:example.answer_start - 1 + example.answer_length] = True
+      keep[example.answer_start - 1 : example.answer_start - 1 + example.answer_length] = True
       targets[~keep] = self.tokenizer.pad_id
     return {"inputs": window[:-1], "targets": targets}
 
 
-def make_passkey_dataset(data_config, tokenizer: Tokenizer, source: Any, *, split: str,
-                         process_index: int, process_count: int) -> grain.MapDataset:
+def make_passkey_dataset(
+  data_config, tokenizer: Tokenizer, source: Any, *, split: str, process_index: int, process_count: int
+) -> grain.MapDataset:
   """Batches of passkey examples for this process (see the module docstring).
 
   Args:

@@ -31,8 +31,16 @@ class PasskeyExample:
   passkey: str
 
 
-def make_example(tokenizer: Tokenizer, haystack: np.ndarray, length: int, *, seed: int, digits: int = 5,
-                 depth: float | None = None, align_to: int | None = None) -> PasskeyExample:
+def make_example(
+  tokenizer: Tokenizer,
+  haystack: np.ndarray,
+  length: int,
+  *,
+  seed: int,
+  digits: int = 5,
+  depth: float | None = None,
+  align_to: int | None = None,
+) -> PasskeyExample:
   """One passkey prompt of exactly `length` tokens.
 
   Args:
@@ -61,15 +69,28 @@ def make_example(tokenizer: Tokenizer, haystack: np.ndarray, length: int, *, see
   pad = answer_part_start % align_to if align_to else 0
   filler_length = length - fixed - pad
   if filler_length < 1:
-    raise ValueError(f"length {length} is too short for a passkey prompt ({fixed} tokens without haystack"
-                     + (f", aligned to chunks of {align_to}" if align_to else "") + ")")
+    raise ValueError(
+      f"length {length} is too short for a passkey prompt ({fixed} tokens without haystack"
+      + (f", aligned to chunks of {align_to}" if align_to else "")
+      + ")"
+    )
   haystack = np.asarray(haystack, np.int32)
   if haystack.size == 0:
     raise ValueError("haystack is empty: pass real text tokens")
   offset = int(rng.integers(0, haystack.size))
   filler = np.resize(np.roll(haystack, -offset), filler_length)
   cut = int(round((rng.random() if depth is None else depth) * filler_length))
-  tokens = np.concatenate([[tokenizer.bos_id], filler[:cut], needle, filler[cut:], question, answer_prefix, answer,
-                           np.full(pad, tokenizer.pad_id)]).astype(np.int32)
+  tokens = np.concatenate(
+    [
+      [tokenizer.bos_id],
+      filler[:cut],
+      needle,
+      filler[cut:],
+      question,
+      answer_prefix,
+      answer,
+      np.full(pad, tokenizer.pad_id),
+    ]
+  ).astype(np.int32)
   answer_start = length - pad - len(answer)
   return PasskeyExample(tokens, answer_start, len(answer), 1 + cut, passkey)

@@ -67,8 +67,9 @@ def get_builder(dataset: str, data_dir: str | None = None, source_dir: str | Non
       builder = tfds.builder(dataset, data_dir=data_dir, file_format="array_record")
     except tfds.core.registered.DatasetNotFoundError as e:
       raise ValueError(
-          f"Unknown dataset {dataset!r} (config data.dataset). Use 'python_stdlib' (the embedded corpus) "
-          "or the name of a TFDS dataset.") from e
+        f"Unknown dataset {dataset!r} (config data.dataset). Use 'python_stdlib' (the embedded corpus) "
+        "or the name of a TFDS dataset."
+      ) from e
     builder.download_and_prepare()
     return builder
 
@@ -99,15 +100,22 @@ def _prepare_or_clean_up(builder, cache_dir: str) -> None:
   try:
     builder.download_and_prepare()
   except BaseException:
+
     def only(path, allowed):
       return all(name in allowed for name in os.listdir(path))
+
     if not existed[cache_dir]:
       shutil.rmtree(cache_dir, ignore_errors=True)
     if not existed[dataset_dir] and os.path.isdir(dataset_dir) and only(dataset_dir, {".config"}):
       shutil.rmtree(dataset_dir, ignore_errors=True)
-    if not existed[downloads] and os.path.isdir(downloads) and only(downloads, {"extracted"}) and not any(
-        os.scandir(os.path.join(downloads, "extracted")) if os.path.isdir(os.path.join(downloads, "extracted"))
-        else ()):
+    if (
+      not existed[downloads]
+      and os.path.isdir(downloads)
+      and only(downloads, {"extracted"})
+      and not any(
+        os.scandir(os.path.join(downloads, "extracted")) if os.path.isdir(os.path.join(downloads, "extracted")) else ()
+      )
+    ):
       shutil.rmtree(downloads, ignore_errors=True)
     if not existed[data_dir] and os.path.isdir(data_dir) and not os.listdir(data_dir):
       os.rmdir(data_dir)
@@ -119,8 +127,9 @@ def get_data_source(dataset: str, split: str, data_dir: str | None = None, sourc
   builder = get_builder(dataset, data_dir, source_dir)
   splits = sorted(builder.info.splits.keys())
   if split not in splits:
-    raise ValueError(f"Dataset {dataset!r} has no split {split!r} (config data.train_split/eval_split); "
-                     f"available: {splits}")
+    raise ValueError(
+      f"Dataset {dataset!r} has no split {split!r} (config data.train_split/eval_split); available: {splits}"
+    )
   source = builder.as_data_source(split)
   if len(source) == 0:
     raise ValueError(f"Split {split!r} of dataset {dataset!r} is empty")
@@ -141,9 +150,16 @@ def _to_inputs_and_targets(batch: dict[str, np.ndarray], *, pad_id: int) -> dict
   return {"inputs": window[:, :-1], "targets": window[:, 1:]}
 
 
-def make_lm_dataset(data_config, tokenizer: Tokenizer, *, split: str, shuffle: bool,
-                    process_index: int | None = None, process_count: int | None = None,
-                    prefetch: int = 0) -> grain.IterDataset:
+def make_lm_dataset(
+  data_config,
+  tokenizer: Tokenizer,
+  *,
+  split: str,
+  shuffle: bool,
+  process_index: int | None = None,
+  process_count: int | None = None,
+  prefetch: int = 0,
+) -> grain.IterDataset:
   """The packed, batched dataset of one split, for this process.
 
   Args:
@@ -177,8 +193,9 @@ def make_lm_dataset(data_config, tokenizer: Tokenizer, *, split: str, shuffle: b
 
   source = get_data_source(d.dataset, split, d.data_dir, d.get("source_dir"))
   if task == "passkey":
-    batched = make_passkey_dataset(d, tokenizer, source, split=split, process_index=process_index,
-                                   process_count=process_count).to_iter_dataset()
+    batched = make_passkey_dataset(
+      d, tokenizer, source, split=split, process_index=process_index, process_count=process_count
+    ).to_iter_dataset()
   else:
     ds = grain.MapDataset.source(source)
     if shuffle:
@@ -186,7 +203,8 @@ def make_lm_dataset(data_config, tokenizer: Tokenizer, *, split: str, shuffle: b
     ds = ds.repeat()[process_index::process_count]
     ds = ds.map(functools.partial(_tokenize, tokenizer=tokenizer, text_key=d.text_key))
     packed = grain.experimental.ConcatThenSplitIterDataset(
-        ds.to_iter_dataset(), length_struct={"tokens": d.seq_len + 1})
+      ds.to_iter_dataset(), length_struct={"tokens": d.seq_len + 1}
+    )
     batched = packed.batch(d.batch_size // process_count, drop_remainder=True)
     batched = batched.map(functools.partial(_to_inputs_and_targets, pad_id=tokenizer.pad_id))
   if d.worker_count > 0:
@@ -196,9 +214,26 @@ def make_lm_dataset(data_config, tokenizer: Tokenizer, *, split: str, shuffle: b
   return batched
 
 
-def make_lm_iterator(data_config, tokenizer: Tokenizer, *, split: str, shuffle: bool,
-                     process_index: int | None = None, process_count: int | None = None, prefetch: int = 0):
+def make_lm_iterator(
+  data_config,
+  tokenizer: Tokenizer,
+  *,
+  split: str,
+  shuffle: bool,
+  process_index: int | None = None,
+  process_count: int | None = None,
+  prefetch: int = 0,
+):
   """A checkpointable iterator (get_state/set_state) over `make_lm_dataset`; call
   its `close()` when done (it stops a prefetch thread or worker processes)."""
-  return iter(make_lm_dataset(data_config, tokenizer, split=split, shuffle=shuffle,
-                              process_index=process_index, process_count=process_count, prefetch=prefetch))
+  return iter(
+    make_lm_dataset(
+      data_config,
+      tokenizer,
+      split=split,
+      shuffle=shuffle,
+      process_index=process_index,
+      process_count=process_count,
+      prefetch=prefetch,
+    )
+  )

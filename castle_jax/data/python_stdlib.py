@@ -37,8 +37,10 @@ class PythonSourceConfig(tfds.core.BuilderConfig):
 def stdlib_config() -> PythonSourceConfig:
   major, minor = sys.version_info[:2]
   return PythonSourceConfig(
-      name=f"py{major}_{minor}", source_dir=sysconfig.get_paths()["stdlib"],
-      description=f"Python {major}.{minor} standard library sources")
+    name=f"py{major}_{minor}",
+    source_dir=sysconfig.get_paths()["stdlib"],
+    description=f"Python {major}.{minor} standard library sources",
+  )
 
 
 def contents_key(source_dir: str, paths: list[str]) -> str:
@@ -61,10 +63,12 @@ def directory_config(source_dir: str) -> PythonSourceConfig:
     raise ValueError(f"data.source_dir {source_dir!r} has no .py files: the corpus would be empty")
   if len(paths) < 2:
     raise ValueError(
-        f"data.source_dir {source_dir!r} has only one .py file ({paths[0]}): the train and validation "
-        "splits need at least one document each; add more .py files")
-  return PythonSourceConfig(name=f"dir_{contents_key(source_dir, paths)}", source_dir=source_dir,
-                            description=f".py files under {source_dir}")
+      f"data.source_dir {source_dir!r} has only one .py file ({paths[0]}): the train and validation "
+      "splits need at least one document each; add more .py files"
+    )
+  return PythonSourceConfig(
+    name=f"dir_{contents_key(source_dir, paths)}", source_dir=source_dir, description=f".py files under {source_dir}"
+  )
 
 
 def list_source_files(source_dir: str) -> list[str]:
@@ -105,9 +109,10 @@ class PythonStdlib(tfds.core.GeneratorBasedBuilder):
 
   def _info(self) -> tfds.core.DatasetInfo:
     return self.dataset_info_from_configs(
-        description=__doc__,
-        features=tfds.features.FeaturesDict({"text": tfds.features.Text(), "path": tfds.features.Text()}),
-        supervised_keys=None)
+      description=__doc__,
+      features=tfds.features.FeaturesDict({"text": tfds.features.Text(), "path": tfds.features.Text()}),
+      supervised_keys=None,
+    )
 
   def _split_generators(self, dl_manager):
     del dl_manager  # nothing to download
@@ -115,12 +120,14 @@ class PythonStdlib(tfds.core.GeneratorBasedBuilder):
     paths, unreadable = usable_source_files(source_dir)
     if unreadable:
       warnings.warn(
-          f"{len(unreadable)} .py file(s) under {source_dir} are not UTF-8 text or cannot be read and are left "
-          f"out of the corpus: {', '.join(unreadable[:5])}{', ...' if len(unreadable) > 5 else ''}")
+        f"{len(unreadable)} .py file(s) under {source_dir} are not UTF-8 text or cannot be read and are left "
+        f"out of the corpus: {', '.join(unreadable[:5])}{', ...' if len(unreadable) > 5 else ''}"
+      )
     if len(paths) < 2:
       raise ValueError(
-          f"data.source_dir {source_dir!r} has {len(paths)} usable (non-empty UTF-8) .py file(s): the train and "
-          "validation splits need at least one document each")
+        f"data.source_dir {source_dir!r} has {len(paths)} usable (non-empty UTF-8) .py file(s): the train and "
+        "validation splits need at least one document each"
+      )
     train, validation = split_files(paths)
     return {"train": self._generate_examples(train), "validation": self._generate_examples(validation)}
 

@@ -70,13 +70,16 @@ class BPETokenizer(Tokenizer):
     ids = {t: self._tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
     missing = [t for t, i in ids.items() if i is None]
     if missing:
-      raise ValueError(f"Tokenizer file {path} lacks the special tokens {missing}; train it with "
-                       "castle_jax.data.tokenizer.train_bpe_tokenizer or add them")
+      raise ValueError(
+        f"Tokenizer file {path} lacks the special tokens {missing}; train it with "
+        "castle_jax.data.tokenizer.train_bpe_tokenizer or add them"
+      )
     self.bos_id, self.eos_id, self.pad_id = (ids[t] for t in SPECIAL_TOKENS)
     self.vocab_size = self._tokenizer.get_vocab_size()
     specials = set(ids.values())
     self.token_byte_lengths = np.array(
-        [0 if i in specials else len(self._token_bytes(i)) for i in range(self.vocab_size)], np.int32)
+      [0 if i in specials else len(self._token_bytes(i)) for i in range(self.vocab_size)], np.int32
+    )
 
   def _token_bytes(self, token_id: int) -> bytes:
     token = self._tokenizer.id_to_token(token_id) or ""
@@ -111,13 +114,18 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, path: str) -> BPE
   """Trains a byte-level BPE with the three special tokens and saves it to `path`."""
   tokenizers = _import_tokenizers()
   from tokenizers import decoders, models, pre_tokenizers, trainers
+
   if vocab_size < 256 + len(SPECIAL_TOKENS):
     raise ValueError(f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} (bytes + specials), got {vocab_size}")
   tokenizer = tokenizers.Tokenizer(models.BPE())
   tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tokenizer.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+  trainer = trainers.BpeTrainer(
+    vocab_size=vocab_size,
+    special_tokens=list(SPECIAL_TOKENS),
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    show_progress=False,
+  )
   tokenizer.train_from_iterator(texts, trainer)
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   tokenizer.save(path)
@@ -125,7 +133,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, path: str) -> BPE
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
-  """"byte" for the byte tokenizer, else the path of a BPE JSON file (config data.tokenizer)."""
+  """ "byte" for the byte tokenizer, else the path of a BPE JSON file (config data.tokenizer)."""
   if spec == "byte":
     return ByteTokenizer()
   if not os.path.isfile(spec):

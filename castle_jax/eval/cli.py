@@ -43,15 +43,24 @@ def make_parser(prog: str, description: str, *, lengths: str) -> argparse.Argume
   parser = _Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
   source = parser.add_mutually_exclusive_group(required=True)
   source.add_argument("--workdir", help="training workdir (config.json, checkpoints/)")
-  source.add_argument("--pretrained", choices=available_pretrained(),
-                      help="a trained model shipped with the package (castle_jax.models.pretrained) instead")
+  source.add_argument(
+    "--pretrained",
+    choices=available_pretrained(),
+    help="a trained model shipped with the package (castle_jax.models.pretrained) instead",
+  )
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest good one)")
-  parser.add_argument("--lengths", default=lengths, help=f"comma-separated context lengths in tokens (default {lengths})")
-  parser.add_argument("--output", default=None,
-                      help="a directory, or a .json file (the plot goes beside it as .png); "
-                           "default: <workdir>/eval/, or eval/<name>/ for --pretrained")
-  parser.add_argument("--data_dir", default=None,
-                      help="TFDS data dir of the validation text (default: the workdir's data.data_dir)")
+  parser.add_argument(
+    "--lengths", default=lengths, help=f"comma-separated context lengths in tokens (default {lengths})"
+  )
+  parser.add_argument(
+    "--output",
+    default=None,
+    help="a directory, or a .json file (the plot goes beside it as .png); "
+    "default: <workdir>/eval/, or eval/<name>/ for --pretrained",
+  )
+  parser.add_argument(
+    "--data_dir", default=None, help="TFDS data dir of the validation text (default: the workdir's data.data_dir)"
+  )
   return parser
 
 
@@ -93,8 +102,9 @@ def default_output_dir(args: argparse.Namespace) -> str:
   return os.path.join(args.workdir, "eval") if args.pretrained is None else os.path.join("eval", args.pretrained)
 
 
-def validation_tokens(config: ml_collections.ConfigDict, tokenizer: Tokenizer, count: int,
-                      data_dir: str | None = None) -> np.ndarray:
+def validation_tokens(
+  config: ml_collections.ConfigDict, tokenizer: Tokenizer, count: int, data_dir: str | None = None
+) -> np.ndarray:
   """int32 [<= count]: the start of the validation split (config.data.eval_split) as one
   stream of `[BOS] document [EOS]` in file order, as training packs it; fewer tokens
   when the split is shorter. Reads only the documents it needs."""
@@ -131,7 +141,7 @@ def output_paths(output: str | None, default_dir: str, name: str, step: int) -> 
   """(json path, png path): `output` a .json file (png beside it) or a directory
   (default `default_dir`) that gets `<name>_step<step>.json/.png`."""
   if output and output.endswith(".json"):
-    stem = output[:-len(".json")]
+    stem = output[: -len(".json")]
   else:
     stem = os.path.join(output or default_dir, f"{name}_step{step}")
   stem = os.path.abspath(stem)
@@ -141,11 +151,17 @@ def output_paths(output: str | None, default_dir: str, name: str, step: int) -> 
 
 def header(name: str, args: argparse.Namespace, config: ml_collections.ConfigDict, step: int) -> dict[str, Any]:
   """The JSON fields every evaluation writes first: what was evaluated."""
-  source = ({"workdir": os.path.abspath(args.workdir)} if args.pretrained is None
-            else {"pretrained": args.pretrained})
-  return {"eval": name, **source, "step": step, "family": config.model.family,
-          "dataset": config.data.dataset, "split": config.data.eval_split,
-          "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "config": config.to_dict()}
+  source = {"workdir": os.path.abspath(args.workdir)} if args.pretrained is None else {"pretrained": args.pretrained}
+  return {
+    "eval": name,
+    **source,
+    "step": step,
+    "family": config.model.family,
+    "dataset": config.data.dataset,
+    "split": config.data.eval_split,
+    "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    "config": config.to_dict(),
+  }
 
 
 def write_json(path: str, record: dict[str, Any]) -> None:
@@ -155,12 +171,20 @@ def write_json(path: str, record: dict[str, Any]) -> None:
   os.replace(temporary, path)
 
 
-def plot_vs_length(path: str, lengths: Sequence[int], series: dict[str, Sequence[float]], *, ylabel: str,
-                   title: str, ylim: tuple[float, float] | None = None) -> str | None:
+def plot_vs_length(
+  path: str,
+  lengths: Sequence[int],
+  series: dict[str, Sequence[float]],
+  *,
+  ylabel: str,
+  title: str,
+  ylim: tuple[float, float] | None = None,
+) -> str | None:
   """Plots each series against the context length (log x axis) into `path`; returns
   the path, or None (with a message) when matplotlib is not installed."""
   try:
     import matplotlib  # optional: pip install -e .[plot]
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except ImportError:
@@ -185,17 +209,29 @@ def plot_vs_length(path: str, lengths: Sequence[int], series: dict[str, Sequence
   return path
 
 
-def finish(name: str, args: argparse.Namespace, config: ml_collections.ConfigDict, step: int, *,
-           headers: Sequence[str], rows: Sequence[Sequence[Any]], record: dict[str, Any], lengths: Sequence[int],
-           series: dict[str, Sequence[float]], ylabel: str, title: str,
-           ylim: tuple[float, float] | None = None) -> None:
+def finish(
+  name: str,
+  args: argparse.Namespace,
+  config: ml_collections.ConfigDict,
+  step: int,
+  *,
+  headers: Sequence[str],
+  rows: Sequence[Sequence[Any]],
+  record: dict[str, Any],
+  lengths: Sequence[int],
+  series: dict[str, Sequence[float]],
+  ylabel: str,
+  title: str,
+  ylim: tuple[float, float] | None = None,
+) -> None:
   """Prints the table, writes `header(...)` + `record` as JSON and plots `series`
   against `lengths`, to the paths `output_paths` picks from `args.output`."""
   json_path, png_path = output_paths(args.output, default_output_dir(args), name, step)
   print(format_table(headers, rows))
   write_json(json_path, {**header(name, args, config, step), **record})
-  plotted = plot_vs_length(png_path, lengths, series, ylabel=ylabel, ylim=ylim,
-                           title=f"{title}, {evaluated(args)} step {step}")
+  plotted = plot_vs_length(
+    png_path, lengths, series, ylabel=ylabel, ylim=ylim, title=f"{title}, {evaluated(args)} step {step}"
+  )
   print(f"wrote {json_path}" + (f" and {plotted}" if plotted else ""))
 
 

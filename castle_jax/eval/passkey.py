@@ -43,11 +43,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from castle_jax.data.passkey_prompts import ANSWER, NEEDLE, QUESTION, PasskeyExample, make_example
+from castle_jax.data.passkey_prompts import PasskeyExample, make_example
 from castle_jax.data.tokenizer import Tokenizer
 from castle_jax.eval import cli
 from castle_jax.models import family_of
 from castle_jax.models.drt import DRTOptions
+
 
 def tail_count(example: PasskeyExample) -> int:
   """How many last positions' logits `score_tail` needs: from the one that predicts the
@@ -61,17 +62,19 @@ def score_tail(tail_logits: np.ndarray, example: PasskeyExample) -> tuple[bool, 
   answer_start + j)."""
   count = example.answer_length
   if tail_logits.shape[0] != tail_count(example):
-    raise ValueError(f"tail_logits has {tail_logits.shape[0]} rows; the example needs the last "
-                     f"{tail_count(example)} positions (tail_count)")
+    raise ValueError(
+      f"tail_logits has {tail_logits.shape[0]} rows; the example needs the last "
+      f"{tail_count(example)} positions (tail_count)"
+    )
   predicted = np.argmax(np.asarray(tail_logits[:count]), axis=-1)
-  expected = example.tokens[example.answer_start:example.answer_start + count]
+  expected = example.tokens[example.answer_start : example.answer_start + count]
   return bool(predicted[0] == expected[0]), bool(np.all(predicted == expected))
 
 
 def score(logits: np.ndarray, example: PasskeyExample) -> tuple[bool, bool]:
   """(first-token correct, all tokens correct) from teacher-forced logits [length, vocab]
   of the example's tokens (logits[i] predicts token i + 1)."""
-  return score_tail(np.asarray(logits)[logits.shape[0] - tail_count(example):], example)
+  return score_tail(np.asarray(logits)[logits.shape[0] - tail_count(example) :], example)
 
 
 def accuracy(logits_fn: Callable[[np.ndarray], np.ndarray], examples: list[PasskeyExample]) -> dict[str, float]:
@@ -81,20 +84,41 @@ def accuracy(logits_fn: Callable[[np.ndarray], np.ndarray], examples: list[Passk
 
 
 def _summary(results: list[tuple[bool, bool]]) -> dict[str, float]:
-  return {"first_token": float(np.mean([r[0] for r in results])),
-          "all_tokens": float(np.mean([r[1] for r in results])), "examples": len(results)}
+  return {
+    "first_token": float(np.mean([r[0] for r in results])),
+    "all_tokens": float(np.mean([r[1] for r in results])),
+    "examples": len(results),
+  }
 
 
-def make_examples(tokenizer: Tokenizer, haystack: np.ndarray, length: int, count: int, *, seed: int = 0,
-                  digits: int = 5, depths: str = "even", align_to: int | None = None) -> list[PasskeyExample]:
+def make_examples(
+  tokenizer: Tokenizer,
+  haystack: np.ndarray,
+  length: int,
+  count: int,
+  *,
+  seed: int = 0,
+  digits: int = 5,
+  depths: str = "even",
+  align_to: int | None = None,
+) -> list[PasskeyExample]:
   """`count` prompts of `length` tokens; example i uses seed `seed * 1_000_000 + i` (the same
   passkey at every length) and depth (i + 0.5) / count (`depths="even"`) or a random one
   (`depths="random"`)."""
   if depths not in ("even", "random"):
     raise ValueError(f"depths must be 'even' or 'random', got {depths!r}")
-  return [make_example(tokenizer, haystack, length, seed=seed * 1_000_000 + i, digits=digits,
-                       depth=(i + 0.5) / count if depths == "even" else None, align_to=align_to)
-          for i in range(count)]
+  return [
+    make_example(
+      tokenizer,
+      haystack,
+      length,
+      seed=seed * 1_000_000 + i,
+      digits=digits,
+      depth=(i + 0.5) / count if depths == "even" else None,
+      align_to=align_to,
+    )
+    for i in range(count)
+  ]
 
 
 def score_batch(model, params, examples: Sequence[PasskeyExample]) -> list[tuple[bool, bool]]:
@@ -103,14 +127,17 @@ def score_batch(model, params, examples: Sequence[PasskeyExample]) -> list[tuple
   count = max(tail_count(e) for e in examples)
   tokens = jnp.asarray(np.stack([e.tokens for e in examples]))
   logits = np.asarray(family_of(model).last_logits(model, params, tokens, count), np.float32)
-  return [score_tail(tail[count - tail_count(e):], e) for tail, e in zip(logits, examples)]
+  return [score_tail(tail[count - tail_count(e) :], e) for tail, e in zip(logits, examples)]
 
 
 def device_memory() -> dict[str, float]:
   """The first device's memory in GiB (peak since start, in use), where the backend reports it (GPU)."""
   stats = jax.devices()[0].memory_stats() or {}
-  return {key: stats[name] / 2 ** 30 for key, name in (("device_peak_gib", "peak_bytes_in_use"),
-                                                       ("device_in_use_gib", "bytes_in_use")) if name in stats}
+  return {
+    key: stats[name] / 2**30
+    for key, name in (("device_peak_gib", "peak_bytes_in_use"), ("device_in_use_gib", "bytes_in_use"))
+    if name in stats
+  }
 
 
 def chunk_alignment(model) -> int | None:
@@ -134,11 +161,19 @@ def _main(argv: Sequence[str]) -> None:
   parser.add_argument("--examples", type=int, default=20, help="prompts per length")
   parser.add_argument("--seed", type=int, default=0, help="seed of the passkeys, depths and filler offsets")
   parser.add_argument("--digits", type=int, default=5, help="passkey length in decimal digits")
-  parser.add_argument("--depths", choices=("even", "random"), default="even",
-                      help="needle depths: evenly spaced over the examples, or random by seed")
+  parser.add_argument(
+    "--depths",
+    choices=("even", "random"),
+    default="even",
+    help="needle depths: evenly spaced over the examples, or random by seed",
+  )
   parser.add_argument("--batch_size", type=int, default=1, help="prompts per forward pass")
-  parser.add_argument("--top_k", type=int, default=None,
-                      help="DRT only: chunks retrieved per retrieval (default: the trained model's top_k)")
+  parser.add_argument(
+    "--top_k",
+    type=int,
+    default=None,
+    help="DRT only: chunks retrieved per retrieval (default: the trained model's top_k)",
+  )
   args = parser.parse_args(argv)
   lengths = cli.parse_lengths(args.lengths)
   cli.require(args.examples >= 1, "--examples", "an integer >= 1", args.examples)
@@ -151,32 +186,72 @@ def _main(argv: Sequence[str]) -> None:
   results = []
   for length in lengths:
     try:
-      examples = make_examples(tokenizer, haystack, length, args.examples, seed=args.seed, digits=args.digits,
-                               depths=args.depths, align_to=align_to)
+      examples = make_examples(
+        tokenizer,
+        haystack,
+        length,
+        args.examples,
+        seed=args.seed,
+        digits=args.digits,
+        depths=args.depths,
+        align_to=align_to,
+      )
     except ValueError as e:
       cli.fail(f"--lengths: {e}")
     start = time.perf_counter()
     scored = []
     with cli.progress(len(examples), f"passkey {length:,}", "example") as bar:
       for first in range(0, len(examples), args.batch_size):
-        scored += score_batch(model, params, examples[first:first + args.batch_size])
+        scored += score_batch(model, params, examples[first : first + args.batch_size])
         bar.update(min(args.batch_size, len(examples) - first))
     summary = _summary(scored)
-    results.append({"length": length, **summary, "seconds": time.perf_counter() - start, **device_memory(),
-                    "per_example": [{"passkey": e.passkey, "needle_position": e.needle_position,
-                                     "depth": round(e.needle_position / length, 4),
-                                     "first_token": f, "all_tokens": a} for e, (f, a) in zip(examples, scored)]})
-    print(f"length {length:,}: first-token {summary['first_token']:.3f}, all-token {summary['all_tokens']:.3f}",
-          file=sys.stderr, flush=True)
-  cli.finish("passkey", args, config, step,
-             headers=["length", "first-token acc", "all-token acc", "examples", "seconds"],
-             rows=[[r["length"], r["first_token"], r["all_tokens"], r["examples"], f"{r['seconds']:.1f}"]
-                   for r in results],
-             record={"examples": args.examples, "digits": args.digits, "seed": args.seed, "depths": args.depths,
-                     "align_to": align_to, "top_k": args.top_k, "haystack_tokens": int(haystack.size), "results": results},
-             lengths=lengths, series={"first token": [r["first_token"] for r in results],
-                                      "all tokens": [r["all_tokens"] for r in results]},
-             ylabel="passkey accuracy", ylim=(-0.05, 1.05), title="Passkey retrieval")
+    results.append(
+      {
+        "length": length,
+        **summary,
+        "seconds": time.perf_counter() - start,
+        **device_memory(),
+        "per_example": [
+          {
+            "passkey": e.passkey,
+            "needle_position": e.needle_position,
+            "depth": round(e.needle_position / length, 4),
+            "first_token": f,
+            "all_tokens": a,
+          }
+          for e, (f, a) in zip(examples, scored)
+        ],
+      }
+    )
+    print(
+      f"length {length:,}: first-token {summary['first_token']:.3f}, all-token {summary['all_tokens']:.3f}",
+      file=sys.stderr,
+      flush=True,
+    )
+  cli.finish(
+    "passkey",
+    args,
+    config,
+    step,
+    headers=["length", "first-token acc", "all-token acc", "examples", "seconds"],
+    rows=[[r["length"], r["first_token"], r["all_tokens"], r["examples"], f"{r['seconds']:.1f}"] for r in results],
+    record={
+      "examples": args.examples,
+      "digits": args.digits,
+      "seed": args.seed,
+      "depths": args.depths,
+      "align_to": align_to,
+      "top_k": args.top_k,
+      "haystack_tokens": int(haystack.size),
+      "results": results,
+    },
+    lengths=lengths,
+    series={"first token": [r["first_token"] for r in results], "all tokens": [r["all_tokens"] for r in results]},
+    ylabel="passkey accuracy",
+    ylim=(-0.05, 1.05),
+    title="Passkey retrieval",
+  )
+
 
 def main(argv: Sequence[str] | None = None) -> int:
   """`python -m castle_jax.eval.passkey ...` (argv without the program name); 0, or 1 after one ERROR line."""

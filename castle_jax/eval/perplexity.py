@@ -36,8 +36,9 @@ from castle_jax.eval import cli
 from castle_jax.models import family_of
 
 
-def loss_sums(model: nn.Module, params: Any, batch: dict[str, jax.Array], *, pad_id: int,
-              token_byte_lengths: jax.Array) -> dict[str, jax.Array]:
+def loss_sums(
+  model: nn.Module, params: Any, batch: dict[str, jax.Array], *, pad_id: int, token_byte_lengths: jax.Array
+) -> dict[str, jax.Array]:
   """Sums over a batch: "nll_sum" (nats), "tokens" (scored targets) and "bytes" (the UTF-8
   bytes of the scored targets), from the family's `token_losses` (no noise).
 
@@ -54,9 +55,9 @@ def summarize(totals: dict[str, float]) -> dict[str, float]:
   """loss (nats/token), perplexity and bits_per_byte from summed `loss_sums`."""
   loss = totals["nll_sum"] / max(totals["tokens"], 1.0)
   return {
-      "loss": loss,
-      "perplexity": math.exp(min(loss, 80.0)),
-      "bits_per_byte": totals["nll_sum"] / math.log(2) / max(totals["bytes"], 1.0),
+    "loss": loss,
+    "perplexity": math.exp(min(loss, 80.0)),
+    "bits_per_byte": totals["nll_sum"] / math.log(2) / max(totals["bytes"], 1.0),
   }
 
 
@@ -64,10 +65,16 @@ def windows_of(stream: np.ndarray, length: int, count: int) -> list[dict[str, np
   """`count` consecutive windows {"inputs", "targets": int32 [1, length]} from the start of
   `stream` (window w: inputs stream[w L:(w+1) L], targets one token later)."""
   if stream.size < count * length + 1:
-    raise ValueError(f"{count} windows of {length} tokens need {count * length + 1} tokens, the stream has "
-                     f"{stream.size}")
-  return [{"inputs": stream[None, w * length:(w + 1) * length],
-           "targets": stream[None, w * length + 1:(w + 1) * length + 1]} for w in range(count)]
+    raise ValueError(
+      f"{count} windows of {length} tokens need {count * length + 1} tokens, the stream has {stream.size}"
+    )
+  return [
+    {
+      "inputs": stream[None, w * length : (w + 1) * length],
+      "targets": stream[None, w * length + 1 : (w + 1) * length + 1],
+    }
+    for w in range(count)
+  ]
 
 
 def _main(argv: Sequence[str]) -> None:
@@ -78,13 +85,22 @@ def _main(argv: Sequence[str]) -> None:
   cli.require(args.windows >= 1, "--windows", "an integer >= 1", args.windows)
   (model, params, tokenizer, step), config = cli.load(args)
   stream = cli.validation_tokens(config, tokenizer, args.windows * max(lengths) + 1, args.data_dir)
-  sums = jax.jit(lambda p, batch: loss_sums(model, p, batch, pad_id=tokenizer.pad_id, token_byte_lengths=jnp.asarray(
-      tokenizer.token_byte_lengths, jnp.float32)))
+  sums = jax.jit(
+    lambda p, batch: loss_sums(
+      model,
+      p,
+      batch,
+      pad_id=tokenizer.pad_id,
+      token_byte_lengths=jnp.asarray(tokenizer.token_byte_lengths, jnp.float32),
+    )
+  )
   results, skipped = [], []
   for length in lengths:
     if stream.size < args.windows * length + 1:
-      message = (f"length {length:,} skipped: {args.windows} windows need {args.windows * length + 1:,} tokens, "
-                 f"the validation split ({config.data.dataset}, {config.data.eval_split}) has {stream.size:,}")
+      message = (
+        f"length {length:,} skipped: {args.windows} windows need {args.windows * length + 1:,} tokens, "
+        f"the validation split ({config.data.dataset}, {config.data.eval_split}) has {stream.size:,}"
+      )
       print(message, file=sys.stderr, flush=True)
       skipped.append({"length": length, "reason": message})
       continue
@@ -95,18 +111,39 @@ def _main(argv: Sequence[str]) -> None:
         window_sums = jax.device_get(sums(params, window))
         totals = {k: totals[k] + float(window_sums[k]) for k in totals}
         bar.update(1)
-    results.append({"length": length, "windows": args.windows, **totals, **summarize(totals),
-                    "seconds": time.perf_counter() - start})
+    results.append(
+      {"length": length, "windows": args.windows, **totals, **summarize(totals), "seconds": time.perf_counter() - start}
+    )
   if not results:
-    cli.fail(f"--lengths={args.lengths}: no length fits the validation split ({stream.size:,} tokens) with "
-             f"--windows={args.windows}; lower them")
-  cli.finish("perplexity", args, config, step,
-             headers=["length", "windows", "tokens", "loss", "perplexity", "bits/byte", "seconds"],
-             rows=[[r["length"], r["windows"], int(r["tokens"]), r["loss"], r["perplexity"], r["bits_per_byte"],
-                    f"{r['seconds']:.1f}"] for r in results],
-             record={"windows": args.windows, "results": results, "skipped": skipped},
-             lengths=[r["length"] for r in results], series={"perplexity": [r["perplexity"] for r in results]},
-             ylabel="perplexity", title="Validation perplexity")
+    cli.fail(
+      f"--lengths={args.lengths}: no length fits the validation split ({stream.size:,} tokens) with "
+      f"--windows={args.windows}; lower them"
+    )
+  cli.finish(
+    "perplexity",
+    args,
+    config,
+    step,
+    headers=["length", "windows", "tokens", "loss", "perplexity", "bits/byte", "seconds"],
+    rows=[
+      [
+        r["length"],
+        r["windows"],
+        int(r["tokens"]),
+        r["loss"],
+        r["perplexity"],
+        r["bits_per_byte"],
+        f"{r['seconds']:.1f}",
+      ]
+      for r in results
+    ],
+    record={"windows": args.windows, "results": results, "skipped": skipped},
+    lengths=[r["length"] for r in results],
+    series={"perplexity": [r["perplexity"] for r in results]},
+    ylabel="perplexity",
+    title="Validation perplexity",
+  )
+
 
 def main(argv: Sequence[str] | None = None) -> int:
   """`python -m castle_jax.eval.perplexity ...` (argv without the program name); 0, or 1 after one ERROR line."""

@@ -13,9 +13,18 @@ from castle_jax.inference.sampling import sample_next_token, validate_request
 from castle_jax.models.registry import family_of
 
 
-def generate(model: nn.Module, params: Any, prompt: jax.Array, *, max_new_tokens: int,
-             rng: jax.Array | None = None, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, capacity: int | None = None) -> jax.Array:
+def generate(
+  model: nn.Module,
+  params: Any,
+  prompt: jax.Array,
+  *,
+  max_new_tokens: int,
+  rng: jax.Array | None = None,
+  temperature: float = 0.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+  capacity: int | None = None,
+) -> jax.Array:
   """Continues each prompt by `max_new_tokens` tokens.
 
   The prompt is run through the model once (prefill, filling each layer's cache),
@@ -42,15 +51,24 @@ def generate(model: nn.Module, params: Any, prompt: jax.Array, *, max_new_tokens
   capacity = needed if capacity is None else capacity
   if needed > capacity:
     raise ValueError(
-        f"prompt_len ({prompt.shape[1]}) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the cache "
-        f"capacity ({capacity}); raise capacity")
+      f"prompt_len ({prompt.shape[1]}) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the cache "
+      f"capacity ({capacity}); raise capacity"
+    )
   rng = jax.random.key(0) if rng is None else rng
   family = family_of(model)
   if family.stream_decoder is not None:
-    return _generate_streaming(family.stream_decoder(model, params, prompt.shape[0], capacity), prompt, rng,
-                               max_new_tokens, float(temperature), int(top_k), float(top_p))
-  return _generate(model, params, prompt.astype(jnp.int32), rng, max_new_tokens, capacity,
-                   float(temperature), int(top_k), float(top_p))
+    return _generate_streaming(
+      family.stream_decoder(model, params, prompt.shape[0], capacity),
+      prompt,
+      rng,
+      max_new_tokens,
+      float(temperature),
+      int(top_k),
+      float(top_p),
+    )
+  return _generate(
+    model, params, prompt.astype(jnp.int32), rng, max_new_tokens, capacity, float(temperature), int(top_k), float(top_p)
+  )
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8))
@@ -97,7 +115,7 @@ def prefill_caches(model: nn.Module, params: Any, tokens: jax.Array, capacity: i
     raise ValueError(f"{tokens.shape[1]} tokens exceed the cache capacity {capacity}")
   caches = family.init_cache(model, tokens.shape[0], capacity)
   for start in range(0, tokens.shape[1], chunk):
-    piece = tokens[:, start:start + chunk]
+    piece = tokens[:, start : start + chunk]
     positions = jnp.broadcast_to(jnp.arange(start, start + piece.shape[1], dtype=jnp.int32), piece.shape)
     caches = _append_to_caches(model, params, piece, positions, caches)
   return caches
@@ -109,9 +127,18 @@ def _append_to_caches(model, params, tokens, positions, caches):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9))
-def continue_decoding(model: nn.Module, params: Any, caches: Any, token: jax.Array, position: jax.Array,
-                      rng: jax.Array, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                      top_p: float = 1.0):
+def continue_decoding(
+  model: nn.Module,
+  params: Any,
+  caches: Any,
+  token: jax.Array,
+  position: jax.Array,
+  rng: jax.Array,
+  max_new_tokens: int,
+  temperature: float = 0.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+):
   """Autoregressive decoding from prefilled caches, compiled as one `lax.scan`.
 
   Args:
@@ -124,8 +151,9 @@ def continue_decoding(model: nn.Module, params: Any, caches: Any, token: jax.Arr
     (int32 [batch, max_new_tokens]: the tokens after `token`, the caches).
   """
   sample = functools.partial(sample_next_token, temperature=temperature, top_k=top_k, top_p=top_p)
-  return _decode_scan(model, params, caches, jnp.asarray(token, jnp.int32), jnp.asarray(position, jnp.int32), rng,
-                      max_new_tokens, sample)
+  return _decode_scan(
+    model, params, caches, jnp.asarray(token, jnp.int32), jnp.asarray(position, jnp.int32), rng, max_new_tokens, sample
+  )
 
 
 def _generate_streaming(stream, prompt, rng, max_new_tokens, temperature, top_k, top_p):

@@ -15,8 +15,9 @@ def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
     raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {top_p}")
 
 
-def validate_request(prompt: jax.Array, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-                     rng: jax.Array | None) -> jax.Array:
+def validate_request(
+  prompt: jax.Array, max_new_tokens: int, temperature: float, top_k: int, top_p: float, rng: jax.Array | None
+) -> jax.Array:
   """Checks a generation request; returns the prompt as an int32 [batch, prompt_len] array."""
   prompt = jnp.asarray(prompt)
   if prompt.ndim != 2 or prompt.shape[1] < 1:
@@ -29,8 +30,9 @@ def validate_request(prompt: jax.Array, max_new_tokens: int, temperature: float,
   return prompt.astype(jnp.int32)
 
 
-def sample_next_token(logits: jax.Array, rng: jax.Array, *, temperature: float = 0.0,
-                      top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+def sample_next_token(
+  logits: jax.Array, rng: jax.Array, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0
+) -> jax.Array:
   """Draws one token per row.
 
   Args:

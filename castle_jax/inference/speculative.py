@@ -75,7 +75,7 @@ class TreeShape:
 
   def level_start(self, level: int) -> int:
     """Index of the first node of `level` (0: the root)."""
-    return 1 + sum(self.widths[:level - 1]) if level else 0
+    return 1 + sum(self.widths[: level - 1]) if level else 0
 
   def level_size(self, level: int) -> int:
     return self.widths[level - 1] if level else 1
@@ -132,11 +132,22 @@ def check_pair(target_config: ModelConfig, draft_config: ModelConfig) -> None:
     raise ValueError(f"the draft was built for another target: {'; '.join(differing)}")
 
 
-def speculative_generate(target_model, target_params: Any, draft_model: LongSpecDraft, draft_params: Any,
-                         prompt: jax.Array, *, max_new_tokens: int, tree: tuple[int, ...] = DEFAULT_TREE,
-                         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                         rng: jax.Array | None = None, tree_attention_impl: str | None = None,
-                         prefill_chunk: int = 2048) -> SpeculativeResult:
+def speculative_generate(
+  target_model,
+  target_params: Any,
+  draft_model: LongSpecDraft,
+  draft_params: Any,
+  prompt: jax.Array,
+  *,
+  max_new_tokens: int,
+  tree: tuple[int, ...] = DEFAULT_TREE,
+  temperature: float = 0.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+  rng: jax.Array | None = None,
+  tree_attention_impl: str | None = None,
+  prefill_chunk: int = 2048,
+) -> SpeculativeResult:
   """Continues a prompt with the target's distribution, drafting with a LongSpec draft.
 
   Args:
@@ -155,21 +166,44 @@ def speculative_generate(target_model, target_params: Any, draft_model: LongSpec
   Returns:
     SpeculativeResult (tokens, tokens per round).
   """
-  shape, prompt = _check_request(target_model, draft_model, prompt, max_new_tokens, tree, temperature, top_k, top_p,
-                                 rng, prefill_chunk)
+  shape, prompt = _check_request(
+    target_model, draft_model, prompt, max_new_tokens, tree, temperature, top_k, top_p, rng, prefill_chunk
+  )
   start = time.perf_counter()
-  caches, draft_cache = _prefill(target_model, target_params, draft_model, draft_params, prompt, max_new_tokens, shape,
-                                 prefill_chunk)
+  caches, draft_cache = _prefill(
+    target_model, target_params, draft_model, draft_params, prompt, max_new_tokens, shape, prefill_chunk
+  )
   prefilled = time.perf_counter()
   rng = jax.random.key(0) if rng is None else rng
-  new_tokens, emitted_per_round, rounds, caches, draft_cache = jax.block_until_ready(_speculate(
-      target_model, draft_model, shape, float(temperature), int(top_k), float(top_p), tree_attention_impl,
-      int(max_new_tokens), target_params, draft_params, caches, draft_cache, prompt[:, -1], rng))
+  new_tokens, emitted_per_round, rounds, caches, draft_cache = jax.block_until_ready(
+    _speculate(
+      target_model,
+      draft_model,
+      shape,
+      float(temperature),
+      int(top_k),
+      float(top_p),
+      tree_attention_impl,
+      int(max_new_tokens),
+      target_params,
+      draft_params,
+      caches,
+      draft_cache,
+      prompt[:, -1],
+      rng,
+    )
+  )
   decoded = time.perf_counter()
-  counts = np.array(jax.device_get(emitted_per_round))[:int(rounds)]
+  counts = np.array(jax.device_get(emitted_per_round))[: int(rounds)]
   counts[-1] -= int(counts.sum()) - max_new_tokens  # the last round may overshoot max_new_tokens
-  return SpeculativeResult(jnp.concatenate([prompt, new_tokens[:, :max_new_tokens]], axis=1), counts, caches,
-                           draft_cache, prefilled - start, decoded - prefilled)
+  return SpeculativeResult(
+    jnp.concatenate([prompt, new_tokens[:, :max_new_tokens]], axis=1),
+    counts,
+    caches,
+    draft_cache,
+    prefilled - start,
+    decoded - prefilled,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,10 +263,22 @@ class SpeculativeTrace:
     return float(self.tokens_per_round.mean())
 
 
-def trace_speculation(target_model, target_params: Any, draft_model: LongSpecDraft, draft_params: Any,
-                      prompt: jax.Array, *, max_new_tokens: int, tree: tuple[int, ...] = DEFAULT_TREE,
-                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, rng: jax.Array | None = None,
-                      tree_attention_impl: str | None = None, prefill_chunk: int = 2048) -> SpeculativeTrace:
+def trace_speculation(
+  target_model,
+  target_params: Any,
+  draft_model: LongSpecDraft,
+  draft_params: Any,
+  prompt: jax.Array,
+  *,
+  max_new_tokens: int,
+  tree: tuple[int, ...] = DEFAULT_TREE,
+  temperature: float = 0.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+  rng: jax.Array | None = None,
+  tree_attention_impl: str | None = None,
+  prefill_chunk: int = 2048,
+) -> SpeculativeTrace:
   """`speculative_generate` one round at a time from Python, keeping every round's drafted
   tree and verdict, for inspection and plots.
 
@@ -246,54 +292,83 @@ def trace_speculation(target_model, target_params: Any, draft_model: LongSpecDra
   Returns:
     SpeculativeTrace (tokens, the rounds).
   """
-  shape, prompt = _check_request(target_model, draft_model, prompt, max_new_tokens, tree, temperature, top_k, top_p,
-                                 rng, prefill_chunk)
-  caches, draft_cache = _prefill(target_model, target_params, draft_model, draft_params, prompt, max_new_tokens, shape,
-                                 prefill_chunk)
+  shape, prompt = _check_request(
+    target_model, draft_model, prompt, max_new_tokens, tree, temperature, top_k, top_p, rng, prefill_chunk
+  )
+  caches, draft_cache = _prefill(
+    target_model, target_params, draft_model, draft_params, prompt, max_new_tokens, shape, prefill_chunk
+  )
   rng = jax.random.key(0) if rng is None else rng
   root, position = prompt[:, -1], caches[0].length
   rounds, emitted_count = [], 0
   while emitted_count < max_new_tokens:
     rng, accept_rng = jax.random.split(rng)
-    outcome, caches, draft_cache = _traced_round(target_model, draft_model, shape, float(temperature), int(top_k),
-                                                 float(top_p), tree_attention_impl, target_params, draft_params,
-                                                 caches, draft_cache, root, position, accept_rng)
+    outcome, caches, draft_cache = _traced_round(
+      target_model,
+      draft_model,
+      shape,
+      float(temperature),
+      int(top_k),
+      float(top_p),
+      tree_attention_impl,
+      target_params,
+      draft_params,
+      caches,
+      draft_cache,
+      root,
+      position,
+      accept_rng,
+    )
     kept = int(outcome.kept)
-    rounds.append(DraftedRound(
-        position=int(position), tokens=np.asarray(outcome.tokens[0]), parents=np.asarray(outcome.parents),
+    rounds.append(
+      DraftedRound(
+        position=int(position),
+        tokens=np.asarray(outcome.tokens[0]),
+        parents=np.asarray(outcome.parents),
         target_next=np.asarray(jnp.argmax(outcome.logits, axis=-1), np.int32),
-        path=np.asarray(outcome.path[:kept]), emitted=np.asarray(outcome.emitted[:kept])))
+        path=np.asarray(outcome.path[:kept]),
+        emitted=np.asarray(outcome.emitted[:kept]),
+      )
+    )
     root, position, emitted_count = outcome.bonus[None], position + outcome.kept, emitted_count + kept
   new_tokens = np.concatenate([drafted.emitted for drafted in rounds])[:max_new_tokens]
-  return SpeculativeTrace(jnp.concatenate([prompt, jnp.asarray(new_tokens, jnp.int32)[None]], axis=1), rounds,
-                          prompt.shape[1])
+  return SpeculativeTrace(
+    jnp.concatenate([prompt, jnp.asarray(new_tokens, jnp.int32)[None]], axis=1), rounds, prompt.shape[1]
+  )
 
 
-def _check_request(target_model, draft_model, prompt, max_new_tokens, tree, temperature, top_k, top_p, rng,
-                   prefill_chunk) -> tuple[TreeShape, jax.Array]:
+def _check_request(
+  target_model, draft_model, prompt, max_new_tokens, tree, temperature, top_k, top_p, rng, prefill_chunk
+) -> tuple[TreeShape, jax.Array]:
   """The tree's shape and the validated prompt int32 [1, prompt_len]; ValueError on a bad request."""
   shape = TreeShape(tuple(tree))
   prompt = validate_request(prompt, max_new_tokens, temperature, top_k, top_p, rng)
   if prompt.shape[0] != 1:
-    raise ValueError(f"speculative decoding runs batch 1 (each row would accept a different number of tokens); "
-                     f"got a prompt batch of {prompt.shape[0]}: call it once per prompt")
+    raise ValueError(
+      f"speculative decoding runs batch 1 (each row would accept a different number of tokens); "
+      f"got a prompt batch of {prompt.shape[0]}: call it once per prompt"
+    )
   if prefill_chunk < 1:
     raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
   check_pair(target_model.config, draft_model.config)
   window = draft_model.options.window
   if shape.depth >= window:
-    raise ValueError(f"tree depth {shape.depth} must be below the draft's window ({window}): the deepest node "
-                     "must still see the root")
+    raise ValueError(
+      f"tree depth {shape.depth} must be below the draft's window ({window}): the deepest node must still see the root"
+    )
   for level, width in enumerate(shape.widths, start=1):
     continuations = shape.level_size(level - 1) * target_model.config.vocab_size
     if width > continuations:
-      raise ValueError(f"tree level {level} keeps {width} nodes, more than the {continuations} distinct "
-                       "continuations it can have; narrow the tree")
+      raise ValueError(
+        f"tree level {level} keeps {width} nodes, more than the {continuations} distinct "
+        "continuations it can have; narrow the tree"
+      )
   return shape, prompt
 
 
-def _prefill(target_model, target_params, draft_model, draft_params, prompt, max_new_tokens, shape: TreeShape,
-             prefill_chunk):
+def _prefill(
+  target_model, target_params, draft_model, draft_params, prompt, max_new_tokens, shape: TreeShape, prefill_chunk
+):
   """(target caches, draft cache) holding every prompt token but the last, the first root;
   the target's caches sized for the whole request and one round's overshoot."""
   capacity = prompt.shape[1] + max_new_tokens + shape.depth + 1
@@ -316,14 +391,32 @@ def _prefill_draft(draft: LongSpecDraft, params, target_config, target_params, t
 def _fill_ring(draft, target_config, params, target_params, tokens, start, cache):
   """The cache with tokens [1, n] (positions start ..) as the ring's newest entries."""
   positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-  keys, values = draft.apply({"params": params}, embed_tokens(target_config, target_params, tokens), positions,
-                             method=LongSpecDraft.self_keys_values)
+  keys, values = draft.apply(
+    {"params": params},
+    embed_tokens(target_config, target_params, tokens),
+    positions,
+    method=LongSpecDraft.self_keys_values,
+  )
   return cache.replace(ring=cache.ring.replace(length=start).append(keys, values))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
-def _speculate(target_model, draft, shape: TreeShape, temperature, top_k, top_p, tree_impl, max_new_tokens,
-               target_params, draft_params, caches, draft_cache, root, rng):
+def _speculate(
+  target_model,
+  draft,
+  shape: TreeShape,
+  temperature,
+  top_k,
+  top_p,
+  tree_impl,
+  max_new_tokens,
+  target_params,
+  draft_params,
+  caches,
+  draft_cache,
+  root,
+  rng,
+):
   """(new tokens int32 [1, max_new + depth + 1], tokens per round int32 [max_new], rounds,
   target caches, draft cache)."""
   buffer = jnp.zeros((1, max_new_tokens + shape.depth + 1), jnp.int32)
@@ -333,13 +426,35 @@ def _speculate(target_model, draft, shape: TreeShape, temperature, top_k, top_p,
   def round_(carry):
     caches, draft_cache, root, position, buffer, count, per_round, rounds, rng = carry
     rng, accept_rng = jax.random.split(rng)
-    outcome, caches, draft_cache = _round(target_model, draft, shape, temperature, top_k, top_p, tree_impl,
-                                          target_params, draft_params, caches, draft_cache, root, position,
-                                          accept_rng)
+    outcome, caches, draft_cache = _round(
+      target_model,
+      draft,
+      shape,
+      temperature,
+      top_k,
+      top_p,
+      tree_impl,
+      target_params,
+      draft_params,
+      caches,
+      draft_cache,
+      root,
+      position,
+      accept_rng,
+    )
     buffer = jax.lax.dynamic_update_slice(buffer, outcome.emitted[None], (0, count))
     per_round = per_round.at[rounds].set(outcome.kept)
-    return (caches, draft_cache, outcome.bonus[None], position + outcome.kept, buffer, count + outcome.kept,
-            per_round, rounds + 1, rng)
+    return (
+      caches,
+      draft_cache,
+      outcome.bonus[None],
+      position + outcome.kept,
+      buffer,
+      count + outcome.kept,
+      per_round,
+      rounds + 1,
+      rng,
+    )
 
   carry = (caches, draft_cache, root, position, buffer, jnp.int32(0), per_round, jnp.int32(0), rng)
   carry = jax.lax.while_loop(lambda c: c[5] < max_new_tokens, round_, carry)
@@ -358,29 +473,46 @@ class _RoundOutcome(NamedTuple):
   emitted: jax.Array  # int32 [depth + 1], padded past `kept`
 
 
-def _round(target_model, draft, shape: TreeShape, temperature, top_k, top_p, tree_impl, target_params, draft_params,
-           caches, draft_cache, root, position, accept_rng):
+def _round(
+  target_model,
+  draft,
+  shape: TreeShape,
+  temperature,
+  top_k,
+  top_p,
+  tree_impl,
+  target_params,
+  draft_params,
+  caches,
+  draft_cache,
+  root,
+  position,
+  accept_rng,
+):
   """One round (draft, verify, accept, commit; see the module docstring) from the root int32
   [1] at `position`: (`_RoundOutcome`, target caches, draft cache)."""
   target_config = target_model.config
-  tokens, parents, ancestors, draft_cache = _draft_tree(draft, shape, draft_params, target_config, target_params,
-                                                        caches[-1], draft_cache, root, position)
+  tokens, parents, ancestors, draft_cache = _draft_tree(
+    draft, shape, draft_params, target_config, target_params, caches[-1], draft_cache, root, position
+  )
   positions = position + jnp.asarray(shape.depths())[None]
   logits, pending = target_model.apply(
-      {"params": target_params}, tokens, positions, caches,
-      TreeVerification(ancestors[None], tree_impl))
+    {"params": target_params}, tokens, positions, caches, TreeVerification(ancestors[None], tree_impl)
+  )
   if temperature == 0.0:
     path, kept, bonus = _accept_greedy(shape, tokens[0], parents, ancestors, logits[0])
   else:
-    path, kept, bonus = _accept_sampling(shape, tokens[0], parents, logits[0], accept_rng,
-                                         temperature, top_k, top_p)
+    path, kept, bonus = _accept_sampling(shape, tokens[0], parents, logits[0], accept_rng, temperature, top_k, top_p)
   caches = [cache.append(kv.keys[:, path], kv.values[:, path], count=kept) for cache, kv in zip(caches, pending)]
   # The draft's entries depend on the token and position alone; the deepest level's
   # nodes never ran through the draft, so the path's entries are computed here.
   path_tokens = tokens[0, path]
   path_keys, path_values = draft.apply(
-      {"params": draft_params}, embed_tokens(target_config, target_params, path_tokens[None]),
-      position + jnp.arange(shape.depth + 1, dtype=jnp.int32)[None], method=LongSpecDraft.self_keys_values)
+    {"params": draft_params},
+    embed_tokens(target_config, target_params, path_tokens[None]),
+    position + jnp.arange(shape.depth + 1, dtype=jnp.int32)[None],
+    method=LongSpecDraft.self_keys_values,
+  )
   draft_cache = draft_cache.replace(ring=draft_cache.ring.append(path_keys, path_values, count=kept))
   # Emitted: the accepted nodes' tokens (path[1:kept]) then the bonus.
   accepted_tokens = jnp.concatenate([path_tokens[1:], jnp.zeros((1,), jnp.int32)])
@@ -392,8 +524,9 @@ def _round(target_model, draft, shape: TreeShape, temperature, top_k, top_p, tre
 _traced_round = jax.jit(_round, static_argnums=(0, 1, 2, 3, 4, 5, 6))
 
 
-def _draft_tree(draft, shape: TreeShape, draft_params, target_config, target_params, target_cache, draft_cache,
-                root, position):
+def _draft_tree(
+  draft, shape: TreeShape, draft_params, target_config, target_params, target_cache, draft_cache, root, position
+):
   """Drafts one tree. Returns (tokens int32 [1, nodes], parents int32 [nodes] (-1 for the
   root), ancestors bool [nodes, nodes] (node i sees node j), the draft cache with every
   drafted node's self-attention entry)."""
@@ -406,11 +539,20 @@ def _draft_tree(draft, shape: TreeShape, draft_params, target_config, target_par
   for level in range(shape.depth):
     start, size = shape.level_start(level), shape.level_size(level)
     slots = jnp.arange(start, start + size)
-    h = embed_tokens(target_config, target_params, tokens[:, start:start + size])
+    h = embed_tokens(target_config, target_params, tokens[:, start : start + size])
     positions = jnp.full((1, size), position + level, jnp.int32)
-    out, draft_cache = draft.apply({"params": draft_params}, h, positions, draft_cache, slots,
-                                   ancestors[start:start + size][None], keys, values, target_cache.length,
-                                   method=LongSpecDraft.draft)
+    out, draft_cache = draft.apply(
+      {"params": draft_params},
+      h,
+      positions,
+      draft_cache,
+      slots,
+      ancestors[start : start + size][None],
+      keys,
+      values,
+      target_cache.length,
+      method=LongSpecDraft.draft,
+    )
     log_probs = jax.nn.log_softmax(draft_logits(target_config, target_params, out)[0], axis=-1)  # [size, V]
     scores = (cumulative[:, None] + log_probs).reshape(-1)
     width = shape.widths[level]

@@ -38,19 +38,19 @@ import flax.linen as nn
 import jax
 
 from castle_jax.layers.options import (
-    AttentionOptions,
-    check_positive_int,
-    kernel_config_option,
-    reject_sliding_window,
+  AttentionOptions,
+  check_positive_int,
+  kernel_config_option,
+  reject_sliding_window,
 )
 from castle_jax.layers.rope import apply_rope
 from castle_jax.layers.shared import mean_visible_keys, output_projection, projection
 from castle_jax.ops.castle import (
-    DEFAULT_BLOCK_SIZE,
-    UQKVCache,
-    append_tokens,
-    castle_attention,
-    init_cache,
+  DEFAULT_BLOCK_SIZE,
+  UQKVCache,
+  append_tokens,
+  castle_attention,
+  init_cache,
 )
 from castle_jax.sharding import constrain
 from pallas_kernels.castle import CastleDecodeConfig, CastleKernelConfig
@@ -60,8 +60,7 @@ if TYPE_CHECKING:  # layers read the config's attributes only; castle_jax.config
 
 _ACTIVATION_AXES = ("batch", "act_length", "act_heads", "head_dim")
 # The six per-head projections, in the op's argument order.
-_PROJECTIONS = ("lookahead_query", "lookahead_key", "lookahead_value",
-                "causal_query", "causal_key", "causal_value")
+_PROJECTIONS = ("lookahead_query", "lookahead_key", "lookahead_value", "causal_query", "causal_key", "causal_value")
 _ROTATED = frozenset(("lookahead_query", "lookahead_key", "lookahead_value", "causal_query", "causal_key"))
 
 
@@ -79,26 +78,39 @@ class CastleOptions(AttentionOptions):
 
   def __post_init__(self):
     if self.sliding and self.lookahead_window is None:
-      raise ValueError("attention 'castle_swl' needs model.attention_kwargs.lookahead_window = W >= 1 "
-                       "(the paper uses 128 for S and 512 for M/L/XL)")
+      raise ValueError(
+        "attention 'castle_swl' needs model.attention_kwargs.lookahead_window = W >= 1 "
+        "(the paper uses 128 for S and 512 for M/L/XL)"
+      )
     if not self.sliding and self.lookahead_window is not None:
-      raise ValueError("attention 'castle' has no lookahead window; use attention 'castle_swl' "
-                       "to slide a window over the lookahead keys")
+      raise ValueError(
+        "attention 'castle' has no lookahead window; use attention 'castle_swl' "
+        "to slide a window over the lookahead keys"
+      )
     if self.lookahead_window is not None:  # None was checked above, against the attention
       check_positive_int("lookahead_window", self.lookahead_window)
     check_positive_int("block_size", self.block_size)
     # Strings from a config file become kernel configs once, here.
-    object.__setattr__(self, "kernel_config", kernel_config_option("kernel_config", self.kernel_config,
-                                                             CastleKernelConfig))
-    object.__setattr__(self, "decode_kernel_config", kernel_config_option("decode_kernel_config",
-                                                                    self.decode_kernel_config, CastleDecodeConfig))
+    object.__setattr__(
+      self, "kernel_config", kernel_config_option("kernel_config", self.kernel_config, CastleKernelConfig)
+    )
+    object.__setattr__(
+      self,
+      "decode_kernel_config",
+      kernel_config_option("decode_kernel_config", self.decode_kernel_config, CastleDecodeConfig),
+    )
 
   def for_model(self, config: ModelConfig) -> "CastleOptions":
     if config.n_kv_heads not in (0, config.n_heads):
-      raise ValueError(f"CASTLE has no grouped-query form: model.n_kv_heads must be 0 or n_heads "
-                       f"({config.n_heads}), got {config.n_kv_heads}")
-    reject_sliding_window(config, "CASTLE attends to every causal key. Set it to 0 (for CASTLE-SWL use "
-                                  "attention 'castle_swl' with model.attention_kwargs.lookahead_window)")
+      raise ValueError(
+        f"CASTLE has no grouped-query form: model.n_kv_heads must be 0 or n_heads "
+        f"({config.n_heads}), got {config.n_kv_heads}"
+      )
+    reject_sliding_window(
+      config,
+      "CASTLE attends to every causal key. Set it to 0 (for CASTLE-SWL use "
+      "attention 'castle_swl' with model.attention_kwargs.lookahead_window)",
+    )
     return self
 
 
@@ -110,8 +122,9 @@ class CastleSWLOptions(CastleOptions):
 
 
 def cache_for(config: ModelConfig, batch: int, capacity: int) -> UQKVCache:
-  return init_cache(batch, capacity, config.n_heads, config.qk_head_dim, config.compute_dtype,
-                    config.options.lookahead_window)
+  return init_cache(
+    batch, capacity, config.n_heads, config.qk_head_dim, config.compute_dtype, config.options.lookahead_window
+  )
 
 
 def param_count(config: ModelConfig) -> int:
@@ -158,10 +171,20 @@ class MultiHeadCastle(nn.Module):
         y = apply_rope(y, positions, cfg.rope_theta)
       inputs.append(constrain(y, _ACTIVATION_AXES))
     if cache is None:
-      out = castle_attention(*inputs, window=options.lookahead_window, implementation=cfg.attention_impl,
-                             block_size=options.block_size, pallas_config=options.kernel_config)
+      out = castle_attention(
+        *inputs,
+        window=options.lookahead_window,
+        implementation=cfg.attention_impl,
+        block_size=options.block_size,
+        pallas_config=options.kernel_config,
+      )
     else:
-      out, cache = append_tokens(cache, *inputs, block_size=options.block_size, implementation=cfg.attention_impl,
-                                 pallas_config=options.kernel_config,
-                                 decode_pallas_config=options.decode_kernel_config)
+      out, cache = append_tokens(
+        cache,
+        *inputs,
+        block_size=options.block_size,
+        implementation=cfg.attention_impl,
+        pallas_config=options.kernel_config,
+        decode_pallas_config=options.decode_kernel_config,
+      )
     return output_projection(cfg, out), cache

@@ -38,11 +38,23 @@ class Embedding(nn.Embed):
 
 def token_embedding(config: ModelConfig, name: str | None = None) -> Embedding:
   """The model's token table [vocab, d_model] (also the tied LM head, `.attend`)."""
-  return Embedding(config.vocab_size, config.d_model, dtype=config.compute_dtype, param_dtype=config.weights_dtype,
-                   embedding_init=with_axes(nn.initializers.normal(config.init_std), ("vocab", "embed")), name=name)
+  return Embedding(
+    config.vocab_size,
+    config.d_model,
+    dtype=config.compute_dtype,
+    param_dtype=config.weights_dtype,
+    embedding_init=with_axes(nn.initializers.normal(config.init_std), ("vocab", "embed")),
+    name=name,
+  )
 
 
 def lm_head(config: ModelConfig, name: str | None = None) -> nn.Dense:
   """The untied LM head [d_model, vocab] (a tied head is `token_embedding(...).attend`)."""
-  return nn.Dense(config.vocab_size, use_bias=False, dtype=config.compute_dtype, param_dtype=config.weights_dtype,
-                  kernel_init=with_axes(nn.initializers.normal(config.init_std), ("embed", "vocab")), name=name)
+  return nn.Dense(
+    config.vocab_size,
+    use_bias=False,
+    dtype=config.compute_dtype,
+    param_dtype=config.weights_dtype,
+    kernel_init=with_axes(nn.initializers.normal(config.init_std), ("embed", "vocab")),
+    name=name,
+  )

@@ -34,9 +34,8 @@ class Linear(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    shape = (*x.shape[x.ndim - self.contract_dims:], *self.features)
+    shape = (*x.shape[x.ndim - self.contract_dims :], *self.features)
     if len(self.axes) != len(shape):
       raise ValueError(f"Linear {self.name}: {len(self.axes)} axis names {self.axes} for a kernel of shape {shape}")
-    kernel = self.param("kernel", with_axes(nn.initializers.normal(self.init_std), self.axes), shape,
-                        self.param_dtype)
+    kernel = self.param("kernel", with_axes(nn.initializers.normal(self.init_std), self.axes), shape, self.param_dtype)
     return jnp.tensordot(x.astype(self.dtype), kernel.astype(self.dtype), axes=self.contract_dims)

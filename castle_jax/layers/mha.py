@@ -60,8 +60,10 @@ class MhaOptions(AttentionOptions):
 
   def for_model(self, config: ModelConfig) -> "MhaOptions":
     if self.positions == "alibi" and not config.sliding_window:
-      raise ValueError("model.attention_kwargs.positions='alibi' runs as sliding-window attention: set "
-                       "model.sliding_window (the GCA paper uses 512)")
+      raise ValueError(
+        "model.attention_kwargs.positions='alibi' runs as sliding-window attention: set "
+        "model.sliding_window (the GCA paper uses 512)"
+      )
     return self
 
 
@@ -92,8 +94,9 @@ class MultiHeadAttention(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array, cache: KVCache | None = None,
-               tree: TreeVerification | None = None):
+  def __call__(
+    self, x: jax.Array, positions: jax.Array, cache: KVCache | None = None, tree: TreeVerification | None = None
+  ):
     """x: [batch, seq, d_model], positions: int [batch, seq] -> ([batch, seq, d_model], cache).
 
     Training (no cache) also sows the layer's rotated (keys, values) [batch, seq, kv_heads,
@@ -116,10 +119,12 @@ class MultiHeadAttention(nn.Module):
       return output_projection(cfg, out), cache
     if tree is not None:
       if alibi or cfg.window:
-        raise ValueError("tree verification needs full causal attention with RoPE (no model.sliding_window, "
-                         "positions='rope')")
-      out = tree_attention(q, cache.keys, cache.values, cache.length, k, v, tree.mask,
-                           implementation=tree.implementation)
+        raise ValueError(
+          "tree verification needs full causal attention with RoPE (no model.sliding_window, positions='rope')"
+        )
+      out = tree_attention(
+        q, cache.keys, cache.values, cache.length, k, v, tree.mask, implementation=tree.implementation
+      )
       return output_projection(cfg, out), PendingKV(k, v)
     cache = cache.append(k, v)
     if x.shape[1] == 1 and not alibi and not cfg.window:

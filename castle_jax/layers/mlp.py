@@ -31,8 +31,13 @@ class SwiGLU(nn.Module):
 
     def dense(name, features, axes, std):
       return nn.Dense(
-          features, use_bias=False, name=name, dtype=self.dtype, param_dtype=self.param_dtype,
-          kernel_init=with_axes(nn.initializers.normal(std), axes))
+        features,
+        use_bias=False,
+        name=name,
+        dtype=self.dtype,
+        param_dtype=self.param_dtype,
+        kernel_init=with_axes(nn.initializers.normal(std), axes),
+      )
 
     gate = dense("w_gate", self.hidden, ("embed", "mlp"), self.init_std)(x)
     up = dense("w_up", self.hidden, ("embed", "mlp"), self.init_std)(x)

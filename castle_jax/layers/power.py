@@ -44,11 +44,11 @@ import jax
 import jax.numpy as jnp
 
 from castle_jax.layers.options import (
-    AttentionOptions,
-    check_positive_int,
-    kernel_config_option,
-    option_error,
-    reject_sliding_window,
+  AttentionOptions,
+  check_positive_int,
+  kernel_config_option,
+  option_error,
+  reject_sliding_window,
 )
 from castle_jax.layers.shared import mean_visible_keys, output_projection, projection, rotary_qkv
 from castle_jax.ops.power import EXPANSIONS, PowerCache, append_tokens, expanded_dim, init_cache, power_attention
@@ -94,14 +94,16 @@ class PowerOptions(AttentionOptions):
       raise option_error("expansion", f"must be one of {EXPANSIONS}, got {self.expansion!r}")
     if not isinstance(self.gating, bool):
       raise option_error("gating", f"must be True or False, got {self.gating!r}")
-    if self.gate_bias is not None and (isinstance(self.gate_bias, bool)
-                                       or not isinstance(self.gate_bias, numbers.Real)):
+    if self.gate_bias is not None and (
+      isinstance(self.gate_bias, bool) or not isinstance(self.gate_bias, numbers.Real)
+    ):
       raise option_error("gate_bias", f"must be a float, got {self.gate_bias!r}")
     if self.gate_bias is not None and not self.gating:
       raise ValueError("model.attention_kwargs.gate_bias has no effect with gating=False; drop one of them")
     # Strings from a config file become a kernel config once, here.
-    object.__setattr__(self, "kernel_config", kernel_config_option("kernel_config", self.kernel_config,
-                                                                   PowerKernelConfig))
+    object.__setattr__(
+      self, "kernel_config", kernel_config_option("kernel_config", self.kernel_config, PowerKernelConfig)
+    )
 
   @property
   def bias(self) -> float:
@@ -111,8 +113,9 @@ class PowerOptions(AttentionOptions):
     head_dim = config.qk_head_dim
     d_tile = _checked("d_tile", lambda: validate_expansion(self.expansion, head_dim, self.p, self.d_tile))
     scale = _checked("scale", lambda: resolve_scale(self.scale, head_dim))
-    reject_sliding_window(config, "power attention keeps a state of every key. Set it to 0 (gates decide what "
-                                  "is forgotten)")
+    reject_sliding_window(
+      config, "power attention keeps a state of every key. Set it to 0 (gates decide what is forgotten)"
+    )
     return dataclasses.replace(self, d_tile=d_tile, scale=scale)
 
 
@@ -126,8 +129,9 @@ def state_size(config: ModelConfig) -> int:
 def cache_for(config: ModelConfig, batch: int, capacity: int) -> PowerCache:
   del capacity  # the state has the same size after any number of tokens
   options = config.options
-  return init_cache(batch, config.kv_heads, config.qk_head_dim, p=options.p, expansion=options.expansion,
-                    d_tile=options.d_tile)
+  return init_cache(
+    batch, config.kv_heads, config.qk_head_dim, p=options.p, expansion=options.expansion, d_tile=options.d_tile
+  )
 
 
 def param_count(config: ModelConfig) -> int:
@@ -141,9 +145,15 @@ def training_chunk_size(config: ModelConfig) -> int:
   """The chunk the training path runs: `castle_jax.ops.power.resolve` for the model's
   head dims, dtype, options and model.attention_impl (the same call the op makes)."""
   options = config.options
-  _, chunk_size = resolve(config.attention_impl, options.chunk_size, p=options.p, head_dim=config.qk_head_dim,
-                          value_dim=config.qk_head_dim, dtype=config.compute_dtype,
-                          pallas_config=options.kernel_config)
+  _, chunk_size = resolve(
+    config.attention_impl,
+    options.chunk_size,
+    p=options.p,
+    head_dim=config.qk_head_dim,
+    value_dim=config.qk_head_dim,
+    dtype=config.compute_dtype,
+    pallas_config=options.kernel_config,
+  )
   return chunk_size
 
 
@@ -188,9 +198,15 @@ class PowerAttention(nn.Module):
       # Gates are summed over the whole context: keep them in float32 even under bf16.
       log_g = jax.nn.log_sigmoid(gate_logits.astype(jnp.float32) + options.bias)
       log_g = constrain(log_g, ("batch", "act_length", "act_kv_heads"))
-    op_options = dict(p=options.p, scale=options.scale, chunk_size=options.chunk_size,
-                      expansion=options.expansion, d_tile=options.d_tile, implementation=cfg.attention_impl,
-                      pallas_config=options.kernel_config)
+    op_options = dict(
+      p=options.p,
+      scale=options.scale,
+      chunk_size=options.chunk_size,
+      expansion=options.expansion,
+      d_tile=options.d_tile,
+      implementation=cfg.attention_impl,
+      pallas_config=options.kernel_config,
+    )
     if cache is None:
       out = power_attention(q, k, v, log_g, **op_options)
     else:

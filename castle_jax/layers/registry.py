@@ -54,16 +54,17 @@ class AttentionKind:
 
 
 def _kind(name, layer, module, options, op) -> AttentionKind:
-  return AttentionKind(name, module, options, op.IMPLEMENTATIONS, layer.cache_for, layer.param_count,
-                       layer.core_flops_per_token)
+  return AttentionKind(
+    name, module, options, op.IMPLEMENTATIONS, layer.cache_for, layer.param_count, layer.core_flops_per_token
+  )
 
 
 ATTENTIONS: dict[str, AttentionKind] = {
-    "mha": _kind("mha", mha, mha.MultiHeadAttention, mha.MhaOptions, attention_op),
-    "castle": _kind("castle", castle, castle.MultiHeadCastle, castle.CastleOptions, castle_op),
-    # CASTLE-SWL is CASTLE's module; its options require the lookahead window.
-    "castle_swl": _kind("castle_swl", castle, castle.MultiHeadCastle, castle.CastleSWLOptions, castle_op),
-    "power": _kind("power", power, power.PowerAttention, power.PowerOptions, power_op),
+  "mha": _kind("mha", mha, mha.MultiHeadAttention, mha.MhaOptions, attention_op),
+  "castle": _kind("castle", castle, castle.MultiHeadCastle, castle.CastleOptions, castle_op),
+  # CASTLE-SWL is CASTLE's module; its options require the lookahead window.
+  "castle_swl": _kind("castle_swl", castle, castle.MultiHeadCastle, castle.CastleSWLOptions, castle_op),
+  "power": _kind("power", power, power.PowerAttention, power.PowerOptions, power_op),
 }
 
 

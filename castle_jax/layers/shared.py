@@ -31,8 +31,15 @@ def mean_visible_keys(seq_len: int, window: int | None) -> float:
 
 def projection(features, axes, std, config: ModelConfig, name: str, contract_dims: int = 1) -> Linear:
   """A bias-free projection in the model's dtypes whose kernel carries logical axis names."""
-  return Linear(tuple(features) if isinstance(features, tuple) else (features,), axes, contract_dims, std,
-                config.compute_dtype, config.weights_dtype, name=name)
+  return Linear(
+    tuple(features) if isinstance(features, tuple) else (features,),
+    axes,
+    contract_dims,
+    std,
+    config.compute_dtype,
+    config.weights_dtype,
+    name=name,
+  )
 
 
 def rotary_qkv(config: ModelConfig, x: jax.Array, positions: jax.Array, *, rope: bool = True):
@@ -56,5 +63,6 @@ def rotary_qkv(config: ModelConfig, x: jax.Array, positions: jax.Array, *, rope:
 def output_projection(config: ModelConfig, out: jax.Array) -> jax.Array:
   """W^O ("out"): attention output [batch, seq, heads, head_dim] -> [batch, seq, d_model]."""
   out = constrain(out, ("batch", "act_length", "act_heads", "head_dim"))
-  return projection(config.d_model, ("heads", "head_dim", "embed"), config.out_init_std, config, "out",
-                    contract_dims=2)(out)
+  return projection(
+    config.d_model, ("heads", "head_dim", "embed"), config.out_init_std, config, "out", contract_dims=2
+  )(out)

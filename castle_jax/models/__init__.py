@@ -3,25 +3,25 @@
 
 from castle_jax.config import ModelConfig
 from castle_jax.models.registry import (
-    MODEL_FAMILIES,
-    ModelFamily,
-    build_model,
-    count_parameters,
-    family_of,
-    get_family,
-    training_flops_per_token,
+  MODEL_FAMILIES,
+  ModelFamily,
+  build_model,
+  count_parameters,
+  family_of,
+  get_family,
+  training_flops_per_token,
 )
 from castle_jax.models.transformer import DecoderBlock, TransformerLM
 
 __all__ = [
-    "MODEL_FAMILIES",
-    "DecoderBlock",
-    "ModelConfig",
-    "ModelFamily",
-    "TransformerLM",
-    "build_model",
-    "count_parameters",
-    "family_of",
-    "get_family",
-    "training_flops_per_token",
+  "MODEL_FAMILIES",
+  "DecoderBlock",
+  "ModelConfig",
+  "ModelFamily",
+  "TransformerLM",
+  "build_model",
+  "count_parameters",
+  "family_of",
+  "get_family",
+  "training_flops_per_token",
 ]

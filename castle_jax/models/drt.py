@@ -102,11 +102,14 @@ class DRTOptions:
     """model.family_kwargs parsed (unknown keys are errors) and checked against the config."""
     options = parse_family_options(cls, config, "drt")
     if config.sliding_window < 1:
-      raise ValueError("model family 'drt' needs model.sliding_window >= 1: the decoder's self-attention window "
-                       "(the paper uses 512)")
+      raise ValueError(
+        "model family 'drt' needs model.sliding_window >= 1: the decoder's self-attention window (the paper uses 512)"
+      )
     if config.attention != "mha" or config.options.positions != "alibi":
-      raise ValueError("model family 'drt' runs ALiBi sliding-window self-attention: set model.attention='mha' "
-                       "and model.attention_kwargs.positions='alibi'")
+      raise ValueError(
+        "model family 'drt' runs ALiBi sliding-window self-attention: set model.attention='mha' "
+        "and model.attention_kwargs.positions='alibi'"
+      )
     options.upper_layer_groups(config.n_layers)
     return options
 
@@ -114,8 +117,10 @@ class DRTOptions:
     """Upper layers per retrieval group: the n_layers - n_layers // 2 upper layers split evenly."""
     upper = n_layers - n_layers // 2
     if n_layers < 2 or upper % self.retrieval_groups:
-      raise ValueError(f"model.n_layers ({n_layers}) must give n_layers - n_layers // 2 upper layers divisible by "
-                       f"retrieval_groups ({self.retrieval_groups}), with at least one lower layer")
+      raise ValueError(
+        f"model.n_layers ({n_layers}) must give n_layers - n_layers // 2 upper layers divisible by "
+        f"retrieval_groups ({self.retrieval_groups}), with at least one lower layer"
+      )
     return [upper // self.retrieval_groups] * self.retrieval_groups
 
 
@@ -258,7 +263,7 @@ def select(options: DRTOptions, scores: jax.Array, top_k: int, rng: jax.Array | 
 
 
 def retrieval_scale(config: ModelConfig) -> float:
-  return config.d_model ** -0.5
+  return config.d_model**-0.5
 
 
 class DRT(nn.Module):
@@ -279,8 +284,10 @@ class DRT(nn.Module):
     if tokens.ndim != 2:
       raise ValueError(f"tokens must be int [batch, seq], got shape {tokens.shape}")
     if caches is not None:
-      raise ValueError("DRT decodes through castle_jax.models.drt_decoding.DRTStream (its chunk memory lives "
-                       "in host RAM), not through caches; call without caches")
+      raise ValueError(
+        "DRT decodes through castle_jax.models.drt_decoding.DRTStream (its chunk memory lives "
+        "in host RAM), not through caches; call without caches"
+      )
     del positions  # ALiBi and the landmark layout define the positions
     groups = opt.upper_layer_groups(cfg.n_layers)
     batch, seq = tokens.shape
@@ -290,8 +297,9 @@ class DRT(nn.Module):
     tokens = jnp.pad(tokens, ((0, 0), (0, padded - seq)))
 
     embed = token_embedding(cfg, "embed")
-    landmark = self.param("landmark", with_axes(nn.initializers.normal(cfg.init_std), ("embed",)), (cfg.d_model,),
-                          cfg.weights_dtype)
+    landmark = self.param(
+      "landmark", with_axes(nn.initializers.normal(cfg.init_std), ("embed",)), (cfg.d_model,), cfg.weights_dtype
+    )
     x = insert_landmarks(embed(tokens), landmark, size)
     x = constrain(x, ("batch", "act_length", "act_embed"))
     block = rematerialized(DRTBlock, cfg)
@@ -301,7 +309,8 @@ class DRT(nn.Module):
       x, _ = block(cfg, name=f"block_{layer}")(x)
 
     landmarks, memory_k, memory_v = ChunkMemory(cfg, opt, name="chunk_memory")(
-        x.reshape(batch, num_chunks, size + 1, cfg.d_model))
+      x.reshape(batch, num_chunks, size + 1, cfg.d_model)
+    )
     top_k = min(opt.top_k, num_chunks)
     layer = lower
     for group, group_layers in enumerate(groups):
@@ -322,6 +331,7 @@ class DRT(nn.Module):
 
 # The model-family entry (castle_jax.models.registry): what the trainer needs.
 
+
 def build(config: ModelConfig) -> DRT:
   return DRT(config, DRTOptions.from_config(config))
 
@@ -329,8 +339,9 @@ def build(config: ModelConfig) -> DRT:
 def token_losses(model: DRT, params, batch, pad_id: int, rng: jax.Array | None = None):
   """Next-token losses of the real tokens (landmarks never reach the logits); Gumbel noise
   from `rng` in training, none in evaluation (rng None)."""
-  logits, _ = model.apply({"params": params}, batch["inputs"], train=rng is not None,
-                          rngs=None if rng is None else {"gumbel": rng})
+  logits, _ = model.apply(
+    {"params": params}, batch["inputs"], train=rng is not None, rngs=None if rng is None else {"gumbel": rng}
+  )
   return next_token_losses(logits, batch["targets"], pad_id)
 
 
@@ -359,7 +370,10 @@ def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
   window = mean_visible_keys(positions, config.sliding_window)
   core = 4 * config.n_heads * config.qk_head_dim
   upper = config.n_layers - config.n_layers // 2
-  attention = core * (config.n_layers * window + options.encoder_layers * (size + 1)
-                      + upper * min(options.top_k, positions // (size + 1)) * size)
+  attention = core * (
+    config.n_layers * window
+    + options.encoder_layers * (size + 1)
+    + upper * min(options.top_k, positions // (size + 1)) * size
+  )
   retrieval = options.retrieval_groups * (positions // (size + 1)) / 2 * 2 * d / size
   return 3 * (2 * matmul_params * per_position + per_position * attention + retrieval)

@@ -75,8 +75,10 @@ class HostChunkMemory:
     """Stores chunks start .. start + m - 1: keys/values [batch, m, S, kv_heads, head_dim]."""
     count = keys.shape[1]
     if start != self.filled or start + count > self.max_chunks:
-      raise ValueError(f"chunks {start}..{start + count - 1} do not follow the {self.filled} stored chunks "
-                       f"within the capacity of {self.max_chunks}")
+      raise ValueError(
+        f"chunks {start}..{start + count - 1} do not follow the {self.filled} stored chunks "
+        f"within the capacity of {self.max_chunks}"
+      )
     self._pending.append((start, to_host(keys), to_host(values)))
     self.filled += count
 
@@ -163,13 +165,19 @@ class DRTStream:
     dtype = cfg.compute_dtype
     self.memory = HostChunkMemory(batch, max_chunks, memory_shape, dtype)
     served = jnp.zeros((groups, batch, top_k, *memory_shape), dtype)
-    self.state = jax.device_put(DRTState(
-        caches=tuple(WindowKVCache.create(batch, ring, cfg.kv_heads, cfg.qk_head_dim, dtype)
-                     for _ in range(cfg.n_layers)),
+    self.state = jax.device_put(
+      DRTState(
+        caches=tuple(
+          WindowKVCache.create(batch, ring, cfg.kv_heads, cfg.qk_head_dim, dtype) for _ in range(cfg.n_layers)
+        ),
         chunk_buffer=jnp.zeros((batch, self.size + 1, cfg.d_model), dtype),
         landmarks=jnp.zeros((batch, max_chunks, cfg.d_model), dtype),
-        served_keys=served, served_values=served,
-        served_weights=jnp.zeros((groups, batch, top_k), jnp.float32)), self.device)
+        served_keys=served,
+        served_values=served,
+        served_weights=jnp.zeros((groups, batch, top_k), jnp.float32),
+      ),
+      self.device,
+    )
 
   @property
   def device_state_bytes(self) -> int:
@@ -189,8 +197,10 @@ class DRTStream:
     if not 1 <= keep <= tokens.shape[1]:
       raise ValueError(f"keep must be in [1, {tokens.shape[1]}] (the tokens fed), got {keep}")
     if self.seen + tokens.shape[1] > self.capacity:
-      raise ValueError(f"{self.seen} tokens seen + {tokens.shape[1]} new exceed the stream's capacity "
-                       f"({self.capacity}); create the DRTStream with a larger capacity")
+      raise ValueError(
+        f"{self.seen} tokens seen + {tokens.shape[1]} new exceed the stream's capacity "
+        f"({self.capacity}); create the DRTStream with a larger capacity"
+      )
     hidden = []
     kept = 0
     for piece in self._pieces(tokens.shape[1]):
@@ -198,7 +208,7 @@ class DRTStream:
       if tokens.shape[1] - piece.stop < keep:
         hidden.append(piece_hidden)
         kept += piece_hidden.shape[1]
-    hidden = jnp.concatenate(hidden, axis=1)[:, kept - keep:]
+    hidden = jnp.concatenate(hidden, axis=1)[:, kept - keep :]
     return _logits(self.model, self.params, hidden)
 
   def _pieces(self, count: int) -> list[slice]:
@@ -220,8 +230,9 @@ class DRTStream:
     new_chunks = sum(layout)
     start = self.seen + completed  # landmark-layout position of the piece's first token
     scalars = jnp.asarray([start, offset, completed], jnp.int32)
-    x, state, memory_k, memory_v, retrieval = _lower_stage(self.model, layout, self.params, self.state,
-                                                           jnp.asarray(tokens, jnp.int32), scalars)
+    x, state, memory_k, memory_v, retrieval = _lower_stage(
+      self.model, layout, self.params, self.state, jnp.asarray(tokens, jnp.int32), scalars
+    )
     if new_chunks:
       self.memory.write(completed, memory_k, memory_v)
     for group in range(self.model.options.retrieval_groups):
@@ -235,8 +246,11 @@ class DRTStream:
     """The memory each chunk the piece touches reads: the group's current chunks, then the
     chunks retrieved at each chunk the piece completes (brought from host memory); the
     last retrieval becomes the group's current chunks."""
-    current = (state.served_keys[group][:, None], state.served_values[group][:, None],
-               state.served_weights[group][:, None])
+    current = (
+      state.served_keys[group][:, None],
+      state.served_values[group][:, None],
+      state.served_weights[group][:, None],
+    )
     if retrieval is None:
       return current
     indices, weights = retrieval
@@ -253,8 +267,7 @@ def _window_positions(scalars: jax.Array, count: int, batch: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _lower_stage(model: DRT, layout: tuple[bool, ...], params, state: DRTState, tokens: jax.Array,
-                 scalars: jax.Array):
+def _lower_stage(model: DRT, layout: tuple[bool, ...], params, state: DRTState, tokens: jax.Array, scalars: jax.Array):
   """Embedding, lower layers, the chunk encoder of the chunks the piece completes, and
   group 0's retrieval at them. scalars: int32 [3] = (first layout position, offset into
   the current chunk, chunks completed before the piece)."""
@@ -274,18 +287,20 @@ def _lower_stage(model: DRT, layout: tuple[bool, ...], params, state: DRTState, 
   extended = jax.lax.dynamic_update_slice(extended, x.astype(extended.dtype), (0, scalars[1], 0))
   new_chunks = int(is_landmark.sum())
   whole = new_chunks * (size + 1)
-  state = state.replace(caches=tuple(caches), chunk_buffer=extended[:, whole:whole + size + 1])
+  state = state.replace(caches=tuple(caches), chunk_buffer=extended[:, whole : whole + size + 1])
   if not new_chunks:
     return x, state, None, None, None
   chunks = extended[:, :whole].reshape(batch, new_chunks, size + 1, cfg.d_model)
   landmarks, memory_k, memory_v = _apply(ChunkMemory(cfg, opt), params["chunk_memory"], chunks)
-  state = state.replace(landmarks=jax.lax.dynamic_update_slice(
-      state.landmarks, landmarks.astype(state.landmarks.dtype), (0, scalars[2], 0)))
+  state = state.replace(
+    landmarks=jax.lax.dynamic_update_slice(state.landmarks, landmarks.astype(state.landmarks.dtype), (0, scalars[2], 0))
+  )
   return x, state, memory_k, memory_v, _retrieve(model, layout, 0, params, state, x, scalars)
 
 
-def _retrieve(model: DRT, layout: tuple[bool, ...], group: int, params, state: DRTState, x: jax.Array,
-              scalars: jax.Array):
+def _retrieve(
+  model: DRT, layout: tuple[bool, ...], group: int, params, state: DRTState, x: jax.Array, scalars: jax.Array
+):
   """Group `group`'s retrieval at each landmark of the piece: (indices, weights) [batch, m, k]."""
   cfg, opt = model.config, model.options
   at_landmarks = x[:, np.flatnonzero(np.array(layout))]
@@ -296,8 +311,9 @@ def _retrieve(model: DRT, layout: tuple[bool, ...], group: int, params, state: D
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _upper_stage(model: DRT, layout: tuple[bool, ...], group: int, params, state: DRTState, x: jax.Array,
-                 scalars: jax.Array, served):
+def _upper_stage(
+  model: DRT, layout: tuple[bool, ...], group: int, params, state: DRTState, x: jax.Array, scalars: jax.Array, served
+):
   """Group `group`'s upper layers over the piece, reading `served` = (keys, values
   [batch, n, k, S, kv_heads, head_dim], weights [batch, n, k]) for the n chunks the piece
   touches (and the chunks retrieved at its last landmark, kept for the next piece). After
@@ -308,23 +324,33 @@ def _upper_stage(model: DRT, layout: tuple[bool, ...], group: int, params, state
   is_landmark = np.array(layout)
   touched = _touched_chunks(layout)
   chunk_slots = keys.shape[1]
-  memory = (keys[:, :touched].reshape(batch, touched * top_k, *keys.shape[3:]),
-            values[:, :touched].reshape(batch, touched * top_k, *values.shape[3:]),
-            weights[:, :touched],
-            jnp.broadcast_to(jnp.arange(touched * top_k, dtype=jnp.int32).reshape(touched, top_k),
-                             (batch, touched, top_k)))
+  memory = (
+    keys[:, :touched].reshape(batch, touched * top_k, *keys.shape[3:]),
+    values[:, :touched].reshape(batch, touched * top_k, *values.shape[3:]),
+    weights[:, :touched],
+    jnp.broadcast_to(jnp.arange(touched * top_k, dtype=jnp.int32).reshape(touched, top_k), (batch, touched, top_k)),
+  )
   positions = _window_positions(scalars, len(layout), batch)
   caches = list(state.caches)
   groups = opt.upper_layer_groups(cfg.n_layers)
   first = cfg.n_layers // 2 + sum(groups[:group])
   for layer in range(first, first + groups[group]):
-    x, caches[layer] = _apply(DRTBlock(cfg, cross_attention=True, gca_output=opt.gca_output), params[f"block_{layer}"], x, memory,
-                              positions=positions, cache=caches[layer], query_offset=scalars[1])
+    x, caches[layer] = _apply(
+      DRTBlock(cfg, cross_attention=True, gca_output=opt.gca_output),
+      params[f"block_{layer}"],
+      x,
+      memory,
+      positions=positions,
+      cache=caches[layer],
+      query_offset=scalars[1],
+    )
   state = state.replace(caches=tuple(caches))
   if chunk_slots > 1:  # the piece completed chunks: the last retrieval serves the next chunk
-    state = state.replace(served_keys=state.served_keys.at[group].set(keys[:, -1]),
-                          served_values=state.served_values.at[group].set(values[:, -1]),
-                          served_weights=state.served_weights.at[group].set(weights[:, -1]))
+    state = state.replace(
+      served_keys=state.served_keys.at[group].set(keys[:, -1]),
+      served_values=state.served_values.at[group].set(values[:, -1]),
+      served_weights=state.served_weights.at[group].set(weights[:, -1]),
+    )
   if group + 1 < opt.retrieval_groups:
     retrieval = _retrieve(model, layout, group + 1, params, state, x, scalars) if is_landmark.any() else None
     return x, state, retrieval
@@ -358,4 +384,3 @@ def last_logits(model: DRT, params: Any, tokens: jax.Array, count: int, *, segme
 def stream_decoder(model: DRT, params: Any, batch: int, capacity: int) -> DRTStream:
   """The model family's streaming decoder (used by `castle_jax.inference.generate`)."""
   return DRTStream(model, params, batch, capacity)
-

@@ -97,8 +97,9 @@ class DraftOptions:
       if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"model.family_kwargs.{name} must be an int >= {low}, got {value!r}")
     if isinstance(self.max_shift, bool) or not isinstance(self.max_shift, int) or self.max_shift < self.min_shift:
-      raise ValueError(f"model.family_kwargs.max_shift must be an int >= min_shift ({self.min_shift}), got "
-                       f"{self.max_shift!r}")
+      raise ValueError(
+        f"model.family_kwargs.max_shift must be an int >= min_shift ({self.min_shift}), got {self.max_shift!r}"
+      )
     if self.target_step is not None and (not isinstance(self.target_step, int) or self.target_step < 0):
       raise ValueError(f"model.family_kwargs.target_step must be None or a step >= 0, got {self.target_step!r}")
 
@@ -123,10 +124,11 @@ def check_target_config(config: ModelConfig) -> None:
   """A LongSpec target must be a full-causal RoPE `mha` transformer."""
   if config.attention != "mha" or config.options.positions != "rope" or config.sliding_window:
     raise ValueError(
-        "a LongSpec draft needs an `mha` target with RoPE and full causal attention (model.attention='mha', "
-        f"no sliding window, positions='rope'); got attention={config.attention!r}, sliding_window="
-        f"{config.sliding_window}. CASTLE or power-attention targets would need the draft to cross-attend "
-        "over their decoding state instead of a KV cache (see the README).")
+      "a LongSpec draft needs an `mha` target with RoPE and full causal attention (model.attention='mha', "
+      f"no sliding window, positions='rope'); got attention={config.attention!r}, sliding_window="
+      f"{config.sliding_window}. CASTLE or power-attention targets would need the draft to cross-attend "
+      "over their decoding state instead of a KV cache (see the README)."
+    )
 
 
 @flax.struct.dataclass
@@ -147,8 +149,7 @@ class DraftSelfCache:
   def create(cls, config: ModelConfig, batch: int, window: int, nodes: int, max_commit: int) -> "DraftSelfCache":
     """A ring that keeps every position a window-W query can see while up to
     `max_commit` positions are committed at once, and `nodes` tree slots."""
-    ring = WindowKVCache.create(batch, window + max_commit, config.kv_heads, config.qk_head_dim,
-                                config.compute_dtype)
+    ring = WindowKVCache.create(batch, window + max_commit, config.kv_heads, config.qk_head_dim, config.compute_dtype)
     shape = (batch, nodes, config.kv_heads, config.qk_head_dim)
     return cls(ring, jnp.zeros(shape, config.compute_dtype), jnp.zeros(shape, config.compute_dtype))
 
@@ -160,8 +161,9 @@ class DraftSelfAttention(nn.Module):
   window: int
 
   @nn.compact
-  def __call__(self, x, positions, cache: DraftSelfCache | None = None, slots=None, visible=None,
-               keys_values_only: bool = False):
+  def __call__(
+    self, x, positions, cache: DraftSelfCache | None = None, slots=None, visible=None, keys_values_only: bool = False
+  ):
     """x: [batch, n, d_model], positions: int [batch, n].
 
     Training (cache None): causal attention over the sequence within the window.
@@ -179,12 +181,17 @@ class DraftSelfAttention(nn.Module):
     if cache is None:
       out = causal_attention(q, k, v, window=self.window, implementation=cfg.attention_impl)
       return output_projection(cfg, out), None
-    cache = cache.replace(keys=cache.keys.at[:, slots].set(k.astype(cache.keys.dtype)),
-                          values=cache.values.at[:, slots].set(v.astype(cache.values.dtype)))
+    cache = cache.replace(
+      keys=cache.keys.at[:, slots].set(k.astype(cache.keys.dtype)),
+      values=cache.values.at[:, slots].set(v.astype(cache.values.dtype)),
+    )
     ring_visible = causal_mask(positions, cache.ring.key_positions(), self.window)
-    out = masked_attention(q, jnp.concatenate([cache.ring.keys, cache.keys], axis=1),
-                           jnp.concatenate([cache.ring.values, cache.values], axis=1),
-                           jnp.concatenate([ring_visible, visible], axis=-1))
+    out = masked_attention(
+      q,
+      jnp.concatenate([cache.ring.keys, cache.keys], axis=1),
+      jnp.concatenate([cache.ring.values, cache.values], axis=1),
+      jnp.concatenate([ring_visible, visible], axis=-1),
+    )
     return output_projection(cfg, out), cache
 
 
@@ -199,7 +206,7 @@ def _shifted_causal_attention(q, k, v, shift: int, implementation):
     return jnp.zeros_like(q)
   shifted = jnp.pad(q[:, shift:], ((0, 0), (0, shift), (0, 0), (0, 0)))
   out = causal_attention(shifted, k, v, implementation=implementation)
-  return jnp.pad(out[:, :length - shift], ((0, 0), (shift, 0), (0, 0), (0, 0)))
+  return jnp.pad(out[:, : length - shift], ((0, 0), (shift, 0), (0, 0), (0, 0)))
 
 
 class DraftCrossAttention(nn.Module):
@@ -223,8 +230,10 @@ class DraftCrossAttention(nn.Module):
     if length is not None:
       out, _ = cache_attention(q, keys.astype(q.dtype), values.astype(q.dtype), length)
     else:
-      branches = [functools.partial(_shifted_causal_attention, shift=j, implementation=cfg.attention_impl)
-                  for j in range(self.min_shift, self.max_shift + 1)]
+      branches = [
+        functools.partial(_shifted_causal_attention, shift=j, implementation=cfg.attention_impl)
+        for j in range(self.min_shift, self.max_shift + 1)
+      ]
       index = jnp.clip(jnp.asarray(shift, jnp.int32) - self.min_shift, 0, len(branches) - 1)
       out = jax.lax.switch(index, branches, q, keys.astype(q.dtype), values.astype(q.dtype))
     return output_projection(cfg, out)
@@ -243,7 +252,7 @@ class LongSpecDraft(nn.Module):
     self.self_norm, self.cross_norm, self.mlp_norm = make_norm(), make_norm(), make_norm()
     self.self_attention = DraftSelfAttention(cfg, opts.window)
     self.cross_attention = DraftCrossAttention(cfg, opts.min_shift, opts.max_shift)
-    self.mlp = SwiGLU(cfg.ffn_hidden, cfg.init_std, cfg.init_std / 2 ** 0.5, cfg.compute_dtype, cfg.weights_dtype)
+    self.mlp = SwiGLU(cfg.ffn_hidden, cfg.init_std, cfg.init_std / 2**0.5, cfg.compute_dtype, cfg.weights_dtype)
 
   def __call__(self, h, positions, target_keys, target_values, shift):
     """Training. h: [B, T, d_model] (the target's embedding of the tokens), positions int
@@ -269,6 +278,7 @@ class LongSpecDraft(nn.Module):
 
 # The target's pieces the draft shares (read from the target's parameter tree).
 
+
 def embed_tokens(config: ModelConfig, target_params: Any, tokens: jax.Array) -> jax.Array:
   """The target's embedding of tokens int [B, n] -> [B, n, d_model]."""
   return token_embedding(config).apply({"params": target_params["embed"]}, tokens)
@@ -278,7 +288,8 @@ def draft_logits(config: ModelConfig, target_params: Any, h: jax.Array) -> jax.A
   """The target's head (final RMSNorm, LM head) on the draft's output [B, n, d_model] ->
   float32 [B, n, vocab]."""
   x = RMSNorm(config.norm_eps, config.compute_dtype, config.weights_dtype).apply(
-      {"params": target_params["final_norm"]}, h)
+    {"params": target_params["final_norm"]}, h
+  )
   if config.tie_embeddings:
     logits = token_embedding(config).apply({"params": target_params["embed"]}, x, method="attend")
   else:
@@ -286,19 +297,18 @@ def draft_logits(config: ModelConfig, target_params: Any, h: jax.Array) -> jax.A
   return logits.astype(jnp.float32)
 
 
-def target_last_layer_keys_values(config: ModelConfig, target_params: Any, tokens: jax.Array,
-                                  positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+def target_last_layer_keys_values(
+  config: ModelConfig, target_params: Any, tokens: jax.Array, positions: jax.Array
+) -> tuple[jax.Array, jax.Array]:
   """The frozen target's last-layer (keys, values) [B, T, kv_heads, head_dim] (rotated) of a
   teacher-forced forward pass; the layers after that attention are never computed (XLA
   drops them)."""
-  _, state = TransformerLM(config).apply({"params": target_params}, tokens, positions,
-                                         mutable=["intermediates"])
+  _, state = TransformerLM(config).apply({"params": target_params}, tokens, positions, mutable=["intermediates"])
   keys, values = state["intermediates"][f"block_{config.n_layers - 1}"]["attention"]["keys_values"][0]
   return jax.lax.stop_gradient(keys), jax.lax.stop_gradient(values)
 
 
-def anchor_offset_positions(rng: jax.Array, shape: tuple[int, int], anchor_tokens: int,
-                            max_offset: int) -> jax.Array:
+def anchor_offset_positions(rng: jax.Array, shape: tuple[int, int], anchor_tokens: int, max_offset: int) -> jax.Array:
   """int32 [B, T]: [0 .. a-1, a + o, a + o + 1, ...] with o ~ U{0 .. max_offset} per row."""
   batch, length = shape
   plain = jnp.arange(length, dtype=jnp.int32)
@@ -315,6 +325,7 @@ def split_params(params: Any) -> tuple[Any, Any]:
 
 # The model-family entry (castle_jax.models.registry).
 
+
 def build(config: ModelConfig) -> LongSpecDraft:
   return LongSpecDraft(config, DraftOptions.from_config(config))
 
@@ -327,8 +338,9 @@ def init_variables(model: LongSpecDraft, rng: jax.Array, seq_len: int):
   return model.init(rng, h, positions, kv, kv, jnp.int32(model.options.min_shift))
 
 
-def token_losses(model: LongSpecDraft, params: Any, batch: dict[str, jax.Array], pad_id: int,
-                 rng: jax.Array | None = None):
+def token_losses(
+  model: LongSpecDraft, params: Any, batch: dict[str, jax.Array], pad_id: int, rng: jax.Array | None = None
+):
   """Next-token losses of the draft on batch {"inputs", "targets": int [B, T]}; params holds
   the draft's parameters and the frozen target's under "target". In training (rng given)
   the positions are anchor-offset and the cross-attention shift is random; in evaluation
@@ -346,14 +358,15 @@ def token_losses(model: LongSpecDraft, params: Any, batch: dict[str, jax.Array],
     shift = jax.random.randint(shift_rng, (), opts.min_shift, opts.max_shift + 1, dtype=jnp.int32)
   target = target_config(cfg)
   keys, values = target_last_layer_keys_values(target, target_params, tokens, positions)
-  h = model.apply({"params": draft_params}, embed_tokens(target, target_params, tokens), positions, keys, values,
-                  shift)
+  h = model.apply({"params": draft_params}, embed_tokens(target, target_params, tokens), positions, keys, values, shift)
   return next_token_losses(draft_logits(target, target_params, h), batch["targets"], pad_id)
 
 
 def last_logits(model, params, tokens, count):
-  raise ValueError("a LongSpec draft is not a language model on its own: it drafts for its target inside "
-                   "speculative decoding (castle_jax.inference.speculative_generate)")
+  raise ValueError(
+    "a LongSpec draft is not a language model on its own: it drafts for its target inside "
+    "speculative decoding (castle_jax.inference.speculative_generate)"
+  )
 
 
 def param_count(config: ModelConfig) -> int:
@@ -403,8 +416,10 @@ def frozen_source(config: ModelConfig) -> FrozenSource:
   target run's model must have the draft's widths (`width_differences`)."""
   options = DraftOptions.from_config(config)
   if not options.target_workdir:
-    raise ValueError("model.family_kwargs.target_workdir is empty: set it to the target's training workdir "
-                     "(e.g. --config.model.family_kwargs.target_workdir=runs/longspec_target_tiny)")
+    raise ValueError(
+      "model.family_kwargs.target_workdir is empty: set it to the target's training workdir "
+      "(e.g. --config.model.family_kwargs.target_workdir=runs/longspec_target_tiny)"
+    )
   target = target_config(config)
 
   def differences(saved: ModelConfig) -> list[str]:
@@ -412,5 +427,11 @@ def frozen_source(config: ModelConfig) -> FrozenSource:
       return [f"model.family: target {saved.family!r}, a LongSpec target is a 'transformer'"]
     return width_differences(saved, config)
 
-  return FrozenSource(TARGET, os.path.abspath(options.target_workdir), options.target_step,
-                      "model.family_kwargs.target_workdir", target, differences)
+  return FrozenSource(
+    TARGET,
+    os.path.abspath(options.target_workdir),
+    options.target_step,
+    "model.family_kwargs.target_workdir",
+    target,
+    differences,
+  )

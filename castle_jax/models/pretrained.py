@@ -66,8 +66,7 @@ class PretrainedModel(NamedTuple):
 
 def available_pretrained() -> list[str]:
   """The names of the shipped assets, sorted."""
-  return sorted(entry.name[:-len(CONFIG_SUFFIX)] for entry in _ASSETS.iterdir()
-                if entry.name.endswith(CONFIG_SUFFIX))
+  return sorted(entry.name[: -len(CONFIG_SUFFIX)] for entry in _ASSETS.iterdir() if entry.name.endswith(CONFIG_SUFFIX))
 
 
 def load_pretrained(name: str = "drt_tiny_retrieval_topk") -> PretrainedModel:
@@ -86,10 +85,15 @@ def load_pretrained(name: str = "drt_tiny_retrieval_topk") -> PretrainedModel:
   with _ASSETS.joinpath(name + PARAMS_SUFFIX).open("rb") as f, np.load(f) as stored:
     arrays = {path: stored[path] for path in stored.files}
   missing, unexpected = sorted(set(expected) - set(arrays)), sorted(set(arrays) - set(expected))
-  wrong_shapes = [f"{path} {arrays[path].shape} (model: {expected[path].shape})"
-                  for path in sorted(set(expected) & set(arrays)) if arrays[path].shape != expected[path].shape]
+  wrong_shapes = [
+    f"{path} {arrays[path].shape} (model: {expected[path].shape})"
+    for path in sorted(set(expected) & set(arrays))
+    if arrays[path].shape != expected[path].shape
+  ]
   if missing or unexpected or wrong_shapes:
-    raise ValueError(f"{name}{PARAMS_SUFFIX} does not fit the model of {name}{CONFIG_SUFFIX}: missing "
-                     f"{missing}, unexpected {unexpected}, other shapes {wrong_shapes}")
+    raise ValueError(
+      f"{name}{PARAMS_SUFFIX} does not fit the model of {name}{CONFIG_SUFFIX}: missing "
+      f"{missing}, unexpected {unexpected}, other shapes {wrong_shapes}"
+    )
   params = {path: jnp.asarray(arrays[path], expected[path].dtype) for path in expected}
   return PretrainedModel(model, traverse_util.unflatten_dict(params, sep="/"), config)

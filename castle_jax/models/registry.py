@@ -44,7 +44,7 @@ def _decode(module: nn.Module, params: Any, tokens: jax.Array, positions: jax.Ar
 def _last_logits(module: nn.Module, params: Any, tokens: jax.Array, count: int) -> jax.Array:
   """The teacher-forced forward pass over the whole sequence, its last `count` positions kept."""
   logits, _ = module.apply({"params": params}, tokens)
-  return logits[:, tokens.shape[1] - count:]
+  return logits[:, tokens.shape[1] - count :]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,43 +102,43 @@ class ModelFamily:
 
 
 MODEL_FAMILIES: dict[str, ModelFamily] = {
-    "transformer": ModelFamily(
-        name="transformer",
-        build=transformer.TransformerLM,
-        init_variables=_init_variables,
-        token_losses=transformer.token_losses,
-        init_cache=_init_cache,
-        decode=_decode,
-        last_logits=_last_logits,
-        param_count=transformer.count_parameters,
-        training_flops_per_token=transformer.training_flops_per_token,
-    ),
-    "drt": ModelFamily(
-        name="drt",
-        build=drt.build,
-        init_variables=_init_variables,
-        token_losses=drt.token_losses,
-        init_cache=None,
-        decode=None,
-        last_logits=drt_decoding.last_logits,
-        param_count=drt.param_count,
-        training_flops_per_token=drt.training_flops_per_token,
-        stream_decoder=drt_decoding.stream_decoder,
-        training_only_kwargs=drt.TRAINING_ONLY_KWARGS,
-    ),
-    longspec_draft.FAMILY: ModelFamily(
-        name=longspec_draft.FAMILY,
-        build=longspec_draft.build,
-        init_variables=longspec_draft.init_variables,
-        token_losses=longspec_draft.token_losses,
-        init_cache=None,
-        decode=None,
-        last_logits=longspec_draft.last_logits,
-        param_count=longspec_draft.param_count,
-        training_flops_per_token=longspec_draft.training_flops_per_token,
-        frozen_source=longspec_draft.frozen_source,
-        training_only_kwargs=longspec_draft.TRAINING_ONLY_KWARGS,
-    ),
+  "transformer": ModelFamily(
+    name="transformer",
+    build=transformer.TransformerLM,
+    init_variables=_init_variables,
+    token_losses=transformer.token_losses,
+    init_cache=_init_cache,
+    decode=_decode,
+    last_logits=_last_logits,
+    param_count=transformer.count_parameters,
+    training_flops_per_token=transformer.training_flops_per_token,
+  ),
+  "drt": ModelFamily(
+    name="drt",
+    build=drt.build,
+    init_variables=_init_variables,
+    token_losses=drt.token_losses,
+    init_cache=None,
+    decode=None,
+    last_logits=drt_decoding.last_logits,
+    param_count=drt.param_count,
+    training_flops_per_token=drt.training_flops_per_token,
+    stream_decoder=drt_decoding.stream_decoder,
+    training_only_kwargs=drt.TRAINING_ONLY_KWARGS,
+  ),
+  longspec_draft.FAMILY: ModelFamily(
+    name=longspec_draft.FAMILY,
+    build=longspec_draft.build,
+    init_variables=longspec_draft.init_variables,
+    token_losses=longspec_draft.token_losses,
+    init_cache=None,
+    decode=None,
+    last_logits=longspec_draft.last_logits,
+    param_count=longspec_draft.param_count,
+    training_flops_per_token=longspec_draft.training_flops_per_token,
+    frozen_source=longspec_draft.frozen_source,
+    training_only_kwargs=longspec_draft.TRAINING_ONLY_KWARGS,
+  ),
 }
 
 

@@ -73,8 +73,9 @@ class TransformerLM(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-               caches: Sequence[Any] | None = None, tree: Any = None):
+  def __call__(
+    self, tokens: jax.Array, positions: jax.Array | None = None, caches: Sequence[Any] | None = None, tree: Any = None
+  ):
     cfg = self.config
     if tokens.ndim != 2:
       raise ValueError(f"tokens must be int [batch, seq], got shape {tokens.shape}")
@@ -131,8 +132,9 @@ def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
   return 6 * matmul_params + config.n_layers * core
 
 
-def token_losses(model: TransformerLM, params: Any, batch: dict[str, jax.Array], pad_id: int,
-                 rng: jax.Array | None = None):
+def token_losses(
+  model: TransformerLM, params: Any, batch: dict[str, jax.Array], pad_id: int, rng: jax.Array | None = None
+):
   """Per-token negative log-likelihood of next-token prediction.
 
   Args:

@@ -44,8 +44,14 @@ class Implementation:
   default_backends: tuple[str, ...] | None = None
 
 
-def choose(op: str, requested: str | None, implementations: Mapping[str, Implementation],
-           default_order: Sequence[str], *, argument: str = "implementation") -> str:
+def choose(
+  op: str,
+  requested: str | None,
+  implementations: Mapping[str, Implementation],
+  default_order: Sequence[str],
+  *,
+  argument: str = "implementation",
+) -> str:
   """The implementation to run (see the module docstring).
 
   Args:
@@ -79,6 +85,8 @@ def choose(op: str, requested: str | None, implementations: Mapping[str, Impleme
   reason = implementations[requested].unsupported_reason()
   if reason is not None:
     alternatives = [name for name in names if name != requested]
-    raise ValueError(f"{op}: {argument}={requested!r} cannot run: {reason}. Alternatives: {alternatives}, "
-                     "or None to pick the first that can run")
+    raise ValueError(
+      f"{op}: {argument}={requested!r} cannot run: {reason}. Alternatives: {alternatives}, "
+      "or None to pick the first that can run"
+    )
   return requested

@@ -16,17 +16,17 @@ from pallas_kernels.castle.ops import castle_attention_triton, resolve
 
 
 def castle_attention_pallas(
-    q_u: jax.Array,
-    k_u: jax.Array,
-    v_u: jax.Array,
-    q_c: jax.Array,
-    k_c: jax.Array,
-    v_c: jax.Array,
-    *,
-    scale: float,
-    window: int | None = None,
-    config: CastleKernelConfig | None = None,
-    interpret: bool | None = None,
+  q_u: jax.Array,
+  k_u: jax.Array,
+  v_u: jax.Array,
+  q_c: jax.Array,
+  k_c: jax.Array,
+  v_c: jax.Array,
+  *,
+  scale: float,
+  window: int | None = None,
+  config: CastleKernelConfig | None = None,
+  interpret: bool | None = None,
 ) -> jax.Array:
   """CASTLE (or CASTLE-SWL with `window`) with the Pallas kernels, differentiable.
 
@@ -52,6 +52,7 @@ def castle_attention_pallas(
   config, interpret = resolve(inputs, config, interpret)
   backend = choose_backend(config, dtype=q_u.dtype, head_dim=q_u.shape[-1], window=window, interpret=interpret)
   if backend == "mosaic":
-    return castle_attention_mosaic(*inputs, scale=scale, window=window, config=config.mosaic_config,
-                                   interpret=interpret)
+    return castle_attention_mosaic(
+      *inputs, scale=scale, window=window, config=config.mosaic_config, interpret=interpret
+    )
   return castle_attention_triton(*inputs, scale=scale, window=window, config=config, interpret=interpret)

@@ -23,9 +23,9 @@ import jax.numpy as jnp
 from pallas_kernels.castle.config import CastleKernelConfig
 from pallas_kernels.castle.mosaic_config import SUPPORTED_HEAD_DIMS
 from pallas_kernels.castle.mosaic_ops import SUPPORTED_DTYPES as MOSAIC_DTYPES
+
 # Re-exported: callers and tests read (and fake) them as this module's.
-from pallas_kernels.device_facts import (LogOnce, announce, compute_capability, is_hopper, not_hopper_reason,
-                                         pick_kernels)
+from pallas_kernels.device_facts import LogOnce, announce, compute_capability, not_hopper_reason, pick_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +36,9 @@ logger = logging.getLogger(__name__)
 # rematerialized CASTLE-SWL-XL training step at 16K, 34.1 vs 42.0 ms per layer. Without a
 # window at d = 128 the Triton kernels are 5-10% faster, so they stay there. float16 is
 # not measured. `mosaic_is_faster` is the only reader.
-MOSAIC_FASTER_CASES: frozenset[tuple[int, str, bool]] = frozenset({
-    (128, "bfloat16", True), (64, "bfloat16", True), (64, "bfloat16", False)})
+MOSAIC_FASTER_CASES: frozenset[tuple[int, str, bool]] = frozenset(
+  {(128, "bfloat16", True), (64, "bfloat16", True), (64, "bfloat16", False)}
+)
 
 
 def mosaic_is_faster(window: int | None, head_dim: int, dtype) -> bool:
@@ -48,26 +49,34 @@ def mosaic_is_faster(window: int | None, head_dim: int, dtype) -> bool:
 def mosaic_unsupported_reason(config: CastleKernelConfig, *, dtype, head_dim: int, interpret: bool) -> str | None:
   """None when the Mosaic kernels can run these inputs here, else why not and the fix."""
   if jnp.dtype(dtype) not in MOSAIC_DTYPES:
-    return (f"the Mosaic GPU kernels take bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}; "
-            "cast the inputs or use CastleKernelConfig(backend='triton')")
+    return (
+      f"the Mosaic GPU kernels take bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}; "
+      "cast the inputs or use CastleKernelConfig(backend='triton')"
+    )
   if head_dim not in SUPPORTED_HEAD_DIMS:
-    return (f"the Mosaic GPU kernels take head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim} (last axis of q_u); "
-            "use CastleKernelConfig(backend='triton')")
+    return (
+      f"the Mosaic GPU kernels take head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim} (last axis of q_u); "
+      "use CastleKernelConfig(backend='triton')"
+    )
   if config.lookahead_operands != "float16":
-    return (f"CastleKernelConfig.lookahead_operands={config.lookahead_operands!r} is a Triton setting: the Mosaic "
-            "GPU kernels always take float16 lookahead operands; use lookahead_operands='float16' with them")
+    return (
+      f"CastleKernelConfig.lookahead_operands={config.lookahead_operands!r} is a Triton setting: the Mosaic "
+      "GPU kernels always take float16 lookahead operands; use lookahead_operands='float16' with them"
+    )
   if interpret:
     return None
-  return not_hopper_reason(compute_capability(), "the Mosaic GPU kernels",
-                           "use CastleKernelConfig(backend='triton'), or interpret=True for a slow test run")
+  return not_hopper_reason(
+    compute_capability(),
+    "the Mosaic GPU kernels",
+    "use CastleKernelConfig(backend='triton'), or interpret=True for a slow test run",
+  )
 
 
 _log_once = LogOnce(logger)
 
 
-def choose_backend(config: CastleKernelConfig, *, dtype, head_dim: int, window: int | None,
-                   interpret: bool) -> str:
-  """"triton" or "mosaic": the kernels that run these inputs (module docstring).
+def choose_backend(config: CastleKernelConfig, *, dtype, head_dim: int, window: int | None, interpret: bool) -> str:
+  """ "triton" or "mosaic": the kernels that run these inputs (module docstring).
 
   Args:
     config: the kernel config; its `backend` is the request.
@@ -78,15 +87,20 @@ def choose_backend(config: CastleKernelConfig, *, dtype, head_dim: int, window: 
   Raises:
     ValueError: backend "mosaic" for inputs or a device the Mosaic kernels cannot take.
   """
+
   def not_measured_faster():
     if mosaic_is_faster(window, head_dim, dtype):
       return None
-    return (f"the Mosaic GPU kernels are not measured faster for head_dim {head_dim}, {jnp.dtype(dtype).name}, "
-            f"{'CASTLE-SWL' if window is not None else 'CASTLE'} (pallas_kernels.castle.backend.MOSAIC_FASTER_CASES; "
-            "benchmarks/RESULTS.md, \"CASTLE on Mosaic GPU\")")
+    return (
+      f"the Mosaic GPU kernels are not measured faster for head_dim {head_dim}, {jnp.dtype(dtype).name}, "
+      f"{'CASTLE-SWL' if window is not None else 'CASTLE'} (pallas_kernels.castle.backend.MOSAIC_FASTER_CASES; "
+      "benchmarks/RESULTS.md, \"CASTLE on Mosaic GPU\")"
+    )
 
   choice = pick_kernels(
-      config.backend,
-      lambda: mosaic_unsupported_reason(config, dtype=dtype, head_dim=head_dim, interpret=interpret),
-      capability=compute_capability, auto_declines=not_measured_faster)
+    config.backend,
+    lambda: mosaic_unsupported_reason(config, dtype=dtype, head_dim=head_dim, interpret=interpret),
+    capability=compute_capability,
+    auto_declines=not_measured_faster,
+  )
   return announce(choice, op="castle_attention_pallas", config_name="CastleKernelConfig", log_once=_log_once)

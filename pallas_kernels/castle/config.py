@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.castle.mosaic_config import (PAST_WINDOW_KEY_GRADS, PAST_WINDOW_STEP_KEYS, PAST_WINDOW_SWEEPS, SCHEDULES,
-                                                CastleMosaicConfig)
+from pallas_kernels.castle.mosaic_config import (
+  PAST_WINDOW_KEY_GRADS,
+  PAST_WINDOW_STEP_KEYS,
+  PAST_WINDOW_SWEEPS,
+  SCHEDULES,
+  CastleMosaicConfig,
+)
 from pallas_kernels.config_checks import check_int_fields, parse_config
 
 LOOKAHEAD_OPERANDS = ("split", "float16", "input")
@@ -81,24 +86,34 @@ class CastleKernelConfig:
   mosaic_past_window_step_keys: int = 128
 
   def __post_init__(self):
-    for name, allowed in (("lookahead_operands", LOOKAHEAD_OPERANDS), ("backend", BACKENDS),
-                          ("mosaic_schedule", SCHEDULES), ("mosaic_past_window", PAST_WINDOW_SWEEPS),
-                          ("mosaic_past_window_key_grads", PAST_WINDOW_KEY_GRADS),
-                          ("mosaic_past_window_step_keys", PAST_WINDOW_STEP_KEYS)):
+    for name, allowed in (
+      ("lookahead_operands", LOOKAHEAD_OPERANDS),
+      ("backend", BACKENDS),
+      ("mosaic_schedule", SCHEDULES),
+      ("mosaic_past_window", PAST_WINDOW_SWEEPS),
+      ("mosaic_past_window_key_grads", PAST_WINDOW_KEY_GRADS),
+      ("mosaic_past_window_step_keys", PAST_WINDOW_STEP_KEYS),
+    ):
       if getattr(self, name) not in allowed:
         raise ValueError(f"CastleKernelConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
     blocks = ("block_q", "block_k", "bwd_block_q", "bwd_block_k")
-    check_int_fields(self, power_of_two=blocks + ("num_warps", "bwd_num_warps"), tiles=blocks,
-                     skip=("lookahead_operands", "backend", "mosaic_schedule", "mosaic_past_window",
-                           "mosaic_past_window_key_grads"))
+    check_int_fields(
+      self,
+      power_of_two=blocks + ("num_warps", "bwd_num_warps"),
+      tiles=blocks,
+      skip=("lookahead_operands", "backend", "mosaic_schedule", "mosaic_past_window", "mosaic_past_window_key_grads"),
+    )
 
   @property
   def mosaic_config(self) -> CastleMosaicConfig:
     """The Mosaic kernels' config: their fixed 64 x 64 tiles, `mosaic_schedule`,
     `mosaic_past_window`, `mosaic_past_window_key_grads` and `mosaic_past_window_step_keys`."""
-    return CastleMosaicConfig(schedule=self.mosaic_schedule, past_window=self.mosaic_past_window,
-                              past_window_key_grads=self.mosaic_past_window_key_grads,
-                              past_window_step_keys=self.mosaic_past_window_step_keys)
+    return CastleMosaicConfig(
+      schedule=self.mosaic_schedule,
+      past_window=self.mosaic_past_window,
+      past_window_key_grads=self.mosaic_past_window_key_grads,
+      past_window_step_keys=self.mosaic_past_window_step_keys,
+    )
 
   @classmethod
   def from_string(cls, text: str) -> "CastleKernelConfig":
@@ -135,8 +150,12 @@ class CastleDecodeConfig:
   num_stages: int = 2
 
   def __post_init__(self):
-    check_int_fields(self, power_of_two=("block_rows", "num_warps"), tiles=("block_rows",),
-                     skip=("splits",) if self.splits is None else ())
+    check_int_fields(
+      self,
+      power_of_two=("block_rows", "num_warps"),
+      tiles=("block_rows",),
+      skip=("splits",) if self.splits is None else (),
+    )
 
   @classmethod
   def from_string(cls, text: str) -> "CastleDecodeConfig":

@@ -54,11 +54,28 @@ def default_splits(batch_heads: int, capacity: int, block_rows: int) -> int:
   return max(1, min(by_occupancy, by_length))
 
 
-def _decode_kernel(last_row_ref, update_end_ref, q_c_ref, k_u_ref, v_u_ref, q_u_ref, k_c_ref, v_c_ref,
-                   keys_in_ref, keys_ref, max_ref, sum_ref, acc_ref, *, scale: float, block_rows: int,
-                   splits: int, update_lookahead_keys: bool):
+def _decode_kernel(
+  last_row_ref,
+  update_end_ref,
+  q_c_ref,
+  k_u_ref,
+  v_u_ref,
+  q_u_ref,
+  k_c_ref,
+  v_c_ref,
+  keys_in_ref,
+  keys_ref,
+  max_ref,
+  sum_ref,
+  acc_ref,
+  *,
+  scale: float,
+  block_rows: int,
+  splits: int,
+  update_lookahead_keys: bool,
+):
   split = pl.program_id(0)
-  last_row = last_row_ref[()]      # rows 0..last_row are attended
+  last_row = last_row_ref[()]  # rows 0..last_row are attended
   update_end = update_end_ref[()]  # rows < update_end get the rank-1 update
   f32 = jnp.float32
   q_c = q_c_ref[...].astype(f32)[None, :]  # [1, D]
@@ -106,9 +123,22 @@ def _decode_kernel(last_row_ref, update_end_ref, q_c_ref, k_u_ref, v_u_ref, q_u_
   acc_ref[...] = acc[0]
 
 
-def decode_attend(q_c, k_u, v_u, lookahead_queries, causal_keys, causal_values, lookahead_keys, last_row,
-                  update_end, *, scale: float, update_lookahead_keys: bool, config: CastleDecodeConfig | None = None,
-                  interpret: bool = False):
+def decode_attend(
+  q_c,
+  k_u,
+  v_u,
+  lookahead_queries,
+  causal_keys,
+  causal_values,
+  lookahead_keys,
+  last_row,
+  update_end,
+  *,
+  scale: float,
+  update_lookahead_keys: bool,
+  config: CastleDecodeConfig | None = None,
+  interpret: bool = False,
+):
   """One decoding step's attention over the UQ-KV cache, optionally updating U on the way.
 
   The new token's rows (q^U_t, k^C_t, v^C_t, u_t = 0) must already be in the cache.
@@ -134,30 +164,50 @@ def decode_attend(q_c, k_u, v_u, lookahead_queries, causal_keys, causal_values, 
   config = config or CastleDecodeConfig()
   batch, capacity, heads, head_dim = causal_keys.shape
   if not supports_head_dim(head_dim):
-    raise ValueError(f"decode_attend: head_dim must be a power of two >= 16, got {head_dim}; "
-                     "use the XLA decoding step for other head dims")
+    raise ValueError(
+      f"decode_attend: head_dim must be a power of two >= 16, got {head_dim}; "
+      "use the XLA decoding step for other head dims"
+    )
   block_rows = config.block_rows
   splits = config.splits or default_splits(batch * heads, capacity, block_rows)
   token = pl.BlockSpec((None, None, head_dim), lambda s, b, h: (b, h, 0))
   rows = pl.BlockSpec((None, capacity, None, head_dim), lambda s, b, h: (b, 0, h, 0))
   scalar = pl.BlockSpec((), lambda s, b, h: ())
   per_program = pl.BlockSpec((None, None, None, 1), lambda s, b, h: (s, b, h, 0))
-  kernel = functools.partial(_decode_kernel, scale=scale, block_rows=block_rows, splits=splits,
-                             update_lookahead_keys=update_lookahead_keys)
+  kernel = functools.partial(
+    _decode_kernel, scale=scale, block_rows=block_rows, splits=splits, update_lookahead_keys=update_lookahead_keys
+  )
   stats = jax.ShapeDtypeStruct((splits, batch, heads, 1), jnp.float32)
   keys, maxima, sums, acc = pl.pallas_call(
-      kernel,
-      grid=(splits, batch, heads),
-      in_specs=[scalar, scalar, token, token, token, rows, rows, rows, rows],
-      out_specs=[rows, per_program, per_program,
-                 pl.BlockSpec((None, None, None, head_dim), lambda s, b, h: (s, b, h, 0))],
-      out_shape=[jax.ShapeDtypeStruct(lookahead_keys.shape, lookahead_keys.dtype), stats, stats,
-                 jax.ShapeDtypeStruct((splits, batch, heads, head_dim), jnp.float32)],
-      input_output_aliases={8: 0},
-      compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-      interpret=interpret,
-      name="castle_decode",
-  )(jnp.asarray(last_row, jnp.int32), jnp.asarray(update_end, jnp.int32), q_c, k_u, v_u, lookahead_queries,
-    causal_keys, causal_values, lookahead_keys)
+    kernel,
+    grid=(splits, batch, heads),
+    in_specs=[scalar, scalar, token, token, token, rows, rows, rows, rows],
+    out_specs=[
+      rows,
+      per_program,
+      per_program,
+      pl.BlockSpec((None, None, None, head_dim), lambda s, b, h: (s, b, h, 0)),
+    ],
+    out_shape=[
+      jax.ShapeDtypeStruct(lookahead_keys.shape, lookahead_keys.dtype),
+      stats,
+      stats,
+      jax.ShapeDtypeStruct((splits, batch, heads, head_dim), jnp.float32),
+    ],
+    input_output_aliases={8: 0},
+    compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+    interpret=interpret,
+    name="castle_decode",
+  )(
+    jnp.asarray(last_row, jnp.int32),
+    jnp.asarray(update_end, jnp.int32),
+    q_c,
+    k_u,
+    v_u,
+    lookahead_queries,
+    causal_keys,
+    causal_values,
+    lookahead_keys,
+  )
   output, _ = merge_split_states(maxima[..., 0], sums[..., 0], acc)
   return output, keys

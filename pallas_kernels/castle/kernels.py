@@ -48,7 +48,7 @@ from pallas_kernels.castle.config import CastleKernelConfig
 from pallas_kernels.triton_atomics import relaxed_atomic_add
 
 
-_FLOAT16_KEY_STATE_SCALE = 2.0 ** -8
+_FLOAT16_KEY_STATE_SCALE = 2.0**-8
 
 
 def sigmoid(x):
@@ -67,8 +67,16 @@ def _silu_grad(x):
 class _Tiles:
   """Matmuls and masks shared by both kernels, for one (key block, head) program."""
 
-  def __init__(self, *, operand_dtype, scale: float, window: int | None, block_q: int,
-               key_positions: jax.Array, lookahead_operands: str):
+  def __init__(
+    self,
+    *,
+    operand_dtype,
+    scale: float,
+    window: int | None,
+    block_q: int,
+    key_positions: jax.Array,
+    lookahead_operands: str,
+  ):
     self.operand_dtype = operand_dtype
     self.lookahead_operands = "input" if operand_dtype == jnp.float32 else lookahead_operands
     # D is a sum of up to L weighted values: scaled into float16's range when it enters a
@@ -84,8 +92,13 @@ class _Tiles:
 
   def dot(self, a, b, trans_a=False, trans_b=False):
     """a @ b in float32 from operands cast to the operand dtype."""
-    return pltriton.dot(a.astype(self.operand_dtype), b.astype(self.operand_dtype),
-                        trans_a=trans_a, trans_b=trans_b, precision=self.precision)
+    return pltriton.dot(
+      a.astype(self.operand_dtype),
+      b.astype(self.operand_dtype),
+      trans_a=trans_a,
+      trans_b=trans_b,
+      precision=self.precision,
+    )
 
   def dot_lookahead(self, a, b, trans_a=False, trans_b=False, wide_a=False, wide_b=False):
     """Like `dot` for products that take float32 intermediates of the lookahead branch
@@ -148,8 +161,7 @@ class _Tiles:
     return jnp.where(visible, sigmoid(logits), 0.0)
 
 
-def _query_block_range(key_block, config_block_q: int, config_block_k: int, num_query_blocks: int,
-                       window: int | None):
+def _query_block_range(key_block, config_block_q: int, config_block_k: int, num_query_blocks: int, window: int | None):
   """(first, lookahead_end): the query blocks a key block meets, and the end of those
   that still meet a nonzero lookahead weight."""
   first = lax.div(key_block * config_block_k, config_block_q)
@@ -163,30 +175,63 @@ def _query_block_range(key_block, config_block_q: int, config_block_k: int, num_
 def _block_specs(length: int, head_dim: int, block_q: int, block_k: int):
   """BlockSpecs of a (key block, batch * head) grid: the program's key tile [block_k, D],
   whole sequences [L, D] and [L] (swept block by block), and R's [L, block_q]."""
-  return (pl.BlockSpec((None, block_k, head_dim), lambda kb, bh: (bh, kb, 0)),
-          pl.BlockSpec((None, length, head_dim), lambda kb, bh: (bh, 0, 0)),
-          pl.BlockSpec((None, length), lambda kb, bh: (bh, 0)),
-          pl.BlockSpec((None, length, block_q), lambda kb, bh: (bh, 0, 0)))
+  return (
+    pl.BlockSpec((None, block_k, head_dim), lambda kb, bh: (bh, kb, 0)),
+    pl.BlockSpec((None, length, head_dim), lambda kb, bh: (bh, 0, 0)),
+    pl.BlockSpec((None, length), lambda kb, bh: (bh, 0)),
+    pl.BlockSpec((None, length, block_q), lambda kb, bh: (bh, 0, 0)),
+  )
 
 
 def _bind(kernel_body, q_c, scale, window, block_q, block_k, config: CastleKernelConfig):
   return functools.partial(
-      kernel_body, scale=scale, window=window, block_q=block_q, block_k=block_k,
-      num_query_blocks=q_c.shape[1] // block_q, operand_dtype=q_c.dtype,
-      lookahead_operands=config.lookahead_operands)
+    kernel_body,
+    scale=scale,
+    window=window,
+    block_q=block_q,
+    block_k=block_k,
+    num_query_blocks=q_c.shape[1] // block_q,
+    operand_dtype=q_c.dtype,
+    lookahead_operands=config.lookahead_operands,
+  )
 
 
 # ---------------------------------------------------------------------------
 # Forward
 
 
-def _forward_kernel(q_u_ref, k_c_ref, v_c_ref, q_c_ref, k_u_ref, v_u_ref, shift_ref, in_block_ref,
-                    _acc_in_ref, _sum_in_ref, keys_ref, acc_ref, sum_ref, *,
-                    scale, window, block_q, block_k, num_query_blocks, operand_dtype, lookahead_operands):
+def _forward_kernel(
+  q_u_ref,
+  k_c_ref,
+  v_c_ref,
+  q_c_ref,
+  k_u_ref,
+  v_u_ref,
+  shift_ref,
+  in_block_ref,
+  _acc_in_ref,
+  _sum_in_ref,
+  keys_ref,
+  acc_ref,
+  sum_ref,
+  *,
+  scale,
+  window,
+  block_q,
+  block_k,
+  num_query_blocks,
+  operand_dtype,
+  lookahead_operands,
+):
   key_block = pl.program_id(0)
-  tiles = _Tiles(operand_dtype=operand_dtype, scale=scale, window=window, block_q=block_q,
-                 key_positions=key_block * block_k + jnp.arange(block_k),
-                 lookahead_operands=lookahead_operands)
+  tiles = _Tiles(
+    operand_dtype=operand_dtype,
+    scale=scale,
+    window=window,
+    block_q=block_q,
+    key_positions=key_block * block_k + jnp.arange(block_k),
+    lookahead_operands=lookahead_operands,
+  )
   q_u_keys, k_c, v_c = q_u_ref[...], k_c_ref[...], v_c_ref[...]  # this program's key block
 
   def step(query_block, keys, with_lookahead):
@@ -209,13 +254,25 @@ def _forward_kernel(q_u_ref, k_c_ref, v_c_ref, q_c_ref, k_u_ref, v_u_ref, shift_
   keys = jnp.zeros(keys_ref.shape, jnp.float32)
   keys = lax.fori_loop(first, lookahead_end, functools.partial(step, with_lookahead=True), keys)
   if window is not None:
-    keys = lax.fori_loop(lookahead_end, num_query_blocks, functools.partial(step, with_lookahead=False),
-                         keys)
+    keys = lax.fori_loop(lookahead_end, num_query_blocks, functools.partial(step, with_lookahead=False), keys)
   keys_ref[...] = keys
 
 
-def forward(q_u, k_u, v_u, q_c, k_c, v_c, shift, in_block, *, scale: float, window: int | None,
-            config: CastleKernelConfig, interpret: bool):
+def forward(
+  q_u,
+  k_u,
+  v_u,
+  q_c,
+  k_c,
+  v_c,
+  shift,
+  in_block,
+  *,
+  scale: float,
+  window: int | None,
+  config: CastleKernelConfig,
+  interpret: bool,
+):
   """The forward kernel on padded [BH, L, D] arrays.
 
   Args:
@@ -238,17 +295,19 @@ def forward(q_u, k_u, v_u, q_c, k_c, v_c, shift, in_block, *, scale: float, wind
   acc = jnp.zeros((heads, length, head_dim), jnp.float32)
   sums = jnp.zeros((heads, length), jnp.float32)
   keys, acc, sums = pl.pallas_call(
-      kernel,
-      grid=(length // block_k, heads),
-      in_specs=[key_tile, key_tile, key_tile, full, full, full, full_rows, full_in_block, full, full_rows],
-      out_specs=[key_tile, full, full_rows],
-      out_shape=[jax.ShapeDtypeStruct((heads, length, head_dim), jnp.float32),
-                 jax.ShapeDtypeStruct(acc.shape, acc.dtype),
-                 jax.ShapeDtypeStruct(sums.shape, sums.dtype)],
-      input_output_aliases={8: 1, 9: 2},
-      compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-      interpret=interpret,
-      name="castle_forward",
+    kernel,
+    grid=(length // block_k, heads),
+    in_specs=[key_tile, key_tile, key_tile, full, full, full, full_rows, full_in_block, full, full_rows],
+    out_specs=[key_tile, full, full_rows],
+    out_shape=[
+      jax.ShapeDtypeStruct((heads, length, head_dim), jnp.float32),
+      jax.ShapeDtypeStruct(acc.shape, acc.dtype),
+      jax.ShapeDtypeStruct(sums.shape, sums.dtype),
+    ],
+    input_output_aliases={8: 1, 9: 2},
+    compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+    interpret=interpret,
+    name="castle_forward",
   )(q_u, k_c, v_c, q_c, k_u, v_u, shift, in_block, acc, sums)
   return acc, sums, keys
 
@@ -257,15 +316,47 @@ def forward(q_u, k_u, v_u, q_c, k_c, v_c, shift, in_block, *, scale: float, wind
 # Backward
 
 
-def _backward_kernel(q_u_ref, k_c_ref, v_c_ref, keys_final_ref, q_c_ref, k_u_ref, v_u_ref, d_out_ref,
-                     lse_ref, delta_ref, in_block_ref,
-                     _dq_c_in, _dk_u_in, _dv_u_in, _d_in_block_in,
-                     dq_u_ref, dk_c_ref, dv_c_ref, dq_c_ref, dk_u_ref, dv_u_ref, d_in_block_ref, *,
-                     scale, window, block_q, block_k, num_query_blocks, operand_dtype, lookahead_operands):
+def _backward_kernel(
+  q_u_ref,
+  k_c_ref,
+  v_c_ref,
+  keys_final_ref,
+  q_c_ref,
+  k_u_ref,
+  v_u_ref,
+  d_out_ref,
+  lse_ref,
+  delta_ref,
+  in_block_ref,
+  _dq_c_in,
+  _dk_u_in,
+  _dv_u_in,
+  _d_in_block_in,
+  dq_u_ref,
+  dk_c_ref,
+  dv_c_ref,
+  dq_c_ref,
+  dk_u_ref,
+  dv_u_ref,
+  d_in_block_ref,
+  *,
+  scale,
+  window,
+  block_q,
+  block_k,
+  num_query_blocks,
+  operand_dtype,
+  lookahead_operands,
+):
   key_block = pl.program_id(0)
-  tiles = _Tiles(operand_dtype=operand_dtype, scale=scale, window=window, block_q=block_q,
-                 key_positions=key_block * block_k + jnp.arange(block_k),
-                 lookahead_operands=lookahead_operands)
+  tiles = _Tiles(
+    operand_dtype=operand_dtype,
+    scale=scale,
+    window=window,
+    block_q=block_q,
+    key_positions=key_block * block_k + jnp.arange(block_k),
+    lookahead_operands=lookahead_operands,
+  )
   q_u_keys, k_c, v_c = q_u_ref[...], k_c_ref[...], v_c_ref[...]  # this program's key block
 
   def step(query_block, carry, with_lookahead):
@@ -298,8 +389,7 @@ def _backward_kernel(q_u_ref, k_c_ref, v_c_ref, keys_final_ref, q_c_ref, k_u_ref
     if with_lookahead:
       # The in-block term R_ii W_bi^T, and W_bi's share in D^(i') for i' > i via dD.
       relaxed_atomic_add(d_in_block_ref, (rows, slice(None)), tiles.dot(d_lookahead, weights))
-      d_weights = (tiles.dot(d_lookahead, in_block, trans_a=True)
-                   + tiles.dot(d_keys, v_u, trans_b=True))
+      d_weights = tiles.dot(d_lookahead, in_block, trans_a=True) + tiles.dot(d_keys, v_u, trans_b=True)
       relaxed_atomic_add(dv_u_ref, (rows, slice(None)), tiles.dot(weights, d_keys, trans_a=True))
     # After this, d_keys holds dL/dD^(i): what the tiles of query blocks >= i read from D.
     d_keys = d_keys + tiles.dot(d_lookahead, q_c, trans_a=True) * scale
@@ -312,6 +402,7 @@ def _backward_kernel(q_u_ref, k_c_ref, v_c_ref, keys_final_ref, q_c_ref, k_u_ref
   def reverse(start, stop, with_lookahead, carry):
     def body(r, carry):
       return step(stop - 1 - r, carry, with_lookahead)
+
     return lax.fori_loop(0, stop - start, body, carry)
 
   first, lookahead_end = _query_block_range(key_block, block_q, block_k, num_query_blocks, window)
@@ -325,8 +416,24 @@ def _backward_kernel(q_u_ref, k_c_ref, v_c_ref, keys_final_ref, q_c_ref, k_u_ref
   dv_c_ref[...] = dv_c
 
 
-def backward(q_u, k_u, v_u, q_c, k_c, v_c, keys_final, d_out, lse, delta, in_block, *, scale: float,
-             window: int | None, config: CastleKernelConfig, interpret: bool):
+def backward(
+  q_u,
+  k_u,
+  v_u,
+  q_c,
+  k_c,
+  v_c,
+  keys_final,
+  d_out,
+  lse,
+  delta,
+  in_block,
+  *,
+  scale: float,
+  window: int | None,
+  config: CastleKernelConfig,
+  interpret: bool,
+):
   """The backward kernel on padded [BH, L, D] arrays.
 
   Args:
@@ -348,17 +455,48 @@ def backward(q_u, k_u, v_u, q_c, k_c, v_c, keys_final, d_out, lse, delta, in_blo
   f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   full_grad = jnp.zeros((heads, length, head_dim), jnp.float32)
   in_block_grad = jnp.zeros((heads, length, block_q), jnp.float32)
-  return tuple(pl.pallas_call(
+  return tuple(
+    pl.pallas_call(
       kernel,
       grid=(length // block_k, heads),
-      in_specs=[key_tile, key_tile, key_tile, key_tile, full, full, full, full, full_rows, full_rows,
-                full_in_block, full, full, full, full_in_block],
+      in_specs=[
+        key_tile,
+        key_tile,
+        key_tile,
+        key_tile,
+        full,
+        full,
+        full,
+        full,
+        full_rows,
+        full_rows,
+        full_in_block,
+        full,
+        full,
+        full,
+        full_in_block,
+      ],
       out_specs=[key_tile, key_tile, key_tile, full, full, full, full_in_block],
       out_shape=[f32(full_grad.shape)] * 6 + [f32(in_block_grad.shape)],
       input_output_aliases={11: 3, 12: 4, 13: 5, 14: 6},
-      compiler_params=pltriton.CompilerParams(num_warps=config.bwd_num_warps,
-                                              num_stages=config.bwd_num_stages),
+      compiler_params=pltriton.CompilerParams(num_warps=config.bwd_num_warps, num_stages=config.bwd_num_stages),
       interpret=interpret,
       name="castle_backward",
-  )(q_u, k_c, v_c, keys_final, q_c, k_u, v_u, d_out, lse, delta, in_block,
-    full_grad, full_grad, full_grad, in_block_grad))
+    )(
+      q_u,
+      k_c,
+      v_c,
+      keys_final,
+      q_c,
+      k_u,
+      v_u,
+      d_out,
+      lse,
+      delta,
+      in_block,
+      full_grad,
+      full_grad,
+      full_grad,
+      in_block_grad,
+    )
+  )

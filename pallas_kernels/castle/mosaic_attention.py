@@ -24,8 +24,12 @@ import jax.numpy as jnp
 
 from pallas_kernels.castle import mosaic_backward
 from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
-from pallas_kernels.castle.mosaic_ops import (_in_block_scores_transposed, castle_forward_mosaic, heads_layout,
-                                              padded_length)
+from pallas_kernels.castle.mosaic_ops import (
+  _in_block_scores_transposed,
+  castle_forward_mosaic,
+  heads_layout,
+  padded_length,
+)
 from pallas_kernels.castle.ops import fold_in_block_grad
 from pallas_kernels.residuals import keep_for_backward
 
@@ -41,13 +45,11 @@ _forward = jax.jit(castle_forward_mosaic, static_argnames=("scale", "window", "c
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
 def _castle_mosaic(q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpret):
-  return _forward(q_u, k_u, v_u, q_c, k_c, v_c, scale=scale, window=window, config=config,
-                  interpret=interpret).out
+  return _forward(q_u, k_u, v_u, q_c, k_c, v_c, scale=scale, window=window, config=config, interpret=interpret).out
 
 
 def _castle_mosaic_fwd(q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpret):
-  result = _forward(q_u, k_u, v_u, q_c, k_c, v_c, scale=scale, window=window, config=config,
-                    interpret=interpret)
+  result = _forward(q_u, k_u, v_u, q_c, k_c, v_c, scale=scale, window=window, config=config, interpret=interpret)
   # O(L d) residuals: the inputs, the output, the row log-sum-exp and the final D.
   out, lse, keys = keep_for_backward((result.out, result.lse, result.lookahead_keys))
   return out, (q_u, k_u, v_u, q_c, k_c, v_c, out, lse, keys)
@@ -82,12 +84,26 @@ def _castle_mosaic_bwd(scale, window, config, interpret, residuals, d_out):
   delta = jnp.sum(out.astype(jnp.float32) * d_out, axis=-1, keepdims=True)
   lse = lse.transpose(0, 2, 1)[..., None]  # [B, T, H, 1]
   (q_u, k_u, v_u, q_c, k_c, v_c, keys, d_out, lse, delta) = (
-      to_heads(x) for x in (*inputs, keys, d_out.astype(q_c.dtype), lse, delta))
+    to_heads(x) for x in (*inputs, keys, d_out.astype(q_c.dtype), lse, delta)
+  )
   in_block_t = _in_block_scores_transposed(q_c, v_u, scale, block_q)
   dq_u, dk_c, dv_c, dq_c, dk_u, dv_u, d_in_block = mosaic_backward.backward(
-      q_u, k_u, v_u, q_c, k_c, v_c, keys, d_out, lse[..., 0], delta[..., 0], in_block_t,
-      scale=scale, window=window, config=config,
-      interpret=plgpu.InterpretGPUParams() if interpret else None)
+    q_u,
+    k_u,
+    v_u,
+    q_c,
+    k_c,
+    v_c,
+    keys,
+    d_out,
+    lse[..., 0],
+    delta[..., 0],
+    in_block_t,
+    scale=scale,
+    window=window,
+    config=config,
+    interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )
   dq_c, dv_u = fold_in_block_grad(dq_c, dv_u, d_in_block, q_c, v_u, scale, block_q)
   grads = (dq_u, dk_u, dv_u, dq_c, dk_c, dv_c)
   return tuple((from_heads(g) / d_out_scale).astype(x.dtype) for g, x in zip(grads, inputs))
@@ -97,17 +113,17 @@ _castle_mosaic.defvjp(_castle_mosaic_fwd, _castle_mosaic_bwd)
 
 
 def castle_attention_mosaic(
-    q_u: jax.Array,
-    k_u: jax.Array,
-    v_u: jax.Array,
-    q_c: jax.Array,
-    k_c: jax.Array,
-    v_c: jax.Array,
-    *,
-    scale: float | None = None,
-    window: int | None = None,
-    config: CastleMosaicConfig | None = None,
-    interpret: bool | None = None,
+  q_u: jax.Array,
+  k_u: jax.Array,
+  v_u: jax.Array,
+  q_c: jax.Array,
+  k_c: jax.Array,
+  v_c: jax.Array,
+  *,
+  scale: float | None = None,
+  window: int | None = None,
+  config: CastleMosaicConfig | None = None,
+  interpret: bool | None = None,
 ) -> jax.Array:
   """CASTLE (or CASTLE-SWL with `window`) with the Mosaic GPU kernels, differentiable.
 

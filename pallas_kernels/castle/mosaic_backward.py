@@ -64,10 +64,19 @@ import jax.numpy as jnp
 
 from pallas_kernels.castle import mosaic_math, mosaic_past_window_backward
 from pallas_kernels.castle.mosaic_config import KEY_BLOCKS_PER_PROGRAM, WGMMA_ROWS, CastleMosaicConfig
-from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, key_major_launch,
-                                                key_major_sweep_end, operand_smem,
-                                                products as wgmma_products, reduce_add_tiles, run_on_zeroed_refs,
-                                                step_masks as _step_masks, wgmma_zeros, window_interior_end)
+from pallas_kernels.castle.mosaic_forward import (
+  KEY_STATE_SCALE,
+  LOOKAHEAD_DTYPE,
+  key_major_launch,
+  key_major_sweep_end,
+  operand_smem,
+  products as wgmma_products,
+  reduce_add_tiles,
+  run_on_zeroed_refs,
+  step_masks as _step_masks,
+  wgmma_zeros,
+  window_interior_end,
+)
 
 # Columns per chunk of a [64, head_dim] tile: one 128-byte swizzle span of 16-bit values.
 CHUNK = 64
@@ -82,25 +91,26 @@ _LOOKAHEAD_TILES = ("k_u", "v_u16", "in_block_t")
 
 class _Staging(NamedTuple):
   """Shared-memory tiles the score warpgroup writes each step (key-row frame)."""
-  weights: object      # W, float16 [block_k, block_q]
-  probs: object        # P^T, input dtype
-  d_scores: object     # dS^T, input dtype
+
+  weights: object  # W, float16 [block_k, block_q]
+  probs: object  # P^T, input dtype
+  d_scores: object  # dS^T, input dtype
   d_lookahead: object  # dSU^T, float16
-  d_logits: object     # dL, input dtype
-  keys: tuple          # D * 2^-8, float16, one [block_k, CHUNK] tile per column chunk
-  d_keys: tuple        # dD, float16, per column chunk
+  d_logits: object  # dL, input dtype
+  keys: tuple  # D * 2^-8, float16, one [block_k, CHUNK] tile per column chunk
+  d_keys: tuple  # dD, float16, per column chunk
 
 
 class _Barriers(NamedTuple):
-  keys: object          # the key-block tiles have landed
-  query: object         # the step's query tiles have landed
-  lookahead: object     # the step's lookahead tiles (K^U, V^U, R) have landed
-  io: object            # the score warpgroup's own copies into `out_smem`
-  probs_ready: object   # P^T is staged (score -> accumulator warpgroup)
-  grads_ready: object   # dS^T and dL are staged (score -> accumulator warpgroup)
-  consumed: object      # the accumulator warpgroup is done with the step's tiles
+  keys: object  # the key-block tiles have landed
+  query: object  # the step's query tiles have landed
+  lookahead: object  # the step's lookahead tiles (K^U, V^U, R) have landed
+  io: object  # the score warpgroup's own copies into `out_smem`
+  probs_ready: object  # P^T is staged (score -> accumulator warpgroup)
+  grads_ready: object  # dS^T and dL are staged (score -> accumulator warpgroup)
+  consumed: object  # the accumulator warpgroup is done with the step's tiles
   staging_free: object  # the score warpgroup's last reduce-add has read `out_smem`
-  epilogue: object      # GPU interpret mode: the accumulator warpgroup's final reduce-adds' reads
+  epilogue: object  # GPU interpret mode: the accumulator warpgroup's final reduce-adds' reads
 
 
 class _Sweep:
@@ -119,24 +129,40 @@ class _Sweep:
       mask is needed, then the diagonal block, masked.
   """
 
-  def __init__(self, key_block, block_q: int, block_k: int, num_query_blocks: int, window: int | None,
-               query_grads_elsewhere: bool, key_grads_elsewhere: bool):
+  def __init__(
+    self,
+    key_block,
+    block_q: int,
+    block_k: int,
+    num_query_blocks: int,
+    window: int | None,
+    query_grads_elsewhere: bool,
+    key_grads_elsewhere: bool,
+  ):
     if block_q != block_k:
       raise ValueError(f"the backward sweep takes block_q == block_k, got {block_q} and {block_k}")
     self.first = key_block
     self.num_query_blocks = num_query_blocks
     self.window = window
-    self.lookahead_end = num_query_blocks if window is None else jnp.minimum(
-        num_query_blocks, lax.div((key_block + 1) * block_k - 1 + window, block_q) + 1)
+    self.lookahead_end = (
+      num_query_blocks
+      if window is None
+      else jnp.minimum(num_query_blocks, lax.div((key_block + 1) * block_k - 1 + window, block_q) + 1)
+    )
     if window is not None:
-      self.interior_end = window_interior_end(key_block * block_k, key_block + 1, self.lookahead_end,
-                                              window=window, block_q=block_q)
+      self.interior_end = window_interior_end(
+        key_block * block_k, key_block + 1, self.lookahead_end, window=window, block_q=block_q
+      )
     self.query_grad_start = num_query_blocks
     if query_grads_elsewhere:
       # The query-major kernel works on key programs of the forward's size.
       self.query_grad_start = key_major_sweep_end(
-          lax.div(key_block, KEY_BLOCKS_PER_PROGRAM["warp_specialized"]), window=window, block_q=block_q,
-          block_k=block_k, num_query_blocks=num_query_blocks)
+        lax.div(key_block, KEY_BLOCKS_PER_PROGRAM["warp_specialized"]),
+        window=window,
+        block_q=block_q,
+        block_k=block_k,
+        num_query_blocks=num_query_blocks,
+      )
     # One past the sweep's first (highest) query block.
     self.top = self.query_grad_start if key_grads_elsewhere else num_query_blocks
 
@@ -153,8 +179,9 @@ class _Sweep:
       carry = reverse(self.interior_end, self.lookahead_end, carry, masked=True, **lookahead)
       carry = reverse(self.first + 1, self.interior_end, carry, masked=False, **lookahead)
       return step(self.first, carry, masked=True, **lookahead)
-    carry = reverse(self.first + 1, self.num_query_blocks, carry, with_lookahead=True, masked=False,
-                    with_query_grad=True)
+    carry = reverse(
+      self.first + 1, self.num_query_blocks, carry, with_lookahead=True, masked=False, with_query_grad=True
+    )
     return step(self.first, carry, with_lookahead=True, masked=True, with_query_grad=True)
 
 
@@ -180,15 +207,48 @@ def _phase(name: str, *, with_lookahead: bool):
 
 
 def _backward_kernel(
-    q_u_ref, k_c_ref, v_c_ref, keys_ref, *refs,
-    scale: float, window: int | None, block_q: int, block_k: int, num_query_blocks: int,
-    head_dim: int, interpreted: bool, query_grads_elsewhere: bool, key_grads_elsewhere: bool):
+  q_u_ref,
+  k_c_ref,
+  v_c_ref,
+  keys_ref,
+  *refs,
+  scale: float,
+  window: int | None,
+  block_q: int,
+  block_k: int,
+  num_query_blocks: int,
+  head_dim: int,
+  interpreted: bool,
+  query_grads_elsewhere: bool,
+  key_grads_elsewhere: bool,
+):
   # With `key_grads_elsewhere`, dD starts from the share of the pairs past the window.
   d_keys_ref, refs = (refs[0], refs[1:]) if key_grads_elsewhere else (None, refs)
-  (q_c_ref, q_c16_ref, k_u_ref, v_u16_ref, d_out_ref, in_block_t_ref, lse_ref, delta_ref,
-   dq_c_ref, dk_u_ref, dv_u_ref, d_in_block_ref,   # float32 accumulators in global memory
-   dq_u_ref, dk_c_ref, dv_c_ref,                   # outputs: the key block's gradients
-   key_smem, query_smem, in_block_smem, lse_smem, delta_smem, staging, out_smem, barriers) = refs
+  (
+    q_c_ref,
+    q_c16_ref,
+    k_u_ref,
+    v_u16_ref,
+    d_out_ref,
+    in_block_t_ref,
+    lse_ref,
+    delta_ref,
+    dq_c_ref,
+    dk_u_ref,
+    dv_u_ref,
+    d_in_block_ref,  # float32 accumulators in global memory
+    dq_u_ref,
+    dk_c_ref,
+    dv_c_ref,  # outputs: the key block's gradients
+    key_smem,
+    query_smem,
+    in_block_smem,
+    lse_smem,
+    delta_smem,
+    staging,
+    out_smem,
+    barriers,
+  ) = refs
   products = functools.partial(wgmma_products, init_in_place=not interpreted)
   # gmem += tile (float32) through the one staging buffer `out_smem`.
   reduce_add = lambda tile, gmem: reduce_add_tiles([(tile, gmem, out_smem)], barriers.io, with_tma=not interpreted)
@@ -237,7 +297,8 @@ def _backward_kernel(
       phase = functools.partial(_phase, with_lookahead=with_lookahead)
 
       with phase("wait for the accumulator warpgroup"):
-        @pl.when(query_block < sweep.top - 1)   # not the sweep's first step
+
+        @pl.when(query_block < sweep.top - 1)  # not the sweep's first step
         def _():
           plgpu.barrier_wait(barriers.consumed)
 
@@ -250,8 +311,9 @@ def _backward_kernel(
           for src, dst in zip((k_u_ref, v_u16_ref, in_block_t_ref), (k_u_smem, v_u16_smem, in_block_smem)):
             plgpu.copy_gmem_to_smem(src.at[head, rows], dst, barriers.lookahead)
         plgpu.barrier_wait(barriers.query)
-      causal_mask, visible = (_step_masks(key_block * block_k, query_block * block_q, tile, window)
-                              if masked else (None, None))
+      causal_mask, visible = (
+        _step_masks(key_block * block_k, query_block * block_q, tile, window) if masked else (None, None)
+      )
 
       if with_lookahead:
         with phase("walk D back"):
@@ -262,8 +324,9 @@ def _backward_kernel(
             weights = jnp.where(visible, weights, 0.0)
           staging.weights[...] = weights.astype(LOOKAHEAD_DTYPE)
           plgpu.commit_smem()
-          keys = [keys[c] - products([(staging.weights, _columns(v_u16_smem, c, num_chunks))], chunk_tile)
-                  for c in chunks]
+          keys = [
+            keys[c] - products([(staging.weights, _columns(v_u16_smem, c, num_chunks))], chunk_tile) for c in chunks
+          ]
           stage_keys(keys)
       # Past the window (CASTLE-SWL) W is zero and D^(i) = D^(i+1), staged already.
 
@@ -296,29 +359,38 @@ def _backward_kernel(
 
       with phase("dQ^C"):
         # dQ^C_i = (dS K^C_b + dSU D^(i)) * scale, with D entering scaled by 2^-8.
-        for c in (chunks if with_query_grad else ()):
+        for c in chunks if with_query_grad else ():
           from_keys = products([(staging.d_lookahead.T, staging.keys[c])], (block_q, CHUNK))
-          dq_c = products([(staging.d_scores.T, _columns(k_c_smem, c, num_chunks))], (block_q, CHUNK),
-                          init=from_keys * (1.0 / KEY_STATE_SCALE))
+          dq_c = products(
+            [(staging.d_scores.T, _columns(k_c_smem, c, num_chunks))],
+            (block_q, CHUNK),
+            init=from_keys * (1.0 / KEY_STATE_SCALE),
+          )
           reduce_add(dq_c * scale, gmem_columns(dq_c_ref, rows, c))
 
       if with_lookahead:
         with phase("dR, dW, dV^U"):
           # dR_ii = dSU W (the caller masks and scales it).
-          reduce_add(products([(staging.d_lookahead.T, staging.weights)], (block_q, block_q)),
-                     d_in_block_ref.at[head, rows])
+          reduce_add(
+            products([(staging.d_lookahead.T, staging.weights)], (block_q, block_q)), d_in_block_ref.at[head, rows]
+          )
           # W's gradient: through the in-block term R W^T and through D^(i+1) (dD before
           # this step's term).
-          d_weights = products([(staging.d_lookahead, in_block_smem.T)]
-                               + [(staging.d_keys[c], _columns(v_u16_smem, c, num_chunks).T) for c in chunks],
-                               tile)
+          d_weights = products(
+            [(staging.d_lookahead, in_block_smem.T)]
+            + [(staging.d_keys[c], _columns(v_u16_smem, c, num_chunks).T) for c in chunks],
+            tile,
+          )
           for c in chunks:
-            reduce_add(products([(staging.weights.T, staging.d_keys[c])], (block_q, CHUNK)),
-                       gmem_columns(dv_u_ref, rows, c))
+            reduce_add(
+              products([(staging.weights.T, staging.d_keys[c])], (block_q, CHUNK)), gmem_columns(dv_u_ref, rows, c)
+            )
       with phase("dD"):
         # dD becomes dL/dD^(i): add what this query block's scores read from D^(i).
-        d_keys = [d_keys[c] + products([(staging.d_lookahead, _columns(q_c16_smem, c, num_chunks))], chunk_tile)
-                  * scale for c in chunks]
+        d_keys = [
+          d_keys[c] + products([(staging.d_lookahead, _columns(q_c16_smem, c, num_chunks))], chunk_tile) * scale
+          for c in chunks
+        ]
 
       with phase("dK^U"):
         if with_lookahead:
@@ -328,8 +400,10 @@ def _backward_kernel(
         plgpu.barrier_arrive(barriers.grads_ready)
         if with_lookahead:
           for c in chunks:
-            reduce_add(products([(staging.d_logits.T, _columns(q_u_smem, c, num_chunks))], (block_q, CHUNK)),
-                       gmem_columns(dk_u_ref, rows, c))
+            reduce_add(
+              products([(staging.d_logits.T, _columns(q_u_smem, c, num_chunks))], (block_q, CHUNK)),
+              gmem_columns(dk_u_ref, rows, c),
+            )
       return keys, d_keys
 
     stage_keys(keys)
@@ -353,16 +427,19 @@ def _backward_kernel(
           plgpu.barrier_wait(barriers.lookahead)
         plgpu.barrier_wait(barriers.probs_ready)
       with phase("dV^C"):
-        dv_c = [products([(staging.probs, _columns(d_out_smem, c, num_chunks))], chunk_tile, init=dv_c[c])
-                for c in chunks]
+        dv_c = [
+          products([(staging.probs, _columns(d_out_smem, c, num_chunks))], chunk_tile, init=dv_c[c]) for c in chunks
+        ]
       with phase("wait for dS"):
         plgpu.barrier_wait(barriers.grads_ready)
       with phase("dK^C, dQ^U"):
-        dk_c = [products([(staging.d_scores, _columns(q_c_smem, c, num_chunks))], chunk_tile, init=dk_c[c])
-                for c in chunks]
+        dk_c = [
+          products([(staging.d_scores, _columns(q_c_smem, c, num_chunks))], chunk_tile, init=dk_c[c]) for c in chunks
+        ]
         if with_lookahead:
-          dq_u = [products([(staging.d_logits, _columns(k_u_smem, c, num_chunks))], chunk_tile, init=dq_u[c])
-                  for c in chunks]
+          dq_u = [
+            products([(staging.d_logits, _columns(k_u_smem, c, num_chunks))], chunk_tile, init=dq_u[c]) for c in chunks
+          ]
         plgpu.barrier_arrive(barriers.consumed)
       return dk_c, dv_c, dq_u
 
@@ -371,8 +448,11 @@ def _backward_kernel(
     plgpu.barrier_wait(barriers.staging_free)
     # With `key_grads_elsewhere` the key-side kernel has written the share of the pairs past
     # the window into dK^C and dV^C already.
-    for grads, ref, factor, add in ((dk_c, dk_c_ref, scale, key_grads_elsewhere),
-                                    (dv_c, dv_c_ref, 1.0, key_grads_elsewhere), (dq_u, dq_u_ref, 1.0, False)):
+    for grads, ref, factor, add in (
+      (dk_c, dk_c_ref, scale, key_grads_elsewhere),
+      (dv_c, dv_c_ref, 1.0, key_grads_elsewhere),
+      (dq_u, dq_u_ref, 1.0, False),
+    ):
       for c in chunks:
         gmem = gmem_columns(ref, key_rows, c)
         if add:
@@ -382,8 +462,24 @@ def _backward_kernel(
     plgpu.wait_smem_to_gmem(0)
 
 
-def backward(q_u, k_u, v_u, q_c, k_c, v_c, keys_final, d_out, lse, delta, in_block_t, *, scale: float,
-             window: int | None, config: CastleMosaicConfig, interpret):
+def backward(
+  q_u,
+  k_u,
+  v_u,
+  q_c,
+  k_c,
+  v_c,
+  keys_final,
+  d_out,
+  lse,
+  delta,
+  in_block_t,
+  *,
+  scale: float,
+  window: int | None,
+  config: CastleMosaicConfig,
+  interpret,
+):
   """The Mosaic GPU backward kernel on padded [BH, L, d] arrays.
 
   Args:
@@ -408,8 +504,10 @@ def backward(q_u, k_u, v_u, q_c, k_c, v_c, keys_final, d_out, lse, delta, in_blo
   heads, length, head_dim = q_c.shape
   block_q, block_k = config.block_q, config.block_k
   if block_q != WGMMA_ROWS or block_k != WGMMA_ROWS or head_dim % CHUNK:
-    raise ValueError(f"mosaic_backward.backward takes block_q = block_k = {WGMMA_ROWS} and a head dim that is a "
-                     f"multiple of {CHUNK}; got {block_q}, {block_k} and {head_dim}")
+    raise ValueError(
+      f"mosaic_backward.backward takes block_q = block_k = {WGMMA_ROWS} and a head dim that is a "
+      f"multiple of {CHUNK}; got {block_q}, {block_k} and {head_dim}"
+    )
   dtype = q_c.dtype
   num_chunks = head_dim // CHUNK
   # CASTLE-SWL: dQ^C of the pairs past the window comes from the query-major kernel, and
@@ -417,40 +515,75 @@ def backward(q_u, k_u, v_u, q_c, k_c, v_c, keys_final, d_out, lse, delta, in_blo
   split = window is not None and config.splits_past_window
   split_key_grads = window is not None and config.splits_past_window_key_grads
   kernel = functools.partial(
-      _backward_kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
-      num_query_blocks=length // block_q, head_dim=head_dim, interpreted=interpret is not None,
-      query_grads_elsewhere=split, key_grads_elsewhere=split_key_grads)
+    _backward_kernel,
+    scale=scale,
+    window=window,
+    block_q=block_q,
+    block_k=block_k,
+    num_query_blocks=length // block_q,
+    head_dim=head_dim,
+    interpreted=interpret is not None,
+    query_grads_elsewhere=split,
+    key_grads_elsewhere=split_key_grads,
+  )
   full_tile = lambda rows, dt: operand_smem((rows, head_dim), dt)
   square = lambda dt: operand_smem((block_k, block_q), dt)
   chunk = lambda dt: tuple(operand_smem((block_k, CHUNK), dt) for _ in range(num_chunks))
   scratch = [
-      (full_tile(block_k, dtype),) * len(_KEY_TILES),
-      (full_tile(block_q, dtype), full_tile(block_q, LOOKAHEAD_DTYPE), full_tile(block_q, dtype),
-       full_tile(block_q, LOOKAHEAD_DTYPE), full_tile(block_q, dtype)),
-      operand_smem((block_q, block_q), LOOKAHEAD_DTYPE),
-      plgpu.SMEM((block_q,), jnp.float32),
-      plgpu.SMEM((block_q,), jnp.float32),
-      _Staging(weights=square(LOOKAHEAD_DTYPE), probs=square(dtype), d_scores=square(dtype),
-               d_lookahead=square(LOOKAHEAD_DTYPE), d_logits=square(dtype),
-               keys=chunk(LOOKAHEAD_DTYPE), d_keys=chunk(LOOKAHEAD_DTYPE)),
-      plgpu.SMEM((WGMMA_ROWS, CHUNK), jnp.float32),
-      # A barrier completes when every copy (or warpgroup) that signals it has arrived.
-      _Barriers(keys=plgpu.Barrier(num_arrivals=len(_KEY_TILES)),
-                query=plgpu.Barrier(num_arrivals=len(_QUERY_TILES)),
-                lookahead=plgpu.Barrier(num_arrivals=len(_LOOKAHEAD_TILES)),
-                io=plgpu.Barrier(num_arrivals=1),
-                probs_ready=plgpu.Barrier(num_arrivals=1),
-                grads_ready=plgpu.Barrier(num_arrivals=1),
-                consumed=plgpu.Barrier(num_arrivals=1),
-                staging_free=plgpu.Barrier(num_arrivals=1),
-                epilogue=plgpu.Barrier(num_arrivals=1)),
+    (full_tile(block_k, dtype),) * len(_KEY_TILES),
+    (
+      full_tile(block_q, dtype),
+      full_tile(block_q, LOOKAHEAD_DTYPE),
+      full_tile(block_q, dtype),
+      full_tile(block_q, LOOKAHEAD_DTYPE),
+      full_tile(block_q, dtype),
+    ),
+    operand_smem((block_q, block_q), LOOKAHEAD_DTYPE),
+    plgpu.SMEM((block_q,), jnp.float32),
+    plgpu.SMEM((block_q,), jnp.float32),
+    _Staging(
+      weights=square(LOOKAHEAD_DTYPE),
+      probs=square(dtype),
+      d_scores=square(dtype),
+      d_lookahead=square(LOOKAHEAD_DTYPE),
+      d_logits=square(dtype),
+      keys=chunk(LOOKAHEAD_DTYPE),
+      d_keys=chunk(LOOKAHEAD_DTYPE),
+    ),
+    plgpu.SMEM((WGMMA_ROWS, CHUNK), jnp.float32),
+    # A barrier completes when every copy (or warpgroup) that signals it has arrived.
+    _Barriers(
+      keys=plgpu.Barrier(num_arrivals=len(_KEY_TILES)),
+      query=plgpu.Barrier(num_arrivals=len(_QUERY_TILES)),
+      lookahead=plgpu.Barrier(num_arrivals=len(_LOOKAHEAD_TILES)),
+      io=plgpu.Barrier(num_arrivals=1),
+      probs_ready=plgpu.Barrier(num_arrivals=1),
+      grads_ready=plgpu.Barrier(num_arrivals=1),
+      consumed=plgpu.Barrier(num_arrivals=1),
+      staging_free=plgpu.Barrier(num_arrivals=1),
+      epilogue=plgpu.Barrier(num_arrivals=1),
+    ),
   ]
-  launch = key_major_launch(kernel, scratch, length=length, heads=heads, keys_per_program=block_k,
-                            interpret=interpret, num_threads=2)
-  past_window = dict(scale=scale, window=window, block_q=block_q, block_k=block_k,
-                     keys_per_program=config.keys_per_program, interpret=interpret)
-  query_tiles = (q_c.astype(LOOKAHEAD_DTYPE), k_u, v_u.astype(LOOKAHEAD_DTYPE), d_out,
-                 in_block_t.astype(LOOKAHEAD_DTYPE), lse, delta)
+  launch = key_major_launch(
+    kernel, scratch, length=length, heads=heads, keys_per_program=block_k, interpret=interpret, num_threads=2
+  )
+  past_window = dict(
+    scale=scale,
+    window=window,
+    block_q=block_q,
+    block_k=block_k,
+    keys_per_program=config.keys_per_program,
+    interpret=interpret,
+  )
+  query_tiles = (
+    q_c.astype(LOOKAHEAD_DTYPE),
+    k_u,
+    v_u.astype(LOOKAHEAD_DTYPE),
+    d_out,
+    in_block_t.astype(LOOKAHEAD_DTYPE),
+    lse,
+    delta,
+  )
   rows = jax.ShapeDtypeStruct((heads, length, head_dim), jnp.float32)
   # dQ^C, dK^U, dV^U and dR are reduce-added into; dQ^U is written; dK^C and dV^C are
   # written, or with `split_key_grads` written by the key-side kernel (with dD, which the
@@ -459,13 +592,16 @@ def backward(q_u, k_u, v_u, q_c, k_c, v_c, keys_final, d_out, lse, delta, in_blo
 
   def sweeps(dq_c, dk_u, dv_u, d_in_block, dq_u, dk_c, dv_c, *d_keys):
     if split_key_grads:
-      mosaic_past_window_backward.key_grads_into(q_c, k_c, keys_final, v_c, d_out, lse, delta, dk_c, dv_c,
-                                                 *d_keys, **past_window)
+      mosaic_past_window_backward.key_grads_into(
+        q_c, k_c, keys_final, v_c, d_out, lse, delta, dk_c, dv_c, *d_keys, **past_window
+      )
     launch(q_u, k_c, v_c, keys_final, *d_keys, q_c, *query_tiles, dq_c, dk_u, dv_u, d_in_block, dq_u, dk_c, dv_c)
     if split:
-      mosaic_past_window_backward.accumulate_query_grads(q_c, k_c, keys_final, v_c, d_out, lse, delta, dq_c,
-                                                         **past_window)
+      mosaic_past_window_backward.accumulate_query_grads(
+        q_c, k_c, keys_final, v_c, d_out, lse, delta, dq_c, **past_window
+      )
 
   dq_c, dk_u, dv_u, d_in_block, dq_u, dk_c, dv_c, *_ = run_on_zeroed_refs(
-      sweeps, types + ((rows,) if split_key_grads else ()))
+    sweeps, types + ((rows,) if split_key_grads else ())
+  )
   return dq_u, dk_c, dv_c, dq_c, dk_u, dv_u, d_in_block

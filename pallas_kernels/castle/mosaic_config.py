@@ -63,24 +63,35 @@ class CastleMosaicConfig:
   past_window_step_keys: int = 128
 
   def __post_init__(self):
-    check_int_fields(self, power_of_two=("block_q", "block_k"), tiles=("block_q", "block_k"),
-                     skip=("schedule", "past_window", "past_window_key_grads"))
+    check_int_fields(
+      self,
+      power_of_two=("block_q", "block_k"),
+      tiles=("block_q", "block_k"),
+      skip=("schedule", "past_window", "past_window_key_grads"),
+    )
     for name in ("block_q", "block_k"):
       if getattr(self, name) != WGMMA_ROWS:
-        raise ValueError(f"CastleMosaicConfig.{name} must be {WGMMA_ROWS} (one warpgroup's wgmma rows and one "
-                         f"128-byte swizzle span of 16-bit values), got {getattr(self, name)}")
+        raise ValueError(
+          f"CastleMosaicConfig.{name} must be {WGMMA_ROWS} (one warpgroup's wgmma rows and one "
+          f"128-byte swizzle span of 16-bit values), got {getattr(self, name)}"
+        )
     if self.schedule not in SCHEDULES:
-      raise ValueError(f"CastleMosaicConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}; "
-                       "use schedule='simple' for the one-warpgroup kernel")
+      raise ValueError(
+        f"CastleMosaicConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}; "
+        "use schedule='simple' for the one-warpgroup kernel"
+      )
     if self.past_window not in PAST_WINDOW_SWEEPS:
-      raise ValueError(f"CastleMosaicConfig.past_window must be one of {PAST_WINDOW_SWEEPS}, got "
-                       f"{self.past_window!r}")
+      raise ValueError(f"CastleMosaicConfig.past_window must be one of {PAST_WINDOW_SWEEPS}, got {self.past_window!r}")
     if self.past_window_step_keys not in PAST_WINDOW_STEP_KEYS:
-      raise ValueError(f"CastleMosaicConfig.past_window_step_keys must be one of {PAST_WINDOW_STEP_KEYS}, got "
-                       f"{self.past_window_step_keys!r}")
+      raise ValueError(
+        f"CastleMosaicConfig.past_window_step_keys must be one of {PAST_WINDOW_STEP_KEYS}, got "
+        f"{self.past_window_step_keys!r}"
+      )
     if self.past_window_key_grads not in PAST_WINDOW_KEY_GRADS:
-      raise ValueError(f"CastleMosaicConfig.past_window_key_grads must be one of {PAST_WINDOW_KEY_GRADS}, got "
-                       f"{self.past_window_key_grads!r}")
+      raise ValueError(
+        f"CastleMosaicConfig.past_window_key_grads must be one of {PAST_WINDOW_KEY_GRADS}, got "
+        f"{self.past_window_key_grads!r}"
+      )
 
   @property
   def keys_per_program(self) -> int:

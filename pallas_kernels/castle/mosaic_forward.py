@@ -60,7 +60,7 @@ from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
 
 # D enters a float16 product scaled by this power of two (exact), and the product is
 # scaled back.
-KEY_STATE_SCALE = 2.0 ** -8
+KEY_STATE_SCALE = 2.0**-8
 LOOKAHEAD_DTYPE = jnp.float16
 _SWIZZLE_BYTES = 128
 # What each program loads once (its key block) and per step (a query block).
@@ -71,8 +71,7 @@ _QUERY_TILES = ("q_c", "q_c16", "k_u", "v_u16", "in_block_t", "shift")
 def operand_smem(shape, dtype):
   """Shared memory laid out for TMA and wgmma: 8-row tiles one 128-byte swizzle span wide."""
   span = _SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
-  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, span)),
-                                              plgpu.SwizzleTransform(_SWIZZLE_BYTES)))
+  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, span)), plgpu.SwizzleTransform(_SWIZZLE_BYTES)))
 
 
 def products(pairs, shape, init=None, *, init_in_place: bool = True):
@@ -83,6 +82,7 @@ def products(pairs, shape, init=None, *, init_in_place: bool = True):
   GPU interpret mode cannot run a preinitialized accumulator, so there the product
   is added after.
   """
+
   def accumulate(acc_ref):
     for a, b in pairs:
       plgpu.wgmma(acc_ref, a, b)
@@ -93,6 +93,7 @@ def products(pairs, shape, init=None, *, init_in_place: bool = True):
   def product_of(acc_ref):
     accumulate(acc_ref)
     return acc_ref[...]
+
   product = pl.run_scoped(product_of, plgpu.ACC(shape, jnp.float32))
   return product if init is None else init + product
 
@@ -125,6 +126,7 @@ def observe_last_releases(free_barriers, num_steps, stages: int):
   which no later refill waited for: a waiter may not skip a barrier's phase (GPU
   interpret mode checks it). Fewer steps than stages: only those steps' releases."""
   for last in range(stages, 0, -1):
+
     @pl.when(num_steps >= last)
     def _():
       for free in free_barriers:
@@ -143,8 +145,9 @@ def step_masks(key_start, query_start, shape, window: int | None):
   For the steps that need them (the diagonal block, the window's edge): position tiles
   held across a sweep cost 32 registers per thread each, which at head dim 128 spilled.
   """
-  offsets = (plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-             - plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA))
+  offsets = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) - plgpu.broadcasted_iota(
+    jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA
+  )
   query_minus_key = offsets + (query_start - key_start)
   lookahead = query_minus_key > 0
   if window is not None:
@@ -175,6 +178,7 @@ def run_on_zeroed_refs(call, types):
   `jax.checkpoint` (jax 0.11.2) when the recomputation needs none of its other outputs:
   the refs then read back as zeros, and the rematerialized attention came out 0 / 0.
   """
+
   def body(refs):
     call(*refs)
 
@@ -192,13 +196,40 @@ def register_operand(x, staging_smem):
 
 
 def _forward_kernel(
-    q_u_ref, k_c_ref, v_c_ref, q_c_ref, q_c16_ref, k_u_ref, v_u16_ref, in_block_t_ref, shift_ref,
-    acc_ref, sums_ref,   # float32 accumulators in global memory (mutable inputs)
-    keys_ref,            # output: the final D
-    key_smem, query_smem, in_block_smem, shift_smem, probs_smem, out_smem, sums_smem, keys_smem,
-    weights_staging, keys_staging,  # None on the GPU (see `register_operand`)
-    key_barrier, query_barrier, accumulate_barrier, *, scale: float, window: int | None, block_q: int, block_k: int, num_query_blocks: int,
-    head_dim: int, interpreted: bool):
+  q_u_ref,
+  k_c_ref,
+  v_c_ref,
+  q_c_ref,
+  q_c16_ref,
+  k_u_ref,
+  v_u16_ref,
+  in_block_t_ref,
+  shift_ref,
+  acc_ref,
+  sums_ref,  # float32 accumulators in global memory (mutable inputs)
+  keys_ref,  # output: the final D
+  key_smem,
+  query_smem,
+  in_block_smem,
+  shift_smem,
+  probs_smem,
+  out_smem,
+  sums_smem,
+  keys_smem,
+  weights_staging,
+  keys_staging,  # None on the GPU (see `register_operand`)
+  key_barrier,
+  query_barrier,
+  accumulate_barrier,
+  *,
+  scale: float,
+  window: int | None,
+  block_q: int,
+  block_k: int,
+  num_query_blocks: int,
+  head_dim: int,
+  interpreted: bool,
+):
   multiply = functools.partial(matmul, init_in_place=not interpreted)
   key_block = lax.axis_index("key_block")
   head = lax.axis_index("head")
@@ -218,8 +249,9 @@ def _forward_kernel(
     plgpu.copy_gmem_to_smem(in_block_t_ref.at[head, rows], in_block_smem, query_barrier)
     plgpu.copy_gmem_to_smem(shift_ref.at[head, rows], shift_smem, query_barrier)
     plgpu.barrier_wait(query_barrier)
-    causal_mask, visible = (step_masks(key_block * block_k, query_block * block_q, (block_k, block_q), window)
-                            if masked else (None, None))
+    causal_mask, visible = (
+      step_masks(key_block * block_k, query_block * block_q, (block_k, block_q), window) if masked else (None, None)
+    )
 
     # W: lookahead weights of this key block's tokens s against query-block keys j.
     weights = mosaic_math.sigmoid(multiply(q_u_smem, k_u_smem.T, (block_k, block_q)) * scale)
@@ -241,8 +273,16 @@ def _forward_kernel(
     probs_smem[...] = probs.astype(dtype)
     plgpu.commit_smem()
     out = multiply(probs_smem.T, v_c_smem, (block_q, head_dim))
-    accumulate_rows(out, jnp.sum(probs, axis=0), acc_ref.at[head, rows], sums_ref.at[head, rows],
-                out_smem, sums_smem, accumulate_barrier, with_tma=not interpreted)
+    accumulate_rows(
+      out,
+      jnp.sum(probs, axis=0),
+      acc_ref.at[head, rows],
+      sums_ref.at[head, rows],
+      out_smem,
+      sums_smem,
+      accumulate_barrier,
+      with_tma=not interpreted,
+    )
 
     return multiply(weights16, v_u16_smem, (block_k, head_dim), init=keys)
 
@@ -290,13 +330,12 @@ def accumulate_rows(out, sums, acc_gmem, sums_gmem, out_smem, sums_smem, barrier
   reduce_add_tiles([(out, acc_gmem, out_smem), (sums, sums_gmem, sums_smem)], barrier, with_tma=with_tma)
 
 
-
 # ---------------------------------------------------------------------------
 # The warp-specialized schedule: a producer warpgroup and two consumer warpgroups.
 
-_PRODUCER = 2            # warpgroup index of the producer; consumers are 0 and 1
+_PRODUCER = 2  # warpgroup index of the producer; consumers are 0 and 1
 _CONSUMERS = 2
-_STAGES = 2              # query-tile ring depth
+_STAGES = 2  # query-tile ring depth
 _PRODUCER_REGISTERS = 40
 _CONSUMER_REGISTERS = 232
 # P and V^C enter the output product in bfloat16 for either input dtype: P = exp(A - m_t)
@@ -308,10 +347,33 @@ PAST_WINDOW_QUERY_BLOCKS = 2
 
 
 def _warp_specialized_kernel(
-    q_u_ref, k_c16_ref, v_c_ref, q_c16_ref, k_u_ref, v_u16_ref, in_block_t_ref, shift_ref,
-    acc_ref, sums_ref, keys_ref, key_union, query_ring, lookahead_smem, exchange_union, register_staging,
-    barriers, *, scale: float, window: int | None, block_q: int, block_k: int, num_query_blocks: int,
-    head_dim: int, interpreted: bool, past_window: bool):
+  q_u_ref,
+  k_c16_ref,
+  v_c_ref,
+  q_c16_ref,
+  k_u_ref,
+  v_u16_ref,
+  in_block_t_ref,
+  shift_ref,
+  acc_ref,
+  sums_ref,
+  keys_ref,
+  key_union,
+  query_ring,
+  lookahead_smem,
+  exchange_union,
+  register_staging,
+  barriers,
+  *,
+  scale: float,
+  window: int | None,
+  block_q: int,
+  block_k: int,
+  num_query_blocks: int,
+  head_dim: int,
+  interpreted: bool,
+  past_window: bool,
+):
   """One program: key rows [2 * block_k * p, 2 * block_k * (p + 1)) of one head.
 
   Warpgroup `_PRODUCER` loads the program's key tiles once and streams the query tiles;
@@ -331,13 +393,27 @@ def _warp_specialized_kernel(
     last_key = (program + 1) * _CONSUMERS * block_k - 1
     lookahead_end = jnp.minimum(num_query_blocks, lax.div(last_key + window, block_q) + 1)
   # The sweep's last query block + 1: all of them, or up to where `mosaic_past_window` takes over.
-  sweep_end = num_query_blocks if past_window else key_major_sweep_end(
-      program, window=window, block_q=block_q, block_k=block_k, num_query_blocks=num_query_blocks)
+  sweep_end = (
+    num_query_blocks
+    if past_window
+    else key_major_sweep_end(
+      program, window=window, block_q=block_q, block_k=block_k, num_query_blocks=num_query_blocks
+    )
+  )
   key_tiles, _ = key_union
   q_c16_ring, k_u_ring, shift_ring = query_ring
   in_block_smem, v_u16_smem = lookahead_smem
-  (key_full, query_full, k_u_full, query_free, lookahead_full, lookahead_free, probs_ready,
-   sweep_done, accumulate_barrier) = barriers
+  (
+    key_full,
+    query_full,
+    k_u_full,
+    query_free,
+    lookahead_full,
+    lookahead_free,
+    probs_ready,
+    sweep_done,
+    accumulate_barrier,
+  ) = barriers
 
   @pl.when(warpgroup == _PRODUCER)
   def _producer():
@@ -356,6 +432,7 @@ def _warp_specialized_kernel(
       @pl.when(index >= _STAGES)
       def _():
         plgpu.barrier_wait(query_free.at[slot])
+
       plgpu.copy_gmem_to_smem(q_c16_ref.at[head, rows], q_c16_ring.at[slot], query_full.at[slot])
       plgpu.copy_gmem_to_smem(shift_ref.at[head, rows], shift_ring.at[slot], query_full.at[slot])
 
@@ -367,6 +444,7 @@ def _warp_specialized_kernel(
         @pl.when(index >= 1)
         def _():
           plgpu.barrier_wait(lookahead_free)
+
         plgpu.copy_gmem_to_smem(in_block_t_ref.at[head, rows], in_block_smem, lookahead_full)
         plgpu.copy_gmem_to_smem(v_u16_ref.at[head, rows], v_u16_smem, lookahead_full)
 
@@ -376,25 +454,77 @@ def _warp_specialized_kernel(
   @pl.when(warpgroup < _CONSUMERS)
   def _consumer():
     plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
-    _consume(warpgroup, program, head, first, lookahead_end, sweep_end, acc_ref, sums_ref, keys_ref, key_union,
-             query_ring, lookahead_smem, exchange_union, register_staging, barriers, scale=scale,
-             window=window, block_q=block_q, block_k=block_k, num_query_blocks=num_query_blocks,
-             head_dim=head_dim, interpreted=interpreted)
+    _consume(
+      warpgroup,
+      program,
+      head,
+      first,
+      lookahead_end,
+      sweep_end,
+      acc_ref,
+      sums_ref,
+      keys_ref,
+      key_union,
+      query_ring,
+      lookahead_smem,
+      exchange_union,
+      register_staging,
+      barriers,
+      scale=scale,
+      window=window,
+      block_q=block_q,
+      block_k=block_k,
+      num_query_blocks=num_query_blocks,
+      head_dim=head_dim,
+      interpreted=interpreted,
+    )
 
 
-def _consume(consumer, program, head, first, lookahead_end, sweep_end, acc_ref, sums_ref, keys_ref, key_union,
-             query_ring, lookahead_smem, exchange_union, register_staging, barriers, *, scale, window,
-             block_q, block_k, num_query_blocks, head_dim, interpreted):
+def _consume(
+  consumer,
+  program,
+  head,
+  first,
+  lookahead_end,
+  sweep_end,
+  acc_ref,
+  sums_ref,
+  keys_ref,
+  key_union,
+  query_ring,
+  lookahead_smem,
+  exchange_union,
+  register_staging,
+  barriers,
+  *,
+  scale,
+  window,
+  block_q,
+  block_k,
+  num_query_blocks,
+  head_dim,
+  interpreted,
+):
   """A consumer warpgroup's sweep over query blocks first .. sweep_end - 1."""
   multiply = functools.partial(matmul, init_in_place=not interpreted)
   (q_u_smem, k_c16_smem, v_c_smem), keys_staging = key_union
   q_c16_ring, k_u_ring, shift_ring = query_ring
   in_block_smem, v_u16_smem = lookahead_smem
   (probs_smem, partner_sums_smem), (out_smem, sums_smem) = exchange_union
-  weights_staging, keys16_staging = (None, None) if register_staging is None else (
-      register_staging[0].at[consumer], register_staging[1].at[consumer])
-  (key_full, query_full, k_u_full, query_free, lookahead_full, lookahead_free, probs_ready,
-   sweep_done, accumulate_barrier) = barriers
+  weights_staging, keys16_staging = (
+    (None, None) if register_staging is None else (register_staging[0].at[consumer], register_staging[1].at[consumer])
+  )
+  (
+    key_full,
+    query_full,
+    k_u_full,
+    query_free,
+    lookahead_full,
+    lookahead_free,
+    probs_ready,
+    sweep_done,
+    accumulate_barrier,
+  ) = barriers
   q_u_keys, k_c16_keys = q_u_smem.at[consumer], k_c16_smem.at[consumer]
   key_start = program * _CONSUMERS * block_k + consumer * block_k
   # look = D Q^C^T * scale + W R^T is accumulated as one product chain in units of
@@ -406,8 +536,9 @@ def _consume(consumer, program, head, first, lookahead_end, sweep_end, acc_ref, 
     index = query_block - first
     slot = lax.rem(index, _STAGES)
     rows = pl.ds(query_block * block_q, block_q)
-    causal_mask, visible = (step_masks(key_start, query_block * block_q, (block_k, block_q), window)
-                            if masked else (None, None))
+    causal_mask, visible = (
+      step_masks(key_start, query_block * block_q, (block_k, block_q), window) if masked else (None, None)
+    )
     q_c16 = q_c16_ring.at[slot]
     plgpu.barrier_wait(query_full.at[slot])
     shift = lax.broadcast_in_dim(shift_ring.at[slot][...], (block_k, block_q), [1])
@@ -436,7 +567,8 @@ def _consume(consumer, program, head, first, lookahead_end, sweep_end, acc_ref, 
       return causal_acc[...], lookahead_acc[...], new_keys
 
     causal, lookahead, keys = pl.run_scoped(
-        products, plgpu.ACC((block_k, block_q), jnp.float32), plgpu.ACC((block_k, block_q), jnp.float32))
+      products, plgpu.ACC((block_k, block_q), jnp.float32), plgpu.ACC((block_k, block_q), jnp.float32)
+    )
     lookahead = lookahead * lookahead_unit
     scores = causal * scale - mosaic_math.silu(lookahead) - shift
     probs32 = jnp.exp(scores)
@@ -461,10 +593,19 @@ def _consume(consumer, program, head, first, lookahead_end, sweep_end, acc_ref, 
         for block in range(_CONSUMERS):
           plgpu.wgmma(out_acc, probs_smem.at[block].T, v_c_smem.at[block])
         return out_acc[...]
+
       out = pl.run_scoped(values_product, plgpu.ACC((block_q, head_dim), jnp.float32))
       total_sums = sums + partner_sums_smem[...]
-      accumulate_rows(out, total_sums, acc_ref.at[head, rows], sums_ref.at[head, rows], out_smem, sums_smem,
-                  accumulate_barrier.at[consumer], with_tma=not interpreted)
+      accumulate_rows(
+        out,
+        total_sums,
+        acc_ref.at[head, rows],
+        sums_ref.at[head, rows],
+        out_smem,
+        sums_smem,
+        accumulate_barrier.at[consumer],
+        with_tma=not interpreted,
+      )
 
     @pl.when(lax.rem(index, _CONSUMERS) != consumer)
     def _hand_over_probabilities():
@@ -489,12 +630,12 @@ def _consume(consumer, program, head, first, lookahead_end, sweep_end, acc_ref, 
   if window is None:
     keys = lax.fori_loop(diagonal_end, num_query_blocks, functools.partial(lookahead_step, masked=False), keys)
   else:
-    interior_end = window_interior_end(program * _CONSUMERS * block_k, diagonal_end, lookahead_end, window=window,
-                                       block_q=block_q)
+    interior_end = window_interior_end(
+      program * _CONSUMERS * block_k, diagonal_end, lookahead_end, window=window, block_q=block_q
+    )
     keys = lax.fori_loop(diagonal_end, interior_end, functools.partial(lookahead_step, masked=False), keys)
     keys = lax.fori_loop(interior_end, lookahead_end, functools.partial(lookahead_step, masked=True), keys)
-    keys = lax.fori_loop(lookahead_end, sweep_end, functools.partial(step, with_lookahead=False, masked=False),
-                         keys)
+    keys = lax.fori_loop(lookahead_end, sweep_end, functools.partial(step, with_lookahead=False, masked=False), keys)
 
   # D leaves through a buffer that aliases the key tiles: both consumers must be done with them.
   plgpu.wait_smem_to_gmem(0)
@@ -510,32 +651,40 @@ def _warp_specialized_scratch(block_q, block_k, head_dim, dtype, interpreted):
   """Shared memory and barriers of `_warp_specialized_kernel` (budget in docs/castle_mosaic.md)."""
   key_tile = lambda dt: operand_smem((_CONSUMERS, block_k, head_dim), dt)
   key_union = plgpu.RefUnion(
-      (key_tile(dtype), key_tile(LOOKAHEAD_DTYPE), key_tile(PROBS_DTYPE)),
-      plgpu.SMEM((_CONSUMERS, block_k, head_dim), jnp.float32))
-  query_ring = (operand_smem((_STAGES, block_q, head_dim), LOOKAHEAD_DTYPE),
-                operand_smem((_STAGES, block_q, head_dim), dtype),
-                plgpu.SMEM((_STAGES, block_q), jnp.float32))
-  lookahead_smem = (operand_smem((block_q, block_q), LOOKAHEAD_DTYPE),
-                    operand_smem((block_q, head_dim), LOOKAHEAD_DTYPE))
+    (key_tile(dtype), key_tile(LOOKAHEAD_DTYPE), key_tile(PROBS_DTYPE)),
+    plgpu.SMEM((_CONSUMERS, block_k, head_dim), jnp.float32),
+  )
+  query_ring = (
+    operand_smem((_STAGES, block_q, head_dim), LOOKAHEAD_DTYPE),
+    operand_smem((_STAGES, block_q, head_dim), dtype),
+    plgpu.SMEM((_STAGES, block_q), jnp.float32),
+  )
+  lookahead_smem = (
+    operand_smem((block_q, block_q), LOOKAHEAD_DTYPE),
+    operand_smem((block_q, head_dim), LOOKAHEAD_DTYPE),
+  )
   # The probabilities of both key blocks, then (aliased) the summed output tile.
   exchange_union = plgpu.RefUnion(
-      (operand_smem((_CONSUMERS, block_k, block_q), PROBS_DTYPE), plgpu.SMEM((block_q,), jnp.float32)),
-      (plgpu.SMEM((block_q, head_dim), jnp.float32), plgpu.SMEM((block_q,), jnp.float32)))
+    (operand_smem((_CONSUMERS, block_k, block_q), PROBS_DTYPE), plgpu.SMEM((block_q,), jnp.float32)),
+    (plgpu.SMEM((block_q, head_dim), jnp.float32), plgpu.SMEM((block_q,), jnp.float32)),
+  )
   register_staging = None
   if interpreted:
-    register_staging = (operand_smem((_CONSUMERS, block_k, block_q), LOOKAHEAD_DTYPE),
-                        operand_smem((_CONSUMERS, block_k, head_dim), LOOKAHEAD_DTYPE))
+    register_staging = (
+      operand_smem((_CONSUMERS, block_k, block_q), LOOKAHEAD_DTYPE),
+      operand_smem((_CONSUMERS, block_k, head_dim), LOOKAHEAD_DTYPE),
+    )
   # A barrier that TMA copies signal completes when all of its copies have arrived.
   barriers = (
-      plgpu.Barrier(num_arrivals=len(_KEY_TILES) * _CONSUMERS),                 # key_full
-      plgpu.Barrier(num_arrivals=2, num_barriers=_STAGES),                      # query_full: Q^C, shift
-      plgpu.Barrier(num_arrivals=1, num_barriers=_STAGES),                      # k_u_full
-      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_STAGES),             # query_free
-      plgpu.Barrier(num_arrivals=2),                                            # lookahead_full: R, V^U
-      plgpu.Barrier(num_arrivals=_CONSUMERS),                                   # lookahead_free
-      plgpu.Barrier(num_arrivals=1, num_barriers=_CONSUMERS),                   # probs_ready, per receiver
-      plgpu.Barrier(num_arrivals=_CONSUMERS),                                   # sweep_done
-      plgpu.Barrier(num_arrivals=2, num_barriers=_CONSUMERS),                   # interpret-mode accumulate
+    plgpu.Barrier(num_arrivals=len(_KEY_TILES) * _CONSUMERS),  # key_full
+    plgpu.Barrier(num_arrivals=2, num_barriers=_STAGES),  # query_full: Q^C, shift
+    plgpu.Barrier(num_arrivals=1, num_barriers=_STAGES),  # k_u_full
+    plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_STAGES),  # query_free
+    plgpu.Barrier(num_arrivals=2),  # lookahead_full: R, V^U
+    plgpu.Barrier(num_arrivals=_CONSUMERS),  # lookahead_free
+    plgpu.Barrier(num_arrivals=1, num_barriers=_CONSUMERS),  # probs_ready, per receiver
+    plgpu.Barrier(num_arrivals=_CONSUMERS),  # sweep_done
+    plgpu.Barrier(num_arrivals=2, num_barriers=_CONSUMERS),  # interpret-mode accumulate
   )
   return [key_union, query_ring, lookahead_smem, exchange_union, register_staging, barriers]
 
@@ -545,20 +694,20 @@ def _simple_scratch(block_q, block_k, head_dim, dtype, interpreted):
   key_tile = lambda dt: operand_smem((block_k, head_dim), dt)
   query_tile = lambda dt: operand_smem((block_q, head_dim), dt)
   return [
-      (key_tile(dtype),) * 3,
-      (query_tile(dtype), query_tile(LOOKAHEAD_DTYPE), query_tile(dtype), query_tile(LOOKAHEAD_DTYPE)),
-      operand_smem((block_q, block_q), LOOKAHEAD_DTYPE),
-      plgpu.SMEM((block_q,), jnp.float32),
-      operand_smem((block_k, block_q), dtype),
-      plgpu.SMEM((block_q, head_dim), jnp.float32),
-      plgpu.SMEM((block_q,), jnp.float32),
-      plgpu.SMEM((block_k, head_dim), jnp.float32),
-      operand_smem((block_k, block_q), LOOKAHEAD_DTYPE) if interpreted else None,
-      operand_smem((block_k, head_dim), LOOKAHEAD_DTYPE) if interpreted else None,
-      # A barrier completes when every copy that signals it has arrived.
-      plgpu.Barrier(num_arrivals=len(_KEY_TILES)),
-      plgpu.Barrier(num_arrivals=len(_QUERY_TILES)),
-      plgpu.Barrier(num_arrivals=2),
+    (key_tile(dtype),) * 3,
+    (query_tile(dtype), query_tile(LOOKAHEAD_DTYPE), query_tile(dtype), query_tile(LOOKAHEAD_DTYPE)),
+    operand_smem((block_q, block_q), LOOKAHEAD_DTYPE),
+    plgpu.SMEM((block_q,), jnp.float32),
+    operand_smem((block_k, block_q), dtype),
+    plgpu.SMEM((block_q, head_dim), jnp.float32),
+    plgpu.SMEM((block_q,), jnp.float32),
+    plgpu.SMEM((block_k, head_dim), jnp.float32),
+    operand_smem((block_k, block_q), LOOKAHEAD_DTYPE) if interpreted else None,
+    operand_smem((block_k, head_dim), LOOKAHEAD_DTYPE) if interpreted else None,
+    # A barrier completes when every copy that signals it has arrived.
+    plgpu.Barrier(num_arrivals=len(_KEY_TILES)),
+    plgpu.Barrier(num_arrivals=len(_QUERY_TILES)),
+    plgpu.Barrier(num_arrivals=2),
   ]
 
 
@@ -576,8 +725,21 @@ def key_major_sweep_end(program, *, window: int, block_q: int, block_k: int, num
   return jnp.minimum(num_query_blocks, rounded)
 
 
-def forward(q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, shift, *, scale: float, window: int | None,
-            config: CastleMosaicConfig, interpret):
+def forward(
+  q_u,
+  k_u,
+  v_u,
+  q_c,
+  k_c,
+  v_c,
+  in_block_t,
+  shift,
+  *,
+  scale: float,
+  window: int | None,
+  config: CastleMosaicConfig,
+  interpret,
+):
   """The Mosaic GPU forward kernel on padded [BH, L, d] arrays.
 
   Args:
@@ -597,8 +759,21 @@ def forward(q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, shift, *, scale: float, wi
     sum_s exp(A[t, s] - m_t); keys: float32 [BH, L, d], D after the last query block
     (the lookahead keys u_s^L).
   """
-  call = functools.partial(forward_into, q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, shift, scale=scale,
-                           window=window, config=config, interpret=interpret)
+  call = functools.partial(
+    forward_into,
+    q_u,
+    k_u,
+    v_u,
+    q_c,
+    k_c,
+    v_c,
+    in_block_t,
+    shift,
+    scale=scale,
+    window=window,
+    config=config,
+    interpret=interpret,
+  )
   return run_on_zeroed_refs(lambda *refs: call(*refs), accumulator_types(q_c))
 
 
@@ -609,26 +784,44 @@ def accumulator_types(q_c):
   return rows, jax.ShapeDtypeStruct((heads, length), jnp.float32), rows
 
 
-def key_major_launch(kernel, scratch, *, length: int, heads: int, keys_per_program: int, interpret,
-                     num_threads: int | None = None):
+def key_major_launch(
+  kernel, scratch, *, length: int, heads: int, keys_per_program: int, interpret, num_threads: int | None = None
+):
   """`kernel` as a Mosaic GPU call with one program per (keys_per_program keys, head), grid
   axes "key_block" and "head", and `num_threads` warpgroups on axis "wg" (None: one
   warpgroup, no axis); the key-block-major kernels of the forward and the backward."""
   mesh = {} if num_threads is None else dict(num_threads=num_threads, thread_name="wg")
   return plgpu.kernel(
-      kernel,
-      out_type=(),
-      scratch_types=scratch,
-      grid=(length // keys_per_program, heads),
-      grid_names=("key_block", "head"),
-      compiler_params=mosaic_profile.compiler_params(),
-      interpret=interpret,
-      **mesh,
+    kernel,
+    out_type=(),
+    scratch_types=scratch,
+    grid=(length // keys_per_program, heads),
+    grid_names=("key_block", "head"),
+    compiler_params=mosaic_profile.compiler_params(),
+    interpret=interpret,
+    **mesh,
   )
 
 
-def forward_into(q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, shift, acc_ref, sums_ref, keys_ref, *, scale: float,
-                 window: int | None, config: CastleMosaicConfig, interpret, past_window: bool = True):
+def forward_into(
+  q_u,
+  k_u,
+  v_u,
+  q_c,
+  k_c,
+  v_c,
+  in_block_t,
+  shift,
+  acc_ref,
+  sums_ref,
+  keys_ref,
+  *,
+  scale: float,
+  window: int | None,
+  config: CastleMosaicConfig,
+  interpret,
+  past_window: bool = True,
+):
   """`forward`'s kernel, reduce-adding into `acc_ref` and `sums_ref` and writing `keys_ref`.
 
   With `past_window=False` (CASTLE-SWL, schedule "warp_specialized" only) each key
@@ -641,24 +834,48 @@ def forward_into(q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, shift, acc_ref, sums_
   interpreted = interpret is not None
   if not past_window and (window is None or config.schedule != "warp_specialized"):
     raise ValueError("forward_into: past_window=False needs a window and schedule 'warp_specialized'")
-  params = dict(scale=scale, window=window, block_q=block_q, block_k=block_k,
-                num_query_blocks=length // block_q, head_dim=head_dim, interpreted=interpreted)
+  params = dict(
+    scale=scale,
+    window=window,
+    block_q=block_q,
+    block_k=block_k,
+    num_query_blocks=length // block_q,
+    head_dim=head_dim,
+    interpreted=interpreted,
+  )
   if config.schedule == "warp_specialized":
     kernel = functools.partial(_warp_specialized_kernel, past_window=past_window, **params)
     scratch = _warp_specialized_scratch(block_q, block_k, head_dim, dtype, interpreted)
     # The causal product takes float16 copies of Q^C and K^C (exact for bf16 values within
     # float16's range), so that Q^C is streamed once for both of its products.
-    inputs = (q_u, k_c.astype(LOOKAHEAD_DTYPE), v_c.astype(PROBS_DTYPE), q_c.astype(LOOKAHEAD_DTYPE), k_u,
-              v_u.astype(LOOKAHEAD_DTYPE), (in_block_t * (KEY_STATE_SCALE / scale)).astype(LOOKAHEAD_DTYPE),
-              shift)
+    inputs = (
+      q_u,
+      k_c.astype(LOOKAHEAD_DTYPE),
+      v_c.astype(PROBS_DTYPE),
+      q_c.astype(LOOKAHEAD_DTYPE),
+      k_u,
+      v_u.astype(LOOKAHEAD_DTYPE),
+      (in_block_t * (KEY_STATE_SCALE / scale)).astype(LOOKAHEAD_DTYPE),
+      shift,
+    )
     mesh = dict(num_threads=_CONSUMERS + 1)
   else:
     kernel = functools.partial(_forward_kernel, **params)
     scratch = _simple_scratch(block_q, block_k, head_dim, dtype, interpreted)
-    inputs = (q_u, k_c, v_c, q_c, q_c.astype(LOOKAHEAD_DTYPE), k_u, v_u.astype(LOOKAHEAD_DTYPE),
-              in_block_t.astype(LOOKAHEAD_DTYPE), shift)
+    inputs = (
+      q_u,
+      k_c,
+      v_c,
+      q_c,
+      q_c.astype(LOOKAHEAD_DTYPE),
+      k_u,
+      v_u.astype(LOOKAHEAD_DTYPE),
+      in_block_t.astype(LOOKAHEAD_DTYPE),
+      shift,
+    )
     mesh = {}
-  launch = key_major_launch(kernel, scratch, length=length, heads=heads, keys_per_program=config.keys_per_program,
-                            interpret=interpret, **mesh)
+  launch = key_major_launch(
+    kernel, scratch, length=length, heads=heads, keys_per_program=config.keys_per_program, interpret=interpret, **mesh
+  )
   # acc and sums are reduce-added into; keys (after them) is written.
   launch(*inputs, acc_ref, sums_ref, keys_ref)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.castle import mosaic_forward, mosaic_past_window
 from pallas_kernels.castle.mosaic_config import SUPPORTED_HEAD_DIMS, CastleMosaicConfig
+
 # The shift rule and the XLA-side tiles are the Triton path's, shared rather than repeated.
 from pallas_kernels.castle.ops import _in_block_scores, normalize_with_safe_shift
 
@@ -32,6 +33,7 @@ class MosaicForward(NamedTuple):
   lse: float32 [batch, heads, seq], the row log-sum-exp of the scores A.
   lookahead_keys: float32 [batch, seq, heads, head_dim], row s is u_s^L (the final D).
   """
+
   out: jax.Array
   lse: jax.Array
   lookahead_keys: jax.Array
@@ -45,17 +47,23 @@ def _check(inputs, window):
   (kernels import nothing of castle_jax), so only what would otherwise fail obscurely here."""
   for name, x in zip(_INPUT_NAMES, inputs):
     if x.ndim != 4 or x.shape != inputs[0].shape or x.dtype != inputs[0].dtype:
-      raise ValueError(f"castle_forward_mosaic: {name} must have q_u's shape [batch, seq, heads, head_dim] "
-                       f"{inputs[0].shape} and dtype {inputs[0].dtype}; got {x.shape} {x.dtype}")
+      raise ValueError(
+        f"castle_forward_mosaic: {name} must have q_u's shape [batch, seq, heads, head_dim] "
+        f"{inputs[0].shape} and dtype {inputs[0].dtype}; got {x.shape} {x.dtype}"
+      )
   if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
     raise ValueError(f"castle_forward_mosaic: window must be None or an int >= 1, got {window!r}")
   dtype, head_dim = inputs[0].dtype, inputs[0].shape[-1]
   if dtype not in SUPPORTED_DTYPES:
-    raise ValueError(f"castle_forward_mosaic takes bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}; "
-                     "cast the inputs or use the Triton kernels (pallas_kernels.castle.castle_attention_pallas)")
+    raise ValueError(
+      f"castle_forward_mosaic takes bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}; "
+      "cast the inputs or use the Triton kernels (pallas_kernels.castle.castle_attention_pallas)"
+    )
   if head_dim not in SUPPORTED_HEAD_DIMS:
-    raise ValueError(f"castle_forward_mosaic takes head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim} "
-                     "(last axis of q_u); use the Triton kernels for other head dims")
+    raise ValueError(
+      f"castle_forward_mosaic takes head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim} "
+      "(last axis of q_u); use the Triton kernels for other head dims"
+    )
 
 
 def _in_block_scores_transposed(q_c, v_u, scale, block_q):
@@ -74,6 +82,7 @@ def padded_length(seq: int, config: CastleMosaicConfig) -> int:
 
 def heads_layout(batch: int, seq: int, heads: int, padded: int):
   """(to_heads, from_heads): [B, T, H, X] <-> [B * H, padded, X] (zero-padded sequence)."""
+
   def to_heads(x):
     x = x.transpose(0, 2, 1, 3).reshape(batch * heads, seq, x.shape[-1])
     return jnp.pad(x, ((0, 0), (0, padded - seq), (0, 0)))
@@ -88,23 +97,35 @@ def _forward_heads(q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpre
   """[BH, L, d] -> out float32 [BH, L, d], lse float32 [BH, L], keys float32 [BH, L, d]."""
   in_block_t = _in_block_scores_transposed(q_c, v_u, scale, config.block_q)
   sweeps = mosaic_past_window if window is not None and config.splits_past_window else mosaic_forward
-  run = functools.partial(sweeps.forward, q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, scale=scale,
-                          window=window, config=config, interpret=interpret)
+  run = functools.partial(
+    sweeps.forward,
+    q_u,
+    k_u,
+    v_u,
+    q_c,
+    k_c,
+    v_c,
+    in_block_t,
+    scale=scale,
+    window=window,
+    config=config,
+    interpret=interpret,
+  )
   return normalize_with_safe_shift(run, q_c, k_c, scale, config.block_q)
 
 
 def castle_forward_mosaic(
-    q_u: jax.Array,
-    k_u: jax.Array,
-    v_u: jax.Array,
-    q_c: jax.Array,
-    k_c: jax.Array,
-    v_c: jax.Array,
-    *,
-    scale: float,
-    window: int | None = None,
-    config: CastleMosaicConfig | None = None,
-    interpret: bool = False,
+  q_u: jax.Array,
+  k_u: jax.Array,
+  v_u: jax.Array,
+  q_c: jax.Array,
+  k_c: jax.Array,
+  v_c: jax.Array,
+  *,
+  scale: float,
+  window: int | None = None,
+  config: CastleMosaicConfig | None = None,
+  interpret: bool = False,
 ) -> MosaicForward:
   """CASTLE (or CASTLE-SWL with `window`) forward with the Mosaic GPU kernel (Hopper).
 
@@ -134,8 +155,8 @@ def castle_forward_mosaic(
 
   to_heads, from_heads = heads_layout(batch, seq, heads, padded)
   out, lse, keys = _forward_heads(
-      *(to_heads(x) for x in inputs), scale, window, config,
-      plgpu.InterpretGPUParams() if interpret else None)
-  return MosaicForward(out=from_heads(out).astype(q_c.dtype),
-                       lse=lse[:, :seq].reshape(batch, heads, seq),
-                       lookahead_keys=from_heads(keys))
+    *(to_heads(x) for x in inputs), scale, window, config, plgpu.InterpretGPUParams() if interpret else None
+  )
+  return MosaicForward(
+    out=from_heads(out).astype(q_c.dtype), lse=lse[:, :seq].reshape(batch, heads, seq), lookahead_keys=from_heads(keys)
+  )

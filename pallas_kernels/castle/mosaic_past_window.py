@@ -42,13 +42,23 @@ from pallas_kernels.castle import mosaic_forward, mosaic_math
 from pallas_kernels.castle import mosaic_profile
 from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
 from pallas_kernels.castle.mosaic_forward import (
-    KEY_STATE_SCALE, LOOKAHEAD_DTYPE, PAST_WINDOW_QUERY_BLOCKS, PROBS_DTYPE, matmul, operand_smem, reduce_add_tiles,
-    observe_last_releases, register_operand, run_on_zeroed_refs, wgmma_zeros)
+  KEY_STATE_SCALE,
+  LOOKAHEAD_DTYPE,
+  PAST_WINDOW_QUERY_BLOCKS,
+  PROBS_DTYPE,
+  matmul,
+  operand_smem,
+  reduce_add_tiles,
+  observe_last_releases,
+  register_operand,
+  run_on_zeroed_refs,
+  wgmma_zeros,
+)
 
 # Both directions: two consumer warpgroups (each one query block, or one key block) and a
 # producer warpgroup streaming the other side's tiles through a ring of STAGES slots.
 CONSUMERS = PAST_WINDOW_QUERY_BLOCKS
-PRODUCER = CONSUMERS     # warpgroup index of the producer
+PRODUCER = CONSUMERS  # warpgroup index of the producer
 STAGES = 2
 _PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
@@ -69,14 +79,17 @@ def check_length(length: int, block_q: int, keys_per_program: int):
   """The kernels run on whole query and key programs: a shorter tail would go unswept."""
   multiple = max(CONSUMERS * block_q, keys_per_program)
   if length % multiple:
-    raise ValueError(f"mosaic_past_window: the sequence length {length} must be a multiple of {multiple} "
-                     "(pad with mosaic_ops.padded_length)")
+    raise ValueError(
+      f"mosaic_past_window: the sequence length {length} must be a multiple of {multiple} "
+      "(pad with mosaic_ops.padded_length)"
+    )
 
 
 def num_key_blocks(query_program, *, window, block_q, block_k, keys_per_program):
   """Key blocks that `query_program` sweeps: those of the key programs past its window."""
-  key_programs = past_window_key_programs(query_program, window=window, keys_per_program=keys_per_program,
-                                          queries_per_program=CONSUMERS * block_q)
+  key_programs = past_window_key_programs(
+    query_program, window=window, keys_per_program=keys_per_program, queries_per_program=CONSUMERS * block_q
+  )
   return key_programs * (keys_per_program // block_k)
 
 
@@ -96,9 +109,11 @@ def stream_tiles(num_steps, groups, block: int, first_block=0):
     slot = lax.rem(step, STAGES)
     rows = pl.ds((first_block + step) * block, block)
     for sources, ring, full, free in groups:
+
       @pl.when(step >= STAGES)
       def _():
         plgpu.barrier_wait(free.at[slot])
+
       for src, dst in zip(sources, ring):
         plgpu.copy_gmem_to_smem(src.at[rows], dst.at[slot], full.at[slot])
 
@@ -120,8 +135,9 @@ def sweep_in_turns(consumer, turn_barrier, num_steps, step, carry):
   return carry
 
 
-def query_major_program(key_sources, key_ring, ring_barriers, consume, *, window: int, block_q: int, block_k: int,
-                        keys_per_program: int):
+def query_major_program(
+  key_sources, key_ring, ring_barriers, consume, *, window: int, block_q: int, block_k: int, keys_per_program: int
+):
   """The warpgroups of one query-major program (query rows [CONSUMERS * block_q * p, ...)).
 
   The producer streams the key blocks past the program's window from `key_sources`
@@ -133,15 +149,19 @@ def query_major_program(key_sources, key_ring, ring_barriers, consume, *, window
   program = lax.axis_index("query_program")
   head = lax.axis_index("head")
   warpgroup = lax.axis_index("wg")
-  num_steps = num_key_blocks(program, window=window, block_q=block_q, block_k=block_k,
-                             keys_per_program=keys_per_program)
+  num_steps = num_key_blocks(
+    program, window=window, block_q=block_q, block_k=block_k, keys_per_program=keys_per_program
+  )
   key_full, values_full, key_free, values_free = ring_barriers
   k_src, keys_src, v_src = (ref.at[head] for ref in key_sources)
 
   @pl.when(jnp.logical_and(num_steps > 0, warpgroup == PRODUCER))
   def _producer():
-    stream_tiles(num_steps, [((k_src, keys_src), key_ring[:2], key_full, key_free),
-                             ((v_src,), key_ring[2:], values_full, values_free)], block_k)
+    stream_tiles(
+      num_steps,
+      [((k_src, keys_src), key_ring[:2], key_full, key_free), ((v_src,), key_ring[2:], values_full, values_free)],
+      block_k,
+    )
 
   @pl.when(jnp.logical_and(num_steps > 0, warpgroup < CONSUMERS))
   def _consumer():
@@ -150,10 +170,28 @@ def query_major_program(key_sources, key_ring, ring_barriers, consume, *, window
     consume(warpgroup, head, rows, num_steps)
 
 
-def _forward_kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c_ref, shift_ref, acc_ref, sums_ref,
-                    query_union, key_ring, shift_smem, probs_staging, barriers, *,
-                    scale: float, window: int, block_q: int, block_k: int, keys_per_program: int, head_dim: int,
-                    interpreted: bool):
+def _forward_kernel(
+  q_c16_ref,
+  k_c16_ref,
+  keys16_ref,
+  v_c_ref,
+  shift_ref,
+  acc_ref,
+  sums_ref,
+  query_union,
+  key_ring,
+  shift_smem,
+  probs_staging,
+  barriers,
+  *,
+  scale: float,
+  window: int,
+  block_q: int,
+  block_k: int,
+  keys_per_program: int,
+  head_dim: int,
+  interpreted: bool,
+):
   """One program: query rows [2 * block_q * p, 2 * block_q * (p + 1)) of one head, in steps
   of block_k keys (64, or 128: one key program, half the barrier rounds per key)."""
   k_ring, keys_ring, v_ring = key_ring
@@ -180,7 +218,8 @@ def _forward_kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c_ref, shift_ref, acc_re
         return causal_acc[...], lookahead_acc[...]
 
       causal, lookahead = pl.run_scoped(
-          score_products, plgpu.ACC((block_q, block_k), jnp.float32), plgpu.ACC((block_q, block_k), jnp.float32))
+        score_products, plgpu.ACC((block_q, block_k), jnp.float32), plgpu.ACC((block_q, block_k), jnp.float32)
+      )
       plgpu.barrier_arrive(key_free.at[slot])
       shift = lax.broadcast_in_dim(shift_smem.at[consumer][...], (block_q, block_k), [0])
       probs32 = jnp.exp(causal * scale - mosaic_math.silu(lookahead * lookahead_unit) - shift)
@@ -205,14 +244,28 @@ def _forward_kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c_ref, shift_ref, acc_re
     half = head_dim // 2
     acc = acc_ref.at[head, rows]
     reduce_add = functools.partial(reduce_add_tiles, with_tma=not interpreted)
-    reduce_add([(out[:, :half], acc.at[:, pl.ds(0, half)], out_staging.at[consumer])],
-               accumulate_barriers[0].at[consumer])
-    reduce_add([(out[:, half:], acc.at[:, pl.ds(half, half)], out_staging.at[consumer]),
-                (sums, sums_ref.at[head, rows], shift_smem.at[consumer])], accumulate_barriers[1].at[consumer])
+    reduce_add(
+      [(out[:, :half], acc.at[:, pl.ds(0, half)], out_staging.at[consumer])], accumulate_barriers[0].at[consumer]
+    )
+    reduce_add(
+      [
+        (out[:, half:], acc.at[:, pl.ds(half, half)], out_staging.at[consumer]),
+        (sums, sums_ref.at[head, rows], shift_smem.at[consumer]),
+      ],
+      accumulate_barriers[1].at[consumer],
+    )
     plgpu.wait_smem_to_gmem(0)
 
-  query_major_program((k_c16_ref, keys16_ref, v_c_ref), key_ring, (key_full, values_full, key_free, values_free),
-                      consume, window=window, block_q=block_q, block_k=block_k, keys_per_program=keys_per_program)
+  query_major_program(
+    (k_c16_ref, keys16_ref, v_c_ref),
+    key_ring,
+    (key_full, values_full, key_free, values_free),
+    consume,
+    window=window,
+    block_q=block_q,
+    block_k=block_k,
+    keys_per_program=keys_per_program,
+  )
 
 
 def _forward_scratch(block_q, block_k, head_dim, interpreted):
@@ -220,31 +273,46 @@ def _forward_scratch(block_q, block_k, head_dim, interpreted):
   steps, ~129 KB with 64)."""
   ring = lambda dtype: operand_smem((STAGES, block_k, head_dim), dtype)
   return [
-      # Per consumer, Q^C (float16), then (aliased) its output staging: half the columns in float32.
-      plgpu.RefUnion(operand_smem((CONSUMERS, block_q, head_dim), LOOKAHEAD_DTYPE),
-                     plgpu.SMEM((CONSUMERS, block_q, head_dim // 2), jnp.float32)),
-      (ring(LOOKAHEAD_DTYPE), ring(LOOKAHEAD_DTYPE), ring(PROBS_DTYPE)),          # K^C, D * 2^-8, V^C
-      # Last: a small buffer before the 1 KB-aligned ring would cost its padding, and at
-      # 128-key steps the kernel is within ~2 KB of the limit.
-      plgpu.SMEM((CONSUMERS, block_q), jnp.float32),                             # shift, then row-sum staging
-      operand_smem((CONSUMERS, block_q, block_k), PROBS_DTYPE) if interpreted else None,
-      (
-          plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),                 # query_full: Q^C, shift
-          plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),                    # key_full: K^C, D
-          plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),                    # values_full
-          plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=STAGES),           # key_free
-          plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=STAGES),           # values_free
-          plgpu.Barrier(num_arrivals=CONSUMERS),                                 # tensor_core_turn
-          # Interpret mode's reduce-adds (one arrival per tile): the first output half,
-          # then the second with the row sums.
-          (plgpu.Barrier(num_arrivals=1, num_barriers=CONSUMERS),
-           plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS)),
-      ),
+    # Per consumer, Q^C (float16), then (aliased) its output staging: half the columns in float32.
+    plgpu.RefUnion(
+      operand_smem((CONSUMERS, block_q, head_dim), LOOKAHEAD_DTYPE),
+      plgpu.SMEM((CONSUMERS, block_q, head_dim // 2), jnp.float32),
+    ),
+    (ring(LOOKAHEAD_DTYPE), ring(LOOKAHEAD_DTYPE), ring(PROBS_DTYPE)),  # K^C, D * 2^-8, V^C
+    # Last: a small buffer before the 1 KB-aligned ring would cost its padding, and at
+    # 128-key steps the kernel is within ~2 KB of the limit.
+    plgpu.SMEM((CONSUMERS, block_q), jnp.float32),  # shift, then row-sum staging
+    operand_smem((CONSUMERS, block_q, block_k), PROBS_DTYPE) if interpreted else None,
+    (
+      plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),  # query_full: Q^C, shift
+      plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # key_full: K^C, D
+      plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),  # values_full
+      plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=STAGES),  # key_free
+      plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=STAGES),  # values_free
+      plgpu.Barrier(num_arrivals=CONSUMERS),  # tensor_core_turn
+      # Interpret mode's reduce-adds (one arrival per tile): the first output half,
+      # then the second with the row sums.
+      (plgpu.Barrier(num_arrivals=1, num_barriers=CONSUMERS), plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS)),
+    ),
   ]
 
 
-def accumulate_past_window(q_c16, k_c16, keys, v_c, shift, acc_ref, sums_ref, *, scale: float, window: int,
-                           block_q: int, block_k: int, keys_per_program: int, interpret):
+def accumulate_past_window(
+  q_c16,
+  k_c16,
+  keys,
+  v_c,
+  shift,
+  acc_ref,
+  sums_ref,
+  *,
+  scale: float,
+  window: int,
+  block_q: int,
+  block_k: int,
+  keys_per_program: int,
+  interpret,
+):
   """Adds the past-window pairs' exp(A - shift) V^C and row sums into `acc_ref`, `sums_ref`.
 
   Args:
@@ -262,16 +330,36 @@ def accumulate_past_window(q_c16, k_c16, keys, v_c, shift, acc_ref, sums_ref, *,
       `key_major_sweep_end` this kernel complements.
     interpret: None, or `plgpu.InterpretGPUParams` (GPU interpret mode).
   """
-  launch = query_major_launch(_forward_kernel, _forward_scratch, q_c16.shape, scale=scale, window=window,
-                              block_q=block_q, block_k=block_k, keys_per_program=keys_per_program, interpret=interpret,
-                              # The row sums run over a WGMMA tile's columns, inside each warp.
-                              warp_local_reductions=True)
+  launch = query_major_launch(
+    _forward_kernel,
+    _forward_scratch,
+    q_c16.shape,
+    scale=scale,
+    window=window,
+    block_q=block_q,
+    block_k=block_k,
+    keys_per_program=keys_per_program,
+    interpret=interpret,
+    # The row sums run over a WGMMA tile's columns, inside each warp.
+    warp_local_reductions=True,
+  )
   keys16 = (keys * KEY_STATE_SCALE).astype(LOOKAHEAD_DTYPE)
   launch(q_c16, k_c16, keys16, v_c, shift, acc_ref, sums_ref)
 
 
-def query_major_launch(kernel, scratch, shape, *, scale: float, window: int, block_q: int, block_k: int,
-                       keys_per_program: int, interpret, warp_local_reductions: bool = False):
+def query_major_launch(
+  kernel,
+  scratch,
+  shape,
+  *,
+  scale: float,
+  window: int,
+  block_q: int,
+  block_k: int,
+  keys_per_program: int,
+  interpret,
+  warp_local_reductions: bool = False,
+):
   """`kernel` (a query-major past-window kernel) as a Mosaic GPU call on [BH, L, d] inputs:
   one program per (CONSUMERS * block_q queries, head), CONSUMERS + 1 warpgroups, the
   shared memory of `scratch(block_q, block_k, head_dim, interpreted)`
@@ -280,21 +368,30 @@ def query_major_launch(kernel, scratch, shape, *, scale: float, window: int, blo
   check_length(length, block_q, keys_per_program)
   interpreted = interpret is not None
   return plgpu.kernel(
-      functools.partial(kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
-                        keys_per_program=keys_per_program, head_dim=head_dim, interpreted=interpreted),
-      out_type=(),
-      scratch_types=scratch(block_q, block_k, head_dim, interpreted),
-      grid=(length // (CONSUMERS * block_q), heads),
-      grid_names=("query_program", "head"),
-      num_threads=CONSUMERS + 1,
-      thread_name="wg",
-      compiler_params=mosaic_profile.compiler_params(warp_local_reductions=warp_local_reductions),
-      interpret=interpret,
+    functools.partial(
+      kernel,
+      scale=scale,
+      window=window,
+      block_q=block_q,
+      block_k=block_k,
+      keys_per_program=keys_per_program,
+      head_dim=head_dim,
+      interpreted=interpreted,
+    ),
+    out_type=(),
+    scratch_types=scratch(block_q, block_k, head_dim, interpreted),
+    grid=(length // (CONSUMERS * block_q), heads),
+    grid_names=("query_program", "head"),
+    num_threads=CONSUMERS + 1,
+    thread_name="wg",
+    compiler_params=mosaic_profile.compiler_params(warp_local_reductions=warp_local_reductions),
+    interpret=interpret,
   )
 
 
-def forward(q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, shift, *, scale: float, window: int,
-            config: CastleMosaicConfig, interpret):
+def forward(
+  q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, shift, *, scale: float, window: int, config: CastleMosaicConfig, interpret
+):
   """`mosaic_forward.forward` for CASTLE-SWL with the pairs past the window run query-major.
 
   Same arguments and results. The key-major sweep runs first, up to each key program's
@@ -303,11 +400,38 @@ def forward(q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, shift, *, scale: float, wi
   block_q = config.block_q
 
   def both_sweeps(acc_ref, sums_ref, keys_ref):
-    mosaic_forward.forward_into(q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, shift, acc_ref, sums_ref, keys_ref,
-                                scale=scale, window=window, config=config, interpret=interpret, past_window=False)
+    mosaic_forward.forward_into(
+      q_u,
+      k_u,
+      v_u,
+      q_c,
+      k_c,
+      v_c,
+      in_block_t,
+      shift,
+      acc_ref,
+      sums_ref,
+      keys_ref,
+      scale=scale,
+      window=window,
+      config=config,
+      interpret=interpret,
+      past_window=False,
+    )
     accumulate_past_window(
-        q_c.astype(LOOKAHEAD_DTYPE), k_c.astype(LOOKAHEAD_DTYPE), keys_ref[...], v_c.astype(PROBS_DTYPE), shift,
-        acc_ref, sums_ref, scale=scale, window=window, block_q=block_q, block_k=config.past_window_step_keys,
-        keys_per_program=config.keys_per_program, interpret=interpret)
+      q_c.astype(LOOKAHEAD_DTYPE),
+      k_c.astype(LOOKAHEAD_DTYPE),
+      keys_ref[...],
+      v_c.astype(PROBS_DTYPE),
+      shift,
+      acc_ref,
+      sums_ref,
+      scale=scale,
+      window=window,
+      block_q=block_q,
+      block_k=config.past_window_step_keys,
+      keys_per_program=config.keys_per_program,
+      interpret=interpret,
+    )
 
   return run_on_zeroed_refs(both_sweeps, mosaic_forward.accumulator_types(q_c))

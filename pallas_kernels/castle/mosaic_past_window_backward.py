@@ -41,12 +41,31 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels.castle import mosaic_math
-from pallas_kernels.castle.mosaic_forward import (KEY_STATE_SCALE, LOOKAHEAD_DTYPE, accumulate_products, key_major_launch,
-                                                key_major_sweep_end, observe_last_releases, operand_smem, products,
-                                                reduce_add_tiles, register_operand, run_on_zeroed_refs, wgmma_zeros)
-from pallas_kernels.castle.mosaic_past_window import (CONSUMER_REGISTERS, CONSUMERS, STAGES, check_length,
-                                                    query_major_launch, query_major_program, stream_tiles,
-                                                    sweep_in_turns, take_turn)
+from pallas_kernels.castle.mosaic_forward import (
+  KEY_STATE_SCALE,
+  LOOKAHEAD_DTYPE,
+  accumulate_products,
+  key_major_launch,
+  key_major_sweep_end,
+  observe_last_releases,
+  operand_smem,
+  products,
+  reduce_add_tiles,
+  register_operand,
+  run_on_zeroed_refs,
+  wgmma_zeros,
+)
+from pallas_kernels.castle.mosaic_past_window import (
+  CONSUMER_REGISTERS,
+  CONSUMERS,
+  STAGES,
+  check_length,
+  query_major_launch,
+  query_major_program,
+  stream_tiles,
+  sweep_in_turns,
+  take_turn,
+)
 
 
 def _phase(kernel: str, name: str):
@@ -62,6 +81,7 @@ def _float16_operands(q_c, k_c, keys, v_c, d_out):
 def _score_products(pairs, tile, while_issued=None):
   """S^C, S^U * 2^-8 and dP of one tile: the three (a, b) wgmma operand `pairs` issued
   together and waited on once (`while_issued()` runs in between)."""
+
   def issue(*accs):
     for acc, (a, b) in zip(accs, pairs):
       plgpu.wgmma(acc, a, b)
@@ -85,10 +105,30 @@ def _score_gradients(causal, lookahead, d_probs, lse_smem, delta_smem, *, scale:
   return probs, d_scores, -d_scores * silu_grad
 
 
-def _query_grad_kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c16_ref, d_out16_ref, lse_ref, delta_ref, dq_ref,
-                       query_union, lse_smem, delta_smem, key_ring, grad_staging, barriers, *, scale: float,
-                       window: int, block_q: int, block_k: int, keys_per_program: int, head_dim: int,
-                       interpreted: bool):
+def _query_grad_kernel(
+  q_c16_ref,
+  k_c16_ref,
+  keys16_ref,
+  v_c16_ref,
+  d_out16_ref,
+  lse_ref,
+  delta_ref,
+  dq_ref,
+  query_union,
+  lse_smem,
+  delta_smem,
+  key_ring,
+  grad_staging,
+  barriers,
+  *,
+  scale: float,
+  window: int,
+  block_q: int,
+  block_k: int,
+  keys_per_program: int,
+  head_dim: int,
+  interpreted: bool,
+):
   """One program: dQ^C of query rows [2 * block_q * p, 2 * block_q * (p + 1)) of one head
   from the key blocks past their window (query-row frame [block_q, block_k]):
 
@@ -102,12 +142,17 @@ def _query_grad_kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c16_ref, d_out16_ref,
 
   def consume(consumer, head, rows, num_steps):
     q_smem, d_out_smem = query_tiles.at[consumer, 0], query_tiles.at[consumer, 1]
-    for src, dst in ((q_c16_ref, q_smem), (d_out16_ref, d_out_smem), (lse_ref, lse_smem.at[consumer]),
-                     (delta_ref, delta_smem.at[consumer])):
+    for src, dst in (
+      (q_c16_ref, q_smem),
+      (d_out16_ref, d_out_smem),
+      (lse_ref, lse_smem.at[consumer]),
+      (delta_ref, delta_smem.at[consumer]),
+    ):
       plgpu.copy_gmem_to_smem(src.at[head, rows], dst, query_full.at[consumer])
     plgpu.barrier_wait(query_full.at[consumer])
-    d_scores_staging, d_lookahead_staging = (None, None) if grad_staging is None else (
-        grad_staging[0].at[consumer], grad_staging[1].at[consumer])
+    d_scores_staging, d_lookahead_staging = (
+      (None, None) if grad_staging is None else (grad_staging[0].at[consumer], grad_staging[1].at[consumer])
+    )
     tile = (block_q, block_k)
 
     def step(index, d_query):
@@ -117,13 +162,16 @@ def _query_grad_kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c16_ref, d_out16_ref,
         plgpu.barrier_wait(values_full.at[slot])
 
       with _phase("dQ^C", "score products"):
-        scores = _score_products([(q_smem, k_ring.at[slot].T), (q_smem, keys_ring.at[slot].T),
-                                  (d_out_smem, v_ring.at[slot].T)], tile,
-                                 while_issued=functools.partial(take_turn, tensor_core_turn))
+        scores = _score_products(
+          [(q_smem, k_ring.at[slot].T), (q_smem, keys_ring.at[slot].T), (d_out_smem, v_ring.at[slot].T)],
+          tile,
+          while_issued=functools.partial(take_turn, tensor_core_turn),
+        )
         plgpu.barrier_arrive(values_free.at[slot])
       with _phase("dQ^C", "P, dS, dSU"):
         probs, d_scores, d_lookahead = _score_gradients(
-            *scores, lse_smem.at[consumer], delta_smem.at[consumer], scale=scale, query_axis=0)
+          *scores, lse_smem.at[consumer], delta_smem.at[consumer], scale=scale, query_axis=0
+        )
         # D enters scaled by 2^-8, so dSU is scaled by 2^8 to match (exact).
         d_lookahead = d_lookahead * (1.0 / KEY_STATE_SCALE)
         d_scores16 = register_operand(d_scores.astype(LOOKAHEAD_DTYPE), d_scores_staging)
@@ -131,20 +179,33 @@ def _query_grad_kernel(q_c16_ref, k_c16_ref, keys16_ref, v_c16_ref, d_out16_ref,
       with _phase("dQ^C", "wait for the turn"):
         take_turn(tensor_core_turn)
       with _phase("dQ^C", "dQ^C products"):
-        d_query = products([(d_scores16, k_ring.at[slot]), (d_lookahead16, keys_ring.at[slot])],
-                           (block_q, head_dim), init=d_query, init_in_place=not interpreted)
+        d_query = products(
+          [(d_scores16, k_ring.at[slot]), (d_lookahead16, keys_ring.at[slot])],
+          (block_q, head_dim),
+          init=d_query,
+          init_in_place=not interpreted,
+        )
         plgpu.barrier_arrive(key_free.at[slot])
       return d_query
 
     d_query = wgmma_zeros((block_q, head_dim))
     d_query = sweep_in_turns(consumer, tensor_core_turn, num_steps, step, d_query)
     # The staging buffer aliases this consumer's own query tiles, which its products have read.
-    reduce_add_tiles([(d_query * scale, dq_ref.at[head, rows], dq_staging.at[consumer])], io.at[consumer],
-                     with_tma=not interpreted)
+    reduce_add_tiles(
+      [(d_query * scale, dq_ref.at[head, rows], dq_staging.at[consumer])], io.at[consumer], with_tma=not interpreted
+    )
     plgpu.wait_smem_to_gmem(0)
 
-  query_major_program((k_c16_ref, keys16_ref, v_c16_ref), key_ring, (key_full, values_full, key_free, values_free),
-                      consume, window=window, block_q=block_q, block_k=block_k, keys_per_program=keys_per_program)
+  query_major_program(
+    (k_c16_ref, keys16_ref, v_c16_ref),
+    key_ring,
+    (key_full, values_full, key_free, values_free),
+    consume,
+    window=window,
+    block_q=block_q,
+    block_k=block_k,
+    keys_per_program=keys_per_program,
+  )
 
 
 def _query_grad_scratch(block_q, block_k, head_dim, interpreted):
@@ -152,27 +213,44 @@ def _query_grad_scratch(block_q, block_k, head_dim, interpreted):
   ring = operand_smem((STAGES, block_k, head_dim), LOOKAHEAD_DTYPE)
   staging = lambda: operand_smem((CONSUMERS, block_q, block_k), LOOKAHEAD_DTYPE)
   return [
-      # Per consumer, Q^C and dO (float16), then (aliased) its dQ^C staging in float32.
-      plgpu.RefUnion(operand_smem((CONSUMERS, 2, block_q, head_dim), LOOKAHEAD_DTYPE),
-                     plgpu.SMEM((CONSUMERS, block_q, head_dim), jnp.float32)),
-      plgpu.SMEM((CONSUMERS, block_q), jnp.float32),                             # lse
-      plgpu.SMEM((CONSUMERS, block_q), jnp.float32),                             # delta
-      (ring, ring, ring),                                                         # K^C, D * 2^-8, V^C
-      (staging(), staging()) if interpreted else None,                            # dS, dSU
-      (
-          plgpu.Barrier(num_arrivals=4, num_barriers=CONSUMERS),                 # query_full
-          plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),                    # key_full: K^C, D
-          plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),                    # values_full
-          plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=STAGES),           # key_free
-          plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=STAGES),           # values_free
-          plgpu.Barrier(num_arrivals=CONSUMERS),                                 # tensor_core_turn
-          plgpu.Barrier(num_arrivals=1, num_barriers=CONSUMERS),                 # interpret-mode reduce-add
-      ),
+    # Per consumer, Q^C and dO (float16), then (aliased) its dQ^C staging in float32.
+    plgpu.RefUnion(
+      operand_smem((CONSUMERS, 2, block_q, head_dim), LOOKAHEAD_DTYPE),
+      plgpu.SMEM((CONSUMERS, block_q, head_dim), jnp.float32),
+    ),
+    plgpu.SMEM((CONSUMERS, block_q), jnp.float32),  # lse
+    plgpu.SMEM((CONSUMERS, block_q), jnp.float32),  # delta
+    (ring, ring, ring),  # K^C, D * 2^-8, V^C
+    (staging(), staging()) if interpreted else None,  # dS, dSU
+    (
+      plgpu.Barrier(num_arrivals=4, num_barriers=CONSUMERS),  # query_full
+      plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # key_full: K^C, D
+      plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),  # values_full
+      plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=STAGES),  # key_free
+      plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=STAGES),  # values_free
+      plgpu.Barrier(num_arrivals=CONSUMERS),  # tensor_core_turn
+      plgpu.Barrier(num_arrivals=1, num_barriers=CONSUMERS),  # interpret-mode reduce-add
+    ),
   ]
 
 
-def accumulate_query_grads(q_c, k_c, keys, v_c, d_out, lse, delta, dq_ref, *, scale: float, window: int,
-                           block_q: int, block_k: int, keys_per_program: int, interpret):
+def accumulate_query_grads(
+  q_c,
+  k_c,
+  keys,
+  v_c,
+  d_out,
+  lse,
+  delta,
+  dq_ref,
+  *,
+  scale: float,
+  window: int,
+  block_q: int,
+  block_k: int,
+  keys_per_program: int,
+  interpret,
+):
   """Adds the past-window pairs' share of dQ^C into `dq_ref` (float32 [BH, L, d]).
 
   Args:
@@ -182,8 +260,17 @@ def accumulate_query_grads(q_c, k_c, keys, v_c, d_out, lse, delta, dq_ref, *, sc
     lse, delta: float32 [BH, L].
     Others as `accumulate_past_window`.
   """
-  launch = query_major_launch(_query_grad_kernel, _query_grad_scratch, q_c.shape, scale=scale, window=window,
-                              block_q=block_q, block_k=block_k, keys_per_program=keys_per_program, interpret=interpret)
+  launch = query_major_launch(
+    _query_grad_kernel,
+    _query_grad_scratch,
+    q_c.shape,
+    scale=scale,
+    window=window,
+    block_q=block_q,
+    block_k=block_k,
+    keys_per_program=keys_per_program,
+    interpret=interpret,
+  )
   q_c16, k_c16, keys16, v_c16, d_out16 = _float16_operands(q_c, k_c, keys, v_c, d_out)
   launch(q_c16, k_c16, keys16, v_c16, d_out16, lse, delta, dq_ref)
 
@@ -193,11 +280,32 @@ def accumulate_query_grads(q_c, k_c, keys, v_c, d_out, lse, delta, dq_ref, *, sc
 _SCORES, _ACCUMULATOR, _KEY_SIDE_PRODUCER = 0, 1, 2
 
 
-def _key_grad_kernel(k_c16_ref, keys16_ref, v_c16_ref, q_c16_ref, d_out16_ref, lse_ref, delta_ref,
-                     dk_c_ref, dv_c_ref, d_keys_ref,
-                     key_tiles, query_ring, row_ring, grad_staging, out_staging, barriers, *,
-                     scale: float, window: int, block_q: int, block_k: int, num_query_blocks: int, head_dim: int,
-                     interpreted: bool):
+def _key_grad_kernel(
+  k_c16_ref,
+  keys16_ref,
+  v_c16_ref,
+  q_c16_ref,
+  d_out16_ref,
+  lse_ref,
+  delta_ref,
+  dk_c_ref,
+  dv_c_ref,
+  d_keys_ref,
+  key_tiles,
+  query_ring,
+  row_ring,
+  grad_staging,
+  out_staging,
+  barriers,
+  *,
+  scale: float,
+  window: int,
+  block_q: int,
+  block_k: int,
+  num_query_blocks: int,
+  head_dim: int,
+  interpreted: bool,
+):
   """One program: key block b (rows [block_k * b, block_k * (b + 1))) of one head, over
   the query blocks past its key program's window, in the key-row frame [block_k, block_q]:
 
@@ -215,8 +323,9 @@ def _key_grad_kernel(k_c16_ref, keys16_ref, v_c16_ref, q_c16_ref, d_out16_ref, l
   key_block = lax.axis_index("key_block")
   head = lax.axis_index("head")
   warpgroup = lax.axis_index("wg")
-  first = key_major_sweep_end(lax.div(key_block, CONSUMERS), window=window, block_q=block_q, block_k=block_k,
-                              num_query_blocks=num_query_blocks)
+  first = key_major_sweep_end(
+    lax.div(key_block, CONSUMERS), window=window, block_q=block_q, block_k=block_k, num_query_blocks=num_query_blocks
+  )
   num_steps = num_query_blocks - first
   key_rows = pl.ds(key_block * block_k, block_k)
   k_smem, keys_smem, v_smem = key_tiles
@@ -227,9 +336,19 @@ def _key_grad_kernel(k_c16_ref, keys16_ref, v_c16_ref, q_c16_ref, d_out16_ref, l
 
   @pl.when(jnp.logical_and(num_steps > 0, warpgroup == _KEY_SIDE_PRODUCER))
   def _producer():
-    stream_tiles(num_steps, [((q_c16_ref.at[head], d_out16_ref.at[head], lse_ref.at[head], delta_ref.at[head]),
-                              (q_ring, d_out_ring, lse_ring, delta_ring), query_full, query_free)],
-                 block_q, first_block=first)
+    stream_tiles(
+      num_steps,
+      [
+        (
+          (q_c16_ref.at[head], d_out16_ref.at[head], lse_ref.at[head], delta_ref.at[head]),
+          (q_ring, d_out_ring, lse_ring, delta_ring),
+          query_full,
+          query_free,
+        )
+      ],
+      block_q,
+      first_block=first,
+    )
 
   @pl.when(jnp.logical_and(num_steps > 0, warpgroup == _SCORES))
   def _scores():
@@ -250,13 +369,15 @@ def _key_grad_kernel(k_c16_ref, keys16_ref, v_c16_ref, q_c16_ref, d_out16_ref, l
         plgpu.barrier_arrive(query_free.at[slot])
       with _phase("key side", "P, dS, dSU"):
         probs, d_scores, d_lookahead = _score_gradients(
-            *scores, lse_ring.at[slot], delta_ring.at[slot], scale=scale, query_axis=1)
+          *scores, lse_ring.at[slot], delta_ring.at[slot], scale=scale, query_axis=1
+        )
 
       with _phase("key side", "wait for the staging slot"):
         # The accumulator warpgroup has read this slot's tiles of two steps ago.
         @pl.when(index >= STAGES)
         def _():
           plgpu.barrier_wait(staging_free.at[slot])
+
       with _phase("key side", "stage P, dS, dSU"):
         for staging, value in zip(grad_staging, (probs, d_scores, d_lookahead)):
           staging.at[slot][...] = value.astype(LOOKAHEAD_DTYPE)
@@ -279,10 +400,15 @@ def _key_grad_kernel(k_c16_ref, keys16_ref, v_c16_ref, q_c16_ref, d_out16_ref, l
         plgpu.barrier_wait(query_full.at[slot])
         plgpu.barrier_wait(grads_ready.at[slot])
       with _phase("key side", "dV^C, dK^C, dD products"):
-        states = accumulate_products([((probs_staging.at[slot], d_out_smem),),
-                                      ((d_scores_staging.at[slot], q_smem),),
-                                      ((d_lookahead_staging.at[slot], q_smem),)], states,
-                                     init_in_place=not interpreted)
+        states = accumulate_products(
+          [
+            ((probs_staging.at[slot], d_out_smem),),
+            ((d_scores_staging.at[slot], q_smem),),
+            ((d_lookahead_staging.at[slot], q_smem),),
+          ],
+          states,
+          init_in_place=not interpreted,
+        )
         plgpu.barrier_arrive(staging_free.at[slot])
         plgpu.barrier_arrive(query_free.at[slot])
       return states
@@ -303,23 +429,40 @@ def _key_grad_scratch(block_q, block_k, head_dim):
   key_tile = lambda: operand_smem((block_k, head_dim), LOOKAHEAD_DTYPE)
   square_ring = lambda: operand_smem((STAGES, block_k, block_q), LOOKAHEAD_DTYPE)
   return [
-      (key_tile(), key_tile(), key_tile()),                                      # K^C, D * 2^-8, V^C
-      (ring(block_q), ring(block_q)),                                            # Q^C, dO
-      (plgpu.SMEM((STAGES, block_q), jnp.float32),) * 2,                        # lse, delta
-      (square_ring(), square_ring(), square_ring()),                             # P^T, dS^T, dSU^T
-      plgpu.SMEM((block_k, head_dim), jnp.float32),                              # result staging
-      (
-          plgpu.Barrier(num_arrivals=3),                                         # key_full: K^C, D, V^C
-          plgpu.Barrier(num_arrivals=4, num_barriers=STAGES),                    # query_full: Q^C, dO, lse, delta
-          plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),                    # query_free: both warpgroups
-          plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),                    # grads_ready: P^T, dS^T, dSU^T
-          plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),                    # staging_free
-      ),
+    (key_tile(), key_tile(), key_tile()),  # K^C, D * 2^-8, V^C
+    (ring(block_q), ring(block_q)),  # Q^C, dO
+    (plgpu.SMEM((STAGES, block_q), jnp.float32),) * 2,  # lse, delta
+    (square_ring(), square_ring(), square_ring()),  # P^T, dS^T, dSU^T
+    plgpu.SMEM((block_k, head_dim), jnp.float32),  # result staging
+    (
+      plgpu.Barrier(num_arrivals=3),  # key_full: K^C, D, V^C
+      plgpu.Barrier(num_arrivals=4, num_barriers=STAGES),  # query_full: Q^C, dO, lse, delta
+      plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # query_free: both warpgroups
+      plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),  # grads_ready: P^T, dS^T, dSU^T
+      plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),  # staging_free
+    ),
   ]
 
 
-def key_grads_into(q_c, k_c, keys, v_c, d_out, lse, delta, dk_c_ref, dv_c_ref, d_keys_ref, *, scale: float,
-                   window: int, block_q: int, block_k: int, keys_per_program: int, interpret):
+def key_grads_into(
+  q_c,
+  k_c,
+  keys,
+  v_c,
+  d_out,
+  lse,
+  delta,
+  dk_c_ref,
+  dv_c_ref,
+  d_keys_ref,
+  *,
+  scale: float,
+  window: int,
+  block_q: int,
+  block_k: int,
+  keys_per_program: int,
+  interpret,
+):
   """The key side's gradients (dK^C, dV^C, dD) from the pairs past the window, written into
   zero-filled float32 [BH, L, d] refs: key blocks without such pairs are left as they are.
 
@@ -335,10 +478,23 @@ def key_grads_into(q_c, k_c, keys, v_c, d_out, lse, delta, dk_c_ref, dv_c_ref, d
     raise ValueError(f"key_grads: keys_per_program must be {CONSUMERS} * block_k, got {keys_per_program}")
   interpreted = interpret is not None
   launch = key_major_launch(
-      functools.partial(_key_grad_kernel, scale=scale, window=window, block_q=block_q, block_k=block_k,
-                        num_query_blocks=length // block_q, head_dim=head_dim, interpreted=interpreted),
-      _key_grad_scratch(block_q, block_k, head_dim), length=length, heads=heads, keys_per_program=block_k,
-      interpret=interpret, num_threads=3)
+    functools.partial(
+      _key_grad_kernel,
+      scale=scale,
+      window=window,
+      block_q=block_q,
+      block_k=block_k,
+      num_query_blocks=length // block_q,
+      head_dim=head_dim,
+      interpreted=interpreted,
+    ),
+    _key_grad_scratch(block_q, block_k, head_dim),
+    length=length,
+    heads=heads,
+    keys_per_program=block_k,
+    interpret=interpret,
+    num_threads=3,
+  )
   q_c16, k_c16, keys16, v_c16, d_out16 = _float16_operands(q_c, k_c, keys, v_c, d_out)
   launch(k_c16, keys16, v_c16, q_c16, d_out16, lse, delta, dk_c_ref, dv_c_ref, d_keys_ref)
 
@@ -353,4 +509,5 @@ def key_grads(q_c, k_c, keys, v_c, d_out, lse, delta, **kwargs):
   """
   rows = jax.ShapeDtypeStruct(q_c.shape, jnp.float32)
   return run_on_zeroed_refs(
-      lambda *refs: key_grads_into(q_c, k_c, keys, v_c, d_out, lse, delta, *refs, **kwargs), (rows,) * 3)
+    lambda *refs: key_grads_into(q_c, k_c, keys, v_c, d_out, lse, delta, *refs, **kwargs), (rows,) * 3
+  )

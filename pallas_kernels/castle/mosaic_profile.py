@@ -67,8 +67,13 @@ def compiler_params(*, warp_local_reductions: bool = False) -> plgpu.CompilerPar
   extra = dict(reduction_scratch_bytes=0) if warp_local_reductions else {}
   if not _recording:
     return plgpu.CompilerParams(approx_math=True, **extra)
-  return plgpu.CompilerParams(approx_math=True, profile_space=_recording["ranges"],
-                              profile_dir=_recording["directory"], profile_bounds_check=True, **extra)
+  return plgpu.CompilerParams(
+    approx_math=True,
+    profile_space=_recording["ranges"],
+    profile_dir=_recording["directory"],
+    profile_bounds_check=True,
+    **extra,
+  )
 
 
 def latest_trace(directory: str, containing: str | None = None) -> str:
@@ -80,8 +85,10 @@ def latest_trace(directory: str, containing: str | None = None) -> str:
     with open(trace) as f:
       if containing in f.read():
         return trace
-  raise FileNotFoundError(f"no *-trace.json{'' if containing is None else ' containing ' + repr(containing)} in "
-                          f"{directory}; did a kernel with named regions run inside `recording`?")
+  raise FileNotFoundError(
+    f"no *-trace.json{'' if containing is None else ' containing ' + repr(containing)} in "
+    f"{directory}; did a kernel with named regions run inside `recording`?"
+  )
 
 
 def phase_durations(trace_path: str, warpgroups_per_program: int):
@@ -126,11 +133,15 @@ def phase_table(trace_path: str, warpgroups_per_program: int) -> str:
   covered = collections.Counter()
   for (warpgroup, _), values in durations.items():
     covered[warpgroup] += sum(values)
-  lines = ["| warpgroup | region | count | median cycles | mean cycles | share |",
-           "| --- | --- | --- | --- | --- | --- |"]
+  lines = [
+    "| warpgroup | region | count | median cycles | mean cycles | share |",
+    "| --- | --- | --- | --- | --- | --- |",
+  ]
   for (warpgroup, name), values in sorted(durations.items(), key=lambda kv: (kv[0][0], -sum(kv[1]))):
-    lines.append(f"| {warpgroup} | {name} | {len(values)} | {statistics.median(values):.0f} | "
-                 f"{statistics.fmean(values):.0f} | {sum(values) / spans[warpgroup]:.1%} |")
+    lines.append(
+      f"| {warpgroup} | {name} | {len(values)} | {statistics.median(values):.0f} | "
+      f"{statistics.fmean(values):.0f} | {sum(values) / spans[warpgroup]:.1%} |"
+    )
   for warpgroup, span in sorted(spans.items()):
     lines.append(f"| {warpgroup} | (between regions) | | | | {1 - covered[warpgroup] / span:.1%} |")
   return "\n".join(lines)

@@ -45,8 +45,12 @@ def _in_block_scores(q_c: jax.Array, v_u: jax.Array, scale: float, block_q: int)
   """
   heads, length, head_dim = q_c.shape
   blocks = lambda x: x.reshape(heads, length // block_q, block_q, head_dim)
-  scores = jnp.einsum("bntd,bnjd->bntj", blocks(q_c), blocks(v_u), preferred_element_type=jnp.float32,
-                      precision=_precision(q_c.dtype)) * scale
+  scores = (
+    jnp.einsum(
+      "bntd,bnjd->bntj", blocks(q_c), blocks(v_u), preferred_element_type=jnp.float32, precision=_precision(q_c.dtype)
+    )
+    * scale
+  )
   causal = jnp.arange(block_q)[:, None] >= jnp.arange(block_q)[None, :]
   return jnp.where(causal, scores, 0.0).reshape(heads, length, block_q)
 
@@ -70,10 +74,12 @@ def fold_in_block_grad(dq_c, dv_u, d_in_block, q_c, v_u, scale: float, block_q: 
   causal = jnp.arange(block_q)[:, None] >= jnp.arange(block_q)[None, :]
   d_in_block = jnp.where(causal, blocks(d_in_block), 0.0) * scale
   precision = _precision(jnp.float32)
-  dq_c = dq_c + jnp.einsum("bntj,bnjd->bntd", d_in_block, blocks(v_u.astype(jnp.float32)),
-                           precision=precision).reshape(dq_c.shape)
-  dv_u = dv_u + jnp.einsum("bntj,bntd->bnjd", d_in_block, blocks(q_c.astype(jnp.float32)),
-                           precision=precision).reshape(dv_u.shape)
+  dq_c = dq_c + jnp.einsum("bntj,bnjd->bntd", d_in_block, blocks(v_u.astype(jnp.float32)), precision=precision).reshape(
+    dq_c.shape
+  )
+  dv_u = dv_u + jnp.einsum("bntj,bntd->bnjd", d_in_block, blocks(q_c.astype(jnp.float32)), precision=precision).reshape(
+    dv_u.shape
+  )
   return dq_c, dv_u
 
 
@@ -89,8 +95,9 @@ def _max_causal_scores(q_c: jax.Array, k_c: jax.Array, scale: float, block: int)
 
   def block_max(start):
     q = lax.dynamic_slice_in_dim(q_c, start, block, axis=1)
-    scores = jnp.einsum("btd,bsd->bts", q, k_c, preferred_element_type=jnp.float32,
-                        precision=_precision(q_c.dtype)) * scale
+    scores = (
+      jnp.einsum("btd,bsd->bts", q, k_c, preferred_element_type=jnp.float32, precision=_precision(q_c.dtype)) * scale
+    )
     visible = (start + jnp.arange(block))[:, None] >= key_positions[None, :]
     return jnp.max(jnp.where(visible, scores, -jnp.inf), axis=-1)
 
@@ -118,16 +125,27 @@ def normalize_with_safe_shift(run, q_c: jax.Array, k_c: jax.Array, scale: float,
     return run(shift=shift) + (shift,)
 
   overflowed = jnp.logical_not(jnp.all(jnp.isfinite(sums)))
-  acc, sums, keys, shift = lax.cond(overflowed, rerun_with_row_max, lambda _: (acc, sums, keys, diagonal),
-                                    None)
+  acc, sums, keys, shift = lax.cond(overflowed, rerun_with_row_max, lambda _: (acc, sums, keys, diagonal), None)
   return acc / sums[..., None], shift + jnp.log(sums), keys
 
 
 def _forward(q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpret):
   """Returns out (float32 [BH, L, D]), lse (float32 [BH, L]) and the final D."""
   in_block = _in_block_scores(q_c, v_u, scale, config.block_q)
-  run = functools.partial(kernels.forward, q_u, k_u, v_u, q_c, k_c, v_c, in_block=in_block, scale=scale,
-                          window=window, config=config, interpret=interpret)
+  run = functools.partial(
+    kernels.forward,
+    q_u,
+    k_u,
+    v_u,
+    q_c,
+    k_c,
+    v_c,
+    in_block=in_block,
+    scale=scale,
+    window=window,
+    config=config,
+    interpret=interpret,
+  )
   return normalize_with_safe_shift(run, q_c, k_c, scale, config.block_q)
 
 
@@ -150,8 +168,22 @@ def _castle_heads_bwd(scale, window, config, interpret, residuals, d_out):
   block_q = config.bwd_block_q
   in_block = _in_block_scores(q_c, v_u, scale, block_q)
   dq_u, dk_c, dv_c, dq_c, dk_u, dv_u, d_in_block = kernels.backward(
-      q_u, k_u, v_u, q_c, k_c, v_c, keys, d_out.astype(q_c.dtype), lse, delta, in_block,
-      scale=scale, window=window, config=config, interpret=interpret)
+    q_u,
+    k_u,
+    v_u,
+    q_c,
+    k_c,
+    v_c,
+    keys,
+    d_out.astype(q_c.dtype),
+    lse,
+    delta,
+    in_block,
+    scale=scale,
+    window=window,
+    config=config,
+    interpret=interpret,
+  )
 
   dq_c, dv_u = fold_in_block_grad(dq_c, dv_u, d_in_block, q_c, v_u, scale, block_q)
   grads = (dq_u, dk_u, dv_u, dq_c, dk_c, dv_c)
@@ -184,8 +216,10 @@ def resolve(inputs, config, interpret):
   (`castle_jax.ops.castle.castle_attention` validates them), only the dtypes the kernels
   take are checked here."""
   if inputs[0].dtype not in SUPPORTED_DTYPES:
-    raise ValueError(f"The CASTLE Pallas kernels take float32, bfloat16 or float16 inputs; got {inputs[0].dtype}. "
-                     "Cast the inputs or use implementation='xla'")
+    raise ValueError(
+      f"The CASTLE Pallas kernels take float32, bfloat16 or float16 inputs; got {inputs[0].dtype}. "
+      "Cast the inputs or use implementation='xla'"
+    )
   if config is None:
     config = default_config(next_power_of_two(inputs[0].shape[-1]))
   if interpret is None:
@@ -219,17 +253,17 @@ def castle_prefill_pallas(q_u, k_u, v_u, q_c, k_c, v_c, *, scale: float, window=
 
 
 def castle_attention_triton(
-    q_u: jax.Array,
-    k_u: jax.Array,
-    v_u: jax.Array,
-    q_c: jax.Array,
-    k_c: jax.Array,
-    v_c: jax.Array,
-    *,
-    scale: float,
-    window: int | None = None,
-    config: CastleKernelConfig | None = None,
-    interpret: bool | None = None,
+  q_u: jax.Array,
+  k_u: jax.Array,
+  v_u: jax.Array,
+  q_c: jax.Array,
+  k_c: jax.Array,
+  v_c: jax.Array,
+  *,
+  scale: float,
+  window: int | None = None,
+  config: CastleKernelConfig | None = None,
+  interpret: bool | None = None,
 ) -> jax.Array:
   """CASTLE (or CASTLE-SWL with `window`) with the Pallas Triton kernels.
 

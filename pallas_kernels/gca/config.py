@@ -66,11 +66,16 @@ class GcaKernelConfig:
     if self.backend not in BACKENDS:
       raise ValueError(f"GcaKernelConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
     skip = ("backend",) + (("heads_per_program",) if self.heads_per_program is None else ())
-    check_int_fields(self, power_of_two=("block_rows", "num_warps", "bwd_num_warps", "memory_num_warps"),
-                     tiles=("block_rows",), skip=skip)
+    check_int_fields(
+      self,
+      power_of_two=("block_rows", "num_warps", "bwd_num_warps", "memory_num_warps"),
+      tiles=("block_rows",),
+      skip=skip,
+    )
     if self.heads_per_program is not None and not is_power_of_two(self.heads_per_program):
-      raise ValueError(f"GcaKernelConfig.heads_per_program must be a power of two or None, got "
-                       f"{self.heads_per_program}")
+      raise ValueError(
+        f"GcaKernelConfig.heads_per_program must be a power of two or None, got {self.heads_per_program}"
+      )
 
   @classmethod
   def from_string(cls, text: str) -> "GcaKernelConfig":

@@ -113,8 +113,13 @@ class _Tiles:
 
   def dot(self, a, b, trans_a=False, trans_b=False):
     """a @ b in float32 from operands cast to the operand dtype."""
-    return pltriton.dot(a.astype(self.operand_dtype), b.astype(self.operand_dtype), trans_a=trans_a,
-                        trans_b=trans_b, precision=self.precision)
+    return pltriton.dot(
+      a.astype(self.operand_dtype),
+      b.astype(self.operand_dtype),
+      trans_a=trans_a,
+      trans_b=trans_b,
+      precision=self.precision,
+    )
 
   def as_rows(self, x):
     """[block_q, P, ...] (or [block_q, ...] when P = 1) -> [block_q * P, ...], row-major."""
@@ -163,8 +168,10 @@ def _memory_block(tiling: Tiling, memory_chunks: int, head_dim: int):
   """Block of the memory [batch, memory_chunks, padded_chunk_len, kv_heads, head_dim]: every chunk
   of the program's kv head, [memory_chunks, padded_chunk_len, head_dim]."""
   blocks_per_kv_head = tiling.group // tiling.heads_per_program
-  return pl.BlockSpec((None, memory_chunks, tiling.padded_chunk_len, None, head_dim),
-                      lambda b, c, hb, qb: (b, 0, 0, hb // blocks_per_kv_head, 0))
+  return pl.BlockSpec(
+    (None, memory_chunks, tiling.padded_chunk_len, None, head_dim),
+    lambda b, c, hb, qb: (b, 0, 0, hb // blocks_per_kv_head, 0),
+  )
 
 
 def _query_grid(queries, tiling: Tiling, blocks: int):
@@ -192,8 +199,10 @@ def _per_segment(tiling: Tiling, launch, num_aliased: int):
 def _skipping_aliased_inputs(kernel, num_inputs: int, num_aliased: int):
   """kernel(*inputs, *outputs) called as pallas_call calls it with `num_aliased` aliased
   buffers after the inputs (whose contents the kernel never reads)."""
+
   def body(*refs):
-    return kernel(*refs[:num_inputs], *refs[num_inputs + num_aliased:])
+    return kernel(*refs[:num_inputs], *refs[num_inputs + num_aliased :])
+
   return body
 
 
@@ -205,7 +214,7 @@ def _aliased_call(kernel, inputs, previous, **call):
   if previous is not None:
     kernel = _skipping_aliased_inputs(kernel, num_inputs, len(previous))
     aliases = {num_inputs + i: i for i in range(len(previous))}
-    call["in_specs"] = list(call["in_specs"]) + list(call["out_specs"][:len(previous)])
+    call["in_specs"] = list(call["in_specs"]) + list(call["out_specs"][: len(previous)])
     inputs = tuple(inputs) + tuple(previous)
   return pl.pallas_call(kernel, input_output_aliases=aliases, **call)(*inputs)
 
@@ -214,8 +223,20 @@ def _aliased_call(kernel, inputs, previous, **call):
 # Forward
 
 
-def _forward_kernel(indices_ref, weights_ref, queries_ref, keys_ref, values_ref, out_ref, lse_ref, *,
-                    tiling: Tiling, block_q: int, top_k: int, scale: float):
+def _forward_kernel(
+  indices_ref,
+  weights_ref,
+  queries_ref,
+  keys_ref,
+  values_ref,
+  out_ref,
+  lse_ref,
+  *,
+  tiling: Tiling,
+  block_q: int,
+  top_k: int,
+  scale: float,
+):
   tiles = _Tiles(tiling, block_q, queries_ref.dtype, scale)
   queries = tiles.as_rows(queries_ref[...])
 
@@ -234,8 +255,9 @@ def _forward_kernel(indices_ref, weights_ref, queries_ref, keys_ref, values_ref,
   out_ref[...] = tiles.from_rows(out).astype(out_ref.dtype)
 
 
-def forward(queries, keys, values, weights, indices, *, tiling: Tiling, scale: float, config: GcaKernelConfig,
-            interpret: bool):
+def forward(
+  queries, keys, values, weights, indices, *, tiling: Tiling, scale: float, config: GcaKernelConfig, interpret: bool
+):
   """O = sum_j w_j softmax_1(Q K_j^T scale) V_j and the per-slot log-normalizers.
 
   Args:
@@ -254,18 +276,26 @@ def forward(queries, keys, values, weights, indices, *, tiling: Tiling, scale: f
 
   def launch(first_row, block_q, blocks, previous):
     return _aliased_call(
-        functools.partial(_forward_kernel, tiling=tiling, block_q=block_q, top_k=top_k, scale=scale),
-        (indices, weights, queries, keys, values), previous,
-        grid=_query_grid(queries, tiling, blocks),
-        in_specs=[_slot_block(top_k), _slot_block(top_k), _row_block(tiling, first_row, block_q, head_dim), memory,
-                  memory],
-        out_specs=[_row_block(tiling, first_row, block_q, head_dim),
-                   _slot_rows_block(tiling, first_row, block_q, top_k)],
-        out_shape=[jax.ShapeDtypeStruct(queries.shape, queries.dtype),
-                   jax.ShapeDtypeStruct((batch, query_chunks, top_k, padded_query_len, heads), jnp.float32)],
-        compiler_params=_compiler_params(config.num_warps, config.num_stages),
-        interpret=interpret,
-        name="gca_forward")
+      functools.partial(_forward_kernel, tiling=tiling, block_q=block_q, top_k=top_k, scale=scale),
+      (indices, weights, queries, keys, values),
+      previous,
+      grid=_query_grid(queries, tiling, blocks),
+      in_specs=[
+        _slot_block(top_k),
+        _slot_block(top_k),
+        _row_block(tiling, first_row, block_q, head_dim),
+        memory,
+        memory,
+      ],
+      out_specs=[_row_block(tiling, first_row, block_q, head_dim), _slot_rows_block(tiling, first_row, block_q, top_k)],
+      out_shape=[
+        jax.ShapeDtypeStruct(queries.shape, queries.dtype),
+        jax.ShapeDtypeStruct((batch, query_chunks, top_k, padded_query_len, heads), jnp.float32),
+      ],
+      compiler_params=_compiler_params(config.num_warps, config.num_stages),
+      interpret=interpret,
+      name="gca_forward",
+    )
 
   (out, lse), _ = _per_segment(tiling, launch, num_aliased=2)
   return out, lse
@@ -275,9 +305,23 @@ def forward(queries, keys, values, weights, indices, *, tiling: Tiling, scale: f
 # Backward, query side: dQ, dw and the deltas
 
 
-def _backward_queries_kernel(indices_ref, weights_ref, queries_ref, d_out_ref, lse_ref, keys_ref, values_ref,
-                             d_queries_ref, delta_ref, d_weights_ref, *, tiling: Tiling, block_q: int, top_k: int,
-                             scale: float):
+def _backward_queries_kernel(
+  indices_ref,
+  weights_ref,
+  queries_ref,
+  d_out_ref,
+  lse_ref,
+  keys_ref,
+  values_ref,
+  d_queries_ref,
+  delta_ref,
+  d_weights_ref,
+  *,
+  tiling: Tiling,
+  block_q: int,
+  top_k: int,
+  scale: float,
+):
   tiles = _Tiles(tiling, block_q, queries_ref.dtype, scale)
   queries = tiles.as_rows(queries_ref[...])
   d_out = tiles.as_rows(d_out_ref[...])
@@ -297,8 +341,20 @@ def _backward_queries_kernel(indices_ref, weights_ref, queries_ref, d_out_ref, l
   d_queries_ref[...] = tiles.from_rows(d_queries * scale).astype(d_queries_ref.dtype)
 
 
-def backward_queries(queries, keys, values, weights, indices, lse, d_out, *, tiling: Tiling, scale: float,
-                     config: GcaKernelConfig, interpret: bool):
+def backward_queries(
+  queries,
+  keys,
+  values,
+  weights,
+  indices,
+  lse,
+  d_out,
+  *,
+  tiling: Tiling,
+  scale: float,
+  config: GcaKernelConfig,
+  interpret: bool,
+):
   """dQ, the deltas w_j rowsum(dO * O'_j) and the chunk weights' gradient.
 
   Args:
@@ -317,18 +373,25 @@ def backward_queries(queries, keys, values, weights, indices, lse, d_out, *, til
     rows = _row_block(tiling, first_row, block_q, head_dim)
     slot_rows = _slot_rows_block(tiling, first_row, block_q, top_k)
     return _aliased_call(
-        functools.partial(_backward_queries_kernel, tiling=tiling, block_q=block_q, top_k=top_k, scale=scale),
-        (indices, weights, queries, d_out, lse, keys, values), previous,
-        grid=grid,
-        in_specs=[_slot_block(top_k), _slot_block(top_k), rows, rows, slot_rows, memory, memory],
-        out_specs=[rows, slot_rows,
-                   pl.BlockSpec((None, None, None, None, top_k), lambda b, c, hb, qb: (b, c, hb, qb, 0))],
-        out_shape=[jax.ShapeDtypeStruct(queries.shape, queries.dtype),
-                   jax.ShapeDtypeStruct(lse.shape, jnp.float32),
-                   jax.ShapeDtypeStruct((*grid, top_k), jnp.float32)],
-        compiler_params=_compiler_params(config.bwd_num_warps, config.bwd_num_stages),
-        interpret=interpret,
-        name="gca_backward_queries")
+      functools.partial(_backward_queries_kernel, tiling=tiling, block_q=block_q, top_k=top_k, scale=scale),
+      (indices, weights, queries, d_out, lse, keys, values),
+      previous,
+      grid=grid,
+      in_specs=[_slot_block(top_k), _slot_block(top_k), rows, rows, slot_rows, memory, memory],
+      out_specs=[
+        rows,
+        slot_rows,
+        pl.BlockSpec((None, None, None, None, top_k), lambda b, c, hb, qb: (b, c, hb, qb, 0)),
+      ],
+      out_shape=[
+        jax.ShapeDtypeStruct(queries.shape, queries.dtype),
+        jax.ShapeDtypeStruct(lse.shape, jnp.float32),
+        jax.ShapeDtypeStruct((*grid, top_k), jnp.float32),
+      ],
+      compiler_params=_compiler_params(config.bwd_num_warps, config.bwd_num_stages),
+      interpret=interpret,
+      name="gca_backward_queries",
+    )
 
   (d_queries, delta), per_program_d_weights = _per_segment(tiling, launch, num_aliased=2)
   d_weights = sum(jnp.sum(parts, axis=(2, 3)) for (parts,) in per_program_d_weights)
@@ -339,9 +402,23 @@ def backward_queries(queries, keys, values, weights, indices, lse, d_out, *, til
 # Backward, memory side: dK and dV, one program per memory chunk and kv head
 
 
-def _backward_memory_kernel(order_ref, starts_ref, weights_ref, queries_ref, d_out_ref, lse_ref, delta_ref,
-                            keys_ref, values_ref, d_keys_ref, d_values_ref, *, tiling: Tiling, top_k: int,
-                            scale: float):
+def _backward_memory_kernel(
+  order_ref,
+  starts_ref,
+  weights_ref,
+  queries_ref,
+  d_out_ref,
+  lse_ref,
+  delta_ref,
+  keys_ref,
+  values_ref,
+  d_keys_ref,
+  d_values_ref,
+  *,
+  tiling: Tiling,
+  top_k: int,
+  scale: float,
+):
   chunk = pl.program_id(1)
   keys, values = keys_ref[...], values_ref[...]
   per_program = tiling.heads_per_program
@@ -372,8 +449,22 @@ def _backward_memory_kernel(order_ref, starts_ref, weights_ref, queries_ref, d_o
   d_values_ref[...] = d_values.astype(d_values_ref.dtype)
 
 
-def backward_memory(queries, keys, values, weights, lse, delta, d_out, order, starts, *, tiling: Tiling,
-                    scale: float, config: GcaKernelConfig, interpret: bool):
+def backward_memory(
+  queries,
+  keys,
+  values,
+  weights,
+  lse,
+  delta,
+  d_out,
+  order,
+  starts,
+  *,
+  tiling: Tiling,
+  scale: float,
+  config: GcaKernelConfig,
+  interpret: bool,
+):
   """dK and dV of every memory chunk, summed over every (query chunk, slot) that retrieved it.
 
   Args:
@@ -394,15 +485,22 @@ def backward_memory(queries, keys, values, weights, lse, delta, d_out, order, st
   whole_slots = pl.BlockSpec((None, query_chunks, top_k, padded_query_len, group), lambda b, m, h: (b, 0, 0, 0, h))
   chunk_tile = pl.BlockSpec((None, None, tiling.padded_chunk_len, None, head_dim), lambda b, m, h: (b, m, 0, h, 0))
   return pl.pallas_call(
-      functools.partial(_backward_memory_kernel, tiling=tiling, top_k=top_k, scale=scale),
-      grid=(batch, memory_chunks, kv_heads),
-      in_specs=[pl.BlockSpec((None, query_chunks * top_k), lambda b, m, h: (b, 0)),
-                pl.BlockSpec((None, memory_chunks + 1), lambda b, m, h: (b, 0)),
-                pl.BlockSpec((None, query_chunks, top_k), lambda b, m, h: (b, 0, 0)),
-                whole_rows, whole_rows, whole_slots, whole_slots, chunk_tile, chunk_tile],
-      out_specs=[chunk_tile, chunk_tile],
-      out_shape=[jax.ShapeDtypeStruct(keys.shape, keys.dtype), jax.ShapeDtypeStruct(values.shape, values.dtype)],
-      compiler_params=_compiler_params(config.memory_num_warps, config.memory_num_stages),
-      interpret=interpret,
-      name="gca_backward_memory",
+    functools.partial(_backward_memory_kernel, tiling=tiling, top_k=top_k, scale=scale),
+    grid=(batch, memory_chunks, kv_heads),
+    in_specs=[
+      pl.BlockSpec((None, query_chunks * top_k), lambda b, m, h: (b, 0)),
+      pl.BlockSpec((None, memory_chunks + 1), lambda b, m, h: (b, 0)),
+      pl.BlockSpec((None, query_chunks, top_k), lambda b, m, h: (b, 0, 0)),
+      whole_rows,
+      whole_rows,
+      whole_slots,
+      whole_slots,
+      chunk_tile,
+      chunk_tile,
+    ],
+    out_specs=[chunk_tile, chunk_tile],
+    out_shape=[jax.ShapeDtypeStruct(keys.shape, keys.dtype), jax.ShapeDtypeStruct(values.shape, values.dtype)],
+    compiler_params=_compiler_params(config.memory_num_warps, config.memory_num_stages),
+    interpret=interpret,
+    name="gca_backward_memory",
   )(order, starts, weights, queries, d_out, lse, delta, keys, values)

@@ -40,13 +40,35 @@ def _interpret(interpreted: bool):
 # lowered program: lowering Mosaic kernels again per call site costs seconds of host time.
 @functools.partial(jax.jit, static_argnames=("chunk_len", "scale", "stages", "overlap", "interpreted"))
 def _forward(queries, keys, values, weights, indices, *, chunk_len, scale, stages, overlap, interpreted):
-  return forward_native(queries, keys, values, weights, indices, chunk_len=chunk_len, scale=scale, stages=stages,
-                        overlap=overlap, interpret=_interpret(interpreted))
+  return forward_native(
+    queries,
+    keys,
+    values,
+    weights,
+    indices,
+    chunk_len=chunk_len,
+    scale=scale,
+    stages=stages,
+    overlap=overlap,
+    interpret=_interpret(interpreted),
+  )
 
 
 def _gca_fwd(queries, keys, values, weights, indices, chunk_len, scale, stages, overlap, interpreted):
-  out, lse = keep_for_backward(_forward(queries, keys, values, weights, indices, chunk_len=chunk_len, scale=scale,
-                                        stages=stages, overlap=overlap, interpreted=interpreted))
+  out, lse = keep_for_backward(
+    _forward(
+      queries,
+      keys,
+      values,
+      weights,
+      indices,
+      chunk_len=chunk_len,
+      scale=scale,
+      stages=stages,
+      overlap=overlap,
+      interpreted=interpreted,
+    )
+  )
   return out, (queries, keys, values, weights, indices, lse)
 
 
@@ -55,23 +77,54 @@ def _gca_bwd(chunk_len, scale, stages, overlap, interpreted, residuals, d_out):
   del overlap  # a forward schedule
   queries, keys, values, weights, indices, lse = residuals
   d_out = d_out.astype(queries.dtype)
-  d_queries, row_dots = backward_queries_native(queries, keys, values, weights, indices, lse, d_out,
-                                                chunk_len=chunk_len, scale=scale, stages=stages,
-                                                interpret=_interpret(interpreted))
+  d_queries, row_dots = backward_queries_native(
+    queries,
+    keys,
+    values,
+    weights,
+    indices,
+    lse,
+    d_out,
+    chunk_len=chunk_len,
+    scale=scale,
+    stages=stages,
+    interpret=_interpret(interpreted),
+  )
   d_weights = jnp.sum(row_dots, axis=(2, 4))
   order, starts = retrieving_pairs(indices, weights, keys.shape[1])
-  d_keys, d_values = backward_memory_native(queries, keys, values, weights, lse, row_dots, d_out, order, starts,
-                                            chunk_len=chunk_len, scale=scale, stages=stages,
-                                            interpret=_interpret(interpreted))
+  d_keys, d_values = backward_memory_native(
+    queries,
+    keys,
+    values,
+    weights,
+    lse,
+    row_dots,
+    d_out,
+    order,
+    starts,
+    chunk_len=chunk_len,
+    scale=scale,
+    stages=stages,
+    interpret=_interpret(interpreted),
+  )
   return d_queries, d_keys, d_values, d_weights, None
 
 
 _gca.defvjp(_gca_fwd, _gca_bwd)
 
 
-def gca_attention_mosaic(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, chunk_weights: jax.Array,
-                         chunk_indices: jax.Array, *, scale: float, stages: int = DEFAULT_STAGES,
-                         overlap: bool = False, interpret: bool = False) -> jax.Array:
+def gca_attention_mosaic(
+  q: jax.Array,
+  chunk_k: jax.Array,
+  chunk_v: jax.Array,
+  chunk_weights: jax.Array,
+  chunk_indices: jax.Array,
+  *,
+  scale: float,
+  stages: int = DEFAULT_STAGES,
+  overlap: bool = False,
+  interpret: bool = False,
+) -> jax.Array:
   """GCA through the Mosaic GPU kernels (Hopper), differentiable in q, chunk_k, chunk_v and
   chunk_weights.
 

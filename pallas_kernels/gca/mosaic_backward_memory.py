@@ -47,17 +47,50 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels.castle.mosaic_forward import operand_smem, register_operand
-from pallas_kernels.gca.mosaic_tiles import (CHUNK_TILE, DEFAULT_STAGES, TILE_ROWS, check_padded, key_mask,
-                                             launch_grid, products_together)
+from pallas_kernels.gca.mosaic_tiles import (
+  CHUNK_TILE,
+  DEFAULT_STAGES,
+  TILE_ROWS,
+  check_padded,
+  key_mask,
+  launch_grid,
+  products_together,
+)
 
 LOG2_E = math.log2(math.e)
 
 
-def _backward_memory_kernel(order_ref, starts_ref, pair_weights_ref, queries_ref, d_out_ref, lse_ref, row_dots_ref,
-                            keys_ref, values_ref, d_keys_ref, d_values_ref, key_smem, value_smem, query_ring,
-                            d_out_ring, lse_ring, row_dots_ring, operand_staging, chunk_barrier, step_barriers, *,
-                            kv_heads: int, group: int, tiles_per_chunk: int, top_k: int, chunk_len: int, stages: int,
-                            scale: float, interpreted: bool):
+def _backward_memory_kernel(
+  order_ref,
+  starts_ref,
+  pair_weights_ref,
+  queries_ref,
+  d_out_ref,
+  lse_ref,
+  row_dots_ref,
+  keys_ref,
+  values_ref,
+  d_keys_ref,
+  d_values_ref,
+  key_smem,
+  value_smem,
+  query_ring,
+  d_out_ring,
+  lse_ring,
+  row_dots_ring,
+  operand_staging,
+  chunk_barrier,
+  step_barriers,
+  *,
+  kv_heads: int,
+  group: int,
+  tiles_per_chunk: int,
+  top_k: int,
+  chunk_len: int,
+  stages: int,
+  scale: float,
+  interpreted: bool,
+):
   """One program: dK and dV of one memory chunk of one (batch, kv head)."""
   batch_kv_head = lax.axis_index("batch_kv_head")
   chunk = lax.axis_index("memory_chunk")
@@ -110,17 +143,20 @@ def _backward_memory_kernel(order_ref, starts_ref, pair_weights_ref, queries_ref
     refill_source = step_source(step + stages)
     plgpu.barrier_wait(step_barriers.at[stage])
     queries, d_out = query_ring.at[stage], d_out_ring.at[stage]
-    scores_t, d_probs_t = products_together([(key_smem, queries.T), (value_smem, d_out.T)],
-                                            shape=(CHUNK_TILE, TILE_ROWS))
-    by_row = lambda ring: lax.broadcast_in_dim(plgpu.load(ring.at[stage], layout=column_layout),
-                                               (CHUNK_TILE, TILE_ROWS), [1])
+    scores_t, d_probs_t = products_together(
+      [(key_smem, queries.T), (value_smem, d_out.T)], shape=(CHUNK_TILE, TILE_ROWS)
+    )
+    by_row = lambda ring: lax.broadcast_in_dim(
+      plgpu.load(ring.at[stage], layout=column_layout), (CHUNK_TILE, TILE_ROWS), [1]
+    )
     scores_t = jnp.where(key_valid, scores_t * score_unit, -jnp.inf)
     weighted_probs_t = jnp.exp2(scores_t - by_row(lse_ring)) * weight
     d_scores_t = weighted_probs_t * (d_probs_t - by_row(row_dots_ring))
     weighted_probs_t = register_operand(weighted_probs_t.astype(dtype), probs_staging)
     d_scores_t = register_operand(d_scores_t.astype(dtype), d_scores_staging)
-    d_values, d_keys = products_together([(weighted_probs_t, d_out), (d_scores_t, queries)],
-                                         inits=(d_values, d_keys), in_place=not interpreted)
+    d_values, d_keys = products_together(
+      [(weighted_probs_t, d_out), (d_scores_t, queries)], inits=(d_values, d_keys), in_place=not interpreted
+    )
     pl.when(step + stages < num_steps)(functools.partial(load, step + stages, refill_source))
     return d_keys, d_values
 
@@ -136,15 +172,28 @@ def _backward_memory_kernel(order_ref, starts_ref, pair_weights_ref, queries_ref
   plgpu.wait_smem_to_gmem(0)
 
 
-
 def shared_memory_bytes(head_dim: int, dtype, stages: int = DEFAULT_STAGES) -> int:
   """Shared memory of one program's buffers (the lowering adds barriers and alignment)."""
   tile = TILE_ROWS * head_dim * jnp.dtype(dtype).itemsize
   return 2 * tile + stages * (2 * tile + 2 * TILE_ROWS * 4)
 
 
-def backward_memory_native(queries, keys, values, weights, lse, row_dots, d_out, order, starts, *, chunk_len: int,
-                           scale: float, stages: int = DEFAULT_STAGES, interpret=None):
+def backward_memory_native(
+  queries,
+  keys,
+  values,
+  weights,
+  lse,
+  row_dots,
+  d_out,
+  order,
+  starts,
+  *,
+  chunk_len: int,
+  scale: float,
+  stages: int = DEFAULT_STAGES,
+  interpret=None,
+):
   """dK and dV of every memory chunk, summed over every (query chunk, slot) that retrieved it,
   on padded arrays with per-slot rows in the Mosaic kernels' layout.
 
@@ -166,34 +215,51 @@ def backward_memory_native(queries, keys, values, weights, lse, row_dots, d_out,
   top_k = weights.shape[-1]
   slot_rows = (batch, query_chunks, heads, top_k, query_rows)
   if d_out.shape != queries.shape or lse.shape != slot_rows or row_dots.shape != slot_rows:
-    raise ValueError(f"d_out must be shaped like queries {queries.shape}, lse and row_dots {slot_rows}; got "
-                     f"{d_out.shape}, {lse.shape} and {row_dots.shape}")
+    raise ValueError(
+      f"d_out must be shaped like queries {queries.shape}, lse and row_dots {slot_rows}; got "
+      f"{d_out.shape}, {lse.shape} and {row_dots.shape}"
+    )
   if order.shape != (batch, query_chunks * top_k) or starts.shape != (batch, memory_chunks + 1):
-    raise ValueError(f"order must be [batch, query_chunks * k] = {(batch, query_chunks * top_k)} and starts "
-                     f"[batch, memory_chunks + 1] = {(batch, memory_chunks + 1)} (pairs.retrieving_pairs); got "
-                     f"{order.shape} and {starts.shape}")
+    raise ValueError(
+      f"order must be [batch, query_chunks * k] = {(batch, query_chunks * top_k)} and starts "
+      f"[batch, memory_chunks + 1] = {(batch, memory_chunks + 1)} (pairs.retrieving_pairs); got "
+      f"{order.shape} and {starts.shape}"
+    )
   interpreted = interpret is not None
   dtype = queries.dtype
   order = order.astype(jnp.int32)
   staging = lambda: operand_smem((CHUNK_TILE, TILE_ROWS), dtype) if interpreted else None
   scratch = [
-      operand_smem((CHUNK_TILE, head_dim), dtype),                # K, then dK's staging
-      operand_smem((CHUNK_TILE, head_dim), dtype),                # V, then dV's staging
-      operand_smem((stages, TILE_ROWS, head_dim), dtype),         # Q ring
-      operand_smem((stages, TILE_ROWS, head_dim), dtype),         # dO ring
-      plgpu.SMEM((stages, TILE_ROWS), jnp.float32),                # log-normalizer rows
-      plgpu.SMEM((stages, TILE_ROWS), jnp.float32),                # row dots
-      (staging(), staging()),                                      # wP^T, dS^T (interpret mode only)
-      plgpu.Barrier(num_arrivals=2),                               # K, V
-      plgpu.Barrier(num_arrivals=4, num_barriers=stages),          # a step's Q, dO, lse, row dots
+    operand_smem((CHUNK_TILE, head_dim), dtype),  # K, then dK's staging
+    operand_smem((CHUNK_TILE, head_dim), dtype),  # V, then dV's staging
+    operand_smem((stages, TILE_ROWS, head_dim), dtype),  # Q ring
+    operand_smem((stages, TILE_ROWS, head_dim), dtype),  # dO ring
+    plgpu.SMEM((stages, TILE_ROWS), jnp.float32),  # log-normalizer rows
+    plgpu.SMEM((stages, TILE_ROWS), jnp.float32),  # row dots
+    (staging(), staging()),  # wP^T, dS^T (interpret mode only)
+    plgpu.Barrier(num_arrivals=2),  # K, V
+    plgpu.Barrier(num_arrivals=4, num_barriers=stages),  # a step's Q, dO, lse, row dots
   ]
-  kernel = functools.partial(_backward_memory_kernel, kv_heads=kv_heads, group=heads // kv_heads,
-                             tiles_per_chunk=query_rows // TILE_ROWS, top_k=top_k, chunk_len=chunk_len, stages=stages,
-                             scale=float(scale), interpreted=interpreted)
+  kernel = functools.partial(
+    _backward_memory_kernel,
+    kv_heads=kv_heads,
+    group=heads // kv_heads,
+    tiles_per_chunk=query_rows // TILE_ROWS,
+    top_k=top_k,
+    chunk_len=chunk_len,
+    stages=stages,
+    scale=float(scale),
+    interpreted=interpreted,
+  )
   out_type = (jax.ShapeDtypeStruct(keys.shape, dtype), jax.ShapeDtypeStruct(values.shape, dtype))
   # The weights in pair order (an O(T k) gather), so that a step reads its weight directly.
   pair_weights = jnp.take_along_axis(weights.astype(jnp.float32).reshape(batch, -1), order, axis=1)
-  call = launch_grid(kernel, out_type, scratch, grid=(batch * kv_heads, memory_chunks),
-                     grid_names=("batch_kv_head", "memory_chunk"), interpret=interpret)
-  return call(order, starts.astype(jnp.int32), pair_weights, queries,
-              d_out.astype(dtype), lse, row_dots, keys, values)
+  call = launch_grid(
+    kernel,
+    out_type,
+    scratch,
+    grid=(batch * kv_heads, memory_chunks),
+    grid_names=("batch_kv_head", "memory_chunk"),
+    interpret=interpret,
+  )
+  return call(order, starts.astype(jnp.int32), pair_weights, queries, d_out.astype(dtype), lse, row_dots, keys, values)

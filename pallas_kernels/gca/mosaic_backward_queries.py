@@ -36,21 +36,62 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels.castle.mosaic_forward import operand_smem, register_operand, products
-from pallas_kernels.gca.mosaic_tiles import (CHUNK_TILE, DEFAULT_STAGES, TILE_ROWS, check_padded, key_mask, launch,
-                                             products_together, query_tile_program, ring_bytes, ring_scratch)
+from pallas_kernels.gca.mosaic_tiles import (
+  CHUNK_TILE,
+  DEFAULT_STAGES,
+  TILE_ROWS,
+  check_padded,
+  key_mask,
+  launch,
+  products_together,
+  query_tile_program,
+  ring_bytes,
+  ring_scratch,
+)
 
 LOG2_E = math.log2(math.e)
 
 
-def _backward_queries_kernel(indices_ref, weights_ref, queries_ref, d_out_ref, lse_ref, keys_ref, values_ref,
-                             d_queries_ref, row_dots_ref, query_smem, d_out_smem, ring_buffers, lse_smem,
-                             row_dots_smem, d_scores_staging, input_barrier, *, heads: int, group: int,
-                             tiles_per_chunk: int, top_k: int, chunk_len: int, stages: int, scale: float,
-                             interpreted: bool):
+def _backward_queries_kernel(
+  indices_ref,
+  weights_ref,
+  queries_ref,
+  d_out_ref,
+  lse_ref,
+  keys_ref,
+  values_ref,
+  d_queries_ref,
+  row_dots_ref,
+  query_smem,
+  d_out_smem,
+  ring_buffers,
+  lse_smem,
+  row_dots_smem,
+  d_scores_staging,
+  input_barrier,
+  *,
+  heads: int,
+  group: int,
+  tiles_per_chunk: int,
+  top_k: int,
+  chunk_len: int,
+  stages: int,
+  scale: float,
+  interpreted: bool,
+):
   """One program: dQ and the row dots of one 64-row query tile of one (batch, head)."""
-  program, ring, weights = query_tile_program(indices_ref, weights_ref, keys_ref, values_ref, ring_buffers,
-                                              heads=heads, group=group, tiles_per_chunk=tiles_per_chunk,
-                                              top_k=top_k, stages=stages)
+  program, ring, weights = query_tile_program(
+    indices_ref,
+    weights_ref,
+    keys_ref,
+    values_ref,
+    ring_buffers,
+    heads=heads,
+    group=group,
+    tiles_per_chunk=tiles_per_chunk,
+    top_k=top_k,
+    stages=stages,
+  )
   head_dim = query_smem.shape[-1]
   dtype = query_smem.dtype
 
@@ -92,8 +133,20 @@ def shared_memory_bytes(head_dim: int, top_k: int, dtype, stages: int = DEFAULT_
   return query_tiles + ring_bytes(stages, head_dim, dtype) + 2 * top_k * TILE_ROWS * 4
 
 
-def backward_queries_native(queries, keys, values, weights, indices, lse, d_out, *, chunk_len: int, scale: float,
-                            stages: int = DEFAULT_STAGES, interpret=None):
+def backward_queries_native(
+  queries,
+  keys,
+  values,
+  weights,
+  indices,
+  lse,
+  d_out,
+  *,
+  chunk_len: int,
+  scale: float,
+  stages: int = DEFAULT_STAGES,
+  interpret=None,
+):
   """The kernel on padded arrays, per-slot rows in the kernels' own layout.
 
   Args:
@@ -111,31 +164,59 @@ def backward_queries_native(queries, keys, values, weights, indices, lse, d_out,
   top_k = indices.shape[-1]
   slot_rows = (batch, query_chunks, heads, top_k, query_rows)
   if d_out.shape != queries.shape or lse.shape != slot_rows:
-    raise ValueError(f"d_out must be shaped like queries {queries.shape} and lse {slot_rows}; got {d_out.shape} "
-                     f"and {lse.shape}")
+    raise ValueError(
+      f"d_out must be shaped like queries {queries.shape} and lse {slot_rows}; got {d_out.shape} and {lse.shape}"
+    )
   interpreted = interpret is not None
   dtype = queries.dtype
   query_tile = lambda: operand_smem((TILE_ROWS, head_dim), dtype)
   scratch = [
-      query_tile(),                                                      # Q, then dQ's staging
-      query_tile(),                                                      # dO
-      ring_scratch(stages, head_dim, dtype),
-      plgpu.SMEM((top_k, TILE_ROWS), jnp.float32),                       # log-normalizers
-      plgpu.SMEM((top_k, TILE_ROWS), jnp.float32),                       # row dots
-      operand_smem((TILE_ROWS, CHUNK_TILE), dtype) if interpreted else None,  # dS (interpret mode only)
-      plgpu.Barrier(num_arrivals=3),                                     # Q, dO, lse
+    query_tile(),  # Q, then dQ's staging
+    query_tile(),  # dO
+    ring_scratch(stages, head_dim, dtype),
+    plgpu.SMEM((top_k, TILE_ROWS), jnp.float32),  # log-normalizers
+    plgpu.SMEM((top_k, TILE_ROWS), jnp.float32),  # row dots
+    operand_smem((TILE_ROWS, CHUNK_TILE), dtype) if interpreted else None,  # dS (interpret mode only)
+    plgpu.Barrier(num_arrivals=3),  # Q, dO, lse
   ]
-  kernel = functools.partial(_backward_queries_kernel, heads=heads, group=heads // keys.shape[3],
-                             tiles_per_chunk=query_rows // TILE_ROWS, top_k=top_k, chunk_len=chunk_len,
-                             stages=stages, scale=float(scale), interpreted=interpreted)
+  kernel = functools.partial(
+    _backward_queries_kernel,
+    heads=heads,
+    group=heads // keys.shape[3],
+    tiles_per_chunk=query_rows // TILE_ROWS,
+    top_k=top_k,
+    chunk_len=chunk_len,
+    stages=stages,
+    scale=float(scale),
+    interpreted=interpreted,
+  )
   out_type = (jax.ShapeDtypeStruct(queries.shape, dtype), jax.ShapeDtypeStruct(slot_rows, jnp.float32))
-  return launch(kernel, out_type, scratch, batch=batch, heads=heads, query_chunks=query_chunks, query_rows=query_rows,
-                interpret=interpret)(indices.astype(jnp.int32), weights.astype(jnp.float32), queries,
-                                     d_out.astype(dtype), lse, keys, values)
+  return launch(
+    kernel,
+    out_type,
+    scratch,
+    batch=batch,
+    heads=heads,
+    query_chunks=query_chunks,
+    query_rows=query_rows,
+    interpret=interpret,
+  )(indices.astype(jnp.int32), weights.astype(jnp.float32), queries, d_out.astype(dtype), lse, keys, values)
 
 
-def backward_queries(queries, keys, values, weights, indices, lse, d_out, *, chunk_len: int, scale: float,
-                     stages: int = DEFAULT_STAGES, interpret=None):
+def backward_queries(
+  queries,
+  keys,
+  values,
+  weights,
+  indices,
+  lse,
+  d_out,
+  *,
+  chunk_len: int,
+  scale: float,
+  stages: int = DEFAULT_STAGES,
+  interpret=None,
+):
   """`kernels.backward_queries`' contract: lse and delta in the Triton layout
   [batch, query_chunks, k, query_rows, heads].
 
@@ -143,9 +224,19 @@ def backward_queries(queries, keys, values, weights, indices, lse, d_out, *, chu
     d_queries: like queries; delta: float32 like lse, w_j r_j (what `kernels.backward_memory`
     takes); d_weights: float32 [batch, query_chunks, k].
   """
-  d_queries, row_dots = backward_queries_native(queries, keys, values, weights, indices, lse.transpose(0, 1, 4, 2, 3),
-                                                d_out, chunk_len=chunk_len, scale=scale, stages=stages,
-                                                interpret=interpret)
+  d_queries, row_dots = backward_queries_native(
+    queries,
+    keys,
+    values,
+    weights,
+    indices,
+    lse.transpose(0, 1, 4, 2, 3),
+    d_out,
+    chunk_len=chunk_len,
+    scale=scale,
+    stages=stages,
+    interpret=interpret,
+  )
   weights = weights.astype(jnp.float32)
   delta = (row_dots * weights[:, :, None, :, None]).transpose(0, 1, 3, 4, 2)
   return d_queries, delta, jnp.sum(row_dots, axis=(2, 4))

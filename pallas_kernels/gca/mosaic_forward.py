@@ -66,24 +66,75 @@ import jax.numpy as jnp
 # Shared with the CASTLE Mosaic kernels: TMA/wgmma shared-memory layout, wgmma products, and
 # the interpret-mode staging of register operands.
 from pallas_kernels.castle.mosaic_forward import operand_smem, register_operand, products
-from pallas_kernels.gca.mosaic_tiles import (CHUNK_TILE, DEFAULT_STAGES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS,
-                                             TILE_ROWS, KeyValueRing, check_padded, key_mask, launch, pad_inputs,
-                                             query_tile_program, ring_bytes, ring_scratch, unsupported_reason)
+from pallas_kernels.gca.mosaic_tiles import (
+  CHUNK_TILE,
+  DEFAULT_STAGES,
+  SUPPORTED_DTYPES,
+  SUPPORTED_HEAD_DIMS,
+  TILE_ROWS,
+  KeyValueRing,
+  check_padded,
+  key_mask,
+  launch,
+  pad_inputs,
+  query_tile_program,
+  ring_bytes,
+  ring_scratch,
+  unsupported_reason,
+)
 
-__all__ = ["CHUNK_TILE", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "TILE_ROWS", "forward", "forward_native",
-           "gca_forward_mosaic", "shared_memory_bytes", "unsupported_reason"]
+__all__ = [
+  "CHUNK_TILE",
+  "SUPPORTED_DTYPES",
+  "SUPPORTED_HEAD_DIMS",
+  "TILE_ROWS",
+  "forward",
+  "forward_native",
+  "gca_forward_mosaic",
+  "shared_memory_bytes",
+  "unsupported_reason",
+]
 
 LOG2_E = math.log2(math.e)
 
 
-def _forward_kernel(indices_ref, weights_ref, queries_ref, keys_ref, values_ref, out_ref, lse_ref,
-                    query_smem, ring_buffers, lse_smem, probs_staging, query_barrier, *, heads: int, group: int,
-                    tiles_per_chunk: int, top_k: int, chunk_len: int, stages: int, overlap: bool, scale: float,
-                    interpreted: bool):
+def _forward_kernel(
+  indices_ref,
+  weights_ref,
+  queries_ref,
+  keys_ref,
+  values_ref,
+  out_ref,
+  lse_ref,
+  query_smem,
+  ring_buffers,
+  lse_smem,
+  probs_staging,
+  query_barrier,
+  *,
+  heads: int,
+  group: int,
+  tiles_per_chunk: int,
+  top_k: int,
+  chunk_len: int,
+  stages: int,
+  overlap: bool,
+  scale: float,
+  interpreted: bool,
+):
   """One program: one 64-row query tile of one (batch, head), all k slots."""
-  program, ring, weights = query_tile_program(indices_ref, weights_ref, keys_ref, values_ref, ring_buffers,
-                                              heads=heads, group=group, tiles_per_chunk=tiles_per_chunk,
-                                              top_k=top_k, stages=stages)
+  program, ring, weights = query_tile_program(
+    indices_ref,
+    weights_ref,
+    keys_ref,
+    values_ref,
+    ring_buffers,
+    heads=heads,
+    group=group,
+    tiles_per_chunk=tiles_per_chunk,
+    top_k=top_k,
+    stages=stages,
+  )
   head_dim = query_smem.shape[-1]
   dtype = query_smem.dtype
 
@@ -127,6 +178,7 @@ def _overlapped_slots(ring: KeyValueRing, query_smem, weighted_probabilities, *,
   and P_j V_j are issued back to back and only S_{j+1} is waited for, so P_j V_j runs under
   the softmax of slot j + 1. The output accumulator lives across all slots. Slot j's ring
   buffers are released one slot later (once P_j V_j is known to be done), hence stages >= 3."""
+
   def sweep(out_acc):
     scores = products([(query_smem, ring.keys(0).T)], (TILE_ROWS, CHUNK_TILE))
     for slot in range(top_k):
@@ -142,10 +194,12 @@ def _overlapped_slots(ring: KeyValueRing, query_smem, weighted_probabilities, *,
         plgpu.wgmma(out_acc, probs, values)
         # Commit groups complete in order: S_{j+1} and everything before P_j V_j are done.
         return plgpu.wgmma_accumulator_load(scores_acc, wait_n=1)
+
       scores = pl.run_scoped(issue, plgpu.ACC((TILE_ROWS, CHUNK_TILE), jnp.float32))
       if slot >= 1:
         ring.release(slot - 1)
     return out_acc[...]
+
   return pl.run_scoped(sweep, plgpu.ACC((TILE_ROWS, head_dim), jnp.float32))
 
 
@@ -153,8 +207,10 @@ def _check_overlap(overlap: bool, stages: int):
   if not isinstance(overlap, bool):
     raise ValueError(f"overlap must be a bool, got {overlap!r}")
   if overlap and stages < 3:
-    raise ValueError(f"overlap=True needs stages >= 3 (a slot's ring buffers are released one slot late), got "
-                     f"stages={stages}; pass stages=3 or overlap=False")
+    raise ValueError(
+      f"overlap=True needs stages >= 3 (a slot's ring buffers are released one slot late), got "
+      f"stages={stages}; pass stages=3 or overlap=False"
+    )
 
 
 def shared_memory_bytes(head_dim: int, top_k: int, dtype, stages: int = DEFAULT_STAGES) -> int:
@@ -163,8 +219,19 @@ def shared_memory_bytes(head_dim: int, top_k: int, dtype, stages: int = DEFAULT_
   return query_tile + ring_bytes(stages, head_dim, dtype) + top_k * TILE_ROWS * 4
 
 
-def forward_native(queries, keys, values, weights, indices, *, chunk_len: int, scale: float,
-                   stages: int = DEFAULT_STAGES, overlap: bool = False, interpret=None):
+def forward_native(
+  queries,
+  keys,
+  values,
+  weights,
+  indices,
+  *,
+  chunk_len: int,
+  scale: float,
+  stages: int = DEFAULT_STAGES,
+  overlap: bool = False,
+  interpret=None,
+):
   """The kernel on padded arrays, log-normalizers in the kernel's own layout.
 
   Args:
@@ -193,33 +260,82 @@ def forward_native(queries, keys, values, weights, indices, *, chunk_len: int, s
   interpreted = interpret is not None
   dtype = queries.dtype
   scratch = [
-      operand_smem((TILE_ROWS, head_dim), dtype),                      # query tile, then the output's staging
-      ring_scratch(stages, head_dim, dtype),
-      plgpu.SMEM((top_k, TILE_ROWS), jnp.float32),                      # log-normalizers
-      operand_smem((TILE_ROWS, CHUNK_TILE), dtype) if interpreted else None,  # P (interpret mode only)
-      plgpu.Barrier(num_arrivals=1),
+    operand_smem((TILE_ROWS, head_dim), dtype),  # query tile, then the output's staging
+    ring_scratch(stages, head_dim, dtype),
+    plgpu.SMEM((top_k, TILE_ROWS), jnp.float32),  # log-normalizers
+    operand_smem((TILE_ROWS, CHUNK_TILE), dtype) if interpreted else None,  # P (interpret mode only)
+    plgpu.Barrier(num_arrivals=1),
   ]
-  kernel = functools.partial(_forward_kernel, heads=heads, group=heads // kv_heads,
-                             tiles_per_chunk=query_rows // TILE_ROWS, top_k=top_k, chunk_len=chunk_len, stages=stages,
-                             overlap=overlap, scale=float(scale), interpreted=interpreted)
-  out_type = (jax.ShapeDtypeStruct(queries.shape, dtype),
-              jax.ShapeDtypeStruct((batch, query_chunks, heads, top_k, query_rows), jnp.float32))
-  return launch(kernel, out_type, scratch, batch=batch, heads=heads, query_chunks=query_chunks, query_rows=query_rows,
-                interpret=interpret)(indices.astype(jnp.int32), weights.astype(jnp.float32), queries, keys, values)
+  kernel = functools.partial(
+    _forward_kernel,
+    heads=heads,
+    group=heads // kv_heads,
+    tiles_per_chunk=query_rows // TILE_ROWS,
+    top_k=top_k,
+    chunk_len=chunk_len,
+    stages=stages,
+    overlap=overlap,
+    scale=float(scale),
+    interpreted=interpreted,
+  )
+  out_type = (
+    jax.ShapeDtypeStruct(queries.shape, dtype),
+    jax.ShapeDtypeStruct((batch, query_chunks, heads, top_k, query_rows), jnp.float32),
+  )
+  return launch(
+    kernel,
+    out_type,
+    scratch,
+    batch=batch,
+    heads=heads,
+    query_chunks=query_chunks,
+    query_rows=query_rows,
+    interpret=interpret,
+  )(indices.astype(jnp.int32), weights.astype(jnp.float32), queries, keys, values)
 
 
-def forward(queries, keys, values, weights, indices, *, chunk_len: int, scale: float,
-            stages: int = DEFAULT_STAGES, overlap: bool = False, interpret=None):
+def forward(
+  queries,
+  keys,
+  values,
+  weights,
+  indices,
+  *,
+  chunk_len: int,
+  scale: float,
+  stages: int = DEFAULT_STAGES,
+  overlap: bool = False,
+  interpret=None,
+):
   """`forward_native` with the log-normalizers in `kernels.forward`'s layout
   [batch, query_chunks, k, query_rows, heads] (one XLA transpose)."""
-  out, lse = forward_native(queries, keys, values, weights, indices, chunk_len=chunk_len, scale=scale, stages=stages,
-                            overlap=overlap, interpret=interpret)
+  out, lse = forward_native(
+    queries,
+    keys,
+    values,
+    weights,
+    indices,
+    chunk_len=chunk_len,
+    scale=scale,
+    stages=stages,
+    overlap=overlap,
+    interpret=interpret,
+  )
   return out, lse.transpose(0, 1, 3, 4, 2)
 
 
-def gca_forward_mosaic(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, chunk_weights: jax.Array,
-                       chunk_indices: jax.Array, *, scale: float, stages: int = DEFAULT_STAGES,
-                       overlap: bool = False, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+def gca_forward_mosaic(
+  q: jax.Array,
+  chunk_k: jax.Array,
+  chunk_v: jax.Array,
+  chunk_weights: jax.Array,
+  chunk_indices: jax.Array,
+  *,
+  scale: float,
+  stages: int = DEFAULT_STAGES,
+  overlap: bool = False,
+  interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
   """GCA forward through the Mosaic GPU kernel (Hopper), in the GCA entry point's layout.
   Not differentiable (forward only).
 
@@ -244,6 +360,12 @@ def gca_forward_mosaic(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, chu
     ValueError: sizes or a dtype the kernel does not take (naming the argument).
   """
   padded = pad_inputs(q, chunk_k, chunk_v, chunk_weights, chunk_indices, stages=stages)
-  out, lse = forward(*padded.arrays, chunk_len=padded.chunk_len, scale=scale, stages=stages, overlap=overlap,
-                     interpret=plgpu.InterpretGPUParams() if interpret else None)
+  out, lse = forward(
+    *padded.arrays,
+    chunk_len=padded.chunk_len,
+    scale=scale,
+    stages=stages,
+    overlap=overlap,
+    interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )
   return padded.unpad(out), lse

@@ -25,30 +25,39 @@ import jax.numpy as jnp
 from pallas_kernels.castle.mosaic_forward import operand_smem
 from pallas_kernels.gca import padding
 
-TILE_ROWS = 64             # query rows per program: one warpgroup's wgmma rows
-CHUNK_TILE = 64            # keys per memory-chunk tile (chunks padded to it)
+TILE_ROWS = 64  # query rows per program: one warpgroup's wgmma rows
+CHUNK_TILE = 64  # keys per memory-chunk tile (chunks padded to it)
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 DEFAULT_STAGES = 2
 
 
-def unsupported_reason(*, head_dim: int, chunk_len: int, query_rows: int, heads: int, kv_heads: int, dtype,
-                       stages: int = DEFAULT_STAGES) -> str | None:
+def unsupported_reason(
+  *, head_dim: int, chunk_len: int, query_rows: int, heads: int, kv_heads: int, dtype, stages: int = DEFAULT_STAGES
+) -> str | None:
   """Why the Mosaic kernels cannot take inputs of these sizes (naming the argument and the
   fix), or None. `query_rows` are the (padded) rows per query chunk the kernels see."""
   if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
-    return (f"the GCA Mosaic kernels take q in {[jnp.dtype(d).name for d in SUPPORTED_DTYPES]} (wgmma's 16-bit "
-            f"operands), got dtype {jnp.dtype(dtype).name}; cast q, chunk_k and chunk_v or use the Triton kernels "
-            "(GcaKernelConfig(backend='triton'))")
+    return (
+      f"the GCA Mosaic kernels take q in {[jnp.dtype(d).name for d in SUPPORTED_DTYPES]} (wgmma's 16-bit "
+      f"operands), got dtype {jnp.dtype(dtype).name}; cast q, chunk_k and chunk_v or use the Triton kernels "
+      "(GcaKernelConfig(backend='triton'))"
+    )
   if head_dim not in SUPPORTED_HEAD_DIMS:
-    return (f"the GCA Mosaic kernels take head_dim in {SUPPORTED_HEAD_DIMS} (last axis of q), got {head_dim}; use "
-            "the Triton kernels (GcaKernelConfig(backend='triton'))")
+    return (
+      f"the GCA Mosaic kernels take head_dim in {SUPPORTED_HEAD_DIMS} (last axis of q), got {head_dim}; use "
+      "the Triton kernels (GcaKernelConfig(backend='triton'))"
+    )
   if not 1 <= chunk_len <= CHUNK_TILE:
-    return (f"the GCA Mosaic kernels take memory chunks of 1..{CHUNK_TILE} keys (chunk_len, axis 2 of chunk_k), "
-            f"got {chunk_len}; use the Triton kernels (GcaKernelConfig(backend='triton'))")
+    return (
+      f"the GCA Mosaic kernels take memory chunks of 1..{CHUNK_TILE} keys (chunk_len, axis 2 of chunk_k), "
+      f"got {chunk_len}; use the Triton kernels (GcaKernelConfig(backend='triton'))"
+    )
   if query_rows % TILE_ROWS:
-    return (f"the GCA Mosaic kernels need query chunks padded to a multiple of {TILE_ROWS} rows (query_rows), got "
-            f"{query_rows}; pad them (gca_forward_mosaic does)")
+    return (
+      f"the GCA Mosaic kernels need query chunks padded to a multiple of {TILE_ROWS} rows (query_rows), got "
+      f"{query_rows}; pad them (gca_forward_mosaic does)"
+    )
   if kv_heads < 1 or heads % kv_heads:
     return f"heads ({heads}) must be a multiple of kv_heads ({kv_heads}, axis 3 of chunk_k)"
   if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
@@ -60,13 +69,22 @@ def check_padded(queries, keys, values, *, chunk_len: int, stages: int):
   """ValueError unless the kernels can take these padded arrays (see `unsupported_reason`)."""
   _, _, query_rows, heads, head_dim = queries.shape
   padded_chunk_len, kv_heads = keys.shape[2:4]
-  reason = unsupported_reason(head_dim=head_dim, chunk_len=chunk_len, query_rows=query_rows, heads=heads,
-                              kv_heads=kv_heads, dtype=queries.dtype, stages=stages)
+  reason = unsupported_reason(
+    head_dim=head_dim,
+    chunk_len=chunk_len,
+    query_rows=query_rows,
+    heads=heads,
+    kv_heads=kv_heads,
+    dtype=queries.dtype,
+    stages=stages,
+  )
   if reason:
     raise ValueError(reason)
   if padded_chunk_len != CHUNK_TILE or keys.shape != values.shape or keys.dtype != queries.dtype:
-    raise ValueError(f"keys and values must be [batch, memory_chunks, {CHUNK_TILE}, kv_heads, head_dim] in queries' "
-                     f"dtype {queries.dtype}, got {keys.shape} {keys.dtype} and {values.shape} {values.dtype}")
+    raise ValueError(
+      f"keys and values must be [batch, memory_chunks, {CHUNK_TILE}, kv_heads, head_dim] in queries' "
+      f"dtype {queries.dtype}, got {keys.shape} {keys.dtype} and {values.shape} {values.dtype}"
+    )
 
 
 def pad_inputs(q, chunk_k, chunk_v, chunk_weights, chunk_indices, *, stages: int) -> padding.PaddedInputs:
@@ -80,15 +98,25 @@ def pad_inputs(q, chunk_k, chunk_v, chunk_weights, chunk_indices, *, stages: int
   chunk_len, kv_heads = chunk_k.shape[2:4]
   query_chunks = chunk_indices.shape[1]
   if chunk_k.dtype != q.dtype or chunk_v.shape != chunk_k.shape or chunk_v.dtype != q.dtype:
-    raise ValueError(f"chunk_k and chunk_v must have one shape and q's dtype {q.dtype}; got {chunk_k.shape} "
-                     f"{chunk_k.dtype} and {chunk_v.shape} {chunk_v.dtype}")
+    raise ValueError(
+      f"chunk_k and chunk_v must have one shape and q's dtype {q.dtype}; got {chunk_k.shape} "
+      f"{chunk_k.dtype} and {chunk_v.shape} {chunk_v.dtype}"
+    )
   if seq % query_chunks:
-    raise ValueError(f"q's seq ({seq}) must be query_chunks ({query_chunks}, axis 1 of chunk_indices) times the "
-                     "query chunk length")
+    raise ValueError(
+      f"q's seq ({seq}) must be query_chunks ({query_chunks}, axis 1 of chunk_indices) times the query chunk length"
+    )
   query_len = seq // query_chunks
   query_rows = -(-query_len // TILE_ROWS) * TILE_ROWS
-  reason = unsupported_reason(head_dim=head_dim, chunk_len=chunk_len, query_rows=query_rows, heads=heads,
-                              kv_heads=kv_heads, dtype=q.dtype, stages=stages)
+  reason = unsupported_reason(
+    head_dim=head_dim,
+    chunk_len=chunk_len,
+    query_rows=query_rows,
+    heads=heads,
+    kv_heads=kv_heads,
+    dtype=q.dtype,
+    stages=stages,
+  )
   if reason:
     raise ValueError(reason)
   return padding.pad(q, chunk_k, chunk_v, chunk_weights, chunk_indices, query_rows=query_rows, chunk_tile=CHUNK_TILE)
@@ -97,6 +125,7 @@ def pad_inputs(q, chunk_k, chunk_v, chunk_weights, chunk_indices, *, stages: int
 @dataclasses.dataclass(frozen=True)
 class Program:
   """The program's coordinates: batch, head, kv head, query chunk, and its rows in the chunk."""
+
   batch: jax.Array
   head: jax.Array
   kv_head: jax.Array
@@ -108,9 +137,13 @@ class Program:
     batch_head = lax.axis_index("batch_head")
     query_tile = lax.axis_index("query_tile")
     head = lax.rem(batch_head, heads)
-    return cls(batch=lax.div(batch_head, heads), head=head, kv_head=lax.div(head, group),
-               chunk=lax.div(query_tile, tiles_per_chunk),
-               rows=pl.ds(lax.rem(query_tile, tiles_per_chunk) * TILE_ROWS, TILE_ROWS))
+    return cls(
+      batch=lax.div(batch_head, heads),
+      head=head,
+      kv_head=lax.div(head, group),
+      chunk=lax.div(query_tile, tiles_per_chunk),
+      rows=pl.ds(lax.rem(query_tile, tiles_per_chunk) * TILE_ROWS, TILE_ROWS),
+    )
 
   def query_rows(self, ref):
     """This program's [64, head_dim] tile of a [batch, query_chunks, query_rows, heads, head_dim] ref."""
@@ -159,8 +192,19 @@ class KeyValueRing:
       self._load(slot + self.stages)
 
 
-def query_tile_program(indices_ref, weights_ref, keys_ref, values_ref, ring_buffers, *, heads: int, group: int,
-                       tiles_per_chunk: int, top_k: int, stages: int):
+def query_tile_program(
+  indices_ref,
+  weights_ref,
+  keys_ref,
+  values_ref,
+  ring_buffers,
+  *,
+  heads: int,
+  group: int,
+  tiles_per_chunk: int,
+  top_k: int,
+  stages: int,
+):
   """(program, ring, weights) of a query-tile kernel (the forward, the query-side backward):
   its coordinates, the ring that gathers its k retrieved K/V tiles, and the k chunk weights
   as scalars."""
@@ -175,8 +219,12 @@ def ring_scratch(stages: int, head_dim: int, dtype):
   barriers, value barriers). The buffers are separate refs, not one [stages, ...] buffer: a
   static index into one buffer does not lower inside a preinitialized accumulator's scope."""
   buffers = lambda: tuple(operand_smem((CHUNK_TILE, head_dim), dtype) for _ in range(stages))
-  return (buffers(), buffers(), plgpu.Barrier(num_arrivals=1, num_barriers=stages),
-          plgpu.Barrier(num_arrivals=1, num_barriers=stages))
+  return (
+    buffers(),
+    buffers(),
+    plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+    plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+  )
 
 
 def ring_bytes(stages: int, head_dim: int, dtype) -> int:
@@ -198,6 +246,7 @@ def products_together(pairs, *, shape=None, inits=None, in_place: bool = True):
   the accumulators start from them (no second register tile); GPU interpret mode cannot run
   a preinitialized accumulator, so there (`in_place=False`) the products are added after.
   """
+
   def issue(accumulators):
     for accumulator, (a, b) in zip(accumulators, pairs):
       plgpu.wgmma(accumulator, a, b)
@@ -209,6 +258,7 @@ def products_together(pairs, *, shape=None, inits=None, in_place: bool = True):
   def fresh(*accumulators):
     issue(accumulators)
     return tuple(accumulator[...] for accumulator in accumulators)
+
   results = pl.run_scoped(fresh, *(plgpu.ACC(s, jnp.float32) for s in shapes))
   return list(results) if inits is None else [init + result for init, result in zip(inits, results)]
 
@@ -216,18 +266,24 @@ def products_together(pairs, *, shape=None, inits=None, in_place: bool = True):
 def launch_grid(kernel, out_type, scratch, *, grid, grid_names, interpret):
   """plgpu.kernel, one warpgroup per program, over `grid` (its last axis launches fastest)."""
   return plgpu.kernel(
-      kernel,
-      out_type=out_type,
-      scratch_types=scratch,
-      grid=grid,
-      grid_names=grid_names,
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=interpret,
+    kernel,
+    out_type=out_type,
+    scratch_types=scratch,
+    grid=grid,
+    grid_names=grid_names,
+    compiler_params=plgpu.CompilerParams(approx_math=True),
+    interpret=interpret,
   )
 
 
 def launch(kernel, out_type, scratch, *, batch: int, heads: int, query_chunks: int, query_rows: int, interpret):
   """`launch_grid` over (batch * heads, query tiles); the last axis launches fastest, so the
   programs in flight share one (batch, head)'s memory in L2."""
-  return launch_grid(kernel, out_type, scratch, grid=(batch * heads, query_chunks * (query_rows // TILE_ROWS)),
-                     grid_names=("batch_head", "query_tile"), interpret=interpret)
+  return launch_grid(
+    kernel,
+    out_type,
+    scratch,
+    grid=(batch * heads, query_chunks * (query_rows // TILE_ROWS)),
+    grid_names=("batch_head", "query_tile"),
+    interpret=interpret,
+  )

@@ -48,9 +48,17 @@ def _largest_power_of_two_dividing(n: int) -> int:
   return n & -n
 
 
-def unsupported_reason(*, head_dim: int, chunk_len: int, heads: int, kv_heads: int, dtype,
-                       config: GcaKernelConfig | None = None, query_len: int | None = None,
-                       top_k: int | None = None) -> str | None:
+def unsupported_reason(
+  *,
+  head_dim: int,
+  chunk_len: int,
+  heads: int,
+  kv_heads: int,
+  dtype,
+  config: GcaKernelConfig | None = None,
+  query_len: int | None = None,
+  top_k: int | None = None,
+) -> str | None:
   """Why the kernels cannot run inputs of these sizes (a message naming the argument and the
   fix), or None. Takes sizes, not arrays, so a caller can ask before any array exists.
 
@@ -61,17 +69,40 @@ def unsupported_reason(*, head_dim: int, chunk_len: int, heads: int, kv_heads: i
   Hopper accepts sizes only the Mosaic kernels take (grouped heads of 128, whose Triton
   memory-side kernel is past the shared memory).
   """
-  choice = backend.pick(config or default_config(), dtype=dtype, head_dim=head_dim, chunk_len=chunk_len,
-                        query_len=query_len or 1, heads=heads, kv_heads=kv_heads, top_k=top_k or 1,
-                        interpret=jax.default_backend() == "cpu")
+  choice = backend.pick(
+    config or default_config(),
+    dtype=dtype,
+    head_dim=head_dim,
+    chunk_len=chunk_len,
+    query_len=query_len or 1,
+    heads=heads,
+    kv_heads=kv_heads,
+    top_k=top_k or 1,
+    interpret=jax.default_backend() == "cpu",
+  )
   if choice.kernels == "mosaic":
     return choice.reason
-  return triton_unsupported_reason(head_dim=head_dim, chunk_len=chunk_len, heads=heads, kv_heads=kv_heads,
-                                   dtype=dtype, config=config, query_len=query_len)
+  return triton_unsupported_reason(
+    head_dim=head_dim,
+    chunk_len=chunk_len,
+    heads=heads,
+    kv_heads=kv_heads,
+    dtype=dtype,
+    config=config,
+    query_len=query_len,
+  )
 
 
-def triton_unsupported_reason(*, head_dim: int, chunk_len: int, heads: int, kv_heads: int, dtype,
-                              config: GcaKernelConfig | None = None, query_len: int | None = None) -> str | None:
+def triton_unsupported_reason(
+  *,
+  head_dim: int,
+  chunk_len: int,
+  heads: int,
+  kv_heads: int,
+  dtype,
+  config: GcaKernelConfig | None = None,
+  query_len: int | None = None,
+) -> str | None:
   """Why the Triton kernels cannot run inputs of these sizes, or None.
 
   Includes the shared-memory budget (`shared_memory`): an explicit `config` is checked as
@@ -81,33 +112,46 @@ def triton_unsupported_reason(*, head_dim: int, chunk_len: int, heads: int, kv_h
   `gca_attention_pallas` checks again with it.
   """
   if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
-    return (f"implementation='pallas' takes {[jnp.dtype(d).name for d in SUPPORTED_DTYPES]} queries, got "
-            f"{jnp.dtype(dtype).name}; cast them or use implementation='xla'")
+    return (
+      f"implementation='pallas' takes {[jnp.dtype(d).name for d in SUPPORTED_DTYPES]} queries, got "
+      f"{jnp.dtype(dtype).name}; cast them or use implementation='xla'"
+    )
   if not is_power_of_two(head_dim) or not SMALLEST_TILE <= head_dim <= MAX_HEAD_DIM:
-    return (f"implementation='pallas' needs a power-of-two head_dim in [{SMALLEST_TILE}, {MAX_HEAD_DIM}], got "
-            f"{head_dim}; use implementation='xla'")
+    return (
+      f"implementation='pallas' needs a power-of-two head_dim in [{SMALLEST_TILE}, {MAX_HEAD_DIM}], got "
+      f"{head_dim}; use implementation='xla'"
+    )
   if chunk_len > MAX_CHUNK_LEN:
-    return (f"implementation='pallas' takes memory chunks of at most {MAX_CHUNK_LEN} keys (chunk_k's chunk_len), "
-            f"got {chunk_len}; use implementation='xla'")
+    return (
+      f"implementation='pallas' takes memory chunks of at most {MAX_CHUNK_LEN} keys (chunk_k's chunk_len), "
+      f"got {chunk_len}; use implementation='xla'"
+    )
   per_program = (config or default_config()).heads_per_program
   if per_program is not None and (heads // kv_heads) % per_program:
-    return (f"GcaKernelConfig.heads_per_program ({per_program}) must divide the query heads per kv head "
-            f"({heads} // {kv_heads}); pick a power of two that does, or None")
+    return (
+      f"GcaKernelConfig.heads_per_program ({per_program}) must divide the query heads per kv head "
+      f"({heads} // {kv_heads}); pick a power of two that does, or None"
+    )
   group = heads // kv_heads
   if query_len is not None:
-    config, tiling = config_for(config, query_len=query_len, group=group, chunk_len=chunk_len, head_dim=head_dim,
-                                dtype=dtype)
+    config, tiling = config_for(
+      config, query_len=query_len, group=group, chunk_len=chunk_len, head_dim=head_dim, dtype=dtype
+    )
     return shared_memory.over_budget_reason(config, tiling, head_dim, dtype)
   # Rows per query chunk unknown: a stand-in long enough for the largest query tiles.
-  config, tiling = config_for(config, query_len=_LONG_QUERY_CHUNK, group=group, chunk_len=chunk_len,
-                              head_dim=head_dim, dtype=dtype)
-  return (shared_memory.over_budget_reason(config, tiling, head_dim, dtype, ("forward", "backward_queries")) or
-          shared_memory.over_budget_reason(dataclasses.replace(config, memory_num_stages=1), tiling, head_dim,
-                                           dtype, ("backward_memory",)))
+  config, tiling = config_for(
+    config, query_len=_LONG_QUERY_CHUNK, group=group, chunk_len=chunk_len, head_dim=head_dim, dtype=dtype
+  )
+  return shared_memory.over_budget_reason(
+    config, tiling, head_dim, dtype, ("forward", "backward_queries")
+  ) or shared_memory.over_budget_reason(
+    dataclasses.replace(config, memory_num_stages=1), tiling, head_dim, dtype, ("backward_memory",)
+  )
 
 
-def config_for(config: GcaKernelConfig | None, *, query_len: int, group: int, chunk_len: int, head_dim: int,
-               dtype) -> tuple[GcaKernelConfig, kernels.Tiling]:
+def config_for(
+  config: GcaKernelConfig | None, *, query_len: int, group: int, chunk_len: int, head_dim: int, dtype
+) -> tuple[GcaKernelConfig, kernels.Tiling]:
   """(config, tiling) to run: an explicit `config` as given; None: `default_config()` with
   the stages of any kernel whose tiles would exceed the shared-memory budget lowered to 1
   (`shared_memory.fit_stages`; the drt_128m shape, 12 heads x 64, 64-row query chunks and
@@ -129,19 +173,29 @@ def tiling_for(query_len: int, group: int, chunk_len: int, config: GcaKernelConf
   else:
     per_program = config.heads_per_program
     block_q = min(max(SMALLEST_TILE, config.block_rows // per_program), query_rows)
-  return kernels.Tiling(query_len=query_len, block_q=block_q, heads_per_program=per_program, group=group,
-                        chunk_len=chunk_len, padded_chunk_len=max(SMALLEST_TILE, next_power_of_two(chunk_len)))
+  return kernels.Tiling(
+    query_len=query_len,
+    block_q=block_q,
+    heads_per_program=per_program,
+    group=group,
+    chunk_len=chunk_len,
+    padded_chunk_len=max(SMALLEST_TILE, next_power_of_two(chunk_len)),
+  )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def _gca(queries, keys, values, weights, indices, tiling, scale, config, interpret):
-  return kernels.forward(queries, keys, values, weights, indices, tiling=tiling, scale=scale, config=config,
-                         interpret=interpret)[0]
+  return kernels.forward(
+    queries, keys, values, weights, indices, tiling=tiling, scale=scale, config=config, interpret=interpret
+  )[0]
 
 
 def _gca_fwd(queries, keys, values, weights, indices, tiling, scale, config, interpret):
-  out, lse = keep_for_backward(kernels.forward(queries, keys, values, weights, indices, tiling=tiling, scale=scale,
-                                               config=config, interpret=interpret))
+  out, lse = keep_for_backward(
+    kernels.forward(
+      queries, keys, values, weights, indices, tiling=tiling, scale=scale, config=config, interpret=interpret
+    )
+  )
   # O(T k) residuals beyond the inputs: one float32 log-normalizer per row, head and slot.
   return out, (queries, keys, values, weights, indices, lse)
 
@@ -150,20 +204,28 @@ def _gca_bwd(tiling, scale, config, interpret, residuals, d_out):
   queries, keys, values, weights, indices, lse = residuals
   options = dict(tiling=tiling, scale=scale, config=config, interpret=interpret)
   d_out = d_out.astype(queries.dtype)
-  d_queries, delta, d_weights = kernels.backward_queries(queries, keys, values, weights, indices, lse, d_out,
-                                                              **options)
+  d_queries, delta, d_weights = kernels.backward_queries(queries, keys, values, weights, indices, lse, d_out, **options)
   order, starts = retrieving_pairs(indices, weights, keys.shape[1])
-  d_keys, d_values = kernels.backward_memory(queries, keys, values, weights, lse, delta, d_out, order, starts,
-                                             **options)
+  d_keys, d_values = kernels.backward_memory(
+    queries, keys, values, weights, lse, delta, d_out, order, starts, **options
+  )
   return d_queries, d_keys, d_values, d_weights, None
 
 
 _gca.defvjp(_gca_fwd, _gca_bwd)
 
 
-def gca_attention_pallas(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, chunk_weights: jax.Array,
-                         chunk_indices: jax.Array, *, scale: float, config: GcaKernelConfig | None = None,
-                         interpret: bool | None = None) -> jax.Array:
+def gca_attention_pallas(
+  q: jax.Array,
+  chunk_k: jax.Array,
+  chunk_v: jax.Array,
+  chunk_weights: jax.Array,
+  chunk_indices: jax.Array,
+  *,
+  scale: float,
+  config: GcaKernelConfig | None = None,
+  interpret: bool | None = None,
+) -> jax.Array:
   """GCA through the Pallas kernels (shapes already checked by the caller): the Triton kernels
   or, on Hopper, the Mosaic GPU kernels (`backend.choose_backend`, by `config.backend`).
 
@@ -195,18 +257,49 @@ def gca_attention_pallas(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, c
   query_chunks, top_k = chunk_indices.shape[1:]
   query_len = seq // query_chunks
   requested = config or default_config()
-  chosen = backend.choose_backend(requested, dtype=q.dtype, head_dim=head_dim, chunk_len=chunk_len,
-                                  query_len=query_len, heads=heads, kv_heads=kv_heads, top_k=top_k,
-                                  interpret=interpret)
+  chosen = backend.choose_backend(
+    requested,
+    dtype=q.dtype,
+    head_dim=head_dim,
+    chunk_len=chunk_len,
+    query_len=query_len,
+    heads=heads,
+    kv_heads=kv_heads,
+    top_k=top_k,
+    interpret=interpret,
+  )
   if chosen == "mosaic":
-    return gca_attention_mosaic(q, chunk_k, chunk_v, chunk_weights, chunk_indices, scale=scale,
-                                stages=requested.mosaic_stages, interpret=interpret)
-  reason = triton_unsupported_reason(head_dim=head_dim, chunk_len=chunk_len, heads=heads, kv_heads=kv_heads,
-                                     dtype=q.dtype, config=config, query_len=query_len)
+    return gca_attention_mosaic(
+      q,
+      chunk_k,
+      chunk_v,
+      chunk_weights,
+      chunk_indices,
+      scale=scale,
+      stages=requested.mosaic_stages,
+      interpret=interpret,
+    )
+  reason = triton_unsupported_reason(
+    head_dim=head_dim,
+    chunk_len=chunk_len,
+    heads=heads,
+    kv_heads=kv_heads,
+    dtype=q.dtype,
+    config=config,
+    query_len=query_len,
+  )
   if reason:
     raise ValueError(reason)
-  config, tiling = config_for(config, query_len=query_len, group=heads // kv_heads, chunk_len=chunk_len,
-                              head_dim=head_dim, dtype=q.dtype)
-  padded = padding.pad(q, chunk_k, chunk_v, chunk_weights, chunk_indices, query_rows=tiling.padded_query_len,
-                       chunk_tile=tiling.padded_chunk_len)
+  config, tiling = config_for(
+    config, query_len=query_len, group=heads // kv_heads, chunk_len=chunk_len, head_dim=head_dim, dtype=q.dtype
+  )
+  padded = padding.pad(
+    q,
+    chunk_k,
+    chunk_v,
+    chunk_weights,
+    chunk_indices,
+    query_rows=tiling.padded_query_len,
+    chunk_tile=tiling.padded_chunk_len,
+  )
   return padded.unpad(_gca(*padded.arrays, tiling, float(scale), config, interpret))

@@ -18,6 +18,7 @@ class PaddedInputs:
   """The kernels' padded arrays (`arrays`: queries [batch, query_chunks, query_rows, heads,
   head_dim], keys and values [batch, memory_chunks, padded chunk_len, kv_heads, head_dim],
   float32 weights, int32 indices clipped into range) and what undoes the padding."""
+
   arrays: tuple
   query_len: int
   chunk_len: int
@@ -25,7 +26,7 @@ class PaddedInputs:
   def unpad(self, rows):
     """[batch, query_chunks, query_rows, heads, X] -> [batch, seq, heads, X]."""
     batch, query_chunks, _, heads, width = rows.shape
-    return rows[:, :, :self.query_len].reshape(batch, query_chunks * self.query_len, heads, width)
+    return rows[:, :, : self.query_len].reshape(batch, query_chunks * self.query_len, heads, width)
 
 
 def pad(q, chunk_k, chunk_v, chunk_weights, chunk_indices, *, query_rows: int, chunk_tile: int) -> PaddedInputs:

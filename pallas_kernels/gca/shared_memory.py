@@ -43,8 +43,7 @@ from pallas_kernels.gca.kernels import Tiling
 SHARED_MEMORY_BUDGET = 200 * 1024
 
 # Each kernel's num_stages field of GcaKernelConfig.
-STAGE_FIELDS = {"forward": "num_stages", "backward_queries": "bwd_num_stages",
-                "backward_memory": "memory_num_stages"}
+STAGE_FIELDS = {"forward": "num_stages", "backward_queries": "bwd_num_stages", "backward_memory": "memory_num_stages"}
 
 
 def estimate(kernel: str, tiling: Tiling, head_dim: int, dtype, num_stages: int) -> int:
@@ -73,13 +72,17 @@ def fit_stages(config: GcaKernelConfig, tiling: Tiling, head_dim: int, dtype) ->
   """`config` with the num_stages of each kernel whose estimate exceeds the budget lowered to 1
   (no pipelining: its loads are no longer buffered per stage). Tiles stay as they are, so a
   config whose kernels all fit comes back unchanged."""
-  lowered = {field: 1 for kernel, field in STAGE_FIELDS.items()
-             if estimate(kernel, tiling, head_dim, dtype, getattr(config, field)) > SHARED_MEMORY_BUDGET}
+  lowered = {
+    field: 1
+    for kernel, field in STAGE_FIELDS.items()
+    if estimate(kernel, tiling, head_dim, dtype, getattr(config, field)) > SHARED_MEMORY_BUDGET
+  }
   return dataclasses.replace(config, **lowered) if lowered else config
 
 
-def over_budget_reason(config: GcaKernelConfig, tiling: Tiling, head_dim: int, dtype,
-                       kernels=tuple(STAGE_FIELDS)) -> str | None:
+def over_budget_reason(
+  config: GcaKernelConfig, tiling: Tiling, head_dim: int, dtype, kernels=tuple(STAGE_FIELDS)
+) -> str | None:
   """Why `config` would ask one of `kernels` for more shared memory than the budget (naming
   the field and the fix), or None."""
   for kernel in kernels:
@@ -94,9 +97,11 @@ def over_budget_reason(config: GcaKernelConfig, tiling: Tiling, head_dim: int, d
         fix = f"set GcaKernelConfig.{field}=1 (or lower block_rows or heads_per_program)"
       else:
         fix = "lower GcaKernelConfig.block_rows or heads_per_program"
-      return (f"the GCA {kernel} kernel would ask for about {needed // 1024} KiB of shared memory with "
-              f"{field}={stages} ({tiling.block_q * tiling.heads_per_program}-row query tiles, "
-              f"{tiling.padded_chunk_len}-key chunks, head_dim {head_dim}, {jnp.dtype(dtype).name}, query heads "
-              f"per kv head: {tiling.group}), over the {SHARED_MEMORY_BUDGET // 1024} KiB budget (an H100 block "
-              f"gets 227 KiB); {fix}, or use implementation='xla'")
+      return (
+        f"the GCA {kernel} kernel would ask for about {needed // 1024} KiB of shared memory with "
+        f"{field}={stages} ({tiling.block_q * tiling.heads_per_program}-row query tiles, "
+        f"{tiling.padded_chunk_len}-key chunks, head_dim {head_dim}, {jnp.dtype(dtype).name}, query heads "
+        f"per kv head: {tiling.group}), over the {SHARED_MEMORY_BUDGET // 1024} KiB budget (an H100 block "
+        f"gets 227 KiB); {fix}, or use implementation='xla'"
+      )
   return None

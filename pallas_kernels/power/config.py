@@ -38,13 +38,17 @@ class PowerKernelConfig:
   grad_num_warps: int = 4
 
   def __post_init__(self):
-    check_int_fields(self, power_of_two=tuple(f.name for f in dataclasses.fields(self) if f.name != "num_stages"),
-                     tiles=("block_t", "block_q", "block_k", "grad_block"))
+    check_int_fields(
+      self,
+      power_of_two=tuple(f.name for f in dataclasses.fields(self) if f.name != "num_stages"),
+      tiles=("block_t", "block_q", "block_k", "grad_block"),
+    )
     if self.row_group > FEATURE_TILE:
       raise ValueError(f"PowerKernelConfig.row_group must be <= {FEATURE_TILE}, got {self.row_group}")
     if self.block_q % self.block_k and self.block_k % self.block_q:
-      raise ValueError(f"PowerKernelConfig.block_q ({self.block_q}) and block_k ({self.block_k}) must divide "
-                       "one another")
+      raise ValueError(
+        f"PowerKernelConfig.block_q ({self.block_q}) and block_k ({self.block_k}) must divide one another"
+      )
 
   @property
   def chunk_multiple(self) -> int:

@@ -45,8 +45,15 @@ def _discumsum_kernel(delta_ref, totals_ref, initial_ref, entering_ref, final_re
   final_ref[...] = lax.fori_loop(0, delta_ref.shape[0], step, initial_ref[...])
 
 
-def discumsum(deltas: jax.Array, totals: jax.Array, initial: jax.Array, *, entering_dtype=jnp.float32,
-              interpret: bool, num_warps: int = 4) -> tuple[jax.Array, jax.Array]:
+def discumsum(
+  deltas: jax.Array,
+  totals: jax.Array,
+  initial: jax.Array,
+  *,
+  entering_dtype=jnp.float32,
+  interpret: bool,
+  num_warps: int = 4,
+) -> tuple[jax.Array, jax.Array]:
   """States entering each chunk and the final state.
 
   Args:
@@ -62,20 +69,20 @@ def discumsum(deltas: jax.Array, totals: jax.Array, initial: jax.Array, *, enter
   slab = _slab_rows(rows, cols)
   per_chunk, totals_spec, state = _specs(slab, cols, num_chunks)
   return pl.pallas_call(
-      _discumsum_kernel,
-      grid=(bh, rows // slab),
-      in_specs=[per_chunk, totals_spec, state],
-      out_specs=[per_chunk, state],
-      out_shape=[jax.ShapeDtypeStruct(deltas.shape, entering_dtype),
-                 jax.ShapeDtypeStruct(initial.shape, jnp.float32)],
-      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-      interpret=interpret,
-      name="power_discumsum",
+    _discumsum_kernel,
+    grid=(bh, rows // slab),
+    in_specs=[per_chunk, totals_spec, state],
+    out_specs=[per_chunk, state],
+    out_shape=[jax.ShapeDtypeStruct(deltas.shape, entering_dtype), jax.ShapeDtypeStruct(initial.shape, jnp.float32)],
+    compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+    interpret=interpret,
+    name="power_discumsum",
   )(deltas, totals, initial)
 
 
-def _reverse_discumsum_kernel(d_entering_ref, totals_ref, entering_ref, d_final_ref, d_deltas_ref, d_totals_ref,
-                              d_initial_ref):
+def _reverse_discumsum_kernel(
+  d_entering_ref, totals_ref, entering_ref, d_final_ref, d_deltas_ref, d_totals_ref, d_initial_ref
+):
   num_chunks = d_entering_ref.shape[0]
 
   def step(i, d_next):
@@ -88,8 +95,15 @@ def _reverse_discumsum_kernel(d_entering_ref, totals_ref, entering_ref, d_final_
   d_initial_ref[...] = lax.fori_loop(0, num_chunks, step, d_final_ref[...])
 
 
-def reverse_discumsum(d_entering: jax.Array, totals: jax.Array, entering: jax.Array, d_final: jax.Array, *,
-                      interpret: bool, num_warps: int = 4):
+def reverse_discumsum(
+  d_entering: jax.Array,
+  totals: jax.Array,
+  entering: jax.Array,
+  d_final: jax.Array,
+  *,
+  interpret: bool,
+  num_warps: int = 4,
+):
   """Backward of `discumsum`.
 
   With Shat_c the gradient of the state entering chunk c (Shat_n = the final state's):
@@ -111,16 +125,18 @@ def reverse_discumsum(d_entering: jax.Array, totals: jax.Array, entering: jax.Ar
   slabs = rows // slab
   per_chunk, totals_spec, state = _specs(slab, cols, num_chunks)
   d_deltas, d_totals, d_initial = pl.pallas_call(
-      _reverse_discumsum_kernel,
-      grid=(bh, slabs),
-      in_specs=[per_chunk, totals_spec, per_chunk, state],
-      out_specs=[per_chunk, pl.BlockSpec((None, None, num_chunks), lambda b, r: (b, r, 0)), state],
-      out_shape=[jax.ShapeDtypeStruct(d_entering.shape, jnp.float32),
-                 jax.ShapeDtypeStruct((bh, slabs, num_chunks), jnp.float32),
-                 jax.ShapeDtypeStruct(d_final.shape, jnp.float32)],
-      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-      interpret=interpret,
-      name="power_reverse_discumsum",
+    _reverse_discumsum_kernel,
+    grid=(bh, slabs),
+    in_specs=[per_chunk, totals_spec, per_chunk, state],
+    out_specs=[per_chunk, pl.BlockSpec((None, None, num_chunks), lambda b, r: (b, r, 0)), state],
+    out_shape=[
+      jax.ShapeDtypeStruct(d_entering.shape, jnp.float32),
+      jax.ShapeDtypeStruct((bh, slabs, num_chunks), jnp.float32),
+      jax.ShapeDtypeStruct(d_final.shape, jnp.float32),
+    ],
+    compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+    interpret=interpret,
+    name="power_reverse_discumsum",
   )(d_entering, totals, entering, d_final)
   # Each slab holds its part of <Shat_{c+1}, S_c>.
   return d_deltas, jnp.sum(d_totals, axis=1), d_initial

@@ -68,8 +68,11 @@ def _row_blocks(head_dim: int, row_group: int) -> list[tuple[int, int, int, floa
 def _block_tables(head_dim: int, row_group: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Per row block: the first column of its a-group, the first column of its tile t, its weight."""
   blocks = _row_blocks(head_dim, row_group)
-  return (jnp.asarray([b[1] for b in blocks], jnp.int32), jnp.asarray([b[2] for b in blocks], jnp.int32),
-          jnp.asarray([b[3] for b in blocks], jnp.float32))
+  return (
+    jnp.asarray([b[1] for b in blocks], jnp.int32),
+    jnp.asarray([b[2] for b in blocks], jnp.int32),
+    jnp.asarray([b[3] for b in blocks], jnp.float32),
+  )
 
 
 def _table_specs(num_blocks: int) -> list:
@@ -93,14 +96,18 @@ def _selectors(first_col, width: int, dtype):
 def _tile_columns(x_ref, rows, first_col, tile_col):
   """x_s, x_t [rows, 16]: the 16-feature tiles holding a row block's a-group and its tile t."""
   group_start = pl.multiple_of(first_col // FEATURE_TILE * FEATURE_TILE, FEATURE_TILE)
-  return (x_ref[rows, pl.ds(group_start, FEATURE_TILE)],
-          x_ref[rows, pl.ds(pl.multiple_of(tile_col, FEATURE_TILE), FEATURE_TILE)])
+  return (
+    x_ref[rows, pl.ds(group_start, FEATURE_TILE)],
+    x_ref[rows, pl.ds(pl.multiple_of(tile_col, FEATURE_TILE), FEATURE_TILE)],
+  )
 
 
 def _factors(tiles, selectors, precision):
   """(x_s E_group, x_t E_tile), float32 [rows, width]: the two factors of phi's columns."""
-  return tuple(jnp.dot(x, selector, precision=precision, preferred_element_type=jnp.float32)
-               for x, selector in zip(tiles, selectors))
+  return tuple(
+    jnp.dot(x, selector, precision=precision, preferred_element_type=jnp.float32)
+    for x, selector in zip(tiles, selectors)
+  )
 
 
 def _placement(start, head_dim: int, dtype):
@@ -118,8 +125,21 @@ def _compiler_params(config: PowerKernelConfig):
 # Update state: one program per (row block of phi, chunk, batch * kv head).
 
 
-def _update_state_kernel(first_col_ref, tile_col_ref, weight_ref, x_ref, w_ref, u_ref, state_ref, normalizer_ref, *,
-                         chunk: int, block_t: int, width: int, precision):
+def _update_state_kernel(
+  first_col_ref,
+  tile_col_ref,
+  weight_ref,
+  x_ref,
+  w_ref,
+  u_ref,
+  state_ref,
+  normalizer_ref,
+  *,
+  chunk: int,
+  block_t: int,
+  width: int,
+  precision,
+):
   block = pl.program_id(0)
   first_col, tile_col = first_col_ref[block], tile_col_ref[block]
   dtype = x_ref.dtype
@@ -141,8 +161,9 @@ def _update_state_kernel(first_col_ref, tile_col_ref, weight_ref, x_ref, w_ref, 
   normalizer_ref[...] = jnp.sum(normalizer, axis=0) * weight
 
 
-def update_state(x: jax.Array, w: jax.Array, u: jax.Array, *, chunk: int, config: PowerKernelConfig,
-                 interpret: bool) -> tuple[jax.Array, jax.Array]:
+def update_state(
+  x: jax.Array, w: jax.Array, u: jax.Array, *, chunk: int, config: PowerKernelConfig, interpret: bool
+) -> tuple[jax.Array, jax.Array]:
   """Per-chunk states of the expanded rows of x.
 
   Args:
@@ -161,22 +182,29 @@ def update_state(x: jax.Array, w: jax.Array, u: jax.Array, *, chunk: int, config
   tables = _block_tables(head_dim, config.row_group)
   num_blocks = tables[0].shape[0]
   rows = config.row_group * FEATURE_TILE
-  kernel = functools.partial(_update_state_kernel, chunk=chunk, block_t=config.block_t, width=rows,
-                             precision=_precision(x.dtype))
+  kernel = functools.partial(
+    _update_state_kernel, chunk=chunk, block_t=config.block_t, width=rows, precision=_precision(x.dtype)
+  )
   return pl.pallas_call(
-      kernel,
-      grid=(num_blocks, num_chunks, bh),
-      in_specs=[*_table_specs(num_blocks),
-                pl.BlockSpec((None, chunk, head_dim), lambda rb, n, b: (b, n, 0)),
-                pl.BlockSpec((None, chunk, value_dim), lambda rb, n, b: (b, n, 0)),
-                pl.BlockSpec((None, chunk), lambda rb, n, b: (b, n))],
-      out_specs=[pl.BlockSpec((None, None, rows, value_dim), lambda rb, n, b: (b, n, rb, 0)),
-                 pl.BlockSpec((None, None, rows), lambda rb, n, b: (b, n, rb))],
-      out_shape=[jax.ShapeDtypeStruct((bh, num_chunks, num_blocks * rows, value_dim), jnp.float32),
-                 jax.ShapeDtypeStruct((bh, num_chunks, num_blocks * rows), jnp.float32)],
-      compiler_params=_compiler_params(config),
-      interpret=interpret,
-      name="power_update_state",
+    kernel,
+    grid=(num_blocks, num_chunks, bh),
+    in_specs=[
+      *_table_specs(num_blocks),
+      pl.BlockSpec((None, chunk, head_dim), lambda rb, n, b: (b, n, 0)),
+      pl.BlockSpec((None, chunk, value_dim), lambda rb, n, b: (b, n, 0)),
+      pl.BlockSpec((None, chunk), lambda rb, n, b: (b, n)),
+    ],
+    out_specs=[
+      pl.BlockSpec((None, None, rows, value_dim), lambda rb, n, b: (b, n, rb, 0)),
+      pl.BlockSpec((None, None, rows), lambda rb, n, b: (b, n, rb)),
+    ],
+    out_shape=[
+      jax.ShapeDtypeStruct((bh, num_chunks, num_blocks * rows, value_dim), jnp.float32),
+      jax.ShapeDtypeStruct((bh, num_chunks, num_blocks * rows), jnp.float32),
+    ],
+    compiler_params=_compiler_params(config),
+    interpret=interpret,
+    name="power_update_state",
   )(*tables, x, w, u)
 
 
@@ -194,8 +222,11 @@ def _query_state_products(tables, x_ref, state_ref, normalizer_ref, *, row_group
   def step(block, carry):
     product, dot_normalizer = carry
     first_col = first_col_ref[block]
-    group, tile = _factors(_tile_columns(x_ref, every_row, first_col, tile_col_ref[block]),
-                           _selectors(first_col, width, x_ref.dtype), precision)
+    group, tile = _factors(
+      _tile_columns(x_ref, every_row, first_col, tile_col_ref[block]),
+      _selectors(first_col, width, x_ref.dtype),
+      precision,
+    )
     phi = group * tile * weight_ref[block]
     block_rows = pl.ds(block * width, width)
     state = state_ref[block_rows, :]
@@ -220,8 +251,21 @@ def _scores_and_decay(q, k, g_q, g_k, q_start, k_start, precision):
   return scores, jnp.where(causal, jnp.exp(jnp.where(causal, g_q[:, None] - g_k[None, :], 0.0)), 0.0)
 
 
-def _query_state_attention_kernel(first_col_ref, tile_col_ref, weight_ref, q_ref, k_ref, v_ref, g_ref, *refs,
-                                  chunk: int, block_k: int, row_group: int, with_state: bool, precision):
+def _query_state_attention_kernel(
+  first_col_ref,
+  tile_col_ref,
+  weight_ref,
+  q_ref,
+  k_ref,
+  v_ref,
+  g_ref,
+  *refs,
+  chunk: int,
+  block_k: int,
+  row_group: int,
+  with_state: bool,
+  precision,
+):
   state_refs, (out_ref, denominator_ref) = refs[:-2], refs[-2:]
   block_q = q_ref.shape[0]
   q_start = pl.program_id(0) * block_q
@@ -229,8 +273,9 @@ def _query_state_attention_kernel(first_col_ref, tile_col_ref, weight_ref, q_ref
   g_q = g_ref[pl.ds(q_start, block_q)]
 
   if with_state:
-    numerator, denominator = _query_state_products((first_col_ref, tile_col_ref, weight_ref), q_ref, *state_refs,
-                                                   row_group=row_group, precision=precision)
+    numerator, denominator = _query_state_products(
+      (first_col_ref, tile_col_ref, weight_ref), q_ref, *state_refs, row_group=row_group, precision=precision
+    )
     discount = jnp.exp(g_q)
     numerator *= discount[:, None]
     denominator *= discount
@@ -245,15 +290,17 @@ def _query_state_attention_kernel(first_col_ref, tile_col_ref, weight_ref, q_ref
     keys = pl.ds(k_start, block_k)
     scores, decay = _scores_and_decay(q, k_ref[keys, :], g_q, g_ref[keys], q_start, k_start, precision)
     weights = scores * scores * decay
-    numerator += jnp.dot(weights.astype(v_ref.dtype), v_ref[keys, :], precision=precision,
-                         preferred_element_type=jnp.float32)
+    numerator += jnp.dot(
+      weights.astype(v_ref.dtype), v_ref[keys, :], precision=precision, preferred_element_type=jnp.float32
+    )
     return numerator, denominator + jnp.sum(weights, axis=1)
 
   num_key_blocks = (q_start + block_q - chunk_start + block_k - 1) // block_k
   numerator, denominator = lax.fori_loop(0, num_key_blocks, step, (numerator, denominator))
   zero = denominator == 0.0
   out_ref[...] = jnp.where(zero[:, None], 0.0, numerator / jnp.where(zero, 1.0, denominator)[:, None]).astype(
-      out_ref.dtype)
+    out_ref.dtype
+  )
   denominator_ref[...] = denominator
 
 
@@ -262,9 +309,20 @@ def _kv_index(group: int, heads: int, kv_heads: int):
   return lambda bh: (bh // heads) * kv_heads + (bh % heads) // group
 
 
-def query_state_attention(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, state: jax.Array | None,
-                          normalizer: jax.Array | None, *, heads: int, kv_heads: int, chunk: int,
-                          config: PowerKernelConfig, interpret: bool) -> tuple[jax.Array, jax.Array]:
+def query_state_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  g: jax.Array,
+  state: jax.Array | None,
+  normalizer: jax.Array | None,
+  *,
+  heads: int,
+  kv_heads: int,
+  chunk: int,
+  config: PowerKernelConfig,
+  interpret: bool,
+) -> tuple[jax.Array, jax.Array]:
   """Normalized outputs from the incoming chunk states plus the intra-chunk attention.
 
   Args:
@@ -288,27 +346,41 @@ def query_state_attention(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array
   if with_state:
     dim = state.shape[2]
     blocks_per_chunk = chunk // block_q
-    state_specs = [pl.BlockSpec((None, None, dim, value_dim), lambda i, b: (kv(b), i // blocks_per_chunk, 0, 0)),
-                   pl.BlockSpec((None, None, dim), lambda i, b: (kv(b), i // blocks_per_chunk, 0))]
+    state_specs = [
+      pl.BlockSpec((None, None, dim, value_dim), lambda i, b: (kv(b), i // blocks_per_chunk, 0, 0)),
+      pl.BlockSpec((None, None, dim), lambda i, b: (kv(b), i // blocks_per_chunk, 0)),
+    ]
     state_args = [state, normalizer]
-  kernel = functools.partial(_query_state_attention_kernel, chunk=chunk, block_k=config.block_k,
-                             row_group=config.row_group, with_state=with_state, precision=_precision(q.dtype))
+  kernel = functools.partial(
+    _query_state_attention_kernel,
+    chunk=chunk,
+    block_k=config.block_k,
+    row_group=config.row_group,
+    with_state=with_state,
+    precision=_precision(q.dtype),
+  )
   return pl.pallas_call(
-      kernel,
-      grid=(length // block_q, bhq),
-      in_specs=[*_table_specs(tables[0].shape[0]),
-                pl.BlockSpec((None, block_q, head_dim), lambda i, b: (b, i, 0)),
-                pl.BlockSpec((None, length, head_dim), lambda i, b: (kv(b), 0, 0)),
-                pl.BlockSpec((None, length, value_dim), lambda i, b: (kv(b), 0, 0)),
-                pl.BlockSpec((None, length), lambda i, b: (kv(b), 0)),
-                *state_specs],
-      out_specs=[pl.BlockSpec((None, block_q, value_dim), lambda i, b: (b, i, 0)),
-                 pl.BlockSpec((None, block_q), lambda i, b: (b, i))],
-      out_shape=[jax.ShapeDtypeStruct((bhq, length, value_dim), q.dtype),
-                 jax.ShapeDtypeStruct((bhq, length), jnp.float32)],
-      compiler_params=_compiler_params(config),
-      interpret=interpret,
-      name="power_query_state_attention" if with_state else "power_attention_form",
+    kernel,
+    grid=(length // block_q, bhq),
+    in_specs=[
+      *_table_specs(tables[0].shape[0]),
+      pl.BlockSpec((None, block_q, head_dim), lambda i, b: (b, i, 0)),
+      pl.BlockSpec((None, length, head_dim), lambda i, b: (kv(b), 0, 0)),
+      pl.BlockSpec((None, length, value_dim), lambda i, b: (kv(b), 0, 0)),
+      pl.BlockSpec((None, length), lambda i, b: (kv(b), 0)),
+      *state_specs,
+    ],
+    out_specs=[
+      pl.BlockSpec((None, block_q, value_dim), lambda i, b: (b, i, 0)),
+      pl.BlockSpec((None, block_q), lambda i, b: (b, i)),
+    ],
+    out_shape=[
+      jax.ShapeDtypeStruct((bhq, length, value_dim), q.dtype),
+      jax.ShapeDtypeStruct((bhq, length), jnp.float32),
+    ],
+    compiler_params=_compiler_params(config),
+    interpret=interpret,
+    name="power_query_state_attention" if with_state else "power_attention_form",
   )(*tables, q, k, v, g, *state_args)
 
 
@@ -316,8 +388,21 @@ def query_state_attention(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array
 # Backward: gradients through a state product, and the intra-chunk attention.
 
 
-def _state_gradient_kernel(first_col_ref, tile_col_ref, weight_ref, x_ref, cotangent_ref, cotangent_normalizer_ref,
-                           state_ref, normalizer_ref, dx_ref, phi_dot_ref, *product_refs, row_group: int, precision):
+def _state_gradient_kernel(
+  first_col_ref,
+  tile_col_ref,
+  weight_ref,
+  x_ref,
+  cotangent_ref,
+  cotangent_normalizer_ref,
+  state_ref,
+  normalizer_ref,
+  dx_ref,
+  phi_dot_ref,
+  *product_refs,
+  row_group: int,
+  precision,
+):
   """dx and phi(x) . M for M_i = S c_i + z c^z_i; optionally phi(x) S."""
   rows, head_dim = x_ref.shape
   dtype = x_ref.dtype
@@ -332,18 +417,25 @@ def _state_gradient_kernel(first_col_ref, tile_col_ref, weight_ref, x_ref, cotan
     selectors = _selectors(first_col, width, dtype)
     group, tile = _factors(_tile_columns(x_ref, every_row, first_col, tile_col), selectors, precision)
     block_rows = pl.ds(block * width, width)
-    state = state_ref[block_rows, :]                                                  # [W, d_v]
+    state = state_ref[block_rows, :]  # [W, d_v]
     weight = weight_ref[block]
     m = jnp.dot(cotangent, state.T, precision=precision, preferred_element_type=jnp.float32)
     m = (m + cotangent_normalizer[:, None] * normalizer_ref[block_rows][None, :]) * weight
     # d/dx of sum_c m_c (x_s E_group)_c (x_t E_tile)_c: through the transposed selections
     # to each tile's 16 features, then a 0/1 placement into x's d columns.
-    for factor, selector, start in ((tile, selectors[0], first_col // FEATURE_TILE * FEATURE_TILE),
-                                    (group, selectors[1], tile_col)):
-      d_features = jnp.dot((m * factor).astype(dtype), selector.T, precision=precision,
-                           preferred_element_type=jnp.float32)
-      dx += jnp.dot(d_features.astype(dtype), _placement(start, head_dim, dtype), precision=precision,
-                    preferred_element_type=jnp.float32)
+    for factor, selector, start in (
+      (tile, selectors[0], first_col // FEATURE_TILE * FEATURE_TILE),
+      (group, selectors[1], tile_col),
+    ):
+      d_features = jnp.dot(
+        (m * factor).astype(dtype), selector.T, precision=precision, preferred_element_type=jnp.float32
+      )
+      dx += jnp.dot(
+        d_features.astype(dtype),
+        _placement(start, head_dim, dtype),
+        precision=precision,
+        preferred_element_type=jnp.float32,
+      )
     if product_refs:
       phi = (group * tile * weight).astype(state.dtype)
       product += jnp.dot(phi, state, precision=precision, preferred_element_type=jnp.float32)
@@ -360,9 +452,20 @@ def _state_gradient_kernel(first_col_ref, tile_col_ref, weight_ref, x_ref, cotan
     product_refs[0][...] = product
 
 
-def state_gradient(x: jax.Array, cotangent: jax.Array, cotangent_normalizer: jax.Array, state: jax.Array,
-                   normalizer: jax.Array, *, heads: int, kv_heads: int, chunk: int, config: PowerKernelConfig,
-                   interpret: bool, with_product: bool = False):
+def state_gradient(
+  x: jax.Array,
+  cotangent: jax.Array,
+  cotangent_normalizer: jax.Array,
+  state: jax.Array,
+  normalizer: jax.Array,
+  *,
+  heads: int,
+  kv_heads: int,
+  chunk: int,
+  config: PowerKernelConfig,
+  interpret: bool,
+  with_product: bool = False,
+):
   """Gradient through f_i = phi(x_i) . (S c_i + z c^z_i) with S, z the state of x_i's chunk.
 
   Args:
@@ -384,24 +487,31 @@ def state_gradient(x: jax.Array, cotangent: jax.Array, cotangent_normalizer: jax
   rows_spec = lambda width: pl.BlockSpec((None, block, width), lambda i, b: (b, i, 0))
   vector_spec = pl.BlockSpec((None, block), lambda i, b: (b, i))
   out_specs = [rows_spec(head_dim), vector_spec]
-  out_shape = [jax.ShapeDtypeStruct((bh, length, head_dim), jnp.float32),
-               jax.ShapeDtypeStruct((bh, length), jnp.float32)]
+  out_shape = [
+    jax.ShapeDtypeStruct((bh, length, head_dim), jnp.float32),
+    jax.ShapeDtypeStruct((bh, length), jnp.float32),
+  ]
   if with_product:
     out_specs.append(rows_spec(value_dim))
     out_shape.append(jax.ShapeDtypeStruct((bh, length, value_dim), jnp.float32))
   tables = _block_tables(head_dim, config.row_group)
   kernel = functools.partial(_state_gradient_kernel, row_group=config.row_group, precision=_precision(x.dtype))
   return pl.pallas_call(
-      kernel,
-      grid=(length // block, bh),
-      in_specs=[*_table_specs(tables[0].shape[0]), rows_spec(head_dim), rows_spec(value_dim), vector_spec,
-                pl.BlockSpec((None, None, dim, value_dim), lambda i, b: (kv(b), i // blocks_per_chunk, 0, 0)),
-                pl.BlockSpec((None, None, dim), lambda i, b: (kv(b), i // blocks_per_chunk, 0))],
-      out_specs=out_specs,
-      out_shape=out_shape,
-      compiler_params=pltriton.CompilerParams(num_warps=config.grad_num_warps, num_stages=config.num_stages),
-      interpret=interpret,
-      name="power_state_gradient",
+    kernel,
+    grid=(length // block, bh),
+    in_specs=[
+      *_table_specs(tables[0].shape[0]),
+      rows_spec(head_dim),
+      rows_spec(value_dim),
+      vector_spec,
+      pl.BlockSpec((None, None, dim, value_dim), lambda i, b: (kv(b), i // blocks_per_chunk, 0, 0)),
+      pl.BlockSpec((None, None, dim), lambda i, b: (kv(b), i // blocks_per_chunk, 0)),
+    ],
+    out_specs=out_specs,
+    out_shape=out_shape,
+    compiler_params=pltriton.CompilerParams(num_warps=config.grad_num_warps, num_stages=config.num_stages),
+    interpret=interpret,
+    name="power_state_gradient",
   )(*tables, x, cotangent, cotangent_normalizer, state, normalizer)
 
 
@@ -413,8 +523,9 @@ def _attention_terms(q, k, v, d_num, d_den, g_q, g_k, q_start, k_start, precisio
   return weights, d_weights, 2.0 * scores * decay * d_weights
 
 
-def _attention_dq_kernel(q_ref, k_ref, v_ref, g_ref, d_num_ref, d_den_ref, dq_ref, dg_ref, *, chunk: int,
-                         block_k: int, precision):
+def _attention_dq_kernel(
+  q_ref, k_ref, v_ref, g_ref, d_num_ref, d_den_ref, dq_ref, dg_ref, *, chunk: int, block_k: int, precision
+):
   block_q = q_ref.shape[0]
   q_start = pl.program_id(0) * block_q
   chunk_start = (q_start // chunk) * chunk
@@ -426,20 +537,34 @@ def _attention_dq_kernel(q_ref, k_ref, v_ref, g_ref, d_num_ref, d_den_ref, dq_re
     k_start = chunk_start + j * block_k
     keys = pl.ds(k_start, block_k)
     k = k_ref[keys, :]
-    weights, d_weights, d_scores = _attention_terms(q, k, v_ref[keys, :], d_num, d_den, g_q, g_ref[keys], q_start,
-                                                    k_start, precision)
+    weights, d_weights, d_scores = _attention_terms(
+      q, k, v_ref[keys, :], d_num, d_den, g_q, g_ref[keys], q_start, k_start, precision
+    )
     dq += jnp.dot(d_scores.astype(k.dtype), k, precision=precision, preferred_element_type=jnp.float32)
     return dq, dg + jnp.sum(weights * d_weights, axis=1)
 
   num_key_blocks = (q_start + block_q - chunk_start + block_k - 1) // block_k
-  dq, dg = lax.fori_loop(0, num_key_blocks, step, (jnp.zeros(q.shape, jnp.float32),
-                                                   jnp.zeros((block_q,), jnp.float32)))
+  dq, dg = lax.fori_loop(0, num_key_blocks, step, (jnp.zeros(q.shape, jnp.float32), jnp.zeros((block_q,), jnp.float32)))
   dq_ref[...] = dq
   dg_ref[...] = dg
 
 
-def _attention_dkv_kernel(q_ref, k_ref, v_ref, g_ref, d_num_ref, d_den_ref, dk_ref, dv_ref, dg_ref, *, chunk: int,
-                          block_q: int, group: int, precision):
+def _attention_dkv_kernel(
+  q_ref,
+  k_ref,
+  v_ref,
+  g_ref,
+  d_num_ref,
+  d_den_ref,
+  dk_ref,
+  dv_ref,
+  dg_ref,
+  *,
+  chunk: int,
+  block_q: int,
+  group: int,
+  precision,
+):
   block_k = k_ref.shape[0]
   k_start = pl.program_id(0) * block_k
   chunk_end = (k_start // chunk + 1) * chunk
@@ -454,8 +579,9 @@ def _attention_dkv_kernel(q_ref, k_ref, v_ref, g_ref, d_num_ref, d_den_ref, dk_r
     q_start = first + i * block_q
     queries = pl.ds(q_start, block_q)
     q, d_num = q_ref[head, queries, :], d_num_ref[head, queries, :]
-    weights, d_weights, d_scores = _attention_terms(q, k, v, d_num, d_den_ref[head, queries], g_ref[queries], g_k,
-                                                    q_start, k_start, precision)
+    weights, d_weights, d_scores = _attention_terms(
+      q, k, v, d_num, d_den_ref[head, queries], g_ref[queries], g_k, q_start, k_start, precision
+    )
     dk += jnp.dot(d_scores.T.astype(q.dtype), q, precision=precision, preferred_element_type=jnp.float32)
     dv += jnp.dot(weights.T.astype(d_num.dtype), d_num, precision=precision, preferred_element_type=jnp.float32)
     return dk, dv, dg - jnp.sum(weights * d_weights, axis=0)
@@ -467,8 +593,9 @@ def _attention_dkv_kernel(q_ref, k_ref, v_ref, g_ref, d_num_ref, d_den_ref, dk_r
   dg_ref[...] = dg
 
 
-def attention_backward(q, k, v, g, d_num, d_den, *, heads: int, kv_heads: int, chunk: int,
-                       config: PowerKernelConfig, interpret: bool):
+def attention_backward(
+  q, k, v, g, d_num, d_den, *, heads: int, kv_heads: int, chunk: int, config: PowerKernelConfig, interpret: bool
+):
   """Gradients of the intra-chunk attention sum_j A_ij [v_j, 1] (the numerator and denominator).
 
   Args:
@@ -489,40 +616,53 @@ def attention_backward(q, k, v, g, d_num, d_den, *, heads: int, kv_heads: int, c
   full = lambda width, index: pl.BlockSpec((None, length, width), lambda i, b: (index(b), 0, 0))
   same = lambda b: b
   dq, dg_q = pl.pallas_call(
-      functools.partial(_attention_dq_kernel, chunk=chunk, block_k=block_k, precision=precision),
-      grid=(length // block_q, bhq),
-      in_specs=[pl.BlockSpec((None, block_q, head_dim), lambda i, b: (b, i, 0)),
-                full(head_dim, kv), full(value_dim, kv),
-                pl.BlockSpec((None, length), lambda i, b: (kv(b), 0)),
-                pl.BlockSpec((None, block_q, value_dim), lambda i, b: (b, i, 0)),
-                pl.BlockSpec((None, block_q), lambda i, b: (b, i))],
-      out_specs=[pl.BlockSpec((None, block_q, head_dim), lambda i, b: (b, i, 0)),
-                 pl.BlockSpec((None, block_q), lambda i, b: (b, i))],
-      out_shape=[jax.ShapeDtypeStruct((bhq, length, head_dim), jnp.float32),
-                 jax.ShapeDtypeStruct((bhq, length), jnp.float32)],
-      compiler_params=_compiler_params(config),
-      interpret=interpret,
-      name="power_attention_dq",
+    functools.partial(_attention_dq_kernel, chunk=chunk, block_k=block_k, precision=precision),
+    grid=(length // block_q, bhq),
+    in_specs=[
+      pl.BlockSpec((None, block_q, head_dim), lambda i, b: (b, i, 0)),
+      full(head_dim, kv),
+      full(value_dim, kv),
+      pl.BlockSpec((None, length), lambda i, b: (kv(b), 0)),
+      pl.BlockSpec((None, block_q, value_dim), lambda i, b: (b, i, 0)),
+      pl.BlockSpec((None, block_q), lambda i, b: (b, i)),
+    ],
+    out_specs=[
+      pl.BlockSpec((None, block_q, head_dim), lambda i, b: (b, i, 0)),
+      pl.BlockSpec((None, block_q), lambda i, b: (b, i)),
+    ],
+    out_shape=[
+      jax.ShapeDtypeStruct((bhq, length, head_dim), jnp.float32),
+      jax.ShapeDtypeStruct((bhq, length), jnp.float32),
+    ],
+    compiler_params=_compiler_params(config),
+    interpret=interpret,
+    name="power_attention_dq",
   )(q, k, v, g, d_num, d_den)
   # A kv head's query heads are `group` consecutive rows of the folded q: one block of that size.
   grouped = lambda width: pl.BlockSpec((group, length, width), lambda i, b: (b, 0, 0))
   dk, dv, dg_k = pl.pallas_call(
-      functools.partial(_attention_dkv_kernel, chunk=chunk, block_q=block_q, group=group, precision=precision),
-      grid=(length // block_k, bhk),
-      in_specs=[grouped(head_dim),
-                pl.BlockSpec((None, block_k, head_dim), lambda i, b: (b, i, 0)),
-                pl.BlockSpec((None, block_k, value_dim), lambda i, b: (b, i, 0)),
-                pl.BlockSpec((None, length), lambda i, b: (same(b), 0)),
-                grouped(value_dim),
-                pl.BlockSpec((group, length), lambda i, b: (b, 0))],
-      out_specs=[pl.BlockSpec((None, block_k, head_dim), lambda i, b: (b, i, 0)),
-                 pl.BlockSpec((None, block_k, value_dim), lambda i, b: (b, i, 0)),
-                 pl.BlockSpec((None, block_k), lambda i, b: (b, i))],
-      out_shape=[jax.ShapeDtypeStruct((bhk, length, head_dim), jnp.float32),
-                 jax.ShapeDtypeStruct((bhk, length, value_dim), jnp.float32),
-                 jax.ShapeDtypeStruct((bhk, length), jnp.float32)],
-      compiler_params=_compiler_params(config),
-      interpret=interpret,
-      name="power_attention_dkv",
+    functools.partial(_attention_dkv_kernel, chunk=chunk, block_q=block_q, group=group, precision=precision),
+    grid=(length // block_k, bhk),
+    in_specs=[
+      grouped(head_dim),
+      pl.BlockSpec((None, block_k, head_dim), lambda i, b: (b, i, 0)),
+      pl.BlockSpec((None, block_k, value_dim), lambda i, b: (b, i, 0)),
+      pl.BlockSpec((None, length), lambda i, b: (same(b), 0)),
+      grouped(value_dim),
+      pl.BlockSpec((group, length), lambda i, b: (b, 0)),
+    ],
+    out_specs=[
+      pl.BlockSpec((None, block_k, head_dim), lambda i, b: (b, i, 0)),
+      pl.BlockSpec((None, block_k, value_dim), lambda i, b: (b, i, 0)),
+      pl.BlockSpec((None, block_k), lambda i, b: (b, i)),
+    ],
+    out_shape=[
+      jax.ShapeDtypeStruct((bhk, length, head_dim), jnp.float32),
+      jax.ShapeDtypeStruct((bhk, length, value_dim), jnp.float32),
+      jax.ShapeDtypeStruct((bhk, length), jnp.float32),
+    ],
+    compiler_params=_compiler_params(config),
+    interpret=interpret,
+    name="power_attention_dkv",
   )(q, k, v, g, d_num, d_den)
   return dq, dg_q, dk, dv, dg_k

@@ -33,8 +33,9 @@ SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 EXPANSION = ("tspow", FEATURE_TILE)
 
 
-def unsupported_reason(p: int, head_dim: int, value_dim: int, dtype, chunk_size: int,
-                       config: PowerKernelConfig | None = None) -> str | None:
+def unsupported_reason(
+  p: int, head_dim: int, value_dim: int, dtype, chunk_size: int, config: PowerKernelConfig | None = None
+) -> str | None:
   """Why the kernels cannot run these inputs (a message naming the argument and the fix), or None.
 
   Takes sizes, not arrays, so that a FLOP count can ask the same question from a
@@ -45,15 +46,20 @@ def unsupported_reason(p: int, head_dim: int, value_dim: int, dtype, chunk_size:
     return f"implementation='pallas' supports p=2 only, got p={p}; use implementation='xla'"
   for name, size in (("head_dim", head_dim), ("value_dim", value_dim)):
     if size < FEATURE_TILE or size & (size - 1):
-      return (f"implementation='pallas' needs a power-of-two {name} >= {FEATURE_TILE}, got {size}; "
-              "use implementation='xla'")
+      return (
+        f"implementation='pallas' needs a power-of-two {name} >= {FEATURE_TILE}, got {size}; use implementation='xla'"
+      )
   if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
-    return (f"implementation='pallas' supports {[jnp.dtype(d).name for d in SUPPORTED_DTYPES]}, got "
-            f"{jnp.dtype(dtype).name}; use implementation='xla'")
+    return (
+      f"implementation='pallas' supports {[jnp.dtype(d).name for d in SUPPORTED_DTYPES]}, got "
+      f"{jnp.dtype(dtype).name}; use implementation='xla'"
+    )
   multiple = config.chunk_multiple
   if chunk_size % multiple:
-    return (f"chunk_size ({chunk_size}) must be a multiple of {multiple} (the kernels' largest block) for "
-            f"implementation='pallas'; try {max(multiple, chunk_size // multiple * multiple)}")
+    return (
+      f"chunk_size ({chunk_size}) must be a multiple of {multiple} (the kernels' largest block) for "
+      f"implementation='pallas'; try {max(multiple, chunk_size // multiple * multiple)}"
+    )
   return None
 
 
@@ -107,12 +113,18 @@ def _states_entering_chunks(chunk_states, chunk_normalizers, totals, state, norm
   """States entering each chunk [BH, n, D, d_v] (in `state_dtype`), normalizers [BH, n, D]
   (float32), and the final state and normalizer: S_0 = the initial state,
   S_{c+1} = e^{total_c} S_c + dS_c, carried in float32."""
-  entering, final_state = discumsum.discumsum(chunk_states, totals, state, entering_dtype=state_dtype,
-                                              interpret=interpret)
-  entering_normalizers, final_normalizer = discumsum.discumsum(_as_rows(chunk_normalizers), totals,
-                                                               _as_rows(normalizer), interpret=interpret)
-  return (entering, entering_normalizers.reshape(chunk_normalizers.shape), final_state,
-          final_normalizer.reshape(normalizer.shape))
+  entering, final_state = discumsum.discumsum(
+    chunk_states, totals, state, entering_dtype=state_dtype, interpret=interpret
+  )
+  entering_normalizers, final_normalizer = discumsum.discumsum(
+    _as_rows(chunk_normalizers), totals, _as_rows(normalizer), interpret=interpret
+  )
+  return (
+    entering,
+    entering_normalizers.reshape(chunk_normalizers.shape),
+    final_state,
+    final_normalizer.reshape(normalizer.shape),
+  )
 
 
 def _expand_to_q_heads(x: jax.Array, group: int) -> jax.Array:
@@ -133,32 +145,58 @@ def _forward(q, k, v, log_g, state, normalizer, *, scale, chunk, config, interpr
   q_folded, k_folded, v_folded = _fold_inputs(q, k, v, scale, length)
   g, totals = _chunk_gates(_fold(log_g, length), chunk)
   decay = _key_decay(g, totals, chunk)
-  chunk_states, chunk_normalizers = kernels.update_state(k_folded, _weighted(v_folded, decay, q.dtype), decay,
-                                                         chunk=chunk, config=config, interpret=interpret)
+  chunk_states, chunk_normalizers = kernels.update_state(
+    k_folded, _weighted(v_folded, decay, q.dtype), decay, chunk=chunk, config=config, interpret=interpret
+  )
   dim = chunk_states.shape[2]
   entering, entering_normalizers, final_state, final_normalizer = _states_entering_chunks(
-      chunk_states, chunk_normalizers, totals, state.reshape(batch * kv_heads, dim, -1),
-      normalizer.reshape(batch * kv_heads, dim), state_dtype=q.dtype, interpret=interpret)
+    chunk_states,
+    chunk_normalizers,
+    totals,
+    state.reshape(batch * kv_heads, dim, -1),
+    normalizer.reshape(batch * kv_heads, dim),
+    state_dtype=q.dtype,
+    interpret=interpret,
+  )
   out_folded, denominator = kernels.query_state_attention(
-      q_folded, k_folded, v_folded, g, entering, entering_normalizers, heads=heads, kv_heads=kv_heads, chunk=chunk,
-      config=config, interpret=interpret)
+    q_folded,
+    k_folded,
+    v_folded,
+    g,
+    entering,
+    entering_normalizers,
+    heads=heads,
+    kv_heads=kv_heads,
+    chunk=chunk,
+    config=config,
+    interpret=interpret,
+  )
   out = _unfold(out_folded, batch, heads, seq)
   residuals = (out_folded, denominator, entering, entering_normalizers, g, totals)
   return (out, final_state.reshape(state.shape), final_normalizer.reshape(normalizer.shape)), residuals
 
 
-def _reverse_states_entering_chunks(query_states, query_normalizers, totals, entering, entering_normalizers,
-                                    d_final, d_final_normalizer, *, interpret):
+def _reverse_states_entering_chunks(
+  query_states, query_normalizers, totals, entering, entering_normalizers, d_final, d_final_normalizer, *, interpret
+):
   """Backward of `_states_entering_chunks`: the gradients of each chunk's own state
   [BH, n, D, d_v] and normalizer [BH, n, D], of the totals [BH, n], and of the initial
   state and normalizer, from the direct gradients of the entering states (the query side's)."""
-  d_own, d_totals, d_initial = discumsum.reverse_discumsum(query_states, totals, entering, d_final,
-                                                            interpret=interpret)
+  d_own, d_totals, d_initial = discumsum.reverse_discumsum(query_states, totals, entering, d_final, interpret=interpret)
   d_own_normalizer, d_totals_normalizer, d_initial_normalizer = discumsum.reverse_discumsum(
-      _as_rows(query_normalizers), totals, _as_rows(entering_normalizers), _as_rows(d_final_normalizer),
-      interpret=interpret)
-  return (d_own, d_own_normalizer.reshape(query_normalizers.shape), d_totals + d_totals_normalizer, d_initial,
-          d_initial_normalizer.reshape(d_final_normalizer.shape))
+    _as_rows(query_normalizers),
+    totals,
+    _as_rows(entering_normalizers),
+    _as_rows(d_final_normalizer),
+    interpret=interpret,
+  )
+  return (
+    d_own,
+    d_own_normalizer.reshape(query_normalizers.shape),
+    d_totals + d_totals_normalizer,
+    d_initial,
+    d_initial_normalizer.reshape(d_final_normalizer.shape),
+  )
 
 
 def _output_cotangents(d_out, out_folded, denominator, length):
@@ -196,24 +234,47 @@ def _backward(q, k, v, log_g, state, normalizer, residuals, cotangents, *, scale
   discount = jnp.exp(_expand_to_q_heads(g, group))
   weighted_d_num = _weighted(d_num, discount, dtype)
   d_den_discounted = d_den * discount
-  dq, dg_q = kernels.state_gradient(q_folded, weighted_d_num, d_den_discounted, entering, entering_normalizers,
-                                    heads=heads, kv_heads=kv_heads, **options)
+  dq, dg_q = kernels.state_gradient(
+    q_folded,
+    weighted_d_num,
+    d_den_discounted,
+    entering,
+    entering_normalizers,
+    heads=heads,
+    kv_heads=kv_heads,
+    **options,
+  )
   query_states, query_normalizers = kernels.update_state(q_folded, weighted_d_num, d_den_discounted, **options)
   d_own, d_own_normalizer, d_totals, d_initial, d_initial_normalizer = _reverse_states_entering_chunks(
-      _sum_over_group(query_states, group), _sum_over_group(query_normalizers, group), totals, entering,
-      entering_normalizers, d_final.reshape(batch * kv_heads, *d_final.shape[2:]).astype(jnp.float32),
-      d_final_normalizer.reshape(batch * kv_heads, -1).astype(jnp.float32), interpret=interpret)
+    _sum_over_group(query_states, group),
+    _sum_over_group(query_normalizers, group),
+    totals,
+    entering,
+    entering_normalizers,
+    d_final.reshape(batch * kv_heads, *d_final.shape[2:]).astype(jnp.float32),
+    d_final_normalizer.reshape(batch * kv_heads, -1).astype(jnp.float32),
+    interpret=interpret,
+  )
 
   # Each chunk's own state sum_j r_j phi(k_j) [v_j, 1], r_j = e^{total - G_j}.
   decay = _key_decay(g, totals, chunk)
   dk, d_log_decay, dv_product = kernels.state_gradient(
-      k_folded, _weighted(v_folded, decay, dtype), decay, d_own.astype(dtype),
-      d_own_normalizer, heads=kv_heads, kv_heads=kv_heads, with_product=True, **options)
+    k_folded,
+    _weighted(v_folded, decay, dtype),
+    decay,
+    d_own.astype(dtype),
+    d_own_normalizer,
+    heads=kv_heads,
+    kv_heads=kv_heads,
+    with_product=True,
+    **options,
+  )
   dv = dv_product * decay[..., None]
 
   # Intra-chunk attention.
   dq_att, dg_q_att, dk_att, dv_att, dg_k_att = kernels.attention_backward(
-      q_folded, k_folded, v_folded, g, d_num.astype(dtype), d_den, heads=heads, kv_heads=kv_heads, **options)
+    q_folded, k_folded, v_folded, g, d_num.astype(dtype), d_den, heads=heads, kv_heads=kv_heads, **options
+  )
   dq = (dq + dq_att) * scale
   dk = dk + dk_att
   dv = dv + dv_att
@@ -223,22 +284,26 @@ def _backward(q, k, v, log_g, state, normalizer, residuals, cotangents, *, scale
   d_g = _sum_over_group(dg_q + dg_q_att, group) + dg_k_att - d_log_decay
   d_log_g = _log_gate_gradient(d_g, d_totals + d_log_decay.reshape(bh, -1, chunk).sum(axis=-1), chunk)
 
-  return (_unfold(dq, batch, heads, seq).astype(q.dtype), _unfold(dk, batch, kv_heads, seq).astype(k.dtype),
-          _unfold(dv, batch, kv_heads, seq).astype(v.dtype),
-          _unfold(d_log_g, batch, kv_heads, seq).astype(log_g.dtype),
-          d_initial.reshape(state.shape), d_initial_normalizer.reshape(normalizer.shape))
+  return (
+    _unfold(dq, batch, heads, seq).astype(q.dtype),
+    _unfold(dk, batch, kv_heads, seq).astype(k.dtype),
+    _unfold(dv, batch, kv_heads, seq).astype(v.dtype),
+    _unfold(d_log_g, batch, kv_heads, seq).astype(log_g.dtype),
+    d_initial.reshape(state.shape),
+    d_initial_normalizer.reshape(normalizer.shape),
+  )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
 def _power_attention(q, k, v, log_g, state, normalizer, scale, chunk, config, interpret):
-  outputs, _ = _forward(q, k, v, log_g, state, normalizer, scale=scale, chunk=chunk, config=config,
-                        interpret=interpret)
+  outputs, _ = _forward(q, k, v, log_g, state, normalizer, scale=scale, chunk=chunk, config=config, interpret=interpret)
   return outputs
 
 
 def _power_attention_fwd(q, k, v, log_g, state, normalizer, scale, chunk, config, interpret):
   outputs, residuals = keep_for_backward(
-      _forward(q, k, v, log_g, state, normalizer, scale=scale, chunk=chunk, config=config, interpret=interpret))
+    _forward(q, k, v, log_g, state, normalizer, scale=scale, chunk=chunk, config=config, interpret=interpret)
+  )
   return outputs, (q, k, v, log_g, state, normalizer, residuals)
 
 
@@ -256,8 +321,18 @@ def _attention_form_forward(q, k, v, log_g, *, scale, chunk, config, interpret):
   q_folded, k_folded, v_folded = _fold_inputs(q, k, v, scale, chunk)
   g, _ = _chunk_gates(_fold(log_g, chunk), chunk)
   out_folded, denominator = kernels.query_state_attention(
-      q_folded, k_folded, v_folded, g, None, None, heads=heads, kv_heads=k.shape[2], chunk=chunk, config=config,
-      interpret=interpret)
+    q_folded,
+    k_folded,
+    v_folded,
+    g,
+    None,
+    None,
+    heads=heads,
+    kv_heads=k.shape[2],
+    chunk=chunk,
+    config=config,
+    interpret=interpret,
+  )
   return _unfold(out_folded, batch, heads, seq), (out_folded, denominator, g)
 
 
@@ -268,7 +343,8 @@ def _power_attention_form(q, k, v, log_g, scale, chunk, config, interpret):
 
 def _power_attention_form_fwd(q, k, v, log_g, scale, chunk, config, interpret):
   out, residuals = keep_for_backward(
-      _attention_form_forward(q, k, v, log_g, scale=scale, chunk=chunk, config=config, interpret=interpret))
+    _attention_form_forward(q, k, v, log_g, scale=scale, chunk=chunk, config=config, interpret=interpret)
+  )
   return out, (q, k, v, log_g, residuals)
 
 
@@ -279,22 +355,44 @@ def _power_attention_form_bwd(scale, chunk, config, interpret, saved, d_out):
   q_folded, k_folded, v_folded = _fold_inputs(q, k, v, scale, chunk)
   d_num, d_den = _output_cotangents(d_out, out_folded, denominator, chunk)
   dq, dg_q, dk, dv, dg_k = kernels.attention_backward(
-      q_folded, k_folded, v_folded, g, d_num.astype(q.dtype), d_den, heads=heads, kv_heads=kv_heads, chunk=chunk,
-      config=config, interpret=interpret)
+    q_folded,
+    k_folded,
+    v_folded,
+    g,
+    d_num.astype(q.dtype),
+    d_den,
+    heads=heads,
+    kv_heads=kv_heads,
+    chunk=chunk,
+    config=config,
+    interpret=interpret,
+  )
   d_g = _sum_over_group(dg_q, heads // kv_heads) + dg_k
   d_log_g = _log_gate_gradient(d_g, jnp.zeros((d_g.shape[0], 1), jnp.float32), chunk)
-  return (_unfold(dq * scale, batch, heads, seq).astype(q.dtype), _unfold(dk, batch, kv_heads, seq).astype(k.dtype),
-          _unfold(dv, batch, kv_heads, seq).astype(v.dtype),
-          _unfold(d_log_g, batch, kv_heads, seq).astype(log_g.dtype))
+  return (
+    _unfold(dq * scale, batch, heads, seq).astype(q.dtype),
+    _unfold(dk, batch, kv_heads, seq).astype(k.dtype),
+    _unfold(dv, batch, kv_heads, seq).astype(v.dtype),
+    _unfold(d_log_g, batch, kv_heads, seq).astype(log_g.dtype),
+  )
 
 
 _power_attention_form.defvjp(_power_attention_form_fwd, _power_attention_form_bwd)
 
 
-def power_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, log_g: jax.Array | None, *, scale: float,
-                           chunk_size: int, initial_state: tuple[jax.Array, jax.Array] | None = None,
-                           return_final_state: bool = True, config: PowerKernelConfig | None = None,
-                           interpret: bool | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+def power_attention_pallas(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  log_g: jax.Array | None,
+  *,
+  scale: float,
+  chunk_size: int,
+  initial_state: tuple[jax.Array, jax.Array] | None = None,
+  return_final_state: bool = True,
+  config: PowerKernelConfig | None = None,
+  interpret: bool | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
   """Causal power attention, p = 2, through the Pallas kernels (inputs already validated).
 
   Args:
@@ -330,10 +428,12 @@ def power_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, log_g: jax.
     return _power_attention_form(q, k, v, log_g, scale, chunk, config, interpret), None
   dim = kernels.expanded_dim(head_dim)
   if initial_state is None:
-    initial_state = (jnp.zeros((batch, kv_heads, dim, value_dim), jnp.float32),
-                     jnp.zeros((batch, kv_heads, dim), jnp.float32))
+    initial_state = (
+      jnp.zeros((batch, kv_heads, dim, value_dim), jnp.float32),
+      jnp.zeros((batch, kv_heads, dim), jnp.float32),
+    )
   initial, initial_normalizer = initial_state
-  out, state, normalizer = _power_attention(q, k, v, log_g, initial.astype(jnp.float32),
-                                            initial_normalizer.astype(jnp.float32), scale, chunk, config,
-                                            interpret)
+  out, state, normalizer = _power_attention(
+    q, k, v, log_g, initial.astype(jnp.float32), initial_normalizer.astype(jnp.float32), scale, chunk, config, interpret
+  )
   return out, ((state, normalizer) if return_final_state else None)

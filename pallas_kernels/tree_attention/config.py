@@ -36,9 +36,12 @@ class TreeAttentionConfig:
 
   def __post_init__(self):
     skip = tuple(name for name in ("block_rows", "splits") if getattr(self, name) is None)
-    check_int_fields(self, power_of_two=tuple(name for name in ("block_rows", "block_keys", "num_warps")
-                                              if name not in skip),
-                     tiles=tuple(name for name in ("block_rows", "block_keys") if name not in skip), skip=skip)
+    check_int_fields(
+      self,
+      power_of_two=tuple(name for name in ("block_rows", "block_keys", "num_warps") if name not in skip),
+      tiles=tuple(name for name in ("block_rows", "block_keys") if name not in skip),
+      skip=skip,
+    )
 
   @classmethod
   def from_string(cls, text: str) -> "TreeAttentionConfig":

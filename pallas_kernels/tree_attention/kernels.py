@@ -67,13 +67,22 @@ def _online_softmax_step(carry, scores, values, operand_dtype, precision):
   correction = jnp.exp(running_max - shift)
   probs = jnp.exp(scores - shift)
   running_sum = running_sum * correction + jnp.sum(probs, axis=1, keepdims=True)
-  acc = acc * correction + pltriton.dot(probs.astype(operand_dtype), values.astype(operand_dtype),
-                                        precision=precision)
+  acc = acc * correction + pltriton.dot(probs.astype(operand_dtype), values.astype(operand_dtype), precision=precision)
   return new_max, running_sum, acc
 
 
-def _kernel(lengths_ref, q_ref, cache_k_ref, cache_v_ref, *refs, scale: float, block_keys: int, splits: int,
-            tree_nodes: int, tree_block: int):
+def _kernel(
+  lengths_ref,
+  q_ref,
+  cache_k_ref,
+  cache_v_ref,
+  *refs,
+  scale: float,
+  block_keys: int,
+  splits: int,
+  tree_nodes: int,
+  tree_block: int,
+):
   if tree_nodes:
     tree_k_ref, tree_v_ref, visible_ref, acc_ref, max_ref, sum_ref = refs
   else:
@@ -104,11 +113,15 @@ def _kernel(lengths_ref, q_ref, cache_k_ref, cache_v_ref, *refs, scale: float, b
 
   block_rows, head_dim = q.shape
   f32 = jnp.float32
-  carry = (jnp.full((block_rows, 1), -jnp.inf, f32), jnp.zeros((block_rows, 1), f32),
-           jnp.zeros((block_rows, head_dim), f32))
+  carry = (
+    jnp.full((block_rows, 1), -jnp.inf, f32),
+    jnp.zeros((block_rows, 1), f32),
+    jnp.zeros((block_rows, head_dim), f32),
+  )
   carry = lax.fori_loop(first, stop, cache_step, carry)
 
   if tree_nodes:
+
     def tree_step(_, carry):
       exists = jnp.arange(tree_block) < tree_nodes
       nodes = (pl.ds(0, tree_block), slice(None))
@@ -141,15 +154,23 @@ def _heads_of_rows(x: jax.Array, n: int, heads: int) -> jax.Array:
   batch, kv_heads = x.shape[:2]
   group = heads // kv_heads
   tail = x.shape[3:]
-  grouped = x[:, :, :n * group].reshape(batch, kv_heads, n, group, *tail)
+  grouped = x[:, :, : n * group].reshape(batch, kv_heads, n, group, *tail)
   moved = jnp.moveaxis(grouped, 1, 2)  # [batch, n, kv_heads, group, ...]
   return moved.reshape(batch, n, heads, *tail)
 
 
-def tree_attention_pallas(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, cache_length: jax.Array,
-                          tree_k: jax.Array | None = None, tree_v: jax.Array | None = None,
-                          tree_mask: jax.Array | None = None, *, config: TreeAttentionConfig | None = None,
-                          interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+def tree_attention_pallas(
+  q: jax.Array,
+  cache_k: jax.Array,
+  cache_v: jax.Array,
+  cache_length: jax.Array,
+  tree_k: jax.Array | None = None,
+  tree_v: jax.Array | None = None,
+  tree_mask: jax.Array | None = None,
+  *,
+  config: TreeAttentionConfig | None = None,
+  interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
   """Attention of n queries over a cache's filled slots and, optionally, a masked tree of n nodes.
 
   Shapes are checked by the public entry points (`castle_jax.ops.tree_attention`); here
@@ -201,19 +222,31 @@ def tree_attention_pallas(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, 
 
   stats_shape = jax.ShapeDtypeStruct((splits, batch, kv_heads, padded_rows), jnp.float32)
   stats_spec = pl.BlockSpec((None, None, None, block_rows), lambda r, s, b, h: (s, b, h, r))
-  kernel = functools.partial(_kernel, scale=head_dim ** -0.5, block_keys=config.block_keys, splits=splits,
-                             tree_nodes=tree_nodes, tree_block=tree_block)
+  kernel = functools.partial(
+    _kernel,
+    scale=head_dim**-0.5,
+    block_keys=config.block_keys,
+    splits=splits,
+    tree_nodes=tree_nodes,
+    tree_block=tree_block,
+  )
   accs, maxima, sums = pl.pallas_call(
-      kernel,
-      grid=(row_blocks, splits, batch, kv_heads),
-      in_specs=in_specs,
-      out_specs=[pl.BlockSpec((None, None, None, block_rows, head_dim), lambda r, s, b, h: (s, b, h, r, 0)),
-                 stats_spec, stats_spec],
-      out_shape=[jax.ShapeDtypeStruct((splits, batch, kv_heads, padded_rows, head_dim), jnp.float32),
-                 stats_shape, stats_shape],
-      compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-      interpret=interpret,
-      name="tree_attention",
+    kernel,
+    grid=(row_blocks, splits, batch, kv_heads),
+    in_specs=in_specs,
+    out_specs=[
+      pl.BlockSpec((None, None, None, block_rows, head_dim), lambda r, s, b, h: (s, b, h, r, 0)),
+      stats_spec,
+      stats_spec,
+    ],
+    out_shape=[
+      jax.ShapeDtypeStruct((splits, batch, kv_heads, padded_rows, head_dim), jnp.float32),
+      stats_shape,
+      stats_shape,
+    ],
+    compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+    interpret=interpret,
+    name="tree_attention",
   )(*inputs)
   out, lse = merge_split_states(maxima, sums, accs)
   return _heads_of_rows(out, n, heads).astype(q.dtype), _heads_of_rows(lse, n, heads)

@@ -36,8 +36,9 @@ def alibi_bias(q_positions: jax.Array, k_positions: jax.Array, heads: int) -> ja
   return -jnp.asarray(alibi_slopes(heads))[None, :, None, None] * distance[:, None]
 
 
-def alibi_window_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int,
-                           scale: float | None = None) -> jax.Array:
+def alibi_window_reference(
+  q: jax.Array, k: jax.Array, v: jax.Array, *, window: int, scale: float | None = None
+) -> jax.Array:
   """The definition with a full [T, T] mask and bias, in float32 (a test oracle).
 
   Args:
@@ -49,7 +50,7 @@ def alibi_window_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, window: 
   """
   batch, seq, heads, head_dim = q.shape
   kv_heads = k.shape[2]
-  scale = head_dim ** -0.5 if scale is None else scale
+  scale = head_dim**-0.5 if scale is None else scale
   positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
   qg = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim).astype(jnp.float32)
   scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32), precision="highest") * scale
@@ -81,8 +82,9 @@ def _blocks(x: jax.Array, window: int) -> tuple[jax.Array, jax.Array]:
   return own, jnp.concatenate([own, previous], axis=2)
 
 
-def alibi_window_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int, scale: float | None = None,
-                           implementation: str = "xla") -> jax.Array:
+def alibi_window_attention(
+  q: jax.Array, k: jax.Array, v: jax.Array, *, window: int, scale: float | None = None, implementation: str = "xla"
+) -> jax.Array:
   """Blockwise causal sliding-window attention with ALiBi (see module docstring).
 
   Args:
@@ -98,7 +100,7 @@ def alibi_window_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: 
   """
   batch, seq, heads, head_dim = q.shape
   kv_heads = k.shape[2]
-  scale = head_dim ** -0.5 if scale is None else scale
+  scale = head_dim**-0.5 if scale is None else scale
   padded = -(-seq // window) * window
   pad = ((0, 0), (0, padded - seq), (0, 0), (0, 0))
   q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
@@ -112,8 +114,14 @@ def alibi_window_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: 
   if implementation == "cudnn":
     fold = lambda x: x.reshape(batch * blocks, *x.shape[2:])
     out = jax.nn.dot_product_attention(
-        fold(q_blocks), fold(k_blocks), fold(v_blocks), bias=jnp.asarray(bias, q.dtype)[None], scale=scale,
-        key_value_seq_lengths=jnp.tile(key_lengths, batch).astype(jnp.int32), implementation="cudnn")
+      fold(q_blocks),
+      fold(k_blocks),
+      fold(v_blocks),
+      bias=jnp.asarray(bias, q.dtype)[None],
+      scale=scale,
+      key_value_seq_lengths=jnp.tile(key_lengths, batch).astype(jnp.int32),
+      implementation="cudnn",
+    )
   elif implementation == "xla":
     group = heads // kv_heads
     qg = q_blocks.reshape(batch, blocks, window, kv_heads, group, head_dim).astype(jnp.float32)

@@ -54,23 +54,23 @@ def _validate(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None) -> N
   if k.shape != v.shape:
     raise ValueError(f"k and v must have the same shape; got k {k.shape} and v {v.shape}")
   if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
-    raise ValueError(
-        f"q {q.shape} and k {k.shape} must agree in batch, seq and head_dim for causal self-attention")
+    raise ValueError(f"q {q.shape} and k {k.shape} must agree in batch, seq and head_dim for causal self-attention")
   if q.shape[2] % k.shape[2]:
     raise ValueError(
-        f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]}) for grouped-query attention")
+      f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]}) for grouped-query attention"
+    )
   if window is not None and window < 1:
     raise ValueError(f"window must be None or >= 1, got {window}")
 
 
 def causal_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    *,
-    window: int | None = None,
-    alibi: bool = False,
-    implementation: str | None = None,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  window: int | None = None,
+  alibi: bool = False,
+  implementation: str | None = None,
 ) -> jax.Array:
   """Causal softmax attention, optionally grouped-query, sliding-window and ALiBi-biased.
 
@@ -87,10 +87,15 @@ def causal_attention(
   """
   _validate(q, k, v, window)
   if alibi and window is None:
-    raise ValueError("causal_attention(alibi=True) needs a window: ALiBi runs as sliding-window attention here "
-                     "(set model.sliding_window)")
-  implementations = {"reference": Implementation(), "xla": Implementation(),
-                     "cudnn": Implementation(lambda: cudnn_unsupported_reason(q))}
+    raise ValueError(
+      "causal_attention(alibi=True) needs a window: ALiBi runs as sliding-window attention here "
+      "(set model.sliding_window)"
+    )
+  implementations = {
+    "reference": Implementation(),
+    "xla": Implementation(),
+    "cudnn": Implementation(lambda: cudnn_unsupported_reason(q)),
+  }
   implementation = choose("causal_attention", implementation, implementations, _DEFAULT_ORDER)
 
   if alibi:
@@ -102,4 +107,5 @@ def causal_attention(
     return masked_attention(q, k, v, causal_mask(positions, positions, window))
   local_window = None if window is None else (window - 1, 0)
   return jax.nn.dot_product_attention(
-      q, k, v, is_causal=True, local_window_size=local_window, implementation=implementation)
+    q, k, v, is_causal=True, local_window_size=local_window, implementation=implementation
+  )

@@ -47,13 +47,15 @@ class KVCache:
       raise ValueError(f"cannot append {new} tokens to a KV cache of capacity {self.capacity}")
     if not isinstance(self.length, jax.core.Tracer) and int(self.length) + new > self.capacity:
       raise ValueError(
-          f"KV cache overflow: {int(self.length)} filled + {new} new > capacity {self.capacity}; "
-          "create the cache with a larger capacity")
+        f"KV cache overflow: {int(self.length)} filled + {new} new > capacity {self.capacity}; "
+        "create the cache with a larger capacity"
+      )
     start = (0, self.length, 0, 0)
     return KVCache(
-        jax.lax.dynamic_update_slice(self.keys, keys.astype(self.keys.dtype), start),
-        jax.lax.dynamic_update_slice(self.values, values.astype(self.values.dtype), start),
-        self.length + (new if count is None else jnp.asarray(count, jnp.int32)))
+      jax.lax.dynamic_update_slice(self.keys, keys.astype(self.keys.dtype), start),
+      jax.lax.dynamic_update_slice(self.values, values.astype(self.values.dtype), start),
+      self.length + (new if count is None else jnp.asarray(count, jnp.int32)),
+    )
 
   def key_positions(self) -> jax.Array:
     """int32 [batch, capacity]: the position of each slot, -1 for empty slots."""
@@ -88,8 +90,9 @@ class WindowKVCache:
     if capacity < 1:
       raise ValueError(f"WindowKVCache capacity must be >= 1, got {capacity}")
     shape = (batch, capacity, kv_heads, head_dim)
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.full((capacity,), -1, jnp.int32),
-               jnp.zeros((), jnp.int32))
+    return cls(
+      jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.full((capacity,), -1, jnp.int32), jnp.zeros((), jnp.int32)
+    )
 
   @property
   def capacity(self) -> int:
@@ -109,10 +112,12 @@ class WindowKVCache:
     positions = self.length + offsets
     slots = positions % self.capacity
     count = new if count is None else jnp.asarray(count, jnp.int32)
-    return WindowKVCache(self.keys.at[:, slots].set(keys.astype(self.keys.dtype)),
-                         self.values.at[:, slots].set(values.astype(self.values.dtype)),
-                         self.positions.at[slots].set(jnp.where(offsets < count, positions, -1)),
-                         self.length + count)
+    return WindowKVCache(
+      self.keys.at[:, slots].set(keys.astype(self.keys.dtype)),
+      self.values.at[:, slots].set(values.astype(self.values.dtype)),
+      self.positions.at[slots].set(jnp.where(offsets < count, positions, -1)),
+      self.length + count,
+    )
 
   def key_positions(self) -> jax.Array:
     """int32 [batch, capacity]: the position of each slot, -1 for empty slots."""

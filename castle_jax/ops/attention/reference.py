@@ -30,8 +30,9 @@ def causal_mask(q_positions: jax.Array, k_positions: jax.Array, window: int | No
   return visible
 
 
-def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                     bias: jax.Array | None = None) -> jax.Array:
+def masked_attention(
+  q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, bias: jax.Array | None = None
+) -> jax.Array:
   """softmax(q k^T / sqrt(d) + bias, masked) v with grouped-query heads, computed in float32.
 
   Args:

@@ -39,8 +39,10 @@ DEFAULT_ORDER = ("pallas", "xla")
 
 def _kernel_dtype_reason(dtype) -> str | None:
   if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
-    return (f"the CASTLE Pallas kernels take float32, bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}; "
-            "cast the inputs or use implementation='xla'")
+    return (
+      f"the CASTLE Pallas kernels take float32, bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}; "
+      "cast the inputs or use implementation='xla'"
+    )
   return None
 
 
@@ -51,25 +53,29 @@ def implementations(dtype, pallas_reason: Callable[[], str | None] | None = None
     dtype: the inputs' dtype.
     pallas_reason: a further check of the Pallas path (the decoding kernel's head dims).
   """
+
   def pallas_unsupported() -> str | None:
     return _kernel_dtype_reason(dtype) or (pallas_reason() if pallas_reason else None)
 
-  return {"reference": Implementation(), "xla": Implementation(),
-          "pallas": Implementation(pallas_unsupported, default_backends=("gpu",))}
+  return {
+    "reference": Implementation(),
+    "xla": Implementation(),
+    "pallas": Implementation(pallas_unsupported, default_backends=("gpu",)),
+  }
 
 
 def castle_attention(
-    q_u: jax.Array,
-    k_u: jax.Array,
-    v_u: jax.Array,
-    q_c: jax.Array,
-    k_c: jax.Array,
-    v_c: jax.Array,
-    *,
-    window: int | None = None,
-    implementation: str | None = None,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    pallas_config=None,
+  q_u: jax.Array,
+  k_u: jax.Array,
+  v_u: jax.Array,
+  q_c: jax.Array,
+  k_c: jax.Array,
+  v_c: jax.Array,
+  *,
+  window: int | None = None,
+  implementation: str | None = None,
+  block_size: int = DEFAULT_BLOCK_SIZE,
+  pallas_config=None,
 ) -> jax.Array:
   """Causal attention with lookahead keys (CASTLE), or CASTLE-SWL with `window`.
 
@@ -103,8 +109,9 @@ def castle_attention(
   validate_block_size(block_size)
   implementation = choose("castle_attention", implementation, implementations(q_u.dtype), DEFAULT_ORDER)
   if implementation == "pallas":
-    run = functools.partial(castle_attention_pallas, scale=score_scale(q_u.shape[-1]), window=window,
-                            config=pallas_config)
+    run = functools.partial(
+      castle_attention_pallas, scale=score_scale(q_u.shape[-1]), window=window, config=pallas_config
+    )
     return map_over_shards(run, inputs, [SEQUENCE_HEADS_AXES] * 6, SEQUENCE_HEADS_AXES, what="castle_attention")
   if implementation == "reference":
     return castle_parallel(*inputs, window=window)

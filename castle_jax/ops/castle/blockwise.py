@@ -38,12 +38,12 @@ import jax.numpy as jnp
 
 from castle_jax.ops.numerics import compute_dtype, score_scale
 from castle_jax.ops.castle.common import (
-    combined_scores,
-    lookahead_visible,
-    masked_sigmoid,
-    silu_derivative,
-    validate_block_size,
-    validate_inputs,
+  combined_scores,
+  lookahead_visible,
+  masked_sigmoid,
+  silu_derivative,
+  validate_block_size,
+  validate_inputs,
 )
 from pallas_kernels.residuals import keep_for_backward
 
@@ -69,12 +69,12 @@ def _token_positions(block_index: jax.Array, block_size: int) -> jax.Array:
 
 
 def _lookahead_weight_tiles(
-    q_u: jax.Array,
-    k_u: jax.Array,
-    query_blocks: jax.Array,
-    key_blocks: jax.Array,
-    window: int | None,
-    last_position=None,
+  q_u: jax.Array,
+  k_u: jax.Array,
+  query_blocks: jax.Array,
+  key_blocks: jax.Array,
+  window: int | None,
+  last_position=None,
 ) -> jax.Array:
   """sigmoid(Q^U K^U^T / sqrt(d) + M^U) per slot.
 
@@ -92,8 +92,8 @@ def _lookahead_weight_tiles(
   block_size, head_dim = q_u.shape[-2:]
   logits = jnp.einsum("nsd,njd->nsj", q_u, k_u) * score_scale(head_dim)
   visible = lookahead_visible(
-      _token_positions(query_blocks, block_size), _token_positions(key_blocks, block_size),
-      window, last_position)
+    _token_positions(query_blocks, block_size), _token_positions(key_blocks, block_size), window, last_position
+  )
   return masked_sigmoid(logits, visible)
 
 
@@ -104,10 +104,11 @@ def _in_block_causal(block_size: int) -> jax.Array:
 
 class _Tiles(NamedTuple):
   """Score tiles of one diagonal, one [block, block] tile per key-block slot j."""
-  scores: jax.Array                    # A (Eq. 23), -inf where masked.
-  lookahead_scores: jax.Array          # S^U tile (Eq. 28).
+
+  scores: jax.Array  # A (Eq. 23), -inf where masked.
+  lookahead_scores: jax.Array  # S^U tile (Eq. 28).
   lookahead_weights: jax.Array | None  # sigmoid_ji, rows: lookahead queries of block j.
-  value_scores: jax.Array | None       # Q^C_i V^U_i^T / sqrt(d) * M~^C_ii.
+  value_scores: jax.Array | None  # Q^C_i V^U_i^T / sqrt(d) * M~^C_ii.
 
 
 def _lookahead_diagonals(num_blocks: int, block_size: int, window: int | None) -> int:
@@ -132,15 +133,15 @@ def _diagonal_phases(num_blocks: int, block_size: int, window: int | None):
 
 
 def _diagonal_tiles(
-    diagonal,
-    q_c_rows: jax.Array,
-    k_c: jax.Array,
-    q_u: jax.Array,
-    k_u_rows: jax.Array,
-    v_u_rows: jax.Array,
-    partial_keys: jax.Array,
-    window: int | None,
-    with_weights: bool,
+  diagonal,
+  q_c_rows: jax.Array,
+  k_c: jax.Array,
+  q_u: jax.Array,
+  k_u_rows: jax.Array,
+  v_u_rows: jax.Array,
+  partial_keys: jax.Array,
+  window: int | None,
+  with_weights: bool,
 ) -> _Tiles:
   """Recomputes the tiles (j + diagonal, j) for every key block j.
 
@@ -162,8 +163,7 @@ def _diagonal_tiles(
   lookahead_weights = value_scores = None
   if with_weights:
     lookahead_weights = _lookahead_weight_tiles(q_u, k_u_rows, key_blocks, query_blocks, window)
-    value_scores = jnp.where(
-        _in_block_causal(block_size), jnp.einsum("ntd,njd->ntj", q_c_rows, v_u_rows) * scale, 0.0)
+    value_scores = jnp.where(_in_block_causal(block_size), jnp.einsum("ntd,njd->ntj", q_c_rows, v_u_rows) * scale, 0.0)
     lookahead_scores += jnp.einsum("ntj,nsj->nts", value_scores, lookahead_weights)
   causal_scores = jnp.einsum("ntd,nsd->nts", q_c_rows, k_c) * scale
   query_positions = _token_positions(query_blocks, block_size)
@@ -183,8 +183,7 @@ def _partial_key_update_weights(diagonal, q_u, k_u, window) -> tuple[jax.Array, 
   num_blocks = q_u.shape[0]
   key_blocks = jnp.arange(num_blocks)
   key_offset = diagonal - 1
-  weights = _lookahead_weight_tiles(
-      q_u, _blocks_from(k_u, key_offset), key_blocks, key_blocks + key_offset, window)
+  weights = _lookahead_weight_tiles(q_u, _blocks_from(k_u, key_offset), key_blocks, key_blocks + key_offset, window)
   valid = key_blocks + diagonal < num_blocks
   return jnp.where(valid[:, None, None], weights, 0.0), key_offset
 
@@ -207,11 +206,18 @@ def _forward_one_head(q_u, k_u, v_u, q_c, k_c, v_c, window):
     partial_keys, row_max, row_sum, acc = carry
     if with_weights:
       update_weights, key_offset = _partial_key_update_weights(diagonal, q_u, k_u, window)
-      partial_keys = partial_keys + jnp.einsum(
-          "nsj,njd->nsd", update_weights, _blocks_from(v_u, key_offset))
+      partial_keys = partial_keys + jnp.einsum("nsj,njd->nsd", update_weights, _blocks_from(v_u, key_offset))
     tiles = _diagonal_tiles(
-        diagonal, _blocks_from(q_c, diagonal), k_c, q_u, _blocks_from(k_u, diagonal),
-        _blocks_from(v_u, diagonal), partial_keys, window, with_weights)
+      diagonal,
+      _blocks_from(q_c, diagonal),
+      k_c,
+      q_u,
+      _blocks_from(k_u, diagonal),
+      _blocks_from(v_u, diagonal),
+      partial_keys,
+      window,
+      with_weights,
+    )
 
     # Online softmax (Algorithm 2) on the query rows j + k.
     old_max = _blocks_from(row_max, diagonal)
@@ -219,16 +225,15 @@ def _forward_one_head(q_u, k_u, v_u, q_c, k_c, v_c, window):
     probs = jnp.exp(tiles.scores - new_max[..., None])
     correction = jnp.exp(old_max - new_max)
     new_sum = correction * _blocks_from(row_sum, diagonal) + jnp.sum(probs, axis=-1)
-    new_acc = correction[..., None] * _blocks_from(acc, diagonal) + jnp.einsum(
-        "nts,nsd->ntd", probs, v_c)
+    new_acc = correction[..., None] * _blocks_from(acc, diagonal) + jnp.einsum("nts,nsd->ntd", probs, v_c)
     row_max, row_sum, acc = (_blocks_from(x, -diagonal) for x in (new_max, new_sum, new_acc))
     return (partial_keys, row_max, row_sum, acc), None
 
   carry = (
-      jnp.zeros((num_blocks, block_size, head_dim), dtype),
-      jnp.full((num_blocks, block_size), -jnp.inf, dtype),
-      jnp.zeros((num_blocks, block_size), dtype),
-      jnp.zeros((num_blocks, block_size, head_dim), dtype),
+    jnp.zeros((num_blocks, block_size, head_dim), dtype),
+    jnp.full((num_blocks, block_size), -jnp.inf, dtype),
+    jnp.zeros((num_blocks, block_size), dtype),
+    jnp.zeros((num_blocks, block_size, head_dim), dtype),
   )
   for with_weights, diagonals in _diagonal_phases(num_blocks, block_size, window):
     carry, _ = jax.lax.scan(functools.partial(step, with_weights=with_weights), carry, diagonals)
@@ -250,9 +255,9 @@ def _backward_one_head(q_u, k_u, v_u, q_c, k_c, v_c, out, lse, partial_keys, d_o
   def step(carry, diagonal, with_weights):
     (partial_keys, d_partial_keys, d_q_u, d_k_c, d_v_c, d_q_c, d_k_u, d_v_u) = carry
     q_c_rows, k_u_rows, v_u_rows, d_out_rows, lse_rows, delta_rows = (
-        _blocks_from(x, diagonal) for x in (q_c, k_u, v_u, d_out, lse, delta))
-    tiles = _diagonal_tiles(
-        diagonal, q_c_rows, k_c, q_u, k_u_rows, v_u_rows, partial_keys, window, with_weights)
+      _blocks_from(x, diagonal) for x in (q_c, k_u, v_u, d_out, lse, delta)
+    )
+    tiles = _diagonal_tiles(diagonal, q_c_rows, k_c, q_u, k_u_rows, v_u_rows, partial_keys, window, with_weights)
 
     probs = jnp.exp(tiles.scores - lse_rows[..., None])  # P (Eq. 29), 0 where masked.
     d_probs = jnp.einsum("ntd,nsd->nts", d_out_rows, v_c)
@@ -262,8 +267,8 @@ def _backward_one_head(q_u, k_u, v_u, q_c, k_c, v_c, out, lse, partial_keys, d_o
 
     # Through S^C = Q^C K^C^T / sqrt(d) and the low-rank term Q^C D^T / sqrt(d).
     d_q_c_rows = scale * (
-        jnp.einsum("nts,nsd->ntd", d_scores, k_c)
-        + jnp.einsum("nts,nsd->ntd", d_lookahead, partial_keys))
+      jnp.einsum("nts,nsd->ntd", d_scores, k_c) + jnp.einsum("nts,nsd->ntd", d_lookahead, partial_keys)
+    )
     d_k_c = d_k_c + scale * jnp.einsum("nts,ntd->nsd", d_scores, q_c_rows)
     # After this, d_partial_keys holds dL/dD^(k): the sum over diagonals >= k reading D_j.
     d_partial_keys = d_partial_keys + scale * jnp.einsum("nts,ntd->nsd", d_lookahead, q_c_rows)
@@ -271,8 +276,8 @@ def _backward_one_head(q_u, k_u, v_u, q_c, k_c, v_c, out, lse, partial_keys, d_o
     if with_weights:
       # Through the in-block term value_scores sigmoid_ji^T of Eq. (28).
       d_value_scores = jnp.where(
-          _in_block_causal(q_c.shape[1]),
-          jnp.einsum("nts,nsj->ntj", d_lookahead, tiles.lookahead_weights), 0.0)
+        _in_block_causal(q_c.shape[1]), jnp.einsum("nts,nsj->ntj", d_lookahead, tiles.lookahead_weights), 0.0
+      )
       d_lookahead_weights = jnp.einsum("nts,ntj->nsj", d_lookahead, tiles.value_scores)
       d_q_c_rows = d_q_c_rows + scale * jnp.einsum("ntj,njd->ntd", d_value_scores, v_u_rows)
       d_v_u_rows = scale * jnp.einsum("ntj,ntd->njd", d_value_scores, q_c_rows)
@@ -285,12 +290,11 @@ def _backward_one_head(q_u, k_u, v_u, q_c, k_c, v_c, out, lse, partial_keys, d_o
       partial_keys = partial_keys - jnp.einsum("nsj,njd->nsd", update_weights, v_u_prev)
 
       # Through both sigmoids; masked entries have weight 0 and so zero derivative.
-      d_logits = scale * d_lookahead_weights * tiles.lookahead_weights * (
-          1.0 - tiles.lookahead_weights)
+      d_logits = scale * d_lookahead_weights * tiles.lookahead_weights * (1.0 - tiles.lookahead_weights)
       d_logits_prev = scale * d_update_weights * update_weights * (1.0 - update_weights)
       d_q_u = d_q_u + (
-          jnp.einsum("nsj,njd->nsd", d_logits, k_u_rows)
-          + jnp.einsum("nsj,njd->nsd", d_logits_prev, k_u_prev))
+        jnp.einsum("nsj,njd->nsd", d_logits, k_u_rows) + jnp.einsum("nsj,njd->nsd", d_logits_prev, k_u_prev)
+      )
       d_k_u_rows = jnp.einsum("nsj,nsd->njd", d_logits, q_u)
       d_k_u_prev = jnp.einsum("nsj,nsd->njd", d_logits_prev, q_u)
 
@@ -303,8 +307,7 @@ def _backward_one_head(q_u, k_u, v_u, q_c, k_c, v_c, out, lse, partial_keys, d_o
 
   carry = (partial_keys,) + (jnp.zeros_like(q_c),) * 7
   for with_weights, diagonals in reversed(_diagonal_phases(num_blocks, q_c.shape[1], window)):
-    carry, _ = jax.lax.scan(
-        functools.partial(step, with_weights=with_weights), carry, diagonals, reverse=True)
+    carry, _ = jax.lax.scan(functools.partial(step, with_weights=with_weights), carry, diagonals, reverse=True)
   _, _, d_q_u, d_k_c, d_v_c, d_q_c, d_k_u, d_v_u = carry
   return d_q_u, d_k_u, d_v_u, d_q_c, d_k_c, d_v_c
 
@@ -367,15 +370,15 @@ def _prepare(inputs, window, block_size):
 
 
 def castle_blockwise(
-    q_u: jax.Array,
-    k_u: jax.Array,
-    v_u: jax.Array,
-    q_c: jax.Array,
-    k_c: jax.Array,
-    v_c: jax.Array,
-    *,
-    window: int | None = None,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+  q_u: jax.Array,
+  k_u: jax.Array,
+  v_u: jax.Array,
+  q_c: jax.Array,
+  k_c: jax.Array,
+  v_c: jax.Array,
+  *,
+  window: int | None = None,
+  block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> jax.Array:
   """CASTLE attention by Algorithm 1, differentiable by Algorithm 3 (custom VJP).
 
@@ -401,15 +404,15 @@ def castle_blockwise(
 
 
 def castle_blockwise_prefill(
-    q_u: jax.Array,
-    k_u: jax.Array,
-    v_u: jax.Array,
-    q_c: jax.Array,
-    k_c: jax.Array,
-    v_c: jax.Array,
-    *,
-    window: int | None = None,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+  q_u: jax.Array,
+  k_u: jax.Array,
+  v_u: jax.Array,
+  q_c: jax.Array,
+  k_c: jax.Array,
+  v_c: jax.Array,
+  *,
+  window: int | None = None,
+  block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> tuple[jax.Array, jax.Array]:
   """Algorithm 1's outputs together with the lookahead keys U^L of the whole prompt.
 
@@ -438,10 +441,9 @@ def castle_blockwise_prefill(
   def add_last_key_block(q_u_head, k_u_head, v_u_head, partial_keys_head):
     k_last = jnp.broadcast_to(k_u_head[last], k_u_head.shape)
     weights = _lookahead_weight_tiles(
-        q_u_head, k_last, jnp.arange(num_blocks), jnp.full((num_blocks,), last), window,
-        last_position=seq - 1)
+      q_u_head, k_last, jnp.arange(num_blocks), jnp.full((num_blocks,), last), window, last_position=seq - 1
+    )
     return partial_keys_head + jnp.einsum("nsj,jd->nsd", weights, v_u_head[last])
 
   keys = jax.vmap(add_last_key_block)(*blocked[:3], partial_keys)
-  return (_from_blocks(out, batch, seq, heads, q_c.dtype),
-          _from_blocks(keys, batch, seq, heads, keys.dtype))
+  return (_from_blocks(out, batch, seq, heads, q_c.dtype), _from_blocks(keys, batch, seq, heads, keys.dtype))

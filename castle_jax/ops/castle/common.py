@@ -22,10 +22,10 @@ INPUT_NAMES = ("q_u", "k_u", "v_u", "q_c", "k_c", "v_c")
 
 
 def lookahead_visible(
-    query_positions: jax.Array,
-    key_positions: jax.Array,
-    window: int | None = None,
-    last_position: jax.Array | int | None = None,
+  query_positions: jax.Array,
+  key_positions: jax.Array,
+  window: int | None = None,
+  last_position: jax.Array | int | None = None,
 ) -> jax.Array:
   """The lookahead mask M^U (Eqs. 3 and 8) as booleans.
 
@@ -78,12 +78,12 @@ def masked_softmax(scores: jax.Array, visible: jax.Array) -> jax.Array:
 
 
 def attend_with_lookahead_keys(
-    q_c: jax.Array,
-    k_c: jax.Array,
-    v_c: jax.Array,
-    lookahead_keys: jax.Array,
-    visible: jax.Array,
-    precision=None,
+  q_c: jax.Array,
+  k_c: jax.Array,
+  v_c: jax.Array,
+  lookahead_keys: jax.Array,
+  visible: jax.Array,
+  precision=None,
 ) -> jax.Array:
   """Eqs. (4)-(7): combines causal keys and materialized lookahead keys.
 
@@ -111,8 +111,7 @@ def validate_window(window) -> None:
   if isinstance(window, bool) or not isinstance(window, numbers.Integral):
     raise ValueError(f"window must be None or an int >= 1, got {window!r}")
   if window < 1:
-    raise ValueError(
-        f"window must be None (full CASTLE) or >= 1 (CASTLE-SWL window size), got {window}")
+    raise ValueError(f"window must be None (full CASTLE) or >= 1 (CASTLE-SWL window size), got {window}")
 
 
 def validate_block_size(block_size) -> None:
@@ -135,18 +134,19 @@ def validate_inputs(inputs: Sequence[jax.Array], window) -> None:
   for name, x in zip(INPUT_NAMES, inputs):
     if getattr(x, "ndim", None) != 4:
       raise ValueError(
-          f"{name} must have shape [batch, seq, heads, head_dim] (rank 4); got shape "
-          f"{getattr(x, 'shape', type(x))}")
+        f"{name} must have shape [batch, seq, heads, head_dim] (rank 4); got shape {getattr(x, 'shape', type(x))}"
+      )
   first = inputs[0]
   for name, x in zip(INPUT_NAMES[1:], inputs[1:]):
     if x.shape != first.shape:
       raise ValueError(
-          f"{name} has shape {x.shape} but q_u has shape {first.shape}; all six CASTLE inputs "
-          "must share one shape [batch, seq, heads, head_dim]")
+        f"{name} has shape {x.shape} but q_u has shape {first.shape}; all six CASTLE inputs "
+        "must share one shape [batch, seq, heads, head_dim]"
+      )
     if x.dtype != first.dtype:
       raise ValueError(
-          f"{name} has dtype {x.dtype} but q_u has dtype {first.dtype}; cast all six CASTLE "
-          "inputs to one dtype")
+        f"{name} has dtype {x.dtype} but q_u has dtype {first.dtype}; cast all six CASTLE inputs to one dtype"
+      )
   if not jnp.issubdtype(first.dtype, jnp.floating):
     raise ValueError(f"CASTLE inputs must be floating point; q_u has dtype {first.dtype}")
   batch, seq, heads, head_dim = first.shape

@@ -39,11 +39,11 @@ from castle_jax.ops.castle.api import DEFAULT_ORDER, implementations
 from castle_jax.ops.castle.blockwise import DEFAULT_BLOCK_SIZE, castle_blockwise_prefill
 from castle_jax.ops.numerics import compute_dtype, score_scale
 from castle_jax.ops.castle.common import (
-    attend_with_lookahead_keys,
-    lookahead_visible,
-    masked_sigmoid,
-    validate_inputs,
-    validate_window,
+  attend_with_lookahead_keys,
+  lookahead_visible,
+  masked_sigmoid,
+  validate_inputs,
+  validate_window,
 )
 from castle_jax.sharding import SEQUENCE_HEADS_AXES, TOKEN_HEADS_AXES, map_over_shards
 from pallas_kernels.castle import castle_prefill_pallas
@@ -86,12 +86,12 @@ def _query_rows(capacity: int, window: int | None) -> int:
 
 
 def init_cache(
-    batch: int,
-    capacity: int,
-    heads: int,
-    head_dim: int,
-    dtype,
-    window: int | None = None,
+  batch: int,
+  capacity: int,
+  heads: int,
+  head_dim: int,
+  dtype,
+  window: int | None = None,
 ) -> UQKVCache:
   """An empty UQ-KV cache.
 
@@ -104,8 +104,7 @@ def init_cache(
   Returns:
     A UQKVCache with length 0.
   """
-  for name, value in (("batch", batch), ("capacity", capacity), ("heads", heads),
-                      ("head_dim", head_dim)):
+  for name, value in (("batch", batch), ("capacity", capacity), ("heads", heads), ("head_dim", head_dim)):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
       raise ValueError(f"{name} must be an int >= 1, got {value!r}")
   validate_window(window)
@@ -121,23 +120,24 @@ def _check_against_cache(cache: UQKVCache, inputs, what: str) -> None:
   expected = (cache_batch, cache_heads, cache_head_dim)
   if (batch, heads, head_dim) != expected:
     raise ValueError(
-        f"{what}: q_u has shape {inputs[0].shape}, but the cache holds batch, heads, "
-        f"head_dim = {expected}; create the cache with init_cache(batch, capacity, heads, "
-        "head_dim, ...) matching the inputs")
+      f"{what}: q_u has shape {inputs[0].shape}, but the cache holds batch, heads, "
+      f"head_dim = {expected}; create the cache with init_cache(batch, capacity, heads, "
+      "head_dim, ...) matching the inputs"
+    )
 
 
 def prefill(
-    cache: UQKVCache,
-    q_u: jax.Array,
-    k_u: jax.Array,
-    v_u: jax.Array,
-    q_c: jax.Array,
-    k_c: jax.Array,
-    v_c: jax.Array,
-    *,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    implementation: str | None = None,
-    pallas_config=None,
+  cache: UQKVCache,
+  q_u: jax.Array,
+  k_u: jax.Array,
+  v_u: jax.Array,
+  q_c: jax.Array,
+  k_c: jax.Array,
+  v_c: jax.Array,
+  *,
+  block_size: int = DEFAULT_BLOCK_SIZE,
+  implementation: str | None = None,
+  pallas_config=None,
 ) -> tuple[jax.Array, UQKVCache]:
   """Algorithm 5: the prompt's outputs and a cache filled with its UQ-KV state.
 
@@ -167,13 +167,14 @@ def prefill(
   prompt_len = q_u.shape[1]
   if prompt_len > cache.capacity:
     raise ValueError(
-        f"prefill: the prompt has {prompt_len} tokens but the cache capacity is {cache.capacity}; "
-        "create the cache with a larger capacity")
+      f"prefill: the prompt has {prompt_len} tokens but the cache capacity is {cache.capacity}; "
+      "create the cache with a larger capacity"
+    )
   if choose("prefill", implementation, implementations(q_u.dtype), DEFAULT_ORDER) == "pallas":
-    run = functools.partial(castle_prefill_pallas, scale=score_scale(q_u.shape[-1]), window=cache.window,
-                            config=pallas_config)
-    outputs, keys = map_over_shards(run, inputs,
-                                    [SEQUENCE_HEADS_AXES] * 6, [SEQUENCE_HEADS_AXES] * 2, what="prefill")
+    run = functools.partial(
+      castle_prefill_pallas, scale=score_scale(q_u.shape[-1]), window=cache.window, config=pallas_config
+    )
+    outputs, keys = map_over_shards(run, inputs, [SEQUENCE_HEADS_AXES] * 6, [SEQUENCE_HEADS_AXES] * 2, what="prefill")
   else:
     outputs, keys = castle_blockwise_prefill(*inputs, window=cache.window, block_size=block_size)
 
@@ -185,19 +186,20 @@ def prefill(
   kept = np.arange(max(0, prompt_len - cache.query_rows), prompt_len)
   empty = jnp.zeros_like(cache.lookahead_keys)
   new_cache = UQKVCache(
-      lookahead_keys=fill(empty, keys, prompt_rows),
-      lookahead_queries=fill(jnp.zeros_like(cache.lookahead_queries), q_u[:, kept],
-                             kept % cache.query_rows),
-      causal_keys=fill(empty, k_c, prompt_rows),
-      causal_values=fill(empty, v_c, prompt_rows),
-      length=jnp.asarray(prompt_len, jnp.int32),
-      window=cache.window)
+    lookahead_keys=fill(empty, keys, prompt_rows),
+    lookahead_queries=fill(jnp.zeros_like(cache.lookahead_queries), q_u[:, kept], kept % cache.query_rows),
+    causal_keys=fill(empty, k_c, prompt_rows),
+    causal_values=fill(empty, v_c, prompt_rows),
+    length=jnp.asarray(prompt_len, jnp.int32),
+    window=cache.window,
+  )
   return outputs, new_cache
 
 
 def _overflow_message(capacity: int) -> str:
-  return (f"UQ-KV cache overflow: decode_step on a full cache (capacity {capacity}); "
-          "create the cache with a larger capacity")
+  return (
+    f"UQ-KV cache overflow: decode_step on a full cache (capacity {capacity}); create the cache with a larger capacity"
+  )
 
 
 def _write_row(buffer: jax.Array, values: jax.Array, row: jax.Array, in_bounds: jax.Array) -> jax.Array:
@@ -225,11 +227,12 @@ def _update_lookahead_keys(cache: UQKVCache, position, in_bounds, k_u, v_u, dtyp
   keys = jax.lax.dynamic_slice_in_dim(cache.lookahead_keys, start, query_rows, axis=1).astype(dtype)
   keys = keys + jnp.einsum("bhs,bhd->bshd", weights, v_u[:, 0])
   return jax.lax.dynamic_update_slice_in_dim(
-      cache.lookahead_keys, keys.astype(cache.lookahead_keys.dtype), start, axis=1)
+    cache.lookahead_keys, keys.astype(cache.lookahead_keys.dtype), start, axis=1
+  )
 
 
 def _decode_implementation(implementation: str | None, cache: UQKVCache, dtype) -> str:
-  """"pallas" or "xla" for a decoding step ("reference" has no step of its own and runs
+  """ "pallas" or "xla" for a decoding step ("reference" has no step of its own and runs
   the XLA step); the default falls back to "xla" (logged) where the kernel cannot run."""
   head_dim = cache.causal_keys.shape[-1]
 
@@ -243,16 +246,16 @@ def _decode_implementation(implementation: str | None, cache: UQKVCache, dtype) 
 
 
 def decode_step(
-    cache: UQKVCache,
-    q_u: jax.Array,
-    k_u: jax.Array,
-    v_u: jax.Array,
-    q_c: jax.Array,
-    k_c: jax.Array,
-    v_c: jax.Array,
-    *,
-    implementation: str | None = None,
-    pallas_config=None,
+  cache: UQKVCache,
+  q_u: jax.Array,
+  k_u: jax.Array,
+  v_u: jax.Array,
+  q_c: jax.Array,
+  k_c: jax.Array,
+  v_c: jax.Array,
+  *,
+  implementation: str | None = None,
+  pallas_config=None,
 ) -> tuple[jax.Array, UQKVCache]:
   """Algorithm 4: one new token against the UQ-KV cache.
 
@@ -291,31 +294,44 @@ def decode_step(
   fused_update = implementation == "pallas" and cache.window is None
   lookahead_keys = cache.lookahead_keys
   if not fused_update:
-    lookahead_keys = _update_lookahead_keys(cache, position, in_bounds, k_u.astype(dtype), v_u.astype(dtype),
-                                            dtype)
+    lookahead_keys = _update_lookahead_keys(cache, position, in_bounds, k_u.astype(dtype), v_u.astype(dtype), dtype)
   # Append the token; it has no successors yet: u_t^t = 0. Every write is one row, so an
   # overflowing step (not in_bounds) costs nothing and changes nothing.
   new_cache = UQKVCache(
-      lookahead_keys=_write_row(lookahead_keys, jnp.zeros_like(k_u), position, in_bounds),
-      lookahead_queries=_write_row(cache.lookahead_queries, q_u, position % query_rows, in_bounds),
-      causal_keys=_write_row(cache.causal_keys, k_c, position, in_bounds),
-      causal_values=_write_row(cache.causal_values, v_c, position, in_bounds),
-      length=jnp.where(in_bounds, position + 1, position),
-      window=cache.window)
+    lookahead_keys=_write_row(lookahead_keys, jnp.zeros_like(k_u), position, in_bounds),
+    lookahead_queries=_write_row(cache.lookahead_queries, q_u, position % query_rows, in_bounds),
+    causal_keys=_write_row(cache.causal_keys, k_c, position, in_bounds),
+    causal_values=_write_row(cache.causal_values, v_c, position, in_bounds),
+    length=jnp.where(in_bounds, position + 1, position),
+    window=cache.window,
+  )
 
   if implementation == "pallas":
     last_row = jnp.minimum(position, capacity - 1)
-    attend = functools.partial(pallas_decode.decode_attend, scale=score_scale(q_c.shape[-1]),
-                               update_lookahead_keys=fused_update,
-                               config=pallas_config, interpret=jax.default_backend() == "cpu")
+    attend = functools.partial(
+      pallas_decode.decode_attend,
+      scale=score_scale(q_c.shape[-1]),
+      update_lookahead_keys=fused_update,
+      config=pallas_config,
+      interpret=jax.default_backend() == "cpu",
+    )
     output, keys = map_over_shards(
-        attend,
-        (q_c[:, 0], k_u[:, 0], v_u[:, 0],
-         new_cache.lookahead_queries if fused_update else new_cache.causal_keys,
-         new_cache.causal_keys, new_cache.causal_values, new_cache.lookahead_keys,
-         last_row, jnp.where(in_bounds, position, 0)),
-        [TOKEN_HEADS_AXES] * 3 + [SEQUENCE_HEADS_AXES] * 4 + [None, None],
-        [TOKEN_HEADS_AXES, SEQUENCE_HEADS_AXES], what="decode_step")
+      attend,
+      (
+        q_c[:, 0],
+        k_u[:, 0],
+        v_u[:, 0],
+        new_cache.lookahead_queries if fused_update else new_cache.causal_keys,
+        new_cache.causal_keys,
+        new_cache.causal_values,
+        new_cache.lookahead_keys,
+        last_row,
+        jnp.where(in_bounds, position, 0),
+      ),
+      [TOKEN_HEADS_AXES] * 3 + [SEQUENCE_HEADS_AXES] * 4 + [None, None],
+      [TOKEN_HEADS_AXES, SEQUENCE_HEADS_AXES],
+      what="decode_step",
+    )
     new_cache = new_cache.replace(lookahead_keys=keys)
     output = output[:, None]
   else:
@@ -324,25 +340,29 @@ def decode_step(
     # Empty slots get zero weight, but 0 * garbage is not 0 when the garbage is NaN/inf.
     values = jnp.where(cached[None, :, None, None], new_cache.causal_values.astype(dtype), 0.0)
     output = attend_with_lookahead_keys(
-        q_c.astype(dtype), new_cache.causal_keys.astype(dtype), values,
-        new_cache.lookahead_keys.astype(dtype), cached[None, :])
+      q_c.astype(dtype),
+      new_cache.causal_keys.astype(dtype),
+      values,
+      new_cache.lookahead_keys.astype(dtype),
+      cached[None, :],
+    )
   output = jnp.where(in_bounds, output, jnp.nan).astype(inputs[0].dtype)
   return output, new_cache
 
 
 def append_tokens(
-    cache: UQKVCache,
-    q_u: jax.Array,
-    k_u: jax.Array,
-    v_u: jax.Array,
-    q_c: jax.Array,
-    k_c: jax.Array,
-    v_c: jax.Array,
-    *,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    implementation: str | None = None,
-    pallas_config=None,
-    decode_pallas_config=None,
+  cache: UQKVCache,
+  q_u: jax.Array,
+  k_u: jax.Array,
+  v_u: jax.Array,
+  q_c: jax.Array,
+  k_c: jax.Array,
+  v_c: jax.Array,
+  *,
+  block_size: int = DEFAULT_BLOCK_SIZE,
+  implementation: str | None = None,
+  pallas_config=None,
+  decode_pallas_config=None,
 ) -> tuple[jax.Array, UQKVCache]:
   """Appends any number of tokens: a prefill into an empty cache, decoding steps otherwise.
 
@@ -375,16 +395,19 @@ def append_tokens(
   _check_against_cache(cache, inputs, "append_tokens")
   new = q_u.shape[1]
   if new > cache.capacity:
-    raise ValueError(f"append_tokens: {new} tokens do not fit a cache of capacity {cache.capacity}; "
-                     "create the cache with a larger capacity")
+    raise ValueError(
+      f"append_tokens: {new} tokens do not fit a cache of capacity {cache.capacity}; "
+      "create the cache with a larger capacity"
+    )
 
   def fresh(cache):
     return prefill(cache, *inputs, block_size=block_size, implementation=implementation, pallas_config=pallas_config)
 
   def extend(cache):
     def step(cache, token):
-      output, cache = decode_step(cache, *(x[:, None] for x in token), implementation=implementation,
-                                  pallas_config=decode_pallas_config)
+      output, cache = decode_step(
+        cache, *(x[:, None] for x in token), implementation=implementation, pallas_config=decode_pallas_config
+      )
       return cache, output[:, 0]
 
     cache, outputs = jax.lax.scan(step, cache, tuple(jnp.moveaxis(x, 1, 0) for x in inputs))
@@ -394,7 +417,8 @@ def append_tokens(
     length = int(cache.length)
     if length + new > cache.capacity:
       raise ValueError(
-          f"UQ-KV cache overflow: {length} cached + {new} new tokens > capacity {cache.capacity}; "
-          "create the cache with a larger capacity")
+        f"UQ-KV cache overflow: {length} cached + {new} new tokens > capacity {cache.capacity}; "
+        "create the cache with a larger capacity"
+      )
     return fresh(cache) if length == 0 else extend(cache)
   return jax.lax.cond(cache.length == 0, fresh, extend, cache)

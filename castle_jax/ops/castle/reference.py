@@ -17,11 +17,11 @@ import jax.numpy as jnp
 
 from castle_jax.ops.numerics import compute_dtype, score_scale
 from castle_jax.ops.castle.common import (
-    attend_with_lookahead_keys,
-    combined_scores,
-    lookahead_visible,
-    masked_sigmoid,
-    masked_softmax,
+  attend_with_lookahead_keys,
+  combined_scores,
+  lookahead_visible,
+  masked_sigmoid,
+  masked_softmax,
 )
 
 # The oracles must not lose digits to reduced-precision matmul passes on accelerators.
@@ -34,12 +34,12 @@ def _upcast(*arrays: jax.Array) -> tuple[jax.Array, ...]:
 
 
 def lookahead_keys(
-    q_u: jax.Array,
-    k_u: jax.Array,
-    v_u: jax.Array,
-    num_tokens: int,
-    *,
-    window: int | None = None,
+  q_u: jax.Array,
+  k_u: jax.Array,
+  v_u: jax.Array,
+  num_tokens: int,
+  *,
+  window: int | None = None,
 ) -> jax.Array:
   """U^t of Eq. (2) after `num_tokens` tokens, computed from the definition.
 
@@ -64,14 +64,14 @@ def lookahead_keys(
 
 
 def castle_recurrent(
-    q_u: jax.Array,
-    k_u: jax.Array,
-    v_u: jax.Array,
-    q_c: jax.Array,
-    k_c: jax.Array,
-    v_c: jax.Array,
-    *,
-    window: int | None = None,
+  q_u: jax.Array,
+  k_u: jax.Array,
+  v_u: jax.Array,
+  q_c: jax.Array,
+  k_c: jax.Array,
+  v_c: jax.Array,
+  *,
+  window: int | None = None,
 ) -> jax.Array:
   """CASTLE from its recurrent definition, Eqs. (2)-(7); O(L^3 d), a test oracle.
 
@@ -94,18 +94,19 @@ def castle_recurrent(
     keys_t = lookahead_keys(q_u, k_u, v_u, t, window=window)
     # The sliced keys are exactly tokens 1..t, so every one of them is visible.
     all_visible = jnp.ones((1, t), bool)
-    outputs.append(attend_with_lookahead_keys(
-        q_c[:, t - 1:t], k_c[:, :t], v_c[:, :t], keys_t, all_visible, precision=_PRECISION))
+    outputs.append(
+      attend_with_lookahead_keys(q_c[:, t - 1 : t], k_c[:, :t], v_c[:, :t], keys_t, all_visible, precision=_PRECISION)
+    )
   return jnp.concatenate(outputs, axis=1).astype(out_dtype)
 
 
 def lookahead_scores_parallel(
-    q_u: jax.Array,
-    k_u: jax.Array,
-    v_u: jax.Array,
-    q_c: jax.Array,
-    *,
-    window: int | None = None,
+  q_u: jax.Array,
+  k_u: jax.Array,
+  v_u: jax.Array,
+  q_c: jax.Array,
+  *,
+  window: int | None = None,
 ) -> jax.Array:
   """S^U of Eq. (10): (Q^C V^U^T / sqrt(d) * M~^C) sigmoid(Q^U K^U^T / sqrt(d) + M^U)^T.
 
@@ -123,20 +124,19 @@ def lookahead_scores_parallel(
   value_scores = jnp.einsum("bthd,bjhd->bhtj", q_c, v_u, precision=_PRECISION) * scale
   value_scores = jnp.where(causal, value_scores, 0.0)
   lookahead_logits = jnp.einsum("bshd,bjhd->bhsj", q_u, k_u, precision=_PRECISION) * scale
-  lookahead_weights = masked_sigmoid(
-      lookahead_logits, lookahead_visible(positions, positions, window))
+  lookahead_weights = masked_sigmoid(lookahead_logits, lookahead_visible(positions, positions, window))
   return jnp.einsum("bhtj,bhsj->bhts", value_scores, lookahead_weights, precision=_PRECISION)
 
 
 def castle_parallel(
-    q_u: jax.Array,
-    k_u: jax.Array,
-    v_u: jax.Array,
-    q_c: jax.Array,
-    k_c: jax.Array,
-    v_c: jax.Array,
-    *,
-    window: int | None = None,
+  q_u: jax.Array,
+  k_u: jax.Array,
+  v_u: jax.Array,
+  q_c: jax.Array,
+  k_c: jax.Array,
+  v_c: jax.Array,
+  *,
+  window: int | None = None,
 ) -> jax.Array:
   """CASTLE in the parallel form of Theorem 1, Eqs. (10)-(11); O(L^3), a test oracle.
 

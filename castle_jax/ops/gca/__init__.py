@@ -4,3 +4,14 @@ from castle_jax.ops.gca.api import IMPLEMENTATIONS, gca_attention
 from castle_jax.ops.gca.chunked import gca_chunked
 from castle_jax.ops.gca.common import softmax_one
 from castle_jax.ops.gca.reference import causal_chunk_mask, gca_reference, retrieval_scores, select_chunks
+
+__all__ = [
+  "IMPLEMENTATIONS",
+  "causal_chunk_mask",
+  "gca_attention",
+  "gca_chunked",
+  "gca_reference",
+  "retrieval_scores",
+  "select_chunks",
+  "softmax_one",
+]

@@ -39,24 +39,44 @@ _MEMORY_AXES = ("batch", None, None, "act_kv_heads", None)  # [batch, chunks, ch
 _SLOT_AXES = ("batch", None, None)  # [batch, query_chunks, k]
 
 
-def implementations(q: jax.Array, chunk_k: jax.Array, pallas_config=None, query_chunks: int | None = None,
-                    top_k: int | None = None) -> dict[str, Implementation]:
+def implementations(
+  q: jax.Array, chunk_k: jax.Array, pallas_config=None, query_chunks: int | None = None, top_k: int | None = None
+) -> dict[str, Implementation]:
   """The GCA implementations for these (validated) inputs; `query_chunks` and `top_k`
   (chunk_indices' last two axes) let the kernels' shared-memory checks count a query chunk's
   rows and its slots."""
+
   def pallas_unsupported() -> str | None:
     query_len = None if query_chunks is None else q.shape[1] // query_chunks
-    return unsupported_reason(head_dim=q.shape[-1], chunk_len=chunk_k.shape[2], heads=q.shape[2],
-                              kv_heads=chunk_k.shape[3], dtype=q.dtype, config=pallas_config, query_len=query_len,
-                              top_k=top_k)
+    return unsupported_reason(
+      head_dim=q.shape[-1],
+      chunk_len=chunk_k.shape[2],
+      heads=q.shape[2],
+      kv_heads=chunk_k.shape[3],
+      dtype=q.dtype,
+      config=pallas_config,
+      query_len=query_len,
+      top_k=top_k,
+    )
 
-  return {"reference": Implementation(), "xla": Implementation(),
-          "pallas": Implementation(pallas_unsupported, default_backends=("gpu",))}
+  return {
+    "reference": Implementation(),
+    "xla": Implementation(),
+    "pallas": Implementation(pallas_unsupported, default_backends=("gpu",)),
+  }
 
 
-def gca_attention(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, chunk_weights: jax.Array,
-                  chunk_indices: jax.Array, *, scale: float | None = None,
-                  implementation: str | None = None, pallas_config=None) -> jax.Array:
+def gca_attention(
+  q: jax.Array,
+  chunk_k: jax.Array,
+  chunk_v: jax.Array,
+  chunk_weights: jax.Array,
+  chunk_indices: jax.Array,
+  *,
+  scale: float | None = None,
+  implementation: str | None = None,
+  pallas_config=None,
+) -> jax.Array:
   """Each query chunk attends to its k retrieved memory chunks, separately, and mixes them.
 
   out[b, c*L + i, h] = sum_j chunk_weights[b, c, j] * softmax_1(q[b, c*L + i, h] .
@@ -88,17 +108,21 @@ def gca_attention(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, chunk_we
       query chunks, k < 1, unknown implementation or an explicit one that cannot run.
   """
   validate_inputs(q, chunk_k, chunk_v, chunk_weights, chunk_indices)
-  implementation = choose("gca_attention", implementation,
-                          implementations(q, chunk_k, pallas_config, *chunk_indices.shape[1:]), DEFAULT_ORDER)
+  implementation = choose(
+    "gca_attention", implementation, implementations(q, chunk_k, pallas_config, *chunk_indices.shape[1:]), DEFAULT_ORDER
+  )
   if implementation == "pallas":
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
 
     def run(q, chunk_k, chunk_v, chunk_weights, chunk_indices):
-      return gca_attention_pallas(q, chunk_k, chunk_v, chunk_weights, chunk_indices, scale=scale,
-                                  config=pallas_config)
+      return gca_attention_pallas(q, chunk_k, chunk_v, chunk_weights, chunk_indices, scale=scale, config=pallas_config)
 
-    return map_over_shards(run, (q, chunk_k, chunk_v, chunk_weights, chunk_indices),
-                           [SEQUENCE_HEADS_AXES, _MEMORY_AXES, _MEMORY_AXES, _SLOT_AXES, _SLOT_AXES],
-                           SEQUENCE_HEADS_AXES, what="gca_attention")
+    return map_over_shards(
+      run,
+      (q, chunk_k, chunk_v, chunk_weights, chunk_indices),
+      [SEQUENCE_HEADS_AXES, _MEMORY_AXES, _MEMORY_AXES, _SLOT_AXES, _SLOT_AXES],
+      SEQUENCE_HEADS_AXES,
+      what="gca_attention",
+    )
   run = gca_reference if implementation == "reference" else gca_chunked
   return run(q, chunk_k, chunk_v, chunk_weights, chunk_indices, scale=scale)

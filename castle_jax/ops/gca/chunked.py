@@ -29,12 +29,19 @@ from castle_jax.ops.gca.common import compute_dtype, gather_chunks, log_normaliz
 from pallas_kernels.residuals import keep_for_backward
 
 
-def gca_chunked(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, chunk_weights: jax.Array,
-                chunk_indices: jax.Array, *, scale: float | None = None) -> jax.Array:
+def gca_chunked(
+  q: jax.Array,
+  chunk_k: jax.Array,
+  chunk_v: jax.Array,
+  chunk_weights: jax.Array,
+  chunk_indices: jax.Array,
+  *,
+  scale: float | None = None,
+) -> jax.Array:
   """GCA, memory O(T d + T k) for the backward. Args and result: as `gca_attention`."""
   query_len, group = validate_inputs(q, chunk_k, chunk_v, chunk_weights, chunk_indices)
   batch, seq, heads, head_dim = q.shape
-  scale = head_dim ** -0.5 if scale is None else float(scale)
+  scale = head_dim**-0.5 if scale is None else float(scale)
   kv_heads = chunk_k.shape[3]
   queries = q.reshape(batch, chunk_indices.shape[1], query_len, kv_heads, group, head_dim)
   out = _gca(queries, chunk_k, chunk_v, chunk_weights, chunk_indices.astype(jnp.int32), scale)
@@ -111,8 +118,13 @@ def _gca_bwd(scale, residuals, d_out):
 
   init = (jnp.zeros(queries.shape, dtype), jnp.zeros(chunk_k.shape, dtype), jnp.zeros(chunk_v.shape, dtype))
   (d_queries, d_chunk_k, d_chunk_v), d_weights = jax.lax.scan(slot, init, jnp.arange(chunk_indices.shape[2]))
-  return (d_queries.astype(queries.dtype), d_chunk_k.astype(chunk_k.dtype), d_chunk_v.astype(chunk_v.dtype),
-          jnp.moveaxis(d_weights, 0, -1).astype(chunk_weights.dtype), None)
+  return (
+    d_queries.astype(queries.dtype),
+    d_chunk_k.astype(chunk_k.dtype),
+    d_chunk_v.astype(chunk_v.dtype),
+    jnp.moveaxis(d_weights, 0, -1).astype(chunk_weights.dtype),
+    None,
+  )
 
 
 _gca.defvjp(_gca_fwd, _gca_bwd)

@@ -60,14 +60,17 @@ def validate_inputs(q, chunk_k, chunk_v, chunk_weights, chunk_indices) -> tuple[
   if not jnp.issubdtype(chunk_indices.dtype, jnp.integer):
     raise ValueError(f"chunk_indices must be integers, got dtype {chunk_indices.dtype}")
   if chunk_weights.shape != chunk_indices.shape:
-    raise ValueError(f"chunk_weights {chunk_weights.shape} must have chunk_indices' shape {chunk_indices.shape} "
-                     "([batch, query_chunks, k])")
+    raise ValueError(
+      f"chunk_weights {chunk_weights.shape} must have chunk_indices' shape {chunk_indices.shape} "
+      "([batch, query_chunks, k])"
+    )
   if not jnp.issubdtype(chunk_weights.dtype, jnp.floating):
     raise ValueError(f"chunk_weights must be floating point, got dtype {chunk_weights.dtype}")
   batch, seq, heads, head_dim = q.shape
   if chunk_k.shape[0] != batch or chunk_indices.shape[0] != batch:
-    raise ValueError(f"batch sizes differ: q {batch}, chunk_k {chunk_k.shape[0]}, chunk_indices "
-                     f"{chunk_indices.shape[0]}")
+    raise ValueError(
+      f"batch sizes differ: q {batch}, chunk_k {chunk_k.shape[0]}, chunk_indices {chunk_indices.shape[0]}"
+    )
   if chunk_k.shape[-1] != head_dim:
     raise ValueError(f"chunk_k head_dim {chunk_k.shape[-1]} must equal q's {head_dim}")
   kv_heads = chunk_k.shape[3]
@@ -75,8 +78,10 @@ def validate_inputs(q, chunk_k, chunk_v, chunk_weights, chunk_indices) -> tuple[
     raise ValueError(f"q heads ({heads}) must be a multiple of chunk_k/chunk_v kv_heads ({kv_heads})")
   query_chunks, top_k = chunk_indices.shape[1:]
   if query_chunks < 1 or seq % query_chunks:
-    raise ValueError(f"q's seq ({seq}) must be a positive multiple of the query chunks in chunk_indices "
-                     f"({query_chunks}): each query chunk has seq // query_chunks tokens")
+    raise ValueError(
+      f"q's seq ({seq}) must be a positive multiple of the query chunks in chunk_indices "
+      f"({query_chunks}): each query chunk has seq // query_chunks tokens"
+    )
   if top_k < 1:
     raise ValueError(f"chunk_indices must retrieve k >= 1 chunks per query chunk; got k = {top_k}")
   if chunk_k.shape[1] < 1 or chunk_k.shape[2] < 1:

@@ -20,8 +20,15 @@ import jax.numpy as jnp
 from castle_jax.ops.gca.common import compute_dtype, gather_chunks, softmax_one, validate_inputs
 
 
-def gca_reference(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, chunk_weights: jax.Array,
-                  chunk_indices: jax.Array, *, scale: float | None = None) -> jax.Array:
+def gca_reference(
+  q: jax.Array,
+  chunk_k: jax.Array,
+  chunk_v: jax.Array,
+  chunk_weights: jax.Array,
+  chunk_indices: jax.Array,
+  *,
+  scale: float | None = None,
+) -> jax.Array:
   """sum_j w[c, j] softmax_1(Q_c K_{idx[c, j]}^T scale) V_{idx[c, j]}, materializing every
   retrieved chunk's scores ([batch, query_chunks, k, chunk_tokens, heads, chunk_len]).
 
@@ -33,7 +40,7 @@ def gca_reference(q: jax.Array, chunk_k: jax.Array, chunk_v: jax.Array, chunk_we
   query_len, group = validate_inputs(q, chunk_k, chunk_v, chunk_weights, chunk_indices)
   batch, seq, heads, head_dim = q.shape
   dtype = compute_dtype(q.dtype)
-  scale = head_dim ** -0.5 if scale is None else scale
+  scale = head_dim**-0.5 if scale is None else scale
   query_chunks = chunk_indices.shape[1]
   queries = q.reshape(batch, query_chunks, query_len, heads, head_dim).astype(dtype)
   keys = jnp.repeat(gather_chunks(chunk_k, chunk_indices), group, axis=4).astype(dtype)
@@ -51,8 +58,9 @@ def causal_chunk_mask(num_chunks: int) -> jax.Array:
   return positions[None, :] < positions[:, None]
 
 
-def retrieval_scores(queries: jax.Array, landmarks: jax.Array, *, scale: float | None = None,
-                     query_chunks: jax.Array | None = None) -> jax.Array:
+def retrieval_scores(
+  queries: jax.Array, landmarks: jax.Array, *, scale: float | None = None, query_chunks: jax.Array | None = None
+) -> jax.Array:
   """Relevance of every earlier chunk to each chunk, -inf where retrieval is not causal.
 
   Args:
@@ -68,19 +76,20 @@ def retrieval_scores(queries: jax.Array, landmarks: jax.Array, *, scale: float |
   """
   same_chunks = query_chunks is not None or landmarks.shape == queries.shape
   if queries.ndim != 3 or landmarks.ndim != 3 or not same_chunks or landmarks.shape[::2] != queries.shape[::2]:
-    raise ValueError(f"queries and landmarks must both be [batch, chunks, dim]; got {queries.shape} and "
-                     f"{landmarks.shape}")
+    raise ValueError(
+      f"queries and landmarks must both be [batch, chunks, dim]; got {queries.shape} and {landmarks.shape}"
+    )
   scale = queries.shape[-1] ** -0.5 if scale is None else scale
-  scores = jnp.einsum("btd,bcd->btc", queries.astype(jnp.float32), landmarks.astype(jnp.float32),
-                      precision="highest") * scale
+  scores = (
+    jnp.einsum("btd,bcd->btc", queries.astype(jnp.float32), landmarks.astype(jnp.float32), precision="highest") * scale
+  )
   if query_chunks is None:
     return jnp.where(causal_chunk_mask(queries.shape[1]), scores, -jnp.inf)
   causal = jnp.arange(landmarks.shape[1])[None, :] < query_chunks[:, None]
   return jnp.where(causal, scores, -jnp.inf)
 
 
-def select_chunks(scores: jax.Array, top_k: int, *, gumbel_rng: jax.Array | None = None
-                  ) -> tuple[jax.Array, jax.Array]:
+def select_chunks(scores: jax.Array, top_k: int, *, gumbel_rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Top-k retrieval with the softmax of the selected scores as weights.
 
   Args:

@@ -36,8 +36,16 @@ DEFAULT_ORDER = ("pallas", "xla")
 PALLAS_DEFAULT_CHUNK_SIZE = 1024
 
 
-def resolve(implementation: str | None, chunk_size: int | None, *, p: int, head_dim: int, value_dim: int, dtype,
-            pallas_config=None) -> tuple[str, int]:
+def resolve(
+  implementation: str | None,
+  chunk_size: int | None,
+  *,
+  p: int,
+  head_dim: int,
+  value_dim: int,
+  dtype,
+  pallas_config=None,
+) -> tuple[str, int]:
   """(implementation, chunk size) that `power_attention` runs for inputs of these sizes.
 
   chunk_size None means the implementation's own: PALLAS_DEFAULT_CHUNK_SIZE for "pallas",
@@ -58,31 +66,32 @@ def resolve(implementation: str | None, chunk_size: int | None, *, p: int, head_
     return PALLAS_DEFAULT_CHUNK_SIZE if name == "pallas" else DEFAULT_CHUNK_SIZE
 
   implementations = {
-      "reference": Implementation(),
-      "xla": Implementation(),
-      "pallas": Implementation(
-          lambda: unsupported_reason(p, head_dim, value_dim, dtype, chunk_for("pallas"), pallas_config),
-          default_backends=("gpu",)),
+    "reference": Implementation(),
+    "xla": Implementation(),
+    "pallas": Implementation(
+      lambda: unsupported_reason(p, head_dim, value_dim, dtype, chunk_for("pallas"), pallas_config),
+      default_backends=("gpu",),
+    ),
   }
   chosen = choose("power_attention", implementation, implementations, DEFAULT_ORDER)
   return chosen, chunk_for(chosen)
 
 
 def power_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    log_g: jax.Array | None = None,
-    *,
-    p: int = 2,
-    scale: float | None = None,
-    chunk_size: int | None = None,
-    expansion: str = "spow",
-    d_tile: int | None = None,
-    initial_state: PowerState | None = None,
-    return_final_state: bool = False,
-    implementation: str | None = None,
-    pallas_config=None,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  log_g: jax.Array | None = None,
+  *,
+  p: int = 2,
+  scale: float | None = None,
+  chunk_size: int | None = None,
+  expansion: str = "spow",
+  d_tile: int | None = None,
+  initial_state: PowerState | None = None,
+  return_final_state: bool = False,
+  implementation: str | None = None,
+  pallas_config=None,
 ) -> jax.Array | tuple[jax.Array, PowerState]:
   """Causal power attention with optional per-head gating (paper Sec. 4).
 
@@ -116,11 +125,30 @@ def power_attention(
       chunk_size, expansion or d_tile, unknown implementation.
   """
   p, scale, d_tile = validate_all(q, k, v, log_g, p, scale, expansion, d_tile, initial_state)
-  implementation, chunk_size = resolve(implementation, chunk_size, p=p, head_dim=q.shape[-1], value_dim=v.shape[-1],
-                                       dtype=q.dtype, pallas_config=pallas_config)
+  implementation, chunk_size = resolve(
+    implementation,
+    chunk_size,
+    p=p,
+    head_dim=q.shape[-1],
+    value_dim=v.shape[-1],
+    dtype=q.dtype,
+    pallas_config=pallas_config,
+  )
   if implementation == "pallas":
-    return _pallas(q, k, v, log_g, p=p, scale=scale, chunk_size=chunk_size, expansion=expansion, d_tile=d_tile,
-                   initial_state=initial_state, return_final_state=return_final_state, config=pallas_config)
+    return _pallas(
+      q,
+      k,
+      v,
+      log_g,
+      p=p,
+      scale=scale,
+      chunk_size=chunk_size,
+      expansion=expansion,
+      d_tile=d_tile,
+      initial_state=initial_state,
+      return_final_state=return_final_state,
+      config=pallas_config,
+    )
   options = dict(p=p, scale=scale, expansion=expansion, d_tile=d_tile, initial_state=initial_state)
   if implementation == "reference":
     out = power_attention_reference(q, k, v, log_g, **options)
@@ -136,23 +164,36 @@ def _pallas(q, k, v, log_g, *, p, scale, chunk_size, expansion, d_tile, initial_
   layout = (expansion, d_tile)
 
   def convert(state: PowerState, source, target) -> PowerState:
-    return PowerState(convert_expanded(state.state, head_dim, p, source, target),
-                      convert_expanded(state.normalizer[..., None], head_dim, p, source, target)[..., 0])
+    return PowerState(
+      convert_expanded(state.state, head_dim, p, source, target),
+      convert_expanded(state.normalizer[..., None], head_dim, p, source, target)[..., 0],
+    )
 
   if initial_state is not None:
     initial_state = convert(initial_state, layout, EXPANSION)
+
   def per_shard(q, k, v, log_g, initial_state):
-    out, final = power_attention_pallas(q, k, v, log_g, scale=scale, chunk_size=chunk_size,
-                                        initial_state=initial_state, return_final_state=return_final_state,
-                                        config=config)
+    out, final = power_attention_pallas(
+      q,
+      k,
+      v,
+      log_g,
+      scale=scale,
+      chunk_size=chunk_size,
+      initial_state=initial_state,
+      return_final_state=return_final_state,
+      config=config,
+    )
     return out, (None if final is None else PowerState(*final))
 
   state_axes = ("batch", "act_kv_heads")  # a prefix of PowerState's [batch, kv_heads, ...] leaves
   out, final_state = map_over_shards(
-      per_shard, (q, k, v, log_g, initial_state),
-      [SEQUENCE_HEADS_AXES, KV_SEQUENCE_HEADS_AXES, KV_SEQUENCE_HEADS_AXES, ("batch", None, "act_kv_heads"),
-       state_axes],
-      [SEQUENCE_HEADS_AXES, state_axes], what="power_attention")
+    per_shard,
+    (q, k, v, log_g, initial_state),
+    [SEQUENCE_HEADS_AXES, KV_SEQUENCE_HEADS_AXES, KV_SEQUENCE_HEADS_AXES, ("batch", None, "act_kv_heads"), state_axes],
+    [SEQUENCE_HEADS_AXES, state_axes],
+    what="power_attention",
+  )
   if not return_final_state:
     return out
   return out, convert(final_state, EXPANSION, layout)

@@ -36,19 +36,28 @@ import jax.numpy as jnp
 
 from castle_jax.ops.numerics import compute_dtype
 from castle_jax.ops.power.common import (
-    DEFAULT_CHUNK_SIZE,
-    PowerState,
-    causal_power_weights,
-    group_queries,
-    normalize,
-    validate_all,
-    validate_chunk_size,
+  DEFAULT_CHUNK_SIZE,
+  PowerState,
+  causal_power_weights,
+  group_queries,
+  normalize,
+  validate_all,
+  validate_chunk_size,
 )
 from castle_jax.ops.power.expansion import expand, expanded_dim
 
 
-def empty_state(batch: int, kv_heads: int, head_dim: int, value_dim: int, *, p: int = 2,
-                expansion: str = "spow", d_tile: int | None = None, dtype=jnp.float32) -> PowerState:
+def empty_state(
+  batch: int,
+  kv_heads: int,
+  head_dim: int,
+  value_dim: int,
+  *,
+  p: int = 2,
+  expansion: str = "spow",
+  d_tile: int | None = None,
+  dtype=jnp.float32,
+) -> PowerState:
   """The zero state (no tokens seen): state [B, H_kv, D, value_dim], normalizer [B, H_kv, D]."""
   dim = expanded_dim(head_dim, p, expansion, d_tile)
   return PowerState(jnp.zeros((batch, kv_heads, dim, value_dim), dtype), jnp.zeros((batch, kv_heads, dim), dtype))
@@ -68,7 +77,7 @@ def _chunk_step(carry: PowerState, chunk, *, p: int, expansion: str, d_tile: int
   state, normalizer = carry
   q, k, v, log_g = chunk
   cumulative = jnp.cumsum(log_g, axis=1)  # [B, c, H_kv]
-  total = cumulative[:, -1]               # [B, H_kv]
+  total = cumulative[:, -1]  # [B, H_kv]
 
   weights = causal_power_weights(jnp.einsum("bihgd,bjhd->bhgij", q, k), p, cumulative)
   numerator = jnp.einsum("bhgij,bjhe->bihge", weights, v)
@@ -88,17 +97,17 @@ def _chunk_step(carry: PowerState, chunk, *, p: int, expansion: str, d_tile: int
 
 
 def power_attention_chunked(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    log_g: jax.Array | None = None,
-    *,
-    p: int = 2,
-    scale: float | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    expansion: str = "spow",
-    d_tile: int | None = None,
-    initial_state: PowerState | None = None,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  log_g: jax.Array | None = None,
+  *,
+  p: int = 2,
+  scale: float | None = None,
+  chunk_size: int = DEFAULT_CHUNK_SIZE,
+  expansion: str = "spow",
+  d_tile: int | None = None,
+  initial_state: PowerState | None = None,
 ) -> tuple[jax.Array, PowerState]:
   """Causal power attention in the chunked form; equals `power_attention_reference`.
 
@@ -121,8 +130,18 @@ def power_attention_chunked(
   """
   p, scale, d_tile = validate_all(q, k, v, log_g, p, scale, expansion, d_tile, initial_state)
   chunk_size = validate_chunk_size(chunk_size)
-  return _chunked_form(q, k, v, log_g, initial_state, p=p, scale=scale, chunk=min(chunk_size, q.shape[1]),
-                       expansion=expansion, d_tile=d_tile)
+  return _chunked_form(
+    q,
+    k,
+    v,
+    log_g,
+    initial_state,
+    p=p,
+    scale=scale,
+    chunk=min(chunk_size, q.shape[1]),
+    expansion=expansion,
+    d_tile=d_tile,
+  )
 
 
 # Compiled as one program even when called eagerly (e.g. Flax init); inlined under an outer jit.
@@ -141,15 +160,14 @@ def _chunked_form(q, k, v, log_g, initial_state, *, p, scale, chunk, expansion, 
 
   if log_g is None:
     log_g = jnp.zeros((batch, seq, kv_heads), dtype)
-  chunks = (to_chunks(group_queries(q.astype(dtype) * scale, kv_heads)), to_chunks(k), to_chunks(v),
-            to_chunks(log_g))
+  chunks = (to_chunks(group_queries(q.astype(dtype) * scale, kv_heads)), to_chunks(k), to_chunks(v), to_chunks(log_g))
   if initial_state is None:
-    initial_state = empty_state(batch, kv_heads, head_dim, value_dim, p=p, expansion=expansion, d_tile=d_tile,
-                                dtype=dtype)
+    initial_state = empty_state(
+      batch, kv_heads, head_dim, value_dim, p=p, expansion=expansion, d_tile=d_tile, dtype=dtype
+    )
   else:
     initial_state = PowerState(*(x.astype(dtype) for x in initial_state))
-  step = jax.checkpoint(functools.partial(_chunk_step, p=p, expansion=expansion, d_tile=d_tile),
-                        prevent_cse=False)
+  step = jax.checkpoint(functools.partial(_chunk_step, p=p, expansion=expansion, d_tile=d_tile), prevent_cse=False)
   final_state, outputs = jax.lax.scan(step, initial_state, chunks)
   outputs = jnp.moveaxis(outputs, 0, 1).reshape(batch, num_chunks * chunk, heads, value_dim)
   return outputs[:, :seq].astype(q.dtype), final_state

@@ -47,8 +47,9 @@ def validate_power(p) -> int:
     raise ValueError(f"p must be an even int >= 2, got {p!r}")
   if p < 2 or p % 2:
     raise ValueError(
-        f"p must be an even int >= 2, got {p}: odd powers give negative weights, and power attention "
-        "normalizes by the sum of the weights, which needs them positive (paper Sec. 6)")
+      f"p must be an even int >= 2, got {p}: odd powers give negative weights, and power attention "
+      "normalizes by the sum of the weights, which needs them positive (paper Sec. 6)"
+    )
   return int(p)
 
 
@@ -77,8 +78,9 @@ def validate_inputs(q: jax.Array, k: jax.Array, v: jax.Array, log_g: jax.Array |
   """
   for name, x in (("q", q), ("k", k), ("v", v)):
     if getattr(x, "ndim", None) != 4:
-      raise ValueError(f"{name} must have shape [batch, seq, heads, head_dim] (rank 4); got shape "
-                       f"{getattr(x, 'shape', type(x))}")
+      raise ValueError(
+        f"{name} must have shape [batch, seq, heads, head_dim] (rank 4); got shape {getattr(x, 'shape', type(x))}"
+      )
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise ValueError(f"{name} must be floating point, got dtype {x.dtype}")
   for name, x in (("k", k), ("v", v)):
@@ -94,19 +96,21 @@ def validate_inputs(q: jax.Array, k: jax.Array, v: jax.Array, log_g: jax.Array |
   if v.shape[2] != k.shape[2]:
     raise ValueError(f"v has {v.shape[2]} heads but k has {k.shape[2]}; k and v need the same heads")
   if heads % k.shape[2]:
-    raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({k.shape[2]}) for grouped-query "
-                     "attention")
+    raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({k.shape[2]}) for grouped-query attention")
   if log_g is not None:
     expected = (batch, seq, k.shape[2])
     if getattr(log_g, "shape", None) != expected:
-      raise ValueError(f"log_g must have shape [batch, seq, kv_heads] = {expected} (one gate per k/v head); "
-                       f"got {getattr(log_g, 'shape', type(log_g))}")
+      raise ValueError(
+        f"log_g must have shape [batch, seq, kv_heads] = {expected} (one gate per k/v head); "
+        f"got {getattr(log_g, 'shape', type(log_g))}"
+      )
     if not jnp.issubdtype(log_g.dtype, jnp.floating):
       raise ValueError(f"log_g must be floating point, got dtype {log_g.dtype}")
 
 
-def validate_state(initial_state: PowerState | None, k: jax.Array, v: jax.Array, p: int, expansion: str,
-                   d_tile: int | None) -> None:
+def validate_state(
+  initial_state: PowerState | None, k: jax.Array, v: jax.Array, p: int, expansion: str, d_tile: int | None
+) -> None:
   """Checks that a state matches the inputs and the expansion."""
   if initial_state is None:
     return
@@ -119,8 +123,9 @@ def validate_state(initial_state: PowerState | None, k: jax.Array, v: jax.Array,
     actual = getattr(initial_state, name).shape
     if actual != shape:
       raise ValueError(
-          f"initial_state.{name} has shape {actual}, expected {shape} = [batch, kv_heads, D"
-          f"{', value_dim' if name == 'state' else ''}] with D = {dim} for p={p}, expansion={expansion!r}")
+        f"initial_state.{name} has shape {actual}, expected {shape} = [batch, kv_heads, D"
+        f"{', value_dim' if name == 'state' else ''}] with D = {dim} for p={p}, expansion={expansion!r}"
+      )
 
 
 def validate_all(q, k, v, log_g, p, scale, expansion, d_tile, initial_state=None):

@@ -48,16 +48,18 @@ def validate_expansion(expansion, head_dim: int, p: int, d_tile) -> int | None:
     raise ValueError(f"Unknown expansion {expansion!r}; choose one of {EXPANSIONS}")
   if expansion != "tspow":
     if d_tile is not None:
-      raise ValueError(f"d_tile={d_tile!r} only applies to expansion='tspow', got expansion={expansion!r}; "
-                       "drop d_tile or use 'tspow'")
+      raise ValueError(
+        f"d_tile={d_tile!r} only applies to expansion='tspow', got expansion={expansion!r}; drop d_tile or use 'tspow'"
+      )
     return None
   if d_tile is None:
     d_tile = default_d_tile(head_dim, p)
   if isinstance(d_tile, bool) or not isinstance(d_tile, numbers.Integral) or d_tile < 1:
     raise ValueError(f"d_tile must be an int >= 1, got {d_tile!r}")
   if head_dim % d_tile:
-    raise ValueError(f"d_tile ({d_tile}) must divide the head dim ({head_dim}) for expansion='tspow'; "
-                     f"pick a divisor of {head_dim}")
+    raise ValueError(
+      f"d_tile ({d_tile}) must divide the head dim ({head_dim}) for expansion='tspow'; pick a divisor of {head_dim}"
+    )
   return int(d_tile)
 
 
@@ -73,8 +75,9 @@ def expanded_dim(head_dim: int, p: int, expansion: str = "spow", d_tile: int | N
 
 def _sorted_multi_indices(n: int, p: int) -> np.ndarray:
   """int32 [C(n + p - 1, p), p]: the non-decreasing multi-indices of [n], in lexicographic order."""
-  rows = np.fromiter(itertools.chain.from_iterable(itertools.combinations_with_replacement(range(n), p)),
-                     dtype=np.int32)
+  rows = np.fromiter(
+    itertools.chain.from_iterable(itertools.combinations_with_replacement(range(n), p)), dtype=np.int32
+  )
   return rows.reshape(-1, p)
 
 
@@ -94,8 +97,9 @@ def _symmetry_weights(sorted_indices: np.ndarray) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=64)
-def expansion_table(head_dim: int, p: int, expansion: str = "spow",
-                    d_tile: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def expansion_table(
+  head_dim: int, p: int, expansion: str = "spow", d_tile: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
   """The static table of an expansion: (idx int32 [D, p], w float64 [D]).
 
   phi(x)[a] = w[a] * prod_m x[idx[a, m]]. Cached; the arrays are read-only.
@@ -108,8 +112,8 @@ def expansion_table(head_dim: int, p: int, expansion: str = "spow",
     idx = _sorted_multi_indices(head_dim, p)
     weights = _symmetry_weights(idx)
   else:
-    tiles = _sorted_multi_indices(head_dim // d_tile, p)                   # [L, p]
-    within = np.indices((d_tile,) * p, dtype=np.int32).reshape(p, -1).T    # [d_tile^p, p]
+    tiles = _sorted_multi_indices(head_dim // d_tile, p)  # [L, p]
+    within = np.indices((d_tile,) * p, dtype=np.int32).reshape(p, -1).T  # [d_tile^p, p]
     idx = (tiles[:, None, :] * d_tile + within[None, :, :]).reshape(-1, p)
     weights = np.repeat(_symmetry_weights(tiles), len(within))
   idx = np.ascontiguousarray(idx, np.int32)
@@ -169,8 +173,9 @@ def _conversion_table(head_dim: int, p: int, source: tuple, target: tuple) -> tu
   return rows, target_w / source_w[rows]
 
 
-def convert_expanded(x: jax.Array, head_dim: int, p: int, source: tuple[str, int | None],
-                     target: tuple[str, int | None]) -> jax.Array:
+def convert_expanded(
+  x: jax.Array, head_dim: int, p: int, source: tuple[str, int | None], target: tuple[str, int | None]
+) -> jax.Array:
   """Re-lays an expanded quantity (a state's D axis) from one expansion to another.
 
   Valid for anything linear in phi(k) (states S = sum phi(k) v^T, normalizers sum phi(k)),

@@ -25,10 +25,10 @@ from castle_jax.ops.power.api import power_attention
 from castle_jax.ops.power.chunked import empty_state
 from castle_jax.ops.numerics import compute_dtype
 from castle_jax.ops.power.common import (
-    PowerState,
-    group_queries,
-    normalize,
-    validate_all,
+  PowerState,
+  group_queries,
+  normalize,
+  validate_all,
 )
 from castle_jax.ops.power.expansion import expand
 
@@ -52,15 +52,26 @@ class PowerCache:
     return PowerState(self.state, self.normalizer)
 
   def advanced(self, new_state: PowerState, tokens: int) -> "PowerCache":
-    return PowerCache(new_state.state.astype(self.state.dtype), new_state.normalizer.astype(self.normalizer.dtype),
-                      self.length + tokens)
+    return PowerCache(
+      new_state.state.astype(self.state.dtype), new_state.normalizer.astype(self.normalizer.dtype), self.length + tokens
+    )
 
 
-def init_cache(batch: int, kv_heads: int, head_dim: int, value_dim: int | None = None, *, p: int = 2,
-               expansion: str = "spow", d_tile: int | None = None, dtype=jnp.float32) -> PowerCache:
+def init_cache(
+  batch: int,
+  kv_heads: int,
+  head_dim: int,
+  value_dim: int | None = None,
+  *,
+  p: int = 2,
+  expansion: str = "spow",
+  d_tile: int | None = None,
+  dtype=jnp.float32,
+) -> PowerCache:
   """An empty cache: zero state and normalizer, length 0. Its size is independent of any capacity."""
-  state = empty_state(batch, kv_heads, head_dim, value_dim or head_dim, p=p, expansion=expansion, d_tile=d_tile,
-                      dtype=dtype)
+  state = empty_state(
+    batch, kv_heads, head_dim, value_dim or head_dim, p=p, expansion=expansion, d_tile=d_tile, dtype=dtype
+  )
   return PowerCache(state.state, state.normalizer, jnp.zeros((), jnp.int32))
 
 
@@ -85,7 +96,9 @@ def _token_step(carry: PowerState, token, *, p: int, expansion: str, d_tile: int
   gate = jnp.exp(log_g)[..., None]  # [B, H_kv, 1]: discounts the earlier tokens for this query
   phi_q = expand(q, p, expansion, d_tile)
   own_weight = jnp.einsum("bhgd,bhd->bhg", q, k) ** p
-  numerator = gate[..., None] * jnp.einsum("bhgD,bhDe->bhge", phi_q, carry.state) + own_weight[..., None] * v[:, :, None]
+  numerator = (
+    gate[..., None] * jnp.einsum("bhgD,bhDe->bhge", phi_q, carry.state) + own_weight[..., None] * v[:, :, None]
+  )
   denominator = gate * jnp.einsum("bhgD,bhD->bhg", phi_q, carry.normalizer) + own_weight
   phi_k = expand(k, p, expansion, d_tile)
   state = gate[..., None] * carry.state + phi_k[..., :, None] * v[..., None, :]
@@ -94,16 +107,16 @@ def _token_step(carry: PowerState, token, *, p: int, expansion: str, d_tile: int
 
 
 def power_attention_recurrent(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    log_g: jax.Array | None = None,
-    *,
-    p: int = 2,
-    scale: float | None = None,
-    expansion: str = "spow",
-    d_tile: int | None = None,
-    initial_state: PowerState | None = None,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  log_g: jax.Array | None = None,
+  *,
+  p: int = 2,
+  scale: float | None = None,
+  expansion: str = "spow",
+  d_tile: int | None = None,
+  initial_state: PowerState | None = None,
 ) -> tuple[jax.Array, PowerState]:
   """Causal power attention one token at a time (a `lax.scan` of the recurrence).
 
@@ -130,8 +143,9 @@ def _recurrent_form(q, k, v, log_g, initial_state, *, p, scale, expansion, d_til
   if log_g is None:
     log_g = jnp.zeros((batch, seq, kv_heads), dtype)
   if initial_state is None:
-    initial_state = empty_state(batch, kv_heads, head_dim, value_dim, p=p, expansion=expansion, d_tile=d_tile,
-                                dtype=dtype)
+    initial_state = empty_state(
+      batch, kv_heads, head_dim, value_dim, p=p, expansion=expansion, d_tile=d_tile, dtype=dtype
+    )
   initial_state = PowerState(*(x.astype(dtype) for x in initial_state))
   tokens = (group_queries(q.astype(dtype) * scale, kv_heads), k.astype(dtype), v.astype(dtype), log_g.astype(dtype))
   step = functools.partial(_token_step, p=p, expansion=expansion, d_tile=d_tile)
@@ -145,9 +159,19 @@ def _recurrent_form(q, k, v, log_g, initial_state, *, p, scale, expansion, d_til
 _DECODE_IMPLEMENTATIONS = {"reference": Implementation(), "xla": Implementation()}
 
 
-def decode_step(cache: PowerCache, q: jax.Array, k: jax.Array, v: jax.Array, log_g: jax.Array | None = None, *,
-                p: int = 2, scale: float | None = None, expansion: str = "spow",
-                d_tile: int | None = None, implementation: str | None = None) -> tuple[jax.Array, PowerCache]:
+def decode_step(
+  cache: PowerCache,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  log_g: jax.Array | None = None,
+  *,
+  p: int = 2,
+  scale: float | None = None,
+  expansion: str = "spow",
+  d_tile: int | None = None,
+  implementation: str | None = None,
+) -> tuple[jax.Array, PowerCache]:
   """One new token: O(D d_v) per head whatever the length.
 
   Args:
@@ -160,18 +184,32 @@ def decode_step(cache: PowerCache, q: jax.Array, k: jax.Array, v: jax.Array, log
     output [batch, 1, heads, value_dim] in q's dtype, and the cache with length + 1.
   """
   if q.ndim == 4 and q.shape[1] != 1:
-    raise ValueError(f"decode_step takes one token (q of shape [batch, 1, heads, head_dim]); got {q.shape}. "
-                     "Use prefill or append_tokens for several")
+    raise ValueError(
+      f"decode_step takes one token (q of shape [batch, 1, heads, head_dim]); got {q.shape}. "
+      "Use prefill or append_tokens for several"
+    )
   choose("power decode_step", implementation, _DECODE_IMPLEMENTATIONS, ("xla",))
-  outputs, state = power_attention_recurrent(q, k, v, log_g, p=p, scale=scale, expansion=expansion, d_tile=d_tile,
-                                             initial_state=cache.power_state)
+  outputs, state = power_attention_recurrent(
+    q, k, v, log_g, p=p, scale=scale, expansion=expansion, d_tile=d_tile, initial_state=cache.power_state
+  )
   return outputs, cache.advanced(state, 1)
 
 
-def prefill(cache: PowerCache, q: jax.Array, k: jax.Array, v: jax.Array, log_g: jax.Array | None = None, *,
-            p: int = 2, scale: float | None = None, chunk_size: int | None = None, expansion: str = "spow",
-            d_tile: int | None = None, implementation: str | None = None,
-            pallas_config=None) -> tuple[jax.Array, PowerCache]:
+def prefill(
+  cache: PowerCache,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  log_g: jax.Array | None = None,
+  *,
+  p: int = 2,
+  scale: float | None = None,
+  chunk_size: int | None = None,
+  expansion: str = "spow",
+  d_tile: int | None = None,
+  implementation: str | None = None,
+  pallas_config=None,
+) -> tuple[jax.Array, PowerCache]:
   """Absorbs a block of tokens starting from the cache's state, through `power_attention`.
 
   Args:
@@ -183,16 +221,39 @@ def prefill(cache: PowerCache, q: jax.Array, k: jax.Array, v: jax.Array, log_g: 
   Returns:
     outputs [batch, new, heads, value_dim] in q's dtype, and the cache with length + new.
   """
-  outputs, state = power_attention(q, k, v, log_g, p=p, scale=scale, chunk_size=chunk_size, expansion=expansion,
-                                   d_tile=d_tile, initial_state=cache.power_state, return_final_state=True,
-                                   implementation=implementation, pallas_config=pallas_config)
+  outputs, state = power_attention(
+    q,
+    k,
+    v,
+    log_g,
+    p=p,
+    scale=scale,
+    chunk_size=chunk_size,
+    expansion=expansion,
+    d_tile=d_tile,
+    initial_state=cache.power_state,
+    return_final_state=True,
+    implementation=implementation,
+    pallas_config=pallas_config,
+  )
   return outputs, cache.advanced(state, q.shape[1])
 
 
-def append_tokens(cache: PowerCache, q: jax.Array, k: jax.Array, v: jax.Array, log_g: jax.Array | None = None, *,
-                  p: int = 2, scale: float | None = None, chunk_size: int | None = None,
-                  expansion: str = "spow", d_tile: int | None = None, implementation: str | None = None,
-                  pallas_config=None) -> tuple[jax.Array, PowerCache]:
+def append_tokens(
+  cache: PowerCache,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  log_g: jax.Array | None = None,
+  *,
+  p: int = 2,
+  scale: float | None = None,
+  chunk_size: int | None = None,
+  expansion: str = "spow",
+  d_tile: int | None = None,
+  implementation: str | None = None,
+  pallas_config=None,
+) -> tuple[jax.Array, PowerCache]:
   """Any number of new tokens on any cache: one token takes `decode_step`, more take `prefill`.
 
   The choice depends only on the (static) number of new tokens; both give the rows of
@@ -204,5 +265,6 @@ def append_tokens(cache: PowerCache, q: jax.Array, k: jax.Array, v: jax.Array, l
   validate_all(q, k, v, log_g, p, scale, expansion, d_tile, cache.power_state)
   if q.shape[1] == 1:
     return decode_step(cache, q, k, v, log_g, **options)
-  return prefill(cache, q, k, v, log_g, chunk_size=chunk_size, implementation=implementation,
-                 pallas_config=pallas_config, **options)
+  return prefill(
+    cache, q, k, v, log_g, chunk_size=chunk_size, implementation=implementation, pallas_config=pallas_config, **options
+  )

@@ -19,11 +19,11 @@ import jax.numpy as jnp
 
 from castle_jax.ops.numerics import compute_dtype
 from castle_jax.ops.power.common import (
-    PowerState,
-    causal_power_weights,
-    group_queries,
-    normalize,
-    validate_all,
+  PowerState,
+  causal_power_weights,
+  group_queries,
+  normalize,
+  validate_all,
 )
 from castle_jax.ops.power.expansion import expand
 
@@ -40,16 +40,16 @@ def _prepare(q, k, v, log_g):
 
 
 def power_attention_reference(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    log_g: jax.Array | None = None,
-    *,
-    p: int = 2,
-    scale: float | None = None,
-    initial_state: PowerState | None = None,
-    expansion: str = "spow",
-    d_tile: int | None = None,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  log_g: jax.Array | None = None,
+  *,
+  p: int = 2,
+  scale: float | None = None,
+  initial_state: PowerState | None = None,
+  expansion: str = "spow",
+  d_tile: int | None = None,
 ) -> jax.Array:
   """Causal power attention from its definition, O(T^2 d).
 
@@ -90,14 +90,14 @@ def power_attention_reference(
 
 
 def power_attention_log_space(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    log_g: jax.Array | None = None,
-    *,
-    p: int = 2,
-    scale: float | None = None,
-    eps: float = 1e-7,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  log_g: jax.Array | None = None,
+  *,
+  p: int = 2,
+  scale: float | None = None,
+  eps: float = 1e-7,
 ) -> jax.Array:
   """The paper's attention-kernel procedure (Appendix F.1, Table 5), O(T^2 d).
 
@@ -134,14 +134,14 @@ def power_attention_log_space(
 
 
 def reference_state(
-    k: jax.Array,
-    v: jax.Array,
-    log_g: jax.Array | None = None,
-    *,
-    p: int = 2,
-    expansion: str = "spow",
-    d_tile: int | None = None,
-    initial_state: PowerState | None = None,
+  k: jax.Array,
+  v: jax.Array,
+  log_g: jax.Array | None = None,
+  *,
+  p: int = 2,
+  expansion: str = "spow",
+  d_tile: int | None = None,
+  initial_state: PowerState | None = None,
 ) -> PowerState:
   """The state after the whole sequence, from its definition (materializes phi(K)).
 

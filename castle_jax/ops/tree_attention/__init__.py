@@ -7,5 +7,13 @@ from castle_jax.ops.tree_attention.masks import node_depths, tree_mask_from_pare
 from castle_jax.ops.tree_attention.reference import tree_attention_reference
 from castle_jax.ops.tree_attention.split import masked_tree_attention, merge_attention
 
-__all__ = ["IMPLEMENTATIONS", "cache_attention", "masked_tree_attention", "merge_attention", "node_depths",
-           "tree_attention", "tree_attention_reference", "tree_mask_from_parents"]
+__all__ = [
+  "IMPLEMENTATIONS",
+  "cache_attention",
+  "masked_tree_attention",
+  "merge_attention",
+  "node_depths",
+  "tree_attention",
+  "tree_attention_reference",
+  "tree_mask_from_parents",
+]

@@ -50,17 +50,26 @@ def _implementations(head_dim: int) -> dict[str, Implementation]:
       return None
     return f"the kernel needs a power-of-two head_dim >= 16, got {head_dim} (use implementation='xla')"
 
-  return {"reference": Implementation(), "xla": Implementation(),
-          "pallas": Implementation(pallas_unsupported, default_backends=("gpu",))}
+  return {
+    "reference": Implementation(),
+    "xla": Implementation(),
+    "pallas": Implementation(pallas_unsupported, default_backends=("gpu",)),
+  }
 
 
-def _pallas(q, cache_k, cache_v, cache_length, tree_k=None, tree_v=None, tree_mask=None, *,
-            config: TreeAttentionConfig | None):
+def _pallas(
+  q, cache_k, cache_v, cache_length, tree_k=None, tree_v=None, tree_mask=None, *, config: TreeAttentionConfig | None
+):
   """The kernel, per shard of batch rows and heads under a device mesh."""
   interpret = jax.default_backend() == "cpu"
   cache_length = jnp.asarray(cache_length, jnp.int32)
   args = [q, cache_k, cache_v, cache_length]
-  axes = [SEQUENCE_HEADS_AXES, KV_SEQUENCE_HEADS_AXES, KV_SEQUENCE_HEADS_AXES, ("batch",) if cache_length.ndim else None]
+  axes = [
+    SEQUENCE_HEADS_AXES,
+    KV_SEQUENCE_HEADS_AXES,
+    KV_SEQUENCE_HEADS_AXES,
+    ("batch",) if cache_length.ndim else None,
+  ]
   if tree_k is not None:
     args += [tree_k, tree_v, tree_mask]
     axes += [KV_SEQUENCE_HEADS_AXES, KV_SEQUENCE_HEADS_AXES, ("batch", None, None) if tree_mask.ndim == 3 else None]
@@ -84,8 +93,10 @@ def _validate_cache_inputs(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
   _check_layout("cache_k", cache_k, "[batch, capacity, kv_heads, head_dim]")
   _check_layout("cache_v", cache_v, "[batch, capacity, kv_heads, head_dim]")
   if cache_k.shape != cache_v.shape:
-    raise ValueError(f"cache_k {cache_k.shape} and cache_v {cache_v.shape} must have the same shape "
-                     "[batch, capacity, kv_heads, head_dim]")
+    raise ValueError(
+      f"cache_k {cache_k.shape} and cache_v {cache_v.shape} must have the same shape "
+      "[batch, capacity, kv_heads, head_dim]"
+    )
   batch, _, heads, head_dim = q.shape
   _, capacity, kv_heads, cache_head_dim = cache_k.shape
   if cache_k.shape[0] != batch:
@@ -93,8 +104,9 @@ def _validate_cache_inputs(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
   if cache_head_dim != head_dim:
     raise ValueError(f"cache_k/cache_v head_dim ({cache_head_dim}) must equal q's head_dim ({head_dim})")
   if kv_heads < 1 or heads % kv_heads:
-    raise ValueError(f"q heads ({heads}) must be a multiple of cache_k/cache_v kv_heads ({kv_heads}) "
-                     "for grouped-query attention")
+    raise ValueError(
+      f"q heads ({heads}) must be a multiple of cache_k/cache_v kv_heads ({kv_heads}) for grouped-query attention"
+    )
   length = jnp.asarray(cache_length)
   if not jnp.issubdtype(length.dtype, jnp.integer):
     raise ValueError(f"cache_length must be an integer (int32 scalar or [batch]), got dtype {length.dtype}")
@@ -103,12 +115,15 @@ def _validate_cache_inputs(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
   if not isinstance(length, jax.core.Tracer):
     values = np.asarray(length)
     if (values < 0).any() or (values > capacity).any():
-      raise ValueError(f"cache_length must lie in 0 .. capacity ({capacity}); got {values.tolist()}: "
-                       "count only the filled slots of cache_k/cache_v")
+      raise ValueError(
+        f"cache_length must lie in 0 .. capacity ({capacity}); got {values.tolist()}: "
+        "count only the filled slots of cache_k/cache_v"
+      )
 
 
-def _validate_tree_inputs(q: jax.Array, cache_k: jax.Array, tree_k: jax.Array, tree_v: jax.Array,
-                          tree_mask: jax.Array) -> None:
+def _validate_tree_inputs(
+  q: jax.Array, cache_k: jax.Array, tree_k: jax.Array, tree_v: jax.Array, tree_mask: jax.Array
+) -> None:
   """Shapes and dtypes of the drafted nodes' arguments (after `_validate_cache_inputs`)."""
   _check_layout("tree_k", tree_k, "[batch, n, kv_heads, head_dim]")
   _check_layout("tree_v", tree_v, "[batch, n, kv_heads, head_dim]")
@@ -116,19 +131,31 @@ def _validate_tree_inputs(q: jax.Array, cache_k: jax.Array, tree_k: jax.Array, t
   expected = (batch, n, cache_k.shape[2], head_dim)
   for name, x in (("tree_k", tree_k), ("tree_v", tree_v)):
     if x.shape != expected:
-      raise ValueError(f"{name} must have shape [batch, n, kv_heads, head_dim] = {expected} (q's batch, n and "
-                       f"head_dim, cache_k's kv_heads); got shape {x.shape}")
+      raise ValueError(
+        f"{name} must have shape [batch, n, kv_heads, head_dim] = {expected} (q's batch, n and "
+        f"head_dim, cache_k's kv_heads); got shape {x.shape}"
+      )
   if tree_mask.dtype != jnp.bool_:
-    raise ValueError(f"tree_mask must be bool (True where node i sees node j), got dtype {tree_mask.dtype}; "
-                     "build it with tree_mask_from_parents")
+    raise ValueError(
+      f"tree_mask must be bool (True where node i sees node j), got dtype {tree_mask.dtype}; "
+      "build it with tree_mask_from_parents"
+    )
   if tree_mask.shape not in ((n, n), (batch, n, n)):
-    raise ValueError(f"tree_mask must have shape [batch, n, n] = ({batch}, {n}, {n}) or [n, n] = ({n}, {n}); "
-                     f"got shape {tree_mask.shape}")
+    raise ValueError(
+      f"tree_mask must have shape [batch, n, n] = ({batch}, {n}, {n}) or [n, n] = ({n}, {n}); "
+      f"got shape {tree_mask.shape}"
+    )
 
 
-def cache_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, cache_length: jax.Array, *,
-                    implementation: str | None = None,
-                    pallas_config: TreeAttentionConfig | None = None) -> tuple[jax.Array, jax.Array]:
+def cache_attention(
+  q: jax.Array,
+  cache_k: jax.Array,
+  cache_v: jax.Array,
+  cache_length: jax.Array,
+  *,
+  implementation: str | None = None,
+  pallas_config: TreeAttentionConfig | None = None,
+) -> tuple[jax.Array, jax.Array]:
   """Attention of n queries over the filled slots of a cache, with its log-sum-exp.
 
   The cache part of tree attention, public so that other key groups can be merged with
@@ -160,10 +187,19 @@ def cache_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, cache_
   return split_cache_attention(q, cache_k, cache_v, cache_length)
 
 
-def tree_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, cache_length: jax.Array,
-                   tree_k: jax.Array, tree_v: jax.Array, tree_mask: jax.Array, *,
-                   implementation: str | None = None, return_lse: bool = False,
-                   pallas_config: TreeAttentionConfig | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+def tree_attention(
+  q: jax.Array,
+  cache_k: jax.Array,
+  cache_v: jax.Array,
+  cache_length: jax.Array,
+  tree_k: jax.Array,
+  tree_v: jax.Array,
+  tree_mask: jax.Array,
+  *,
+  implementation: str | None = None,
+  return_lse: bool = False,
+  pallas_config: TreeAttentionConfig | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Drafted tree nodes attend to the committed cache and to their own branch.
 
   Node i's query sees cache slots s < cache_length (no other mask) and the drafted

@@ -27,8 +27,9 @@ def _check_parents(parents: jax.Array) -> None:
   if bad.any():
     where = tuple(int(i) for i in np.argwhere(bad)[0])
     raise ValueError(
-        f"parents must satisfy -1 <= parents[i] < i (nodes in topological order, -1 for a root); "
-        f"parents{list(where)} = {int(values[where])}: list every node after its parent")
+      f"parents must satisfy -1 <= parents[i] < i (nodes in topological order, -1 for a root); "
+      f"parents{list(where)} = {int(values[where])}: list every node after its parent"
+    )
 
 
 def tree_mask_from_parents(parents: jax.Array) -> jax.Array:

@@ -27,8 +27,9 @@ def filled_slots(cache_length: jax.Array, batch: int, capacity: int) -> jax.Arra
   return jnp.arange(capacity)[None, :] < lengths_per_row(cache_length, batch)[:, None]
 
 
-def dense_attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array,
-                             visible: jax.Array) -> tuple[jax.Array, jax.Array]:
+def dense_attention_with_lse(
+  q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array
+) -> tuple[jax.Array, jax.Array]:
   """Masked softmax attention and its log-sum-exp, in float32.
 
   Args:
@@ -45,15 +46,17 @@ def dense_attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array,
   kv_heads = k.shape[2]
   out = masked_attention(q, k, v, visible)
   grouped_q = q.reshape(batch, q_len, kv_heads, heads // kv_heads, head_dim).astype(jnp.float32)
-  scores = jnp.einsum("bqhgd,bkhd->bqhgk", grouped_q, k.astype(jnp.float32),
-                      precision="highest") * score_scale(head_dim)
+  scores = jnp.einsum("bqhgd,bkhd->bqhgk", grouped_q, k.astype(jnp.float32), precision="highest") * score_scale(
+    head_dim
+  )
   scores = jnp.where(visible[:, :, None, None, :], scores, -jnp.inf)
   lse = jax.nn.logsumexp(scores, axis=-1).reshape(batch, q_len, heads)
   return out, lse
 
 
-def cache_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array,
-                              length: jax.Array) -> tuple[jax.Array, jax.Array]:
+def cache_attention_reference(
+  q: jax.Array, k: jax.Array, v: jax.Array, length: jax.Array
+) -> tuple[jax.Array, jax.Array]:
   """Attention of the queries over the first `length` slots of a cache, no other mask.
 
   Args:
@@ -70,9 +73,15 @@ def cache_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array,
   return dense_attention_with_lse(q, k, v, visible)
 
 
-def tree_attention_reference(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, cache_length: jax.Array,
-                             tree_k: jax.Array, tree_v: jax.Array,
-                             tree_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+def tree_attention_reference(
+  q: jax.Array,
+  cache_k: jax.Array,
+  cache_v: jax.Array,
+  cache_length: jax.Array,
+  tree_k: jax.Array,
+  tree_v: jax.Array,
+  tree_mask: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
   """One softmax over [cache slots ; tree nodes] with visibility [slot < cache_length ; tree_mask].
 
   Args:

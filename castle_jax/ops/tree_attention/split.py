@@ -26,8 +26,7 @@ from castle_jax.ops.numerics import score_scale
 from castle_jax.ops.tree_attention.reference import filled_slots
 
 
-def _partial_attention(q: jax.Array, k: jax.Array, v: jax.Array,
-                       visible: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _partial_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Softmax attention over one group of keys and its log-sum-exp, both float32.
 
   Args:
@@ -109,8 +108,9 @@ def masked_tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
   return out.astype(q.dtype), lse
 
 
-def merge_attention(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array,
-                    lse_b: jax.Array) -> tuple[jax.Array, jax.Array]:
+def merge_attention(
+  out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array
+) -> tuple[jax.Array, jax.Array]:
   """Attention over the union of two disjoint key sets, from the attention over each.
 
   Args:
@@ -134,9 +134,15 @@ def merge_attention(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array,
   return out.astype(jnp.result_type(out_a, out_b)), lse
 
 
-def hybrid_tree_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, cache_length: jax.Array,
-                          tree_k: jax.Array, tree_v: jax.Array,
-                          tree_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+def hybrid_tree_attention(
+  q: jax.Array,
+  cache_k: jax.Array,
+  cache_v: jax.Array,
+  cache_length: jax.Array,
+  tree_k: jax.Array,
+  tree_v: jax.Array,
+  tree_mask: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
   """Tree attention as cache part + tree part + merge (arguments as `tree_attention`).
 
   Both parts stay in float32 until the merge, so the output is rounded to q's dtype
