@@ -127,7 +127,7 @@ def check_target_config(config: ModelConfig) -> None:
       "a LongSpec draft needs an `mha` target with RoPE and full causal attention (model.attention='mha', "
       f"no sliding window, positions='rope'); got attention={config.attention!r}, sliding_window="
       f"{config.sliding_window}. CASTLE or power-attention targets would need the draft to cross-attend "
-      "over their decoding state instead of a KV cache (see the README)."
+      "over their decoding state instead of a KV cache (see docs/longspec.md, \"Other targets\")."
     )
 
 
