@@ -20,13 +20,13 @@ the score matrix (B H T^2 d FLOPs): causal attention 2 forward + 5 backward, CAS
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import jax
 import jax.numpy as jnp
 
 
+from castle_jax import command_line as cl  # noqa: E402
 from castle_jax.ops.castle import castle_attention  # noqa: E402
 from pallas_kernels.castle import CastleKernelConfig  # noqa: E402
 from pallas_kernels.castle.mosaic_attention import castle_attention_mosaic  # noqa: E402
@@ -41,21 +41,37 @@ _CAUSAL_PRODUCTS = 2 + 5
 _CASTLE_PRODUCTS = 6 + 17
 
 
+def _shapes(text: str) -> list[tuple[int, int]]:
+  """ "16x2048,2x16384" -> [(16, 2048), (2, 16384)]."""
+  shapes = []
+  for part in text.split(","):
+    batch, seq = (int(x) for x in part.split("x"))
+    if min(batch, seq) < 1:
+      raise ValueError("every size must be >= 1")
+    shapes.append((batch, seq))
+  return shapes
+
+
 def _inputs(seed: int, shape, count: int):
   keys = jax.random.split(jax.random.key(seed), count + 1)
   return tuple(jax.random.normal(k, shape, jnp.float32).astype(jnp.bfloat16) for k in keys)
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--shapes", default="16x2048,2x16384", help="batch x seq, comma-separated")
-  parser.add_argument("--heads", type=int, default=16, help="cuDNN heads")
-  parser.add_argument("--castle_heads", type=int, default=16, help="CASTLE heads (the XL model has 9)")
-  parser.add_argument("--head_dim", type=int, default=128)
+def main(argv) -> int:
+  parser = cl.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument(
-    "--window", type=int, default=None, help="CASTLE-SWL window (cuDNN's baseline row stays full causal)"
+    "--shapes",
+    type=cl.parsed_by(_shapes, "comma-separated BxT, e.g. 16x2048,2x16384"),
+    default="16x2048,2x16384",
+    help="batch x seq, comma-separated",
   )
-  parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--heads", type=cl.positive_int, default=16, help="cuDNN heads")
+  parser.add_argument("--castle_heads", type=cl.positive_int, default=16, help="CASTLE heads (the XL model has 9)")
+  parser.add_argument("--head_dim", type=cl.positive_int, default=128)
+  parser.add_argument(
+    "--window", type=cl.positive_int, default=None, help="CASTLE-SWL window (cuDNN's baseline row stays full causal)"
+  )
+  parser.add_argument("--iters", type=cl.positive_int, default=20)
   parser.add_argument(
     "--skip", default=None, help="comma-separated words: rows whose name contains one are skipped (cuDNN always runs)"
   )
@@ -63,8 +79,7 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   window = args.window
   rows = []
-  for text in args.shapes.split(","):
-    batch, seq = (int(x) for x in text.split("x"))
+  for batch, seq in args.shapes:
     causal_pairs = batch * seq * seq * args.head_dim  # FLOPs of one product per head
     cudnn_shape = (batch, seq, args.heads, args.head_dim)
     castle_shape = (batch, seq, args.castle_heads, args.head_dim)
@@ -147,4 +162,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cl.run(main))

@@ -23,18 +23,19 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
+from castle_jax.checkpoints import CheckpointError
+from castle_jax.command_line import UsageError, run_absl
 from castle_jax.data.pipeline import get_data_source
-from train.restore import load_trained_model
+from castle_jax.workdir import load_trained_model
 
 _WORKDIRS = flags.DEFINE_list("workdirs", None, "Training workdirs to compare.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Context length (default: each run's data.seq_len).")
-_MAX_DOCS = flags.DEFINE_integer("max_docs", 64, "Evaluate at most this many documents.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Context length (default: each run's data.seq_len).", lower_bound=2)
+_MAX_DOCS = flags.DEFINE_integer("max_docs", 64, "Evaluate at most this many documents.", lower_bound=1)
 _SPLIT = flags.DEFINE_string("split", None, "Split to read (default: each run's data.eval_split).")
-_BINS_PER_OCTAVE = flags.DEFINE_integer("bins_per_octave", 2, "Bins per doubling of the position.")
+_BINS_PER_OCTAVE = flags.DEFINE_integer("bins_per_octave", 2, "Bins per doubling of the position.", lower_bound=1)
 _OUTPUT = flags.DEFINE_string("output", "docs/icl_curve", "Output path without extension.")
-flags.mark_flags_as_required(["workdirs"])
 
 
 def document_windows(data_config, tokenizer, seq_len: int, max_docs: int, split: str) -> np.ndarray:
@@ -50,7 +51,7 @@ def document_windows(data_config, tokenizer, seq_len: int, max_docs: int, split:
     if len(windows) == max_docs:
       break
   if not windows:
-    raise ValueError(f"No document of split {split!r} has {seq_len + 1} tokens; lower --seq_len")
+    raise UsageError(f"--seq_len={seq_len}: no document of split {split!r} has {seq_len + 1} tokens; lower it")
   return np.stack(windows).astype(np.int32)
 
 
@@ -81,9 +82,14 @@ def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
+  if not _WORKDIRS.value:
+    raise UsageError("--workdirs is required: the training workdirs to compare, e.g. --workdirs=runs/a,runs/b")
   results = {}
   for workdir in _WORKDIRS.value:
-    model, params, tokenizer, step = load_trained_model(workdir)
+    try:
+      model, params, tokenizer, step = load_trained_model(workdir)
+    except (FileNotFoundError, ValueError, CheckpointError) as e:
+      raise UsageError(f"--workdirs: {e}") from e
     with open(os.path.join(workdir, "config.json")) as f:
       config = json.load(f)
     data = config["data"]
@@ -147,4 +153,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  run_absl(main)

@@ -28,6 +28,9 @@ import nbformat
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError, CellTimeoutError
+
+from castle_jax.command_line import ArgumentParser, UsageError, positive_int, run
 
 COLABS_DIR = pathlib.Path(__file__).resolve().parent
 REPOSITORY_ROOT = COLABS_DIR.parent
@@ -100,19 +103,40 @@ def execute_notebook(
   return notebook
 
 
-def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("notebooks", nargs="*", type=pathlib.Path, help="default: every colabs/*.ipynb")
-  parser.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S, help="seconds per cell")
+def _notebook(text: str) -> pathlib.Path:
+  """argparse type: an existing .ipynb file."""
+  path = pathlib.Path(text)
+  if path.suffix != ".ipynb":
+    raise argparse.ArgumentTypeError(f"{text!r} is not a notebook (.ipynb)")
+  if not path.is_file():
+    close = sorted(p.name for p in notebook_paths() if p.stem.startswith(path.stem[:4]))
+    hint = f"; colabs/ has {', '.join(close)}" if close else f"; colabs/ has {len(notebook_paths())} notebooks"
+    raise argparse.ArgumentTypeError(f"{text!r}: no such file{hint}")
+  return path.resolve()
+
+
+def _cell_error(path: pathlib.Path, error: Exception) -> UsageError:
+  """A failed cell as one line: the notebook and the cell's exception (--traceback: all of it)."""
+  if isinstance(error, CellTimeoutError):
+    return UsageError(f"{path.name}: a cell ran longer than --timeout: {str(error).splitlines()[0]}")
+  return UsageError(f"{path.name}: a cell raised {error.ename}: {error.evalue} (--traceback shows the cell)")
+
+
+def main(argv: list[str]) -> None:
+  parser = ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("notebooks", nargs="*", type=_notebook, help="default: every colabs/*.ipynb")
+  parser.add_argument("--timeout", type=positive_int, default=DEFAULT_TIMEOUT_S, help="seconds per cell")
   args = parser.parse_args(argv)
   for path in args.notebooks or notebook_paths():
-    path = path.resolve()
     notebook = nbformat.read(path, as_version=4)
     start = time.perf_counter()
-    execute_notebook(notebook, working_dir=path.parent, timeout_s=args.timeout)
+    try:
+      execute_notebook(notebook, working_dir=path.parent, timeout_s=args.timeout)
+    except (CellExecutionError, CellTimeoutError) as e:
+      raise _cell_error(path, e) from e
     nbformat.write(notebook, path)
-    print(f"{path.relative_to(REPOSITORY_ROOT)}: executed in {time.perf_counter() - start:.1f} s", flush=True)
+    print(f"{path}: executed in {time.perf_counter() - start:.1f} s", flush=True)
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(run(main))

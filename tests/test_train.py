@@ -186,24 +186,6 @@ def test_eval_step_in_microbatches_sums_the_same():
     np.testing.assert_allclose(split[key], whole[key], rtol=1e-6)
 
 
-def test_a_misspelled_override_is_one_line(tmp_path):
-  import subprocess
-  import sys
-
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  done = subprocess.run(
-    [sys.executable, "-m", "train", "--config=configs/tiny.py", f"--workdir={tmp_path}", "--config.progress_bar=False"],
-    cwd=root,
-    capture_output=True,
-    text=True,
-    timeout=120,
-  )
-  assert done.returncode == 1
-  assert done.stderr.strip().splitlines() == [
-    "ERROR: unknown config key 'progress_bar' in --config.progress_bar; `python -m train --config_help` lists every key"
-  ]
-
-
 def test_throughput_counts_input_positions_not_scored_targets():
   """With most targets padded (passkey answers), `tokens` counts the scored targets and
   `input_tokens` (what tokens/s and MFU use) every input position."""

@@ -30,7 +30,7 @@ import numpy as np
 import optax
 import tqdm
 
-from castle_jax.checkpoints import Checkpointer
+from castle_jax.checkpoints import Checkpointer, CheckpointError
 from castle_jax.data.pipeline import make_lm_iterator
 from castle_jax.data.tokenizer import Tokenizer, load_tokenizer
 from castle_jax.eval.perplexity import summarize
@@ -55,6 +55,16 @@ RECENT_RESUME_STEPS = 20
 
 class TrainingDivergedError(FloatingPointError):
   """The loss or gradient norm became NaN/inf; the last good checkpoint is kept."""
+
+
+# What `train` raises with a message that says what to change: commands print it as one line.
+ERRORS_WITH_A_FIX = (
+  ValueError,  # ConfigMismatchError and WorkdirNotEmptyError too
+  FileNotFoundError,
+  CheckpointError,
+  workdir_lib.WorkdirBusyError,
+  TrainingDivergedError,
+)
 
 
 @dataclasses.dataclass

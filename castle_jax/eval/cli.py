@@ -15,6 +15,7 @@ import ml_collections
 import numpy as np
 import tqdm
 
+from castle_jax import command_line
 from castle_jax.checkpoints import CheckpointError
 from castle_jax.data.pipeline import get_data_source
 from castle_jax.data.tokenizer import Tokenizer, load_tokenizer
@@ -22,7 +23,7 @@ from castle_jax.models.pretrained import available_pretrained, load_pretrained
 from castle_jax.workdir import TrainedModel, load_trained_model, read_config
 
 
-class EvalError(Exception):
+class EvalError(command_line.UsageError):
   """A bad flag or an unusable workdir/dataset: printed as one `ERROR: ...` line, exit 1."""
 
 
@@ -30,17 +31,10 @@ def fail(message: str) -> NoReturn:
   raise EvalError(message)
 
 
-class _Parser(argparse.ArgumentParser):
-  """argparse whose usage errors are one `ERROR: ...` line and exit status 1."""
-
-  def error(self, message: str) -> NoReturn:
-    fail(f"{message} (see --help)")
-
-
 def make_parser(prog: str, description: str, *, lengths: str) -> argparse.ArgumentParser:
   """A parser with the flags every evaluation has (`--workdir` or `--pretrained`, `--step`,
   `--lengths`, `--output`, `--data_dir`); the caller adds its own."""
-  parser = _Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = command_line.ArgumentParser(prog=prog, description=description)
   source = parser.add_mutually_exclusive_group(required=True)
   source.add_argument("--workdir", help="training workdir (config.json, checkpoints/)")
   source.add_argument(
@@ -236,10 +230,6 @@ def finish(
 
 
 def run_main(main, argv: Sequence[str] | None) -> int:
-  """Runs `main(argv)`; an EvalError becomes one `ERROR: ...` line on stderr and exit status 1."""
-  try:
-    main(list(sys.argv[1:] if argv is None else argv))
-  except EvalError as e:
-    print(f"ERROR: {e}", file=sys.stderr, flush=True)
-    return 1
-  return 0
+  """Runs `main(argv)`; a bad flag or an unusable workdir becomes one `ERROR: ...` line on
+  stderr and exit status 1 (`--traceback`: the full traceback)."""
+  return command_line.run(main, argv)
