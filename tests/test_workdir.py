@@ -3,12 +3,15 @@ config.json after restore, verified checkpoints with fall-back, signals, flushin
 
 import copy
 import gc
+import itertools
 import json
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -21,6 +24,7 @@ from helpers import TINY_RUN_SETTINGS, Interrupt
 from train.metrics import MetricsWriter, read_metrics
 from train.signals import TrainingInterrupted
 from train.state import TrainState
+from train import trainer
 from train.trainer import train
 from train.workdir import ConfigMismatchError, WorkdirBusyError, WorkdirLock, WorkdirNotEmptyError
 
@@ -327,7 +331,8 @@ def test_a_signal_saves_a_checkpoint_and_exits_cleanly(config, signum, code):
   assert returncode == code, err[-3000:]
   assert "Fatal Python error" not in err and "can't create new thread" not in err
   assert last_line.startswith(f"Stopped by {signal.Signals(signum).name} after step"), last_line
-  saved = int(last_line.split("after step ")[1].split(";")[0])
+  saved = int(last_line.split("after step ")[1].split(" ")[0])
+  assert f"saved checkpoint {os.path.join(config.workdir, 'checkpoints', str(saved))}." in last_line
   assert sorted(os.listdir(os.path.join(config.workdir, "checkpoints"))) == [str(saved)]
   assert os.path.exists(os.path.join(config.workdir, "checkpoints", str(saved), MANIFEST_NAME))
   assert max(_losses(config.workdir)) == saved
@@ -355,6 +360,90 @@ def test_stop_signal_in_process_raises_training_interrupted(config):
   checkpointer = Checkpointer(os.path.join(config.workdir, "checkpoints"), read_only=True)
   assert checkpointer.all_steps() == [3]  # the step the signal arrived after, nothing later
   checkpointer.close()
+
+
+class DeviceProgress:
+  """The steps the device has finished, seen from a thread that waits on each step's
+  metrics in order: what the run really did, whatever the loop believes."""
+
+  def __init__(self, monkeypatch):
+    self.finished = 0
+    self._queue = queue.Queue()
+    make_step = trainer.jit_train_step
+
+    def watched(**kwargs):
+      step_fn, steps = make_step(**kwargs), itertools.count(1)
+
+      def step(state, batch):
+        state, metrics = step_fn(state, batch)
+        self._queue.put((next(steps), metrics["loss"]))
+        return state, metrics
+
+      return step
+
+    monkeypatch.setattr(trainer, "jit_train_step", watched)
+    self._thread = threading.Thread(target=self._watch, daemon=True)
+
+  def _watch(self):
+    while (item := self._queue.get()) is not None:
+      step, loss = item
+      loss.block_until_ready()
+      self.finished = step
+      if self.on_finished is not None:
+        self.on_finished(step)
+
+  def start(self, on_finished):
+    self.on_finished = on_finished
+    self._thread.start()
+
+  def stop(self):
+    self._queue.put(None)
+    self._thread.join(timeout=60)
+
+
+def test_a_signal_stops_the_run_within_a_step_whatever_log_every(config, monkeypatch):
+  """Device steps long next to the host's work, no log step for 10,000 steps: the host
+  could queue hundreds of steps ahead. The signal comes as step 3 finishes on the device;
+  the run saves the step in flight (4), or the next one if the signal loses the race with
+  the loop's check, never one the device reached later."""
+  _set(
+    config,
+    model__d_model=128,
+    model__n_layers=2,
+    model__n_heads=4,
+    data__seq_len=128,
+    data__batch_size=16,
+    train__steps=10_000,
+    train__log_every=10_000,
+    train__checkpoint_every=0,
+    train__eval_every=0,
+  )
+  progress = DeviceProgress(monkeypatch)
+  sent = {}
+
+  def signal_after_step_3(step):
+    if step == 3:
+      sent["finished"] = progress.finished
+      os.kill(os.getpid(), signal.SIGINT)
+
+  progress.start(signal_after_step_3)
+  try:
+    with pytest.raises(TrainingInterrupted) as error:
+      train(config)
+  finally:
+    progress.stop()
+  saved = error.value.step
+  steps_after_the_signal = saved - sent["finished"]
+  assert 1 <= steps_after_the_signal <= 2, (saved, sent)
+  # The loop's own account: the signal came during step 4 (or 3, if the signal beat the loop's
+  # note that step 3 had finished), and it saved that step or the next one.
+  during = error.value.signaled_during
+  assert during in (3, 4) and saved - during <= 1 and error.value.exit_code == 130
+  assert progress.finished == saved  # nothing ran past the saved step
+  checkpointer = Checkpointer(os.path.join(config.workdir, "checkpoints"), read_only=True)
+  assert checkpointer.all_steps() == [saved]
+  checkpointer.close()
+  assert str(error.value).startswith(f"Stopped by SIGINT after step {saved} (the signal came during step {during}); ")
 
 
 def test_a_save_orbax_would_skip_is_an_error(tmp_path):

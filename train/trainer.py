@@ -44,7 +44,7 @@ from train.mesh import data_parallel_size, make_mesh
 from train.metrics import MetricsWriter, ThroughputWindow, format_eval_line, format_train_line
 from train.optimizer import make_optimizer
 from train.run_checks import check_schedule_unchanged, validate_train_config
-from train.signals import StopSignals, TrainingInterrupted
+from train.signals import StopSignals, StopVote, TrainingInterrupted
 from train.state import TrainState, init_train_state, state_shardings
 from train.step import eval_step, jit_train_step, with_frozen
 from train.throughput import peak_flops_per_device
@@ -335,20 +335,6 @@ class StepLogger:
     self.progress.close()
 
 
-def _agreed_stop(stop: StopSignals, log_step: bool) -> int | None:
-  """The stop signal to act on now. With several processes they must stop at the
-  same step (checkpoint saves are collective), so they agree at log steps: any
-  process's signal stops all of them."""
-  if jax.process_count() == 1:
-    return stop.requested
-  if not log_step:
-    return None
-  from jax.experimental import multihost_utils
-
-  signum = int(np.max(multihost_utils.process_allgather(np.int32(stop.requested or 0))))
-  return signum or None
-
-
 def run_loop(
   run: Run,
   state: TrainState,
@@ -387,15 +373,26 @@ def run_loop(
   )
   eval_fn = lambda params, batch: compiled_eval(with_frozen(params, frozen), batch)
   logger = StepLogger(run, writer, checkpointer, start_step, resumed_step)
+  # Several processes agree on when to stop; one reads its own signal.
+  vote = StopVote(run.mesh) if jax.process_count() > 1 else None
+  stop.finished_step = start_step
   last_train, last_eval = {}, {}
+  previous_metrics = None
   try:
     for step in range(start_step + 1, t.steps + 1):
       # The previous step is still running on the device while the host reads this batch.
       fetch_start = time.perf_counter()
       batch = _global_batch(next(train_iter), run.batch_sharding)
       data_wait = time.perf_counter() - fetch_start
+      ballot = vote.cast(stop.requested) if vote is not None else None
       state, metrics = step_fn(state, batch)
       logger.add(step, metrics, data_wait)
+      # At most this step and the previous one on the device: the host never runs further
+      # ahead, so a signal is acted on within about a step whatever train.log_every is.
+      if previous_metrics is not None:
+        jax.block_until_ready(previous_metrics)
+        stop.finished_step = step - 1
+      previous_metrics = metrics
       is_last = step == t.steps
       save_now = is_last or (t.checkpoint_every > 0 and step % t.checkpoint_every == 0)
       log_now = step % t.log_every == 0 or save_now or step == start_step + 1
@@ -410,14 +407,15 @@ def run_loop(
       logger.progress.update(1)
       if after_step is not None:
         after_step(step)
-      signum = _agreed_stop(stop, log_now)
+      signum = stop.requested if vote is None else StopVote.result(ballot)
       if signum is not None:  # SIGINT/SIGTERM: keep this step (if finite), then stop
         if logger.has_pending():
           last_train = logger.log_train(step)
         if not save_now:
           checkpointer.save(step, state, train_iter)
         checkpointer.wait()
-        raise TrainingInterrupted(signum, step, checkpointer.directory)
+        during = stop.signaled_during if stop.requested else None
+        raise TrainingInterrupted(signum, step, checkpointer.step_dir(step), during)
   finally:
     logger.close()
   return TrainResult(state, last_train, last_eval)
