@@ -132,7 +132,7 @@ def main(argv) -> int:
   )
   parser.add_argument("--iters", type=cl.positive_int, default=20)
   parser.add_argument("--dtype", choices=cl.DTYPES, default="bfloat16")
-  parser.add_argument("--json", default=None)
+  parser.add_argument("--json", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")
   args = parser.parse_args(argv)
   dtype = jnp.dtype(args.dtype)
 

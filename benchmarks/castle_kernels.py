@@ -129,7 +129,7 @@ def main(argv) -> int:
   parser.add_argument("--without_atomics", action="store_true", help="also time each config with plain stores")
   parser.add_argument("--flash_reference", action="store_true")
   parser.add_argument("--iters", type=cl.positive_int, default=10)
-  parser.add_argument("--json", default=None)
+  parser.add_argument("--json", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")
   args = parser.parse_args(argv)
   if jax.default_backend() != "gpu":
     parser.error("the kernels are timed compiled, on a GPU")

@@ -88,7 +88,7 @@ def main(argv) -> int:
   parser.add_argument("--heads", type=cl.positive_int, default=16)
   parser.add_argument("--head_dim", type=cl.positive_int, default=128)
   parser.add_argument("--iters", type=cl.positive_int, default=20)
-  parser.add_argument("--json", default=None)
+  parser.add_argument("--json", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")
   args = parser.parse_args(argv)
   rows = []
   baselines = {}

@@ -75,7 +75,7 @@ def main(argv) -> int:
   parser.add_argument(
     "--skip", default=None, help="comma-separated words: rows whose name contains one are skipped (cuDNN always runs)"
   )
-  parser.add_argument("--json", default=None)
+  parser.add_argument("--json", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")
   args = parser.parse_args(argv)
   window = args.window
   rows = []

@@ -141,7 +141,7 @@ def main(argv) -> int:
   parser.add_argument("--window", type=cl.positive_int, default=512)
   parser.add_argument("--iters", type=cl.positive_int, default=10)
   parser.add_argument("--only", default=None, help="comma-separated words: only the rows whose name contains one")
-  parser.add_argument("--json", default=None)
+  parser.add_argument("--json", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")
   args = parser.parse_args(argv)
   heads, seq, window = args.heads, args.seq, args.window
   data = kernel_inputs(heads, seq, window)

@@ -126,7 +126,7 @@ def main(argv) -> int:
   parser.add_argument("--seq", type=cl.positive_int, default=16384)
   parser.add_argument("--window", type=cl.positive_int, default=512)
   parser.add_argument("--iters", type=cl.positive_int, default=10)
-  parser.add_argument("--json", default=None)
+  parser.add_argument("--json", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")
   args = parser.parse_args(argv)
   rng = np.random.default_rng(0)
   shape = (args.heads, args.seq, 128)

@@ -116,7 +116,7 @@ def main(argv) -> int:
   parser.add_argument("--check_length", type=cl.nonnegative_int, default=4096, help="0: skip the check")
   parser.add_argument("--dtype", choices=cl.DTYPES, default="bfloat16")
   parser.add_argument("--vocab", type=cl.positive_int, default=32000)
-  parser.add_argument("--json", default=None)
+  parser.add_argument("--json", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")
   args = parser.parse_args(argv)
   rows = []
   if args.check_length:

@@ -66,7 +66,7 @@ def parse_args(argv):
     "the check that speculative and autoregressive outputs are identical, free of bf16 "
     "rounding differences between a 1-token step and a 69-token tree pass)",
   )
-  parser.add_argument("--out", default=None, help="JSON file for every measurement")
+  parser.add_argument("--out", type=cl.new_file, default=None, help="JSON file for every measurement (a new file)")
   args = parser.parse_args(argv)
   if min(args.temperatures) < 0:
     parser.error(f"--temperatures: {args.temperatures} must be >= 0 (0 is greedy)")

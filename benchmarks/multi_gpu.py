@@ -29,7 +29,8 @@ Parts (each in its own try/except: one failure does not lose the others):
                of them no compute hides) and idle.
 A layout a model cannot take (e.g. 14 heads over 4-way tensor parallelism) is a skipped
 row that says why. Prints a table last; writes results.json (every number and error)
-under --out (default $OUT, else ./multi_gpu_out).
+under --out (default $OUT, else a new folder under ~/.cache/castle_jax/multi_gpu/); a
+folder that already holds a results.json is refused.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import time
 import traceback
 
 from castle_jax import command_line as cl
+from castle_jax.outputs import fresh_directory, refuse_existing, user_cache_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -58,7 +60,9 @@ def _choices(*names: str):
 
 def parse_args(argv=None):
   parser = cl.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--out", default=os.environ.get("OUT") or "multi_gpu_out", help="results directory")
+  parser.add_argument(
+    "--out", default=os.environ.get("OUT"), help="results directory (default $OUT, else a new one in the user cache)"
+  )
   parser.add_argument("--smoke", action="store_true", help="CPU, 8 fake devices, tiny shapes")
   parser.add_argument(
     "--parts", type=_choices("equivalence", "restart", "scaling"), default="equivalence,restart,scaling"
@@ -115,6 +119,8 @@ def parse_args(argv=None):
     "its GPU time into compute, collectives (exposed or hidden) and idle",
   )
   args = parser.parse_args(argv)
+  if args.out:
+    refuse_existing(f"--out={args.out}", os.path.join(args.out, "results.json"))
   if args.dtypes is None:
     args.dtypes = "float32" if args.smoke else "bfloat16,float32"
   for name, default, smoke in (("layers", 4, 1), ("per_device_batch", 8, 2), ("steps", 5, 2)):
@@ -743,6 +749,7 @@ def main(args) -> int:
 
   start = time.time()
   deadline = start + args.budget_s
+  args.out = args.out or fresh_directory(user_cache_dir("multi_gpu"))
   os.makedirs(args.out, exist_ok=True)
   parts = [p for p in args.parts.split(",") if p]
   rows: list[dict] = []

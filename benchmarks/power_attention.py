@@ -233,7 +233,7 @@ def main(argv) -> int:
   parser.add_argument("--no_gating", action="store_true")
   parser.add_argument("--iters", type=cl.positive_int, default=10)
   parser.add_argument("--dtype", choices=cl.DTYPES, default="bfloat16")
-  parser.add_argument("--json", default=None)
+  parser.add_argument("--json", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")
   args = parser.parse_args(argv)
   if not args.authors_autotune:
     os.environ.setdefault("TRITON_NO_AUTOTUNE", "1")

@@ -51,7 +51,8 @@ _LOG_EVERY = flags.DEFINE_integer("log_every", 10, "Real-loop log interval (each
 _PIPELINE_BATCHES = flags.DEFINE_integer(
   "pipeline_batches", 20, "Batches timed for the input pipeline alone.", lower_bound=1
 )
-_JSON = flags.DEFINE_string("json", None, "Write the results here as JSON.")
+_JSON = flags.DEFINE_string("json", None, "Write the results here as JSON (a new file).")
+flags.register_validator("json", lambda path: path is None or not os.path.lexists(path), "exists: pass a new file name")
 
 
 def read_input_pipeline(config, batches: int) -> tuple[list[dict], float]:

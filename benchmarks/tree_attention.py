@@ -67,7 +67,7 @@ def parse_args(argv):
     default="",
     help="extra Pallas tilings, ';'-separated key=value lists",
   )
-  parser.add_argument("--out", default=None)
+  parser.add_argument("--out", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")
   args = parser.parse_args(argv)
   if args.heads % args.kv_heads:
     parser.error(f"--heads={args.heads} must be a multiple of --kv_heads={args.kv_heads}")

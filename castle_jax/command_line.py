@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import re
 import sys
 from typing import Callable, NoReturn, Sequence
@@ -127,6 +128,15 @@ def positive_int(text: str) -> int:
 def nonnegative_int(text: str) -> int:
   """argparse type: an integer >= 0."""
   return _integer(text, 0, "an integer >= 0")
+
+
+def new_file(text: str) -> str:
+  """argparse type: a path where nothing exists yet (results are never replaced)."""
+  if os.path.lexists(text):
+    raise argparse.ArgumentTypeError(
+      f"{text!r} exists (results of an earlier run are never replaced); pass a new name, or move it away first"
+    )
+  return text
 
 
 def _int_list(text: str, minimum: int) -> list[int]:

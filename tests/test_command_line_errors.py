@@ -64,7 +64,11 @@ def paths(tmp_path):
   (tmp_path / "a_file").write_text("not a directory\n")
   (tmp_path / "misspelled.py").write_text(MISSPELLED_CONFIG)
   (tmp_path / "broken.py").write_text("def get_config(:\n")
+  (tmp_path / "earlier").mkdir()
+  (tmp_path / "earlier" / "results.json").write_text("{}")
+  (tmp_path / "curve.csv").write_text("")
   return {
+    "earlier": str(tmp_path / "earlier"),
     "tmp": str(tmp_path),
     "file": str(tmp_path / "a_file"),
     "misspelled": str(tmp_path / "misspelled.py"),
@@ -111,6 +115,10 @@ EVAL_AND_NOTEBOOK_CASES = [
   (("colabs/execute.py", "colabs/nope.ipynb"), "'colabs/nope.ipynb': no such file"),
   (("colabs/execute.py", "README.md"), "'README.md' is not a notebook (.ipynb)"),
   (("colabs/execute.py", "--timeout=0"), "argument --timeout: '0' must be an integer >= 1"),
+  (("colabs/execute.py", "--in_place", "--output_dir={tmp}"), "--output_dir: not allowed with argument --in_place"),
+  (("-m", "castle_jax.data.train_tokenizer"), "--output is required"),
+  (("-m", "castle_jax.data.train_tokenizer", "--output={file}"), "--output={file}: exists: pass a new file name"),
+  (("-m", "castle_jax.data.train_tokenizer", "--output={nowhere}", "--vocab_size=0"), "--vocab_size=0: 0 is not"),
 ]
 
 BENCHMARK_CASES = [
@@ -132,6 +140,10 @@ BENCHMARK_CASES = [
     ("multi_gpu", ["--parts=everything"], "--parts: unknown 'everything'"),
     ("power_attention", ["--impls=flash"], "--impls: unknown 'flash'"),
     ("power_decode", ["--bogus=1"], "unrecognized arguments: --bogus=1"),
+    ("power_decode", ["--json={file}"], "argument --json: '{file}' exists (results of an earlier run are never"),
+    ("multi_gpu", ["--out={earlier}"], "--out={earlier}: {earlier}/results.json exists"),
+    ("icl_curve", ["--workdirs={nowhere}", "--output={tmp}/curve"], "--output={tmp}/curve: {tmp}/curve.csv exists"),
+    ("train_throughput", ["--config=configs/tiny.py", "--json={file}"], "--json={file}: exists"),
     ("train_loop", ["--config=configs/tiny.py", "--steps=0"], "--steps=0: 0 is not a positive integer"),
     ("train_throughput", ["--config=configs/tinyy.py"], "did you mean --config=configs/tiny.py?"),
     ("tree_attention", ["--heads=6", "--kv_heads=4"], "--heads=6 must be a multiple of --kv_heads=4"),

@@ -66,6 +66,11 @@ def test_interrupted_run_resumes_with_the_same_loss_curve(config, finished_tiny_
   assert sorted(resumed) == list(range(1, 9))
   for step in range(1, 9):
     assert resumed[step] == expected[step], step  # bit-for-bit
+  # Steps 5 and 6 ran twice; metrics.jsonl holds each once, the first run's moved aside.
+  records = [json.loads(line) for line in open(os.path.join(config.workdir, "metrics.jsonl"))]
+  assert len({(r["split"], r["step"]) for r in records}) == len(records)
+  aside = [json.loads(line) for line in open(os.path.join(config.workdir, "metrics_set_aside.jsonl"))]
+  assert [(r["split"], r["step"]) for r in aside] == [("train", 5), ("train", 6)]
   assert int(result.state.step) == 8
 
   # The final checkpoint restores to the final parameters.

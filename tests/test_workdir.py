@@ -289,6 +289,39 @@ def test_tensorboard_events_are_flushed_at_every_write(tmp_path):
     writer.close()
 
 
+def _tensorboard_events(directory):
+  """Every Event in the TFRecord files of `directory`."""
+  from tensorboardX.proto.event_pb2 import Event
+
+  events = []
+  for name in sorted(os.listdir(directory)):
+    data = open(os.path.join(directory, name), "rb").read()
+    offset = 0
+    while offset < len(data):
+      length = int.from_bytes(data[offset : offset + 8], "little")
+      events.append(Event.FromString(data[offset + 12 : offset + 12 + length]))
+      offset += 12 + length + 4
+  return events
+
+
+def test_a_resumed_writer_sets_aside_the_records_it_logs_again(tmp_path):
+  writer = MetricsWriter(str(tmp_path))
+  for step in range(1, 6):
+    writer.write(step, "train", {"loss": float(step)})
+  writer.write(4, "eval", {"loss": 4.5})
+  writer.close()
+  writer = MetricsWriter(str(tmp_path), first_step=4)  # resumed from the checkpoint of step 3
+  writer.write(4, "train", {"loss": 40.0})
+  writer.close()
+  steps = [(r["split"], r["step"], r["loss"]) for r in map(json.loads, open(tmp_path / "metrics.jsonl"))]
+  assert steps == [("train", 1, 1.0), ("train", 2, 2.0), ("train", 3, 3.0), ("train", 4, 40.0)]
+  aside = [(r["split"], r["step"]) for r in map(json.loads, open(tmp_path / "metrics_set_aside.jsonl"))]
+  assert aside == [("train", 4), ("train", 5), ("eval", 4)]
+  # TensorBoard: a restart marker at step 4 hides the first run's events from step 4 on.
+  starts = [e.step for e in _tensorboard_events(tmp_path / "tensorboard") if e.HasField("session_log")]
+  assert starts == [4]
+
+
 def _start_training(config, steps):
   overrides = [f"--config.{k}={v}" for k, v in SETTINGS.items()]
   command = [

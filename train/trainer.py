@@ -41,7 +41,7 @@ from castle_jax.workdir import load_frozen_params as load_frozen
 from train import workdir as workdir_lib
 from train.config import validate_keys
 from train.mesh import data_parallel_size, make_mesh
-from train.metrics import MetricsWriter, ThroughputWindow, format_eval_line, format_train_line
+from train.metrics import SET_ASIDE_NAME, MetricsWriter, ThroughputWindow, format_eval_line, format_train_line
 from train.optimizer import make_optimizer
 from train.run_checks import check_schedule_unchanged, validate_train_config
 from train.signals import StopSignals, StopVote, TrainingInterrupted
@@ -452,7 +452,12 @@ def train(config: ml_collections.ConfigDict, *, after_step: Callable[[int], None
       )
       state, resumed_step, init_source = restore_or_init(run, checkpointer, abstract_state, shardings, train_iter)
       workdir_lib.write_run_files(run.workdir, config)
-      writer = MetricsWriter(run.workdir)
+      writer = MetricsWriter(run.workdir, first_step=0 if resumed_step is None else resumed_step + 1)
+      if writer.set_aside:
+        _print(
+          f"metrics.jsonl: moved {writer.set_aside} record(s) of the steps this run logs again (from step "
+          f"{0 if resumed_step is None else resumed_step + 1} on) to {SET_ASIDE_NAME}"
+        )
       if init_source is not None:  # config.json names the workdir; this record, the step used
         writer.write(0, "init_from", {"source_step": init_source.step})
       if frozen is not None:
