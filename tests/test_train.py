@@ -210,3 +210,34 @@ def test_throughput_counts_input_positions_not_scored_targets():
   step = jax.jit(functools.partial(train_step, model=model, tx=tx, schedule=optax.constant_schedule(0.1), pad_id=31))
   _, metrics = step(state, {"inputs": inputs, "targets": targets})
   assert float(metrics["tokens"]) == 4 and float(metrics["input_tokens"]) == 16
+
+
+def test_a_smoke_run_clips_the_warm_up_and_reports_its_start_and_its_checkpoint(config, capfd):
+  """steps < warmup_steps (a short run of a config made for a long one) clips the warm-up
+  with a note; the run prints what it runs where first, and the checkpoint it saved last."""
+  with config.unlocked():
+    config.train.steps, config.train.warmup_steps = 2, 30
+  train(config)
+  out, err = capfd.readouterr()
+  assert "NOTE: train.warmup_steps=30 is more than train.steps=2: the warm-up is clipped to 2 steps" in err
+  assert json.load(open(os.path.join(config.workdir, "config.json")))["train"]["warmup_steps"] == 2
+  lines = out.strip().splitlines()
+  banner = dict(line.split(maxsplit=1) for line in lines[:5])
+  assert banner["model"].startswith("transformer (mha attention), 0.") and "M trained parameters" in banner["model"]
+  assert banner["devices"] == f"{jax.device_count()} x cpu in 1 process(es); mesh data 8 x fsdp 1 x tensor 1"
+  assert banner["workdir"] == config.workdir and banner["start"] == "fresh (random parameters, seed 0)"
+  assert banner["schedule"].startswith("2 steps of 8 x 32 tokens, learning rate 0.003 (warm-up 2), log every 1")
+  checkpoint = os.path.join(config.workdir, "checkpoints", "2")
+  assert lines[-1] == f"Finished step 2 of 2; saved checkpoint {checkpoint}"
+
+  train(config)  # the same command again: nothing to run, the same clipped schedule
+  out, _ = capfd.readouterr()
+  assert f"start     resumed from step 2 ({checkpoint})" in out
+  assert out.strip().splitlines()[-1] == f"Finished step 2 of 2; saved checkpoint {checkpoint}"
+
+
+def test_a_negative_warm_up_is_an_error(config):
+  with config.unlocked():
+    config.train.warmup_steps = -1
+  with pytest.raises(ValueError, match="train.warmup_steps must be an integer >= 0, got -1"):
+    train(config)

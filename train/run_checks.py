@@ -3,6 +3,7 @@ each with an error naming the key and what it must be."""
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, Mapping
 
@@ -18,6 +19,9 @@ def validate_train_config(config) -> None:
   """Raises ValueError naming the first `train.*`/`data.*` value that makes no sense."""
   t, d = config.train, config.data
   _require(isinstance(t.steps, int) and t.steps >= 1, "train.steps", "an integer >= 1", t.steps)
+  _require(
+    isinstance(t.warmup_steps, int) and t.warmup_steps >= 0, "train.warmup_steps", "an integer >= 0", t.warmup_steps
+  )
   _require(t.log_every >= 1, "train.log_every", ">= 1", t.log_every)
   _require(t.eval_every >= 0, "train.eval_every", ">= 0 (0: only at the last step)", t.eval_every)
   _require(t.checkpoint_every >= 0, "train.checkpoint_every", ">= 0 (0: only at the last step)", t.checkpoint_every)
@@ -40,6 +44,21 @@ def validate_train_config(config) -> None:
   )
   _require(d.prefetch >= 0, "data.prefetch", ">= 0 (0: no background reading)", d.prefetch)
   _require(d.worker_count >= 0, "data.worker_count", ">= 0", d.worker_count)
+
+
+def clip_warmup(config) -> tuple[Any, str | None]:
+  """(config, note): a warm-up longer than the run (a short smoke run of a config made for a
+  long one) is clipped to train.steps, in a copy of the config, with a note saying so."""
+  t = config.train
+  if t.warmup_steps <= t.steps:
+    return config, None
+  clipped = copy.deepcopy(config)
+  with clipped.unlocked():
+    clipped.train.warmup_steps = t.steps
+  return clipped, (
+    f"NOTE: train.warmup_steps={t.warmup_steps} is more than train.steps={t.steps}: the warm-up is clipped to "
+    f"{t.steps} steps (set --config.train.warmup_steps to choose it)"
+  )
 
 
 def check_schedule_unchanged(saved: Mapping[str, Any] | None, config, workdir: str) -> list[str]:

@@ -43,7 +43,7 @@ from train.config import validate_keys
 from train.mesh import data_parallel_size, make_mesh
 from train.metrics import SET_ASIDE_NAME, MetricsWriter, ThroughputWindow, format_eval_line, format_train_line
 from train.optimizer import make_optimizer
-from train.run_checks import check_schedule_unchanged, validate_train_config
+from train.run_checks import check_schedule_unchanged, clip_warmup, validate_train_config
 from train.signals import StopSignals, StopVote, TrainingInterrupted
 from train.state import TrainState, init_train_state, state_shardings
 from train.step import eval_step, jit_train_step, with_frozen
@@ -113,6 +113,9 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
   if not config.workdir:
     raise ValueError("config.workdir is empty: pass --workdir=DIR (checkpoints and metrics go there)")
   validate_train_config(config)
+  config, note = clip_warmup(config)
+  if note:
+    _print(note)
   model_config = ModelConfig.from_mapping(config.model)
   tokenizer = load_tokenizer(config.data.tokenizer)
   if model_config.vocab_size < tokenizer.vocab_size:
@@ -237,8 +240,48 @@ def load_frozen_params(run: Run) -> FrozenParams | None:
 
 
 def _print(text: str) -> None:
+  """A note or warning (stderr), from process 0."""
   if jax.process_index() == 0:
     print(text, file=sys.stderr, flush=True)
+
+
+def _say(text: str) -> None:
+  """A line of the run's report (stdout, with the progress lines), from process 0."""
+  if jax.process_index() == 0:
+    print(text, flush=True)
+
+
+def startup_banner(
+  run: Run,
+  abstract_state: TrainState,
+  checkpointer: Checkpointer,
+  resumed_step: int | None,
+  init_source: InitSource | None,
+  frozen: FrozenParams | None,
+) -> str:
+  """What is about to run: model and parameters, devices and mesh, workdir, where the
+  parameters come from, and the schedule."""
+  m, t, d = run.model_config, run.config.train, run.config.data
+  parameters = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_state.params))
+  mesh = " x ".join(f"{axis} {size}" for axis, size in run.mesh.shape.items())
+  if resumed_step is not None:
+    start = f"resumed from step {resumed_step} ({checkpointer.step_dir(resumed_step)})"
+  elif init_source is not None:
+    start = f"parameters of step {init_source.step} of {init_source.workdir} (train.init_from)"
+  else:
+    start = f"fresh (random parameters, seed {run.config.seed})"
+  lines = [
+    f"model     {m.family} ({m.attention} attention), {parameters / 1e6:.2f}M trained parameters, "
+    f"{m.n_layers} layers x {m.d_model}, {m.dtype}"
+    + (f"; frozen {sorted(frozen.params)} from {frozen.workdir}" if frozen is not None else ""),
+    f"devices   {jax.device_count()} x {jax.devices()[0].device_kind} in {jax.process_count()} process(es); "
+    f"mesh {mesh}",
+    f"workdir   {run.workdir}",
+    f"start     {start}",
+    f"schedule  {t.steps} steps of {d.batch_size} x {d.seq_len} tokens, learning rate {t.learning_rate:g} "
+    f"(warm-up {t.warmup_steps}), log every {t.log_every}, checkpoint every {t.checkpoint_every or t.steps}",
+  ]
+  return "\n".join(lines)
 
 
 def _global_batch(local_batch: dict[str, np.ndarray], sharding: jax.sharding.NamedSharding):
@@ -438,6 +481,7 @@ def train(config: ml_collections.ConfigDict, *, after_step: Callable[[int], None
     ConfigMismatchError, ValueError: with a message naming the setting to change.
   """
   run = build_run(config)
+  config = run.config  # with the settings build_run adjusted (a clipped warm-up)
   lock, checkpointer = open_workdir(run)
   writer = train_iter = None
   try:
@@ -471,7 +515,8 @@ def train(config: ml_collections.ConfigDict, *, after_step: Callable[[int], None
         workdir_lib.write_frozen_record(
           run.workdir, source=frozen.workdir, step=frozen.step, fingerprint=frozen.fingerprint
         )
-      return run_loop(
+      _say(startup_banner(run, abstract_state, checkpointer, resumed_step, init_source, frozen))
+      result = run_loop(
         run,
         state,
         shardings,
@@ -493,3 +538,6 @@ def train(config: ml_collections.ConfigDict, *, after_step: Callable[[int], None
     finally:
       if lock is not None:
         lock.release()
+  final_step = int(jax.device_get(result.state.step))
+  _say(f"Finished step {final_step} of {config.train.steps}; saved checkpoint {checkpointer.step_dir(final_step)}")
+  return result
