@@ -26,7 +26,9 @@ from train.signals import TrainingInterrupted
 from train.state import TrainState
 from train import trainer
 from train.trainer import train
-from train.workdir import ConfigMismatchError, WorkdirBusyError, WorkdirLock, WorkdirNotEmptyError
+from train.resume_checks import ConfigMismatchError
+from train.run_files import WorkdirNotEmptyError
+from train.workdir_lock import WorkdirBusyError, WorkdirLock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETTINGS = TINY_RUN_SETTINGS
@@ -502,7 +504,7 @@ def test_every_kept_step_gets_a_manifest(tmp_path, keep):
 
 def test_model_check_names_changed_keys_and_accepts_keys_added_later_at_their_default(tmp_path):
   from train.config import base_config
-  from train.workdir import check_model_unchanged
+  from train.resume_checks import check_model_unchanged
 
   config = base_config()
   saved = json.loads(config.to_json_best_effort())

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Mapping
-
-_SCHEDULE_KEYS = ("steps", "learning_rate", "warmup_steps", "min_lr_ratio")
+from typing import Any
 
 
 def _require(ok: bool, key: str, rule: str, value: Any) -> None:
@@ -59,24 +57,3 @@ def clip_warmup(config) -> tuple[Any, str | None]:
     f"NOTE: train.warmup_steps={t.warmup_steps} is more than train.steps={t.steps}: the warm-up is clipped to "
     f"{t.steps} steps (set --config.train.warmup_steps to choose it)"
   )
-
-
-def check_schedule_unchanged(saved: Mapping[str, Any] | None, config, workdir: str) -> list[str]:
-  """The LR-schedule settings that differ from the run being resumed ("key: old -> new").
-
-  Raises ValueError unless `train.allow_schedule_change`; with it, returns them
-  so the caller can warn."""
-  if not saved or "train" not in saved:
-    return []
-  differing = [
-    f"train.{k}: {saved['train'].get(k)!r} -> {config.train[k]!r}"
-    for k in _SCHEDULE_KEYS
-    if k in saved["train"] and saved["train"][k] != config.train[k]
-  ]
-  if differing and not config.train.allow_schedule_change:
-    raise ValueError(
-      f"Resuming the run in {workdir} with a different learning-rate schedule ({'; '.join(differing)}): "
-      "the warm-up/cosine schedule would be rebuilt and the learning rate would jump at the resumed "
-      "step. Pass --config.train.allow_schedule_change=True to do it anyway, or keep the old values."
-    )
-  return differing

@@ -36,18 +36,27 @@ from castle_jax.data.tokenizer import Tokenizer, load_tokenizer
 from castle_jax.eval.perplexity import summarize
 from castle_jax.models import ModelConfig, build_model, training_flops_per_token
 from castle_jax.sharding import LOGICAL_AXIS_RULES
-from castle_jax.workdir import FrozenParams, frozen_record, restore_params
+from castle_jax.workdir import FrozenParams, frozen_record, restore_params, saved_config
 from castle_jax.workdir import load_frozen_params as load_frozen
-from train import workdir as workdir_lib
 from train.config import validate_keys
 from train.mesh import data_parallel_size, make_mesh
 from train.metrics import SET_ASIDE_NAME, MetricsWriter, ThroughputWindow, format_eval_line, format_train_line
 from train.optimizer import make_optimizer
-from train.run_checks import check_schedule_unchanged, clip_warmup, validate_train_config
+from train.resume_checks import (
+  ConfigMismatchError,
+  check_init_from,
+  check_model_unchanged,
+  check_same_tokenizer,
+  check_schedule_unchanged,
+  check_tokenizer_unchanged,
+)
+from train.run_checks import clip_warmup, validate_train_config
+from train.run_files import claim_for_fresh_run, write_frozen_record, write_run_files
 from train.signals import StopSignals, StopVote, TrainingInterrupted
 from train.state import TrainState, init_train_state, state_shardings
 from train.step import eval_step, jit_train_step, with_frozen
 from train.throughput import peak_flops_per_device
+from train.workdir_lock import WorkdirBusyError, WorkdirLock, acquire_lock
 
 # A divergence this many steps after a resume points at the restored checkpoint.
 RECENT_RESUME_STEPS = 20
@@ -62,7 +71,7 @@ ERRORS_WITH_A_FIX = (
   ValueError,  # ConfigMismatchError and WorkdirNotEmptyError too
   FileNotFoundError,
   CheckpointError,
-  workdir_lib.WorkdirBusyError,
+  WorkdirBusyError,
   TrainingDivergedError,
 )
 
@@ -142,23 +151,23 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
   )
 
 
-def open_workdir(run: Run) -> tuple[workdir_lib.WorkdirLock | None, Checkpointer]:
+def open_workdir(run: Run) -> tuple[WorkdirLock | None, Checkpointer]:
   """Takes the workdir lock (process 0) and applies the resume/overwrite rules;
   when resuming, checks the model and schedule against the saved config.json
   before Orbax reads anything, and for a fresh run with `train.init_from` the model
   and tokenizer against that run's. Returns (lock, checkpointer)."""
   t = run.config.train
-  lock = workdir_lib.acquire_lock(run.workdir)
+  lock = acquire_lock(run.workdir)
   checkpointer = None
   try:
-    moved = workdir_lib.claim_for_fresh_run(run.workdir, resume=t.resume, overwrite=t.overwrite)
+    moved = claim_for_fresh_run(run.workdir, resume=t.resume, overwrite=t.overwrite)
     if moved:
       _print(f"train.overwrite=True: moved the previous run in {run.workdir} to {moved}")
     checkpointer = Checkpointer(os.path.join(run.workdir, "checkpoints"), keep=t.keep_checkpoints)
     if t.resume and checkpointer.all_steps():
-      workdir_lib.check_model_unchanged(run.workdir, run.config.model)
-      workdir_lib.check_tokenizer_unchanged(run.workdir, run.config.data.tokenizer)
-      changed = check_schedule_unchanged(workdir_lib.saved_config(run.workdir), run.config, run.workdir)
+      check_model_unchanged(run.workdir, run.config.model)
+      check_tokenizer_unchanged(run.workdir, run.config.data.tokenizer)
+      changed = check_schedule_unchanged(saved_config(run.workdir), run.config, run.workdir)
       if changed:
         _print(
           f"WARNING: {'!' * 60}\nWARNING: the learning-rate schedule changes at the resumed step "
@@ -167,7 +176,7 @@ def open_workdir(run: Run) -> tuple[workdir_lib.WorkdirLock | None, Checkpointer
     elif t.resume_step is not None:
       raise ValueError(f"train.resume_step={t.resume_step} but there are no checkpoints in {checkpointer.directory}")
     elif t.init_from:
-      workdir_lib.check_init_from(t.init_from, run.config.model, run.config.data.tokenizer)
+      check_init_from(t.init_from, run.config.model, run.config.data.tokenizer)
   except BaseException:
     try:
       if checkpointer is not None:
@@ -229,9 +238,7 @@ def load_frozen_params(run: Run) -> FrozenParams | None:
   frozen = load_frozen(run.model_config, run.mesh, log=_print)
   if frozen is None:
     return None
-  workdir_lib.check_same_tokenizer(
-    frozen.workdir, run.config.data.tokenizer, what=f"the frozen parameters' run {frozen.workdir}"
-  )
+  check_same_tokenizer(frozen.workdir, run.config.data.tokenizer, what=f"the frozen parameters' run {frozen.workdir}")
   _print(
     f"Frozen parameters {sorted(frozen.params)} from step {frozen.step} of {frozen.workdir} "
     f"(fingerprint {frozen.fingerprint})"
@@ -495,7 +502,7 @@ def train(config: ml_collections.ConfigDict, *, after_step: Callable[[int], None
         config.data, run.tokenizer, split=config.data.train_split, shuffle=True, prefetch=config.data.prefetch
       )
       state, resumed_step, init_source = restore_or_init(run, checkpointer, abstract_state, shardings, train_iter)
-      workdir_lib.write_run_files(run.workdir, config)
+      write_run_files(run.workdir, config)
       writer = MetricsWriter(run.workdir, first_step=0 if resumed_step is None else resumed_step + 1)
       if writer.set_aside:
         _print(
@@ -507,14 +514,12 @@ def train(config: ml_collections.ConfigDict, *, after_step: Callable[[int], None
       if frozen is not None:
         recorded = frozen_record(run.workdir)
         if resumed_step is not None and recorded and recorded.get("fingerprint") != frozen.fingerprint:
-          raise workdir_lib.ConfigMismatchError(
+          raise ConfigMismatchError(
             f"The checkpoints in {run.workdir} were trained against other frozen parameters ({recorded}); "
             f"{frozen.workdir} step {frozen.step} has fingerprint {frozen.fingerprint}. Point the run at the "
             "same source (e.g. model.family_kwargs.target_step), or start over in a new --workdir"
           )
-        workdir_lib.write_frozen_record(
-          run.workdir, source=frozen.workdir, step=frozen.step, fingerprint=frozen.fingerprint
-        )
+        write_frozen_record(run.workdir, source=frozen.workdir, step=frozen.step, fingerprint=frozen.fingerprint)
       _say(startup_banner(run, abstract_state, checkpointer, resumed_step, init_source, frozen))
       result = run_loop(
         run,
