@@ -43,7 +43,8 @@ def parse_run(text: str):
   return batch, seq, int(window) if window else None
 
 
-def _runs(text: str) -> list[tuple[int, int, int | None]]:
+def parse_runs(text: str) -> list[tuple[int, int, int | None]]:
+  """ "16x2048,2x16384/512" -> [(16, 2048, None), (2, 16384, 512)]; ValueError for a bad entry."""
   runs = [parse_run(part) for part in text.split(",")]
   if any(value is not None and value < 1 for run in runs for value in run):
     raise ValueError("every size must be >= 1")
@@ -81,7 +82,7 @@ def main(argv) -> int:
   parser = cl.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument(
     "--runs",
-    type=cl.parsed_by(_runs, "comma-separated BxT or BxT/W, e.g. 16x2048,2x16384/512"),
+    type=cl.parsed_by(parse_runs, "comma-separated BxT or BxT/W, e.g. 16x2048,2x16384/512"),
     default="16x2048,2x16384,2x16384/512",
     help="batch x seq[/window], comma-separated",
   )

@@ -31,6 +31,7 @@ from castle_jax.ops.castle import castle_attention  # noqa: E402
 from pallas_kernels.castle import CastleKernelConfig  # noqa: E402
 from pallas_kernels.castle.mosaic_attention import castle_attention_mosaic  # noqa: E402
 from pallas_kernels.castle.mosaic_config import CastleMosaicConfig  # noqa: E402
+from benchmarks.castle_mosaic import parse_runs  # noqa: E402
 from benchmarks.timing import run_meta, time_forward_and_gradients, write_json  # noqa: E402
 
 # The Triton rows ask for the Triton kernels: backend 'auto' may pick Mosaic.
@@ -42,14 +43,11 @@ _CASTLE_PRODUCTS = 6 + 17
 
 
 def _shapes(text: str) -> list[tuple[int, int]]:
-  """ "16x2048,2x16384" -> [(16, 2048), (2, 16384)]."""
-  shapes = []
-  for part in text.split(","):
-    batch, seq = (int(x) for x in part.split("x"))
-    if min(batch, seq) < 1:
-      raise ValueError("every size must be >= 1")
-    shapes.append((batch, seq))
-  return shapes
+  """ "16x2048,2x16384" -> [(16, 2048), (2, 16384)] (the window is --window)."""
+  runs = parse_runs(text)
+  if any(window is not None for _, _, window in runs):
+    raise ValueError("give the window with --window")
+  return [(batch, seq) for batch, seq, _ in runs]
 
 
 def _inputs(seed: int, shape, count: int):

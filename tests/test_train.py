@@ -104,7 +104,7 @@ def test_unknown_config_keys_are_rejected(config):
   with config.unlocked():
     config.train.stpes = 10
     config.model.attention_kwargs.anything = 1  # free-form: allowed
-  with pytest.raises(ValueError, match="Unknown config keys: train.stpes"):
+  with pytest.raises(ValueError, match=r"Unknown config keys: train.stpes \(did you mean train.steps\?\)"):
     validate_keys(config)
   locked = finalize(copy.deepcopy(tiny.get_config()))
   with pytest.raises(AttributeError):

@@ -24,6 +24,7 @@ from castle_jax.command_line import UsageError, exit_with_error, explain_flag_er
 
 CONFIG_HELP = "`python -m train --config_help` lists every key"
 HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
+_KINDS = {int: "an integer", float: "a number", bool: "True or False", str: "a string"}
 _LOCKED_KEY = re.compile(r'Key "([^"]+)" does not exist and cannot be added since the config is locked')
 
 
@@ -151,7 +152,7 @@ def _explain_override(error: BaseException, argv: list[str], config: ml_collecti
       suggestion = f"; did you mean --config.{section + '.' if section else ''}{close[0]}?" if close else ""
       return f"--config.{key}={value}: {where} has no key {name!r}{suggestion} ({CONFIG_HELP})"
     if f"--config.{key}=" in str(error):
-      expected = type(current).__name__ if current is not None else "a value"
+      expected = _KINDS.get(type(current), type(current).__name__) if current is not None else "a value"
       return f"--config.{key}={value!r}: {one_line(str(error).split(': ', 1)[-1])}; {key} takes {expected} (see --config_help)"
   return None
 
