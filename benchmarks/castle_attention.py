@@ -23,7 +23,6 @@ Prints a table last and optionally writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -32,6 +31,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from castle_jax import command_line as cl
 from castle_jax.ops.attention import causal_attention
 from castle_jax.ops.castle import castle_attention
 from pallas_kernels.castle import CastleKernelConfig
@@ -130,20 +130,28 @@ def measure_peer(batch: int, seq: int, heads: int, head_dim: int, iters: int) ->
   return result
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--seq_lens", default="2048,8192,16384")
-  parser.add_argument("--tokens", type=int, default=32768, help="batch * seq for every length")
-  parser.add_argument("--heads", type=int, default=9, help="CASTLE heads")
-  parser.add_argument("--baseline_heads", type=int, default=16)
-  parser.add_argument("--head_dim", type=int, default=128)
-  parser.add_argument("--window", type=int, default=0, help="CASTLE-SWL window; 0 = full CASTLE")
-  parser.add_argument("--block_size", type=int, default=64, help="block size of the XLA blockwise path")
+def _kernel_configs(text: str) -> list[tuple[str, CastleKernelConfig]]:
+  return [(spec, CastleKernelConfig.from_string(spec)) for spec in text.split(";")] if text else []
+
+
+def main(argv) -> int:
+  parser = cl.ArgumentParser(description=__doc__)
+  parser.add_argument("--seq_lens", type=cl.positive_int_list, default="2048,8192,16384")
+  parser.add_argument("--tokens", type=cl.positive_int, default=32768, help="batch * seq for every length")
+  parser.add_argument("--heads", type=cl.positive_int, default=9, help="CASTLE heads")
+  parser.add_argument("--baseline_heads", type=cl.positive_int, default=16)
+  parser.add_argument("--head_dim", type=cl.positive_int, default=128)
+  parser.add_argument("--window", type=cl.nonnegative_int, default=0, help="CASTLE-SWL window; 0 = full CASTLE")
+  parser.add_argument("--block_size", type=cl.positive_int, default=64, help="block size of the XLA blockwise path")
   parser.add_argument(
-    "--impls", default="xla,cudnn", help="comma list of: xla, pallas, reference (CASTLE); cudnn, xla_mha (standard)"
+    "--impls",
+    type=cl.choice_list(("xla", "pallas", "reference", "cudnn", "xla_mha")),
+    default="xla,cudnn",
+    help="comma list of: xla, pallas, reference (CASTLE); cudnn, xla_mha (standard)",
   )
   parser.add_argument(
     "--pallas_configs",
+    type=cl.parsed_by(_kernel_configs, "';'-separated CastleKernelConfig fields as key=value"),
     default="",
     help="';'-separated kernel configs of CastleKernelConfig fields as key=value, e.g. "
     "'block_q=32,block_k=64;block_q=64,lookahead_operands=split', each timed as its own "
@@ -151,35 +159,34 @@ def main(argv=None) -> int:
   )
   parser.add_argument(
     "--peer_seq_lens",
+    type=cl.optional_positive_int_list,
     default="",
     help="comma list of lengths at which to time the PyPI lookahead-keys-attention kernel's "
     "forward and forward+backward (slow: ~1.3 s per forward at 2K)",
   )
-  parser.add_argument("--peer_iters", type=int, default=3)
-  parser.add_argument("--iters", type=int, default=10)
-  parser.add_argument("--dtype", default="bfloat16")
-  parser.add_argument("--json", default=None)
+  parser.add_argument("--peer_iters", type=cl.positive_int, default=3)
+  parser.add_argument("--iters", type=cl.positive_int, default=10)
+  parser.add_argument("--dtype", choices=cl.DTYPES, default="bfloat16")
+  parser.add_argument("--json", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")
   args = parser.parse_args(argv)
+  for seq in args.seq_lens:
+    if args.tokens % seq:
+      parser.error(f"--tokens ({args.tokens}) must be a multiple of every sequence length ({seq})")
 
   window = args.window or None
   dtype = jnp.dtype(args.dtype)
   cases = []
-  for impl in args.impls.split(","):
+  for impl in args.impls:
     if impl == "pallas" and args.pallas_configs:
-      for spec in args.pallas_configs.split(";"):
-        config = CastleKernelConfig.from_string(spec)
+      for spec, config in args.pallas_configs:
         cases.append(_castle_case(impl, args.heads, window, args.block_size, config, f"[{spec}]"))
     elif impl in ("xla", "pallas", "reference"):
       cases.append(_castle_case(impl, args.heads, window, args.block_size))
-    elif impl in ("cudnn", "xla_mha"):
-      cases.append(_standard_case("cudnn" if impl == "cudnn" else "xla", args.baseline_heads))
     else:
-      parser.error(f"--impls: unknown implementation {impl!r}")
+      cases.append(_standard_case("cudnn" if impl == "cudnn" else "xla", args.baseline_heads))
 
   rows = []
-  for seq in (int(s) for s in args.seq_lens.split(",")):
-    if args.tokens % seq:
-      parser.error(f"--tokens ({args.tokens}) must be a multiple of every sequence length ({seq})")
+  for seq in args.seq_lens:
     batch = args.tokens // seq
     for case in cases:
       row = measure(case, batch, seq, args.head_dim, dtype, args.iters)
@@ -190,7 +197,7 @@ def main(argv=None) -> int:
       rows.append(row)
       print(json.dumps(row), file=sys.stderr, flush=True)
 
-  for seq in (int(s) for s in args.peer_seq_lens.split(",") if s):
+  for seq in args.peer_seq_lens:
     row = measure_peer(args.tokens // seq, seq, args.heads, args.head_dim, args.peer_iters)
     if "error" not in row:
       row["fwd_tflops"] = forward_flops(cases[0], row["batch"], seq, args.head_dim, window) / row["fwd_ms"] / 1e9
@@ -242,4 +249,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cl.run(main))

@@ -15,7 +15,6 @@ warm-up; prints a table last and optionally writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import statistics
@@ -25,6 +24,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from castle_jax import command_line as cl
 from castle_jax.ops.attention import KVCache
 from castle_jax.ops.attention import causal_mask, masked_attention
 from castle_jax.ops.castle import UQKVCache, decode_step
@@ -109,32 +109,38 @@ def mha_row(batch, length, heads, head_dim, dtype, iters):
   }
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--batch", type=int, default=64)
-  parser.add_argument("--length", type=int, default=16384, help="tokens already in the cache")
-  parser.add_argument("--heads", type=int, default=9)
-  parser.add_argument("--baseline_heads", type=int, default=16)
-  parser.add_argument("--head_dim", type=int, default=128)
-  parser.add_argument("--window", type=int, default=512, help="CASTLE-SWL window (0: skip SWL)")
-  parser.add_argument("--impls", default="xla,pallas", help="CASTLE decoding steps to time: xla, pallas")
+def main(argv) -> int:
+  parser = cl.ArgumentParser(description=__doc__)
+  parser.add_argument("--batch", type=cl.positive_int, default=64)
+  parser.add_argument("--length", type=cl.positive_int, default=16384, help="tokens already in the cache")
+  parser.add_argument("--heads", type=cl.positive_int, default=9)
+  parser.add_argument("--baseline_heads", type=cl.positive_int, default=16)
+  parser.add_argument("--head_dim", type=cl.positive_int, default=128)
+  parser.add_argument("--window", type=cl.nonnegative_int, default=512, help="CASTLE-SWL window (0: skip SWL)")
+  parser.add_argument(
+    "--impls",
+    type=cl.choice_list(("xla", "pallas")),
+    default="xla,pallas",
+    help="CASTLE decoding steps to time: xla, pallas",
+  )
   parser.add_argument(
     "--decode_configs",
+    type=cl.parsed_by(_parse_configs, "';'-separated CastleDecodeConfig fields as key=value"),
     default="",
     help="';'-separated Pallas kernel tilings, CastleDecodeConfig fields as key=value, e.g. "
     "'block_rows=64,splits=8;block_rows=128' (default: one row with the default)",
   )
-  parser.add_argument("--iters", type=int, default=20)
-  parser.add_argument("--dtype", default="bfloat16")
-  parser.add_argument("--json", default=None)
+  parser.add_argument("--iters", type=cl.positive_int, default=20)
+  parser.add_argument("--dtype", choices=cl.DTYPES, default="bfloat16")
+  parser.add_argument("--json", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")
   args = parser.parse_args(argv)
   dtype = jnp.dtype(args.dtype)
 
   rows = [mha_row(args.batch, args.length, args.baseline_heads, args.head_dim, dtype, args.iters)]
   windows = [None] + ([args.window] if args.window else [])
   for window in windows:
-    for implementation in args.impls.split(","):
-      configs = _parse_configs(args.decode_configs) if implementation == "pallas" else [None]
+    for implementation in args.impls:
+      configs = args.decode_configs if implementation == "pallas" else [None]
       for config in configs:
         rows.append(
           castle_row(
@@ -161,4 +167,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cl.run(main))

@@ -16,12 +16,12 @@ atomics cost. `--flash_reference` also times jax's own Pallas-Triton flash atten
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import jax
 import jax.numpy as jnp
 
+from castle_jax import command_line as cl
 from pallas_kernels.castle import CastleKernelConfig, kernels, ops
 from benchmarks.timing import error_text, median_ms, run_meta, write_json
 
@@ -109,22 +109,27 @@ def time_flash_reference(batch: int, seq: int, heads: int, head_dim: int, iters:
     return {"error": error_text(e)}
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--seq", type=int, default=16384)
-  parser.add_argument("--tokens", type=int, default=32768, help="batch * seq")
-  parser.add_argument("--heads", type=int, default=9)
-  parser.add_argument("--head_dim", type=int, default=128)
+def _kernel_configs(text: str) -> list[tuple[str, CastleKernelConfig]]:
+  return [(spec, CastleKernelConfig.from_string(spec)) for spec in text.split(";")]  # "" is the default config
+
+
+def main(argv) -> int:
+  parser = cl.ArgumentParser(description=__doc__)
+  parser.add_argument("--seq", type=cl.positive_int, default=16384)
+  parser.add_argument("--tokens", type=cl.positive_int, default=32768, help="batch * seq")
+  parser.add_argument("--heads", type=cl.positive_int, default=9)
+  parser.add_argument("--head_dim", type=cl.positive_int, default=128)
   parser.add_argument(
     "--configs",
+    type=cl.parsed_by(_kernel_configs, "';'-separated CastleKernelConfig fields as key=value"),
     default="",
     help="';'-separated CastleKernelConfig fields as key=value, e.g. 'block_q=32,block_k=64;"
     "bwd_block_k=16' (default: one row with the default config)",
   )
   parser.add_argument("--without_atomics", action="store_true", help="also time each config with plain stores")
   parser.add_argument("--flash_reference", action="store_true")
-  parser.add_argument("--iters", type=int, default=10)
-  parser.add_argument("--json", default=None)
+  parser.add_argument("--iters", type=cl.positive_int, default=10)
+  parser.add_argument("--json", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")
   args = parser.parse_args(argv)
   if jax.default_backend() != "gpu":
     parser.error("the kernels are timed compiled, on a GPU")
@@ -133,8 +138,7 @@ def main(argv=None) -> int:
   batch = args.tokens // args.seq
 
   rows = []
-  for spec in args.configs.split(";"):  # "" is the default config
-    config = CastleKernelConfig.from_string(spec)
+  for spec, config in args.configs:
     for without_atomics in (False, True) if args.without_atomics else (False,):
       row = {"config": spec, "without_atomics": without_atomics}
       row.update(time_kernels(config, batch * args.heads, args.seq, args.head_dim, args.iters, without_atomics))
@@ -161,4 +165,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cl.run(main))

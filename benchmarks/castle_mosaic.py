@@ -19,13 +19,13 @@ products (W, W R^T, D's step) over the T x W band only: 1.5 * causal + 6 * B*H*T
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import jax
 import jax.numpy as jnp
 
 
+from castle_jax import command_line as cl  # noqa: E402
 from castle_jax.ops.castle import castle_attention  # noqa: E402
 from pallas_kernels.castle import CastleKernelConfig  # noqa: E402
 from pallas_kernels.castle.mosaic_config import CastleMosaicConfig  # noqa: E402
@@ -41,6 +41,14 @@ def parse_run(text: str):
   shape, _, window = text.partition("/")
   batch, seq = (int(x) for x in shape.split("x"))
   return batch, seq, int(window) if window else None
+
+
+def parse_runs(text: str) -> list[tuple[int, int, int | None]]:
+  """ "16x2048,2x16384/512" -> [(16, 2048, None), (2, 16384, 512)]; ValueError for a bad entry."""
+  runs = [parse_run(part) for part in text.split(",")]
+  if any(value is not None and value < 1 for run in runs for value in run):
+    raise ValueError("every size must be >= 1")
+  return runs
 
 
 def castle_flops(batch, seq, heads, head_dim, window):
@@ -70,18 +78,22 @@ def kernels(head_dim, window):
   )
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--runs", default="16x2048,2x16384,2x16384/512", help="batch x seq[/window], comma-separated")
-  parser.add_argument("--heads", type=int, default=16)
-  parser.add_argument("--head_dim", type=int, default=128)
-  parser.add_argument("--iters", type=int, default=20)
-  parser.add_argument("--json", default=None)
+def main(argv) -> int:
+  parser = cl.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument(
+    "--runs",
+    type=cl.parsed_by(parse_runs, "comma-separated BxT or BxT/W, e.g. 16x2048,2x16384/512"),
+    default="16x2048,2x16384,2x16384/512",
+    help="batch x seq[/window], comma-separated",
+  )
+  parser.add_argument("--heads", type=cl.positive_int, default=16)
+  parser.add_argument("--head_dim", type=cl.positive_int, default=128)
+  parser.add_argument("--iters", type=cl.positive_int, default=20)
+  parser.add_argument("--json", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")
   args = parser.parse_args(argv)
   rows = []
   baselines = {}
-  for text in args.runs.split(","):
-    batch, seq, window = parse_run(text)
+  for batch, seq, window in args.runs:
     label = f"{batch}x{seq}" + (f" SWL {window}" if window else "")
     shape = (batch, seq, args.heads, args.head_dim)
     xs = [jax.random.normal(k, shape, jnp.float32).astype(jnp.bfloat16) for k in jax.random.split(jax.random.key(0), 6)]
@@ -128,4 +140,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cl.run(main))

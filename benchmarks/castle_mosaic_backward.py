@@ -20,17 +20,18 @@ the score matrix (B H T^2 d FLOPs): causal attention 2 forward + 5 backward, CAS
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import jax
 import jax.numpy as jnp
 
 
+from castle_jax import command_line as cl  # noqa: E402
 from castle_jax.ops.castle import castle_attention  # noqa: E402
 from pallas_kernels.castle import CastleKernelConfig  # noqa: E402
 from pallas_kernels.castle.mosaic_attention import castle_attention_mosaic  # noqa: E402
 from pallas_kernels.castle.mosaic_config import CastleMosaicConfig  # noqa: E402
+from benchmarks.castle_mosaic import parse_runs  # noqa: E402
 from benchmarks.timing import run_meta, time_forward_and_gradients, write_json  # noqa: E402
 
 # The Triton rows ask for the Triton kernels: backend 'auto' may pick Mosaic.
@@ -41,30 +42,42 @@ _CAUSAL_PRODUCTS = 2 + 5
 _CASTLE_PRODUCTS = 6 + 17
 
 
+def _shapes(text: str) -> list[tuple[int, int]]:
+  """ "16x2048,2x16384" -> [(16, 2048), (2, 16384)] (the window is --window)."""
+  runs = parse_runs(text)
+  if any(window is not None for _, _, window in runs):
+    raise ValueError("give the window with --window")
+  return [(batch, seq) for batch, seq, _ in runs]
+
+
 def _inputs(seed: int, shape, count: int):
   keys = jax.random.split(jax.random.key(seed), count + 1)
   return tuple(jax.random.normal(k, shape, jnp.float32).astype(jnp.bfloat16) for k in keys)
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--shapes", default="16x2048,2x16384", help="batch x seq, comma-separated")
-  parser.add_argument("--heads", type=int, default=16, help="cuDNN heads")
-  parser.add_argument("--castle_heads", type=int, default=16, help="CASTLE heads (the XL model has 9)")
-  parser.add_argument("--head_dim", type=int, default=128)
+def main(argv) -> int:
+  parser = cl.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument(
-    "--window", type=int, default=None, help="CASTLE-SWL window (cuDNN's baseline row stays full causal)"
+    "--shapes",
+    type=cl.parsed_by(_shapes, "comma-separated BxT, e.g. 16x2048,2x16384"),
+    default="16x2048,2x16384",
+    help="batch x seq, comma-separated",
   )
-  parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--heads", type=cl.positive_int, default=16, help="cuDNN heads")
+  parser.add_argument("--castle_heads", type=cl.positive_int, default=16, help="CASTLE heads (the XL model has 9)")
+  parser.add_argument("--head_dim", type=cl.positive_int, default=128)
+  parser.add_argument(
+    "--window", type=cl.positive_int, default=None, help="CASTLE-SWL window (cuDNN's baseline row stays full causal)"
+  )
+  parser.add_argument("--iters", type=cl.positive_int, default=20)
   parser.add_argument(
     "--skip", default=None, help="comma-separated words: rows whose name contains one are skipped (cuDNN always runs)"
   )
-  parser.add_argument("--json", default=None)
+  parser.add_argument("--json", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")
   args = parser.parse_args(argv)
   window = args.window
   rows = []
-  for text in args.shapes.split(","):
-    batch, seq = (int(x) for x in text.split("x"))
+  for batch, seq in args.shapes:
     causal_pairs = batch * seq * seq * args.head_dim  # FLOPs of one product per head
     cudnn_shape = (batch, seq, args.heads, args.head_dim)
     castle_shape = (batch, seq, args.castle_heads, args.head_dim)
@@ -147,4 +160,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cl.run(main))

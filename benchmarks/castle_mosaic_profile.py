@@ -24,7 +24,6 @@ in --trace_dir.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import jax
@@ -32,6 +31,7 @@ import jax.numpy as jnp
 
 
 from benchmarks.castle_mosaic_swl_kernels import kernel_inputs  # noqa: E402
+from castle_jax import command_line as cl  # noqa: E402
 from pallas_kernels.castle import mosaic_backward, mosaic_forward, mosaic_past_window_backward  # noqa: E402
 from pallas_kernels.castle import mosaic_profile  # noqa: E402
 from pallas_kernels.castle.mosaic_config import CastleMosaicConfig  # noqa: E402
@@ -62,17 +62,23 @@ def kernel_call(kernel: str, data, window, config):
   )
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def _window(text: str) -> int | None:
+  return None if text.lower() == "none" else cl.positive_int(text)
+
+
+def main(argv) -> int:
+  parser = cl.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--kernel", default="key_major_sweep", choices=tuple(KERNELS))
-  parser.add_argument("--heads", type=int, default=2, help="batch x heads")
-  parser.add_argument("--seq", type=int, default=16384)
-  parser.add_argument("--window", default="512", help="CASTLE-SWL window, or 'none' for CASTLE")
-  parser.add_argument("--ranges", type=int, default=24, help="named ranges recorded per warpgroup and program")
+  parser.add_argument("--heads", type=cl.positive_int, default=2, help="batch x heads")
+  parser.add_argument("--seq", type=cl.positive_int, default=16384)
+  parser.add_argument("--window", type=_window, default="512", help="CASTLE-SWL window, or 'none' for CASTLE")
+  parser.add_argument(
+    "--ranges", type=cl.positive_int, default=24, help="named ranges recorded per warpgroup and program"
+  )
   parser.add_argument("--past_window", default="query_major", choices=("query_major", "key_major"))
   parser.add_argument("--trace_dir", default="/tmp/castle_traces")
   args = parser.parse_args(argv)
-  window = None if args.window.lower() == "none" else int(args.window)
+  window = args.window
   if window is None and args.kernel != "key_major_sweep":
     parser.error(f"--kernel={args.kernel} runs CASTLE-SWL's pairs past the window: give --window")
   data = kernel_inputs(args.heads, args.seq, window)
@@ -93,4 +99,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cl.run(main))

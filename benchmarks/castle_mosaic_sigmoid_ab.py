@@ -19,7 +19,6 @@ Prints each kernel's time per variant and its outputs' largest difference from
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -29,6 +28,7 @@ import jax.numpy as jnp
 
 
 from benchmarks.castle_mosaic_swl_kernels import HEAD_DIM, kernel_inputs, past_window_pairs, split_kernels  # noqa: E402
+from castle_jax import command_line as cl  # noqa: E402
 from pallas_kernels.castle import mosaic_math  # noqa: E402
 from benchmarks.timing import median_ms  # noqa: E402
 
@@ -72,28 +72,24 @@ VARIANTS = {
 KERNELS = ("fwd_window", "fwd_past", "bwd_dq", "bwd_keys")
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--variants", default="divide,rsqrt,tanh,poly")
-  parser.add_argument("--kernels", default=",".join(KERNELS))
-  parser.add_argument("--heads", type=int, default=18, help="batch x heads")
-  parser.add_argument("--seq", type=int, default=16384)
-  parser.add_argument("--window", type=int, default=512)
-  parser.add_argument("--iters", type=int, default=5)
+def main(argv) -> int:
+  parser = cl.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--variants", type=cl.choice_list(tuple(VARIANTS)), default="divide,rsqrt,tanh,poly")
+  parser.add_argument("--kernels", type=cl.choice_list(KERNELS), default=",".join(KERNELS))
+  parser.add_argument("--heads", type=cl.positive_int, default=18, help="batch x heads")
+  parser.add_argument("--seq", type=cl.positive_int, default=16384)
+  parser.add_argument("--window", type=cl.positive_int, default=512)
+  parser.add_argument("--iters", type=cl.positive_int, default=5)
   args = parser.parse_args(argv)
-  for flag, names, known in (("--variants", args.variants, VARIANTS), ("--kernels", args.kernels, KERNELS)):
-    unknown = [name for name in names.split(",") if name not in known]
-    if unknown:
-      parser.error(f"{flag}: unknown {unknown}; choose from {list(known)}")
   heads, seq, window = args.heads, args.seq, args.window
   t0 = time.time()
   data = kernel_inputs(heads, seq, window)
   print(f"inputs {time.time() - t0:.0f}s", flush=True)
   product = 2 * past_window_pairs(heads, seq, window) * HEAD_DIM
   flops = {"fwd_past": 3 * product, "bwd_dq": 5 * product, "bwd_keys": 6 * product}
-  variants = args.variants.split(",")
+  variants = args.variants
   table = []
-  for name in args.kernels.split(","):
+  for name in args.kernels:
     outs = {}
     for variant in variants:
       mosaic_math.sigmoid = VARIANTS[variant]
@@ -122,4 +118,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cl.run(main))

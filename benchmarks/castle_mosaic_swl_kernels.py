@@ -16,7 +16,6 @@ with the TFLOP/s of the past-window kernels (their products over the past-window
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import NamedTuple
 
@@ -24,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 
+from castle_jax import command_line as cl  # noqa: E402
 from pallas_kernels.castle import mosaic_backward, mosaic_forward, mosaic_past_window  # noqa: E402
 from pallas_kernels.castle import mosaic_past_window_backward  # noqa: E402
 from pallas_kernels.castle.mosaic_config import CastleMosaicConfig  # noqa: E402
@@ -134,14 +134,14 @@ def past_window_pairs(heads: int, seq: int, window: int) -> int:
   return heads * keys * 128
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--heads", type=int, default=18, help="batch x heads")
-  parser.add_argument("--seq", type=int, default=16384)
-  parser.add_argument("--window", type=int, default=512)
-  parser.add_argument("--iters", type=int, default=10)
-  parser.add_argument("--only", default=None)
-  parser.add_argument("--json", default=None)
+def main(argv) -> int:
+  parser = cl.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--heads", type=cl.positive_int, default=18, help="batch x heads")
+  parser.add_argument("--seq", type=cl.positive_int, default=16384)
+  parser.add_argument("--window", type=cl.positive_int, default=512)
+  parser.add_argument("--iters", type=cl.positive_int, default=10)
+  parser.add_argument("--only", default=None, help="comma-separated words: only the rows whose name contains one")
+  parser.add_argument("--json", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")
   args = parser.parse_args(argv)
   heads, seq, window = args.heads, args.seq, args.window
   data = kernel_inputs(heads, seq, window)
@@ -196,4 +196,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cl.run(main))

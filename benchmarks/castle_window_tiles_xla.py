@@ -26,8 +26,8 @@ second oracle of the tile algebra (tests/test_castle_window_tiles_xla.py checks 
 
 from __future__ import annotations
 
-import argparse
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,7 @@ import numpy as np
 
 
 from benchmarks.timing import median_ms, run_meta, write_json  # noqa: E402
+from castle_jax import command_line as cl  # noqa: E402
 
 TILE = 64
 
@@ -119,14 +120,14 @@ def window_tiles(
   return (acc.reshape(heads, seq, head_dim), sums.reshape(heads, seq), final_keys.reshape(heads, seq, head_dim))
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--heads", type=int, default=18, help="batch x heads")
-  parser.add_argument("--seq", type=int, default=16384)
-  parser.add_argument("--window", type=int, default=512)
-  parser.add_argument("--iters", type=int, default=10)
-  parser.add_argument("--json", default=None)
-  args = parser.parse_args()
+def main(argv) -> int:
+  parser = cl.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--heads", type=cl.positive_int, default=18, help="batch x heads")
+  parser.add_argument("--seq", type=cl.positive_int, default=16384)
+  parser.add_argument("--window", type=cl.positive_int, default=512)
+  parser.add_argument("--iters", type=cl.positive_int, default=10)
+  parser.add_argument("--json", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")
+  args = parser.parse_args(argv)
   rng = np.random.default_rng(0)
   shape = (args.heads, args.seq, 128)
   inputs = tuple(jnp.asarray(rng.normal(size=shape) * 0.5, jnp.bfloat16) for _ in range(6))
@@ -150,7 +151,8 @@ def main():
   print("| window tiles in XLA | ms |\n| --- | --- |")
   for name, ms in rows.items():
     print(f"| {name} | {ms:.2f} |")
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(cl.run(main))

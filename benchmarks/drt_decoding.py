@@ -18,7 +18,6 @@ teacher-forced forward pass (float32 weights and compute; bfloat16 reported too)
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -27,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from castle_jax import command_line as cl
 from castle_jax.config import ModelConfig
 from castle_jax.eval.passkey import device_memory
 from castle_jax.models.drt import DRT, DRTOptions
@@ -108,15 +108,15 @@ def speed_row(model: DRT, params, length: int, decode_tokens: int, segment_chunk
   }
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--lengths", default="65536,1048576")
-  parser.add_argument("--segment_chunks", type=int, default=64)
-  parser.add_argument("--decode_tokens", type=int, default=32)
-  parser.add_argument("--check_length", type=int, default=4096, help="0: skip the check")
-  parser.add_argument("--dtype", default="bfloat16")
-  parser.add_argument("--vocab", type=int, default=32000)
-  parser.add_argument("--json", default=None)
+def main(argv) -> int:
+  parser = cl.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--lengths", type=cl.positive_int_list, default="65536,1048576")
+  parser.add_argument("--segment_chunks", type=cl.positive_int, default=64)
+  parser.add_argument("--decode_tokens", type=cl.positive_int, default=32)
+  parser.add_argument("--check_length", type=cl.nonnegative_int, default=4096, help="0: skip the check")
+  parser.add_argument("--dtype", choices=cl.DTYPES, default="bfloat16")
+  parser.add_argument("--vocab", type=cl.positive_int, default=32000)
+  parser.add_argument("--json", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")
   args = parser.parse_args(argv)
   rows = []
   if args.check_length:
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
       print(rows[-1], flush=True)
   model = drt_128m(args.dtype, args.vocab)
   params = init_params(model)
-  for length in (int(x) for x in args.lengths.split(",")):
+  for length in args.lengths:
     rows.append(speed_row(model, params, length, args.decode_tokens, args.segment_chunks, args.vocab))
     print(rows[-1], flush=True)
   write_json(args.json, {"meta": run_meta(), "args": vars(args), "rows": rows})
@@ -149,4 +149,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cl.run(main))

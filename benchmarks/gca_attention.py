@@ -34,12 +34,12 @@ last; median of --iters calls.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import jax
 import jax.numpy as jnp
 
+from castle_jax import command_line as cl
 from castle_jax.ops.attention.alibi import alibi_window_attention
 from castle_jax.ops.gca import gca_attention
 from pallas_kernels.gca import GcaKernelConfig
@@ -184,45 +184,64 @@ def dense_row(batch, tokens, heads, head_dim, chunk, top_k, dtype, iters):
   return with_rates(row, timings, flops)
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--tokens", default="16384,65536", help="real tokens per sequence")
-  parser.add_argument("--batch", type=int, default=4)
-  parser.add_argument("--heads", type=int, default=12)
-  parser.add_argument("--head_dim", type=int, default=64)
-  parser.add_argument("--chunk", type=int, default=64)
-  parser.add_argument("--top_k", type=int, default=8)
-  parser.add_argument("--window", type=int, default=512, help="sliding window of the self-attention rows")
+GCA_IMPLS = ("xla", "pallas", "reference", "pallas_mosaic_fwd", "pallas_mosaic", "dense_cudnn")
+WINDOW_IMPLS = ("cudnn", "cudnn_plain", "xla")
+
+
+def _kernel_configs(text: str) -> list[GcaKernelConfig]:
+  return [GcaKernelConfig.from_string(spec) for spec in text.split(";")] if text else []
+
+
+def _mosaic_variants(text: str) -> list[tuple[int, bool]]:
+  variants = [mosaic_variant(part) for part in text.split(",")]
+  if any(stages < 1 for stages, _ in variants):
+    raise ValueError("ring depths must be >= 1")
+  return variants
+
+
+def main(argv) -> int:
+  parser = cl.ArgumentParser(description=__doc__)
+  parser.add_argument("--tokens", type=cl.positive_int_list, default="16384,65536", help="real tokens per sequence")
+  parser.add_argument("--batch", type=cl.positive_int, default=4)
+  parser.add_argument("--heads", type=cl.positive_int, default=12)
+  parser.add_argument("--head_dim", type=cl.positive_int, default=64)
+  parser.add_argument("--chunk", type=cl.positive_int, default=64)
+  parser.add_argument("--top_k", type=cl.positive_int, default=8)
+  parser.add_argument("--window", type=cl.positive_int, default=512, help="sliding window of the self-attention rows")
   parser.add_argument(
     "--window_impls",
+    type=cl.validated_by(lambda t: t and cl.choice_list(WINDOW_IMPLS)(t), "a comma list of " + ", ".join(WINDOW_IMPLS)),
     default="cudnn,cudnn_plain,xla",
     help="self-attention rows: ALiBi window on 'cudnn'/'xla', 'cudnn_plain' (no ALiBi); '' for none",
   )
   parser.add_argument(
     "--impls",
+    type=cl.validated_by(cl.choice_list(GCA_IMPLS), "a comma list of " + ", ".join(GCA_IMPLS)),
     default="xla",
     help="comma-separated GCA implementations (xla, pallas, reference, pallas_mosaic_fwd, "
     "pallas_mosaic) and 'dense_cudnn' (the same work as dense cuDNN attention)",
   )
   parser.add_argument(
     "--pallas_configs",
+    type=cl.validated_by(_kernel_configs, "';'-separated GcaKernelConfig fields as key=value"),
     default="",
     help="';'-separated GcaKernelConfig fields as key=value, e.g. 'block_rows=64;num_stages=3': "
     "one 'pallas' row each (default: the default config)",
   )
   parser.add_argument(
     "--mosaic_stages",
+    type=cl.validated_by(_mosaic_variants, "comma-separated N or N+overlap, e.g. 2,3,3+overlap"),
     default="2",
     help="comma-separated K/V ring depths of the Mosaic rows, one row each; 'N+overlap' runs the "
     "forward's overlapped schedule (N >= 3), e.g. '2,3,3+overlap'",
   )
-  parser.add_argument("--iters", type=int, default=10)
-  parser.add_argument("--dtype", default="bfloat16")
-  parser.add_argument("--json", default=None)
+  parser.add_argument("--iters", type=cl.positive_int, default=10)
+  parser.add_argument("--dtype", choices=cl.DTYPES, default="bfloat16")
+  parser.add_argument("--json", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")
   args = parser.parse_args(argv)
   dtype = jnp.dtype(args.dtype)
   rows = []
-  for tokens in (int(x) for x in args.tokens.split(",")):
+  for tokens in args.tokens:
     for impl in args.impls.split(","):
       if impl == "pallas_mosaic":
         for variant in args.mosaic_stages.split(","):
@@ -312,4 +331,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cl.run(main))

@@ -1,7 +1,7 @@
 """In-context-learning curves: loss vs position in context of trained checkpoints.
 
     python -m benchmarks.icl_curve --workdirs=runs/icl_power,runs/icl_mha,runs/icl_swa \
-        [--seq_len=4096] [--max_docs=64] [--output=docs/icl_curve]
+        [--seq_len=4096] [--max_docs=64] [--output=DIR/icl_curve]
 
 Each workdir is a `python -m train` run (config.json + checkpoints). The evaluation
 text is document-aligned: the first seq_len + 1 tokens ([BOS] + document) of every
@@ -11,6 +11,8 @@ contexts). Per-position mean NLL is binned with exponentially growing bins (equa
 width on a log axis, as the paper's Appendix D does) and written to
 `<output>.json` (raw per-position losses and bins) and `<output>.csv` (bins);
 `<output>.png` is plotted when matplotlib is installed (`pip install -e .[plot]`).
+Default output: a new folder under ~/.cache/castle_jax/icl_curve/; a named --output whose
+files exist is refused (to refresh docs/icl_curve.*, move those away first).
 """
 
 from __future__ import annotations
@@ -23,18 +25,22 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
+from castle_jax.checkpoints import CheckpointError
+from castle_jax.command_line import UsageError, run_absl
 from castle_jax.data.pipeline import get_data_source
-from train.restore import load_trained_model
+from castle_jax.outputs import fresh_directory, refuse_existing, user_cache_dir
+from castle_jax.workdir import load_trained_model
 
 _WORKDIRS = flags.DEFINE_list("workdirs", None, "Training workdirs to compare.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Context length (default: each run's data.seq_len).")
-_MAX_DOCS = flags.DEFINE_integer("max_docs", 64, "Evaluate at most this many documents.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Context length (default: each run's data.seq_len).", lower_bound=2)
+_MAX_DOCS = flags.DEFINE_integer("max_docs", 64, "Evaluate at most this many documents.", lower_bound=1)
 _SPLIT = flags.DEFINE_string("split", None, "Split to read (default: each run's data.eval_split).")
-_BINS_PER_OCTAVE = flags.DEFINE_integer("bins_per_octave", 2, "Bins per doubling of the position.")
-_OUTPUT = flags.DEFINE_string("output", "docs/icl_curve", "Output path without extension.")
-flags.mark_flags_as_required(["workdirs"])
+_BINS_PER_OCTAVE = flags.DEFINE_integer("bins_per_octave", 2, "Bins per doubling of the position.", lower_bound=1)
+_OUTPUT = flags.DEFINE_string(
+  "output", None, "Output path without extension (default: a new folder in the user cache); must not exist yet."
+)
 
 
 def document_windows(data_config, tokenizer, seq_len: int, max_docs: int, split: str) -> np.ndarray:
@@ -50,7 +56,7 @@ def document_windows(data_config, tokenizer, seq_len: int, max_docs: int, split:
     if len(windows) == max_docs:
       break
   if not windows:
-    raise ValueError(f"No document of split {split!r} has {seq_len + 1} tokens; lower --seq_len")
+    raise UsageError(f"--seq_len={seq_len}: no document of split {split!r} has {seq_len + 1} tokens; lower it")
   return np.stack(windows).astype(np.int32)
 
 
@@ -81,9 +87,19 @@ def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
+  if not _WORKDIRS.value:
+    raise UsageError("--workdirs is required: the training workdirs to compare, e.g. --workdirs=runs/a,runs/b")
+  if _OUTPUT.value:
+    output = _OUTPUT.value
+    refuse_existing(f"--output={output}", *(output + suffix for suffix in (".json", ".csv", ".png")))
+  else:
+    output = os.path.join(fresh_directory(user_cache_dir("icl_curve")), "icl_curve")
   results = {}
   for workdir in _WORKDIRS.value:
-    model, params, tokenizer, step = load_trained_model(workdir)
+    try:
+      model, params, tokenizer, step = load_trained_model(workdir)
+    except (FileNotFoundError, ValueError, CheckpointError) as e:
+      raise UsageError(f"--workdirs: {e}") from e
     with open(os.path.join(workdir, "config.json")) as f:
       config = json.load(f)
     data = config["data"]
@@ -114,15 +130,15 @@ def main(argv):
   for result in results.values():
     loss = np.asarray(result["loss"])
     result["binned_loss"] = [float(loss[a:b].mean()) for a, b in bins]
-  os.makedirs(os.path.dirname(os.path.abspath(_OUTPUT.value)), exist_ok=True)
-  with open(_OUTPUT.value + ".json", "w") as f:
+  os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+  with open(output + ".json", "w") as f:
     json.dump({"bins": bins, "runs": results}, f)
-  with open(_OUTPUT.value + ".csv", "w", newline="") as f:
+  with open(output + ".csv", "w", newline="") as f:
     writer = csv.writer(f)
     writer.writerow(["bin_start", "bin_stop", *results])
     for i, (a, b) in enumerate(bins):
       writer.writerow([a, b, *(f"{r['binned_loss'][i]:.5f}" for r in results.values())])
-  print(f"wrote {_OUTPUT.value}.json and {_OUTPUT.value}.csv")
+  print(f"wrote {output}.json and {output}.csv")
   try:
     import matplotlib
 
@@ -142,9 +158,9 @@ def main(argv):
   axis.grid(True, which="both", alpha=0.3)
   axis.legend()
   figure.tight_layout()
-  figure.savefig(_OUTPUT.value + ".png", dpi=120)
-  print(f"wrote {_OUTPUT.value}.png")
+  figure.savefig(output + ".png", dpi=120)
+  print(f"wrote {output}.png")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  run_absl(main)

@@ -19,7 +19,6 @@ ablation rows. Writes every measurement to --out (JSON) and prints a table last.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -31,28 +30,34 @@ import jax.numpy as jnp
 import numpy as np
 
 
+from castle_jax import command_line as cl  # noqa: E402
+from castle_jax.checkpoints import CheckpointError  # noqa: E402
 from castle_jax.eval.cli import format_table, validation_tokens  # noqa: E402
 from castle_jax.inference import continue_decoding, prefill_caches, speculative_generate  # noqa: E402
 from castle_jax.models import build_model  # noqa: E402
+from castle_jax.ops.tree_attention import IMPLEMENTATIONS as TREE_ATTENTION_IMPLEMENTATIONS  # noqa: E402
 from castle_jax.workdir import TrainedModel, load_draft, load_trained_model, read_config  # noqa: E402
 
 
-def _ints(text: str) -> list[int]:
-  return [int(x) for x in text.split(",") if x]
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv):
+  parser = cl.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--target_workdir", required=True)
   parser.add_argument(
     "--draft", action="append", required=True, help="a draft workdir, or NAME=WORKDIR (repeat for ablation rows)"
   )
-  parser.add_argument("--prompt_lengths", type=_ints, default=[4096, 16384])
-  parser.add_argument("--new_tokens", type=int, default=512)
-  parser.add_argument("--prompts", type=int, default=2, help="timed prompts per length (after one warm-up)")
-  parser.add_argument("--temperatures", type=lambda t: [float(x) for x in t.split(",")], default=[0.0, 1.0])
-  parser.add_argument("--tree", type=_ints, action="append", help="nodes per level (repeat: tree vs chain)")
-  parser.add_argument("--tree_attention", action="append", help="xla (hybrid) and/or reference (dense)")
+  parser.add_argument("--prompt_lengths", type=cl.positive_int_list, default=[4096, 16384])
+  parser.add_argument("--new_tokens", type=cl.positive_int, default=512)
+  parser.add_argument("--prompts", type=cl.positive_int, default=2, help="timed prompts per length (after one warm-up)")
+  parser.add_argument("--temperatures", type=cl.number_list, default=[0.0, 1.0])
+  parser.add_argument(
+    "--tree", type=cl.positive_int_list, action="append", help="nodes per level (repeat: tree vs chain)"
+  )
+  parser.add_argument(
+    "--tree_attention",
+    choices=TREE_ATTENTION_IMPLEMENTATIONS,
+    action="append",
+    help="xla (hybrid) and/or reference (dense), ... (repeat)",
+  )
   parser.add_argument(
     "--dtype",
     default=None,
@@ -61,8 +66,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     "the check that speculative and autoregressive outputs are identical, free of bf16 "
     "rounding differences between a 1-token step and a 69-token tree pass)",
   )
-  parser.add_argument("--out", default=None, help="JSON file for every measurement")
+  parser.add_argument("--out", type=cl.new_file, default=None, help="JSON file for every measurement (a new file)")
   args = parser.parse_args(argv)
+  if min(args.temperatures) < 0:
+    parser.error(f"--temperatures: {args.temperatures} must be >= 0 (0 is greedy)")
   args.tree = args.tree or [[4, 16, 16, 16, 16]]
   args.tree_attention = args.tree_attention or ["xla"]
   return args
@@ -119,9 +126,12 @@ def _first_difference(a: np.ndarray, b: np.ndarray) -> int | None:
 
 
 def run(args) -> list[dict]:
-  target = load_trained_model(args.target_workdir)
-  config = read_config(args.target_workdir)
-  drafts = [(name, _in_dtype(load_draft(path, target), args.dtype)) for name, path in _drafts(args.draft)]
+  try:
+    target = load_trained_model(args.target_workdir)
+    config = read_config(args.target_workdir)
+    drafts = [(name, _in_dtype(load_draft(path, target), args.dtype)) for name, path in _drafts(args.draft)]
+  except (FileNotFoundError, ValueError, CheckpointError) as e:
+    raise cl.UsageError(f"--target_workdir={args.target_workdir} / --draft={args.draft}: {e}") from e
   target = _in_dtype(target, args.dtype)
   rows = []
   for length in args.prompt_lengths:
@@ -175,7 +185,7 @@ def run(args) -> list[dict]:
   return rows
 
 
-def main(argv=None) -> list[dict]:
+def main(argv) -> list[dict]:
   args = parse_args(argv)
   precision = "highest" if args.dtype == "float32" else None
   with jax.default_matmul_precision(precision):
@@ -208,4 +218,4 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(cl.run(main))

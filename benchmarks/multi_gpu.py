@@ -29,12 +29,12 @@ Parts (each in its own try/except: one failure does not lose the others):
                of them no compute hides) and idle.
 A layout a model cannot take (e.g. 14 heads over 4-way tensor parallelism) is a skipped
 row that says why. Prints a table last; writes results.json (every number and error)
-under --out (default $OUT, else ./multi_gpu_out).
+under --out (default $OUT, else a new folder under ~/.cache/castle_jax/multi_gpu/); a
+folder that already holds a results.json is refused.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -46,32 +46,55 @@ import tempfile
 import time
 import traceback
 
+from castle_jax import command_line as cl
+from castle_jax.outputs import fresh_directory, refuse_existing, user_cache_dir
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 PRESETS = ("baseline_s", "castle_s", "power_p2_s")
 
 
+def _choices(*names: str):
+  return cl.validated_by(cl.choice_list(names), "a comma list of " + ", ".join(names))
+
+
 def parse_args(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--out", default=os.environ.get("OUT") or "multi_gpu_out", help="results directory")
-  parser.add_argument("--smoke", action="store_true", help="CPU, 8 fake devices, tiny shapes")
-  parser.add_argument("--parts", default="equivalence,restart,scaling")
-  parser.add_argument("--devices", type=int, default=0, help="N (default: all local devices)")
-  parser.add_argument("--attentions", default="mha,castle,power")
-  parser.add_argument("--presets", default=",".join(PRESETS))
+  parser = cl.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument(
-    "--layers", type=int, default=None, help="scaling: layers of each preset (0: the preset's; default 4, smoke 1)"
+    "--out", default=os.environ.get("OUT"), help="results directory (default $OUT, else a new one in the user cache)"
   )
-  parser.add_argument("--per_device_batch", type=int, default=None, help="scaling: sequences per device (8, smoke 2)")
-  parser.add_argument("--steps", type=int, default=None, help="scaling: timed steps after 2 warm-up steps (5, smoke 2)")
-  parser.add_argument("--restart_steps", type=int, default=0, help="restart: steps (0: 300 on GPU, 60 smoke)")
+  parser.add_argument("--smoke", action="store_true", help="CPU, 8 fake devices, tiny shapes")
+  parser.add_argument(
+    "--parts", type=_choices("equivalence", "restart", "scaling"), default="equivalence,restart,scaling"
+  )
+  parser.add_argument("--devices", type=cl.nonnegative_int, default=0, help="N (default: all local devices)")
+  parser.add_argument("--attentions", type=_choices("mha", "castle", "power"), default="mha,castle,power")
+  parser.add_argument("--presets", type=_choices(*PRESETS), default=",".join(PRESETS))
+  parser.add_argument(
+    "--layers",
+    type=cl.nonnegative_int,
+    default=None,
+    help="scaling: layers of each preset (0: the preset's; default 4, smoke 1)",
+  )
+  parser.add_argument(
+    "--per_device_batch", type=cl.positive_int, default=None, help="scaling: sequences per device (8, smoke 2)"
+  )
+  parser.add_argument(
+    "--steps", type=cl.positive_int, default=None, help="scaling: timed steps after 2 warm-up steps (5, smoke 2)"
+  )
+  parser.add_argument(
+    "--restart_steps", type=cl.nonnegative_int, default=0, help="restart: steps (0: 300 on GPU, 60 smoke)"
+  )
   parser.add_argument("--budget_s", type=float, default=450, help="skip what would start after this many seconds")
   parser.add_argument(
-    "--dtypes", default=None, help="equivalence: compute dtypes (default bfloat16,float32; smoke float32)"
+    "--dtypes",
+    type=_choices("bfloat16", "float32"),
+    default=None,
+    help="equivalence: compute dtypes (default bfloat16,float32; smoke float32)",
   )
   parser.add_argument(
     "--tokens_per_device",
-    type=int,
+    type=cl.nonnegative_int,
     default=0,
     help="scaling: tokens per device per step (sequences = this / the preset's seq_len; overrides --per_device_batch)",
   )
@@ -84,7 +107,10 @@ def parse_args(argv=None):
     "power_p2_s:model.attention_kwargs.chunk_size=1024; repeatable",
   )
   parser.add_argument(
-    "--layouts", default="", help="scaling: only these layouts besides 1 device (e.g. dp; default: every layout)"
+    "--layouts",
+    type=cl.validated_by(lambda t: t and cl.choice_list(("dp", "fsdp", "tp", "dp_tp"))(t), "dp, fsdp, tp, dp_tp"),
+    default="",
+    help="scaling: only these layouts besides 1 device (e.g. dp; default: every layout)",
   )
   parser.add_argument(
     "--profile",
@@ -93,11 +119,10 @@ def parse_args(argv=None):
     "its GPU time into compute, collectives (exposed or hidden) and idle",
   )
   args = parser.parse_args(argv)
+  if args.out:
+    refuse_existing(f"--out={args.out}", os.path.join(args.out, "results.json"))
   if args.dtypes is None:
     args.dtypes = "float32" if args.smoke else "bfloat16,float32"
-  for dtype in args.dtypes.split(","):
-    if dtype not in ("bfloat16", "float32"):
-      parser.error(f"--dtypes: {dtype!r} is not bfloat16 or float32")
   for name, default, smoke in (("layers", 4, 1), ("per_device_batch", 8, 2), ("steps", 5, 2)):
     if getattr(args, name) is None:
       setattr(args, name, smoke if args.smoke else default)
@@ -113,7 +138,14 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-ARGS = parse_args() if __name__ == "__main__" else None
+def _parse_or_exit():
+  try:
+    return parse_args()
+  except cl.UsageError as e:
+    cl.exit_with_error(e)
+
+
+ARGS = _parse_or_exit() if __name__ == "__main__" else None
 if ARGS is not None and ARGS.smoke:  # before jax starts
   os.environ["JAX_PLATFORMS"] = "cpu"
   os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -717,6 +749,7 @@ def main(args) -> int:
 
   start = time.time()
   deadline = start + args.budget_s
+  args.out = args.out or fresh_directory(user_cache_dir("multi_gpu"))
   os.makedirs(args.out, exist_ok=True)
   parts = [p for p in args.parts.split(",") if p]
   rows: list[dict] = []

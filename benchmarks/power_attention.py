@@ -28,7 +28,6 @@ run. Prints a table last and optionally writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -37,6 +36,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from castle_jax import command_line as cl
 from castle_jax.ops.attention import causal_attention
 from castle_jax.ops.power import power_attention
 from pallas_kernels.power import PowerKernelConfig, default_config, discumsum, kernels, power_attention_pallas
@@ -192,50 +192,63 @@ def kernel_breakdown(batch, seq, heads, head_dim, chunk, dtype, iters, config=No
   return rows
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--seq_lens", default="4096,16384,65536")
-  parser.add_argument("--tokens", type=int, default=65536, help="batch * seq for every length")
-  parser.add_argument("--heads", type=int, default=12)
-  parser.add_argument("--head_dim", type=int, default=64)
-  parser.add_argument("--impls", default="pallas,xla,cudnn,authors", help="comma list of: pallas, xla, cudnn, authors")
-  parser.add_argument("--chunk_sizes", default="1024", help="chunk sizes of our chunked rows")
-  parser.add_argument("--authors_chunk_sizes", default="1024", help="chunk sizes of the authors' rows")
+def _kernel_configs(text: str) -> list[tuple[str, PowerKernelConfig]]:
+  return [(spec, PowerKernelConfig.from_string(spec)) for spec in text.split(";")] if text else []
+
+
+def main(argv) -> int:
+  parser = cl.ArgumentParser(description=__doc__)
+  parser.add_argument("--seq_lens", type=cl.positive_int_list, default="4096,16384,65536")
+  parser.add_argument("--tokens", type=cl.positive_int, default=65536, help="batch * seq for every length")
+  parser.add_argument("--heads", type=cl.positive_int, default=12)
+  parser.add_argument("--head_dim", type=cl.positive_int, default=64)
+  parser.add_argument(
+    "--impls",
+    type=cl.choice_list(("pallas", "xla", "cudnn", "authors")),
+    default="pallas,xla,cudnn,authors",
+    help="comma list of: pallas, xla, cudnn, authors",
+  )
+  parser.add_argument(
+    "--chunk_sizes", type=cl.positive_int_list, default="1024", help="chunk sizes of our chunked rows"
+  )
+  parser.add_argument(
+    "--authors_chunk_sizes", type=cl.positive_int_list, default="1024", help="chunk sizes of the authors' rows"
+  )
   parser.add_argument(
     "--authors_autotune", action="store_true", help="let the authors' kernels autotune (minutes on the first call)"
   )
   parser.add_argument(
     "--pallas_configs",
+    type=cl.parsed_by(_kernel_configs, "';'-separated PowerKernelConfig fields as key=value"),
     default="",
     help="';'-separated kernel configs of PowerKernelConfig fields as key=value, e.g. "
     "'block_t=32,num_warps=8;row_group=2', each its own row (default: the default config)",
   )
   parser.add_argument(
     "--breakdown_seq_lens",
+    type=cl.optional_positive_int_list,
     default="",
     help="comma list of lengths at which to also time each Pallas kernel alone (at the first chunk size)",
   )
   parser.add_argument("--no_gating", action="store_true")
-  parser.add_argument("--iters", type=int, default=10)
-  parser.add_argument("--dtype", default="bfloat16")
-  parser.add_argument("--json", default=None)
+  parser.add_argument("--iters", type=cl.positive_int, default=10)
+  parser.add_argument("--dtype", choices=cl.DTYPES, default="bfloat16")
+  parser.add_argument("--json", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")
   args = parser.parse_args(argv)
   if not args.authors_autotune:
     os.environ.setdefault("TRITON_NO_AUTOTUNE", "1")
 
   dtype = jnp.dtype(args.dtype)
   gated = not args.no_gating
-  impls = args.impls.split(",")
-  for impl in impls:
-    if impl not in ("pallas", "xla", "cudnn", "authors"):
-      parser.error(f"--impls: unknown implementation {impl!r}")
-  chunks = [int(c) for c in args.chunk_sizes.split(",")]
-  authors_chunks = [int(c) for c in args.authors_chunk_sizes.split(",")]
-
-  rows, printed = [], 0
-  for seq in (int(s) for s in args.seq_lens.split(",")):
+  impls = args.impls
+  chunks = args.chunk_sizes
+  authors_chunks = args.authors_chunk_sizes
+  for seq in args.seq_lens:
     if args.tokens % seq:
       parser.error(f"--tokens ({args.tokens}) must be a multiple of every sequence length ({seq})")
+
+  rows, printed = [], 0
+  for seq in args.seq_lens:
     batch = args.tokens // seq
     shape = (batch, seq, args.heads, args.head_dim)
     for impl in impls:
@@ -258,11 +271,7 @@ def main(argv=None) -> int:
             row["fwd_flops"] = power_forward_flops(*shape, chunk)
           rows.append(row)
       else:
-        configs = (
-          [(spec, PowerKernelConfig.from_string(spec)) for spec in args.pallas_configs.split(";")]
-          if impl == "pallas" and args.pallas_configs
-          else [("", None)]
-        )
+        configs = args.pallas_configs if impl == "pallas" and args.pallas_configs else [("", None)]
         for chunk in chunks:
           for spec, config in configs:
             if config is None:
@@ -284,7 +293,7 @@ def main(argv=None) -> int:
 
   breakdown = []
   if "pallas" in impls:
-    for seq in (int(s) for s in args.breakdown_seq_lens.split(",") if s):
+    for seq in args.breakdown_seq_lens:
       breakdown += kernel_breakdown(
         args.tokens // seq, seq, args.heads, args.head_dim, min(chunks[0], seq), dtype, args.iters
       )
@@ -332,4 +341,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cl.run(main))

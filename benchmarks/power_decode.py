@@ -12,7 +12,6 @@ whole cache. Reports step time and cache memory; median of --iters steps after w
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -20,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.castle_decode import _cache_bytes, _filled, _time_steps, mha_row
+from castle_jax import command_line as cl
 from castle_jax.ops.power import decode_step, init_cache
 from benchmarks.timing import run_meta, write_json
 
@@ -48,21 +48,23 @@ def power_row(batch, length, heads, head_dim, dtype, iters):
   }
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--batch", type=int, default=64)
-  parser.add_argument("--lengths", default="4096,16384,65536", help="tokens already in the cache")
-  parser.add_argument("--heads", type=int, default=12)
-  parser.add_argument("--head_dim", type=int, default=64)
+def main(argv) -> int:
+  parser = cl.ArgumentParser(description=__doc__)
+  parser.add_argument("--batch", type=cl.positive_int, default=64)
+  parser.add_argument(
+    "--lengths", type=cl.positive_int_list, default="4096,16384,65536", help="tokens already in the cache"
+  )
+  parser.add_argument("--heads", type=cl.positive_int, default=12)
+  parser.add_argument("--head_dim", type=cl.positive_int, default=64)
   parser.add_argument("--skip_mha", action="store_true", help="time only the power step")
-  parser.add_argument("--iters", type=int, default=20)
-  parser.add_argument("--dtype", default="bfloat16")
-  parser.add_argument("--json", default=None)
+  parser.add_argument("--iters", type=cl.positive_int, default=20)
+  parser.add_argument("--dtype", choices=cl.DTYPES, default="bfloat16")
+  parser.add_argument("--json", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")
   args = parser.parse_args(argv)
   dtype = jnp.dtype(args.dtype)
 
   rows = []
-  for length in (int(x) for x in args.lengths.split(",")):
+  for length in args.lengths:
     if not args.skip_mha:
       row = mha_row(args.batch, length, args.heads, args.head_dim, dtype, args.iters)
       rows.append(dict(row, length=length))
@@ -80,4 +82,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cl.run(main))

@@ -28,8 +28,11 @@ import statistics
 import tempfile
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
+
+from castle_jax.command_line import run_absl
+from train.command_line import config_flags_parser
 
 
 from benchmarks.synthetic_step import measure  # noqa: E402
@@ -40,11 +43,16 @@ from train.metrics import read_metrics  # noqa: E402
 from train.trainer import train  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
-_STEPS = flags.DEFINE_integer("steps", 30, "Measured steps of each loop (after the warm-up).")
-_WARMUP = flags.DEFINE_integer("warmup_steps", 10, "Real-loop steps before measuring (compilation, first log).")
-_LOG_EVERY = flags.DEFINE_integer("log_every", 10, "Real-loop log interval (each log fetches metrics).")
-_PIPELINE_BATCHES = flags.DEFINE_integer("pipeline_batches", 20, "Batches timed for the input pipeline alone.")
-_JSON = flags.DEFINE_string("json", None, "Write the results here as JSON.")
+_STEPS = flags.DEFINE_integer("steps", 30, "Measured steps of each loop (after the warm-up).", lower_bound=1)
+_WARMUP = flags.DEFINE_integer(
+  "warmup_steps", 10, "Real-loop steps before measuring (compilation, first log).", lower_bound=0
+)
+_LOG_EVERY = flags.DEFINE_integer("log_every", 10, "Real-loop log interval (each log fetches metrics).", lower_bound=1)
+_PIPELINE_BATCHES = flags.DEFINE_integer(
+  "pipeline_batches", 20, "Batches timed for the input pipeline alone.", lower_bound=1
+)
+_JSON = flags.DEFINE_string("json", None, "Write the results here as JSON (a new file).")
+flags.register_validator("json", lambda path: path is None or not os.path.lexists(path), "exists: pass a new file name")
 
 
 def read_input_pipeline(config, batches: int) -> tuple[list[dict], float]:
@@ -137,4 +145,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  run_absl(main, flags_parser=config_flags_parser)

@@ -14,15 +14,20 @@ optionally writes JSON.
 from __future__ import annotations
 
 import json
+import os
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
+
+from castle_jax.command_line import run_absl
+from train.command_line import config_flags_parser
 
 from benchmarks.synthetic_step import device_time_by_op, measure
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
-_STEPS = flags.DEFINE_integer("steps", 10, "Timed steps (after 2 warm-up steps).")
-_JSON = flags.DEFINE_string("json", None, "Write the results here as JSON.")
+_STEPS = flags.DEFINE_integer("steps", 10, "Timed steps (after 2 warm-up steps).", lower_bound=1)
+_JSON = flags.DEFINE_string("json", None, "Write the results here as JSON (a new file).")
+flags.register_validator("json", lambda path: path is None or not os.path.lexists(path), "exists: pass a new file name")
 _PROFILE = flags.DEFINE_string("profile", None, "Trace 2 more steps into this directory and print GPU time by op.")
 
 
@@ -46,4 +51,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  run_absl(main, flags_parser=config_flags_parser)

@@ -25,7 +25,6 @@ plain read of the same caches, measured in the same run (`read` row). Writes JSO
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import sys
@@ -35,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 
+from castle_jax import command_line as cl  # noqa: E402
 from castle_jax.eval.cli import format_table  # noqa: E402
 from castle_jax.ops.attention.reference import masked_attention  # noqa: E402
 from castle_jax.ops.tree_attention import cache_attention, tree_attention, tree_mask_from_parents  # noqa: E402
@@ -42,22 +42,36 @@ from pallas_kernels.tree_attention import TreeAttentionConfig  # noqa: E402
 from benchmarks.timing import error_text, median_ms  # noqa: E402
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--lengths", default="4096,16384,32768", help="filled cache slots")
-  parser.add_argument("--headroom", type=int, default=1024, help="capacity = length + headroom")
-  parser.add_argument("--nodes", type=int, default=69, help="tree nodes (LongSpec's [4,16,16,16,16] + root: 69)")
-  parser.add_argument("--heads", type=int, default=8)
-  parser.add_argument("--kv_heads", type=int, default=4)
-  parser.add_argument("--head_dim", type=int, default=64)
-  parser.add_argument("--batch", type=int, default=1)
-  parser.add_argument("--layers", type=int, default=16, help="caches (one per layer) of one pass")
-  parser.add_argument("--repeats", type=int, default=8, help="passes over the layers per timed call")
-  parser.add_argument("--dtype", default="bfloat16")
-  parser.add_argument("--iters", type=int, default=20)
-  parser.add_argument("--configs", default="", help="extra Pallas tilings, ';'-separated key=value lists")
-  parser.add_argument("--out", default=None)
-  return parser.parse_args(argv)
+def _configs(text: str) -> list[tuple[str, TreeAttentionConfig]]:
+  return [(part.strip(), TreeAttentionConfig.from_string(part)) for part in text.split(";") if part.strip()]
+
+
+def parse_args(argv):
+  parser = cl.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--lengths", type=cl.positive_int_list, default="4096,16384,32768", help="filled cache slots")
+  parser.add_argument("--headroom", type=cl.nonnegative_int, default=1024, help="capacity = length + headroom")
+  parser.add_argument(
+    "--nodes", type=cl.positive_int, default=69, help="tree nodes (LongSpec's [4,16,16,16,16] + root: 69)"
+  )
+  parser.add_argument("--heads", type=cl.positive_int, default=8)
+  parser.add_argument("--kv_heads", type=cl.positive_int, default=4)
+  parser.add_argument("--head_dim", type=cl.positive_int, default=64)
+  parser.add_argument("--batch", type=cl.positive_int, default=1)
+  parser.add_argument("--layers", type=cl.positive_int, default=16, help="caches (one per layer) of one pass")
+  parser.add_argument("--repeats", type=cl.positive_int, default=8, help="passes over the layers per timed call")
+  parser.add_argument("--dtype", choices=cl.DTYPES, default="bfloat16")
+  parser.add_argument("--iters", type=cl.positive_int, default=20)
+  parser.add_argument(
+    "--configs",
+    type=cl.validated_by(_configs, "';'-separated TreeAttentionConfig fields as key=value"),
+    default="",
+    help="extra Pallas tilings, ';'-separated key=value lists",
+  )
+  parser.add_argument("--out", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")
+  args = parser.parse_args(argv)
+  if args.heads % args.kv_heads:
+    parser.error(f"--heads={args.heads} must be a multiple of --kv_heads={args.kv_heads}")
+  return args
 
 
 def tree_parents(nodes: int, seed: int = 0) -> np.ndarray:
@@ -87,11 +101,11 @@ def _chain(attend, repeats: int):
   return jax.jit(run)
 
 
-def main(argv=None) -> int:
+def main(argv) -> int:
   args = parse_args(argv)
   dtype = jnp.dtype(args.dtype)
-  lengths = [int(x) for x in args.lengths.split(",") if x]
-  configs = [(text.strip(), TreeAttentionConfig.from_string(text)) for text in args.configs.split(";") if text.strip()]
+  lengths = args.lengths
+  configs = _configs(args.configs)
   b, n, h, kv, d, layers = args.batch, args.nodes, args.heads, args.kv_heads, args.head_dim, args.layers
   mask = tree_mask_from_parents(jnp.asarray(tree_parents(n)))
   records = []
@@ -222,4 +236,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cl.run(main))

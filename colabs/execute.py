@@ -2,9 +2,12 @@
 
     .venv/bin/python colabs/execute.py                      # every colabs/*.ipynb
     .venv/bin/python colabs/execute.py colabs/power_attention.ipynb [--timeout=600]
+    .venv/bin/python colabs/execute.py --in_place           # refresh the committed notebooks
 
-The notebooks are committed with their outputs, so that plots show without running
-anything; run this after editing a notebook (or the code it shows) to refresh them.
+The executed copies go to a new folder under ~/.cache/castle_jax/notebooks/ (or
+--output_dir); the committed notebooks, which carry their outputs so that plots show
+without running anything, are rewritten only with --in_place: run that after editing a
+notebook (or the code it shows) to refresh them.
 Each notebook runs in a fresh kernel of the interpreter running this script, with the
 notebook's folder as working directory and this checkout first on PYTHONPATH (so it
 shows this checkout's code whatever else is installed), on the backend that jax
@@ -28,6 +31,10 @@ import nbformat
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError, CellTimeoutError
+
+from castle_jax.command_line import ArgumentParser, UsageError, positive_int, run
+from castle_jax.outputs import fresh_directory, refuse_existing, user_cache_dir
 
 COLABS_DIR = pathlib.Path(__file__).resolve().parent
 REPOSITORY_ROOT = COLABS_DIR.parent
@@ -100,19 +107,60 @@ def execute_notebook(
   return notebook
 
 
-def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("notebooks", nargs="*", type=pathlib.Path, help="default: every colabs/*.ipynb")
-  parser.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S, help="seconds per cell")
+def _notebook(text: str) -> pathlib.Path:
+  """argparse type: an existing .ipynb file."""
+  path = pathlib.Path(text)
+  if path.suffix != ".ipynb":
+    raise argparse.ArgumentTypeError(f"{text!r} is not a notebook (.ipynb)")
+  if not path.is_file():
+    close = sorted(p.name for p in notebook_paths() if p.stem.startswith(path.stem[:4]))
+    hint = f"; colabs/ has {', '.join(close)}" if close else f"; colabs/ has {len(notebook_paths())} notebooks"
+    raise argparse.ArgumentTypeError(f"{text!r}: no such file{hint}")
+  return path.resolve()
+
+
+def _cell_error(path: pathlib.Path, error: Exception) -> UsageError:
+  """A failed cell as one line: the notebook and the cell's exception (--traceback: all of it)."""
+  if isinstance(error, CellTimeoutError):
+    return UsageError(f"{path.name}: a cell ran longer than --timeout: {str(error).splitlines()[0]}")
+  return UsageError(f"{path.name}: a cell raised {error.ename}: {error.evalue} (--traceback shows the cell)")
+
+
+def main(argv: list[str]) -> None:
+  parser = ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("notebooks", nargs="*", type=_notebook, help="default: every colabs/*.ipynb")
+  parser.add_argument("--timeout", type=positive_int, default=DEFAULT_TIMEOUT_S, help="seconds per cell")
+  where = parser.add_mutually_exclusive_group()
+  where.add_argument(
+    "--output_dir",
+    default=None,
+    help=f"where the executed notebooks go (none of them may exist there); default: a new folder under "
+    f"{user_cache_dir('notebooks')}",
+  )
+  where.add_argument(
+    "--in_place", action="store_true", help="rewrite the notebooks themselves (refreshes the committed outputs)"
+  )
   args = parser.parse_args(argv)
-  for path in args.notebooks or notebook_paths():
-    path = path.resolve()
+  paths = args.notebooks or notebook_paths()
+  if args.in_place:
+    destination = None
+  elif args.output_dir:
+    refuse_existing(f"--output_dir={args.output_dir}", *(os.path.join(args.output_dir, p.name) for p in paths))
+    os.makedirs(args.output_dir, exist_ok=True)
+    destination = pathlib.Path(args.output_dir)
+  else:
+    destination = pathlib.Path(fresh_directory(user_cache_dir("notebooks")))
+  for path in paths:
     notebook = nbformat.read(path, as_version=4)
     start = time.perf_counter()
-    execute_notebook(notebook, working_dir=path.parent, timeout_s=args.timeout)
-    nbformat.write(notebook, path)
-    print(f"{path.relative_to(REPOSITORY_ROOT)}: executed in {time.perf_counter() - start:.1f} s", flush=True)
+    try:
+      execute_notebook(notebook, working_dir=path.parent, timeout_s=args.timeout)
+    except (CellExecutionError, CellTimeoutError) as e:
+      raise _cell_error(path, e) from e
+    written = path if destination is None else destination / path.name
+    nbformat.write(notebook, written)
+    print(f"{path}: executed in {time.perf_counter() - start:.1f} s -> {written}", flush=True)
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(run(main))

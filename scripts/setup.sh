@@ -1,8 +1,25 @@
 #!/usr/bin/env bash
-# Creates .venv with Python 3.12 and installs castle_jax (editable) with its test extra.
-# Idempotent: re-running only reinstalls when pyproject.toml changed.
+# Creates .venv with Python 3.12 and installs castle_jax (editable) with its test extra
+# (pytest, ruff, the notebook runner); `--train`: without it, for training, sampling and
+# evaluation only. Idempotent: re-running installs only what pyproject.toml changed or
+# what the extra adds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+extras="test"
+for argument in "$@"; do
+  case "$argument" in
+    --train) extras="" ;;
+    -h | --help)
+      echo "usage: bash scripts/setup.sh [--train]   (--train: without the test extra)"
+      exit 0
+      ;;
+    *)
+      echo "ERROR: setup.sh: unknown argument '$argument'; pass --train (without the test extra) or nothing" >&2
+      exit 1
+      ;;
+  esac
+done
 
 is_python312() { "$1" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 12) else 1)' >/dev/null 2>&1; }
 
@@ -31,11 +48,13 @@ if [ ! -x .venv/bin/python ] || ! is_python312 .venv/bin/python; then
   "$PYTHON" -m venv .venv
 fi
 
+# The stamp records pyproject.toml's hash and the extra installed ("test" covers --train).
 stamp=.venv/.castle_jax_installed
-want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "setup.sh: installing castle_jax and its dependencies into .venv" >&2
+hash="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+read -r installed_hash installed_extras < "$stamp" 2>/dev/null || true
+if [ "${installed_hash:-}" != "$hash" ] || { [ -n "$extras" ] && [ "${installed_extras:-}" != "$extras" ]; }; then
+  echo "setup.sh: installing castle_jax${extras:+ with its $extras extra} and its dependencies into .venv" >&2
   PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/python -m pip install --quiet --upgrade pip
-  PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/python -m pip install --quiet -e ".[test]"
-  echo "$want" > "$stamp"
+  PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/python -m pip install --quiet -e ".${extras:+[$extras]}"
+  echo "$hash $extras" > "$stamp"
 fi

@@ -6,8 +6,8 @@ from jax.sharding import AbstractDevice, AbstractMesh
 import jax.numpy as jnp
 import numpy as np
 
-# The house tolerance policy (DESIGN.md, chain of trust): relative-norm error against a
-# float32/float64 reference, by the dtype the compared path computes in.
+# The tolerance policy: the relative-norm error against a float32/float64 reference may
+# reach this, by the dtype the compared path computes in.
 TOLERANCES = {
   jnp.dtype(jnp.float64): 1e-12,
   jnp.dtype(jnp.float32): 1e-5,

@@ -260,3 +260,13 @@ def test_processes_started_together_share_one_build(tmp_path, small_source_dir):
   for process, (out, err) in zip(processes, results):
     assert process.returncode == 0, err[-2000:]
     assert out.split()[-1] == "12"
+
+
+def test_building_the_local_corpus_does_not_claim_a_download(tmp_path, small_source_dir, capfd):
+  get_builder("python_stdlib", str(tmp_path / "tfds"), small_source_dir)
+  out, err = capfd.readouterr()
+  assert "Download" not in out + err and "Unknown size" not in out + err
+  assert f"Building the python_stdlib corpus from {small_source_dir} into" in err
+  get_builder("python_stdlib", str(tmp_path / "tfds"), small_source_dir)  # built: silent
+  out, err = capfd.readouterr()
+  assert "Building" not in out + err

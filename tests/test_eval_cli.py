@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -236,22 +237,44 @@ def test_passkey_top_k_flag_sets_the_retrieved_chunks(drt_workdir, tmp_path, mon
   assert "ERROR: --top_k must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
-def test_passkey_cli_evaluates_a_shipped_model(tmp_path, stdlib_data_dir):
-  output = str(tmp_path / "shipped.json")
-  assert (
-    passkey.main(
-      [
-        "--pretrained=drt_tiny_retrieval_topk",
-        "--lengths=1024",
-        "--examples=2",
-        f"--data_dir={stdlib_data_dir}",
-        f"--output={output}",
-      ]
-    )
-    == 0
-  )
+def test_passkey_cli_evaluates_a_shipped_model(tmp_path, stdlib_data_dir, monkeypatch):
+  # No --output: the user's cache, never the current directory.
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+  monkeypatch.chdir(tmp_path)
+  flags = ["--pretrained=drt_tiny_retrieval_topk", "--lengths=1024", "--examples=2", f"--data_dir={stdlib_data_dir}"]
+  assert passkey.main(flags) == 0
+  assert sorted(os.listdir(tmp_path)) == ["cache"]
+  output = tmp_path / "cache" / "castle_jax" / "eval" / "drt_tiny_retrieval_topk" / "passkey_step5000.json"
   record = json.load(open(output))
   assert record["pretrained"] == "drt_tiny_retrieval_topk" and "workdir" not in record
   assert record["step"] == 5000 and record["config"]["model"]["family"] == "drt"
   # The trained model reads the needle's chunk and copies the digits (a random one gets none).
   assert record["results"][0]["all_tokens"] == 1.0
+
+
+def test_a_second_evaluation_never_replaces_the_first(drt_workdir, tmp_path, capsys):
+  """Default output: <workdir>/eval/, where each evaluation gets its own file; a named
+  --output file that exists is refused before anything is computed."""
+  eval_dir = os.path.join(drt_workdir, "eval")
+  shutil.rmtree(eval_dir, ignore_errors=True)
+  assert perplexity.main([f"--workdir={drt_workdir}", "--lengths=32", "--windows=1"]) == 0
+  first = open(os.path.join(eval_dir, "perplexity_step4.json")).read()
+  assert perplexity.main([f"--workdir={drt_workdir}", "--lengths=64", "--windows=1"]) == 0
+  assert open(os.path.join(eval_dir, "perplexity_step4.json")).read() == first
+  assert [r["length"] for r in _read(os.path.join(eval_dir, "perplexity_step4-2.json"))["results"]] == [64]
+  assert f"wrote {eval_dir}/perplexity_step4-2.json" in capsys.readouterr().out
+  if HAS_MATPLOTLIB:
+    assert sorted(os.listdir(eval_dir)) == [
+      "perplexity_step4-2.json",
+      "perplexity_step4-2.png",
+      "perplexity_step4.json",
+      "perplexity_step4.png",
+    ]
+  named = tmp_path / "mine.json"
+  named.write_text("{}")
+  assert perplexity.main([f"--workdir={drt_workdir}", "--lengths=32", f"--output={named}"]) == 1
+  assert capsys.readouterr().err.strip() == (
+    f"ERROR: --output={named}: {named} exists (results of an earlier run are never replaced); pass a new name, "
+    "or move that file away first"
+  )
+  assert named.read_text() == "{}"

@@ -143,3 +143,19 @@ def test_no_function_level_imports_of_the_library():
     if target.split(".")[0] in ("castle_jax", "pallas_kernels") and module not in ALLOWED_FUNCTION_LEVEL_IMPORTS
   )
   assert not found, f"import these at module top (or list them with a reason): {found}"
+
+
+def test_no_module_only_re_exports_another():
+  """A module that only imports names (an old path kept for existing imports) hides where
+  the code lives: import from the real module instead."""
+  shims = []
+  for package in PACKAGES:
+    for path in sorted((ROOT / package).rglob("*.py")):
+      if path.name == "__init__.py":
+        continue
+      body = ast.parse(path.read_text()).body
+      if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+      if body and all(isinstance(node, (ast.Import, ast.ImportFrom)) for node in body):
+        shims.append(str(path.relative_to(ROOT)))
+  assert not shims, f"modules that only re-export names: {shims}"

@@ -12,7 +12,7 @@ import pytest
 from castle_jax.workdir import TOKENIZER_NAME
 from train.metrics import read_metrics
 from train.trainer import train
-from train.workdir import ConfigMismatchError, check_init_from
+from train.resume_checks import ConfigMismatchError, check_init_from
 
 
 @pytest.fixture()

@@ -9,13 +9,17 @@ global batch: process 0's rows, then process 1's).
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import portpicker
 import pytest
 
+from castle_jax.checkpoints import MANIFEST_NAME
 from castle_jax.data.pipeline import make_lm_iterator
 from helpers import TINY_RUN_SETTINGS
 from train.distributed import DistributedInitError, job_spec
@@ -131,6 +135,45 @@ def test_two_processes_train_like_one(tiny_run_config, tmp_path, monkeypatch):
   saved = sorted(name for name in os.listdir(data_iter) if name.startswith("process_"))
   assert saved == ["process_0-of-2.json", "process_1-of-2.json"]
   assert not any("ERROR" in text for text in outputs)
+
+
+def test_a_signal_to_one_process_stops_the_whole_job_at_one_step_within_a_few(tiny_run_config, tmp_path):
+  """SIGINT to process 1 of 2 with no log step for 10,000 steps: both processes stop after
+  the same step, a few steps after the one the signal interrupted, and save it together."""
+  workdir = str(tmp_path / "job")
+  long_run = (
+    "--config.train.steps=10000",
+    "--config.train.log_every=10000",
+    "--config.train.checkpoint_every=0",
+    "--config.train.eval_every=0",
+  )
+  jobs = launch_job(workdir, tiny_run_config.data.data_dir, extra=long_run)
+  metrics = os.path.join(workdir, "metrics.jsonl")
+  try:
+    deadline = time.time() + 180
+    while time.time() < deadline and all(job.poll() is None for job in jobs):
+      if os.path.exists(metrics) and open(metrics).read().strip():  # step 1 is logged
+        break
+      time.sleep(0.2)
+    time.sleep(1.0)  # a few more steps, none of them logged
+    jobs[1].send_signal(signal.SIGINT)
+    outputs = [job.communicate(timeout=120) for job in jobs]
+  finally:
+    for job in jobs:
+      if job.poll() is None:
+        job.kill()
+  last = [err.strip().splitlines()[-1] for _, err in outputs]
+  assert [job.returncode for job in jobs] == [130, 130], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+  saved = [int(re.search(r"after step (\d+)", line).group(1)) for line in last]
+  assert saved[0] == saved[1], last
+  during = int(re.search(r"the signal came during step (\d+)", last[1]).group(1))
+  # After the interrupted step: the one queued behind it, and at most one more that the vote
+  # (cast before each step) needs; one more if the signal beat the loop's note of a finished step.
+  assert 1 <= saved[1] - during <= 3, last[1]
+  assert "(sent to another process of the job)" in last[0]
+  checkpoint = os.path.join(workdir, "checkpoints", str(saved[0]))
+  assert os.listdir(os.path.join(workdir, "checkpoints")) == [str(saved[0])]
+  assert f"saved checkpoint {checkpoint}." in last[0] and os.path.exists(os.path.join(checkpoint, MANIFEST_NAME))
 
 
 def test_two_processes_read_different_documents(tiny_run_config):

@@ -69,3 +69,37 @@ def test_notebook_executes(path):
   code_cells = [cell for cell in executed.cells if cell.cell_type == "code"]
   assert code_cells and all(cell.get("execution_count") for cell in code_cells), "a code cell did not run"
   assert path.read_bytes() == committed, f"executing {path.name} changed the committed file"
+
+
+def _tiny_notebook(path: pathlib.Path, source: str) -> pathlib.Path:
+  nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)]), path)
+  return path
+
+
+def _printed(path: pathlib.Path) -> str:
+  return "".join(output.get("text", "") for output in nbformat.read(path, as_version=4).cells[0].outputs)
+
+
+def test_the_runner_writes_elsewhere_unless_asked_to_refresh_in_place(tmp_path, monkeypatch, capsys):
+  execute = _execute_module()
+  notebook = _tiny_notebook(tmp_path / "tiny.ipynb", "print(6 * 7)")
+  committed = notebook.read_bytes()
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+  execute.main([str(notebook)])  # default: a new folder in the user's cache
+  (run,) = (tmp_path / "cache" / "castle_jax" / "notebooks").iterdir()
+  assert _printed(run / "tiny.ipynb") == "42\n" and notebook.read_bytes() == committed
+
+  execute.main([str(notebook), f"--output_dir={tmp_path / 'out'}"])
+  assert _printed(tmp_path / "out" / "tiny.ipynb") == "42\n" and notebook.read_bytes() == committed
+  assert execute.run(execute.main, [str(notebook), f"--output_dir={tmp_path / 'out'}"]) == 1  # never replaced
+  assert "tiny.ipynb exists (results of an earlier run are never replaced)" in capsys.readouterr().err
+
+  execute.main([str(notebook), "--in_place"])
+  assert _printed(notebook) == "42\n"
+
+  broken = _tiny_notebook(tmp_path / "broken.ipynb", "raise ValueError('no such table')")
+  assert execute.run(execute.main, [str(broken)]) == 1
+  assert capsys.readouterr().err.strip() == (
+    "ERROR: broken.ipynb: a cell raised ValueError: no such table (--traceback shows the cell)"
+  )

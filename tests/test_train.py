@@ -66,6 +66,11 @@ def test_interrupted_run_resumes_with_the_same_loss_curve(config, finished_tiny_
   assert sorted(resumed) == list(range(1, 9))
   for step in range(1, 9):
     assert resumed[step] == expected[step], step  # bit-for-bit
+  # Steps 5 and 6 ran twice; metrics.jsonl holds each once, the first run's moved aside.
+  records = [json.loads(line) for line in open(os.path.join(config.workdir, "metrics.jsonl"))]
+  assert len({(r["split"], r["step"]) for r in records}) == len(records)
+  aside = [json.loads(line) for line in open(os.path.join(config.workdir, "metrics_set_aside.jsonl"))]
+  assert [(r["split"], r["step"]) for r in aside] == [("train", 5), ("train", 6)]
   assert int(result.state.step) == 8
 
   # The final checkpoint restores to the final parameters.
@@ -99,7 +104,7 @@ def test_unknown_config_keys_are_rejected(config):
   with config.unlocked():
     config.train.stpes = 10
     config.model.attention_kwargs.anything = 1  # free-form: allowed
-  with pytest.raises(ValueError, match="Unknown config keys: train.stpes"):
+  with pytest.raises(ValueError, match=r"Unknown config keys: train.stpes \(did you mean train.steps\?\)"):
     validate_keys(config)
   locked = finalize(copy.deepcopy(tiny.get_config()))
   with pytest.raises(AttributeError):
@@ -186,24 +191,6 @@ def test_eval_step_in_microbatches_sums_the_same():
     np.testing.assert_allclose(split[key], whole[key], rtol=1e-6)
 
 
-def test_a_misspelled_override_is_one_line(tmp_path):
-  import subprocess
-  import sys
-
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  done = subprocess.run(
-    [sys.executable, "-m", "train", "--config=configs/tiny.py", f"--workdir={tmp_path}", "--config.progress_bar=False"],
-    cwd=root,
-    capture_output=True,
-    text=True,
-    timeout=120,
-  )
-  assert done.returncode == 1
-  assert done.stderr.strip().splitlines() == [
-    "ERROR: unknown config key 'progress_bar' in --config.progress_bar; `python -m train --config_help` lists every key"
-  ]
-
-
 def test_throughput_counts_input_positions_not_scored_targets():
   """With most targets padded (passkey answers), `tokens` counts the scored targets and
   `input_tokens` (what tokens/s and MFU use) every input position."""
@@ -223,3 +210,34 @@ def test_throughput_counts_input_positions_not_scored_targets():
   step = jax.jit(functools.partial(train_step, model=model, tx=tx, schedule=optax.constant_schedule(0.1), pad_id=31))
   _, metrics = step(state, {"inputs": inputs, "targets": targets})
   assert float(metrics["tokens"]) == 4 and float(metrics["input_tokens"]) == 16
+
+
+def test_a_smoke_run_clips_the_warm_up_and_reports_its_start_and_its_checkpoint(config, capfd):
+  """steps < warmup_steps (a short run of a config made for a long one) clips the warm-up
+  with a note; the run prints what it runs where first, and the checkpoint it saved last."""
+  with config.unlocked():
+    config.train.steps, config.train.warmup_steps = 2, 30
+  train(config)
+  out, err = capfd.readouterr()
+  assert "NOTE: train.warmup_steps=30 is more than train.steps=2: the warm-up is clipped to 2 steps" in err
+  assert json.load(open(os.path.join(config.workdir, "config.json")))["train"]["warmup_steps"] == 2
+  lines = out.strip().splitlines()
+  banner = dict(line.split(maxsplit=1) for line in lines[:5])
+  assert banner["model"].startswith("transformer (mha attention), 0.") and "M trained parameters" in banner["model"]
+  assert banner["devices"] == f"{jax.device_count()} x cpu in 1 process(es); mesh data 8 x fsdp 1 x tensor 1"
+  assert banner["workdir"] == config.workdir and banner["start"] == "fresh (random parameters, seed 0)"
+  assert banner["schedule"].startswith("2 steps of 8 x 32 tokens, learning rate 0.003 (warm-up 2), log every 1")
+  checkpoint = os.path.join(config.workdir, "checkpoints", "2")
+  assert lines[-1] == f"Finished step 2 of 2; saved checkpoint {checkpoint}"
+
+  train(config)  # the same command again: nothing to run, the same clipped schedule
+  out, _ = capfd.readouterr()
+  assert f"start     resumed from step 2 ({checkpoint})" in out
+  assert out.strip().splitlines()[-1] == f"Finished step 2 of 2; saved checkpoint {checkpoint}"
+
+
+def test_a_negative_warm_up_is_an_error(config):
+  with config.unlocked():
+    config.train.warmup_steps = -1
+  with pytest.raises(ValueError, match="train.warmup_steps must be an integer >= 0, got -1"):
+    train(config)

@@ -3,12 +3,15 @@ config.json after restore, verified checkpoints with fall-back, signals, flushin
 
 import copy
 import gc
+import itertools
 import json
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -21,8 +24,11 @@ from helpers import TINY_RUN_SETTINGS, Interrupt
 from train.metrics import MetricsWriter, read_metrics
 from train.signals import TrainingInterrupted
 from train.state import TrainState
+from train import trainer
 from train.trainer import train
-from train.workdir import ConfigMismatchError, WorkdirBusyError, WorkdirLock, WorkdirNotEmptyError
+from train.resume_checks import ConfigMismatchError
+from train.run_files import WorkdirNotEmptyError
+from train.workdir_lock import WorkdirBusyError, WorkdirLock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETTINGS = TINY_RUN_SETTINGS
@@ -285,6 +291,39 @@ def test_tensorboard_events_are_flushed_at_every_write(tmp_path):
     writer.close()
 
 
+def _tensorboard_events(directory):
+  """Every Event in the TFRecord files of `directory`."""
+  from tensorboardX.proto.event_pb2 import Event
+
+  events = []
+  for name in sorted(os.listdir(directory)):
+    data = open(os.path.join(directory, name), "rb").read()
+    offset = 0
+    while offset < len(data):
+      length = int.from_bytes(data[offset : offset + 8], "little")
+      events.append(Event.FromString(data[offset + 12 : offset + 12 + length]))
+      offset += 12 + length + 4
+  return events
+
+
+def test_a_resumed_writer_sets_aside_the_records_it_logs_again(tmp_path):
+  writer = MetricsWriter(str(tmp_path))
+  for step in range(1, 6):
+    writer.write(step, "train", {"loss": float(step)})
+  writer.write(4, "eval", {"loss": 4.5})
+  writer.close()
+  writer = MetricsWriter(str(tmp_path), first_step=4)  # resumed from the checkpoint of step 3
+  writer.write(4, "train", {"loss": 40.0})
+  writer.close()
+  steps = [(r["split"], r["step"], r["loss"]) for r in map(json.loads, open(tmp_path / "metrics.jsonl"))]
+  assert steps == [("train", 1, 1.0), ("train", 2, 2.0), ("train", 3, 3.0), ("train", 4, 40.0)]
+  aside = [(r["split"], r["step"]) for r in map(json.loads, open(tmp_path / "metrics_set_aside.jsonl"))]
+  assert aside == [("train", 4), ("train", 5), ("eval", 4)]
+  # TensorBoard: a restart marker at step 4 hides the first run's events from step 4 on.
+  starts = [e.step for e in _tensorboard_events(tmp_path / "tensorboard") if e.HasField("session_log")]
+  assert starts == [4]
+
+
 def _start_training(config, steps):
   overrides = [f"--config.{k}={v}" for k, v in SETTINGS.items()]
   command = [
@@ -327,7 +366,8 @@ def test_a_signal_saves_a_checkpoint_and_exits_cleanly(config, signum, code):
   assert returncode == code, err[-3000:]
   assert "Fatal Python error" not in err and "can't create new thread" not in err
   assert last_line.startswith(f"Stopped by {signal.Signals(signum).name} after step"), last_line
-  saved = int(last_line.split("after step ")[1].split(";")[0])
+  saved = int(last_line.split("after step ")[1].split(" ")[0])
+  assert f"saved checkpoint {os.path.join(config.workdir, 'checkpoints', str(saved))}." in last_line
   assert sorted(os.listdir(os.path.join(config.workdir, "checkpoints"))) == [str(saved)]
   assert os.path.exists(os.path.join(config.workdir, "checkpoints", str(saved), MANIFEST_NAME))
   assert max(_losses(config.workdir)) == saved
@@ -357,6 +397,90 @@ def test_stop_signal_in_process_raises_training_interrupted(config):
   checkpointer.close()
 
 
+class DeviceProgress:
+  """The steps the device has finished, seen from a thread that waits on each step's
+  metrics in order: what the run really did, whatever the loop believes."""
+
+  def __init__(self, monkeypatch):
+    self.finished = 0
+    self._queue = queue.Queue()
+    make_step = trainer.jit_train_step
+
+    def watched(**kwargs):
+      step_fn, steps = make_step(**kwargs), itertools.count(1)
+
+      def step(state, batch):
+        state, metrics = step_fn(state, batch)
+        self._queue.put((next(steps), metrics["loss"]))
+        return state, metrics
+
+      return step
+
+    monkeypatch.setattr(trainer, "jit_train_step", watched)
+    self._thread = threading.Thread(target=self._watch, daemon=True)
+
+  def _watch(self):
+    while (item := self._queue.get()) is not None:
+      step, loss = item
+      loss.block_until_ready()
+      self.finished = step
+      if self.on_finished is not None:
+        self.on_finished(step)
+
+  def start(self, on_finished):
+    self.on_finished = on_finished
+    self._thread.start()
+
+  def stop(self):
+    self._queue.put(None)
+    self._thread.join(timeout=60)
+
+
+def test_a_signal_stops_the_run_within_a_step_whatever_log_every(config, monkeypatch):
+  """Device steps long next to the host's work, no log step for 10,000 steps: the host
+  could queue hundreds of steps ahead. The signal comes as step 3 finishes on the device;
+  the run saves the step in flight (4), or the next one if the signal loses the race with
+  the loop's check, never one the device reached later."""
+  _set(
+    config,
+    model__d_model=128,
+    model__n_layers=2,
+    model__n_heads=4,
+    data__seq_len=128,
+    data__batch_size=16,
+    train__steps=10_000,
+    train__log_every=10_000,
+    train__checkpoint_every=0,
+    train__eval_every=0,
+  )
+  progress = DeviceProgress(monkeypatch)
+  sent = {}
+
+  def signal_after_step_3(step):
+    if step == 3:
+      sent["finished"] = progress.finished
+      os.kill(os.getpid(), signal.SIGINT)
+
+  progress.start(signal_after_step_3)
+  try:
+    with pytest.raises(TrainingInterrupted) as error:
+      train(config)
+  finally:
+    progress.stop()
+  saved = error.value.step
+  steps_after_the_signal = saved - sent["finished"]
+  assert 1 <= steps_after_the_signal <= 2, (saved, sent)
+  # The loop's own account: the signal came during step 4 (or 3, if the signal beat the loop's
+  # note that step 3 had finished), and it saved that step or the next one.
+  during = error.value.signaled_during
+  assert during in (3, 4) and saved - during <= 1 and error.value.exit_code == 130
+  assert progress.finished == saved  # nothing ran past the saved step
+  checkpointer = Checkpointer(os.path.join(config.workdir, "checkpoints"), read_only=True)
+  assert checkpointer.all_steps() == [saved]
+  checkpointer.close()
+  assert str(error.value).startswith(f"Stopped by SIGINT after step {saved} (the signal came during step {during}); ")
+
+
 def test_a_save_orbax_would_skip_is_an_error(tmp_path):
   checkpointer = _saved_checkpoints(str(tmp_path / "checkpoints"))
   with pytest.raises(CheckpointError, match=r"step 3 was not written: .* already holds steps \[2, 4\]"):
@@ -380,7 +504,7 @@ def test_every_kept_step_gets_a_manifest(tmp_path, keep):
 
 def test_model_check_names_changed_keys_and_accepts_keys_added_later_at_their_default(tmp_path):
   from train.config import base_config
-  from train.workdir import check_model_unchanged
+  from train.resume_checks import check_model_unchanged
 
   config = base_config()
   saved = json.loads(config.to_json_best_effort())

@@ -9,6 +9,7 @@ of being silently added.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 
 import ml_collections
 
@@ -127,9 +128,22 @@ def validate_keys(config: ml_collections.ConfigDict) -> None:
   An experiment file that assigns a misspelled key (`c.train.stpes = 10`) would
   otherwise add it silently to an unlocked ConfigDict.
   """
-  unknown = _unknown_keys(config, base_config(), "")
+  schema = base_config()
+  unknown = _unknown_keys(config, schema, "")
   if unknown:
-    raise ValueError(f"Unknown config keys: {', '.join(unknown)} (see train/config.py for the schema)")
+    named = []
+    for path in unknown:
+      section, _, key = path.rpartition(".")
+      node = schema
+      for part in filter(None, section.split(".")):
+        node = node[part]
+      known = list(node.keys())
+      close = difflib.get_close_matches(key, known, n=1)
+      named.append(path + (f" (did you mean {section + '.' if section else ''}{close[0]}?)" if close else ""))
+    raise ValueError(
+      f"Unknown config keys: {', '.join(named)}; `python -m train --config_help` lists every key "
+      "(the schema is train/config.py)"
+    )
 
 
 def _unknown_keys(config, schema, prefix: str) -> list[str]:

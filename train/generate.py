@@ -17,69 +17,72 @@ per target forward (tau) and the decoding speed are printed:
 
 from __future__ import annotations
 
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
 from castle_jax.checkpoints import CheckpointError
+from castle_jax.command_line import UsageError, run_absl
 from castle_jax.inference import generate
 from castle_jax.inference.speculative import DEFAULT_TREE, speculative_generate
 from castle_jax.workdir import TrainedModel, load_draft, load_trained_model
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (holds config.json and checkpoints/).")
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).", lower_bound=0)
 _PROMPT = flags.DEFINE_string("prompt", "def ", "Text to continue.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate.")
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "0 for greedy decoding.")
-_TOP_K = flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0: all).")
-_TOP_P = flags.DEFINE_float("top_p", 0.95, "Nucleus sampling mass (1: off).")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate.", lower_bound=1)
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "0 for greedy decoding.", lower_bound=0)
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0: all).", lower_bound=0)
+_TOP_P = flags.DEFINE_float("top_p", 0.95, "Nucleus sampling mass in (0, 1] (1: off).")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _DRAFT = flags.DEFINE_string("draft_workdir", None, "A LongSpec draft's workdir: decode speculatively.")
 _TREE = flags.DEFINE_list("tree", [str(w) for w in DEFAULT_TREE], "Draft nodes per tree level (a chain: 1,1,1,1).")
 _WARMUP = flags.DEFINE_bool("warmup", False, "Speculative: run once before timing, so tokens/s excludes compilation.")
-flags.mark_flags_as_required(["workdir"])
+flags.register_validator("top_p", lambda p: 0 < p <= 1, "must be in (0, 1] (1 turns nucleus sampling off)")
+flags.register_validator(
+  "tree",
+  lambda widths: bool(widths) and all(w.strip().isdigit() and int(w) >= 1 for w in widths),
+  "must list positive integers, the draft nodes per tree level, e.g. --tree=4,16,16 (a chain: --tree=1,1,1,1)",
+)
+
+# Errors whose message says what to change (a workdir without checkpoints, a draft for
+# another target, ...): one line.
+_ERRORS = (UsageError, FileNotFoundError, ValueError, CheckpointError)
 
 
 def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
-  try:
-    model, params, tokenizer, step = load_trained_model(_WORKDIR.value, _STEP.value)
-  except (FileNotFoundError, ValueError, CheckpointError) as e:
-    print(f"ERROR: {e}", file=sys.stderr, flush=True)
-    sys.exit(1)
+  if not _WORKDIR.value:
+    raise UsageError("--workdir is required: pass the workdir of a run of `python -m train`, e.g. --workdir=runs/tiny")
+  model, params, tokenizer, step = load_trained_model(_WORKDIR.value, _STEP.value)
   prompt = np.concatenate([[tokenizer.bos_id], tokenizer.encode(_PROMPT.value)]).astype(np.int32)
   sampling = dict(
     rng=jax.random.key(_SEED.value), temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value
   )
   if _DRAFT.value:
-    try:
-      tree = tuple(int(w) for w in _TREE.value)
-      draft = load_draft(_DRAFT.value, TrainedModel(model, params, tokenizer, step))
-      run = lambda: speculative_generate(
-        model,
-        params,
-        draft.model,
-        draft.params,
-        jnp.asarray(prompt)[None],
-        max_new_tokens=_MAX_NEW.value,
-        tree=tree,
-        **sampling,
-      )
-      if _WARMUP.value:
-        jax.block_until_ready(run().tokens)
-      start = time.perf_counter()
-      result = run()
-      tokens = jax.block_until_ready(result.tokens)
-      seconds = time.perf_counter() - start
-    except (FileNotFoundError, ValueError, CheckpointError) as e:
-      print(f"ERROR: {e}", file=sys.stderr, flush=True)
-      sys.exit(1)
+    tree = tuple(int(w) for w in _TREE.value)
+    draft = load_draft(_DRAFT.value, TrainedModel(model, params, tokenizer, step))
+    run = lambda: speculative_generate(
+      model,
+      params,
+      draft.model,
+      draft.params,
+      jnp.asarray(prompt)[None],
+      max_new_tokens=_MAX_NEW.value,
+      tree=tree,
+      **sampling,
+    )
+    if _WARMUP.value:
+      jax.block_until_ready(run().tokens)
+    start = time.perf_counter()
+    result = run()
+    tokens = jax.block_until_ready(result.tokens)
+    seconds = time.perf_counter() - start
     print(
       f"# speculative: draft step {draft.step}, tree {list(tree)}: tau {result.mean_accepted:.2f} tokens per "
       f"target forward over {result.rounds} rounds, {_MAX_NEW.value / seconds:.1f} tokens/s"
@@ -92,4 +95,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  run_absl(main, errors=_ERRORS)

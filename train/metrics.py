@@ -10,6 +10,29 @@ from typing import Mapping
 import jax
 
 
+METRICS_NAME = "metrics.jsonl"
+# Records of steps a resumed run logs again, moved out of metrics.jsonl (nothing is deleted).
+SET_ASIDE_NAME = "metrics_set_aside.jsonl"
+
+
+def _set_aside_records_from(path: str, first_step: int) -> int:
+  """Moves the records of steps >= first_step from `path` to SET_ASIDE_NAME beside it
+  (`path` is rewritten atomically); returns how many there were."""
+  if not os.path.isfile(path):
+    return 0
+  with open(path) as f:
+    lines = [line if line.endswith("\n") else line + "\n" for line in f if line.strip()]
+  later = [line for line in lines if json.loads(line)["step"] >= first_step]
+  if later:
+    with open(os.path.join(os.path.dirname(path), SET_ASIDE_NAME), "a") as f:
+      f.writelines(later)
+    temporary = path + ".tmp"
+    with open(temporary, "w") as f:
+      f.writelines(line for line in lines if json.loads(line)["step"] < first_step)
+    os.replace(temporary, path)
+  return len(later)
+
+
 class MetricsWriter:
   """Writes scalar metrics from process 0; other processes write nothing.
 
@@ -20,23 +43,36 @@ class MetricsWriter:
   `EventsWriter`: `SummaryWriter` hands them to a background thread, and its flush()
   does not wait for that thread, so an event could still be in memory after it.
   `close()` (always call it, e.g. in a `finally`) closes the files.
+
+  `first_step`: the first step this run logs (the resumed step + 1; 0 for a fresh run). The
+  records of that step and later ones already in metrics.jsonl (written by a run that got
+  further than its last checkpoint, or by one that saved none) are moved to
+  metrics_set_aside.jsonl, since this run logs those steps again; TensorBoard gets its
+  "restart at this step" marker, which hides the older events of those steps.
   """
 
-  def __init__(self, workdir: str, *, tensorboard: bool = True):
+  def __init__(self, workdir: str, *, first_step: int = 0, tensorboard: bool = True):
     self.enabled = jax.process_index() == 0
     self._tb = None
     self._jsonl = None
+    self.set_aside = 0  # records of steps >= first_step moved out of metrics.jsonl
     if not self.enabled:
       return
     os.makedirs(workdir, exist_ok=True)
-    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", buffering=1)
+    path = os.path.join(workdir, METRICS_NAME)
+    self.set_aside = _set_aside_records_from(path, first_step)
+    self._jsonl = open(path, "a", buffering=1)
     if tensorboard:
       # imported here: only process 0 writes events
       from tensorboardX.event_file_writer import EventsWriter
+      from tensorboardX.proto.event_pb2 import Event, SessionLog
 
       directory = os.path.join(workdir, "tensorboard")
       os.makedirs(directory, exist_ok=True)
       self._tb = EventsWriter(os.path.join(directory, "events"))
+      if self.set_aside or first_step > 0:
+        self._tb.write_event(Event(step=first_step, session_log=SessionLog(status=SessionLog.START)))
+        self._tb.flush()
 
   def write(self, step: int, split: str, scalars: Mapping[str, float]) -> None:
     if not self.enabled:
@@ -116,7 +152,8 @@ def format_eval_line(step: int, record: Mapping[str, float]) -> str:
 
 
 def read_metrics(path: str, split: str = "train") -> dict[int, dict]:
-  """Loads metrics.jsonl; for a step logged twice (a resumed run) the last record wins."""
+  """Loads metrics.jsonl as {step: record} of `split` (a resumed run writes each step once:
+  `MetricsWriter(first_step=...)`)."""
   by_step = {}
   with open(path) as f:
     for line in f:

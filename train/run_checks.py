@@ -3,10 +3,9 @@ each with an error naming the key and what it must be."""
 
 from __future__ import annotations
 
+import copy
 import math
-from typing import Any, Mapping
-
-_SCHEDULE_KEYS = ("steps", "learning_rate", "warmup_steps", "min_lr_ratio")
+from typing import Any
 
 
 def _require(ok: bool, key: str, rule: str, value: Any) -> None:
@@ -18,6 +17,9 @@ def validate_train_config(config) -> None:
   """Raises ValueError naming the first `train.*`/`data.*` value that makes no sense."""
   t, d = config.train, config.data
   _require(isinstance(t.steps, int) and t.steps >= 1, "train.steps", "an integer >= 1", t.steps)
+  _require(
+    isinstance(t.warmup_steps, int) and t.warmup_steps >= 0, "train.warmup_steps", "an integer >= 0", t.warmup_steps
+  )
   _require(t.log_every >= 1, "train.log_every", ">= 1", t.log_every)
   _require(t.eval_every >= 0, "train.eval_every", ">= 0 (0: only at the last step)", t.eval_every)
   _require(t.checkpoint_every >= 0, "train.checkpoint_every", ">= 0 (0: only at the last step)", t.checkpoint_every)
@@ -42,22 +44,16 @@ def validate_train_config(config) -> None:
   _require(d.worker_count >= 0, "data.worker_count", ">= 0", d.worker_count)
 
 
-def check_schedule_unchanged(saved: Mapping[str, Any] | None, config, workdir: str) -> list[str]:
-  """The LR-schedule settings that differ from the run being resumed ("key: old -> new").
-
-  Raises ValueError unless `train.allow_schedule_change`; with it, returns them
-  so the caller can warn."""
-  if not saved or "train" not in saved:
-    return []
-  differing = [
-    f"train.{k}: {saved['train'].get(k)!r} -> {config.train[k]!r}"
-    for k in _SCHEDULE_KEYS
-    if k in saved["train"] and saved["train"][k] != config.train[k]
-  ]
-  if differing and not config.train.allow_schedule_change:
-    raise ValueError(
-      f"Resuming the run in {workdir} with a different learning-rate schedule ({'; '.join(differing)}): "
-      "the warm-up/cosine schedule would be rebuilt and the learning rate would jump at the resumed "
-      "step. Pass --config.train.allow_schedule_change=True to do it anyway, or keep the old values."
-    )
-  return differing
+def clip_warmup(config) -> tuple[Any, str | None]:
+  """(config, note): a warm-up longer than the run (a short smoke run of a config made for a
+  long one) is clipped to train.steps, in a copy of the config, with a note saying so."""
+  t = config.train
+  if t.warmup_steps <= t.steps:
+    return config, None
+  clipped = copy.deepcopy(config)
+  with clipped.unlocked():
+    clipped.train.warmup_steps = t.steps
+  return clipped, (
+    f"NOTE: train.warmup_steps={t.warmup_steps} is more than train.steps={t.steps}: the warm-up is clipped to "
+    f"{t.steps} steps (set --config.train.warmup_steps to choose it)"
+  )

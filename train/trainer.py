@@ -30,24 +30,33 @@ import numpy as np
 import optax
 import tqdm
 
-from castle_jax.checkpoints import Checkpointer
+from castle_jax.checkpoints import Checkpointer, CheckpointError
 from castle_jax.data.pipeline import make_lm_iterator
 from castle_jax.data.tokenizer import Tokenizer, load_tokenizer
 from castle_jax.eval.perplexity import summarize
 from castle_jax.models import ModelConfig, build_model, training_flops_per_token
 from castle_jax.sharding import LOGICAL_AXIS_RULES
-from castle_jax.workdir import FrozenParams, frozen_record, restore_params
+from castle_jax.workdir import FrozenParams, frozen_record, restore_params, saved_config
 from castle_jax.workdir import load_frozen_params as load_frozen
-from train import workdir as workdir_lib
 from train.config import validate_keys
 from train.mesh import data_parallel_size, make_mesh
-from train.metrics import MetricsWriter, ThroughputWindow, format_eval_line, format_train_line
+from train.metrics import SET_ASIDE_NAME, MetricsWriter, ThroughputWindow, format_eval_line, format_train_line
 from train.optimizer import make_optimizer
-from train.run_checks import check_schedule_unchanged, validate_train_config
-from train.signals import StopSignals, TrainingInterrupted
+from train.resume_checks import (
+  ConfigMismatchError,
+  check_init_from,
+  check_model_unchanged,
+  check_same_tokenizer,
+  check_schedule_unchanged,
+  check_tokenizer_unchanged,
+)
+from train.run_checks import clip_warmup, validate_train_config
+from train.run_files import claim_for_fresh_run, write_frozen_record, write_run_files
+from train.signals import StopSignals, StopVote, TrainingInterrupted
 from train.state import TrainState, init_train_state, state_shardings
 from train.step import eval_step, jit_train_step, with_frozen
 from train.throughput import peak_flops_per_device
+from train.workdir_lock import WorkdirBusyError, WorkdirLock, acquire_lock
 
 # A divergence this many steps after a resume points at the restored checkpoint.
 RECENT_RESUME_STEPS = 20
@@ -55,6 +64,16 @@ RECENT_RESUME_STEPS = 20
 
 class TrainingDivergedError(FloatingPointError):
   """The loss or gradient norm became NaN/inf; the last good checkpoint is kept."""
+
+
+# What `train` raises with a message that says what to change: commands print it as one line.
+ERRORS_WITH_A_FIX = (
+  ValueError,  # ConfigMismatchError and WorkdirNotEmptyError too
+  FileNotFoundError,
+  CheckpointError,
+  WorkdirBusyError,
+  TrainingDivergedError,
+)
 
 
 @dataclasses.dataclass
@@ -103,6 +122,9 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
   if not config.workdir:
     raise ValueError("config.workdir is empty: pass --workdir=DIR (checkpoints and metrics go there)")
   validate_train_config(config)
+  config, note = clip_warmup(config)
+  if note:
+    _print(note)
   model_config = ModelConfig.from_mapping(config.model)
   tokenizer = load_tokenizer(config.data.tokenizer)
   if model_config.vocab_size < tokenizer.vocab_size:
@@ -129,23 +151,23 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
   )
 
 
-def open_workdir(run: Run) -> tuple[workdir_lib.WorkdirLock | None, Checkpointer]:
+def open_workdir(run: Run) -> tuple[WorkdirLock | None, Checkpointer]:
   """Takes the workdir lock (process 0) and applies the resume/overwrite rules;
   when resuming, checks the model and schedule against the saved config.json
   before Orbax reads anything, and for a fresh run with `train.init_from` the model
   and tokenizer against that run's. Returns (lock, checkpointer)."""
   t = run.config.train
-  lock = workdir_lib.acquire_lock(run.workdir)
+  lock = acquire_lock(run.workdir)
   checkpointer = None
   try:
-    moved = workdir_lib.claim_for_fresh_run(run.workdir, resume=t.resume, overwrite=t.overwrite)
+    moved = claim_for_fresh_run(run.workdir, resume=t.resume, overwrite=t.overwrite)
     if moved:
       _print(f"train.overwrite=True: moved the previous run in {run.workdir} to {moved}")
     checkpointer = Checkpointer(os.path.join(run.workdir, "checkpoints"), keep=t.keep_checkpoints)
     if t.resume and checkpointer.all_steps():
-      workdir_lib.check_model_unchanged(run.workdir, run.config.model)
-      workdir_lib.check_tokenizer_unchanged(run.workdir, run.config.data.tokenizer)
-      changed = check_schedule_unchanged(workdir_lib.saved_config(run.workdir), run.config, run.workdir)
+      check_model_unchanged(run.workdir, run.config.model)
+      check_tokenizer_unchanged(run.workdir, run.config.data.tokenizer)
+      changed = check_schedule_unchanged(saved_config(run.workdir), run.config, run.workdir)
       if changed:
         _print(
           f"WARNING: {'!' * 60}\nWARNING: the learning-rate schedule changes at the resumed step "
@@ -154,7 +176,7 @@ def open_workdir(run: Run) -> tuple[workdir_lib.WorkdirLock | None, Checkpointer
     elif t.resume_step is not None:
       raise ValueError(f"train.resume_step={t.resume_step} but there are no checkpoints in {checkpointer.directory}")
     elif t.init_from:
-      workdir_lib.check_init_from(t.init_from, run.config.model, run.config.data.tokenizer)
+      check_init_from(t.init_from, run.config.model, run.config.data.tokenizer)
   except BaseException:
     try:
       if checkpointer is not None:
@@ -216,9 +238,7 @@ def load_frozen_params(run: Run) -> FrozenParams | None:
   frozen = load_frozen(run.model_config, run.mesh, log=_print)
   if frozen is None:
     return None
-  workdir_lib.check_same_tokenizer(
-    frozen.workdir, run.config.data.tokenizer, what=f"the frozen parameters' run {frozen.workdir}"
-  )
+  check_same_tokenizer(frozen.workdir, run.config.data.tokenizer, what=f"the frozen parameters' run {frozen.workdir}")
   _print(
     f"Frozen parameters {sorted(frozen.params)} from step {frozen.step} of {frozen.workdir} "
     f"(fingerprint {frozen.fingerprint})"
@@ -227,8 +247,48 @@ def load_frozen_params(run: Run) -> FrozenParams | None:
 
 
 def _print(text: str) -> None:
+  """A note or warning (stderr), from process 0."""
   if jax.process_index() == 0:
     print(text, file=sys.stderr, flush=True)
+
+
+def _say(text: str) -> None:
+  """A line of the run's report (stdout, with the progress lines), from process 0."""
+  if jax.process_index() == 0:
+    print(text, flush=True)
+
+
+def startup_banner(
+  run: Run,
+  abstract_state: TrainState,
+  checkpointer: Checkpointer,
+  resumed_step: int | None,
+  init_source: InitSource | None,
+  frozen: FrozenParams | None,
+) -> str:
+  """What is about to run: model and parameters, devices and mesh, workdir, where the
+  parameters come from, and the schedule."""
+  m, t, d = run.model_config, run.config.train, run.config.data
+  parameters = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_state.params))
+  mesh = " x ".join(f"{axis} {size}" for axis, size in run.mesh.shape.items())
+  if resumed_step is not None:
+    start = f"resumed from step {resumed_step} ({checkpointer.step_dir(resumed_step)})"
+  elif init_source is not None:
+    start = f"parameters of step {init_source.step} of {init_source.workdir} (train.init_from)"
+  else:
+    start = f"fresh (random parameters, seed {run.config.seed})"
+  lines = [
+    f"model     {m.family} ({m.attention} attention), {parameters / 1e6:.2f}M trained parameters, "
+    f"{m.n_layers} layers x {m.d_model}, {m.dtype}"
+    + (f"; frozen {sorted(frozen.params)} from {frozen.workdir}" if frozen is not None else ""),
+    f"devices   {jax.device_count()} x {jax.devices()[0].device_kind} in {jax.process_count()} process(es); "
+    f"mesh {mesh}",
+    f"workdir   {run.workdir}",
+    f"start     {start}",
+    f"schedule  {t.steps} steps of {d.batch_size} x {d.seq_len} tokens, learning rate {t.learning_rate:g} "
+    f"(warm-up {t.warmup_steps}), log every {t.log_every}, checkpoint every {t.checkpoint_every or t.steps}",
+  ]
+  return "\n".join(lines)
 
 
 def _global_batch(local_batch: dict[str, np.ndarray], sharding: jax.sharding.NamedSharding):
@@ -325,20 +385,6 @@ class StepLogger:
     self.progress.close()
 
 
-def _agreed_stop(stop: StopSignals, log_step: bool) -> int | None:
-  """The stop signal to act on now. With several processes they must stop at the
-  same step (checkpoint saves are collective), so they agree at log steps: any
-  process's signal stops all of them."""
-  if jax.process_count() == 1:
-    return stop.requested
-  if not log_step:
-    return None
-  from jax.experimental import multihost_utils
-
-  signum = int(np.max(multihost_utils.process_allgather(np.int32(stop.requested or 0))))
-  return signum or None
-
-
 def run_loop(
   run: Run,
   state: TrainState,
@@ -377,15 +423,26 @@ def run_loop(
   )
   eval_fn = lambda params, batch: compiled_eval(with_frozen(params, frozen), batch)
   logger = StepLogger(run, writer, checkpointer, start_step, resumed_step)
+  # Several processes agree on when to stop; one reads its own signal.
+  vote = StopVote(run.mesh) if jax.process_count() > 1 else None
+  stop.finished_step = start_step
   last_train, last_eval = {}, {}
+  previous_metrics = None
   try:
     for step in range(start_step + 1, t.steps + 1):
       # The previous step is still running on the device while the host reads this batch.
       fetch_start = time.perf_counter()
       batch = _global_batch(next(train_iter), run.batch_sharding)
       data_wait = time.perf_counter() - fetch_start
+      ballot = vote.cast(stop.requested) if vote is not None else None
       state, metrics = step_fn(state, batch)
       logger.add(step, metrics, data_wait)
+      # At most this step and the previous one on the device: the host never runs further
+      # ahead, so a signal is acted on within about a step whatever train.log_every is.
+      if previous_metrics is not None:
+        jax.block_until_ready(previous_metrics)
+        stop.finished_step = step - 1
+      previous_metrics = metrics
       is_last = step == t.steps
       save_now = is_last or (t.checkpoint_every > 0 and step % t.checkpoint_every == 0)
       log_now = step % t.log_every == 0 or save_now or step == start_step + 1
@@ -400,14 +457,15 @@ def run_loop(
       logger.progress.update(1)
       if after_step is not None:
         after_step(step)
-      signum = _agreed_stop(stop, log_now)
+      signum = stop.requested if vote is None else StopVote.result(ballot)
       if signum is not None:  # SIGINT/SIGTERM: keep this step (if finite), then stop
         if logger.has_pending():
           last_train = logger.log_train(step)
         if not save_now:
           checkpointer.save(step, state, train_iter)
         checkpointer.wait()
-        raise TrainingInterrupted(signum, step, checkpointer.directory)
+        during = stop.signaled_during if stop.requested else None
+        raise TrainingInterrupted(signum, step, checkpointer.step_dir(step), during)
   finally:
     logger.close()
   return TrainResult(state, last_train, last_eval)
@@ -430,6 +488,7 @@ def train(config: ml_collections.ConfigDict, *, after_step: Callable[[int], None
     ConfigMismatchError, ValueError: with a message naming the setting to change.
   """
   run = build_run(config)
+  config = run.config  # with the settings build_run adjusted (a clipped warm-up)
   lock, checkpointer = open_workdir(run)
   writer = train_iter = None
   try:
@@ -443,22 +502,26 @@ def train(config: ml_collections.ConfigDict, *, after_step: Callable[[int], None
         config.data, run.tokenizer, split=config.data.train_split, shuffle=True, prefetch=config.data.prefetch
       )
       state, resumed_step, init_source = restore_or_init(run, checkpointer, abstract_state, shardings, train_iter)
-      workdir_lib.write_run_files(run.workdir, config)
-      writer = MetricsWriter(run.workdir)
+      write_run_files(run.workdir, config)
+      writer = MetricsWriter(run.workdir, first_step=0 if resumed_step is None else resumed_step + 1)
+      if writer.set_aside:
+        _print(
+          f"metrics.jsonl: moved {writer.set_aside} record(s) of the steps this run logs again (from step "
+          f"{0 if resumed_step is None else resumed_step + 1} on) to {SET_ASIDE_NAME}"
+        )
       if init_source is not None:  # config.json names the workdir; this record, the step used
         writer.write(0, "init_from", {"source_step": init_source.step})
       if frozen is not None:
         recorded = frozen_record(run.workdir)
         if resumed_step is not None and recorded and recorded.get("fingerprint") != frozen.fingerprint:
-          raise workdir_lib.ConfigMismatchError(
+          raise ConfigMismatchError(
             f"The checkpoints in {run.workdir} were trained against other frozen parameters ({recorded}); "
             f"{frozen.workdir} step {frozen.step} has fingerprint {frozen.fingerprint}. Point the run at the "
             "same source (e.g. model.family_kwargs.target_step), or start over in a new --workdir"
           )
-        workdir_lib.write_frozen_record(
-          run.workdir, source=frozen.workdir, step=frozen.step, fingerprint=frozen.fingerprint
-        )
-      return run_loop(
+        write_frozen_record(run.workdir, source=frozen.workdir, step=frozen.step, fingerprint=frozen.fingerprint)
+      _say(startup_banner(run, abstract_state, checkpointer, resumed_step, init_source, frozen))
+      result = run_loop(
         run,
         state,
         shardings,
@@ -480,3 +543,6 @@ def train(config: ml_collections.ConfigDict, *, after_step: Callable[[int], None
     finally:
       if lock is not None:
         lock.release()
+  final_step = int(jax.device_get(result.state.step))
+  _say(f"Finished step {final_step} of {config.train.steps}; saved checkpoint {checkpointer.step_dir(final_step)}")
+  return result

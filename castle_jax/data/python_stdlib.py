@@ -114,6 +114,19 @@ class PythonStdlib(tfds.core.GeneratorBasedBuilder):
       supervised_keys=None,
     )
 
+  # TFDS announces "Downloading and preparing dataset Unknown size (download: Unknown size,
+  # ...)" and then "downloaded": nothing is downloaded here, the files are read from disk.
+  def _log_download_bytes(self) -> None:
+    print(
+      f"Building the {self.name} corpus from {self.builder_config.source_dir} into {self.data_dir} "
+      "(once; later runs reuse it)",
+      file=sys.stderr,
+      flush=True,
+    )
+
+  def _log_download_done(self) -> None:
+    print(f"Built the {self.name} corpus in {self.data_dir}", file=sys.stderr, flush=True)
+
   def _split_generators(self, dl_manager):
     del dl_manager  # nothing to download
     source_dir = self.builder_config.source_dir

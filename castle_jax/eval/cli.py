@@ -15,6 +15,7 @@ import ml_collections
 import numpy as np
 import tqdm
 
+from castle_jax import command_line, outputs
 from castle_jax.checkpoints import CheckpointError
 from castle_jax.data.pipeline import get_data_source
 from castle_jax.data.tokenizer import Tokenizer, load_tokenizer
@@ -22,7 +23,7 @@ from castle_jax.models.pretrained import available_pretrained, load_pretrained
 from castle_jax.workdir import TrainedModel, load_trained_model, read_config
 
 
-class EvalError(Exception):
+class EvalError(command_line.UsageError):
   """A bad flag or an unusable workdir/dataset: printed as one `ERROR: ...` line, exit 1."""
 
 
@@ -30,17 +31,10 @@ def fail(message: str) -> NoReturn:
   raise EvalError(message)
 
 
-class _Parser(argparse.ArgumentParser):
-  """argparse whose usage errors are one `ERROR: ...` line and exit status 1."""
-
-  def error(self, message: str) -> NoReturn:
-    fail(f"{message} (see --help)")
-
-
 def make_parser(prog: str, description: str, *, lengths: str) -> argparse.ArgumentParser:
   """A parser with the flags every evaluation has (`--workdir` or `--pretrained`, `--step`,
   `--lengths`, `--output`, `--data_dir`); the caller adds its own."""
-  parser = _Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = command_line.ArgumentParser(prog=prog, description=description)
   source = parser.add_mutually_exclusive_group(required=True)
   source.add_argument("--workdir", help="training workdir (config.json, checkpoints/)")
   source.add_argument(
@@ -55,8 +49,9 @@ def make_parser(prog: str, description: str, *, lengths: str) -> argparse.Argume
   parser.add_argument(
     "--output",
     default=None,
-    help="a directory, or a .json file (the plot goes beside it as .png); "
-    "default: <workdir>/eval/, or eval/<name>/ for --pretrained",
+    help="a directory, where each evaluation gets its own <eval>_step<N>.json (then -2, -3, ...) and .png, "
+    "or a new .json file (the plot goes beside it as .png); default: <workdir>/eval/, or "
+    f"{outputs.user_cache_dir('eval', 'NAME')}/ for --pretrained=NAME",
   )
   parser.add_argument(
     "--data_dir", default=None, help="TFDS data dir of the validation text (default: the workdir's data.data_dir)"
@@ -99,7 +94,16 @@ def evaluated(args: argparse.Namespace) -> str:
 
 
 def default_output_dir(args: argparse.Namespace) -> str:
-  return os.path.join(args.workdir, "eval") if args.pretrained is None else os.path.join("eval", args.pretrained)
+  """<workdir>/eval, or the user's cache for a shipped model: never the current directory."""
+  if args.pretrained is None:
+    return os.path.join(args.workdir, "eval")
+  return outputs.user_cache_dir("eval", args.pretrained)
+
+
+def check_output(args: argparse.Namespace) -> None:
+  """Before any work: a `--output` .json file (or its plot) must not exist yet."""
+  if args.output and args.output.endswith(".json"):
+    outputs.refuse_existing(f"--output={args.output}", args.output, args.output[: -len(".json")] + ".png")
 
 
 def validation_tokens(
@@ -137,16 +141,12 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
   return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, cells)])
 
 
-def output_paths(output: str | None, default_dir: str, name: str, step: int) -> tuple[str, str]:
-  """(json path, png path): `output` a .json file (png beside it) or a directory
-  (default `default_dir`) that gets `<name>_step<step>.json/.png`."""
+def output_stem(output: str | None, default_dir: str, name: str, step: int) -> str:
+  """The results' path without extension: `output` a .json file, or `<name>_step<step>` in
+  the directory `output` (default `default_dir`)."""
   if output and output.endswith(".json"):
-    stem = output[: -len(".json")]
-  else:
-    stem = os.path.join(output or default_dir, f"{name}_step{step}")
-  stem = os.path.abspath(stem)
-  os.makedirs(os.path.dirname(stem), exist_ok=True)
-  return stem + ".json", stem + ".png"
+    return os.path.abspath(output[: -len(".json")])
+  return os.path.abspath(os.path.join(output or default_dir, f"{name}_step{step}"))
 
 
 def header(name: str, args: argparse.Namespace, config: ml_collections.ConfigDict, step: int) -> dict[str, Any]:
@@ -165,10 +165,8 @@ def header(name: str, args: argparse.Namespace, config: ml_collections.ConfigDic
 
 
 def write_json(path: str, record: dict[str, Any]) -> None:
-  temporary = path + ".tmp"
-  with open(temporary, "w") as f:
+  with open(path, "w") as f:
     json.dump(record, f, indent=1)
-  os.replace(temporary, path)
 
 
 def plot_vs_length(
@@ -225,21 +223,22 @@ def finish(
   ylim: tuple[float, float] | None = None,
 ) -> None:
   """Prints the table, writes `header(...)` + `record` as JSON and plots `series`
-  against `lengths`, to the paths `output_paths` picks from `args.output`."""
-  json_path, png_path = output_paths(args.output, default_output_dir(args), name, step)
+  against `lengths`, under the first free name of `output_stem(...)` (nothing is replaced)."""
   print(format_table(headers, rows))
-  write_json(json_path, {**header(name, args, config, step), **record})
-  plotted = plot_vs_length(
-    png_path, lengths, series, ylabel=ylabel, ylim=ylim, title=f"{title}, {evaluated(args)} step {step}"
+  content = {**header(name, args, config, step), **record}
+  stem = outputs.publish(
+    lambda path: write_json(path, content),
+    output_stem(args.output, default_output_dir(args), name, step),
+    ".json",
+    beside=(".png",),
   )
-  print(f"wrote {json_path}" + (f" and {plotted}" if plotted else ""))
+  plotted = plot_vs_length(
+    stem + ".png", lengths, series, ylabel=ylabel, ylim=ylim, title=f"{title}, {evaluated(args)} step {step}"
+  )
+  print(f"wrote {stem}.json" + (f" and {plotted}" if plotted else ""))
 
 
 def run_main(main, argv: Sequence[str] | None) -> int:
-  """Runs `main(argv)`; an EvalError becomes one `ERROR: ...` line on stderr and exit status 1."""
-  try:
-    main(list(sys.argv[1:] if argv is None else argv))
-  except EvalError as e:
-    print(f"ERROR: {e}", file=sys.stderr, flush=True)
-    return 1
-  return 0
+  """Runs `main(argv)`; a bad flag or an unusable workdir becomes one `ERROR: ...` line on
+  stderr and exit status 1 (`--traceback`: the full traceback)."""
+  return command_line.run(main, argv)

@@ -29,7 +29,8 @@ chunk size (model.family_kwargs.chunk_size). Logits come from the model family's
 that streams its memory (DRT) scores lengths its device could not hold at once. Prints a
 table (length, first-token and all-token accuracy, examples, seconds) and writes JSON
 and a PNG plot of accuracy against length (log x; needs matplotlib) to `--output`
-(default `<workdir>/eval/passkey_step<N>.json/.png`).
+(default `<workdir>/eval/passkey_step<N>.json/.png`; a later evaluation of the same step
+writes `passkey_step<N>-2.json`, and so on: no result is replaced).
 """
 
 from __future__ import annotations
@@ -179,6 +180,7 @@ def _main(argv: Sequence[str]) -> None:
   cli.require(args.examples >= 1, "--examples", "an integer >= 1", args.examples)
   cli.require(args.digits >= 1, "--digits", "an integer >= 1", args.digits)
   cli.require(args.batch_size >= 1, "--batch_size", "an integer >= 1", args.batch_size)
+  cli.check_output(args)
   (model, params, tokenizer, step), config = cli.load(args)
   model = with_top_k(model, args.top_k)
   align_to = chunk_alignment(model)

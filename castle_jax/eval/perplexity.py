@@ -17,7 +17,8 @@ length reads the same text from the same start. A length whose windows need more
 than the split has is skipped with a message naming it and the available tokens (an
 error when no length fits). Losses come from the model family's `token_losses` hook.
 Prints a table and writes JSON and a PNG of perplexity against length (log x; needs
-matplotlib) to `--output` (default `<workdir>/eval/perplexity_step<N>.json/.png`).
+matplotlib) to `--output` (default `<workdir>/eval/perplexity_step<N>.json/.png`; a later evaluation of the same step
+writes `perplexity_step<N>-2.json`, and so on: no result is replaced).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def _main(argv: Sequence[str]) -> None:
   args = parser.parse_args(argv)
   lengths = cli.parse_lengths(args.lengths)
   cli.require(args.windows >= 1, "--windows", "an integer >= 1", args.windows)
+  cli.check_output(args)
   (model, params, tokenizer, step), config = cli.load(args)
   stream = cli.validation_tokens(config, tokenizer, args.windows * max(lengths) + 1, args.data_dir)
   sums = jax.jit(

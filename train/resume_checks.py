@@ -1,0 +1,145 @@
+"""Does a new config fit the run it continues, or the run it starts from?
+
+Checked before any checkpoint is read: a `model.*` value that differs from the workdir's
+saved config.json (`check_model_unchanged`), another tokenizer file
+(`check_tokenizer_unchanged`), another learning-rate schedule (`check_schedule_unchanged`);
+for `train.init_from`, the source run's model and tokenizer (`check_init_from`). Each
+mismatch is one line listing what differs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+from castle_jax.checkpoints import file_sha256
+from castle_jax.models import ModelConfig, family_of
+from castle_jax.workdir import TOKENIZER_NAME, read_config, resolve_tokenizer_path, saved_config
+from train.config import base_config
+
+_SCHEDULE_KEYS = ("steps", "learning_rate", "warmup_steps", "min_lr_ratio")
+
+
+class ConfigMismatchError(ValueError):
+  """The new config's model differs from the one the workdir's checkpoints were trained with."""
+
+
+def _flat(mapping: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+  out = {}
+  for key, value in mapping.items():
+    if isinstance(value, Mapping):
+      out.update(_flat(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
+
+
+def model_differences(saved_model: Mapping[str, Any], model_config) -> list[str]:
+  """`model.key: old -> new` for every key where a saved config.json's model section
+  differs from `model_config` (a ConfigDict).
+
+  A key the saved config lacks (added to the schema after that run) counts as
+  unchanged when the new value is the schema default, which by convention keeps
+  the old behaviour."""
+  old = _flat(saved_model, "model.")
+  new = _flat(json.loads(model_config.to_json_best_effort()), "model.")
+  defaults = _flat(json.loads(base_config().model.to_json_best_effort()), "model.")
+  unset = "<unset>"
+  differing = []
+  for key in sorted(set(old) | set(new)):
+    before = old.get(key, defaults.get(key, unset))
+    after = new.get(key, unset)
+    if before != after:
+      differing.append(f"{key}: {before!r} -> {after!r}")
+  return differing
+
+
+def check_model_unchanged(workdir: str, model_config) -> None:
+  """Raises ConfigMismatchError (one line listing `model.key: old -> new`) when the
+  workdir's saved config.json has a different model (see `model_differences`)."""
+  saved = saved_config(workdir)
+  if saved is None or "model" not in saved:
+    return
+  differing = model_differences(saved["model"], model_config)
+  if differing:
+    raise ConfigMismatchError(
+      f"The checkpoints in {workdir} were trained with another model config ({'; '.join(differing)}). "
+      "Restore those values to resume, or start over in a new --workdir (or with "
+      "--config.train.resume=False --config.train.overwrite=True)."
+    )
+
+
+def check_init_from(source: str, model_config, tokenizer: str) -> None:
+  """`train.init_from`: the source workdir must hold a run (config.json) with the
+  same model config and the same tokenizer as this one.
+
+  Raises:
+    FileNotFoundError: `source` has no config.json.
+    ConfigMismatchError: one line listing the differing model.* keys, or naming the tokenizers.
+  """
+  source = os.path.abspath(source)
+  saved = read_config(source, what=f"train.init_from={source}").to_dict()
+  training_only = family_of(ModelConfig.from_mapping(model_config)).training_only_kwargs
+  differing = [
+    line
+    for line in model_differences(saved.get("model", {}), model_config)
+    if not any(line.startswith(f"model.family_kwargs.{key}:") for key in training_only)
+  ]
+  if differing:
+    raise ConfigMismatchError(
+      f"train.init_from={source} was trained with another model config ({'; '.join(differing)}): "
+      "its parameters only fit the same model.* values; set them, or init from another run"
+    )
+  check_same_tokenizer(source, tokenizer, what=f"train.init_from={source}", fix="to fine-tune from that run")
+
+
+def check_same_tokenizer(source: str, tokenizer: str, *, what: str, fix: str = "") -> None:
+  """The run in `source` (a workdir) must have used `tokenizer` (data.tokenizer): the same
+  setting, or a BPE file with the same contents. ConfigMismatchError names `what`."""
+  saved = read_config(source, what=what).to_dict()
+  theirs = resolve_tokenizer_path(source, saved["data"]["tokenizer"])
+  same = theirs == tokenizer or (
+    "byte" not in (theirs, tokenizer)
+    and os.path.isfile(theirs)
+    and os.path.isfile(tokenizer)
+    and file_sha256(theirs) == file_sha256(tokenizer)
+  )
+  if not same:
+    raise ConfigMismatchError(
+      f"data.tokenizer {tokenizer} differs from the tokenizer of {what} ({theirs}); "
+      f"pass --config.data.tokenizer={theirs}" + (f" {fix}" if fix else "")
+    )
+
+
+def check_tokenizer_unchanged(workdir: str, tokenizer: str) -> None:
+  """A resumed BPE run must use the tokenizer file it was trained with."""
+  copy = os.path.join(workdir, TOKENIZER_NAME)
+  if tokenizer == "byte" or not os.path.isfile(copy) or not os.path.isfile(tokenizer):
+    return
+  if os.path.abspath(tokenizer) != os.path.abspath(copy) and file_sha256(tokenizer) != file_sha256(copy):
+    raise ConfigMismatchError(
+      f"data.tokenizer {tokenizer} differs from the tokenizer the checkpoints in {workdir} were trained "
+      f"with ({copy}); pass --config.data.tokenizer={copy} to resume, or start over in a new --workdir"
+    )
+
+
+def check_schedule_unchanged(saved: Mapping[str, Any] | None, config, workdir: str) -> list[str]:
+  """The LR-schedule settings that differ from the run being resumed ("key: old -> new").
+
+  Raises ValueError unless `train.allow_schedule_change`; with it, returns them
+  so the caller can warn."""
+  if not saved or "train" not in saved:
+    return []
+  differing = [
+    f"train.{k}: {saved['train'].get(k)!r} -> {config.train[k]!r}"
+    for k in _SCHEDULE_KEYS
+    if k in saved["train"] and saved["train"][k] != config.train[k]
+  ]
+  if differing and not config.train.allow_schedule_change:
+    raise ValueError(
+      f"Resuming the run in {workdir} with a different learning-rate schedule ({'; '.join(differing)}): "
+      "the warm-up/cosine schedule would be rebuilt and the learning rate would jump at the resumed "
+      "step. Pass --config.train.allow_schedule_change=True to do it anyway, or keep the old values."
+    )
+  return differing

@@ -1,0 +1,111 @@
+"""What a run does with the files of its workdir.
+
+A workdir holds one run: `checkpoints/`, `metrics.jsonl`, `tensorboard/`, `config.json`
+and (for a BPE run) `tokenizer.json`. `train.resume=True` (default) continues the run in
+the workdir. `resume=False` on a workdir that already holds a run is an error, unless
+`train.overwrite=True`, which MOVES the old run to a sibling folder `<workdir>.old-<UTC
+time>` (nothing is deleted). `config.json` is written only after the new config was
+validated, the model built and the checkpoint restored. With several processes, every
+process takes the same decisions from the (shared) filesystem and process 0 writes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import time
+
+import jax
+
+from castle_jax.workdir import CONFIG_NAME, FROZEN_NAME, TOKENIZER_NAME
+from train.workdir_lock import LOCK_NAME
+
+# Entries that make a workdir "hold a run".
+_RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", CONFIG_NAME)
+
+
+class WorkdirNotEmptyError(ValueError):
+  """A fresh run (`resume=False`) was asked for in a workdir that holds a run."""
+
+
+def previous_run(workdir: str) -> list[str]:
+  """The run files already in `workdir` (empty when it holds no run)."""
+  if not os.path.isdir(workdir):
+    return []
+  found = []
+  for name in _RUN_FILES:
+    path = os.path.join(workdir, name)
+    if os.path.isdir(path) and os.listdir(path) or os.path.isfile(path):
+      found.append(name)
+  return found
+
+
+def claim_for_fresh_run(workdir: str, *, resume: bool, overwrite: bool) -> str | None:
+  """Applies the resume/overwrite rules before a run starts.
+
+  Returns the folder the old run was moved to (overwrite), else None. Raises
+  WorkdirNotEmptyError for `resume=False` on a workdir that holds a run.
+  """
+  found = previous_run(workdir)
+  if not found or resume:
+    return None
+  if not overwrite:
+    raise WorkdirNotEmptyError(
+      f"Workdir {workdir} already holds a run ({', '.join(found)}) and train.resume=False would mix two "
+      "runs in it. Continue it (drop --config.train.resume=False), start over in a new --workdir, or "
+      "pass --config.train.overwrite=True to move the old run aside (to a sibling folder "
+      f"{os.path.basename(workdir)}.old-<time>; nothing is deleted)."
+    )
+  destination = f"{workdir}.old-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+  suffix = 1
+  while os.path.exists(destination):
+    destination = f"{workdir}.old-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{suffix}"
+    suffix += 1
+  if jax.process_index() == 0:
+    os.makedirs(destination)
+    for name in sorted(os.listdir(workdir)):
+      if name != LOCK_NAME:
+        shutil.move(os.path.join(workdir, name), os.path.join(destination, name))
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices("castle_jax: old run moved aside")
+  return destination
+
+
+def write_run_files(workdir: str, config) -> None:
+  """Writes config.json (atomically) and copies a BPE tokenizer file into the
+  workdir, so the workdir is self-contained: config.json names the tokenizer
+  relative to the workdir. Process 0 only; call after restore succeeded."""
+  if jax.process_index() != 0:
+    return
+  config = copy.deepcopy(config)
+  with config.unlocked():
+    tokenizer = config.data.tokenizer
+    if tokenizer != "byte":
+      destination = os.path.join(workdir, TOKENIZER_NAME)
+      if os.path.abspath(tokenizer) != os.path.abspath(destination):
+        temporary = destination + ".tmp"
+        shutil.copyfile(tokenizer, temporary)
+        os.replace(temporary, destination)
+      config.data.tokenizer = TOKENIZER_NAME  # relative to the workdir
+    config.workdir = workdir
+  path = os.path.join(workdir, CONFIG_NAME)
+  temporary = path + ".tmp"
+  with open(temporary, "w") as f:
+    f.write(config.to_json_best_effort(indent=2))
+  os.replace(temporary, path)
+
+
+def write_frozen_record(workdir: str, *, source: str, step: int, fingerprint: str) -> None:
+  """Records (atomically, process 0) which frozen parameters the run trains against, so
+  that its checkpoints are never used with others (`castle_jax.workdir.load_draft`)."""
+  if jax.process_index() != 0:
+    return
+  path = os.path.join(workdir, FROZEN_NAME)
+  temporary = path + ".tmp"
+  with open(temporary, "w") as f:
+    json.dump({"workdir": source, "step": step, "fingerprint": fingerprint}, f, indent=2)
+  os.replace(temporary, path)
