@@ -33,6 +33,9 @@ TOKENIZER_NAME = "tokenizer.json"
 CHECKPOINTS_DIR = "checkpoints"
 # Which frozen parameters (a LongSpec draft's target) a run trained against.
 FROZEN_NAME = "frozen_params.json"
+# A run of several seeds (`train.seeds`): this record ({"seeds": N, "seeds_mode": ...}) in its
+# workdir, and seed k as a normal workdir in `seed_workdir(workdir, k)`.
+SEEDS_NAME = "seeds.json"
 
 
 class TrainedModel(NamedTuple):
@@ -53,11 +56,32 @@ def saved_config(workdir: str) -> dict[str, Any] | None:
     return json.load(f)
 
 
+def seed_workdir(workdir: str, index: int) -> str:
+  """Where seed `index` of a run of several seeds in `workdir` lives."""
+  return os.path.join(workdir, f"seed_{index}")
+
+
+def seeds_record(workdir: str) -> dict[str, Any] | None:
+  """The record of a run of several seeds in `workdir` ({"seeds": N, "seeds_mode": ...}), or
+  None when `workdir` holds no such run."""
+  path = os.path.join(workdir, SEEDS_NAME)
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
 def read_config(workdir: str, *, what: str = "--workdir") -> ml_collections.ConfigDict:
   """The config a workdir was trained with; FileNotFoundError naming `what` (the
   flag or key that gave the workdir) when it has no config.json."""
   config = saved_config(os.path.abspath(workdir))
   if config is None:
+    seeds = seeds_record(os.path.abspath(workdir))
+    if seeds is not None:
+      raise FileNotFoundError(
+        f"{what}={workdir} holds a run of {seeds.get('seeds')} seeds, not one run: pass one seed's workdir, "
+        f"e.g. {what}={seed_workdir(workdir, 0)}"
+      )
     raise FileNotFoundError(
       f"{os.path.join(os.path.abspath(workdir), CONFIG_NAME)} not found: {what} must be a "
       "directory written by `python -m train`"

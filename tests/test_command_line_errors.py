@@ -98,6 +98,8 @@ TRAIN_CASES = [
   ((*TINY, "--num_processes=0"), "--num_processes=0: 0 is not a positive integer"),
   ((*TINY, "extra"), "unexpected argument(s) 'extra'"),
   ((*TINY, "--config.train.log_every=0"), "train.log_every must be >= 1, got 0"),
+  ((*TINY, "--seeds=4"), "--seeds=4: the number of seeds is a config key: pass --config.train.seeds=4"),
+  ((*TINY, "--config.train.seeds=0"), "train.seeds must be an integer >= 1 (or None: one run in the workdir), got 0"),
 ]
 
 GENERATE = ("-m", "train.generate", "--workdir={nowhere}")

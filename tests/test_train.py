@@ -72,6 +72,11 @@ def test_interrupted_run_resumes_with_the_same_loss_curve(config, finished_tiny_
   aside = [json.loads(line) for line in open(os.path.join(config.workdir, "metrics_set_aside.jsonl"))]
   assert [(r["split"], r["step"]) for r in aside] == [("train", 5), ("train", 6)]
   assert int(result.state.step) == 8
+  # The training time runs on from the resumed step's (eval time left out).
+  elapsed = {(r["split"], r["step"]): r["elapsed_s"] for r in records}
+  train_elapsed = [elapsed["train", step] for step in range(1, 9)]
+  assert train_elapsed == sorted(train_elapsed) and train_elapsed[0] > 0
+  assert elapsed["train", 4] <= elapsed["eval", 4] <= elapsed["train", 5]
 
   # The final checkpoint restores to the final parameters.
   model, params, tokenizer, step = load_trained_model(config.workdir)

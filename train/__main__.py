@@ -5,6 +5,8 @@ A multi-process job (several hosts, or one process per GPU) is N copies of this
 command with `--coordinator_address=HOST:PORT --num_processes=N --process_id=I`
 (or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID); under SLURM
 (`srun`) or Open MPI (`mpirun`) no flag is needed (train/distributed.py).
+`--config.train.seeds=N` trains seeds 0..N-1 of the config, seed k in WORKDIR/seed_<k>/
+(docs/training.md#several-seeds).
 Exit status: 0 done, 1 a clear error (one line; `--traceback` shows the trace),
 130 after SIGINT (Ctrl-C) and 143 after SIGTERM, each once a checkpoint of the
 step in flight is saved.
@@ -68,6 +70,12 @@ def main(argv):
 
 def run():
   arguments = sys.argv[1:]
+  for argument in arguments:
+    if argument == "--seeds" or argument.startswith("--seeds="):
+      count = argument.partition("=")[2] or "N"
+      exit_with_error(
+        UsageError(f"{argument}: the number of seeds is a config key: pass --config.train.seeds={count}"), arguments
+      )
   if "--config_help" in arguments:  # before flag parsing, which requires --config
     from train.config_help import config_help_text
 

@@ -109,6 +109,13 @@ def base_config() -> ml_collections.ConfigDict:
   # starts from the parameters of its newest good checkpoint (optimizer state and step
   # start fresh); once this run has checkpoints of its own, resuming uses those.
   t.init_from = ml_collections.config_dict.placeholder(str)  # None or "": off
+  # Several seeds of this config (docs/training.md#several-seeds): None trains one run in the
+  # workdir; N >= 1 trains seeds 0..N-1, seed k in <workdir>/seed_<k>/ (a normal workdir) with
+  # seed = data.shuffle_seed = k, so runs of two configs with the same seed index are paired.
+  t.seeds = ml_collections.config_dict.placeholder(int)
+  # "vmap": every seed in one step vmapped over a leading seed axis (small models);
+  # "sequential": the seeds one after another, each with the normal loop.
+  t.seeds_mode = "vmap"
   return c
 
 

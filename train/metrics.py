@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import jax
 
@@ -148,6 +148,30 @@ def format_eval_line(step: int, record: Mapping[str, float]) -> str:
   return (
     f"step {step:6d} | eval loss {record['loss']:.4f} | ppl {record['perplexity']:.2f} | "
     f"{record['bits_per_byte']:.4f} bits/byte"
+  )
+
+
+def _over_seeds(records: Sequence[Mapping[str, float]], key: str, digits: int = 4) -> str:
+  """'mean (min..max, N seeds)' of `key` over the seeds' records."""
+  values = [record[key] for record in records]
+  mean = sum(values) / len(values)
+  return f"{mean:.{digits}f} ({min(values):.{digits}f}..{max(values):.{digits}f}, {len(values)} seeds)"
+
+
+def format_seeds_train_line(step: int, records: Sequence[Mapping[str, float]], throughput: Mapping[str, float]) -> str:
+  """One line for the seeds of a vmapped run; `throughput`: all seeds together."""
+  grad_norm = sum(record["grad_norm"] for record in records) / len(records)
+  return (
+    f"step {step:6d} | loss {_over_seeds(records, 'loss')} | grad_norm {grad_norm:.3f} | "
+    f"lr {records[0]['learning_rate']:.2e} | {throughput['tokens_per_sec']:.0f} tok/s"
+    + (f" | MFU {throughput['mfu']:.1%}" if "mfu" in throughput else "")
+    + f" | data wait {throughput['data_wait_s'] * 1e3:.1f} ms/step"
+  )
+
+
+def format_seeds_eval_line(step: int, records: Sequence[Mapping[str, float]]) -> str:
+  return (
+    f"step {step:6d} | eval loss {_over_seeds(records, 'loss')} | {_over_seeds(records, 'bits_per_byte')} bits/byte"
   )
 
 

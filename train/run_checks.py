@@ -7,6 +7,9 @@ import copy
 import math
 from typing import Any
 
+# How the seeds of a run of several (`train.seeds`) run: train/seeds.py.
+SEEDS_MODES = ("vmap", "sequential")
+
 
 def _require(ok: bool, key: str, rule: str, value: Any) -> None:
   if not ok:
@@ -40,6 +43,14 @@ def validate_train_config(config) -> None:
   _require(
     not (t.overwrite and t.resume), "train.overwrite", "used with train.resume=False (it starts over)", t.overwrite
   )
+  seeds = t.get("seeds")
+  _require(
+    seeds is None or (isinstance(seeds, int) and seeds >= 1),
+    "train.seeds",
+    "an integer >= 1 (or None: one run in the workdir)",
+    seeds,
+  )
+  _require(t.get("seeds_mode", "vmap") in SEEDS_MODES, "train.seeds_mode", f"one of {SEEDS_MODES}", t.get("seeds_mode"))
   _require(d.prefetch >= 0, "data.prefetch", ">= 0 (0: no background reading)", d.prefetch)
   _require(d.worker_count >= 0, "data.worker_count", ">= 0", d.worker_count)
 

@@ -1,7 +1,8 @@
 """What a run does with the files of its workdir.
 
 A workdir holds one run: `checkpoints/`, `metrics.jsonl`, `tensorboard/`, `config.json`
-and (for a BPE run) `tokenizer.json`. `train.resume=True` (default) continues the run in
+and (for a BPE run) `tokenizer.json`; or, with `train.seeds`, `seeds.json` and one such
+workdir per seed (`check_layout`). `train.resume=True` (default) continues the run in
 the workdir. `resume=False` on a workdir that already holds a run is an error, unless
 `train.overwrite=True`, which MOVES the old run to a sibling folder `<workdir>.old-<UTC
 time>` (nothing is deleted). `config.json` is written only after the new config was
@@ -19,11 +20,12 @@ import time
 
 import jax
 
-from castle_jax.workdir import CONFIG_NAME, FROZEN_NAME, TOKENIZER_NAME
+from castle_jax.workdir import CONFIG_NAME, FROZEN_NAME, SEEDS_NAME, TOKENIZER_NAME, seed_workdir, seeds_record
 from train.workdir_lock import LOCK_NAME
 
-# Entries that make a workdir "hold a run".
-_RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", CONFIG_NAME)
+# Entries that make a workdir "hold a run" (of one seed; SEEDS_NAME: of several).
+_ONE_RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", CONFIG_NAME)
+_RUN_FILES = (*_ONE_RUN_FILES, SEEDS_NAME)
 
 
 class WorkdirNotEmptyError(ValueError):
@@ -40,6 +42,45 @@ def previous_run(workdir: str) -> list[str]:
     if os.path.isdir(path) and os.listdir(path) or os.path.isfile(path):
       found.append(name)
   return found
+
+
+def check_layout(workdir: str, seeds: int | None) -> None:
+  """Raises ValueError when the run a workdir holds is not of the kind asked for: one run
+  (`seeds` None) or `seeds` seeds (`train.seeds`), each in `seed_workdir(workdir, k)`."""
+  record = seeds_record(workdir)
+  if seeds is None:
+    if record is not None:
+      raise ValueError(
+        f"Workdir {workdir} holds a run of {record['seeds']} seeds ({SEEDS_NAME}): pass "
+        f"--config.train.seeds={record['seeds']} to continue it, --workdir={seed_workdir(workdir, 0)} to work on "
+        "one seed alone, or a new --workdir"
+      )
+    return
+  single = [name for name in previous_run(workdir) if name in _ONE_RUN_FILES]
+  if single:
+    raise ValueError(
+      f"Workdir {workdir} holds a single-seed run ({', '.join(single)}); train.seeds={seeds} puts seed k in "
+      f"{seed_workdir(workdir, '<k>')}/ and never beside another run: use a new --workdir"
+    )
+  if record is not None and record["seeds"] != seeds:
+    raise ValueError(
+      f"Workdir {workdir} holds a run of {record['seeds']} seeds, not train.seeds={seeds}: pass "
+      f"--config.train.seeds={record['seeds']} to continue it, or use a new --workdir"
+    )
+
+
+def write_seeds_record(workdir: str, *, seeds: int, seeds_mode: str) -> None:
+  """Writes (atomically, process 0) the record that makes `workdir` a run of several seeds."""
+  if jax.process_index() == 0:
+    _write_json(os.path.join(workdir, SEEDS_NAME), {"seeds": seeds, "seeds_mode": seeds_mode})
+
+
+def _write_json(path: str, record: dict) -> None:
+  """Writes `record` to `path` atomically (a temporary file, then a rename)."""
+  temporary = path + ".tmp"
+  with open(temporary, "w") as f:
+    json.dump(record, f, indent=2)
+  os.replace(temporary, path)
 
 
 def claim_for_fresh_run(workdir: str, *, resume: bool, overwrite: bool) -> str | None:
@@ -102,10 +143,5 @@ def write_run_files(workdir: str, config) -> None:
 def write_frozen_record(workdir: str, *, source: str, step: int, fingerprint: str) -> None:
   """Records (atomically, process 0) which frozen parameters the run trains against, so
   that its checkpoints are never used with others (`castle_jax.workdir.load_draft`)."""
-  if jax.process_index() != 0:
-    return
-  path = os.path.join(workdir, FROZEN_NAME)
-  temporary = path + ".tmp"
-  with open(temporary, "w") as f:
-    json.dump({"workdir": source, "step": step, "fingerprint": fingerprint}, f, indent=2)
-  os.replace(temporary, path)
+  if jax.process_index() == 0:
+    _write_json(os.path.join(workdir, FROZEN_NAME), {"workdir": source, "step": step, "fingerprint": fingerprint})

@@ -76,3 +76,28 @@ def init_train_state(
   init = jax.jit(lambda r: nn.unbox(_boxed_init(model, tx, r, seq_len)), out_shardings=shardings)
   with jax.set_mesh(None):
     return init(rng)
+
+
+# --- a state of several seeds, stacked along a leading seed axis (`train.seeds`) ---------------------
+
+
+def with_seed_axis(shardings: Any) -> Any:
+  """The shardings of arrays stacked along a new leading seed axis: that axis unsharded,
+  the others as in `shardings` (NamedShardings)."""
+  return jax.tree.map(
+    lambda s: jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(None, *s.spec)), shardings
+  )
+
+
+def stack_states(states: list[TrainState], shardings: TrainState) -> TrainState:
+  """The seeds' states (each in `shardings`) stacked along a leading seed axis."""
+  stack = jax.jit(
+    lambda *each: jax.tree.map(lambda *leaves: jnp.stack(leaves), *each), out_shardings=with_seed_axis(shardings)
+  )
+  return stack(*states)
+
+
+def seed_state_getter(shardings: TrainState):
+  """(stacked state, k) -> seed k's state, in `shardings` (one run's): what its checkpoint holds."""
+  take = jax.jit(lambda state, index: jax.tree.map(lambda x: x[index], state), out_shardings=shardings)
+  return lambda state, index: take(state, jnp.int32(index))

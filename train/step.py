@@ -12,7 +12,7 @@ import optax
 
 from castle_jax.eval.perplexity import loss_sums
 from castle_jax.models import family_of
-from train.state import TrainState
+from train.state import TrainState, with_seed_axis
 
 
 def token_losses(model: nn.Module, params: Any, batch: dict[str, jax.Array], pad_id: int, rng: jax.Array | None = None):
@@ -153,3 +153,32 @@ def jit_train_step(
     donate_argnums=0,
   )
   return lambda state, batch: compiled(state, batch, frozen)
+
+
+def jit_seeds_train_step(
+  *,
+  model: nn.Module,
+  tx: optax.GradientTransformation,
+  schedule: optax.Schedule,
+  pad_id: int,
+  grad_accum_steps: int,
+  state_shardings: TrainState,
+  batch_sharding: jax.sharding.NamedSharding,
+):
+  """`train_step` vmapped over a leading seed axis, jitted: step(state, batch, seeds) with
+  seed k's state, its batch (the batch is [seeds, B, T]) and its noise seed `seeds[k]` (int32
+  [seeds]). The shardings given are one run's: the seed axis stays unsharded, every other
+  axis is sharded as for one run. The old state is donated."""
+
+  def one_seed(state, batch, seed):
+    return train_step(
+      state, batch, model=model, tx=tx, schedule=schedule, pad_id=pad_id, grad_accum_steps=grad_accum_steps, seed=seed
+    )
+
+  stacked = with_seed_axis(state_shardings)
+  return jax.jit(
+    jax.vmap(one_seed),
+    in_shardings=(stacked, with_seed_axis(batch_sharding), None),
+    out_shardings=(stacked, None),
+    donate_argnums=0,
+  )

@@ -40,7 +40,17 @@ from castle_jax.workdir import FrozenParams, frozen_record, restore_params, save
 from castle_jax.workdir import load_frozen_params as load_frozen
 from train.config import validate_keys
 from train.mesh import data_parallel_size, make_mesh
-from train.metrics import SET_ASIDE_NAME, MetricsWriter, ThroughputWindow, format_eval_line, format_train_line
+from train.metrics import (
+  METRICS_NAME,
+  SET_ASIDE_NAME,
+  MetricsWriter,
+  ThroughputWindow,
+  format_eval_line,
+  format_seeds_eval_line,
+  format_seeds_train_line,
+  format_train_line,
+  read_metrics,
+)
 from train.optimizer import make_optimizer
 from train.resume_checks import (
   ConfigMismatchError,
@@ -51,7 +61,7 @@ from train.resume_checks import (
   check_tokenizer_unchanged,
 )
 from train.run_checks import clip_warmup, validate_train_config
-from train.run_files import claim_for_fresh_run, write_frozen_record, write_run_files
+from train.run_files import check_layout, claim_for_fresh_run, write_frozen_record, write_run_files
 from train.signals import StopSignals, StopVote, TrainingInterrupted
 from train.state import TrainState, init_train_state, state_shardings
 from train.step import eval_step, jit_train_step, with_frozen
@@ -124,7 +134,7 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
   validate_train_config(config)
   config, note = clip_warmup(config)
   if note:
-    _print(note)
+    note_line(note)
   model_config = ModelConfig.from_mapping(config.model)
   tokenizer = load_tokenizer(config.data.tokenizer)
   if model_config.vocab_size < tokenizer.vocab_size:
@@ -160,16 +170,18 @@ def open_workdir(run: Run) -> tuple[WorkdirLock | None, Checkpointer]:
   lock = acquire_lock(run.workdir)
   checkpointer = None
   try:
+    if t.resume:
+      check_layout(run.workdir, None)
     moved = claim_for_fresh_run(run.workdir, resume=t.resume, overwrite=t.overwrite)
     if moved:
-      _print(f"train.overwrite=True: moved the previous run in {run.workdir} to {moved}")
+      note_line(f"train.overwrite=True: moved the previous run in {run.workdir} to {moved}")
     checkpointer = Checkpointer(os.path.join(run.workdir, "checkpoints"), keep=t.keep_checkpoints)
     if t.resume and checkpointer.all_steps():
       check_model_unchanged(run.workdir, run.config.model)
       check_tokenizer_unchanged(run.workdir, run.config.data.tokenizer)
       changed = check_schedule_unchanged(saved_config(run.workdir), run.config, run.workdir)
       if changed:
-        _print(
+        note_line(
           f"WARNING: {'!' * 60}\nWARNING: the learning-rate schedule changes at the resumed step "
           f"({'; '.join(changed)}; train.allow_schedule_change=True)\nWARNING: {'!' * 60}"
         )
@@ -197,30 +209,38 @@ class InitSource:
 
 
 def restore_or_init(
-  run: Run, checkpointer: Checkpointer, abstract_state: TrainState, shardings: TrainState, train_iter
+  run: Run,
+  checkpointer: Checkpointer,
+  abstract_state: TrainState,
+  shardings: TrainState,
+  train_iter,
+  *,
+  step: int | None = None,
 ) -> tuple[TrainState, int | None, InitSource | None]:
   """(state, the checkpoint step resumed from or None, the run the parameters were
   initialised from or None); restores `train_iter` in place.
 
-  The run's own checkpoints win; else `train.init_from` gives the parameters (its
-  newest good checkpoint) with a fresh optimizer state and step 0; else random."""
+  The run's own checkpoints win (`step`, else `train.resume_step`, else the newest good
+  one); else `train.init_from` gives the parameters (its newest good checkpoint) with a
+  fresh optimizer state and step 0; else random."""
   t = run.config.train
   if t.resume and checkpointer.all_steps():
-    state, step, _ = checkpointer.restore_good(abstract_state, train_iter, step=t.resume_step, log=_print)
-    _print(
+    step = t.resume_step if step is None else step
+    state, step, _ = checkpointer.restore_good(abstract_state, train_iter, step=step, log=note_line)
+    note_line(
       f"Resumed from step {step} in {checkpointer.directory}"
       + (f"; train.init_from={t.init_from} is ignored (this run's own checkpoints win)" if t.init_from else "")
     )
     return state, step, None
   if t.init_from:
     source = os.path.abspath(t.init_from)
-    params, step = restore_params(source, abstract_state.params, log=_print, what="train.init_from")
+    params, step = restore_params(source, abstract_state.params, log=note_line, what="train.init_from")
     start = jax.jit(
       lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=run.tx.init(p)),
       out_shardings=shardings,
       donate_argnums=0,
     )
-    _print(
+    note_line(
       f"Initialised the parameters from step {step} of {source} (train.init_from); the optimizer state "
       "and the step start fresh"
     )
@@ -235,48 +255,49 @@ def restore_or_init(
 def load_frozen_params(run: Run) -> FrozenParams | None:
   """The family's frozen parameters (a LongSpec draft's target) restored into the mesh,
   after checking that their run used this run's tokenizer; None for other families."""
-  frozen = load_frozen(run.model_config, run.mesh, log=_print)
+  frozen = load_frozen(run.model_config, run.mesh, log=note_line)
   if frozen is None:
     return None
   check_same_tokenizer(frozen.workdir, run.config.data.tokenizer, what=f"the frozen parameters' run {frozen.workdir}")
-  _print(
+  note_line(
     f"Frozen parameters {sorted(frozen.params)} from step {frozen.step} of {frozen.workdir} "
     f"(fingerprint {frozen.fingerprint})"
   )
   return frozen
 
 
-def _print(text: str) -> None:
+def note_line(text: str) -> None:
   """A note or warning (stderr), from process 0."""
   if jax.process_index() == 0:
     print(text, file=sys.stderr, flush=True)
 
 
-def _say(text: str) -> None:
+def report_line(text: str) -> None:
   """A line of the run's report (stdout, with the progress lines), from process 0."""
   if jax.process_index() == 0:
     print(text, flush=True)
 
 
+def describe_start(
+  checkpointer: Checkpointer, resumed_step: int | None, init_source: InitSource | None, seed: int
+) -> str:
+  """Where a run's parameters come from, for the banner."""
+  if resumed_step is not None:
+    return f"resumed from step {resumed_step} ({checkpointer.step_dir(resumed_step)})"
+  if init_source is not None:
+    return f"parameters of step {init_source.step} of {init_source.workdir} (train.init_from)"
+  return f"fresh (random parameters, seed {seed})"
+
+
 def startup_banner(
-  run: Run,
-  abstract_state: TrainState,
-  checkpointer: Checkpointer,
-  resumed_step: int | None,
-  init_source: InitSource | None,
-  frozen: FrozenParams | None,
+  run: Run, abstract_state: TrainState, start: str, frozen: FrozenParams | None, seeds: str | None = None
 ) -> str:
   """What is about to run: model and parameters, devices and mesh, workdir, where the
-  parameters come from, and the schedule."""
+  parameters come from (`start`, e.g. `describe_start`), the schedule, and `seeds` (a run of
+  several seeds: how they run, where each one's workdir is)."""
   m, t, d = run.model_config, run.config.train, run.config.data
   parameters = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_state.params))
   mesh = " x ".join(f"{axis} {size}" for axis, size in run.mesh.shape.items())
-  if resumed_step is not None:
-    start = f"resumed from step {resumed_step} ({checkpointer.step_dir(resumed_step)})"
-  elif init_source is not None:
-    start = f"parameters of step {init_source.step} of {init_source.workdir} (train.init_from)"
-  else:
-    start = f"fresh (random parameters, seed {run.config.seed})"
   lines = [
     f"model     {m.family} ({m.attention} attention), {parameters / 1e6:.2f}M trained parameters, "
     f"{m.n_layers} layers x {m.d_model}, {m.dtype}"
@@ -288,20 +309,24 @@ def startup_banner(
     f"schedule  {t.steps} steps of {d.batch_size} x {d.seq_len} tokens, learning rate {t.learning_rate:g} "
     f"(warm-up {t.warmup_steps}), log every {t.log_every}, checkpoint every {t.checkpoint_every or t.steps}",
   ]
+  if seeds is not None:
+    lines.append(f"seeds     {seeds}")
   return "\n".join(lines)
 
 
-def _global_batch(local_batch: dict[str, np.ndarray], sharding: jax.sharding.NamedSharding):
+def global_batch(local_batch: dict[str, np.ndarray], sharding: jax.sharding.NamedSharding):
   return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local_batch.items()}
 
 
-def _check_finite(step: int, metrics: dict[str, float], checkpointer: Checkpointer, resumed_step: int | None) -> None:
+def _check_finite(
+  step: int, metrics: dict[str, float], checkpointer: Checkpointer, resumed_step: int | None, label: str = ""
+) -> None:
   bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
   if not bad:
     return
   checkpointer.wait()
   latest = checkpointer.latest_step()
-  message = f"Training diverged at step {step}: {bad}. No checkpoint was written from this point on; " + (
+  message = f"{label}Training diverged at step {step}: {bad}. No checkpoint was written from this point on; " + (
     f"the last good checkpoint is step {latest} in {checkpointer.directory}."
     if latest is not None
     else f"no checkpoint had been written yet in {checkpointer.directory}."
@@ -322,36 +347,79 @@ def _check_finite(step: int, metrics: dict[str, float], checkpointer: Checkpoint
 
 
 def evaluate(
-  params, eval_fn: Callable, config: ml_collections.ConfigDict, tokenizer: Tokenizer, batch_sharding
-) -> dict[str, float]:
-  """Validation loss, perplexity and bits per byte over `train.eval_batches` batches
-  read from the start of the eval split (the same batches every time)."""
-  iterator = make_lm_iterator(config.data, tokenizer, split=config.data.eval_split, shuffle=False)
-  totals = {"nll_sum": 0.0, "tokens": 0.0, "bytes": 0.0}
+  params,
+  eval_fn: Callable,
+  configs: list[ml_collections.ConfigDict],
+  tokenizer: Tokenizer,
+  put_batch: Callable[[list[dict[str, np.ndarray]]], Any],
+) -> list[dict[str, float]]:
+  """Validation loss, perplexity and bits per byte over `train.eval_batches` batches read
+  from the start of the eval split (the same batches every time), for each run of `configs`:
+  one run, or the seeds of a vmapped run, whose batches `put_batch` stacks along the seed
+  axis that `eval_fn` maps over."""
+  iterators = [make_lm_iterator(c.data, tokenizer, split=c.data.eval_split, shuffle=False) for c in configs]
+  totals = {k: np.zeros(len(configs)) for k in ("nll_sum", "tokens", "bytes")}
   try:
-    for _ in range(config.train.eval_batches):
-      sums = jax.device_get(eval_fn(params, _global_batch(next(iterator), batch_sharding)))
-      totals = {k: totals[k] + float(sums[k]) for k in totals}
+    for _ in range(configs[0].train.eval_batches):
+      sums = jax.device_get(eval_fn(params, put_batch([next(iterator) for iterator in iterators])))
+      totals = {k: totals[k] + np.reshape(sums[k], -1) for k in totals}
   finally:
-    iterator.close()
-  return summarize(totals)
+    for iterator in iterators:
+      iterator.close()
+  return [summarize({k: float(v[index]) for k, v in totals.items()}) for index in range(len(configs))]
+
+
+def resumed_elapsed(workdir: str, resumed_step: int | None) -> float | None:
+  """The training seconds a run had spent before this start: 0 for a fresh run, else the
+  `elapsed_s` of the resumed step's train record, or None when that record has none."""
+  if resumed_step is None:
+    return 0.0
+  path = os.path.join(workdir, METRICS_NAME)
+  record = read_metrics(path).get(resumed_step, {}) if os.path.isfile(path) else {}
+  return record.get("elapsed_s")
+
+
+@dataclasses.dataclass
+class RunOutput:
+  """Where the step records of one run (or of one seed of a run of several) go.
+
+  elapsed_base: the run's training seconds before this start (`resumed_elapsed`); None:
+  unknown, and its records then carry no `elapsed_s`. label: "" for a single run; the seed
+  and its workdir, which name it in a divergence error."""
+
+  writer: MetricsWriter
+  checkpointer: Checkpointer
+  elapsed_base: float | None
+  label: str = ""
 
 
 class StepLogger:
-  """Fetches the pending step metrics at log steps, checks them, adds throughput
-  and writes them to metrics.jsonl, TensorBoard and the console."""
+  """Fetches the pending step metrics at log steps, checks them, adds throughput and the
+  elapsed training time, and writes them to metrics.jsonl, TensorBoard and the console.
 
-  def __init__(
-    self, run: Run, writer: MetricsWriter, checkpointer: Checkpointer, start_step: int, resumed_step: int | None
-  ):
+  One logger serves one run, or the seeds of a vmapped run of several (`train.seeds`): then
+  each metric has a leading seed axis, seed k's records go to `outputs[k]` (`tokens_per_sec`
+  is the seed's own, `mfu` the device's for all seeds together) and one console line
+  summarizes the seeds.
+
+  `elapsed_s`, in every record: the run's wall-clock seconds of training (compilation and
+  checkpoint saves included, evaluation not), summed over its resumed starts.
+  """
+
+  def __init__(self, run: Run, outputs: list[RunOutput], start_step: int, resumed_step: int | None):
     t = run.config.train
-    self._writer, self._checkpointer, self._resumed_step = writer, checkpointer, resumed_step
+    self._outputs, self._resumed_step = outputs, resumed_step
     self._is_main = jax.process_index() == 0
     self._window = ThroughputWindow(run.flops_per_token, peak_flops_per_device(), jax.device_count())
     self._pending: list[tuple[int, Any, float]] = []  # (step, metrics on device, data wait s)
+    self._start, self._excluded = time.perf_counter(), 0.0
     self.progress = tqdm.tqdm(
       total=t.steps, initial=start_step, disable=not (t.progress_bar and self._is_main), unit="step", dynamic_ncols=True
     )
+
+  @property
+  def _several(self) -> bool:
+    return bool(self._outputs[0].label)
 
   def add(self, step: int, metrics: Any, data_wait_s: float) -> None:
     self._pending.append((step, metrics, data_wait_s))
@@ -359,83 +427,161 @@ class StepLogger:
   def has_pending(self) -> bool:
     return bool(self._pending)
 
-  def log_train(self, step: int) -> dict[str, float]:
-    fetched = jax.device_get([m for _, m, _ in self._pending])
-    record = {}
-    for (s, _, wait), m in zip(self._pending, fetched):
-      record = {k: float(v) for k, v in m.items()}
-      _check_finite(s, record, self._checkpointer, self._resumed_step)
-      self._window.add(record["input_tokens"], wait)
-    self._pending = []
-    record.update(self._window.summary())
-    self._window.reset()
-    self._writer.write(step, "train", record)
-    self.progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_sec']:.0f}")
-    if self._is_main:
-      self.progress.write(format_train_line(step, record))
-    return record
+  def _write(self, step: int, split: str, records: list[dict[str, float]], elapsed: float) -> None:
+    for output, record in zip(self._outputs, records):
+      if output.elapsed_base is not None:
+        record["elapsed_s"] = output.elapsed_base + elapsed
+      output.writer.write(step, split, record)
 
-  def log_eval(self, step: int, record: dict[str, float], seconds: float) -> None:
-    self._window.exclude(seconds)  # eval time is not training throughput
-    self._writer.write(step, "eval", record)
+  def log_train(self, step: int) -> list[dict[str, float]]:
+    fetched = jax.device_get([m for _, m, _ in self._pending])
+    records = []
+    for (s, _, wait), m in zip(self._pending, fetched):
+      records = [{k: float(np.reshape(v, -1)[i]) for k, v in m.items()} for i in range(len(self._outputs))]
+      for output, record in zip(self._outputs, records):
+        _check_finite(s, record, output.checkpointer, self._resumed_step, output.label)
+      self._window.add(sum(record["input_tokens"] for record in records), wait)
+    self._pending = []
+    throughput = self._window.summary()
+    self._window.reset()
+    for record in records:
+      record.update(throughput, tokens_per_sec=throughput["tokens_per_sec"] / len(records))
+    self._write(step, "train", records, time.perf_counter() - self._start - self._excluded)
+    loss = float(np.mean([record["loss"] for record in records]))
+    self.progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{throughput['tokens_per_sec']:.0f}")
     if self._is_main:
-      self.progress.write(format_eval_line(step, record))
+      line = (
+        format_seeds_train_line(step, records, throughput) if self._several else format_train_line(step, records[0])
+      )
+      self.progress.write(line)
+    return records
+
+  def log_eval(self, step: int, records: list[dict[str, float]], seconds: float) -> None:
+    """`records` of an evaluation that took `seconds` (not training time) after `step`."""
+    elapsed = time.perf_counter() - self._start - self._excluded - seconds
+    self._window.exclude(seconds)
+    self._excluded += seconds
+    self._write(step, "eval", records, elapsed)
+    if self._is_main:
+      self.progress.write(
+        format_seeds_eval_line(step, records) if self._several else format_eval_line(step, records[0])
+      )
 
   def close(self) -> None:
     self.progress.close()
 
 
-def run_loop(
+@dataclasses.dataclass
+class RunIO:
+  """What the loop does besides the compiled step, for one run or for the seeds of a vmapped
+  run of several (`train.seeds`), one entry of `configs`, `train_iters` and `checkpointers`
+  per run: read the batches, evaluate, save the checkpoints.
+
+  put_batch: the runs' local batches -> the step's global batch (stacked for seeds).
+  state_of: (the step's state, k) -> run k's train state, as its checkpoint holds it.
+  checkpoint_name: step -> the saved checkpoint's directory, for messages.
+  """
+
+  configs: list[ml_collections.ConfigDict]
+  tokenizer: Tokenizer
+  train_iters: list[Any]
+  checkpointers: list[Checkpointer]
+  put_batch: Callable[[list[dict[str, np.ndarray]]], Any]
+  state_of: Callable[[TrainState, int], TrainState]
+  step_fn: Callable[[TrainState, Any], tuple[TrainState, Any]]
+  eval_fn: Callable[[Any, Any], Any]
+  logger: StepLogger
+  checkpoint_name: Callable[[int], str]
+
+  def next_batch(self):
+    return self.put_batch([next(iterator) for iterator in self.train_iters])
+
+  def evaluate(self, params) -> list[dict[str, float]]:
+    return evaluate(params, self.eval_fn, self.configs, self.tokenizer, self.put_batch)
+
+  def save(self, step: int, state: TrainState) -> None:
+    for index, (checkpointer, iterator) in enumerate(zip(self.checkpointers, self.train_iters)):
+      checkpointer.save(step, self.state_of(state, index), iterator)
+
+  def wait(self) -> None:
+    for checkpointer in self.checkpointers:
+      checkpointer.wait()
+
+
+def one_run_io(
   run: Run,
-  state: TrainState,
   shardings: TrainState,
   train_iter,
   checkpointer: Checkpointer,
-  writer: MetricsWriter,
-  resumed_step: int | None,
-  stop: StopSignals,
-  after_step: Callable[[int], None] | None,
-  frozen: dict[str, Any] | None = None,
-) -> TrainResult:
-  """Steps from the state's step to `train.steps`: fetch, step, log, eval, save.
-  `frozen`: the family's frozen parameters (`load_frozen_params`), or None."""
-  config, t = run.config, run.config.train
-  start_step = int(jax.device_get(state.step))
+  logger: StepLogger,
+  frozen: dict[str, Any] | None,
+) -> RunIO:
+  """The `RunIO` of a single run; `frozen`: the family's frozen parameters, or None."""
   step_fn = jit_train_step(
+    **step_options(run),
+    state_shardings=shardings,
+    batch_sharding=run.batch_sharding,
+    seed=run.config.seed,
+    frozen=frozen,
+  )
+  compiled_eval = jax.jit(eval_step_fn(run))
+  return RunIO(
+    configs=[run.config],
+    tokenizer=run.tokenizer,
+    train_iters=[train_iter],
+    checkpointers=[checkpointer],
+    put_batch=lambda batches: global_batch(batches[0], run.batch_sharding),
+    state_of=lambda state, index: state,
+    step_fn=step_fn,
+    eval_fn=lambda params, batch: compiled_eval(with_frozen(params, frozen), batch),
+    logger=logger,
+    checkpoint_name=checkpointer.step_dir,
+  )
+
+
+def step_options(run: Run) -> dict[str, Any]:
+  """The train step's settings of the run (`train.step.jit_train_step`'s keywords)."""
+  return dict(
     model=run.model,
     tx=run.tx,
     schedule=run.schedule,
     pad_id=run.tokenizer.pad_id,
-    grad_accum_steps=t.grad_accum_steps,
-    state_shardings=shardings,
-    batch_sharding=run.batch_sharding,
-    seed=config.seed,
-    frozen=frozen,
+    grad_accum_steps=run.config.train.grad_accum_steps,
   )
-  compiled_eval = jax.jit(
-    functools.partial(
-      eval_step,
-      model=run.model,
-      pad_id=run.tokenizer.pad_id,
-      token_byte_lengths=jnp.asarray(run.tokenizer.token_byte_lengths, jnp.float32),
-      microbatches=t.grad_accum_steps,
-    )
+
+
+def eval_step_fn(run: Run) -> Callable:
+  """`eval_step` of the run's model: (params, batch) -> sums."""
+  return functools.partial(
+    eval_step,
+    model=run.model,
+    pad_id=run.tokenizer.pad_id,
+    token_byte_lengths=jnp.asarray(run.tokenizer.token_byte_lengths, jnp.float32),
+    microbatches=run.config.train.grad_accum_steps,
   )
-  eval_fn = lambda params, batch: compiled_eval(with_frozen(params, frozen), batch)
-  logger = StepLogger(run, writer, checkpointer, start_step, resumed_step)
+
+
+def run_loop(
+  run: Run, state: TrainState, io: RunIO, stop: StopSignals, after_step: Callable[[int], None] | None
+) -> tuple[TrainState, list[dict[str, float]], list[dict[str, float]]]:
+  """Steps from the state's step to `train.steps`: fetch, step, log, eval, save. Returns the
+  final state and the last train and eval records (one per run of `io`)."""
+  t = run.config.train
+  start_step = int(np.reshape(jax.device_get(state.step), -1)[0])
+  logger = io.logger
   # Several processes agree on when to stop; one reads its own signal.
   vote = StopVote(run.mesh) if jax.process_count() > 1 else None
   stop.finished_step = start_step
-  last_train, last_eval = {}, {}
+  last_train, last_eval = [], []
   previous_metrics = None
   try:
     for step in range(start_step + 1, t.steps + 1):
       # The previous step is still running on the device while the host reads this batch.
       fetch_start = time.perf_counter()
-      batch = _global_batch(next(train_iter), run.batch_sharding)
+      batch = io.next_batch()
       data_wait = time.perf_counter() - fetch_start
       ballot = vote.cast(stop.requested) if vote is not None else None
-      state, metrics = step_fn(state, batch)
+      state, metrics = io.step_fn(state, batch)
       logger.add(step, metrics, data_wait)
       # At most this step and the previous one on the device: the host never runs further
       # ahead, so a signal is acted on within about a step whatever train.log_every is.
@@ -449,11 +595,12 @@ def run_loop(
       if log_now:
         last_train = logger.log_train(step)
       if t.eval_batches > 0 and (is_last or (t.eval_every > 0 and step % t.eval_every == 0)):
+        jax.block_until_ready(metrics)  # the step's time is training time, not evaluation
         eval_start = time.perf_counter()
-        last_eval = evaluate(state.params, eval_fn, config, run.tokenizer, run.batch_sharding)
+        last_eval = io.evaluate(state.params)
         logger.log_eval(step, last_eval, time.perf_counter() - eval_start)
       if save_now:
-        checkpointer.save(step, state, train_iter)
+        io.save(step, state)
       logger.progress.update(1)
       if after_step is not None:
         after_step(step)
@@ -462,16 +609,31 @@ def run_loop(
         if logger.has_pending():
           last_train = logger.log_train(step)
         if not save_now:
-          checkpointer.save(step, state, train_iter)
-        checkpointer.wait()
+          io.save(step, state)
+        io.wait()
         during = stop.signaled_during if stop.requested else None
-        raise TrainingInterrupted(signum, step, checkpointer.step_dir(step), during)
+        raise TrainingInterrupted(signum, step, io.checkpoint_name(step), during)
   finally:
     logger.close()
-  return TrainResult(state, last_train, last_eval)
+  return state, last_train, last_eval
 
 
-def train(config: ml_collections.ConfigDict, *, after_step: Callable[[int], None] | None = None) -> TrainResult:
+def open_metrics(workdir: str, resumed_step: int | None) -> MetricsWriter:
+  """The run's metrics writer, from the step after `resumed_step` on (a note says which
+  records of a run that got further were set aside)."""
+  first_step = 0 if resumed_step is None else resumed_step + 1
+  writer = MetricsWriter(workdir, first_step=first_step)
+  if writer.set_aside:
+    note_line(
+      f"{os.path.join(workdir, METRICS_NAME)}: moved {writer.set_aside} record(s) of the steps this run logs again "
+      f"(from step {first_step} on) to {SET_ASIDE_NAME}"
+    )
+  return writer
+
+
+def train(
+  config: ml_collections.ConfigDict, *, after_step: Callable[[int], None] | None = None
+) -> TrainResult | list[TrainResult]:
   """Runs (or resumes) training as described by `config`.
 
   Args:
@@ -480,13 +642,18 @@ def train(config: ml_collections.ConfigDict, *, after_step: Callable[[int], None
       interrupt a run).
 
   Returns:
-    The final state and the last train/eval metrics.
+    The final state and the last train/eval metrics; with `train.seeds`, a list of them,
+    one per seed (`train.seeds.train_seeds`).
 
   Raises:
     TrainingInterrupted: on SIGINT/SIGTERM, after saving a checkpoint.
     TrainingDivergedError, CheckpointError, WorkdirBusyError, WorkdirNotEmptyError,
     ConfigMismatchError, ValueError: with a message naming the setting to change.
   """
+  if config.train.get("seeds") is not None:
+    from train.seeds import train_seeds  # it builds on this module
+
+    return train_seeds(config, after_step=after_step)
   run = build_run(config)
   config = run.config  # with the settings build_run adjusted (a clipped warm-up)
   lock, checkpointer = open_workdir(run)
@@ -503,12 +670,7 @@ def train(config: ml_collections.ConfigDict, *, after_step: Callable[[int], None
       )
       state, resumed_step, init_source = restore_or_init(run, checkpointer, abstract_state, shardings, train_iter)
       write_run_files(run.workdir, config)
-      writer = MetricsWriter(run.workdir, first_step=0 if resumed_step is None else resumed_step + 1)
-      if writer.set_aside:
-        _print(
-          f"metrics.jsonl: moved {writer.set_aside} record(s) of the steps this run logs again (from step "
-          f"{0 if resumed_step is None else resumed_step + 1} on) to {SET_ASIDE_NAME}"
-        )
+      writer = open_metrics(run.workdir, resumed_step)
       if init_source is not None:  # config.json names the workdir; this record, the step used
         writer.write(0, "init_from", {"source_step": init_source.step})
       if frozen is not None:
@@ -520,19 +682,12 @@ def train(config: ml_collections.ConfigDict, *, after_step: Callable[[int], None
             "same source (e.g. model.family_kwargs.target_step), or start over in a new --workdir"
           )
         write_frozen_record(run.workdir, source=frozen.workdir, step=frozen.step, fingerprint=frozen.fingerprint)
-      _say(startup_banner(run, abstract_state, checkpointer, resumed_step, init_source, frozen))
-      result = run_loop(
-        run,
-        state,
-        shardings,
-        train_iter,
-        checkpointer,
-        writer,
-        resumed_step,
-        stop,
-        after_step,
-        None if frozen is None else frozen.params,
-      )
+      start = describe_start(checkpointer, resumed_step, init_source, config.seed)
+      report_line(startup_banner(run, abstract_state, start, frozen))
+      output = RunOutput(writer, checkpointer, resumed_elapsed(run.workdir, resumed_step))
+      logger = StepLogger(run, [output], int(jax.device_get(state.step)), resumed_step)
+      io = one_run_io(run, shardings, train_iter, checkpointer, logger, None if frozen is None else frozen.params)
+      state, last_train, last_eval = run_loop(run, state, io, stop, after_step)
   finally:
     try:
       if train_iter is not None:
@@ -543,6 +698,8 @@ def train(config: ml_collections.ConfigDict, *, after_step: Callable[[int], None
     finally:
       if lock is not None:
         lock.release()
-  final_step = int(jax.device_get(result.state.step))
-  _say(f"Finished step {final_step} of {config.train.steps}; saved checkpoint {checkpointer.step_dir(final_step)}")
-  return result
+  final_step = int(jax.device_get(state.step))
+  report_line(
+    f"Finished step {final_step} of {config.train.steps}; saved checkpoint {checkpointer.step_dir(final_step)}"
+  )
+  return TrainResult(state, last_train[0] if last_train else {}, last_eval[0] if last_eval else {})

@@ -1,0 +1,291 @@
+"""Several seeds of one config (`train.seeds`; docs/training.md#several-seeds).
+
+Seed k of a run in WORKDIR is a normal workdir, `WORKDIR/seed_<k>/` (config.json, metrics.jsonl,
+checkpoints, lock), trained with `seed = data.shuffle_seed = k`: values of the index alone, never
+of the config, so that runs of two configs (the arms of a comparison) with the same seed index
+read the same data in the same order and are evaluated on the same batches (a paired design).
+`WORKDIR/seeds.json` records the count. Every tool that reads a workdir (sampling, the
+evaluations, `train.init_from`) reads a seed's as it reads a single run's.
+
+`train.seeds_mode`:
+  "vmap" (default): every seed in one process and one compiled step, vmapped over a leading
+    seed axis of the train state, the batch ([seeds, B, T], one data iterator per seed) and the
+    noise seed; under a device mesh the seed axis is unsharded and every other axis is sharded
+    as for one run. Seed k's checkpoints, metrics and evaluations go into its own workdir as a
+    single run writes them. The seeds resume together, from the newest checkpoint step that
+    every seed has.
+  "sequential": the seeds one after another, each with the single-run loop: for models whose
+    seeds do not fit on the device together, and for what the vmapped step lacks
+    (`train.init_from`, a family's frozen parameters).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import os
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from castle_jax.checkpoints import Checkpointer, CheckpointError
+from castle_jax.data.pipeline import make_lm_iterator
+from castle_jax.models import family_of
+from castle_jax.sharding import LOGICAL_AXIS_RULES
+from castle_jax.workdir import seed_workdir
+from train.config import validate_keys
+from train.run_checks import clip_warmup, validate_train_config
+from train.run_files import check_layout, claim_for_fresh_run, write_run_files, write_seeds_record
+from train.signals import StopSignals
+from train.state import TrainState, seed_state_getter, stack_states, state_shardings, with_seed_axis
+from train.step import jit_seeds_train_step
+from train.trainer import (
+  Run,
+  RunIO,
+  RunOutput,
+  StepLogger,
+  TrainResult,
+  build_run,
+  eval_step_fn,
+  global_batch,
+  note_line,
+  open_metrics,
+  open_workdir,
+  report_line,
+  resumed_elapsed,
+  restore_or_init,
+  run_loop,
+  startup_banner,
+  step_options,
+  train,
+)
+from train.workdir_lock import acquire_lock
+
+
+def seed_config(config: ml_collections.ConfigDict, index: int) -> ml_collections.ConfigDict:
+  """Seed `index`'s config: one run in its own workdir, with seed = data.shuffle_seed = index."""
+  seeded = copy.deepcopy(config)
+  with seeded.unlocked():
+    seeded.seed = index
+    seeded.data.shuffle_seed = index
+    seeded.train.seeds = None
+    seeded.workdir = seed_workdir(config.workdir, index)
+  return seeded
+
+
+def _check_seeds_config(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError for a setting a run of several seeds cannot combine with."""
+  t = config.train
+  if not config.workdir:
+    raise ValueError("config.workdir is empty: pass --workdir=DIR (seed k goes to DIR/seed_<k>/)")
+  if config.seed != 0 or config.data.shuffle_seed != 0:
+    raise ValueError(
+      f"seed={config.seed} and data.shuffle_seed={config.data.shuffle_seed} cannot be combined with "
+      f"train.seeds={t.seeds}: seed k of a run of several uses seed = data.shuffle_seed = k, the same in "
+      "every config so that runs with the same seed index are paired; leave both at 0"
+    )
+  if jax.process_count() > 1:
+    raise ValueError(
+      f"train.seeds={t.seeds} runs in one process (whose devices may form a mesh), not in "
+      f"{jax.process_count()} processes: train each seed as its own job with --workdir=DIR/seed_<k> "
+      "--config.seed=<k> --config.data.shuffle_seed=<k>"
+    )
+  if t.seeds_mode == "vmap" and t.init_from:
+    raise ValueError(
+      f"train.init_from={t.init_from} cannot be combined with train.seeds_mode='vmap' (the vmapped step "
+      "starts every seed from its own random parameters): pass --config.train.seeds_mode=sequential"
+    )
+
+
+def train_seeds(config: ml_collections.ConfigDict, *, after_step: Callable[[int], None] | None = None):
+  """Trains (or resumes) seeds 0..train.seeds-1 of `config`, each in `seed_workdir(workdir, k)`;
+  returns one `TrainResult` per seed. Raises what `train.trainer.train` raises."""
+  validate_keys(config)
+  validate_train_config(config)
+  _check_seeds_config(config)
+  config, note = clip_warmup(config)
+  first = build_run(seed_config(config, 0))  # checks every other setting; writes nothing
+  if note:
+    note_line(note)
+  t = config.train
+  if t.seeds_mode == "vmap" and family_of(first.model_config).frozen_source is not None:
+    raise ValueError(
+      f"model.family={first.model_config.family!r} trains against frozen parameters, which the vmapped "
+      "step does not take: pass --config.train.seeds_mode=sequential"
+    )
+  top = os.path.abspath(config.workdir)
+  lock = acquire_lock(top)
+  try:
+    if t.resume:
+      check_layout(top, t.seeds)
+    moved = claim_for_fresh_run(top, resume=t.resume, overwrite=t.overwrite)
+    if moved:
+      note_line(f"train.overwrite=True: moved the previous run in {top} to {moved}")
+    if t.seeds_mode == "sequential":
+      write_seeds_record(top, seeds=t.seeds, seeds_mode=t.seeds_mode)
+      results = []
+      for index in range(t.seeds):
+        report_line(f"seed {index} ({index + 1} of {t.seeds}): {seed_workdir(top, index)}")
+        results.append(train(seed_config(config, index), after_step=after_step))
+      return results
+    runs = [
+      dataclasses.replace(first, config=seed_config(config, k), workdir=seed_workdir(top, k)) for k in range(t.seeds)
+    ]
+    return _train_vmapped(runs, top, after_step)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def resume_step_of_seeds(train_config: ml_collections.ConfigDict, checkpointers: list[Checkpointer]) -> int | None:
+  """The checkpoint step every seed resumes from: `train.resume_step`, else the newest step
+  that every seed has and that passes every seed's checksum (a run killed while saving may
+  have saved the last step for some seeds only); None for a fresh start."""
+  steps = [set(checkpointer.all_steps()) for checkpointer in checkpointers]
+  if not train_config.resume or not any(steps):
+    return None
+  without = [index for index, found in enumerate(steps) if not found]
+  if without:
+    raise CheckpointError(
+      f"Seeds {without} have no checkpoint while the others have some ({checkpointers[0].directory}: "
+      f"{sorted(steps[0] or steps[-1])}); vmapped seeds resume together from one step: finish them with "
+      "--config.train.seeds_mode=sequential, or start over in a new --workdir"
+    )
+  if train_config.resume_step is not None:
+    return train_config.resume_step
+  for step in sorted(set.intersection(*steps), reverse=True):
+    if all(checkpointer.verify(step) is None for checkpointer in checkpointers):
+      return step
+  raise CheckpointError(
+    f"No checkpoint step is held undamaged by every seed (steps per seed: {[sorted(s) for s in steps]}); "
+    "resume the seeds one by one with --config.train.seeds_mode=sequential"
+  )
+
+
+def memory_limit_bytes() -> int | None:
+  """The first device's memory in bytes, where it reports one (GPUs; None on CPU)."""
+  stats = jax.local_devices()[0].memory_stats()
+  return (stats or {}).get("bytes_limit")
+
+
+def check_fits(memory: Any, limit_bytes: int | None, seeds: int) -> None:
+  """Raises ValueError when a compiled step's `memory` (`Compiled.memory_analysis()`, per
+  device) exceeds `limit_bytes`; nothing when either is unknown."""
+  if memory is None or not limit_bytes:
+    return
+  need = (
+    memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes + memory.temp_size_in_bytes
+  )
+  if need > limit_bytes:
+    raise ValueError(
+      f"train.seeds={seeds} vmapped in one step need {need / 2**30:.1f} GiB per device and a device has "
+      f"{limit_bytes / 2**30:.1f} GiB: pass --config.train.seeds_mode=sequential (one seed after another), "
+      "fewer seeds, or a mesh over more devices"
+    )
+
+
+class _SeedsStep:
+  """The vmapped step, compiled at its first call and then checked to fit the device."""
+
+  def __init__(self, jitted, seeds: list[int]):
+    self._jitted, self._seeds, self._compiled = jitted, jnp.asarray(seeds, jnp.int32), None
+
+  def __call__(self, state: TrainState, batch: Any):
+    if self._compiled is None:
+      self._compiled = self._jitted.lower(state, batch, self._seeds).compile()
+      check_fits(self._compiled.memory_analysis(), memory_limit_bytes(), int(self._seeds.size))
+    return self._compiled(state, batch, self._seeds)
+
+
+def _stacked(batches: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+  return {key: np.stack([batch[key] for batch in batches]) for key in batches[0]}
+
+
+def _train_vmapped(runs: list[Run], top: str, after_step: Callable[[int], None] | None) -> list[TrainResult]:
+  first, count = runs[0], len(runs)
+  t = first.config.train
+  locks, checkpointers, iterators, writers = [], [], [], []
+  try:
+    for run in runs:
+      lock, checkpointer = open_workdir(run)
+      locks.append(lock)
+      checkpointers.append(checkpointer)
+    with contextlib.ExitStack() as stack:
+      stop = stack.enter_context(StopSignals())
+      stack.enter_context(jax.set_mesh(first.mesh))
+      stack.enter_context(nn.logical_axis_rules(LOGICAL_AXIS_RULES))
+      abstract_state, shardings = state_shardings(first.model, first.tx, first.mesh, first.config.data.seq_len)
+      for run in runs:
+        d = run.config.data
+        iterators.append(make_lm_iterator(d, run.tokenizer, split=d.train_split, shuffle=True, prefetch=d.prefetch))
+      step = resume_step_of_seeds(t, checkpointers)
+      states = []
+      for run, checkpointer, iterator in zip(runs, checkpointers, iterators):
+        state, resumed_step, _ = restore_or_init(run, checkpointer, abstract_state, shardings, iterator, step=step)
+        states.append(state)
+      for run in runs:
+        write_run_files(run.workdir, run.config)
+      write_seeds_record(top, seeds=count, seeds_mode="vmap")
+      writers.extend(open_metrics(run.workdir, resumed_step) for run in runs)
+      start = (
+        f"resumed from step {resumed_step} ({os.path.join(top, 'seed_*', 'checkpoints', str(resumed_step))})"
+        if resumed_step is not None
+        else "fresh (random parameters)"
+      )
+      seeds_line = f"{count}, vmapped in one step; seed k in {seed_workdir(top, '<k>')} (seed = data.shuffle_seed = k)"
+      report_line(startup_banner(dataclasses.replace(first, workdir=top), abstract_state, start, None, seeds_line))
+      state = stack_states(states, shardings)
+      del states
+      outputs = [
+        RunOutput(writer, checkpointer, resumed_elapsed(run.workdir, resumed_step), f"Seed {k} ({run.workdir}): ")
+        for k, (run, writer, checkpointer) in enumerate(zip(runs, writers, checkpointers))
+      ]
+      logger = StepLogger(first, outputs, int(np.reshape(jax.device_get(state.step), -1)[0]), resumed_step)
+      batch_sharding = with_seed_axis(first.batch_sharding)
+      jitted = jit_seeds_train_step(
+        **step_options(first), state_shardings=shardings, batch_sharding=first.batch_sharding
+      )
+      seed_state = seed_state_getter(shardings)
+      io = RunIO(
+        configs=[run.config for run in runs],
+        tokenizer=first.tokenizer,
+        train_iters=iterators,
+        checkpointers=checkpointers,
+        put_batch=lambda batches: global_batch(_stacked(batches), batch_sharding),
+        state_of=seed_state,
+        step_fn=_SeedsStep(jitted, [run.config.seed for run in runs]),
+        eval_fn=jax.jit(jax.vmap(eval_step_fn(first))),
+        logger=logger,
+        checkpoint_name=lambda step: os.path.join(top, "seed_*", "checkpoints", str(step)),
+      )
+      try:
+        state, last_train, last_eval = run_loop(first, state, io, stop, after_step)
+      except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+          raise
+        raise ValueError(
+          f"train.seeds={count} vmapped in one step ran out of device memory: pass "
+          "--config.train.seeds_mode=sequential (one seed after another), fewer seeds, or a mesh over more devices"
+        ) from e
+  finally:
+    try:
+      for resource in (*iterators, *checkpointers, *writers):
+        resource.close()
+    finally:
+      for lock in locks:
+        if lock is not None:
+          lock.release()
+  final_step = int(np.reshape(jax.device_get(state.step), -1)[0])
+  report_line(
+    f"Finished step {final_step} of {t.steps}; saved checkpoints "
+    f"{os.path.join(top, 'seed_*', 'checkpoints', str(final_step))} ({count} seeds)"
+  )
+  return [
+    TrainResult(seed_state(state, k), last_train[k] if last_train else {}, last_eval[k] if last_eval else {})
+    for k in range(count)
+  ]
