@@ -169,6 +169,20 @@ def write_json(path: str, record: dict[str, Any]) -> None:
     json.dump(record, f, indent=1)
 
 
+def pyplot():
+  """matplotlib.pyplot drawing to files, or None (with a one-line note) when matplotlib, an
+  optional extra (`pip install -e .[plot]`), is not installed."""
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("matplotlib is not installed (pip install -e .[plot]): skipped the plot", file=sys.stderr)
+    return None
+  return plt
+
+
 def plot_vs_length(
   path: str,
   lengths: Sequence[int],
@@ -180,13 +194,8 @@ def plot_vs_length(
 ) -> str | None:
   """Plots each series against the context length (log x axis) into `path`; returns
   the path, or None (with a message) when matplotlib is not installed."""
-  try:
-    import matplotlib  # optional: pip install -e .[plot]
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    print("matplotlib is not installed (pip install -e .[plot]): skipped the plot", file=sys.stderr)
+  plt = pyplot()
+  if plt is None:
     return None
   figure, axis = plt.subplots(figsize=(6, 4))
   for label, values in series.items():
