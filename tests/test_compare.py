@@ -88,12 +88,12 @@ def test_interval_and_paired_test_equal_hand_computed_values(tmp_path, capsys, m
   # Both arms ran at the same speed: at 20 s every seed is at its step-20 evaluation.
   assert record["equal_time"]["seconds"] == 20.0
   assert record["equal_time"]["arms"][1]["difference"]["t"] == pytest.approx(t, rel=1e-12)
-  # The tables come last, on stdout; the file names on stderr.
-  assert f"wrote {tmp_path}/A/compare/compare_eval_loss.json and {tmp_path}/A/compare/compare_eval_loss.png" in err
+  # What was written, then the tables, last.
   lines = out.strip().splitlines()
-  assert lines[0] == f"eval_loss at 320 training tokens ({a} step 20, {b} step 20); paired by seed index"
-  assert lines[3].split()[:5] == [a, "4", "2.5000", f"[{2.5 - half:.4f},", f"{2.5 + half:.4f}]"]
-  assert lines[4].split()[5:] == [
+  assert lines[0] == f"wrote {tmp_path}/A/compare/compare_eval_loss.json and {tmp_path}/A/compare/compare_eval_loss.png"
+  assert lines[1] == f"eval_loss at 320 training tokens ({a} step 20, {b} step 20); paired by seed index"
+  assert lines[4].split()[:5] == [a, "4", "2.5000", f"[{2.5 - half:.4f},", f"{2.5 + half:.4f}]"]
+  assert lines[5].split()[5:] == [
     "0.3000",
     f"[{0.3 - T_975_3 * sd / 2:.4f},",
     f"{0.3 + T_975_3 * sd / 2:.4f}]",
@@ -152,8 +152,8 @@ def test_equal_time_interpolates_each_seed_at_the_time_every_seed_reached(tmp_pa
   assert record["equal_time"]["arms"][0]["values"]["0"] == pytest.approx(3.0 - 0.6)
   # Seeds trained another way: their times do not compare, and the command says so.
   c = _write_arm(tmp_path / "sequential", slow, mode="sequential")
-  _, _, err = _run(capsys, a, c)
-  assert "note: equal time: the arms' seeds were trained differently" in err
+  _, out, _ = _run(capsys, a, c)
+  assert "note: equal time: the arms' seeds were trained differently" in out
 
 
 def test_without_matplotlib_the_plot_is_skipped_with_a_note(tmp_path, capsys, monkeypatch):
@@ -283,7 +283,7 @@ def test_two_tiny_arms_trained_on_cpu(tmp_path, stdlib_data_dir, capsys):
       with open(os.path.join(workdir, f"seed_{k}", "metrics.jsonl")) as f:
         evals = [json.loads(line) for line in f if '"eval"' in line]
       assert arm["values"][str(k)] == [r["loss"] for r in evals if r["step"] == 4][0]
-  assert "trained differently" in err  # vmapped against sequential seeds
+  assert "trained differently" in out  # vmapped against sequential seeds
   # A seed's workdir is a normal one: the evaluation commands read it; their results compare too.
   for workdir in (baseline.workdir, variant.workdir):
     for k in range(2):

@@ -33,7 +33,7 @@ same seed index; otherwise the command names the arms and the settings that diff
 Writes `compare_<metric>.json` (every value, seed by seed, and the statistics) and a `.png`
 (the metric against tokens and against training time, mean and 95% band per arm; needs
 matplotlib) into `--output` (default `<first arm>/compare/`; a later comparison writes
-`compare_<metric>-2.json` and so on: no result is replaced), then prints the tables.
+`compare_<metric>-2.json` and so on: no result is replaced), then prints notes and, last, the tables.
 """
 
 from __future__ import annotations
@@ -559,7 +559,7 @@ def _main(argv: Sequence[str]) -> None:
     beside=(".png",),
   )
   plotted = plot(stem + ".png", arms, metric, equal_time)
-  print(f"wrote {stem}.json" + (f" and {plotted}" if plotted else ""), file=sys.stderr)
+  print(f"wrote {stem}.json" + (f" and {plotted}" if plotted else ""))
   what = f"{metric}" + (f" at length {length:,}" if length else "")
   kind = "paired by seed index" if paired else "unpaired (Welch's t test)"
   steps = ", ".join(f"{name} step {step}" for name, step in equal_tokens["steps"].items())
@@ -569,7 +569,7 @@ def _main(argv: Sequence[str]) -> None:
       format_comparison(f"{what} at {equal_time['seconds']:.1f} s of training (interpolated); {kind}", equal_time)
     )
   for note in notes:
-    print(f"note: {note}", file=sys.stderr)
+    print(f"note: {note}")
   print("\n\n".join(tables))
 
 
