@@ -277,3 +277,12 @@ def test_seeds_that_do_not_fit_the_device_name_the_sequential_mode():
   check_fits(memory, None, seeds=8)  # a CPU reports no limit
   with pytest.raises(ValueError, match=r"train.seeds=8 vmapped in one step need 9.0 GiB per device and a device has "):
     check_fits(memory, 8 << 30, seeds=8)
+
+
+def test_a_family_with_frozen_parameters_names_the_sequential_mode(tmp_path, stdlib_data_dir):
+  from configs import longspec_draft_tiny
+
+  config = tiny_run(longspec_draft_tiny, str(tmp_path / "draft"), stdlib_data_dir, **{"train.seeds": 2})
+  with pytest.raises(ValueError, match=r"model.family='longspec_draft' trains against frozen parameters.*sequential"):
+    train(config)
+  assert not os.path.exists(config.workdir)

@@ -1,2 +1,3 @@
 """Evaluations of trained workdirs: passkey retrieval (`python -m castle_jax.eval.passkey`)
-and perplexity against context length (`python -m castle_jax.eval.perplexity`)."""
+and perplexity against context length (`python -m castle_jax.eval.perplexity`); the
+comparison of runs of several seeds (`python -m castle_jax.eval.compare`)."""
