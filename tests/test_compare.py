@@ -188,6 +188,26 @@ def test_results_files_of_the_perplexity_command(tmp_path, capsys):
   assert status == 1 and "--length=32: perplexity results of step 20 in" in err and "have lengths [8, 16] only" in err
 
 
+def test_results_files_of_the_passkey_command_must_be_of_the_same_prompts(tmp_path, capsys):
+  arms = []
+  for name, accuracies, examples in (("A", [0.5, 0.6], 10), ("B", [0.7, 0.9], 10), ("C", [0.7, 0.9], 20)):
+    path = _write_arm(tmp_path / name, _final([1.0, 2.0]))
+    for k, accuracy in enumerate(accuracies):
+      os.makedirs(os.path.join(path, f"seed_{k}", "eval"))
+      record = {"eval": "passkey", "step": 20, "time": "2025-01-01", "examples": examples, "digits": 5, "seed": 0}
+      record.update(depths="even", align_to=0, top_k=None)
+      record["results"] = [{"length": 64, "first_token": 1.0, "all_tokens": accuracy}]
+      with open(os.path.join(path, f"seed_{k}", "eval", "passkey_step20.json"), "w") as f:
+        json.dump(record, f)
+    arms.append(path)
+  status, out, err = _run(capsys, arms[0], arms[1], "--results=passkey")
+  assert status == 0, err
+  record = json.load(open(tmp_path / "A" / "compare" / "compare_all_tokens.json"))
+  assert record["equal_tokens"]["arms"][1]["difference"]["mean"] == pytest.approx(0.25)
+  status, _, err = _run(capsys, arms[0], arms[2], "--results=passkey")
+  assert status == 1 and f"{arms[2]} and {arms[0]} are evaluated on different data (passkey examples 10 vs 20)" in err
+
+
 @pytest.fixture()
 def paths(tmp_path):
   final = _final([1.0, 2.0])
