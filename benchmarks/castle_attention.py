@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     "--pallas_configs",
     default="",
     help="';'-separated kernel configs of CastleKernelConfig fields as key=value, e.g. "
-    "'block_q=32,block_k=64;block_q=64,lookahead_operands=split', each timed as its own "
+    "'block_q=32,block_k=64;block_q=64,bwd_block_q=16', each timed as its own "
     "row (default: the heuristic config)",
   )
   parser.add_argument(

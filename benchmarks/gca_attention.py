@@ -21,8 +21,7 @@ FLOPs per forward: 4 * positions * heads * top_k * chunk * head_dim (two product
 retrieved chunk); the backward recomputes P and O' and adds four products (x2.5 the
 forward; 3.5x in all: the algorithm's count, whatever an implementation recomputes; the
 Pallas kernels run 9 products per retrieved chunk, i.e. 4.5x). Mosaic GPU rows
-(Hopper only), once per `--mosaic_stages` value (a ring depth, or "N+overlap" for the forward's
-overlapped schedule): "pallas_mosaic_fwd" times the Mosaic
+(Hopper only), once per `--mosaic_stages` value (a ring depth): "pallas_mosaic_fwd" times the Mosaic
 forward alone (`pallas_kernels.gca.mosaic_forward`; compare with the "pallas" row's fwd ms,
 the Triton forward), "pallas_mosaic" the forward and gradients of `gca_attention_mosaic`
 (the Mosaic forward and both Mosaic backward kernels). "dense_cudnn" is the reference for
@@ -93,24 +92,14 @@ def gca_row(
 
   def fn(q, chunk_k, chunk_v, weights):
     if impl == "pallas_mosaic":
-      stages, overlap = mosaic_variant(mosaic_variant_text)
-      return gca_attention_mosaic(
-        q, chunk_k, chunk_v, weights, indices, scale=head_dim**-0.5, stages=stages, overlap=overlap
-      )
+      stages = int(mosaic_variant_text)
+      return gca_attention_mosaic(q, chunk_k, chunk_v, weights, indices, scale=head_dim**-0.5, stages=stages)
     return gca_attention(q, chunk_k, chunk_v, weights, indices, implementation=impl, pallas_config=pallas_config)
 
   timings = time_forward_and_gradients(fn, 4, [s[:4] + (s[5],) for s in sets], iters)
   flops = 4 * batch * positions * heads * top_k * chunk * head_dim
   row = {"impl": f"gca_{impl}{label}", "tokens": tokens, "positions": positions, **timings, "fwd_gflop": flops / 1e9}
   return with_rates(row, timings, flops)
-
-
-def mosaic_variant(text: str) -> tuple[int, bool]:
-  """'3' -> (3, False); '3+overlap' -> (3, True)."""
-  stages, _, schedule = text.partition("+")
-  if schedule not in ("", "overlap"):
-    raise ValueError(f"--mosaic_stages entries are N or N+overlap, got {text!r}")
-  return int(stages), schedule == "overlap"
 
 
 def mosaic_forward_row(batch, tokens, heads, head_dim, chunk, top_k, dtype, iters, variant):
@@ -120,10 +109,10 @@ def mosaic_forward_row(batch, tokens, heads, head_dim, chunk, top_k, dtype, iter
   positions = sets[0][0].shape[1]
   indices = sets[0][4]
   scale = head_dim**-0.5
-  stages, overlap = mosaic_variant(variant)
+  stages = int(variant)
   forward = jax.jit(
     lambda q, chunk_k, chunk_v, weights: gca_forward_mosaic(
-      q, chunk_k, chunk_v, weights, indices, scale=scale, stages=stages, overlap=overlap
+      q, chunk_k, chunk_v, weights, indices, scale=scale, stages=stages
     )[0]
   )
   fwd_ms = median_ms(forward, [s[:4] for s in sets], iters)
@@ -213,8 +202,7 @@ def main(argv=None) -> int:
   parser.add_argument(
     "--mosaic_stages",
     default="2",
-    help="comma-separated K/V ring depths of the Mosaic rows, one row each; 'N+overlap' runs the "
-    "forward's overlapped schedule (N >= 3), e.g. '2,3,3+overlap'",
+    help="comma-separated K/V ring depths of the Mosaic rows, one row each, e.g. '2,3'",
   )
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--dtype", default="bfloat16")

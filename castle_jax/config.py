@@ -28,7 +28,7 @@ class ModelConfig:
   Zero-valued fields are derived: n_kv_heads=0 means n_heads, head_dim=0 means
   d_model // n_heads, mlp_hidden=0 means 8/3 * d_model rounded to the nearest
   multiple of mlp_multiple_of (an odd width such as 8/3 * 896 = 2389 runs the MLP
-  matmuls ~1.5x slower on an H100), sliding_window=0 means full causal attention.
+  matmuls measurably slower on an H100), sliding_window=0 means full causal attention.
 
   Attributes:
     family: the model family (`castle_jax.models.registry.MODEL_FAMILIES`).

@@ -137,8 +137,8 @@ def test_model_config_checks_the_implementation_against_the_attention():
   [
     (
       CastleKernelConfig,
-      "block_q=64, block_k=32,lookahead_operands=split",
-      CastleKernelConfig(block_q=64, block_k=32, lookahead_operands="split"),
+      "block_q=64, block_k=32,bwd_num_stages=2",
+      CastleKernelConfig(block_q=64, block_k=32, bwd_num_stages=2),
     ),
     (CastleDecodeConfig, "block_rows=64,splits=none", CastleDecodeConfig(block_rows=64, splits=None)),
     (PowerKernelConfig, "block_t=32,num_stages=2", PowerKernelConfig(block_t=32, num_stages=2)),

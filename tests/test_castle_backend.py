@@ -57,25 +57,17 @@ def _choose(backend_name="auto", dtype=jnp.bfloat16, head_dim=128, window=None, 
   )
 
 
-@pytest.mark.parametrize(
-  "kwargs, match",
-  [
-    (dict(backend="cuda"), r"CastleKernelConfig.backend must be one of \('auto', 'triton', 'mosaic'\), got 'cuda'"),
-    (
-      dict(mosaic_schedule="pingpong"),
-      r"CastleKernelConfig.mosaic_schedule must be one of \('warp_specialized', 'simple'\), got 'pingpong'",
-    ),
-  ],
-)
-def test_config_rejects_unknown_backends_and_schedules(kwargs, match):
-  with pytest.raises(ValueError, match=match):
-    CastleKernelConfig(**kwargs)
+def test_config_rejects_unknown_backends():
+  with pytest.raises(
+    ValueError, match=r"CastleKernelConfig.backend must be one of \('auto', 'triton', 'mosaic'\), got 'cuda'"
+  ):
+    CastleKernelConfig(backend="cuda")
 
 
 def test_config_parses_the_backend_from_a_string():
-  config = CastleKernelConfig.from_string("backend=mosaic, mosaic_schedule=simple")
-  assert config == CastleKernelConfig(backend="mosaic", mosaic_schedule="simple")
-  assert config.mosaic_config == CastleMosaicConfig(schedule="simple")
+  config = CastleKernelConfig.from_string("backend=mosaic, block_q=64")
+  assert config == CastleKernelConfig(backend="mosaic", block_q=64)
+  assert config.mosaic_config == CastleMosaicConfig()
   assert CastleKernelConfig.from_string("block_q=64").backend == "auto"
   with pytest.raises(ValueError, match="backend must be one of"):
     CastleKernelConfig.from_string("backend=Mosaic")
@@ -89,8 +81,8 @@ def test_auto_on_hopper_follows_the_table(capability, measured_faster):
   assert _choose(window=512) == "triton"  # CASTLE-SWL is another case
   assert _choose(dtype=jnp.float16) == "triton"
   assert _choose(backend_name="triton") == "triton"  # an explicit choice is not overridden
-  # A listed case Mosaic cannot take this way stays on Triton.
-  assert _choose(lookahead_operands="split") == "triton"
+  # A listed case Mosaic cannot take stays on Triton.
+  assert _choose(head_dim=96) == "triton"
 
 
 def test_auto_off_hopper_is_triton(capability, measured_faster):
@@ -118,7 +110,6 @@ def test_auto_logs_once_why_triton_runs_on_hopper(capability, caplog):
   [
     (dict(head_dim=96), r"head_dim in \(64, 128\), got 96"),
     (dict(dtype=jnp.float32), "bfloat16 or float16 inputs, got float32"),
-    (dict(lookahead_operands="split"), "lookahead_operands='split' is a Triton setting"),
   ],
 )
 def test_mosaic_rejects_inputs_it_cannot_take(capability, change, match):
@@ -166,11 +157,12 @@ def test_castle_attention_routes_to_the_chosen_kernels(
   monkeypatch.setattr(attention, "castle_attention_mosaic", stub("mosaic"))
   monkeypatch.setattr(attention, "castle_attention_triton", stub("triton"))
   inputs, _ = _inputs(0, (1, 8, 1, 64))
-  config = CastleKernelConfig(mosaic_schedule="simple")
-  castle_attention(*inputs, window=3, implementation="pallas", pallas_config=config)
+  castle_attention(*inputs, window=3, implementation="pallas", pallas_config=CastleKernelConfig(block_q=16))
   assert [name for name, _ in calls] == [expected]
   if expected == "mosaic":
-    assert calls[0][1]["config"] == CastleMosaicConfig(schedule="simple") and calls[0][1]["window"] == 3
+    assert calls[0][1]["config"] == CastleMosaicConfig() and calls[0][1]["window"] == 3
+  else:
+    assert calls[0][1]["config"] == CastleKernelConfig(block_q=16)
 
 
 def test_mosaic_backend_through_castle_attention_matches_xla(monkeypatch):
@@ -186,14 +178,12 @@ def test_mosaic_backend_through_castle_attention_matches_xla(monkeypatch):
 
   castle_attention_mosaic = attention.castle_attention_mosaic
   monkeypatch.setattr(attention, "castle_attention_mosaic", spy)
-  # The one-warpgroup schedule: the default warp-specialized one needs a thread per
-  # warpgroup in GPU interpret mode (docs/castle_mosaic.md).
-  config = CastleKernelConfig(backend="mosaic", mosaic_schedule="simple")
+  config = CastleKernelConfig(backend="mosaic")
   out, vjp = jax.vjp(
     lambda *a: castle_attention(*a, window=window, implementation="pallas", pallas_config=config), *inputs
   )
   grads = vjp(cotangent)
-  assert configs == [CastleMosaicConfig(schedule="simple")]
+  assert configs == [CastleMosaicConfig()]
 
   f32 = tuple(x.astype(jnp.float32) for x in inputs)
   with jax.default_matmul_precision("highest"):

@@ -5,16 +5,12 @@ an H100 runs on CPU too.
 Against the blockwise XLA path in float32 (an independent implementation): outputs,
 row log-sum-exps and the final lookahead keys, CASTLE and CASTLE-SWL (windows below
 and above the block size, and one long enough past the window for the steps without
-W), lengths that are not a multiple of the blocks, head dims 64 and 128, for both
-schedules. Interpret mode differs from the GPU in three places (module docstring of
-`mosaic_forward`): register wgmma operands go through shared memory, accumulators start
-at zero, and output tiles are added by read-modify-write instead of a TMA reduce-add;
-the lowering test covers the GPU variant of all three.
+W), lengths that are not a multiple of the blocks, head dims 64 and 128. Interpret mode
+differs from the GPU in three places (`pallas_kernels.mosaic_common`): register wgmma
+operands go through shared memory, accumulators start at zero, and output tiles are added
+by read-modify-write instead of a TMA reduce-add; the lowering test covers the GPU variant
+of all three.
 """
-
-import os
-import subprocess
-import sys
 
 import jax
 from jax.sharding import AbstractDevice, AbstractMesh
@@ -27,22 +23,12 @@ from helpers import rel_err
 from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
 from pallas_kernels.castle.mosaic_ops import castle_forward_mosaic
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-# (shape, window) for each schedule; small T keeps interpret mode fast.
-CASES = {
-  "simple": [((1, 100, 2, 64), None)],  # ragged: 100 tokens in blocks of 64
-  "warp_specialized": [
-    ((1, 200, 2, 64), None),  # ragged; program 0 has steps after its diagonals
-    ((1, 300, 1, 64), 100),  # SWL, window > block; later steps without W
-    ((1, 128, 1, 128), 5),  # head dim 128, a window inside one block
-  ],
-}
-# GPU interpret mode runs each warpgroup as a thread whose XLA CPU program may hand its
-# blocking barrier waits to XLA's intra-op thread pool. That pool has one thread per core,
-# so with more warpgroups than cores (three on a 2-core machine) one starves and the
-# kernel hangs. This flag keeps each program on its own thread; XLA reads it when the
-# backend starts, so the three-warpgroup kernel runs in a fresh process.
-_INTERPRET_XLA_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+# (shape, window); small T keeps interpret mode fast.
+CASES = [
+  ((1, 200, 2, 64), None),  # ragged; program 0 has steps after its diagonals
+  ((1, 300, 1, 64), 100),  # SWL, window > block; later steps without W
+  ((1, 128, 1, 128), 5),  # head dim 128, a window inside one block
+]
 
 
 def _inputs(seed, shape, dtype=jnp.bfloat16):
@@ -50,60 +36,12 @@ def _inputs(seed, shape, dtype=jnp.bfloat16):
   return tuple(jax.random.normal(k, shape, jnp.float32).astype(dtype) for k in keys)
 
 
-def _mosaic(inputs, window, interpret=True, schedule="warp_specialized"):
-  return castle_forward_mosaic(
-    *inputs,
-    scale=inputs[0].shape[-1] ** -0.5,
-    window=window,
-    interpret=interpret,
-    config=CastleMosaicConfig(schedule=schedule),
-  )
+def _mosaic(inputs, window, interpret=True):
+  return castle_forward_mosaic(*inputs, scale=inputs[0].shape[-1] ** -0.5, window=window, interpret=interpret)
 
 
 def _case_inputs(shape, window):
   return _inputs(shape[1] + (window or 0), shape)
-
-
-def _run_cases_in_this_process(schedule, out_dir):
-  """Runs CASES[schedule] and saves out, lse and lookahead keys per case (the subprocess side)."""
-  for number, (shape, window) in enumerate(CASES[schedule]):
-    result = _mosaic(_case_inputs(shape, window), window, schedule=schedule)
-    np.savez(
-      os.path.join(out_dir, f"{schedule}_{number}.npz"),
-      out=np.asarray(result.out.astype(jnp.float32)),
-      lse=np.asarray(result.lse),
-      keys=np.asarray(result.lookahead_keys),
-      out_dtype=str(result.out.dtype),
-    )
-
-
-@pytest.fixture(scope="module")
-def kernel_results(tmp_path_factory):
-  """schedule -> [arrays per case], computed on first use; the warp-specialized kernel
-  runs in a subprocess."""
-  out_dir = str(tmp_path_factory.mktemp("castle_mosaic"))
-  computed = {}
-
-  def results(schedule):
-    if schedule not in computed:
-      if schedule == "simple":
-        _run_cases_in_this_process(schedule, out_dir)
-      else:
-        env = dict(
-          os.environ,
-          XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {_INTERPRET_XLA_FLAG}".strip(),
-          PYTHONPATH=os.pathsep.join([os.path.dirname(TESTS_DIR), TESTS_DIR]),
-          JAX_PLATFORMS="cpu",
-        )
-        code = f"import test_castle_mosaic as t; t._run_cases_in_this_process({schedule!r}, {out_dir!r})"
-        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stderr[-3000:]
-      computed[schedule] = [
-        np.load(os.path.join(out_dir, f"{schedule}_{number}.npz")) for number in range(len(CASES[schedule]))
-      ]
-    return computed[schedule]
-
-  return results
 
 
 def _reference_lse(inputs, window):
@@ -128,50 +66,39 @@ def _reference_lse(inputs, window):
   return jax.nn.logsumexp(scores, axis=-1)
 
 
-# The warp-specialized schedule is experimental (it races on the GPU): its interpret-mode
-# cases run with -m slow, which keeps the default suite fast.
-@pytest.mark.parametrize(
-  "schedule, number",
-  [
-    pytest.param(s, n, marks=pytest.mark.slow) if s == "warp_specialized" else (s, n)
-    for s, cases in CASES.items()
-    for n in range(len(cases))
-  ],
-)
-def test_interpret_matches_xla(kernel_results, schedule, number):
-  shape, window = CASES[schedule][number]
-  result = kernel_results(schedule)[number]
-  f32 = tuple(x.astype(jnp.float32) for x in _case_inputs(shape, window))
+@pytest.mark.parametrize("number", range(len(CASES)))
+def test_interpret_matches_xla(number):
+  shape, window = CASES[number]
+  inputs = _case_inputs(shape, window)
+  result = _mosaic(inputs, window)
+  f32 = tuple(x.astype(jnp.float32) for x in inputs)
   with jax.default_matmul_precision("highest"):
     ref_out, ref_keys = castle_blockwise_prefill(*f32, window=window)
     ref_lse = _reference_lse(f32, window)
-  assert str(result["out_dtype"]) == "bfloat16" and result["out"].shape == shape
-  assert result["lse"].shape == (shape[0], shape[2], shape[1]) and result["keys"].shape == shape
-  assert not np.isnan(result["out"]).any()
+  assert result.out.dtype == jnp.bfloat16 and result.out.shape == shape
+  assert result.lse.shape == (shape[0], shape[2], shape[1]) and result.lookahead_keys.shape == shape
+  out = np.asarray(result.out.astype(jnp.float32))
+  assert not np.isnan(out).any()
   # bf16 inputs; the lookahead products in float16: errors ~2e-3.
-  assert rel_err(result["out"], ref_out) < 1e-2
-  assert rel_err(result["lse"], ref_lse) < 1e-3
-  assert rel_err(result["keys"], ref_keys) < 1e-2
+  assert rel_err(out, ref_out) < 1e-2
+  assert rel_err(result.lse, ref_lse) < 1e-3
+  assert rel_err(result.lookahead_keys, ref_keys) < 1e-2
 
 
 @pytest.mark.parametrize(
-  "schedule, head_dim, window",
+  "head_dim, window",
   [
-    ("simple", 128, None),
-    ("warp_specialized", 128, 512),  # both kinds of step: with W and (SWL) without
-    ("warp_specialized", 64, 100),
+    (128, None),
+    (128, 512),  # both kinds of step: with W and (SWL) without
+    (64, 100),
   ],
 )
-def test_lowers_for_hopper(schedule, head_dim, window):
+def test_lowers_for_hopper(head_dim, window):
   """The Mosaic GPU lowering (layouts, wgmma shapes, TMA, the reduce-add) for an H100 on CPU."""
   inputs = _inputs(0, (1, 256, 2, head_dim))
   mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H100 80GB HBM3", None, "cuda"))
   with jax.sharding.use_abstract_mesh(mesh):
-    lowered = (
-      jax.jit(lambda *a: _mosaic(a, window, interpret=False, schedule=schedule))
-      .trace(*inputs)
-      .lower(lowering_platforms=("cuda",))
-    )
+    lowered = jax.jit(lambda *a: _mosaic(a, window, interpret=False)).trace(*inputs).lower(lowering_platforms=("cuda",))
   assert "mosaic_gpu" in lowered.as_text()
 
 
@@ -191,11 +118,10 @@ def test_rejects_what_the_kernel_cannot_take(change, message):
 def test_config_checks():
   with pytest.raises(ValueError, match="block_q must be 64"):
     CastleMosaicConfig(block_q=128)
-  with pytest.raises(ValueError, match=r"schedule must be one of \('warp_specialized', 'simple'\), got 'fast'"):
-    CastleMosaicConfig(schedule="fast")
+  with pytest.raises(ValueError, match=r"CastleMosaicConfig has no key 'schedule'"):
+    CastleMosaicConfig.from_string("schedule=simple")
   assert CastleMosaicConfig.from_string("block_k=64") == CastleMosaicConfig()
-  assert CastleMosaicConfig.from_string("schedule=simple").keys_per_program == 64
-  assert CastleMosaicConfig().schedule == "warp_specialized" and CastleMosaicConfig().keys_per_program == 128
+  assert CastleMosaicConfig().keys_per_program == 128
 
 
 def test_rejects_mismatched_inputs_and_bad_windows():

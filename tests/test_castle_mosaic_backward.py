@@ -18,7 +18,6 @@ import pytest
 from castle_jax.ops.castle.reference import castle_parallel
 from helpers import mosaic_kernels_lowered_for_h100, rel_err
 from pallas_kernels.castle.mosaic_attention import castle_attention_mosaic
-from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
 
 _NAMES = ("q_u", "k_u", "v_u", "q_c", "k_c", "v_c")
 
@@ -44,10 +43,7 @@ def _inputs(seed, shape, dtype=jnp.bfloat16):
 def test_gradients_match_the_parallel_form(shape, window, cotangent_scale):
   inputs, cotangent = _inputs(shape[1] + (window or 0), shape)
   cotangent = (cotangent.astype(jnp.float32) * cotangent_scale).astype(cotangent.dtype)
-  # The one-warpgroup forward: the default warp-specialized one needs a thread per
-  # warpgroup in interpret mode (tests/test_castle_mosaic.py runs it in its own process).
-  simple = CastleMosaicConfig(schedule="simple")
-  out, vjp = jax.vjp(lambda *a: castle_attention_mosaic(*a, window=window, config=simple, interpret=True), *inputs)
+  out, vjp = jax.vjp(lambda *a: castle_attention_mosaic(*a, window=window, interpret=True), *inputs)
   grads = vjp(cotangent)
   f32 = tuple(x.astype(jnp.float32) for x in inputs)
   with jax.default_matmul_precision("highest"):

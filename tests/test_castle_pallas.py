@@ -7,8 +7,6 @@ of the softmax shift, and bad input. Shapes are tiny: interpret mode compiles ea
 distinct shape once (seconds) and runs the grid one program at a time.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,22 +64,17 @@ def test_outputs_and_gradients_match_parallel_form_float32(window, config):
     assert rel_err(out, castle_parallel(*inputs)) > 1e-3
 
 
-def test_bf16_inputs_and_lookahead_operand_precision():
-  """bf16 inputs against the float32 parallel form, for each way the lookahead branch's
-  float32 intermediates enter the products: "split" and "float16" keep ~3x more of the
-  gradients' accuracy than rounding them to bfloat16 ("input")."""
+def test_bf16_inputs_against_the_float32_parallel_form():
+  """bf16 inputs against the float32 parallel form: the lookahead branch's float32
+  intermediates enter float16 products, which keep the gradients within 5e-3 here
+  (bfloat16 operands would give about three times that)."""
   inputs, cotangent = _inputs(seed=3, shape=(1, 120, 2, 64), dtype=jnp.bfloat16)
   f32 = tuple(x.astype(jnp.float32) for x in inputs)
   ref, ref_grads = _value_and_grads(lambda *a: castle_parallel(*a), f32, cotangent)
-  worst = {}
-  for mode in ("split", "float16", "input"):
-    config = dataclasses.replace(SMALL, lookahead_operands=mode)
-    out, grads = _value_and_grads(lambda *a: _kernels(*a, config=config), inputs, cotangent)
-    assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < 1e-2, mode
-    worst[mode] = max(rel_err(g, rg) for g, rg in zip(grads, ref_grads))
-    assert worst[mode] < 1.5e-2, (mode, worst[mode])
-  assert worst["split"] < 5e-3 and worst["float16"] < 5e-3, worst
-  assert worst["input"] > 1.5 * worst["float16"], worst
+  out, grads = _value_and_grads(lambda *a: _kernels(*a, config=SMALL), inputs, cotangent)
+  assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < 1e-2
+  worst = max(rel_err(g, rg) for g, rg in zip(grads, ref_grads))
+  assert worst < 5e-3, worst
 
 
 def test_length_one_and_single_block():
@@ -136,7 +129,6 @@ def test_entry_point_dispatches_to_the_kernels():
     (dict(block_q=24), "block_q must be a power of two"),
     (dict(block_k=8), "block_k must be >= 16"),
     (dict(num_warps=0), "num_warps must be an int >= 1"),
-    (dict(lookahead_operands="fp16"), "lookahead_operands must be one of"),
   ],
 )
 def test_bad_kernel_config(kwargs, match):

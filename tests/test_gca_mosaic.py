@@ -8,7 +8,7 @@ forward's (the same layout and base-2 units, which its backward consumes). Retri
 include one chunk twice in a query chunk's slots, a chunk every query chunk reads, an
 empty slot (weight 0) and an out-of-range index (clipped); shapes include grouped heads, a
 query chunk of two 64-row tiles (65 rows, zero-padded), head dim 128, a ring shallower
-than k (buffers refilled) and float16; the overlapped schedule against the serial one.
+than k (buffers refilled) and float16; a deeper ring against the default one.
 Interpret mode differs from the GPU in two places (module docstring of `mosaic_forward`);
 the lowering test covers the GPU variant, and measures the shared memory the lowering
 allocates at the drt_128m shape.
@@ -191,15 +191,13 @@ def lower_for_hopper(function, args):
   return lowered.as_text(), allocations[-1]
 
 
-@pytest.mark.parametrize("head_dim, stages, overlap", [(64, 2, False), (64, 3, True), (128, 4, False), (128, 3, True)])
-def test_lowers_for_hopper_at_the_drt_shape(head_dim, stages, overlap):
+@pytest.mark.parametrize("head_dim, stages", [(64, 2), (64, 3), (128, 4), (128, 3)])
+def test_lowers_for_hopper_at_the_drt_shape(head_dim, stages):
   """The Mosaic GPU lowering (layouts, wgmma shapes incl. P from registers, TMA gathers) for
   an H100 at drt_128m's shape; the shared memory it allocates matches the module's estimate
   (plus the lowering's 2 KiB reduction scratch) and fits an H100 block."""
   queries, keys, values, weights, indices, _ = drt_padded_structs(**dict(DRT_128M, head_dim=head_dim))
-  forward = lambda *a: mosaic_forward.forward(
-    *a, chunk_len=DRT_128M["chunk_len"], scale=head_dim**-0.5, stages=stages, overlap=overlap
-  )
+  forward = lambda *a: mosaic_forward.forward(*a, chunk_len=DRT_128M["chunk_len"], scale=head_dim**-0.5, stages=stages)
   text, shared_memory = lower_for_hopper(forward, (queries, keys, values, weights, indices))
   assert "mosaic_gpu" in text
   estimate = mosaic_forward.shared_memory_bytes(head_dim, DRT_128M["top_k"], jnp.bfloat16, stages)
@@ -207,20 +205,19 @@ def test_lowers_for_hopper_at_the_drt_shape(head_dim, stages, overlap):
   assert shared_memory <= H100_SHARED_MEMORY
 
 
-def test_overlapped_schedule_matches_the_serial_one():
-  """overlap=True (P_j V_j in flight under the next slot's softmax, buffers released one slot
-  late) computes what the serial schedule does; k = 5 slots through 3 buffers exercises the
-  late refills."""
+def test_a_deeper_ring_matches_the_default_one():
+  """k = 5 slots through 3 buffers (refilled late) computes what 2 buffers do, and both
+  match the XLA path."""
   shape = dict(CASES["bf16"][0], top_k=5)
   inputs = gca_inputs(1, **shape)
   scale = shape["head_dim"] ** -0.5
-  overlapped = mosaic_forward.gca_forward_mosaic(*inputs, scale=scale, stages=3, overlap=True, interpret=True)
-  serial = mosaic_forward.gca_forward_mosaic(*inputs, scale=scale, stages=2, interpret=True)
-  for a, b in zip(overlapped, serial):
+  deeper = mosaic_forward.gca_forward_mosaic(*inputs, scale=scale, stages=3, interpret=True)
+  default = mosaic_forward.gca_forward_mosaic(*inputs, scale=scale, stages=2, interpret=True)
+  for a, b in zip(deeper, default):
     assert rel_err(a.astype(jnp.float32), b.astype(jnp.float32)) < 1e-6
   inputs32 = tuple(x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in inputs)
   reference = jax.jit(lambda *a: gca_attention(*a, implementation="xla"))(*inputs32)
-  assert rel_err(overlapped[0].astype(jnp.float32), reference) < 1e-2
+  assert rel_err(deeper[0].astype(jnp.float32), reference) < 1e-2
 
 
 def _small(**changes):
@@ -242,11 +239,6 @@ def _small(**changes):
 def test_rejects_what_the_kernel_cannot_take(inputs, stages, message):
   with pytest.raises(ValueError, match=message):
     mosaic_forward.gca_forward_mosaic(*inputs, scale=0.125, stages=stages, interpret=True)
-
-
-def test_rejects_overlap_with_a_shallow_ring():
-  with pytest.raises(ValueError, match="overlap=True needs stages >= 3.*got stages=2"):
-    mosaic_forward.gca_forward_mosaic(*_small(), scale=0.125, stages=2, overlap=True, interpret=True)
 
 
 def test_forward_native_rejects_unpadded_rows():

@@ -4,7 +4,7 @@ Outputs against the XLA path computing in float32 with full-precision matmuls, a
 per-slot log-normalizers against the Triton forward's (same layout and units, so the
 Triton backward can consume them): the drt_128m shape (12 heads x 64, query chunks of 63
 tokens + a landmark = 64 positions, memory chunks of 63 keys, k = 8) in bf16 with the
-default ring, a deeper one and the overlapped schedule, and grouped heads at head dim 128 with 65-position query
+default ring and a deeper one, and grouped heads at head dim 128 with 65-position query
 chunks (two 64-row tiles each). Retrievals come from `select_chunks` over causal scores, as
 in DRT: the first query chunks have empty slots (weight 0, index 0) and early memory chunks
 are retrieved by many query chunks. The query-side backward (dQ, delta, dw) against the
@@ -75,20 +75,19 @@ DRT_128M = dict(batch=2, query_chunks=64, query_len=64, heads=12, kv_heads=12, h
 
 
 @pytest.mark.parametrize(
-  "shape, stages, overlap",
+  "shape, stages",
   [
-    (DRT_128M, 2, False),
-    (DRT_128M, 3, False),
-    (DRT_128M, 3, True),
-    (dict(batch=1, query_chunks=32, query_len=65, heads=8, kv_heads=2, head_dim=128, chunk_len=64, top_k=4), 2, False),
+    (DRT_128M, 2),
+    (DRT_128M, 3),
+    (dict(batch=1, query_chunks=32, query_len=65, heads=8, kv_heads=2, head_dim=128, chunk_len=64, top_k=4), 2),
   ],
 )
-def test_compiled_forward_matches_the_xla_path(shape, stages, overlap):
+def test_compiled_forward_matches_the_xla_path(shape, stages):
   if not _is_hopper():
     pytest.skip("the Mosaic GPU kernel needs a Hopper (sm_90) GPU")
   inputs = _inputs(0, **shape, dtype=jnp.bfloat16)
   scale = shape["head_dim"] ** -0.5
-  out, lse = jax.jit(lambda *a: gca_forward_mosaic(*a, scale=scale, stages=stages, overlap=overlap))(*inputs)
+  out, lse = jax.jit(lambda *a: gca_forward_mosaic(*a, scale=scale, stages=stages))(*inputs)
   inputs32 = tuple(x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in inputs)
   reference = jax.jit(lambda *a: gca_attention(*a, implementation="xla"))(*inputs32)
   assert out.dtype == jnp.bfloat16 and out.shape == inputs[0].shape

@@ -6,10 +6,14 @@ Two mechanisms, both checked on the program lowered for an H100 on CPU:
 - identical kernels hash alike (`pallas_kernels.mosaic_kernel_cache`), so jaxlib, whose
   compile cache is keyed by the kernel hash, compiles the kernels that several lowered
   functions share (the forward inside and outside a rematerialized block, the overflow
-  rerun) once per process.
+  rerun) once per process. That patches a private jax function, which the Mosaic ops do
+  when called, never an import.
 """
 
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -74,8 +78,22 @@ def test_gca_layers_lower_the_kernels_once():
   assert 0 < len(six) == len(three)
 
 
+def test_importing_the_kernels_patches_nothing():
+  code = (
+    "import pallas_kernels.castle, pallas_kernels.gca\n"
+    "from jax._src.lib import mosaic_gpu_dialect as dialect\n"
+    "print(getattr(dialect.get_or_set_dump_options, 'shares_identical_kernels', False))"
+  )
+  run = subprocess.run(
+    [sys.executable, "-c", code], env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=120
+  )
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert run.stdout.strip() == "False"
+
+
 def test_steps_aside_for_dumps(monkeypatch):
-  assert mosaic_kernel_cache.share_identical_kernels(), "importing pallas_kernels shares kernels"
+  _kernel_hashes(_attention)
+  assert mosaic_kernel_cache.share_identical_kernels(), "a Mosaic op shares kernels"
   monkeypatch.setenv("MOSAIC_GPU_DUMP_PTX", "1")
   assert mosaic_kernel_cache.dumps_requested()
   monkeypatch.delenv("MOSAIC_GPU_DUMP_PTX")

@@ -37,7 +37,7 @@ def castle_attention_pallas(
     scale: the score scale (the CASTLE op passes 1/sqrt(head_dim)).
     window: None for CASTLE, W >= 1 for CASTLE-SWL (checked by the caller).
     config: backend and tiles; default `default_config(padded head dim)` (backend
-      "auto"). With the Mosaic kernels only `mosaic_schedule` applies
+      "auto"). The Mosaic kernels run their fixed tiles
       (`CastleKernelConfig.mosaic_config`).
     interpret: run the kernels in Pallas interpret mode; default True on CPU.
 

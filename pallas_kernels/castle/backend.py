@@ -30,11 +30,8 @@ from pallas_kernels.device_facts import LogOnce, announce, compute_capability, n
 logger = logging.getLogger(__name__)
 
 # Cases where "auto" runs the Mosaic GPU kernels: (head_dim, dtype name, windowed), windowed
-# meaning CASTLE-SWL. Measured on an H100, forward plus backward at 2 x 16K x 9 heads
-# (benchmarks/RESULTS.md, "CASTLE on Mosaic GPU"): d = 128 with a 512 window 46.9 vs
-# 62.4 ms, d = 64 38.4 vs 66.5 ms, d = 64 with a 512 window 23.4 vs 33.5 ms; and the
-# rematerialized CASTLE-SWL-XL training step at 16K, 34.1 vs 42.0 ms per layer. Without a
-# window at d = 128 the Triton kernels are 5-10% faster, so they stay there. float16 is
+# meaning CASTLE-SWL; the cases where they measured faster than the Triton kernels on an
+# H100, forward plus backward (benchmarks/RESULTS.md, "CASTLE on Mosaic GPU"). float16 is
 # not measured. `mosaic_is_faster` is the only reader.
 MOSAIC_FASTER_CASES: frozenset[tuple[int, str, bool]] = frozenset(
   {(128, "bfloat16", True), (64, "bfloat16", True), (64, "bfloat16", False)}
@@ -57,11 +54,6 @@ def mosaic_unsupported_reason(config: CastleKernelConfig, *, dtype, head_dim: in
     return (
       f"the Mosaic GPU kernels take head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim} (last axis of q_u); "
       "use CastleKernelConfig(backend='triton')"
-    )
-  if config.lookahead_operands != "float16":
-    return (
-      f"CastleKernelConfig.lookahead_operands={config.lookahead_operands!r} is a Triton setting: the Mosaic "
-      "GPU kernels always take float16 lookahead operands; use lookahead_operands='float16' with them"
     )
   if interpret:
     return None

@@ -75,14 +75,13 @@ class _Tiles:
     window: int | None,
     block_q: int,
     key_positions: jax.Array,
-    lookahead_operands: str,
   ):
     self.operand_dtype = operand_dtype
-    self.lookahead_operands = "input" if operand_dtype == jnp.float32 else lookahead_operands
+    # 16-bit inputs: the lookahead branch's float32 intermediates enter float16 products.
+    self.float16_lookahead = operand_dtype != jnp.float32
     # D is a sum of up to L weighted values: scaled into float16's range when it enters a
     # float16 product (a power of two, so exact), and scaled back after.
-    float16_keys = self.lookahead_operands == "float16" or operand_dtype == jnp.float16
-    self.key_state_scale = _FLOAT16_KEY_STATE_SCALE if float16_keys else 1.0
+    self.key_state_scale = _FLOAT16_KEY_STATE_SCALE if self.float16_lookahead else 1.0
     # float32 operands: full-precision products (no TF32), to match the references.
     self.precision = lax.Precision.HIGHEST if operand_dtype == jnp.float32 else None
     self.scale = scale
@@ -102,26 +101,11 @@ class _Tiles:
 
   def dot_lookahead(self, a, b, trans_a=False, trans_b=False, wide_a=False, wide_b=False):
     """Like `dot` for products that take float32 intermediates of the lookahead branch
-    (D, R, W; marked wide), which enter as `lookahead_operands` says: "split" takes
-    each wide operand as hi + lo parts (hi*hi + lo*hi + hi*lo), "float16" casts both
-    operands to float16, "input" to the operand dtype."""
-    if self.lookahead_operands == "input" or not (wide_a or wide_b):
+    (D, R, W; marked wide): with 16-bit inputs both operands enter as float16 (11
+    significant bits; bfloat16 would keep 8)."""
+    if not (self.float16_lookahead and (wide_a or wide_b)):
       return self.dot(a, b, trans_a, trans_b)
-    if self.lookahead_operands == "float16":
-      return pltriton.dot(a.astype(jnp.float16), b.astype(jnp.float16), trans_a=trans_a, trans_b=trans_b)
-
-    def parts(x, wide):
-      hi = x.astype(self.operand_dtype)
-      return hi, ((x - hi.astype(jnp.float32)).astype(self.operand_dtype) if wide else None)
-
-    a_hi, a_lo = parts(a, wide_a)
-    b_hi, b_lo = parts(b, wide_b)
-    out = self.dot(a_hi, b_hi, trans_a, trans_b)
-    if a_lo is not None:
-      out += self.dot(a_lo, b_hi, trans_a, trans_b)
-    if b_lo is not None:
-      out += self.dot(a_hi, b_lo, trans_a, trans_b)
-    return out
+    return pltriton.dot(a.astype(jnp.float16), b.astype(jnp.float16), trans_a=trans_a, trans_b=trans_b)
 
   def lookahead_scores(self, q_c, keys, in_block=None, weights=None):
     """S^U tile [block_q, block_k]: Q^C_i D_b^T * scale, plus R_ii W_bi^T inside the window."""
@@ -183,7 +167,7 @@ def _block_specs(length: int, head_dim: int, block_q: int, block_k: int):
   )
 
 
-def _bind(kernel_body, q_c, scale, window, block_q, block_k, config: CastleKernelConfig):
+def _bind(kernel_body, q_c, scale, window, block_q, block_k):
   return functools.partial(
     kernel_body,
     scale=scale,
@@ -192,7 +176,6 @@ def _bind(kernel_body, q_c, scale, window, block_q, block_k, config: CastleKerne
     block_k=block_k,
     num_query_blocks=q_c.shape[1] // block_q,
     operand_dtype=q_c.dtype,
-    lookahead_operands=config.lookahead_operands,
   )
 
 
@@ -221,7 +204,6 @@ def _forward_kernel(
   block_k,
   num_query_blocks,
   operand_dtype,
-  lookahead_operands,
 ):
   key_block = pl.program_id(0)
   tiles = _Tiles(
@@ -230,7 +212,6 @@ def _forward_kernel(
     window=window,
     block_q=block_q,
     key_positions=key_block * block_k + jnp.arange(block_k),
-    lookahead_operands=lookahead_operands,
   )
   q_u_keys, k_c, v_c = q_u_ref[...], k_c_ref[...], v_c_ref[...]  # this program's key block
 
@@ -291,7 +272,7 @@ def forward(
   heads, length, head_dim = q_c.shape
   block_q, block_k = config.block_q, config.block_k
   key_tile, full, full_rows, full_in_block = _block_specs(length, head_dim, block_q, block_k)
-  kernel = _bind(_forward_kernel, q_c, scale, window, block_q, block_k, config)
+  kernel = _bind(_forward_kernel, q_c, scale, window, block_q, block_k)
   acc = jnp.zeros((heads, length, head_dim), jnp.float32)
   sums = jnp.zeros((heads, length), jnp.float32)
   keys, acc, sums = pl.pallas_call(
@@ -346,7 +327,6 @@ def _backward_kernel(
   block_k,
   num_query_blocks,
   operand_dtype,
-  lookahead_operands,
 ):
   key_block = pl.program_id(0)
   tiles = _Tiles(
@@ -355,7 +335,6 @@ def _backward_kernel(
     window=window,
     block_q=block_q,
     key_positions=key_block * block_k + jnp.arange(block_k),
-    lookahead_operands=lookahead_operands,
   )
   q_u_keys, k_c, v_c = q_u_ref[...], k_c_ref[...], v_c_ref[...]  # this program's key block
 
@@ -451,7 +430,7 @@ def backward(
   heads, length, head_dim = q_c.shape
   block_q, block_k = config.bwd_block_q, config.bwd_block_k
   key_tile, full, full_rows, full_in_block = _block_specs(length, head_dim, block_q, block_k)
-  kernel = _bind(_backward_kernel, q_c, scale, window, block_q, block_k, config)
+  kernel = _bind(_backward_kernel, q_c, scale, window, block_q, block_k)
   f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   full_grad = jnp.zeros((heads, length, head_dim), jnp.float32)
   in_block_grad = jnp.zeros((heads, length, block_q), jnp.float32)

@@ -31,14 +31,15 @@ from pallas_kernels.castle.mosaic_ops import (
   padded_length,
 )
 from pallas_kernels.castle.ops import fold_in_block_grad
+from pallas_kernels.mosaic_kernel_cache import share_identical_kernels
 from pallas_kernels.residuals import keep_for_backward
 
 
 # The forward and the backward are jitted so that a model's layers, which call the op with
 # equal shapes, share one traced program each: jax lowers an inner jit's program once per
-# module, where lowering every call site's Mosaic kernels again took ~8 s of host time per
-# layer of CASTLE-SWL-XL (a 24-layer train step took minutes to lower). The jitted bodies
-# also carry no caller's name stack, so their kernels hash alike wherever they appear
+# module, where it would otherwise lower every call site's Mosaic kernels again (seconds of
+# host time per layer; benchmarks/RESULTS.md). The jitted bodies also carry no caller's
+# name stack, so their kernels hash alike wherever they appear
 # (`pallas_kernels.mosaic_kernel_cache`).
 _forward = jax.jit(castle_forward_mosaic, static_argnames=("scale", "window", "config", "interpret"))
 
@@ -152,4 +153,5 @@ def castle_attention_mosaic(
     config = CastleMosaicConfig()
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
+  share_identical_kernels()
   return _castle_mosaic(q_u, k_u, v_u, q_c, k_c, v_c, float(scale), window, config, bool(interpret))

@@ -3,7 +3,7 @@
 `castle_forward_mosaic` folds heads into the batch, zero-pads the sequence to whole
 programs (`padded_length`; exact: padded keys come after every real query, padded
 lookahead values are zero), precomputes the in-block scores R and the softmax shift in
-XLA, runs the kernels (`mosaic_forward.forward`, or for CASTLE-SWL by default
+XLA, runs the kernels (`mosaic_forward.forward`, or for CASTLE-SWL
 `mosaic_past_window.forward`) and normalizes. `mosaic_attention.castle_attention_mosaic`
 makes it differentiable.
 """
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.castle import mosaic_forward, mosaic_past_window
 from pallas_kernels.castle.mosaic_config import SUPPORTED_HEAD_DIMS, CastleMosaicConfig
+from pallas_kernels.mosaic_kernel_cache import share_identical_kernels
 
 # The shift rule and the XLA-side tiles are the Triton path's, shared rather than repeated.
 from pallas_kernels.castle.ops import _in_block_scores, normalize_with_safe_shift
@@ -96,21 +97,11 @@ def heads_layout(batch: int, seq: int, heads: int, padded: int):
 def _forward_heads(q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpret):
   """[BH, L, d] -> out float32 [BH, L, d], lse float32 [BH, L], keys float32 [BH, L, d]."""
   in_block_t = _in_block_scores_transposed(q_c, v_u, scale, config.block_q)
-  sweeps = mosaic_past_window if window is not None and config.splits_past_window else mosaic_forward
-  run = functools.partial(
-    sweeps.forward,
-    q_u,
-    k_u,
-    v_u,
-    q_c,
-    k_c,
-    v_c,
-    in_block_t,
-    scale=scale,
-    window=window,
-    config=config,
-    interpret=interpret,
-  )
+  if window is None:
+    run = functools.partial(mosaic_forward.forward, scale=scale, config=config, interpret=interpret)
+  else:
+    run = functools.partial(mosaic_past_window.forward, scale=scale, window=window, config=config, interpret=interpret)
+  run = functools.partial(run, q_u, k_u, v_u, q_c, k_c, v_c, in_block_t)
   return normalize_with_safe_shift(run, q_c, k_c, scale, config.block_q)
 
 
@@ -150,6 +141,7 @@ def castle_forward_mosaic(
   inputs = (q_u, k_u, v_u, q_c, k_c, v_c)
   _check(inputs, window)
   config = CastleMosaicConfig() if config is None else config
+  share_identical_kernels()
   batch, seq, heads, _ = q_u.shape
   padded = padded_length(seq, config)
 

@@ -15,7 +15,7 @@ the key-major sweep reduce-adds a [block_q, d] float32 tile per step, which is w
 this kernel avoids for the rest. Both kernels add into the same float32 accumulators
 with the same fixed per-row softmax shift, so the caller's normalization is unchanged.
 
-Per step (key block b of block_k = 128 keys by default, in the query-row frame
+Per step (key block b of block_k = 128 keys, one key program, in the query-row frame
 [block_q queries, block_k keys]):
 
   S^C = Q^C_i K^C_b^T,  S^U = Q^C_i (D_b * 2^-8)^T          (two wgmmas, float16, one wait)
@@ -38,22 +38,11 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
+from pallas_kernels import mosaic_common
 from pallas_kernels.castle import mosaic_forward, mosaic_math
-from pallas_kernels.castle import mosaic_profile
 from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
-from pallas_kernels.castle.mosaic_forward import (
-  KEY_STATE_SCALE,
-  LOOKAHEAD_DTYPE,
-  PAST_WINDOW_QUERY_BLOCKS,
-  PROBS_DTYPE,
-  matmul,
-  operand_smem,
-  reduce_add_tiles,
-  observe_last_releases,
-  register_operand,
-  run_on_zeroed_refs,
-  wgmma_zeros,
-)
+from pallas_kernels.castle.mosaic_forward import KEY_STATE_SCALE, LOOKAHEAD_DTYPE, PAST_WINDOW_QUERY_BLOCKS, PROBS_DTYPE
+from pallas_kernels.mosaic_compiler_params import compiler_params
 
 # Both directions: two consumer warpgroups (each one query block, or one key block) and a
 # producer warpgroup streaming the other side's tiles through a ring of STAGES slots.
@@ -117,7 +106,7 @@ def stream_tiles(num_steps, groups, block: int, first_block=0):
       for src, dst in zip(sources, ring):
         plgpu.copy_gmem_to_smem(src.at[rows], dst.at[slot], full.at[slot])
 
-  observe_last_releases([free for _, _, _, free in groups], num_steps, STAGES)
+  mosaic_common.observe_last_releases([free for _, _, _, free in groups], num_steps, STAGES)
 
 
 def take_turn(turn_barrier):
@@ -193,7 +182,7 @@ def _forward_kernel(
   interpreted: bool,
 ):
   """One program: query rows [2 * block_q * p, 2 * block_q * (p + 1)) of one head, in steps
-  of block_k keys (64, or 128: one key program, half the barrier rounds per key)."""
+  of block_k keys (one key program)."""
   k_ring, keys_ring, v_ring = key_ring
   query_tiles, out_staging = query_union
   query_full, key_full, values_full, key_free, values_free, tensor_core_turn, accumulate_barriers = barriers
@@ -224,17 +213,17 @@ def _forward_kernel(
       shift = lax.broadcast_in_dim(shift_smem.at[consumer][...], (block_q, block_k), [0])
       probs32 = jnp.exp(causal * scale - mosaic_math.silu(lookahead * lookahead_unit) - shift)
       sums = sums + jnp.sum(probs32, axis=1)
-      probs = register_operand(probs32.astype(PROBS_DTYPE), staging)
+      probs = mosaic_common.register_operand(probs32.astype(PROBS_DTYPE), staging)
       # The partner's products run while this warpgroup computed the exponentials; the
       # value product waits for its turn.
       plgpu.barrier_arrive(tensor_core_turn)
       plgpu.barrier_wait(values_full.at[slot])
       plgpu.barrier_wait(tensor_core_turn)
-      out = matmul(probs, v_ring.at[slot], (block_q, head_dim), init=out, init_in_place=not interpreted)
+      out = mosaic_common.matmul(probs, v_ring.at[slot], (block_q, head_dim), init=out, init_in_place=not interpreted)
       plgpu.barrier_arrive(values_free.at[slot])
       return out, sums
 
-    out = wgmma_zeros((block_q, head_dim))
+    out = mosaic_common.wgmma_zeros((block_q, head_dim))
     sums = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     out, sums = sweep_in_turns(consumer, tensor_core_turn, num_steps, step, (out, sums))
     # The [block_q, d] float32 output leaves through this consumer's own Q^C tile (free
@@ -243,7 +232,7 @@ def _forward_kernel(
     # shared memory.
     half = head_dim // 2
     acc = acc_ref.at[head, rows]
-    reduce_add = functools.partial(reduce_add_tiles, with_tma=not interpreted)
+    reduce_add = functools.partial(mosaic_common.reduce_add_tiles, with_tma=not interpreted)
     reduce_add(
       [(out[:, :half], acc.at[:, pl.ds(0, half)], out_staging.at[consumer])], accumulate_barriers[0].at[consumer]
     )
@@ -269,20 +258,19 @@ def _forward_kernel(
 
 
 def _forward_scratch(block_q, block_k, head_dim, interpreted):
-  """Shared memory and barriers of `_forward_kernel` (at head dim 128: ~225 KB with 128-key
-  steps, ~129 KB with 64)."""
-  ring = lambda dtype: operand_smem((STAGES, block_k, head_dim), dtype)
+  """Shared memory and barriers of `_forward_kernel` (~225 KB at head dim 128)."""
+  ring = lambda dtype: mosaic_common.operand_smem((STAGES, block_k, head_dim), dtype)
   return [
     # Per consumer, Q^C (float16), then (aliased) its output staging: half the columns in float32.
     plgpu.RefUnion(
-      operand_smem((CONSUMERS, block_q, head_dim), LOOKAHEAD_DTYPE),
+      mosaic_common.operand_smem((CONSUMERS, block_q, head_dim), LOOKAHEAD_DTYPE),
       plgpu.SMEM((CONSUMERS, block_q, head_dim // 2), jnp.float32),
     ),
     (ring(LOOKAHEAD_DTYPE), ring(LOOKAHEAD_DTYPE), ring(PROBS_DTYPE)),  # K^C, D * 2^-8, V^C
     # Last: a small buffer before the 1 KB-aligned ring would cost its padding, and at
     # 128-key steps the kernel is within ~2 KB of the limit.
     plgpu.SMEM((CONSUMERS, block_q), jnp.float32),  # shift, then row-sum staging
-    operand_smem((CONSUMERS, block_q, block_k), PROBS_DTYPE) if interpreted else None,
+    mosaic_common.operand_smem((CONSUMERS, block_q, block_k), PROBS_DTYPE) if interpreted else None,
     (
       plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),  # query_full: Q^C, shift
       plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # key_full: K^C, D
@@ -324,8 +312,8 @@ def accumulate_past_window(
     acc_ref, sums_ref: float32 refs [BH, L, d] and [BH, L], added into.
     scale, window: the score scale and the CASTLE-SWL window.
     block_q: query rows per consumer (64: one warpgroup's wgmma).
-    block_k: keys per step, a divisor of keys_per_program (64, or 128: [64, 128] score
-      tiles, half the barrier rounds per key).
+    block_k: keys per step, a divisor of keys_per_program (the forward takes a whole key
+      program per step: [64, 128] score tiles, half the barrier rounds per key of 64).
     keys_per_program: the key-major sweep's keys per program, whose
       `key_major_sweep_end` this kernel complements.
     interpret: None, or `plgpu.InterpretGPUParams` (GPU interpret mode).
@@ -363,7 +351,7 @@ def query_major_launch(
   """`kernel` (a query-major past-window kernel) as a Mosaic GPU call on [BH, L, d] inputs:
   one program per (CONSUMERS * block_q queries, head), CONSUMERS + 1 warpgroups, the
   shared memory of `scratch(block_q, block_k, head_dim, interpreted)`
-  (`warp_local_reductions`: see `mosaic_profile.compiler_params`)."""
+  (`warp_local_reductions`: see `mosaic_compiler_params.compiler_params`)."""
   heads, length, head_dim = shape
   check_length(length, block_q, keys_per_program)
   interpreted = interpret is not None
@@ -384,7 +372,7 @@ def query_major_launch(
     grid_names=("query_program", "head"),
     num_threads=CONSUMERS + 1,
     thread_name="wg",
-    compiler_params=mosaic_profile.compiler_params(warp_local_reductions=warp_local_reductions),
+    compiler_params=compiler_params(warp_local_reductions=warp_local_reductions),
     interpret=interpret,
   )
 
@@ -392,10 +380,10 @@ def query_major_launch(
 def forward(
   q_u, k_u, v_u, q_c, k_c, v_c, in_block_t, shift, *, scale: float, window: int, config: CastleMosaicConfig, interpret
 ):
-  """`mosaic_forward.forward` for CASTLE-SWL with the pairs past the window run query-major.
+  """CASTLE-SWL's forward: `mosaic_forward.forward`'s arguments (and the window) and results.
 
-  Same arguments and results. The key-major sweep runs first, up to each key program's
-  `key_major_sweep_end`, and returns the final D that the query-major kernel needs.
+  The key-major sweep runs first, up to each key program's `key_major_sweep_end`, and
+  returns the final D that the query-major kernel needs for the pairs past the window.
   """
   block_q = config.block_q
 
@@ -416,7 +404,6 @@ def forward(
       window=window,
       config=config,
       interpret=interpret,
-      past_window=False,
     )
     accumulate_past_window(
       q_c.astype(LOOKAHEAD_DTYPE),
@@ -429,9 +416,9 @@ def forward(
       scale=scale,
       window=window,
       block_q=block_q,
-      block_k=config.past_window_step_keys,
+      block_k=config.keys_per_program,
       keys_per_program=config.keys_per_program,
       interpret=interpret,
     )
 
-  return run_on_zeroed_refs(both_sweeps, mosaic_forward.accumulator_types(q_c))
+  return mosaic_common.run_on_zeroed_refs(both_sweeps, mosaic_forward.accumulator_types(q_c))

@@ -13,7 +13,7 @@ Two kernels, neither of which walks D back:
   reduce-add per (key block, query block) pair; two consumer warpgroups alternate on the
   tensor cores and a producer warpgroup streams K^C, D and V^C through a two-stage ring
   (as the forward's query-major kernel).
-- `key_grads`, key-block major: dK^C, dV^C and dD of one key block in one warpgroup's
+- `key_grads_into`, key-block major: dK^C, dV^C and dD of one key block in one warpgroup's
   registers (192 per thread at d = 128), fed by a warpgroup that computes the scores and
   stages P^T, dS^T and dSU^T, and a producer streaming Q^C, dO, lse and delta. The
   key-major sweep (`mosaic_backward`) then runs only inside the window, starting its walk
@@ -26,8 +26,7 @@ P-weighted mean of dP_t, so |dS| <= max_s |dP_ts| / 2 and |dSU| <= 0.55 max_s |d
 dSU * 2^8 stays below float16's 65504 while every |dO_t . v^C_s| < ~460 (after that
 rescaling: value vectors of norm ~40 aligned with a row of dO). dS below ~1.5e-5 keeps
 fewer significant bits than bfloat16 would (float16 subnormals); such terms are below the
-rounding of the larger ones in dQ^C. On the H100 at 16K the gradient errors against XLA are
-those of the key-major sweep or lower (dQ^C 2.91e-3 vs 2.95e-3, dK^C 2.25e-3 vs 2.46e-3).
+rounding of the larger ones in dQ^C.
 """
 
 from __future__ import annotations
@@ -41,18 +40,14 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels.castle import mosaic_math
-from pallas_kernels.castle.mosaic_forward import (
-  KEY_STATE_SCALE,
-  LOOKAHEAD_DTYPE,
+from pallas_kernels.castle.mosaic_forward import KEY_STATE_SCALE, LOOKAHEAD_DTYPE, key_major_launch, key_major_sweep_end
+from pallas_kernels.mosaic_common import (
   accumulate_products,
-  key_major_launch,
-  key_major_sweep_end,
   observe_last_releases,
   operand_smem,
   products,
   reduce_add_tiles,
   register_operand,
-  run_on_zeroed_refs,
   wgmma_zeros,
 )
 from pallas_kernels.castle.mosaic_past_window import (
@@ -69,7 +64,8 @@ from pallas_kernels.castle.mosaic_past_window import (
 
 
 def _phase(kernel: str, name: str):
-  """A named region of a kernel's step, as `mosaic_profile` reports it ("<kernel>: <name>")."""
+  """A named region of a kernel's step ("<kernel>: <name>"), the unit of a Mosaic GPU
+  profile (`plgpu.CompilerParams(profile_space=..., profile_dir=...)`)."""
   return jax.named_scope(f"{kernel}: {name}")
 
 
@@ -497,17 +493,3 @@ def key_grads_into(
   )
   q_c16, k_c16, keys16, v_c16, d_out16 = _float16_operands(q_c, k_c, keys, v_c, d_out)
   launch(k_c16, keys16, v_c16, q_c16, d_out16, lse, delta, dk_c_ref, dv_c_ref, d_keys_ref)
-
-
-def key_grads(q_c, k_c, keys, v_c, d_out, lse, delta, **kwargs):
-  """`key_grads_into` on fresh refs.
-
-  Args: as `accumulate_query_grads`.
-
-  Returns:
-    dk_c, dv_c, d_keys: float32 [BH, L, d]; zero for key blocks without pairs past the window.
-  """
-  rows = jax.ShapeDtypeStruct(q_c.shape, jnp.float32)
-  return run_on_zeroed_refs(
-    lambda *refs: key_grads_into(q_c, k_c, keys, v_c, d_out, lse, delta, *refs, **kwargs), (rows,) * 3
-  )

@@ -233,9 +233,9 @@ def castle_prefill_pallas(q_u, k_u, v_u, q_c, k_c, v_c, *, scale: float, window=
   The kernel's final D is the sum over every query block of W_bi V^U_i, i.e. u_s^L for
   each prompt token s, so the UQ-KV cache comes from the same pass as the outputs.
 
-  Prefill always runs the Triton kernels: `config.backend` and `config.mosaic_schedule`
-  choose the kernels of `castle_attention_pallas` (training) only, so one
-  `CastleKernelConfig` can serve a layer's training and its prefill.
+  Prefill always runs the Triton kernels: `config.backend` chooses the kernels of
+  `castle_attention_pallas` (training) only, so one `CastleKernelConfig` can serve a
+  layer's training and its prefill.
 
   Args:
     q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpret: see

@@ -24,12 +24,13 @@ from pallas_kernels.gca.mosaic_backward_queries import backward_queries_native
 from pallas_kernels.gca.mosaic_forward import forward_native
 from pallas_kernels.gca.mosaic_tiles import DEFAULT_STAGES, pad_inputs
 from pallas_kernels.gca.pairs import retrieving_pairs
+from pallas_kernels.mosaic_kernel_cache import share_identical_kernels
 from pallas_kernels.residuals import keep_for_backward
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _gca(queries, keys, values, weights, indices, chunk_len, scale, stages, overlap, interpreted):
-  return _gca_fwd(queries, keys, values, weights, indices, chunk_len, scale, stages, overlap, interpreted)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _gca(queries, keys, values, weights, indices, chunk_len, scale, stages, interpreted):
+  return _gca_fwd(queries, keys, values, weights, indices, chunk_len, scale, stages, interpreted)[0]
 
 
 def _interpret(interpreted: bool):
@@ -38,8 +39,8 @@ def _interpret(interpreted: bool):
 
 # Jitted, as CASTLE's Mosaic op is, so that layers calling the op with equal shapes share one
 # lowered program: lowering Mosaic kernels again per call site costs seconds of host time.
-@functools.partial(jax.jit, static_argnames=("chunk_len", "scale", "stages", "overlap", "interpreted"))
-def _forward(queries, keys, values, weights, indices, *, chunk_len, scale, stages, overlap, interpreted):
+@functools.partial(jax.jit, static_argnames=("chunk_len", "scale", "stages", "interpreted"))
+def _forward(queries, keys, values, weights, indices, *, chunk_len, scale, stages, interpreted):
   return forward_native(
     queries,
     keys,
@@ -49,12 +50,11 @@ def _forward(queries, keys, values, weights, indices, *, chunk_len, scale, stage
     chunk_len=chunk_len,
     scale=scale,
     stages=stages,
-    overlap=overlap,
     interpret=_interpret(interpreted),
   )
 
 
-def _gca_fwd(queries, keys, values, weights, indices, chunk_len, scale, stages, overlap, interpreted):
+def _gca_fwd(queries, keys, values, weights, indices, chunk_len, scale, stages, interpreted):
   out, lse = keep_for_backward(
     _forward(
       queries,
@@ -65,16 +65,14 @@ def _gca_fwd(queries, keys, values, weights, indices, chunk_len, scale, stages, 
       chunk_len=chunk_len,
       scale=scale,
       stages=stages,
-      overlap=overlap,
       interpreted=interpreted,
     )
   )
   return out, (queries, keys, values, weights, indices, lse)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def _gca_bwd(chunk_len, scale, stages, overlap, interpreted, residuals, d_out):
-  del overlap  # a forward schedule
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _gca_bwd(chunk_len, scale, stages, interpreted, residuals, d_out):
   queries, keys, values, weights, indices, lse = residuals
   d_out = d_out.astype(queries.dtype)
   d_queries, row_dots = backward_queries_native(
@@ -122,7 +120,6 @@ def gca_attention_mosaic(
   *,
   scale: float,
   stages: int = DEFAULT_STAGES,
-  overlap: bool = False,
   interpret: bool = False,
 ) -> jax.Array:
   """GCA through the Mosaic GPU kernels (Hopper), differentiable in q, chunk_k, chunk_v and
@@ -136,7 +133,6 @@ def gca_attention_mosaic(
       k] (out-of-range indices are clipped).
     scale: the score scale.
     stages: depth of the Mosaic kernels' rings (K/V tiles; Q/dO tiles in the memory-side backward).
-    overlap: the forward's overlapped schedule (`mosaic_forward`; needs stages >= 3).
     interpret: run every kernel in its interpret mode (CPU; slow, for tests).
 
   Returns:
@@ -146,5 +142,6 @@ def gca_attention_mosaic(
     ValueError: sizes or a dtype the kernels do not take (naming the argument).
   """
   padded = pad_inputs(q, chunk_k, chunk_v, chunk_weights, chunk_indices, stages=stages)
-  out = _gca(*padded.arrays, padded.chunk_len, float(scale), stages, overlap, bool(interpret))
+  share_identical_kernels()
+  out = _gca(*padded.arrays, padded.chunk_len, float(scale), stages, bool(interpret))
   return padded.unpad(out)

@@ -35,7 +35,7 @@ from jax import lax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.castle.mosaic_forward import operand_smem, register_operand, products
+from pallas_kernels.mosaic_common import operand_smem, products, register_operand
 from pallas_kernels.gca.mosaic_tiles import (
   CHUNK_TILE,
   DEFAULT_STAGES,

@@ -22,7 +22,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 # Shared with the CASTLE Mosaic kernels: the TMA/wgmma shared-memory layout.
-from pallas_kernels.castle.mosaic_forward import operand_smem
+from pallas_kernels.mosaic_common import operand_smem
+from pallas_kernels.mosaic_compiler_params import compiler_params
 from pallas_kernels.gca import padding
 
 TILE_ROWS = 64  # query rows per program: one warpgroup's wgmma rows
@@ -271,7 +272,7 @@ def launch_grid(kernel, out_type, scratch, *, grid, grid_names, interpret):
     scratch_types=scratch,
     grid=grid,
     grid_names=grid_names,
-    compiler_params=plgpu.CompilerParams(approx_math=True),
+    compiler_params=compiler_params(),
     interpret=interpret,
   )
 

@@ -1,8 +1,8 @@
 """Discounted cumulative sum of chunk states (and its backward) as single Pallas kernels.
 
 The recurrence S_{c+1} = e^{total_c} S_c + dS_c runs over the n chunks of a sequence; as
-an XLA scan it is n small launches, each moving one chunk's states (launch-bound: ~1.3 ms
-for 64 chunks of [2560, 64] states, 12 heads). Here one program owns a [rows, cols] slab
+an XLA scan it is n small launches, each moving one chunk's states (launch-bound). Here one
+program owns a [rows, cols] slab
 of the state of one head and walks all chunks in a loop, so the whole recurrence is one
 launch that streams dS in and the entering states out once (bandwidth-bound).
 

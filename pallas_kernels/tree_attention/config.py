@@ -27,7 +27,7 @@ class TreeAttentionConfig:
   """
 
   block_rows: int | None = None
-  # 128: 1.1-1.4x faster than 64 for a 69-node tree at 16K-32K slots on an H100.
+  # 128: measured faster than 64 on an H100 (benchmarks/RESULTS.md, tree attention).
   block_keys: int = 128
   splits: int | None = None
   target_programs: int = 256

@@ -33,9 +33,8 @@ from pallas_kernels.config_checks import SMALLEST_TILE, is_power_of_two, next_po
 from pallas_kernels.split_k import merge_split_states
 from pallas_kernels.tree_attention.config import TreeAttentionConfig
 
-# Measured on an H100 (8 query / 4 KV heads of 64, 69 nodes, 4K-32K cache): 64-row blocks
-# beat 128 by 1.1-1.6x (138 rows run as 3 x 64 instead of 2 x 128: less padding, one more
-# pass over the cache, mostly from L2).
+# 64-row blocks measured faster than 128 on an H100 (138 rows run as 3 x 64 instead of
+# 2 x 128: less padding, one more pass over the cache, mostly from L2; benchmarks/RESULTS.md).
 _MAX_DEFAULT_BLOCK_ROWS = 64
 
 
