@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from castle_jax.ops.attention import causal_attention
 from castle_jax.ops.castle import castle_attention
-from pallas_kernels.castle import CastleKernelConfig
+from castle_jax.ops.castle import KERNEL_CONFIGS
 from benchmarks.timing import error_text, run_meta, time_forward_and_gradients, torch_median_ms, write_json
 
 
@@ -47,10 +47,10 @@ class Case:
   castle: bool
 
 
-def _castle_case(impl: str, heads: int, window, block_size: int, pallas_config=None, label: str = "") -> Case:
+def _castle_case(impl: str, heads: int, window, block_size: int, kernel_config=None, label: str = "") -> Case:
   def fn(*inputs):
     return castle_attention(
-      *inputs, window=window, implementation=impl, block_size=block_size, pallas_config=pallas_config
+      *inputs, window=window, implementation=impl, block_size=block_size, kernel_config=kernel_config
     )
 
   return Case(f"castle_{impl}{label}", heads, 6, fn, True)
@@ -140,12 +140,14 @@ def main(argv=None) -> int:
   parser.add_argument("--window", type=int, default=0, help="CASTLE-SWL window; 0 = full CASTLE")
   parser.add_argument("--block_size", type=int, default=64, help="block size of the XLA blockwise path")
   parser.add_argument(
-    "--impls", default="xla,cudnn", help="comma list of: xla, pallas, reference (CASTLE); cudnn, xla_mha (standard)"
+    "--impls",
+    default="xla,cudnn",
+    help="comma list of: xla, triton, mosaic, reference (CASTLE); cudnn, xla_mha (standard)",
   )
   parser.add_argument(
-    "--pallas_configs",
+    "--kernel_configs",
     default="",
-    help="';'-separated kernel configs of CastleKernelConfig fields as key=value, e.g. "
+    help="';'-separated kernel configs of CastleTritonConfig fields as key=value, e.g. "
     "'block_q=32,block_k=64;block_q=64,bwd_block_q=16', each timed as its own "
     "row (default: the heuristic config)",
   )
@@ -165,11 +167,11 @@ def main(argv=None) -> int:
   dtype = jnp.dtype(args.dtype)
   cases = []
   for impl in args.impls.split(","):
-    if impl == "pallas" and args.pallas_configs:
-      for spec in args.pallas_configs.split(";"):
-        config = CastleKernelConfig.from_string(spec)
+    if impl in KERNEL_CONFIGS and args.kernel_configs:
+      for spec in args.kernel_configs.split(";"):
+        config = KERNEL_CONFIGS[impl].from_string(spec)
         cases.append(_castle_case(impl, args.heads, window, args.block_size, config, f"[{spec}]"))
-    elif impl in ("xla", "pallas", "reference"):
+    elif impl in ("xla", "triton", "mosaic", "reference"):
       cases.append(_castle_case(impl, args.heads, window, args.block_size))
     elif impl in ("cudnn", "xla_mha"):
       cases.append(_standard_case("cudnn" if impl == "cudnn" else "xla", args.baseline_heads))
@@ -195,7 +197,7 @@ def main(argv=None) -> int:
     if "error" not in row:
       row["fwd_tflops"] = forward_flops(cases[0], row["batch"], seq, args.head_dim, window) / row["fwd_ms"] / 1e9
       ours = next(
-        (r for r in rows if r["seq"] == seq and r["impl"].startswith("castle_pallas") and "error" not in r), None
+        (r for r in rows if r["seq"] == seq and r["impl"].startswith("castle_triton") and "error" not in r), None
       )
       if ours:
         row["peer_over_ours_fwd"] = row["fwd_ms"] / ours["fwd_ms"]

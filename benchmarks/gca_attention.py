@@ -3,8 +3,8 @@ sliding-window ALiBi self-attention over the same tokens.
 
     python -m benchmarks.gca_attention [--tokens=16384,65536] [--batch=4] [--heads=12] \
         [--head_dim=64] [--chunk=64] [--top_k=8] \
-        [--impls=xla,pallas,reference,pallas_mosaic_fwd,pallas_mosaic,dense_cudnn] \
-        [--pallas_configs="block_rows=64;block_rows=32,num_warps=4"] \
+        [--impls=xla,triton,mosaic,reference,pallas_mosaic_fwd,pallas_mosaic,dense_cudnn] \
+        [--kernel_configs="block_rows=64;block_rows=32,num_warps=4"] \
         [--window_impls=cudnn,cudnn_plain,xla] [--json=out.json]
 
 The DRT layout: each chunk of `--chunk` real tokens plus its landmark is one query chunk
@@ -12,10 +12,8 @@ The DRT layout: each chunk of `--chunk` real tokens plus its landmark is one que
 keys (the landmark row is the softmax_1's implicit zero logit), indices and weights drawn
 at random (retrieval is not timed). Gradients: q, chunk keys/values and chunk weights.
 configs/drt_128m.py has chunk_size 63: --chunk=63 gives its shape (64 query positions
-per chunk, memory chunks of 63 keys). `--pallas_configs` times "pallas" once per
-`pallas_kernels.gca.GcaKernelConfig` given (a sweep); without it, the default config, whose
-backend "auto" runs the Mosaic GPU kernels on Hopper: "backend=triton;backend=mosaic" puts
-the two side by side (the Triton fields of a config apply only with backend=triton).
+per chunk, memory chunks of 63 keys). `--kernel_configs` times "triton" or "mosaic" once per
+config given (a sweep); without it, the default config.
 
 FLOPs per forward: 4 * positions * heads * top_k * chunk * head_dim (two products per
 retrieved chunk); the backward recomputes P and O' and adds four products (x2.5 the
@@ -41,7 +39,7 @@ import jax.numpy as jnp
 
 from castle_jax.ops.attention.alibi import alibi_window_attention
 from castle_jax.ops.gca import gca_attention
-from pallas_kernels.gca import GcaKernelConfig
+from castle_jax.ops.gca import KERNEL_CONFIGS
 from pallas_kernels.gca.mosaic_attention import gca_attention_mosaic
 from pallas_kernels.gca.mosaic_forward import gca_forward_mosaic
 from benchmarks.timing import error_text, median_ms, run_meta, time_forward_and_gradients, write_json
@@ -79,7 +77,7 @@ def gca_row(
   top_k,
   dtype,
   iters,
-  pallas_config=None,
+  kernel_config=None,
   label="",
   mosaic_variant_text="2",
 ):
@@ -94,7 +92,7 @@ def gca_row(
     if impl == "pallas_mosaic":
       stages = int(mosaic_variant_text)
       return gca_attention_mosaic(q, chunk_k, chunk_v, weights, indices, scale=head_dim**-0.5, stages=stages)
-    return gca_attention(q, chunk_k, chunk_v, weights, indices, implementation=impl, pallas_config=pallas_config)
+    return gca_attention(q, chunk_k, chunk_v, weights, indices, implementation=impl, kernel_config=kernel_config)
 
   timings = time_forward_and_gradients(fn, 4, [s[:4] + (s[5],) for s in sets], iters)
   flops = 4 * batch * positions * heads * top_k * chunk * head_dim
@@ -190,14 +188,14 @@ def main(argv=None) -> int:
   parser.add_argument(
     "--impls",
     default="xla",
-    help="comma-separated GCA implementations (xla, pallas, reference, pallas_mosaic_fwd, "
+    help="comma-separated GCA implementations (xla, triton, mosaic, reference, pallas_mosaic_fwd, "
     "pallas_mosaic) and 'dense_cudnn' (the same work as dense cuDNN attention)",
   )
   parser.add_argument(
-    "--pallas_configs",
+    "--kernel_configs",
     default="",
-    help="';'-separated GcaKernelConfig fields as key=value, e.g. 'block_rows=64;num_stages=3': "
-    "one 'pallas' row each (default: the default config)",
+    help="';'-separated kernel config fields as key=value, e.g. 'block_rows=64;num_stages=3' for "
+    "'triton' (GcaTritonConfig), 'stages=3' for 'mosaic' (GcaMosaicConfig): one row each",
   )
   parser.add_argument(
     "--mosaic_stages",
@@ -252,9 +250,9 @@ def main(argv=None) -> int:
             rows.append({"impl": f"gca_pallas_mosaic_fwd[{variant}]", "tokens": tokens, "error": error_text(e)})
           print(rows[-1], flush=True)
         continue
-      specs = args.pallas_configs.split(";") if impl == "pallas" and args.pallas_configs else [None]
+      specs = args.kernel_configs.split(";") if impl in KERNEL_CONFIGS and args.kernel_configs else [None]
       for spec in specs:
-        config = GcaKernelConfig.from_string(spec) if spec else None
+        config = KERNEL_CONFIGS[impl].from_string(spec) if spec else None
         rows.append(
           gca_row(
             impl,

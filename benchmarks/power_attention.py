@@ -1,13 +1,13 @@
 """Power attention speed next to standard attention and the paper authors' kernels, in one run.
 
     python -m benchmarks.power_attention [--seq_lens=4096,16384,65536] [--tokens=65536] \
-        [--impls=pallas,xla,cudnn,authors] [--chunk_sizes=1024] [--json=out.json]
+        [--impls=triton,xla,cudnn,authors] [--chunk_sizes=1024] [--json=out.json]
 
 For each sequence length T the batch is tokens // T (the power-attention paper's
 shape by default: 12 heads, head_dim 64, p = 2, per-head gating, bf16). Times the
 forward and forward+backward (gradients of q, k, v and the log-gates) of each
 implementation, median of --iters runs after warm-up over two input sets:
-  pallas  : ours, `power_attention(implementation="pallas")` (fused kernels);
+  triton  : ours, `power_attention(implementation="triton")` (fused kernels);
   xla     : ours, the chunked XLA form (`implementation="xla"`);
   cudnn   : `jax.nn.dot_product_attention(implementation="cudnn")`, causal, same heads/dims;
   authors : PyPI `retention` 1.0.7 (`retention.triton.power_retention`, PyTorch + Triton),
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 from castle_jax.ops.attention import causal_attention
 from castle_jax.ops.power import power_attention
-from pallas_kernels.power import PowerKernelConfig, default_config, discumsum, kernels, power_attention_pallas
+from pallas_kernels.power import PowerTritonConfig, default_triton_config, discumsum, kernels, power_attention_triton
 from benchmarks.timing import error_text, median_ms, run_meta, time_forward_and_gradients, torch_median_ms, write_json
 
 
@@ -127,7 +127,7 @@ def kernel_breakdown(batch, seq, heads, head_dim, chunk, dtype, iters, config=No
   5 (c + 1) d (q.k twice, dN.v twice, and three products for dq, dk, dv, halved by
   causality). The discumsums are memory-bound: GB/s instead.
   """
-  config = config or default_config()
+  config = config or default_triton_config()
   bh, tokens = batch * heads, batch * seq * heads
   dim = kernels.expanded_dim(head_dim)
   n = seq // chunk
@@ -198,16 +198,16 @@ def main(argv=None) -> int:
   parser.add_argument("--tokens", type=int, default=65536, help="batch * seq for every length")
   parser.add_argument("--heads", type=int, default=12)
   parser.add_argument("--head_dim", type=int, default=64)
-  parser.add_argument("--impls", default="pallas,xla,cudnn,authors", help="comma list of: pallas, xla, cudnn, authors")
+  parser.add_argument("--impls", default="triton,xla,cudnn,authors", help="comma list of: triton, xla, cudnn, authors")
   parser.add_argument("--chunk_sizes", default="1024", help="chunk sizes of our chunked rows")
   parser.add_argument("--authors_chunk_sizes", default="1024", help="chunk sizes of the authors' rows")
   parser.add_argument(
     "--authors_autotune", action="store_true", help="let the authors' kernels autotune (minutes on the first call)"
   )
   parser.add_argument(
-    "--pallas_configs",
+    "--kernel_configs",
     default="",
-    help="';'-separated kernel configs of PowerKernelConfig fields as key=value, e.g. "
+    help="';'-separated kernel configs of PowerTritonConfig fields as key=value, e.g. "
     "'block_t=32,num_warps=8;row_group=2', each its own row (default: the default config)",
   )
   parser.add_argument(
@@ -227,7 +227,7 @@ def main(argv=None) -> int:
   gated = not args.no_gating
   impls = args.impls.split(",")
   for impl in impls:
-    if impl not in ("pallas", "xla", "cudnn", "authors"):
+    if impl not in ("triton", "xla", "cudnn", "authors"):
       parser.error(f"--impls: unknown implementation {impl!r}")
   chunks = [int(c) for c in args.chunk_sizes.split(",")]
   authors_chunks = [int(c) for c in args.authors_chunk_sizes.split(",")]
@@ -259,8 +259,8 @@ def main(argv=None) -> int:
           rows.append(row)
       else:
         configs = (
-          [(spec, PowerKernelConfig.from_string(spec)) for spec in args.pallas_configs.split(";")]
-          if impl == "pallas" and args.pallas_configs
+          [(spec, PowerTritonConfig.from_string(spec)) for spec in args.kernel_configs.split(";")]
+          if impl == "triton" and args.kernel_configs
           else [("", None)]
         )
         for chunk in chunks:
@@ -270,7 +270,7 @@ def main(argv=None) -> int:
                 q, k, v, log_g, p=2, chunk_size=chunk, implementation=impl
               )
             else:
-              fn = lambda q, k, v, log_g=None, chunk=chunk, config=config: power_attention_pallas(
+              fn = lambda q, k, v, log_g=None, chunk=chunk, config=config: power_attention_triton(
                 q, k, v, log_g, scale=args.head_dim**-0.5, chunk_size=chunk, config=config
               )[0]
             row = measure_jax(f"{impl}[c={chunk}{';' + spec if spec else ''}]", fn, *shape, dtype, args.iters, gated)
@@ -283,7 +283,7 @@ def main(argv=None) -> int:
       printed = len(rows)
 
   breakdown = []
-  if "pallas" in impls:
+  if "triton" in impls:
     for seq in (int(s) for s in args.breakdown_seq_lens.split(",") if s):
       breakdown += kernel_breakdown(
         args.tokens // seq, seq, args.heads, args.head_dim, min(chunks[0], seq), dtype, args.iters

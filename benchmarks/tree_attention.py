@@ -14,7 +14,7 @@ per call is reported (the dispatch of the whole function spread over them). Rows
     hybrid split;
   - xla: `tree_attention(implementation="xla")`, cache part over the capacity (masked by
     the length) + tree part + LSE merge;
-  - pallas: `tree_attention(implementation="pallas")` (and each --configs tiling);
+  - triton: `tree_attention(implementation="triton")` (and each --configs tiling);
   - decode rows, n = 1 (a single-token step over the same cache): the model's previous
     masked step, the XLA cache part, the Pallas kernel, and cuDNN
     (`jax.nn.dot_product_attention` with the key length) where it runs.
@@ -38,7 +38,7 @@ import numpy as np
 from castle_jax.eval.cli import format_table  # noqa: E402
 from castle_jax.ops.attention.reference import masked_attention  # noqa: E402
 from castle_jax.ops.tree_attention import cache_attention, tree_attention, tree_mask_from_parents  # noqa: E402
-from pallas_kernels.tree_attention import TreeAttentionConfig  # noqa: E402
+from pallas_kernels.tree_attention import TreeAttentionTritonConfig  # noqa: E402
 from benchmarks.timing import error_text, median_ms  # noqa: E402
 
 
@@ -91,7 +91,9 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   dtype = jnp.dtype(args.dtype)
   lengths = [int(x) for x in args.lengths.split(",") if x]
-  configs = [(text.strip(), TreeAttentionConfig.from_string(text)) for text in args.configs.split(";") if text.strip()]
+  configs = [
+    (text.strip(), TreeAttentionTritonConfig.from_string(text)) for text in args.configs.split(";") if text.strip()
+  ]
   b, n, h, kv, d, layers = args.batch, args.nodes, args.heads, args.kv_heads, args.head_dim, args.layers
   mask = tree_mask_from_parents(jnp.asarray(tree_parents(n)))
   records = []
@@ -145,12 +147,12 @@ def main(argv=None) -> int:
 
     tree_inputs = (q_tree, list(zip(cache_k, cache_v, tree_k, tree_v)))
     record("tree", length, n, "dense masked [cache ; tree]", chain(dense), tree_inputs, cache_bytes)
-    for name, impl, config in [("xla split", "xla", None), ("pallas", "pallas", None)] + [
-      (f"pallas {text}", "pallas", config) for text, config in configs
+    for name, impl, config in [("xla split", "xla", None), ("triton", "triton", None)] + [
+      (f"triton {text}", "triton", config) for text, config in configs
     ]:
       attend = functools.partial(
         lambda q, ck, cv, tk, tv, impl, config: tree_attention(
-          q, ck, cv, filled, tk, tv, mask, implementation=impl, pallas_config=config
+          q, ck, cv, filled, tk, tv, mask, implementation=impl, kernel_config=config
         ),
         impl=impl,
         config=config,
@@ -168,7 +170,7 @@ def main(argv=None) -> int:
       one_inputs,
       cache_bytes,
     )
-    for name, impl in (("xla cache part", "xla"), ("pallas", "pallas")):
+    for name, impl in (("xla cache part", "xla"), ("triton", "triton")):
       attend = functools.partial(
         lambda q, ck, cv, impl: cache_attention(q, ck, cv, filled, implementation=impl)[0], impl=impl
       )
@@ -184,7 +186,7 @@ def main(argv=None) -> int:
     base = {(r["kind"], r["name"]): r for r in records if r["length"] == row["length"] and "error" not in r}
     read = base.get(("read", "read K,V (bandwidth)"))
     dense = base.get(("tree", "dense masked [cache ; tree]"))
-    one = base.get(("decode", "pallas"))
+    one = base.get(("decode", "triton"))
     if "error" in row:
       rows.append([row["length"], row["nodes"], row["name"], "error", "", "", "", row["error"][:60]])
       continue
@@ -214,7 +216,7 @@ def main(argv=None) -> int:
   )
   print(
     format_table(
-      ["cache", "n", "implementation", "us/call", "GB/s (cache K,V)", "speed-up vs dense", "/ pallas n=1", "/ read"],
+      ["cache", "n", "implementation", "us/call", "GB/s (cache K,V)", "speed-up vs dense", "/ triton n=1", "/ read"],
       rows,
     )
   )

@@ -15,8 +15,8 @@ from castle_jax.ops import backend
 from castle_jax.ops.attention import causal_attention
 from castle_jax.ops.castle import castle_attention, decode_step, init_cache, prefill
 from castle_jax.ops.power import append_tokens, init_cache as power_init_cache, power_attention, resolve
-from pallas_kernels.castle import CastleDecodeConfig, CastleKernelConfig
-from pallas_kernels.power import PowerKernelConfig
+from pallas_kernels.castle import CastleDecodeConfig, CastleMosaicConfig, CastleTritonConfig
+from pallas_kernels.power import PowerTritonConfig
 from helpers import assert_close
 
 
@@ -76,31 +76,31 @@ def test_explicit_choices_that_cannot_run_raise():
     r"needs a CUDA GPU.*Alternatives",
   ):
     causal_attention(x, x, x, implementation="cudnn")
-  with pytest.raises(ValueError, match=r"power_attention: implementation='pallas' cannot run: .*p=2 only"):
-    power_attention(x, x, x, p=4, chunk_size=64, implementation="pallas")
+  with pytest.raises(ValueError, match=r"power_attention: implementation='triton' cannot run: .*p=2 only"):
+    power_attention(x, x, x, p=4, chunk_size=64, implementation="triton")
 
 
 def test_castle_decode_falls_back_with_a_log_and_raises_when_asked(monkeypatch, caplog):
-  """Head dim 24: the Pallas decoding kernel takes powers of two only."""
+  """Head dim 24: the decoding kernel takes powers of two only."""
   cache = init_cache(1, 8, 2, 24, jnp.float32)
   prompt = [_normal(i, (1, 3, 2, 24)) for i in range(6)]
   _, cache = prefill(cache, *prompt, implementation="xla")
   token = [x[:, :1] for x in prompt]
-  with pytest.raises(ValueError, match="decode_step: implementation='pallas' cannot run: .*power-of-two head dims"):
-    decode_step(cache, *token, implementation="pallas")
+  with pytest.raises(ValueError, match="decode_step: implementation='triton' cannot run: .*power-of-two head dims"):
+    decode_step(cache, *token, implementation="triton")
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # where the default would take the kernel
   with caplog.at_level(logging.DEBUG, logger="castle_jax.ops.backend"):
     decode_step(cache, *token)
-  assert "decode_step: implementation=None -> 'xla' (skipped pallas: the Pallas decoding kernel takes" in caplog.text
+  assert "decode_step: implementation=None -> 'xla' (skipped triton: the decoding kernel takes" in caplog.text
 
 
 def test_power_prefill_respects_the_implementation():
   """Like CASTLE's, the power prefill runs the implementation it is given (not always XLA)."""
   q, k, v = (_normal(i, (1, 6, 2, 16)) for i in range(3))
   cache = power_init_cache(1, 2, 16)
-  with pytest.raises(ValueError, match="power_attention: implementation='pallas' cannot run: .*multiple of 64"):
-    append_tokens(cache, q, k, v, chunk_size=4, implementation="pallas")
-  out, _ = append_tokens(cache, q, k, v, implementation="pallas")  # the kernels' chunk (clipped to 6 tokens)
+  with pytest.raises(ValueError, match="power_attention: implementation='triton' cannot run: .*multiple of 64"):
+    append_tokens(cache, q, k, v, chunk_size=4, implementation="triton")
+  out, _ = append_tokens(cache, q, k, v, implementation="triton")  # the kernels' chunk (clipped to 6 tokens)
   expected, _ = append_tokens(cache, q, k, v, implementation="reference")
   assert_close(out, expected)
 
@@ -109,7 +109,7 @@ def test_power_flop_count_follows_the_chunk_that_runs(monkeypatch):
   """On a GPU, p=2 with head dim 32 runs the kernels (chunk 1024); p=4 runs XLA with chunk 128."""
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   base = dict(vocab_size=64, d_model=128, n_layers=2, n_heads=4, attention="power")
-  for p, implementation, chunk in ((2, "pallas", 1024), (4, "xla", 128)):
+  for p, implementation, chunk in ((2, "triton", 1024), (4, "xla", 128)):
     config = ModelConfig(**base, attention_kwargs=(("p", p),))
     assert resolve(None, None, p=p, head_dim=32, value_dim=32, dtype=jnp.bfloat16) == (implementation, chunk)
     assert power_layer.training_chunk_size(config) == chunk
@@ -121,14 +121,29 @@ def test_power_flop_count_follows_the_chunk_that_runs(monkeypatch):
   assert power_layer.core_flops_per_token(config, 4096) < power_layer.core_flops_per_token(larger, 4096)
 
 
-def test_model_config_checks_the_implementation_against_the_attention():
+@pytest.mark.parametrize(
+  "attention, implementation, match",
+  [
+    (
+      "castle",
+      "cudnn",
+      r"^model.attention_impl='cudnn' is not an implementation of attention 'castle'; choose one of "
+      r"\('reference', 'xla', 'triton', 'mosaic'\)",
+    ),
+    (
+      "castle",
+      "pallas",
+      r"^attention 'castle': model.attention_impl='pallas' is now 'triton' or 'mosaic' "
+      r"\(None picks the fastest that runs here\)$",
+    ),
+    ("power", "pallas", r"model.attention_impl='pallas' is now 'triton' \("),
+    ("mha", "pallas", r"model.attention_impl='pallas' is gone"),
+  ],
+)
+def test_model_config_checks_the_implementation_against_the_attention(attention, implementation, match):
   base = dict(vocab_size=64, d_model=32, n_layers=1, n_heads=2)
-  with pytest.raises(
-    ValueError,
-    match=r"model.attention_impl='cudnn' is not an implementation of attention "
-    r"'castle'; choose one of \('reference', 'xla', 'pallas'\)",
-  ):
-    ModelConfig(**base, attention="castle", attention_impl="cudnn")
+  with pytest.raises(ValueError, match=match):
+    ModelConfig(**base, attention=attention, attention_impl=implementation)
   assert ModelConfig(**base, attention="mha", attention_impl="cudnn").attention_impl == "cudnn"
 
 
@@ -136,13 +151,13 @@ def test_model_config_checks_the_implementation_against_the_attention():
   "cls, text, expected",
   [
     (
-      CastleKernelConfig,
+      CastleTritonConfig,
       "block_q=64, block_k=32,bwd_num_stages=2",
-      CastleKernelConfig(block_q=64, block_k=32, bwd_num_stages=2),
+      CastleTritonConfig(block_q=64, block_k=32, bwd_num_stages=2),
     ),
     (CastleDecodeConfig, "block_rows=64,splits=none", CastleDecodeConfig(block_rows=64, splits=None)),
-    (PowerKernelConfig, "block_t=32,num_stages=2", PowerKernelConfig(block_t=32, num_stages=2)),
-    (PowerKernelConfig, "", PowerKernelConfig()),
+    (PowerTritonConfig, "block_t=32,num_stages=2", PowerTritonConfig(block_t=32, num_stages=2)),
+    (PowerTritonConfig, "", PowerTritonConfig()),
   ],
 )
 def test_kernel_configs_parse_from_key_value_strings(cls, text, expected):
@@ -150,10 +165,10 @@ def test_kernel_configs_parse_from_key_value_strings(cls, text, expected):
 
 
 def test_kernel_config_strings_name_the_bad_key():
-  with pytest.raises(ValueError, match=r"CastleKernelConfig has no key 'blockq'.*known keys: \['block_q'"):
-    CastleKernelConfig.from_string("blockq=64")
+  with pytest.raises(ValueError, match=r"CastleTritonConfig has no key 'blockq'.*known keys: \['block_q'"):
+    CastleTritonConfig.from_string("blockq=64")
   with pytest.raises(ValueError, match=r"'64' is not key=value"):
-    PowerKernelConfig.from_string("64")
+    PowerTritonConfig.from_string("64")
   with pytest.raises(ValueError, match="model.attention_kwargs.kernel_config: 'block_t=48'.*block_t must be a power"):
     ModelConfig(
       vocab_size=64,
@@ -166,26 +181,32 @@ def test_kernel_config_strings_name_the_bad_key():
 
 
 def test_kernel_configs_reach_the_ops(monkeypatch):
-  """model.attention_kwargs.kernel_config is parsed once and passed to the op."""
+  """model.attention_kwargs.kernel_config is parsed once, into the config type of
+  model.attention_impl, and passed to the op."""
   from castle_jax.layers import castle as castle_layer
 
   seen = {}
 
-  def spy(*args, pallas_config=None, **kwargs):
-    seen["config"] = pallas_config
-    return castle_attention(*args, **kwargs)
+  def spy(*args, kernel_config=None, implementation=None, **kwargs):
+    seen["config"], seen["implementation"] = kernel_config, implementation
+    return castle_attention(*args, implementation="xla", **kwargs)
 
   monkeypatch.setattr(castle_layer, "castle_attention", spy)
   from castle_jax.models import build_model
 
-  config = ModelConfig(
-    vocab_size=64,
-    d_model=32,
-    n_layers=1,
-    n_heads=2,
-    dtype="float32",
-    attention="castle",
-    attention_kwargs=(("kernel_config", "block_q=16,block_k=16"),),
-  )
+  base = dict(vocab_size=64, d_model=32, n_layers=1, n_heads=2, dtype="float32", attention="castle")
+  config = ModelConfig(**base, attention_impl="triton", attention_kwargs=(("kernel_config", "block_q=16,block_k=16"),))
   build_model(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
-  assert seen["config"] == CastleKernelConfig(block_q=16, block_k=16)
+  assert seen == {"config": CastleTritonConfig(block_q=16, block_k=16), "implementation": "triton"}
+  mosaic = ModelConfig(**base, attention_impl="mosaic", attention_kwargs=(("kernel_config", "block_q=64"),))
+  assert mosaic.options.kernel_config == CastleMosaicConfig()
+  # Without model.attention_impl the string's type is unknown: CASTLE has two kernel configs.
+  with pytest.raises(
+    ValueError,
+    match=r"model.attention_kwargs.kernel_config needs model.attention_impl set to one of \('triton', 'mosaic'\)",
+  ):
+    ModelConfig(**base, attention_kwargs=(("kernel_config", "block_q=16"),))
+  with pytest.raises(ValueError, match=r"model.attention_impl='xla' takes none: drop it"):
+    ModelConfig(**base, attention_impl="xla", attention_kwargs=(("kernel_config", "block_q=16"),))
+  with pytest.raises(ValueError, match=r"CastleMosaicConfig.block_q must be 64"):
+    ModelConfig(**base, attention_impl="mosaic", attention_kwargs=(("kernel_config", "block_q=16"),))

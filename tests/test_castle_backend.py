@@ -1,11 +1,14 @@
-"""The Pallas backend choice of CASTLE training attention (`CastleKernelConfig.backend`).
+"""How CASTLE picks its implementation: "reference", "xla", "triton" or "mosaic", or None for
+the fastest that runs here (`castle_jax.ops.castle.api`).
 
-The config's validation and parsing; `choose_backend` with the device's compute
-capability faked (Hopper follows the table of cases measured faster, other GPUs get
-Triton, an explicit "mosaic" on inputs the Mosaic kernels cannot take raises naming
-why); the routing of `castle_attention(implementation="pallas")` with both kernel
-paths stubbed; and one real run of the Mosaic kernels through `castle_attention` in GPU
-interpret mode, output and all six gradients against the blockwise XLA path in float32.
+The default with the device faked (a Hopper GPU follows the table of cases where the Mosaic
+kernels measured faster and logs once why it passes over them elsewhere, other GPUs get
+Triton, CPUs XLA); an explicit "mosaic" on inputs or a device the Mosaic kernels cannot take
+raises naming why; a kernel config picks (or must match) its implementation; the names
+before the kernels were named by backend fail with the new spelling; the routing of
+`castle_attention` with both kernel paths stubbed; and one real run of the Mosaic kernels
+through `castle_attention` in GPU interpret mode, output and all six gradients against the
+blockwise XLA path in float32.
 """
 
 import logging
@@ -15,10 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from castle_jax.ops.castle import castle_attention
+from castle_jax.ops import backend
+from castle_jax.ops.castle import api, castle_attention, decode_step, init_cache, prefill
 from helpers import rel_err
-from pallas_kernels.castle import CastleKernelConfig, attention, backend
-from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
+from pallas_kernels import device_facts
+from pallas_kernels.castle import CastleMosaicConfig, CastleTritonConfig
 
 # The Mosaic backward test's random inputs (six bf16 tensors and a cotangent).
 from test_castle_mosaic_backward import _NAMES, _inputs
@@ -28,11 +32,12 @@ AMPERE = "8.0"
 
 
 @pytest.fixture
-def capability(monkeypatch):
-  """Fakes the device's compute capability: capability(value)."""
+def device(monkeypatch):
+  """Fakes a GPU of a compute capability: device(capability)."""
 
-  def fake(value):
-    monkeypatch.setattr(backend, "compute_capability", lambda: value)
+  def fake(capability):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(device_facts, "compute_capability", lambda: capability)
 
   return fake
 
@@ -42,67 +47,56 @@ def measured_faster(monkeypatch):
   """Fills the table of cases where Mosaic measured faster: measured_faster(*cases)."""
 
   def fill(*cases):
-    monkeypatch.setattr(backend, "MOSAIC_FASTER_CASES", frozenset(cases))
+    monkeypatch.setattr(api, "MOSAIC_FASTER_CASES", frozenset(cases))
 
   return fill
 
 
-def _choose(backend_name="auto", dtype=jnp.bfloat16, head_dim=128, window=None, interpret=False, **config):
-  return backend.choose_backend(
-    CastleKernelConfig(backend=backend_name, **config),
-    dtype=dtype,
-    head_dim=head_dim,
-    window=window,
-    interpret=interpret,
-  )
+def _choose(requested=None, dtype=jnp.bfloat16, head_dim=128, window=None, kernel_config=None):
+  table = api.implementations(dtype, head_dim, window)
+  return backend.choose("castle_attention", requested, table, api.DEFAULT_ORDER, kernel_config=kernel_config)
 
 
-def test_config_rejects_unknown_backends():
-  with pytest.raises(
-    ValueError, match=r"CastleKernelConfig.backend must be one of \('auto', 'triton', 'mosaic'\), got 'cuda'"
-  ):
-    CastleKernelConfig(backend="cuda")
-
-
-def test_config_parses_the_backend_from_a_string():
-  config = CastleKernelConfig.from_string("backend=mosaic, block_q=64")
-  assert config == CastleKernelConfig(backend="mosaic", block_q=64)
-  assert config.mosaic_config == CastleMosaicConfig()
-  assert CastleKernelConfig.from_string("block_q=64").backend == "auto"
-  with pytest.raises(ValueError, match="backend must be one of"):
-    CastleKernelConfig.from_string("backend=Mosaic")
-
-
-def test_auto_on_hopper_follows_the_table(capability, measured_faster):
-  capability(HOPPER)
-  assert _choose() == "triton"  # the table is empty until Mosaic measures faster
+def test_the_default_on_hopper_follows_the_table(device, measured_faster):
+  device(HOPPER)
+  measured_faster()
+  assert _choose() == "triton"
   measured_faster((128, "bfloat16", False))
   assert _choose() == "mosaic"
   assert _choose(window=512) == "triton"  # CASTLE-SWL is another case
   assert _choose(dtype=jnp.float16) == "triton"
-  assert _choose(backend_name="triton") == "triton"  # an explicit choice is not overridden
-  # A listed case Mosaic cannot take stays on Triton.
-  assert _choose(head_dim=96) == "triton"
+  assert _choose("triton") == "triton"  # an explicit choice is not overridden
+  assert _choose(kernel_config=CastleTritonConfig()) == "triton"  # nor is the config's implementation
 
 
-def test_auto_off_hopper_is_triton(capability, measured_faster):
+def test_the_shipped_table_takes_mosaic_where_it_measured_faster(device):
+  device(HOPPER)
+  assert _choose(window=512) == "mosaic" and _choose(head_dim=64) == "mosaic"
+  assert _choose() == "triton"  # head dim 128 without a window
+  # Inputs the Mosaic kernels cannot take stay on Triton.
+  assert _choose(head_dim=96, window=512) == "triton"
+  assert _choose(dtype=jnp.float32, head_dim=64) == "triton"
+
+
+def test_the_default_off_hopper_is_triton(device, measured_faster):
   measured_faster((128, "bfloat16", False))
-  for value in (AMPERE, "10.0", None):
-    capability(value)
-    assert _choose() == "triton", value
+  for capability in (AMPERE, "10.0", None):
+    device(capability)
+    assert _choose() == "triton", capability
 
 
-def test_auto_logs_once_why_triton_runs_on_hopper(capability, caplog):
-  capability(HOPPER)
-  backend._log_once.cache_clear()
+def test_the_default_logs_once_why_it_passes_over_mosaic(device, measured_faster, caplog):
+  device(HOPPER)
+  measured_faster()
+  backend.log_once.cache_clear()
   with caplog.at_level(logging.INFO, logger=backend.__name__):
     for _ in range(2):
       _choose()
-    _choose(dtype=jnp.float32)
-  messages = [record.getMessage() for record in caplog.records]
+    _choose(head_dim=64)
+  messages = [record.getMessage() for record in caplog.records if record.levelno == logging.INFO]
   assert len(messages) == 2, messages
-  assert "runs the Triton kernels" in messages[0] and "not measured faster" in messages[0]
-  assert "bfloat16 or float16 inputs, got float32" in messages[1]
+  assert "castle_attention: implementation=None passes over 'mosaic': not measured faster" in messages[0]
+  assert "head_dim 128" in messages[0] and "head_dim 64" in messages[1]
 
 
 @pytest.mark.parametrize(
@@ -112,27 +106,69 @@ def test_auto_logs_once_why_triton_runs_on_hopper(capability, caplog):
     (dict(dtype=jnp.float32), "bfloat16 or float16 inputs, got float32"),
   ],
 )
-def test_mosaic_rejects_inputs_it_cannot_take(capability, change, match):
-  capability(HOPPER)
-  with pytest.raises(ValueError, match=r"backend='mosaic' cannot run: .*" + match):
+def test_mosaic_rejects_inputs_it_cannot_take(device, change, match):
+  device(HOPPER)
+  with pytest.raises(ValueError, match=r"implementation='mosaic' cannot run: .*" + match):
     _choose("mosaic", **change)
 
 
-def test_mosaic_needs_hopper_unless_interpreted(capability):
-  capability(AMPERE)
+def test_mosaic_needs_hopper_unless_interpreted(device):
+  device(AMPERE)
   with pytest.raises(
     ValueError,
-    match=r"need a Hopper GPU \(compute capability 9.x\), this is compute capability "
-    r"8.0; use CastleKernelConfig\(backend='triton'\)",
+    match=r"need a Hopper GPU \(compute capability 9.x\), this is compute capability 8.0; use implementation='triton'",
   ):
     _choose("mosaic")
-  assert _choose("mosaic", interpret=True) == "mosaic"
-  capability(HOPPER)
+  device(HOPPER)
   assert _choose("mosaic") == "mosaic"
 
 
+def test_mosaic_runs_anywhere_in_interpret_mode():
+  assert jax.default_backend() == "cpu"
+  assert _choose("mosaic") == "mosaic"
+  assert _choose() == "xla"  # the kernels are a default on a GPU only
+
+
 @pytest.mark.parametrize(
-  "value, table, expected",
+  "kwargs, match",
+  [
+    (
+      dict(implementation="mosaic", kernel_config=CastleTritonConfig()),
+      r"^castle_attention: kernel_config for implementation='mosaic' must be a CastleMosaicConfig \(or None\), "
+      r"got a CastleTritonConfig$",
+    ),
+    (
+      dict(implementation="xla", kernel_config=CastleMosaicConfig()),
+      r"implementation='xla' takes no kernel_config, got a CastleMosaicConfig",
+    ),
+    (
+      dict(kernel_config="block_q=64"),
+      r"kernel_config must be one of \['CastleMosaicConfig', 'CastleTritonConfig'\] \(or None\)",
+    ),
+    # The spellings from before the kernels were named by backend.
+    (
+      dict(implementation="pallas"),
+      r"^castle_attention: implementation='pallas' is now 'triton' or 'mosaic' "
+      r"\(None picks the fastest that runs here\)$",
+    ),
+    (dict(pallas_config=CastleTritonConfig()), r"^castle_attention: pallas_config= is now kernel_config= "),
+  ],
+)
+def test_bad_kernel_configs_and_old_spellings_name_the_fix(kwargs, match):
+  inputs, _ = _inputs(0, (1, 8, 1, 64))
+  with pytest.raises(ValueError, match=match):
+    castle_attention(*inputs, **kwargs)
+
+
+def test_a_backend_field_names_the_implementation():
+  with pytest.raises(
+    ValueError, match=r"CastleTritonConfig has no key 'backend' .*implementation='triton' or 'mosaic'"
+  ):
+    CastleTritonConfig.from_string("backend=mosaic")
+
+
+@pytest.mark.parametrize(
+  "capability, table, expected",
   [
     (HOPPER, [(64, "bfloat16", True)], "mosaic"),
     (HOPPER, [], "triton"),
@@ -140,10 +176,10 @@ def test_mosaic_needs_hopper_unless_interpreted(capability):
   ],
 )
 def test_castle_attention_routes_to_the_chosen_kernels(
-  monkeypatch, capability, measured_faster, value, table, expected
+  monkeypatch, device, measured_faster, capability, table, expected
 ):
-  """Both kernel paths stubbed: which one runs, with what, under backend="auto"."""
-  capability(value)
+  """Both kernel paths stubbed: which one the default runs, and with what."""
+  device(capability)
   measured_faster(*table)
   calls = []
 
@@ -154,20 +190,17 @@ def test_castle_attention_routes_to_the_chosen_kernels(
 
     return run
 
-  monkeypatch.setattr(attention, "castle_attention_mosaic", stub("mosaic"))
-  monkeypatch.setattr(attention, "castle_attention_triton", stub("triton"))
+  monkeypatch.setattr(api, "castle_attention_mosaic", stub("mosaic"))
+  monkeypatch.setattr(api, "castle_attention_triton", stub("triton"))
   inputs, _ = _inputs(0, (1, 8, 1, 64))
-  castle_attention(*inputs, window=3, implementation="pallas", pallas_config=CastleKernelConfig(block_q=16))
+  castle_attention(*inputs, window=3)
   assert [name for name, _ in calls] == [expected]
-  if expected == "mosaic":
-    assert calls[0][1]["config"] == CastleMosaicConfig() and calls[0][1]["window"] == 3
-  else:
-    assert calls[0][1]["config"] == CastleKernelConfig(block_q=16)
+  assert calls[0][1]["config"] is None and calls[0][1]["window"] == 3 and calls[0][1]["interpret"] is False
 
 
-def test_mosaic_backend_through_castle_attention_matches_xla(monkeypatch):
-  """The Mosaic kernels run (interpret mode) when asked for, and their output and
-  gradients match the blockwise XLA path in float32."""
+def test_mosaic_through_castle_attention_matches_xla(monkeypatch):
+  """The Mosaic kernels run (interpret mode) when asked for, with the config given, and
+  their output and gradients match the blockwise XLA path in float32."""
   shape, window = (1, 100, 2, 64), None  # 100 tokens: a ragged last block of 64
   inputs, cotangent = _inputs(11, shape)
   configs = []
@@ -176,14 +209,14 @@ def test_mosaic_backend_through_castle_attention_matches_xla(monkeypatch):
     configs.append(config)
     return castle_attention_mosaic(*args, config=config, **kwargs)
 
-  castle_attention_mosaic = attention.castle_attention_mosaic
-  monkeypatch.setattr(attention, "castle_attention_mosaic", spy)
-  config = CastleKernelConfig(backend="mosaic")
+  castle_attention_mosaic = api.castle_attention_mosaic
+  monkeypatch.setattr(api, "castle_attention_mosaic", spy)
+  config = CastleMosaicConfig()
   out, vjp = jax.vjp(
-    lambda *a: castle_attention(*a, window=window, implementation="pallas", pallas_config=config), *inputs
+    lambda *a: castle_attention(*a, window=window, implementation="mosaic", kernel_config=config), *inputs
   )
   grads = vjp(cotangent)
-  assert configs == [CastleMosaicConfig()]
+  assert configs == [config]
 
   f32 = tuple(x.astype(jnp.float32) for x in inputs)
   with jax.default_matmul_precision("highest"):
@@ -197,3 +230,21 @@ def test_mosaic_backend_through_castle_attention_matches_xla(monkeypatch):
     assert np.isfinite(grad).all(), f"d{name} has unwritten or non-finite elements"
     error = rel_err(grad, ref)
     assert error < 1e-2, f"d{name}: relative error {error:.3g}"
+
+
+def test_mosaic_prefill_fills_the_cache_as_the_blockwise_prefill_does():
+  """implementation="mosaic" prefills with the Mosaic forward (its final D is U^L), and a
+  decoding step then runs the Triton decoding kernel."""
+  shape, window = (1, 100, 2, 64), 40
+  inputs, _ = _inputs(12, shape)
+  cache = init_cache(1, 104, 2, 64, jnp.bfloat16, window)
+  out, filled = prefill(cache, *inputs, implementation="mosaic")
+  f32 = tuple(x.astype(jnp.float32) for x in inputs)
+  with jax.default_matmul_precision("highest"):
+    ref_out, ref_filled = prefill(init_cache(1, 104, 2, 64, jnp.float32, window), *f32, implementation="xla")
+  assert out.dtype == jnp.bfloat16 and rel_err(out.astype(jnp.float32), ref_out) < 1e-2
+  assert rel_err(filled.lookahead_keys.astype(jnp.float32), ref_filled.lookahead_keys) < 1e-2
+  assert int(filled.length) == 100
+  token = tuple(x[:, :1] for x in _inputs(13, (1, 1, 2, 64))[0])
+  stepped = {name: decode_step(filled, *token, implementation=name) for name in ("mosaic", "triton")}
+  assert rel_err(stepped["mosaic"][0].astype(jnp.float32), stepped["triton"][0].astype(jnp.float32)) == 0.0

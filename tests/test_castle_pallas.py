@@ -14,11 +14,11 @@ import pytest
 
 from castle_jax.ops.castle import castle_attention, castle_parallel, init_cache, prefill
 from helpers import rel_err
-from pallas_kernels.castle import CastleKernelConfig, castle_attention_pallas, kernels, ops
+from pallas_kernels.castle import CastleTritonConfig, castle_attention_triton, kernels, ops
 
 SHAPE = (2, 45, 3, 24)  # 45 tokens: a ragged last block; head dim 24 padded to 32
-SMALL = CastleKernelConfig(block_q=16, block_k=16, bwd_block_q=16, bwd_block_k=16)
-UNEQUAL = CastleKernelConfig(block_q=16, block_k=32, bwd_block_q=32, bwd_block_k=16)
+SMALL = CastleTritonConfig(block_q=16, block_k=16, bwd_block_q=16, bwd_block_k=16)
+UNEQUAL = CastleTritonConfig(block_q=16, block_k=32, bwd_block_q=32, bwd_block_k=16)
 
 
 pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
@@ -31,8 +31,8 @@ def _inputs(seed, shape=SHAPE, dtype=jnp.float32, scales=(1.0,) * 6):
 
 
 def _kernels(*inputs, **kwargs):
-  """castle_attention_pallas with the op's score scale 1/sqrt(head_dim)."""
-  return castle_attention_pallas(*inputs, scale=inputs[0].shape[-1] ** -0.5, **kwargs)
+  """castle_attention_triton with the op's score scale 1/sqrt(head_dim)."""
+  return castle_attention_triton(*inputs, scale=inputs[0].shape[-1] ** -0.5, **kwargs)
 
 
 def _value_and_grads(fn, inputs, cotangent):
@@ -119,7 +119,7 @@ def test_score_overflow_falls_back_to_the_row_maximum():
 
 def test_entry_point_dispatches_to_the_kernels():
   inputs, _ = _inputs(seed=6, shape=(1, 20, 1, 16))
-  out = castle_attention(*inputs, implementation="pallas", pallas_config=SMALL)
+  out = castle_attention(*inputs, implementation="triton", kernel_config=SMALL)
   assert rel_err(out, castle_parallel(*inputs)) < 1e-5
 
 
@@ -133,7 +133,7 @@ def test_entry_point_dispatches_to_the_kernels():
 )
 def test_bad_kernel_config(kwargs, match):
   with pytest.raises(ValueError, match=match):
-    CastleKernelConfig(**kwargs)
+    CastleTritonConfig(**kwargs)
 
 
 def test_bad_inputs_name_the_argument():
@@ -143,9 +143,9 @@ def test_bad_inputs_name_the_argument():
       _kernels(*(np.asarray(x, np.float64) for x in inputs))
   # Shapes and the window are checked by the op's entry point, before the kernels run.
   with pytest.raises(ValueError, match="k_c has shape"):
-    castle_attention(*inputs[:4], inputs[4][:, :4], inputs[5], implementation="pallas")
+    castle_attention(*inputs[:4], inputs[4][:, :4], inputs[5], implementation="triton")
   with pytest.raises(ValueError, match="window"):
-    castle_attention(*inputs, window=0, implementation="pallas")
+    castle_attention(*inputs, window=0, implementation="triton")
 
 
 @pytest.mark.parametrize("window", [None, 3])
@@ -153,7 +153,7 @@ def test_prefill_with_the_kernel_fills_the_same_cache(window):
   """The kernel's final D is U^L: prefill through it equals the blockwise prefill."""
   inputs, _ = _inputs(seed=8, shape=(1, 20, 2, 16))
   cache = init_cache(1, 24, 2, 16, jnp.float32, window)
-  out, filled = prefill(cache, *inputs, implementation="pallas")
+  out, filled = prefill(cache, *inputs, implementation="triton")
   ref_out, ref_filled = prefill(cache, *inputs, implementation="xla", block_size=8)
   assert rel_err(out, ref_out) < 1e-5
   for name in ("lookahead_keys", "lookahead_queries", "causal_keys", "causal_values"):

@@ -33,7 +33,7 @@ def _inputs(seed, shape=SHAPE, dtype=jnp.float32):
 
 
 def _pallas_step(config=CONFIG):
-  return jax.jit(lambda cache, *token: decode_step(cache, *token, implementation="pallas", pallas_config=config))
+  return jax.jit(lambda cache, *token: decode_step(cache, *token, implementation="triton", kernel_config=config))
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -107,10 +107,10 @@ def test_append_tokens_passes_the_implementation_on():
   cache = init_cache(batch, CAPACITY, heads, head_dim, jnp.float32)
   _, cache = prefill(cache, *(x[:, :10] for x in inputs))
   text = str(
-    jax.make_jaxpr(lambda c, *a: append_tokens(c, *a, implementation="pallas"))(cache, *(x[:, 10:12] for x in inputs))
+    jax.make_jaxpr(lambda c, *a: append_tokens(c, *a, implementation="triton"))(cache, *(x[:, 10:12] for x in inputs))
   )
   assert "castle_decode" in text
-  out, cache = append_tokens(cache, *(x[:, 10:12] for x in inputs), implementation="pallas")
+  out, cache = append_tokens(cache, *(x[:, 10:12] for x in inputs), implementation="triton")
   assert rel_err(out, castle_parallel(*inputs)[:, 10:12]) < 1e-5
 
 
@@ -135,7 +135,7 @@ def test_bad_input():
   inputs = _inputs(seed=8, shape=(1, 2, 2, 24))
   cache = init_cache(1, 4, 2, 24, jnp.float32)
   with pytest.raises(ValueError, match="power-of-two head dims"):
-    decode_step(cache, *(x[:, :1] for x in inputs), implementation="pallas")
+    decode_step(cache, *(x[:, :1] for x in inputs), implementation="triton")
   # Unset, the same head dim runs the XLA step on a GPU; on CPU it is XLA anyway.
   out, _ = decode_step(cache, *(x[:, :1] for x in inputs))
   assert out.shape == (1, 1, 2, 24)

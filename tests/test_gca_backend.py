@@ -1,24 +1,25 @@
-"""The Pallas backend choice of GCA (`GcaKernelConfig.backend`, `pallas_kernels.gca.backend`).
+"""How GCA picks its implementation: "reference", "xla", "triton" or "mosaic", or None for
+the fastest that runs here (`castle_jax.ops.gca.api`).
 
-The config's validation and parsing; `choose_backend` with the device's compute capability
-faked (Hopper runs Mosaic where its kernels take the inputs, other GPUs and CPUs get Triton;
-an explicit "mosaic" that cannot run raises naming why; "auto" passing over Mosaic on Hopper
-logs why, once); and runs through `castle_jax.ops.gca.gca_attention(implementation="pallas")`
-in GPU interpret mode, with the Mosaic kernels spied on and the Triton kernels made to fail:
-output and all four gradients against autodiff of the XLA path in float32; and the compiled
-(not interpreted) path lowered for an H100, where "auto" on Hopper holds only Mosaic kernels.
+The default with the device faked (a Hopper GPU runs Mosaic where its kernels take the
+inputs, other GPUs and CPUs do not; the Mosaic kernels accept sizes only they take); an
+explicit "mosaic" that cannot run raises naming why; and runs through
+`castle_jax.ops.gca.gca_attention(implementation="mosaic")` in GPU interpret mode, with the
+Mosaic kernels spied on and the Triton kernels made to fail: output and all four gradients
+against autodiff of the XLA path in float32; and the compiled (not interpreted) default
+lowered for an H100, where Hopper holds only Mosaic kernels.
 """
-
-import logging
 
 import jax
 from jax.sharding import AbstractDevice, AbstractMesh
 import jax.numpy as jnp
 import pytest
 
-from castle_jax.ops.gca import gca_attention
+from castle_jax.ops import backend
+from castle_jax.ops.gca import api, gca_attention
 from helpers import rel_err
-from pallas_kernels.gca import GcaKernelConfig, backend, gca_attention_pallas, kernels, mosaic_attention
+from pallas_kernels import device_facts
+from pallas_kernels.gca import GcaMosaicConfig, GcaTritonConfig, kernels, mosaic_attention
 from pallas_kernels.gca.ops import unsupported_reason
 from test_gca_mosaic import gca_inputs
 
@@ -29,76 +30,63 @@ DRT = dict(dtype=jnp.bfloat16, head_dim=64, chunk_len=63, query_len=64, heads=12
 
 
 @pytest.fixture
-def capability(monkeypatch):
-  """Fakes the device's compute capability: capability(value)."""
+def device(monkeypatch):
+  """Fakes a GPU of a compute capability: device(capability)."""
 
-  def fake(value):
-    monkeypatch.setattr(backend, "compute_capability", lambda: value)
+  def fake(capability):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(device_facts, "compute_capability", lambda: capability)
 
   return fake
 
 
-def _choose(backend_name="auto", interpret=False, mosaic_stages=2, **changes):
-  return backend.choose_backend(
-    GcaKernelConfig(backend=backend_name, mosaic_stages=mosaic_stages), **dict(DRT, interpret=interpret, **changes)
-  )
+def _choose(requested=None, kernel_config=None, **changes):
+  sizes = dict(DRT, **changes)
+  q = jax.ShapeDtypeStruct((1, 2 * sizes["query_len"], sizes["heads"], sizes["head_dim"]), sizes["dtype"])
+  chunk_k = jax.ShapeDtypeStruct((1, 3, sizes["chunk_len"], sizes["kv_heads"], sizes["head_dim"]), sizes["dtype"])
+  table = api.implementations(q, chunk_k, kernel_config, 2, sizes["top_k"])
+  return backend.choose("gca_attention", requested, table, api.DEFAULT_ORDER, kernel_config=kernel_config)
 
 
-def test_config_validates_and_parses_the_backend():
-  assert GcaKernelConfig().backend == "auto" and GcaKernelConfig().mosaic_stages == 2
-  assert GcaKernelConfig.from_string("backend=mosaic,mosaic_stages=3") == GcaKernelConfig(
-    backend="mosaic", mosaic_stages=3
-  )
-  with pytest.raises(
-    ValueError,
-    match=r"GcaKernelConfig.backend must be one of \('auto', 'triton', 'mosaic'\), "
-    r"got 'Mosaic'",
-  ):
-    GcaKernelConfig.from_string("backend=Mosaic")
-  with pytest.raises(ValueError, match="mosaic_stages must be an int >= 1, got 0"):
-    GcaKernelConfig(mosaic_stages=0)
+def test_configs_validate_and_parse():
+  assert GcaMosaicConfig().stages == 2
+  assert GcaMosaicConfig.from_string("stages=3") == GcaMosaicConfig(stages=3)
+  with pytest.raises(ValueError, match="GcaMosaicConfig.stages must be an int >= 1, got 0"):
+    GcaMosaicConfig(stages=0)
+  with pytest.raises(ValueError, match="GcaTritonConfig has no key 'backend'"):
+    GcaTritonConfig.from_string("backend=mosaic")
 
 
-def test_auto_runs_mosaic_on_hopper_where_it_takes_the_inputs(capability):
-  capability(HOPPER)
+def test_the_default_runs_mosaic_on_hopper_where_it_takes_the_inputs(device):
+  device(HOPPER)
   assert _choose() == "mosaic"
   assert _choose(dtype=jnp.float16, head_dim=128, chunk_len=64, query_len=65, heads=8, kv_heads=2) == "mosaic"
-  assert _choose(backend_name="triton") == "triton"  # an explicit choice is not overridden
-  for changes in (dict(dtype=jnp.float32), dict(head_dim=32), dict(chunk_len=65), dict(mosaic_stages=20)):
+  assert _choose("triton") == "triton"  # an explicit choice is not overridden
+  assert _choose(kernel_config=GcaTritonConfig()) == "triton"  # nor is the config's implementation
+  for changes in (dict(dtype=jnp.float32), dict(head_dim=32), dict(chunk_len=65)):
     assert _choose(**changes) == "triton", changes
+  # Mosaic past its shared memory; the config configures no other kernels.
+  assert _choose(kernel_config=GcaMosaicConfig(stages=20)) == "xla"
 
 
-def test_auto_on_hopper_accepts_what_only_the_mosaic_kernels_take(capability):
+def test_the_default_on_hopper_accepts_what_only_the_mosaic_kernels_take(device):
   """Grouped heads of 128: past the Triton memory-side kernel's shared memory, within the
-  Mosaic kernels'. The op-level check must ask the kernels that "auto" will run."""
+  Mosaic kernels'."""
   sizes = dict(head_dim=128, chunk_len=64, heads=8, kv_heads=2, dtype=jnp.bfloat16, query_len=65, top_k=4)
-  explicit = GcaKernelConfig()  # run as given: the Triton stages are not lowered to fit
-  capability(HOPPER)
-  assert unsupported_reason(**sizes, config=explicit) is None
-  assert "shared memory" in unsupported_reason(**sizes, config=GcaKernelConfig(backend="triton"))
-  capability(AMPERE)
-  assert "shared memory" in unsupported_reason(**sizes, config=explicit)
+  explicit = GcaTritonConfig()  # run as given: the Triton stages are not lowered to fit
+  assert "shared memory" in unsupported_reason(**{k: v for k, v in sizes.items() if k != "top_k"}, config=explicit)
+  device(HOPPER)
+  assert _choose(**sizes) == "mosaic"
+  device(AMPERE)  # the Triton kernels alone cannot take it
+  assert _choose(**sizes, kernel_config=explicit) == "xla"
+  with pytest.raises(ValueError, match="implementation='triton' cannot run: .*shared memory"):
+    _choose("triton", **sizes, kernel_config=explicit)
 
 
-def test_auto_off_hopper_is_triton(capability):
-  for value in (AMPERE, "10.0", None):
-    capability(value)
-    assert _choose() == "triton", value
-    assert _choose(interpret=True) == "triton", value  # interpret mode alone does not pick Mosaic
-
-
-def test_auto_logs_once_why_triton_runs_on_hopper(capability, caplog):
-  capability(HOPPER)
-  backend._log_once.cache_clear()
-  with caplog.at_level(logging.INFO, logger=backend.__name__):
-    for _ in range(2):
-      _choose(dtype=jnp.float32)
-    _choose(head_dim=32)
-    _choose()  # Mosaic runs: nothing to say
-  messages = [record.getMessage() for record in caplog.records]
-  assert len(messages) == 2, messages
-  assert "backend='auto' runs the Triton kernels on this compute capability 9.0 GPU" in messages[0]
-  assert "got dtype float32" in messages[0] and "got 32" in messages[1]
+def test_the_default_off_hopper_is_triton(device):
+  for capability in (AMPERE, "10.0", None):
+    device(capability)
+    assert _choose() == "triton", capability
 
 
 @pytest.mark.parametrize(
@@ -107,35 +95,35 @@ def test_auto_logs_once_why_triton_runs_on_hopper(capability, caplog):
     (dict(dtype=jnp.float32), "got dtype float32; cast q, chunk_k and chunk_v or use the Triton kernels"),
     (dict(head_dim=256), r"head_dim in \(64, 128\)"),
     (dict(chunk_len=128), "memory chunks of 1..64 keys"),
-    (dict(mosaic_stages=20, head_dim=128), "mosaic_stages=20 asks for about .* KiB of shared memory"),
+    (dict(head_dim=128, kernel_config=GcaMosaicConfig(stages=20)), "stages=20 asks for about .* KiB of shared memory"),
   ],
 )
-def test_explicit_mosaic_names_why_it_cannot_run(capability, changes, message):
-  capability(HOPPER)
-  with pytest.raises(ValueError, match=f"GcaKernelConfig.backend='mosaic' cannot run: .*{message}"):
-    _choose(backend_name="mosaic", **changes)
+def test_explicit_mosaic_names_why_it_cannot_run(device, changes, message):
+  device(HOPPER)
+  with pytest.raises(ValueError, match=f"gca_attention: implementation='mosaic' cannot run: .*{message}"):
+    _choose("mosaic", **changes)
 
 
-def test_explicit_mosaic_needs_hopper_unless_interpreted(capability):
-  capability(AMPERE)
+def test_explicit_mosaic_needs_hopper_unless_interpreted(device):
+  assert _choose("mosaic") == "mosaic"  # interpret mode on this CPU
+  device(AMPERE)
   with pytest.raises(
     ValueError,
-    match=r"need a Hopper GPU \(compute capability 9.x\), this is compute capability "
-    r"8.0; use GcaKernelConfig\(backend='triton'\)",
+    match=r"need a Hopper GPU \(compute capability 9.x\), this is compute capability 8.0; use implementation='triton'",
   ):
-    _choose(backend_name="mosaic")
-  assert _choose(backend_name="mosaic", interpret=True) == "mosaic"
-  assert _choose(backend_name="triton") == "triton"
+    _choose("mosaic")
+  assert _choose("triton") == "triton"
 
 
 def test_explicit_mosaic_through_the_entry_point_raises_for_what_it_cannot_take():
   sizes = dict(heads=2, kv_heads=2, head_dim=32, chunk_len=63, dtype=jnp.bfloat16)
-  mosaic = GcaKernelConfig(backend="mosaic")
-  assert "head_dim in (64, 128)" in unsupported_reason(**sizes, config=mosaic)
-  assert unsupported_reason(**sizes) is None  # the Triton kernels take it
   inputs = gca_inputs(0, batch=1, query_chunks=2, query_len=8, memory_chunks=3, top_k=2, **sizes)
   with pytest.raises(ValueError, match=r"head_dim in \(64, 128\)"):
-    gca_attention(*inputs, implementation="pallas", pallas_config=mosaic)
+    gca_attention(*inputs, implementation="mosaic")
+  with pytest.raises(ValueError, match=r"^gca_attention: implementation='pallas' is now 'triton' or 'mosaic'"):
+    gca_attention(*inputs, implementation="pallas")
+  with pytest.raises(ValueError, match=r"must be a GcaMosaicConfig \(or None\), got a GcaTritonConfig"):
+    gca_attention(*inputs, implementation="mosaic", kernel_config=GcaTritonConfig())
 
 
 @pytest.fixture
@@ -158,10 +146,10 @@ def spied_kernels(monkeypatch):
   return calls
 
 
-def test_pallas_runs_the_mosaic_kernels_and_matches_xla(spied_kernels):
-  """backend="mosaic" in interpret mode on CPU. That "auto" picks the same kernels on a
-  Hopper GPU is checked without running them (the lowering test below)."""
-  pallas_config = GcaKernelConfig(backend="mosaic")
+def test_mosaic_runs_its_kernels_and_matches_xla(spied_kernels):
+  """implementation="mosaic" in interpret mode on CPU. That the default picks the same
+  kernels on a Hopper GPU is checked without running them (the lowering test below)."""
+  kernel_config = GcaMosaicConfig()
   shape = dict(
     batch=1,
     query_chunks=2,
@@ -183,7 +171,7 @@ def test_pallas_runs_the_mosaic_kernels_and_matches_xla(spied_kernels):
     loss = lambda *a: jnp.sum(attention(*a).astype(jnp.float32) * cotangent)
     return jax.jit(attention)(*args), jax.jit(jax.grad(loss, argnums=range(4)))(*args)
 
-  out, grads = value_and_grads(differentiable, implementation="pallas", pallas_config=pallas_config)
+  out, grads = value_and_grads(differentiable, implementation="mosaic", kernel_config=kernel_config)
   assert sorted(set(spied_kernels)) == ["backward_memory_native", "backward_queries_native", "forward_native"]
   ref_out, ref_grads = value_and_grads([x.astype(jnp.float32) for x in differentiable], implementation="xla")
   assert out.dtype == jnp.bfloat16 and rel_err(out, ref_out) < 1e-2, rel_err(out, ref_out)
@@ -192,10 +180,10 @@ def test_pallas_runs_the_mosaic_kernels_and_matches_xla(spied_kernels):
 
 
 @pytest.mark.parametrize(
-  "backend_name, device, mosaic", [("auto", HOPPER, True), ("triton", HOPPER, False), ("auto", AMPERE, False)]
+  "implementation, capability, mosaic", [(None, HOPPER, True), ("triton", HOPPER, False), (None, AMPERE, False)]
 )
-def test_value_and_gradients_lower_for_an_h100(capability, backend_name, device, mosaic):
-  capability(device)
+def test_value_and_gradients_lower_for_an_h100(device, implementation, capability, mosaic):
+  device(capability)
   struct = jax.ShapeDtypeStruct
   memory = struct((1, 4, 63, 12, 64), jnp.bfloat16)
   args = (
@@ -205,12 +193,10 @@ def test_value_and_gradients_lower_for_an_h100(capability, backend_name, device,
     struct((1, 4, 8), jnp.float32),
     struct((1, 4, 8), jnp.int32),
   )
-  config = GcaKernelConfig(backend=backend_name)
 
   def value_and_grads(*args):
     def loss(*differentiable):
-      out = gca_attention_pallas(*differentiable, args[-1], scale=0.125, config=config, interpret=False)
-      return jnp.sum(out.astype(jnp.float32))
+      return jnp.sum(gca_attention(*differentiable, args[-1], implementation=implementation).astype(jnp.float32))
 
     return jax.value_and_grad(loss, argnums=range(4))(*args[:-1])
 

@@ -27,7 +27,7 @@ import pytest
 from castle_jax.ops.gca import gca_attention
 from helpers import rel_err
 from pallas_kernels.gca import kernels, mosaic_forward
-from pallas_kernels.gca.config import default_config
+from pallas_kernels.gca.config import default_triton_config
 from pallas_kernels.gca.ops import tiling_for
 
 pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
@@ -127,10 +127,10 @@ def test_interpret_matches_xla_and_triton(case):
   assert rel_err(lse[:, :, :, :query_len], reference_lse) < 1e-3, rel_err(lse[:, :, :, :query_len], reference_lse)
 
   # The Triton forward on the same padded inputs: same layout and units of the log-normalizers.
-  triton_out = jax.jit(lambda *a: gca_attention(*a, implementation="pallas"))(*inputs)
+  triton_out = jax.jit(lambda *a: gca_attention(*a, implementation="triton"))(*inputs)
   assert rel_err(out, triton_out.astype(jnp.float32)) < 1e-2
   if query_len % 64 == 0:
-    tiling = tiling_for(query_len, shape["heads"] // shape["kv_heads"], shape["chunk_len"], default_config())
+    tiling = tiling_for(query_len, shape["heads"] // shape["kv_heads"], shape["chunk_len"], default_triton_config())
     batch, seq, heads, head_dim = q.shape
     queries = q.reshape(batch, shape["query_chunks"], query_len, heads, head_dim)
     padding = ((0, 0), (0, 0), (0, 64 - shape["chunk_len"]), (0, 0), (0, 0))
@@ -143,7 +143,7 @@ def test_interpret_matches_xla_and_triton(case):
       jnp.clip(indices, 0, memory_chunks - 1),
       tiling=tiling,
       scale=scale,
-      config=default_config(),
+      config=default_triton_config(),
       interpret=True,
     )
     assert triton_lse.shape == lse.shape

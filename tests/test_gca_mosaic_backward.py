@@ -19,7 +19,7 @@ from castle_jax.ops.gca import gca_attention
 from helpers import rel_err
 from pallas_kernels.gca import kernels, mosaic_backward_queries, mosaic_forward
 from pallas_kernels.gca.mosaic_attention import gca_attention_mosaic
-from pallas_kernels.gca.config import default_config
+from pallas_kernels.gca.config import default_triton_config
 from pallas_kernels.gca.ops import tiling_for
 from test_gca_mosaic import CASES, DRT_128M, H100_SHARED_MEMORY, drt_padded_structs, gca_inputs, lower_for_hopper
 
@@ -77,9 +77,9 @@ def test_interpret_matches_triton_and_xla_gradients(case):
   assert rel_err(d_weights, ref_d_w) < 1e-2, rel_err(d_weights, ref_d_w)
 
   if query_len % 64 == 0:  # the Triton kernels' query tiles are then the same rows
-    tiling = tiling_for(query_len, shape["heads"] // shape["kv_heads"], shape["chunk_len"], default_config())
+    tiling = tiling_for(query_len, shape["heads"] // shape["kv_heads"], shape["chunk_len"], default_triton_config())
     triton = kernels.backward_queries(
-      *padded, lse, d_out_padded, tiling=tiling, scale=scale, config=default_config(), interpret=True
+      *padded, lse, d_out_padded, tiling=tiling, scale=scale, config=default_triton_config(), interpret=True
     )
     for name, ours, theirs in zip(("d_queries", "delta", "d_weights"), (d_queries, delta, d_weights), triton):
       assert rel_err(ours, theirs) < 1e-3, (name, rel_err(ours, theirs))

@@ -21,7 +21,7 @@ import pytest
 from castle_jax.ops.gca import gca_attention
 from helpers import rel_err
 from pallas_kernels.gca import kernels, mosaic_backward_memory, mosaic_backward_queries, mosaic_forward
-from pallas_kernels.gca.config import default_config
+from pallas_kernels.gca.config import default_triton_config
 from pallas_kernels.gca.mosaic_tiles import CHUNK_TILE, TILE_ROWS, pad_inputs
 from pallas_kernels.gca.pairs import retrieving_pairs
 from test_gca_mosaic import DRT_128M, H100_SHARED_MEMORY, lower_for_hopper
@@ -94,7 +94,7 @@ def _kernel_gradients(inputs, shape, stages):
     starts,
     tiling=tiling,
     scale=options["scale"],
-    config=default_config(),
+    config=default_triton_config(),
     interpret=True,
   )
   return ours, theirs

@@ -128,11 +128,11 @@ def test_zero_weights_give_zero_output_and_no_memory_gradient():
 def test_entry_point_implementations_agree_and_reject_unknown():
   inputs = _inputs(5)
   assert rel_err(gca_attention(*inputs), gca_attention(*inputs, implementation="reference")) < 1e-5
-  with pytest.raises(ValueError, match="gca_attention: unknown implementation 'mosaic'"):
-    gca_attention(*inputs, implementation="mosaic")
-  # head_dim 8: the default skips the kernels, an explicit "pallas" names why (tests/test_gca_pallas.py).
-  with pytest.raises(ValueError, match="implementation='pallas' cannot run: .*power-of-two head_dim"):
-    gca_attention(*inputs, implementation="pallas")
+  with pytest.raises(ValueError, match="gca_attention: unknown implementation 'cudnn'"):
+    gca_attention(*inputs, implementation="cudnn")
+  # head_dim 8: the default skips the kernels, an explicit "triton" names why (tests/test_gca_pallas.py).
+  with pytest.raises(ValueError, match="implementation='triton' cannot run: .*power-of-two head_dim"):
+    gca_attention(*inputs, implementation="triton")
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ from castle_jax.ops import backend
 from castle_jax.ops.gca import gca_attention
 from castle_jax.ops.gca.api import DEFAULT_ORDER, implementations
 from helpers import rel_err
-from pallas_kernels.gca import GcaKernelConfig, default_config, gca_attention_pallas
+from pallas_kernels.gca import GcaTritonConfig, default_triton_config, gca_attention_triton
 from pallas_kernels.gca import shared_memory
 from pallas_kernels.gca.ops import config_for, tiling_for, unsupported_reason
 
@@ -70,7 +70,7 @@ def _value_and_grads(attention, inputs, cotangent):
 
 
 def _check_against_reference(inputs, cotangent, tol, config=None):
-  pallas = functools.partial(gca_attention, implementation="pallas", pallas_config=config)
+  pallas = functools.partial(gca_attention, implementation="triton", kernel_config=config)
   out, grads = _value_and_grads(pallas, inputs, cotangent)
   # The reference in float32 from the same (possibly bf16-rounded) inputs.
   inputs32 = tuple(x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in inputs)
@@ -89,7 +89,7 @@ def test_grouped_heads_stacked_in_one_tile_match_the_reference():
   inputs, cotangent = _inputs(0, **GROUPED)
   inputs = _with_hard_retrievals(inputs)
   # Rows of 5 queries pad to a 16-row block; the 2 heads of a kv head share one 32-row tile.
-  assert tiling_for(5, 2, 6, GcaKernelConfig()).heads_per_program == 2
+  assert tiling_for(5, 2, 6, GcaTritonConfig()).heads_per_program == 2
   grads = _check_against_reference(inputs, cotangent, 1e-5)
   assert float(jnp.max(jnp.abs(grads[1][:, -1]))) == 0.0  # the chunk nobody retrieved
   assert float(jnp.min(jnp.abs(grads[3][:, 0, -1]))) > 0.0  # the empty slot's weight still learns
@@ -102,7 +102,7 @@ def test_several_query_blocks_and_head_blocks_match_the_reference():
   shape = dict(
     batch=1, query_chunks=2, query_len=36, heads=4, kv_heads=2, head_dim=32, memory_chunks=3, chunk_len=16, top_k=4
   )
-  config = GcaKernelConfig(block_rows=32, heads_per_program=1)
+  config = GcaTritonConfig(block_rows=32, heads_per_program=1)
   assert tiling_for(36, 2, 16, config).segments == ((0, 32, 1), (32, 16, 1))
   inputs, cotangent = _inputs(1, **shape)
   _check_against_reference(inputs, cotangent, 1e-5, config)
@@ -131,19 +131,19 @@ def test_default_takes_pallas_on_a_gpu_and_falls_back_where_it_cannot_run(monkey
 
   assert chosen(16) == "xla"  # a default on the GPU only
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  assert chosen(16) == "pallas"
+  assert chosen(16) == "triton"
   assert chosen(24) == "xla"  # not a power of two
   assert chosen(16, chunk_len=300) == "xla"  # more keys than one tile holds
-  assert chosen(16, config=GcaKernelConfig(heads_per_program=4)) == "xla"  # 4 does not divide 2 heads per kv head
+  assert chosen(16, config=GcaTritonConfig(heads_per_program=4)) == "xla"  # 4 does not divide 2 heads per kv head
   assert chosen(256, chunk_len=256, dtype=jnp.bfloat16) == "xla"  # K and V tiles alone past the shared memory
 
 
 def test_explicit_pallas_on_inputs_it_cannot_take_names_why():
   inputs, _ = _inputs(4, **{**GROUPED, "head_dim": 24})
   with pytest.raises(ValueError, match="power-of-two head_dim in \\[16, 256\\], got 24"):
-    gca_attention(*inputs, implementation="pallas")
+    gca_attention(*inputs, implementation="triton")
   with pytest.raises(ValueError, match="power-of-two head_dim"):
-    gca_attention_pallas(*inputs, scale=1.0)
+    gca_attention_triton(*inputs, scale=1.0)
 
 
 def _estimates(config, tiling, head_dim, dtype):
@@ -161,7 +161,7 @@ REFUSED_BYTES = 371204
 
 
 def test_default_config_fits_grouped_heads_at_head_dim_128_under_the_budget():
-  unfitted = default_config()
+  unfitted = default_triton_config()
   tiling = tiling_for(65, 4, 64, unfitted)
   memory_side = shared_memory.estimate("backward_memory", tiling, 128, jnp.bfloat16, unfitted.memory_num_stages)
   assert abs(memory_side - REFUSED_BYTES) < 16 * 1024  # the estimate tracks what the GPU was asked for
@@ -177,7 +177,7 @@ def test_default_config_keeps_the_drt_shape_as_it_is():
   # drt_128m: 12 heads x 64, 64-row query chunks, 63-key memory chunks (its speed was measured with these).
   for dtype in (jnp.bfloat16, jnp.float32):
     config, tiling = config_for(None, query_len=64, group=1, chunk_len=63, head_dim=64, dtype=dtype)
-    assert config == GcaKernelConfig() == default_config()
+    assert config == GcaTritonConfig() == default_triton_config()
     assert (tiling.block_q, tiling.heads_per_program, tiling.padded_chunk_len, tiling.segments) == (
       64,
       1,
@@ -188,18 +188,18 @@ def test_default_config_keeps_the_drt_shape_as_it_is():
 
 def test_explicit_config_over_the_budget_names_the_field():
   over = dict(heads=8, kv_heads=2, head_dim=128, chunk_len=64, dtype=jnp.bfloat16)
-  reason = unsupported_reason(**over, config=GcaKernelConfig(), query_len=65)
+  reason = unsupported_reason(**over, config=GcaTritonConfig(), query_len=65)
   assert "backward_memory kernel would ask for about 368 KiB" in reason
-  assert "GcaKernelConfig.memory_num_stages=1" in reason
-  assert unsupported_reason(**over, config=GcaKernelConfig(memory_num_stages=1), query_len=65) is None
+  assert "GcaTritonConfig.memory_num_stages=1" in reason
+  assert unsupported_reason(**over, config=GcaTritonConfig(memory_num_stages=1), query_len=65) is None
   # Chunks and head dims whose K and V tiles alone pass the budget: no config helps.
-  reason = unsupported_reason(**{**over, "head_dim": 256, "chunk_len": 256}, config=GcaKernelConfig(num_stages=1))
+  reason = unsupported_reason(**{**over, "head_dim": 256, "chunk_len": 256}, config=GcaTritonConfig(num_stages=1))
   assert "forward kernel" in reason and "no tiles fit" in reason
   chunks = jax.ShapeDtypeStruct((1, 2, 64, 2, 128), jnp.bfloat16)
   slots = (jax.ShapeDtypeStruct((1, 2, 1), jnp.float32), jax.ShapeDtypeStruct((1, 2, 1), jnp.int32))
   with pytest.raises(ValueError, match="memory_num_stages=2"):
     jax.eval_shape(
-      functools.partial(gca_attention_pallas, scale=1.0, config=GcaKernelConfig()),
+      functools.partial(gca_attention_triton, scale=1.0, config=GcaTritonConfig()),
       jax.ShapeDtypeStruct((1, 130, 8, 128), jnp.bfloat16),
       chunks,
       chunks,
@@ -219,7 +219,7 @@ def test_explicit_config_over_the_budget_names_the_field():
 )
 def test_bad_configs_name_the_field(text, message):
   with pytest.raises(ValueError, match=message):
-    GcaKernelConfig.from_string(text)
+    GcaTritonConfig.from_string(text)
 
 
 @pytest.mark.parametrize(
@@ -263,7 +263,7 @@ def test_bad_configs_name_the_field(text, message):
         top_k=3,
       ),
       jnp.float16,
-      GcaKernelConfig(block_rows=32, heads_per_program=2, num_stages=1, bwd_num_stages=1, memory_num_stages=1),
+      GcaTritonConfig(block_rows=32, heads_per_program=2, num_stages=1, bwd_num_stages=1, memory_num_stages=1),
     ),
   ],
 )
@@ -275,7 +275,7 @@ def test_kernels_lower_for_an_h100(shape, dtype, config):
 
   def value_and_grads(*args):
     def loss(*args):
-      out = gca_attention_pallas(*args, scale=0.125, config=config, interpret=False)
+      out = gca_attention_triton(*args, scale=0.125, config=config, interpret=False)
       return jnp.sum(out.astype(jnp.float32))
 
     return jax.value_and_grad(loss, argnums=range(4))(*args)

@@ -1,10 +1,10 @@
-"""The Pallas backend choice of `castle_attention` on a Hopper GPU (skipped without a CUDA
-GPU; the Mosaic cases skip on other GPUs).
+"""`castle_attention`'s kernel implementations on a GPU (skipped without a CUDA GPU; the
+Mosaic cases skip on GPUs other than Hopper).
 
-`implementation="pallas"` with `CastleKernelConfig(backend="mosaic")` compiles the Mosaic
-GPU kernels (checked in the lowered program) and matches the blockwise XLA path in
-float32, output and all six gradients under a random cotangent, CASTLE and CASTLE-SWL at a
-ragged length; backend "auto" runs and matches too, whichever kernels it picks.
+`implementation="mosaic"` compiles the Mosaic GPU kernels (checked in the lowered program)
+and matches the blockwise XLA path in float32, output and all six gradients under a random
+cotangent, CASTLE and CASTLE-SWL at a ragged length; the default (implementation=None) runs
+and matches too, whichever kernels it picks.
 """
 
 import jax
@@ -14,7 +14,7 @@ import pytest
 
 from castle_jax.ops.castle import castle_attention
 from helpers import rel_err
-from pallas_kernels.castle import CastleKernelConfig, backend
+from pallas_kernels.device_facts import compute_capability, is_hopper
 
 # The compiled Mosaic backward test's bf16 inputs and jitted gradients.
 from test_gpu_castle_mosaic_backward import _NAMES, _grads, _inputs
@@ -24,8 +24,8 @@ pytestmark = pytest.mark.gpu
 SHAPE = (2, 1000, 4, 128)  # 1000 tokens: a ragged last block
 
 
-def _pallas(config, window):
-  return lambda *a: castle_attention(*a, window=window, implementation="pallas", pallas_config=config)
+def _castle(implementation, window):
+  return lambda *a: castle_attention(*a, window=window, implementation=implementation)
 
 
 def _check_against_xla(attention, window, seed):
@@ -47,10 +47,10 @@ def _check_against_xla(attention, window, seed):
 
 
 @pytest.mark.parametrize("window", [None, 200])
-def test_mosaic_backend_matches_xla(window):
-  if not backend.is_hopper(backend.compute_capability()):
-    pytest.skip(f"the Mosaic GPU kernels need compute capability 9.x, got {backend.compute_capability()}")
-  attention = _pallas(CastleKernelConfig(backend="mosaic"), window)
+def test_mosaic_matches_xla(window):
+  if not is_hopper(compute_capability()):
+    pytest.skip(f"the Mosaic GPU kernels need compute capability 9.x, got {compute_capability()}")
+  attention = _castle("mosaic", window)
   inputs, _ = _inputs(0, SHAPE)
   loss = lambda *a: jnp.sum(attention(*a).astype(jnp.float32))
   lowered = jax.jit(jax.grad(loss, argnums=tuple(range(6)))).lower(*inputs).as_text()
@@ -58,5 +58,5 @@ def test_mosaic_backend_matches_xla(window):
   _check_against_xla(attention, window, seed=1 + (window or 0))
 
 
-def test_auto_backend_runs_and_matches_xla():
-  _check_against_xla(_pallas(CastleKernelConfig(backend="auto"), 200), 200, seed=3)
+def test_the_default_runs_and_matches_xla():
+  _check_against_xla(_castle(None, 200), 200, seed=3)

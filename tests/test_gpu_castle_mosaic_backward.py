@@ -15,7 +15,7 @@ import pytest
 
 from castle_jax.ops.castle.blockwise import castle_blockwise
 from helpers import rel_err
-from pallas_kernels.castle import CastleKernelConfig, castle_attention_pallas
+from pallas_kernels.castle import castle_attention_triton
 from pallas_kernels.castle.mosaic_attention import castle_attention_mosaic
 
 pytestmark = pytest.mark.gpu
@@ -74,9 +74,7 @@ def test_mosaic_gradients_match_triton():
   inputs, cotangent = _inputs(5, shape)
   scale = shape[-1] ** -0.5
   grads = _grads(lambda *a: castle_attention_mosaic(*a, scale=scale), inputs, cotangent)
-  ref_grads = _grads(
-    lambda *a: castle_attention_pallas(*a, scale=scale, config=CastleKernelConfig(backend="triton")), inputs, cotangent
-  )
+  ref_grads = _grads(lambda *a: castle_attention_triton(*a, scale=scale), inputs, cotangent)
   for name, grad, ref in zip(_NAMES, grads, ref_grads):
     error = rel_err(grad.astype(jnp.float32), ref.astype(jnp.float32))
     assert error < 1e-2, f"d{name}: relative error {error:.3g}"
@@ -95,7 +93,7 @@ def test_rematerialized_training_loss_matches_triton():
     return jax.checkpoint(lambda *a: jnp.mean(jnp.tanh(attention(*a).astype(jnp.float32))))
 
   mosaic = lambda *a: castle_attention_mosaic(*a, scale=scale, window=512)
-  triton = lambda *a: castle_attention_pallas(*a, scale=scale, window=512, config=CastleKernelConfig(backend="triton"))
+  triton = lambda *a: castle_attention_triton(*a, scale=scale, window=512)
   (value, grads), (ref_value, ref_grads) = (
     jax.jit(jax.value_and_grad(mean_loss(f), argnums=tuple(range(6))))(*inputs) for f in (mosaic, triton)
   )

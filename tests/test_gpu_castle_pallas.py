@@ -48,8 +48,8 @@ def test_pallas_matches_parallel_form(head_dim, window, dtype, seq):
   with jax.default_matmul_precision("highest"):
     ref = jax.jit(lambda *a: castle_parallel(*a, window=window))(*f32)
     ref_grads = _grads("reference", window, f32, cotangent)
-  out = jax.jit(lambda *a: castle_attention(*a, window=window, implementation="pallas"))(*inputs)
-  grads = _grads("pallas", window, inputs, cotangent)
+  out = jax.jit(lambda *a: castle_attention(*a, window=window, implementation="triton"))(*inputs)
+  grads = _grads("triton", window, inputs, cotangent)
   tol_out, tol_grad = (1e-2, 1e-2) if dtype == jnp.bfloat16 else (1e-4, 1e-4)
   assert out.dtype == dtype
   assert rel_err(out.astype(jnp.float32), ref) < tol_out
@@ -83,16 +83,16 @@ def test_pallas_decoding_matches_xla_step(head_dim, window, dtype):
   tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5
   caches = {}
   with jax.default_matmul_precision("highest"):
-    for impl in ("xla", "pallas"):
+    for impl in ("xla", "triton"):
       step = jax.jit(lambda c, *a, impl=impl: decode_step(c, *a, implementation=impl))
-      if impl == "pallas":
+      if impl == "triton":
         assert "castle_decode" in step.lower(cache, *(x[:, :1] for x in inputs)).as_text()
       state, outs = cache, []
       for t in range(prompt, prompt + steps):
         out, state = step(state, *(x[:, t : t + 1] for x in inputs))
         outs.append(out.astype(jnp.float32))
       caches[impl] = (jnp.concatenate(outs, axis=1), state)
-  (out_xla, cache_xla), (out_pallas, cache_pallas) = caches["xla"], caches["pallas"]
+  (out_xla, cache_xla), (out_pallas, cache_pallas) = caches["xla"], caches["triton"]
   assert int(cache_pallas.length) == prompt + steps
   assert rel_err(out_pallas, out_xla) < tol
   for name in ("lookahead_keys", "lookahead_queries", "causal_keys", "causal_values"):

@@ -12,7 +12,7 @@ compiled Triton `kernels.backward_queries` on the same inputs and against autodi
 XLA path. The memory-side backward (dK, dV) against the compiled Triton
 `kernels.backward_memory` on the same log-normalizers and deltas and against XLA autodiff, and
 it is deterministic. `gca_attention_mosaic`'s output and four gradients against XLA autodiff,
-and `gca_attention(implementation="pallas")` on Hopper: the default backend runs the Mosaic
+and `gca_attention(implementation="triton")` on Hopper: the default backend runs the Mosaic
 kernels, "triton" the Triton ones.
 """
 
@@ -22,8 +22,8 @@ import pytest
 
 from castle_jax.ops.gca import gca_attention
 from helpers import rel_err
-from pallas_kernels.gca import GcaKernelConfig, kernels, mosaic_backward_memory, mosaic_backward_queries, mosaic_forward
-from pallas_kernels.gca.config import default_config
+from pallas_kernels.gca import kernels, mosaic_backward_memory, mosaic_backward_queries, mosaic_forward
+from pallas_kernels.gca.config import default_triton_config
 from pallas_kernels.gca.mosaic_attention import gca_attention_mosaic
 from pallas_kernels.gca.mosaic_forward import CHUNK_TILE, gca_forward_mosaic
 from pallas_kernels.gca.ops import tiling_for
@@ -58,14 +58,16 @@ def _padded(inputs, *, query_chunks, query_len, heads, head_dim, chunk_len, **_)
 
 
 def _triton_tiling(shape):
-  return tiling_for(shape["query_len"], shape["heads"] // shape["kv_heads"], shape["chunk_len"], default_config())
+  return tiling_for(
+    shape["query_len"], shape["heads"] // shape["kv_heads"], shape["chunk_len"], default_triton_config()
+  )
 
 
 def _triton_lse(inputs, shape):
   """The Triton forward's log-normalizers [batch, query_chunks, k, query_len, heads]."""
   forward = jax.jit(
     lambda *a: kernels.forward(
-      *a, tiling=_triton_tiling(shape), scale=shape["head_dim"] ** -0.5, config=default_config(), interpret=False
+      *a, tiling=_triton_tiling(shape), scale=shape["head_dim"] ** -0.5, config=default_triton_config(), interpret=False
     )[1]
   )
   return forward(*_padded(inputs, **shape))
@@ -126,7 +128,7 @@ def test_compiled_backward_queries_matches_triton_and_xla(stages):
   )
   triton = jax.jit(
     lambda *a: kernels.backward_queries(
-      *a, tiling=_triton_tiling(shape), scale=scale, config=default_config(), interpret=False
+      *a, tiling=_triton_tiling(shape), scale=scale, config=default_triton_config(), interpret=False
     )
   )(*padded, lse, d_out_padded)
   for name, ours, theirs, tol in zip(
@@ -192,7 +194,7 @@ def test_compiled_backward_memory_matches_triton_and_xla(shape, stages, against_
     delta = to_triton(row_dots * weights[:, :, None, :, None])
     triton = jax.jit(
       lambda *a: kernels.backward_memory(
-        *a, tiling=_triton_tiling(shape), scale=scale, config=default_config(), interpret=False
+        *a, tiling=_triton_tiling(shape), scale=scale, config=default_triton_config(), interpret=False
       )
     )(queries, keys, values, weights, to_triton(lse), delta, d_out_padded, order, starts)
     # dV: the kernel rounds w_j P to bf16, the Triton kernel P (then scales the product by w_j).
@@ -237,16 +239,15 @@ def test_compiled_differentiable_op_matches_xla_autodiff():
 
 
 @pytest.mark.parametrize(
-  "backend, kernel", [("auto", "mosaic_gpu"), ("mosaic", "mosaic_gpu"), ("triton", "gca_forward")]
+  "implementation, kernel", [(None, "mosaic_gpu"), ("mosaic", "mosaic_gpu"), ("triton", "gca_forward")]
 )
-def test_gca_attention_picks_the_backend(backend, kernel):
-  """`gca_attention(implementation="pallas")` at the drt_128m shape: "auto" runs the Mosaic
-  kernels on Hopper, each explicit backend its own; all match the XLA path."""
+def test_gca_attention_runs_the_chosen_kernels(implementation, kernel):
+  """`gca_attention` at the drt_128m shape: the default runs the Mosaic kernels on Hopper,
+  each explicit implementation its own; all match the XLA path."""
   if not _is_hopper():
     pytest.skip("the Mosaic GPU kernels need a Hopper (sm_90) GPU")
   inputs = _inputs(8, **DRT_128M, dtype=jnp.bfloat16)
-  config = GcaKernelConfig(backend=backend)
-  attention = jax.jit(lambda *a: gca_attention(*a, implementation="pallas", pallas_config=config))
+  attention = jax.jit(lambda *a: gca_attention(*a, implementation=implementation))
   text = attention.lower(*inputs).as_text()
   assert kernel in text and ("gca_forward" in text) == (kernel == "gca_forward")
   reference = jax.jit(lambda *a: gca_attention(*a, implementation="xla"))(

@@ -1,5 +1,5 @@
 """Compiled GCA Pallas kernels on the GPU at real sizes (skipped without a CUDA GPU): the
-Triton kernels (`GcaKernelConfig(backend="triton")`; the Mosaic ones, which "auto" picks on
+Triton kernels (`implementation="triton"`; the Mosaic ones, which the default picks on
 Hopper, are tests/test_gpu_gca_mosaic.py's), and the default path.
 
 Against the XLA path (itself checked against the reference on CPU), computing in
@@ -21,7 +21,6 @@ import pytest
 from castle_jax.ops.gca import gca_attention, retrieval_scores, select_chunks
 from helpers import rel_err
 from pallas_kernels.device_facts import compute_capability, is_hopper
-from pallas_kernels.gca import GcaKernelConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("full_float32_matmuls")]
 
@@ -38,8 +37,8 @@ def _inputs(seed, *, batch, query_chunks, query_len, heads, kv_heads, head_dim, 
   return (q.astype(dtype), chunk_k.astype(dtype), chunk_v.astype(dtype), weights, indices), cotangent
 
 
-def _value_and_grads(implementation, inputs, cotangent, pallas_config=None):
-  attention = functools.partial(gca_attention, implementation=implementation, pallas_config=pallas_config)
+def _value_and_grads(implementation, inputs, cotangent, kernel_config=None):
+  attention = functools.partial(gca_attention, implementation=implementation, kernel_config=kernel_config)
   *differentiable, indices = inputs
 
   def loss(*args):
@@ -54,9 +53,9 @@ DRT_128M = dict(batch=2, query_chunks=64, query_len=64, heads=12, kv_heads=12, h
 # Few cases: each compiles three kernels and the XLA path anew.
 # Grouped heads of 128 are past the Triton kernels' shared memory (the memory-side kernel
 # asks for ~370 KB) and are refused with a ValueError naming the fix; the Mosaic kernels
-# ("auto" on Hopper) take them.
+# (the default on Hopper) take them.
 @pytest.mark.parametrize(
-  "shape, dtype, tol, backend",
+  "shape, dtype, tol, implementation",
   [
     (DRT_128M, jnp.float32, 1e-5, "triton"),
     (DRT_128M, jnp.bfloat16, 1e-2, "triton"),
@@ -64,15 +63,15 @@ DRT_128M = dict(batch=2, query_chunks=64, query_len=64, heads=12, kv_heads=12, h
       dict(batch=1, query_chunks=32, query_len=65, heads=8, kv_heads=2, head_dim=128, chunk_len=64, top_k=4),
       jnp.bfloat16,
       1e-2,
-      "auto",
+      None,
     ),
   ],
 )
-def test_compiled_kernels_match_the_xla_path(shape, dtype, tol, backend):
-  if backend == "auto" and not is_hopper(compute_capability()):
-    pytest.skip("off Hopper, 'auto' runs the Triton kernels, which cannot take this shape")
+def test_compiled_kernels_match_the_xla_path(shape, dtype, tol, implementation):
+  if implementation is None and not is_hopper(compute_capability()):
+    pytest.skip("off Hopper the default runs the Triton kernels, which cannot take this shape")
   inputs, cotangent = _inputs(0, **shape, dtype=dtype)
-  out, grads = _value_and_grads("pallas", inputs, cotangent, GcaKernelConfig(backend=backend))
+  out, grads = _value_and_grads(implementation, inputs, cotangent)
   inputs32 = tuple(x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in inputs)
   ref_out, ref_grads = _value_and_grads("xla", inputs32, cotangent)
   assert out.dtype == dtype
@@ -81,14 +80,14 @@ def test_compiled_kernels_match_the_xla_path(shape, dtype, tol, backend):
     assert rel_err(grad, ref) < tol, (name, rel_err(grad, ref))
 
 
-def test_gpu_default_is_pallas_and_deterministic():
+def test_gpu_default_is_a_kernel_and_deterministic():
   inputs, cotangent = _inputs(1, **DRT_128M, dtype=jnp.bfloat16)
   first = _value_and_grads(None, inputs, cotangent)
   second = _value_and_grads(None, inputs, cotangent)
   for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
     assert bool(jnp.all(a == b))  # no atomics: every run sums in the same order
   kernels = jax.jit(functools.partial(gca_attention, implementation=None)).lower(*inputs).as_text()
-  # backend "auto": the Mosaic kernels on Hopper (bf16, head dim 64, 63-key chunks), else Triton.
+  # The default: the Mosaic kernels on Hopper (bf16, head dim 64, 63-key chunks), else Triton.
   if is_hopper(compute_capability()):
     assert "mosaic_gpu" in kernels and "gca_forward" not in kernels
   else:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from castle_jax.ops.tree_attention import cache_attention, tree_attention, tree_attention_reference
-from pallas_kernels.tree_attention import TreeAttentionConfig
+from pallas_kernels.tree_attention import TreeAttentionTritonConfig
 from helpers import rel_err
 from test_tree_attention import numpy_ancestors
 
@@ -41,7 +41,7 @@ def _inputs(seed, batch, n, heads, kv_heads, head_dim, capacity, dtype):
 
 def _check(inputs, lengths, dtype, config=None):
   lengths = jnp.asarray(lengths, jnp.int32)
-  run = jax.jit(functools.partial(tree_attention, implementation="pallas", return_lse=True, pallas_config=config))
+  run = jax.jit(functools.partial(tree_attention, implementation="triton", return_lse=True, kernel_config=config))
   out, lse = run(**inputs, cache_length=lengths)
   upcast = {k: v.astype(jnp.float32) if v.dtype == dtype and v.dtype != jnp.bool_ else v for k, v in inputs.items()}
   with jax.default_matmul_precision("highest"):
@@ -58,8 +58,8 @@ def _check(inputs, lengths, dtype, config=None):
   "config",
   [
     None,
-    TreeAttentionConfig(block_rows=32, block_keys=32),
-    TreeAttentionConfig(block_rows=128, block_keys=128, splits=7),
+    TreeAttentionTritonConfig(block_rows=32, block_keys=32),
+    TreeAttentionTritonConfig(block_rows=128, block_keys=128, splits=7),
   ],
   ids=["default", "small", "large"],
 )
@@ -73,7 +73,7 @@ def test_decoding_step_and_ragged_rows(dtype):
   inputs = _inputs(1, batch=3, n=1, heads=8, kv_heads=4, head_dim=64, capacity=5000, dtype=dtype)
   lengths = jnp.asarray([0, 4999, 37], jnp.int32)
   _check(inputs, lengths, dtype)
-  out, lse = jax.jit(functools.partial(cache_attention, implementation="pallas"))(
+  out, lse = jax.jit(functools.partial(cache_attention, implementation="triton"))(
     inputs["q"], inputs["cache_k"], inputs["cache_v"], lengths
   )
   with jax.default_matmul_precision("highest"):

@@ -15,10 +15,10 @@ import pytest
 
 from castle_jax.ops.power import PowerState, expand, expanded_dim, power_attention
 from helpers import rel_err
-from pallas_kernels.power import PowerKernelConfig, discumsum, kernels, power_attention_pallas
+from pallas_kernels.power import PowerTritonConfig, discumsum, kernels, power_attention_triton
 
 B, HQ, HKV, D_HEAD, D_VALUE = 2, 4, 2, 32, 16
-SMALL = PowerKernelConfig(block_t=16, block_q=16, block_k=16, grad_block=16)
+SMALL = PowerTritonConfig(block_t=16, block_q=16, block_k=16, grad_block=16)
 
 
 pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
@@ -53,7 +53,7 @@ def test_tile_pairs_give_the_tspow_layout():
 def test_outputs_and_final_state_match_the_definition(gating):
   inputs = _inputs(0, seq=40, gating=gating)
   out, (state, normalizer) = jax.jit(
-    functools.partial(power_attention_pallas, scale=D_HEAD**-0.5, chunk_size=16, config=SMALL)
+    functools.partial(power_attention_triton, scale=D_HEAD**-0.5, chunk_size=16, config=SMALL)
   )(*inputs)
   expected, expected_state = jax.jit(
     functools.partial(
@@ -80,7 +80,7 @@ def test_entry_point_with_states_in_another_layout_and_length_one():
   inputs = _inputs(1, seq=70)
   initial = _state(2)
   run = functools.partial(power_attention, chunk_size=64, initial_state=initial, return_final_state=True)
-  out, state = jax.jit(functools.partial(run, implementation="pallas"))(*inputs)
+  out, state = jax.jit(functools.partial(run, implementation="triton"))(*inputs)
   expected, expected_state = jax.jit(functools.partial(run, implementation="reference"))(*inputs)
   assert state.state.shape == initial.state.shape  # spow layout out, as in
   assert rel_err(out, expected) < 1e-5
@@ -88,7 +88,7 @@ def test_entry_point_with_states_in_another_layout_and_length_one():
   assert rel_err(state.normalizer, expected_state.normalizer) < 1e-5
   single = tuple(x[:, :1] for x in inputs)
   assert (
-    rel_err(power_attention(*single, implementation="pallas"), power_attention(*single, implementation="reference"))
+    rel_err(power_attention(*single, implementation="triton"), power_attention(*single, implementation="reference"))
     < 1e-5
   )
 
@@ -109,7 +109,7 @@ def test_gradients_match_the_definition():
       + jnp.sum(final_normalizer * state_cotangent.normalizer)
     )
 
-  ours = lambda q, k, v, g, s: power_attention_pallas(
+  ours = lambda q, k, v, g, s: power_attention_triton(
     q, k, v, g, scale=D_HEAD**-0.5, chunk_size=16, initial_state=s, config=SMALL
   )
   reference = lambda q, k, v, g, s: power_attention(
@@ -159,8 +159,8 @@ def test_one_chunk_without_states_runs_the_attention_form_alone(monkeypatch):
   def loss(impl, *args):
     return jnp.sum(power_attention(*args, chunk_size=64, implementation=impl) * cotangent)
 
-  out = jax.jit(functools.partial(power_attention, chunk_size=64, implementation="pallas"))(*inputs)
-  grads = jax.jit(jax.grad(functools.partial(loss, "pallas"), argnums=range(4)))(*inputs)
+  out = jax.jit(functools.partial(power_attention, chunk_size=64, implementation="triton"))(*inputs)
+  grads = jax.jit(jax.grad(functools.partial(loss, "triton"), argnums=range(4)))(*inputs)
   assert not state_kernel_calls
   assert rel_err(out, jax.jit(functools.partial(power_attention, implementation="reference"))(*inputs)) < 1e-5
   expected = jax.jit(jax.grad(functools.partial(loss, "reference"), argnums=range(4)))(*inputs)
@@ -169,14 +169,14 @@ def test_one_chunk_without_states_runs_the_attention_form_alone(monkeypatch):
   # Asking for the final state (or a longer sequence) takes the chunked path again (the
   # kernels are chosen while tracing: nothing needs to run).
   jax.eval_shape(
-    functools.partial(power_attention, chunk_size=64, implementation="pallas", return_final_state=True), *inputs
+    functools.partial(power_attention, chunk_size=64, implementation="triton", return_final_state=True), *inputs
   )
   assert state_kernel_calls
 
 
 def test_bf16_outputs():
   inputs = _inputs(7, seq=64, dtype=jnp.bfloat16)
-  out = power_attention(*inputs, chunk_size=64, implementation="pallas")
+  out = power_attention(*inputs, chunk_size=64, implementation="triton")
   expected = power_attention(*(x.astype(jnp.float32) for x in inputs), implementation="reference")
   assert out.dtype == jnp.bfloat16
   assert rel_err(out, expected) < 1e-2
@@ -190,7 +190,7 @@ def test_bf16_outputs():
   ],
 )
 def test_bad_options(change, match):
-  options = dict(chunk_size=64, implementation="pallas") | change
+  options = dict(chunk_size=64, implementation="triton") | change
   with pytest.raises(ValueError, match=match):
     power_attention(*_inputs(8, seq=8), **options)
 
@@ -207,16 +207,16 @@ def test_bad_options(change, match):
 )
 def test_bad_kernel_config(kwargs, match):
   with pytest.raises(ValueError, match=match):
-    PowerKernelConfig(**kwargs)
-  PowerKernelConfig(num_stages=5)  # stages need not be a power of two
+    PowerTritonConfig(**kwargs)
+  PowerTritonConfig(num_stages=5)  # stages need not be a power of two
 
 
 def test_bad_head_dims():
   q, k, v, log_g = _inputs(9, seq=8)
   with pytest.raises(ValueError, match="power-of-two head_dim"):
-    power_attention(q[..., :24], k[..., :24], v, log_g, chunk_size=64, implementation="pallas")
+    power_attention(q[..., :24], k[..., :24], v, log_g, chunk_size=64, implementation="triton")
   with pytest.raises(ValueError, match="power-of-two value_dim"):
-    power_attention(q, k, v[..., :12], log_g, chunk_size=64, implementation="pallas")
+    power_attention(q, k, v[..., :12], log_g, chunk_size=64, implementation="triton")
 
 
 def test_gradients_through_the_entry_point_with_the_default_config():
@@ -226,7 +226,7 @@ def test_gradients_through_the_entry_point_with_the_default_config():
   def loss(impl, *args):
     return jnp.sum(power_attention(*args, chunk_size=64, implementation=impl) * cotangent)
 
-  grads = jax.jit(jax.grad(functools.partial(loss, "pallas"), argnums=range(4)))(*inputs)
+  grads = jax.jit(jax.grad(functools.partial(loss, "triton"), argnums=range(4)))(*inputs)
   expected = jax.jit(jax.grad(functools.partial(loss, "reference"), argnums=range(4)))(*inputs)
   for name, g, e in zip(("q", "k", "v", "log_g"), grads, expected):
     assert rel_err(g, e) < 1e-4, name
@@ -237,14 +237,14 @@ def test_default_implementation_on_a_gpu_picks_the_kernels_when_they_apply(monke
 
   sizes = dict(p=2, head_dim=D_HEAD, value_dim=D_VALUE, dtype=jnp.float32)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  assert resolve(None, 128, **sizes) == ("pallas", 128)
-  assert resolve(None, None, **sizes) == ("pallas", 1024)  # the kernels' own chunk
+  assert resolve(None, 128, **sizes) == ("triton", 128)
+  assert resolve(None, None, **sizes) == ("triton", 1024)  # the kernels' own chunk
   assert resolve(None, 128, **(sizes | dict(p=4))) == ("xla", 128)
   assert resolve(None, None, **(sizes | dict(p=4))) == ("xla", 128)  # the XLA path's own chunk
   assert resolve(None, 100, **sizes) == ("xla", 100)
   assert resolve(None, 128, **(sizes | dict(head_dim=24))) == ("xla", 128)
-  with pytest.raises(ValueError, match="implementation='pallas' cannot run: .*p=2 only.*Alternatives"):
-    resolve("pallas", 128, **(sizes | dict(p=4)))
+  with pytest.raises(ValueError, match="implementation='triton' cannot run: .*p=2 only.*Alternatives"):
+    resolve("triton", 128, **(sizes | dict(p=4)))
   monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
   assert resolve(None, 128, **sizes) == ("xla", 128)
 
@@ -257,11 +257,11 @@ def test_pallas_default_chunk_is_large(monkeypatch):
 
   def spy(*args, chunk_size, **kwargs):
     seen["chunk_size"] = chunk_size
-    return kernels_package.ops.power_attention_pallas(*args, chunk_size=chunk_size, **kwargs)
+    return kernels_package.ops.power_attention_triton(*args, chunk_size=chunk_size, **kwargs)
 
-  monkeypatch.setattr(api, "power_attention_pallas", spy)
+  monkeypatch.setattr(api, "power_attention_triton", spy)
   inputs = _inputs(13, seq=8)
-  power_attention(*inputs, implementation="pallas")
-  assert seen["chunk_size"] == api.PALLAS_DEFAULT_CHUNK_SIZE == 1024
-  power_attention(*inputs, implementation="pallas", chunk_size=64)
+  power_attention(*inputs, implementation="triton")
+  assert seen["chunk_size"] == api.TRITON_DEFAULT_CHUNK_SIZE == 1024
+  power_attention(*inputs, implementation="triton", chunk_size=64)
   assert seen["chunk_size"] == 64

@@ -269,7 +269,7 @@ def test_one_compiled_function_serves_traced_lengths_and_trees():
 
 
 # The kernel needs head dims >= 16: test_tree_attention_pallas.py poisons its empty slots.
-@pytest.mark.parametrize("implementation", [name for name in IMPLEMENTATIONS if name != "pallas"])
+@pytest.mark.parametrize("implementation", [name for name in IMPLEMENTATIONS if name != "triton"])
 def test_empty_slots_do_not_leak(implementation):
   """Slots at or beyond each row's length hold huge values: the output must not move."""
   inputs = make_inputs(5, cache_length=[3, 8])

@@ -21,7 +21,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from castle_jax.ops.tree_attention import cache_attention, tree_attention, tree_attention_reference
-from pallas_kernels.tree_attention import TreeAttentionConfig, tree_attention_pallas
+from pallas_kernels.tree_attention import TreeAttentionTritonConfig, tree_attention_triton
 from helpers import assert_close
 from test_tree_attention import make_inputs, upcast
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 # Small tiles so that few slots already make several key blocks, splits and row blocks.
-SMALL_TILES = TreeAttentionConfig(block_rows=16, block_keys=16, splits=3)
+SMALL_TILES = TreeAttentionTritonConfig(block_rows=16, block_keys=16, splits=3)
 reference = jax.jit(tree_attention_reference)
 
 
@@ -43,9 +43,9 @@ def pallas(q, cache_k, cache_v, cache_length, tree_k, tree_v, tree_mask, config=
     tree_k,
     tree_v,
     tree_mask,
-    implementation="pallas",
+    implementation="triton",
     return_lse=True,
-    pallas_config=config,
+    kernel_config=config,
   )
 
 
@@ -76,7 +76,7 @@ def test_default_tiles_and_one_compiled_function_for_traced_lengths_and_trees():
   def verify(cache_length, tree_mask):
     traces.append(1)
     return tree_attention(
-      **{**inputs, "cache_length": cache_length, "tree_mask": tree_mask}, implementation="pallas", return_lse=True
+      **{**inputs, "cache_length": cache_length, "tree_mask": tree_mask}, implementation="triton", return_lse=True
     )
 
   rng = np.random.default_rng(12)
@@ -104,8 +104,8 @@ def test_slots_past_the_length_are_never_read():
 def test_cache_part_alone_matches_reference():
   inputs = make_inputs(14, head_dim=16, capacity=40, n=3, cache_length=[0, 29])
   args = [inputs[name] for name in ("q", "cache_k", "cache_v", "cache_length")]
-  run = jax.jit(functools.partial(cache_attention, pallas_config=SMALL_TILES), static_argnames="implementation")
-  out, lse = run(*args, implementation="pallas")
+  run = jax.jit(cache_attention, static_argnames=("implementation", "kernel_config"))
+  out, lse = run(*args, implementation="triton", kernel_config=SMALL_TILES)
   expected_out, expected_lse = run(*args, implementation="reference")
   assert_close(out, expected_out)
   np.testing.assert_allclose(np.asarray(lse), np.asarray(expected_lse), rtol=1e-6)  # -inf where empty
@@ -118,33 +118,33 @@ def test_default_is_the_kernel_on_a_gpu_where_it_takes_the_head_dim(monkeypatch,
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   with caplog.at_level(logging.DEBUG, logger="castle_jax.ops.backend"):
     jax.eval_shape(tree_attention, **make_inputs(15, head_dim=16))
-    assert "tree_attention: implementation=None -> 'pallas'" in caplog.text
+    assert "tree_attention: implementation=None -> 'triton'" in caplog.text
     caplog.clear()
     jax.eval_shape(tree_attention, **make_inputs(15, head_dim=24))
-    assert "-> 'xla' (skipped pallas: the kernel needs a power-of-two head_dim >= 16, got 24" in caplog.text
+    assert "-> 'xla' (skipped triton: the kernel needs a power-of-two head_dim >= 16, got 24" in caplog.text
 
 
 def test_explicit_pallas_with_an_unsupported_head_dim_names_the_fix():
   with pytest.raises(
     ValueError,
-    match=r"implementation='pallas' cannot run: .*head_dim >= 16, got 8 "
+    match=r"implementation='triton' cannot run: .*head_dim >= 16, got 8 "
     r"\(use implementation='xla'\)",
   ):
-    tree_attention(**make_inputs(16, head_dim=8), implementation="pallas")
+    tree_attention(**make_inputs(16, head_dim=8), implementation="triton")
 
 
 @pytest.mark.parametrize(
   "fields, match",
   [
-    (dict(block_keys=24), r"TreeAttentionConfig.block_keys must be a power of two, got 24"),
-    (dict(block_rows=8), r"TreeAttentionConfig.block_rows must be >= 16"),
-    (dict(splits=0), r"TreeAttentionConfig.splits must be an int >= 1, got 0"),
+    (dict(block_keys=24), r"TreeAttentionTritonConfig.block_keys must be a power of two, got 24"),
+    (dict(block_rows=8), r"TreeAttentionTritonConfig.block_rows must be >= 16"),
+    (dict(splits=0), r"TreeAttentionTritonConfig.splits must be an int >= 1, got 0"),
   ],
 )
 def test_config_checks_name_the_field(fields, match):
   with pytest.raises(ValueError, match=match):
-    TreeAttentionConfig(**fields)
-  assert TreeAttentionConfig.from_string("block_keys=32,splits=none") == TreeAttentionConfig(block_keys=32)
+    TreeAttentionTritonConfig(**fields)
+  assert TreeAttentionTritonConfig.from_string("block_keys=32,splits=none") == TreeAttentionTritonConfig(block_keys=32)
 
 
 @pytest.mark.parametrize("n, dtype", [(69, jnp.bfloat16), (1, jnp.float32)])
@@ -162,7 +162,7 @@ def test_lowers_for_an_h100(n, dtype):
     tree_v=shape((1, n, 4, 64), dtype),
     tree_mask=shape((n, n), jnp.bool_),
   )
-  run = functools.partial(tree_attention_pallas, interpret=False)  # the entry point interprets on CPU
+  run = functools.partial(tree_attention_triton, interpret=False)  # the entry point interprets on CPU
   mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H100 80GB HBM3", None, "cuda"))
   with jax.sharding.use_abstract_mesh(mesh):
     lowered = jax.jit(run).trace(**args).lower(lowering_platforms=("cuda",))

@@ -1,19 +1,17 @@
-"""Tile sizes and launch parameters of the CASTLE Pallas kernels."""
+"""Tile sizes and launch parameters of the CASTLE Pallas Triton kernels (training, prefill
+and decoding); the Mosaic GPU kernels' are `mosaic_config.CastleMosaicConfig`."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
 from pallas_kernels.config_checks import check_int_fields, parse_config
-
-# Which kernels run CASTLE training attention (`pallas_kernels.castle.backend` chooses).
-BACKENDS = ("auto", "triton", "mosaic")
 
 
 @dataclasses.dataclass(frozen=True)
-class CastleKernelConfig:
-  """Backend, block sizes, warps and pipeline stages of the forward and backward kernels.
+class CastleTritonConfig:
+  """Block sizes, warps and pipeline stages of the Triton forward and backward kernels
+  (`castle_attention_triton`, and the prefill's forward).
 
   Both kernels run one program per (key block, batch * head) and sweep the query
   blocks, so `block_k` rows of the lookahead-key state D (and, in the backward, of
@@ -26,15 +24,6 @@ class CastleKernelConfig:
   full float32 products. benchmarks/RESULTS.md ("Precision") has the errors this gives.
 
   Attributes:
-    backend: which kernels `castle_attention_pallas` runs (`pallas_kernels.castle.backend`):
-      "triton": the Pallas Triton kernels, any CUDA GPU;
-      "mosaic": the Pallas Mosaic GPU kernels (`castle_attention_mosaic`), Hopper
-        (compute capability 9.x) only, bfloat16/float16 inputs, head dim 64 or 128;
-        other inputs raise a ValueError naming the reason; their tiles are fixed
-        (`CastleMosaicConfig`), so the fields below do not apply to them;
-      "auto" (default): Mosaic on a 9.x GPU for the cases measured faster there
-        (`backend.mosaic_is_faster`), else Triton.
-      Prefill (`castle_prefill_pallas`) always runs the Triton forward.
     block_q: query rows per step of the forward sweep.
     block_k: key rows per forward program (rows of D held in registers).
     num_warps, num_stages: Triton launch parameters of the forward kernel.
@@ -51,30 +40,22 @@ class CastleKernelConfig:
   bwd_block_k: int = 32
   bwd_num_warps: int = 4
   bwd_num_stages: int = 1
-  backend: str = "auto"
 
   def __post_init__(self):
-    if self.backend not in BACKENDS:
-      raise ValueError(f"CastleKernelConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
     blocks = ("block_q", "block_k", "bwd_block_q", "bwd_block_k")
-    check_int_fields(self, power_of_two=blocks + ("num_warps", "bwd_num_warps"), tiles=blocks, skip=("backend",))
-
-  @property
-  def mosaic_config(self) -> CastleMosaicConfig:
-    """The Mosaic kernels' config (their fixed 64 x 64 tiles)."""
-    return CastleMosaicConfig()
+    check_int_fields(self, power_of_two=blocks + ("num_warps", "bwd_num_warps"), tiles=blocks)
 
   @classmethod
-  def from_string(cls, text: str) -> "CastleKernelConfig":
+  def from_string(cls, text: str) -> "CastleTritonConfig":
     """From "key=value,..." (`pallas_kernels.config_checks.parse_config`)."""
     return parse_config(cls, text)
 
 
-def default_config(head_dim: int) -> CastleKernelConfig:
-  """A heuristic default for a (padded) head dimension (backend "auto")."""
+def default_triton_config(head_dim: int) -> CastleTritonConfig:
+  """A heuristic default for a (padded) head dimension."""
   if head_dim > 128:
-    return CastleKernelConfig(block_q=32, block_k=32, bwd_block_q=32, bwd_block_k=16)
-  return CastleKernelConfig()
+    return CastleTritonConfig(block_q=32, block_k=32, bwd_block_q=32, bwd_block_k=16)
+  return CastleTritonConfig()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 
-from pallas_kernels.castle.config import CastleKernelConfig
+from pallas_kernels.castle.config import CastleTritonConfig
 from pallas_kernels.triton_atomics import relaxed_atomic_add
 
 
@@ -251,7 +251,7 @@ def forward(
   *,
   scale: float,
   window: int | None,
-  config: CastleKernelConfig,
+  config: CastleTritonConfig,
   interpret: bool,
 ):
   """The forward kernel on padded [BH, L, D] arrays.
@@ -410,7 +410,7 @@ def backward(
   *,
   scale: float,
   window: int | None,
-  config: CastleKernelConfig,
+  config: CastleTritonConfig,
   interpret: bool,
 ):
   """The backward kernel on padded [BH, L, D] arrays.

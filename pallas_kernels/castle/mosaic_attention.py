@@ -4,8 +4,8 @@ The forward is `mosaic_ops.castle_forward_mosaic`; the backward folds heads into
 batch, zero-pads the sequence as the forward does, rescales dout by a power of two per
 (batch, head) (`cotangent_scale`: the float16 lookahead products need it), computes
 delta = rowsum(out * dout) in XLA, runs `mosaic_backward.backward` and folds the in-block scores' gradient into
-dQ^C and dV^U (shared with the Triton path). `castle_attention(implementation="pallas")`
-runs it with `CastleKernelConfig(backend="mosaic")` (`pallas_kernels.castle.backend`).
+dQ^C and dV^U (shared with the Triton path). `castle_attention(implementation="mosaic")`
+runs it; `unsupported_reason` says which inputs and devices it cannot take.
 
 Zero padding is exact in the backward too: padded queries have zero cotangent and zero
 scores (so dS vanishes on their rows), padded keys come after every real query, and
@@ -23,16 +23,38 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels.castle import mosaic_backward
-from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
+from pallas_kernels.castle.mosaic_config import SUPPORTED_HEAD_DIMS, CastleMosaicConfig
 from pallas_kernels.castle.mosaic_ops import (
+  SUPPORTED_DTYPES,
   _in_block_scores_transposed,
   castle_forward_mosaic,
   heads_layout,
   padded_length,
 )
 from pallas_kernels.castle.ops import fold_in_block_grad
+from pallas_kernels import device_facts
 from pallas_kernels.mosaic_kernel_cache import share_identical_kernels
 from pallas_kernels.residuals import keep_for_backward
+
+
+def unsupported_reason(*, dtype, head_dim: int, interpret: bool) -> str | None:
+  """None when the Mosaic kernels can run inputs of `dtype` and `head_dim` here (on a Hopper
+  GPU, or anywhere in interpret mode), else why not and the fix."""
+  if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+    return (
+      f"the CASTLE Mosaic GPU kernels take bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}; "
+      "cast the inputs or use implementation='triton'"
+    )
+  if head_dim not in SUPPORTED_HEAD_DIMS:
+    return (
+      f"the CASTLE Mosaic GPU kernels take head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim} (last axis of q_u); "
+      "use implementation='triton'"
+    )
+  if interpret:
+    return None
+  return device_facts.not_hopper_reason(
+    device_facts.compute_capability(), "the CASTLE Mosaic GPU kernels", "use implementation='triton'"
+  )
 
 
 # The forward and the backward are jitted so that a model's layers, which call the op with

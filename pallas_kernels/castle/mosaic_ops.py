@@ -58,7 +58,7 @@ def _check(inputs, window):
   if dtype not in SUPPORTED_DTYPES:
     raise ValueError(
       f"castle_forward_mosaic takes bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}; "
-      "cast the inputs or use the Triton kernels (pallas_kernels.castle.castle_attention_pallas)"
+      "cast the inputs or use the Triton kernels (implementation='triton')"
     )
   if head_dim not in SUPPORTED_HEAD_DIMS:
     raise ValueError(

@@ -1,8 +1,7 @@
 """CASTLE attention through the Pallas Triton kernels, differentiable with a custom VJP.
 
-`castle_attention_triton` (which `castle_attention_pallas` runs for backend "triton",
-and for "auto" where Mosaic is not chosen) takes the [batch, seq, heads, head_dim]
-layout of the CASTLE entry point, folds heads into the batch, zero-pads the sequence to
+`castle_attention_triton` (`castle_attention(implementation="triton")`) takes the
+[batch, seq, heads, head_dim] layout of the CASTLE entry point, folds heads into the batch, zero-pads the sequence to
 a multiple of the block sizes and the head dim to a power of two, and runs
 `kernels.forward`; the custom VJP runs `kernels.backward`. Padding is exact: padded
 keys come after every real query (causal mask), padded lookahead values are zero, and
@@ -18,7 +17,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from pallas_kernels.castle import kernels
-from pallas_kernels.castle.config import CastleKernelConfig, default_config
+from pallas_kernels.castle.config import CastleTritonConfig, default_triton_config
 from pallas_kernels.config_checks import next_power_of_two
 from pallas_kernels.residuals import keep_for_backward
 
@@ -193,7 +192,7 @@ def _castle_heads_bwd(scale, window, config, interpret, residuals, d_out):
 _castle_heads.defvjp(_castle_heads_fwd, _castle_heads_bwd)
 
 
-def _prepare(inputs, config: CastleKernelConfig):
+def _prepare(inputs, config: CastleTritonConfig):
   """[B, T, H, D] inputs -> [B * H, L, D'] padded, plus what undoes it."""
   batch, seq, heads, head_dim = inputs[0].shape
   padded_head_dim = max(16, next_power_of_two(head_dim))
@@ -211,31 +210,35 @@ def _prepare(inputs, config: CastleKernelConfig):
   return tuple(to_heads(x) for x in inputs), from_heads
 
 
+def unsupported_reason(dtype) -> str | None:
+  """Why the Triton kernels cannot take inputs of `dtype` (naming the fix), or None."""
+  if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+    return (
+      f"the CASTLE Triton kernels take float32, bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}; "
+      "cast the inputs or use implementation='xla'"
+    )
+  return None
+
+
 def resolve(inputs, config, interpret):
   """The kernel config and interpret flag; shapes and the window are the caller's to check
   (`castle_jax.ops.castle.castle_attention` validates them), only the dtypes the kernels
   take are checked here."""
-  if inputs[0].dtype not in SUPPORTED_DTYPES:
-    raise ValueError(
-      f"The CASTLE Pallas kernels take float32, bfloat16 or float16 inputs; got {inputs[0].dtype}. "
-      "Cast the inputs or use implementation='xla'"
-    )
+  reason = unsupported_reason(inputs[0].dtype)
+  if reason:
+    raise ValueError(reason)
   if config is None:
-    config = default_config(next_power_of_two(inputs[0].shape[-1]))
+    config = default_triton_config(next_power_of_two(inputs[0].shape[-1]))
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   return config, interpret
 
 
-def castle_prefill_pallas(q_u, k_u, v_u, q_c, k_c, v_c, *, scale: float, window=None, config=None, interpret=None):
+def castle_prefill_triton(q_u, k_u, v_u, q_c, k_c, v_c, *, scale: float, window=None, config=None, interpret=None):
   """The Triton forward kernel's outputs and the prompt's lookahead keys U^L (Algorithm 5).
 
   The kernel's final D is the sum over every query block of W_bi V^U_i, i.e. u_s^L for
   each prompt token s, so the UQ-KV cache comes from the same pass as the outputs.
-
-  Prefill always runs the Triton kernels: `config.backend` chooses the kernels of
-  `castle_attention_pallas` (training) only, so one `CastleKernelConfig` can serve a
-  layer's training and its prefill.
 
   Args:
     q_u, k_u, v_u, q_c, k_c, v_c, scale, window, config, interpret: see
@@ -262,7 +265,7 @@ def castle_attention_triton(
   *,
   scale: float,
   window: int | None = None,
-  config: CastleKernelConfig | None = None,
+  config: CastleTritonConfig | None = None,
   interpret: bool | None = None,
 ) -> jax.Array:
   """CASTLE (or CASTLE-SWL with `window`) with the Pallas Triton kernels.
@@ -273,8 +276,7 @@ def castle_attention_triton(
       dtype with float32 accumulation); shapes already checked by the caller.
     scale: the score scale (the CASTLE op passes 1/sqrt(head_dim)).
     window: None for CASTLE, W >= 1 for CASTLE-SWL (checked by the caller).
-    config: tile sizes; default `default_config(padded head dim)`; its `backend` is
-      not read here (`castle_attention_pallas` reads it).
+    config: tile sizes; default `default_triton_config(padded head dim)`.
     interpret: run the kernels in Pallas interpret mode; default True on CPU.
 
   Returns:

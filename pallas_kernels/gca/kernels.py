@@ -49,7 +49,7 @@ from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 
 from pallas_kernels.config_checks import next_power_of_two
-from pallas_kernels.gca.config import GcaKernelConfig
+from pallas_kernels.gca.config import GcaTritonConfig
 
 LOG2_E = math.log2(math.e)
 _SMALLEST_BLOCK = 16  # rows: the smallest tile side of the GPU's matrix units
@@ -256,7 +256,7 @@ def _forward_kernel(
 
 
 def forward(
-  queries, keys, values, weights, indices, *, tiling: Tiling, scale: float, config: GcaKernelConfig, interpret: bool
+  queries, keys, values, weights, indices, *, tiling: Tiling, scale: float, config: GcaTritonConfig, interpret: bool
 ):
   """O = sum_j w_j softmax_1(Q K_j^T scale) V_j and the per-slot log-normalizers.
 
@@ -352,7 +352,7 @@ def backward_queries(
   *,
   tiling: Tiling,
   scale: float,
-  config: GcaKernelConfig,
+  config: GcaTritonConfig,
   interpret: bool,
 ):
   """dQ, the deltas w_j rowsum(dO * O'_j) and the chunk weights' gradient.
@@ -462,7 +462,7 @@ def backward_memory(
   *,
   tiling: Tiling,
   scale: float,
-  config: GcaKernelConfig,
+  config: GcaTritonConfig,
   interpret: bool,
 ):
   """dK and dV of every memory chunk, summed over every (query chunk, slot) that retrieved it.

@@ -19,6 +19,9 @@ import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
+from pallas_kernels import device_facts
+from pallas_kernels.gca import mosaic_backward_memory, mosaic_backward_queries, mosaic_forward, mosaic_tiles
+from pallas_kernels.gca.config import GcaMosaicConfig
 from pallas_kernels.gca.mosaic_backward_memory import backward_memory_native
 from pallas_kernels.gca.mosaic_backward_queries import backward_queries_native
 from pallas_kernels.gca.mosaic_forward import forward_native
@@ -26,6 +29,60 @@ from pallas_kernels.gca.mosaic_tiles import DEFAULT_STAGES, pad_inputs
 from pallas_kernels.gca.pairs import retrieving_pairs
 from pallas_kernels.mosaic_kernel_cache import share_identical_kernels
 from pallas_kernels.residuals import keep_for_backward
+
+
+# Shared memory one Mosaic program may ask for: an H100 block's 227 KiB, less what the
+# lowering adds to the modules' estimates (barriers, alignment, a reduction scratch).
+MOSAIC_SHARED_MEMORY = 227 * 1024 - 4096
+
+
+def shared_memory_bytes(*, head_dim: int, top_k: int, dtype, stages: int) -> int:
+  """The largest of the three Mosaic kernels' shared-memory estimates."""
+  return max(
+    mosaic_forward.shared_memory_bytes(head_dim, top_k, dtype, stages),
+    mosaic_backward_queries.shared_memory_bytes(head_dim, top_k, dtype, stages),
+    mosaic_backward_memory.shared_memory_bytes(head_dim, dtype, stages),
+  )
+
+
+def unsupported_reason(
+  config: GcaMosaicConfig | None,
+  *,
+  dtype,
+  head_dim: int,
+  chunk_len: int,
+  query_len: int,
+  heads: int,
+  kv_heads: int,
+  top_k: int,
+  interpret: bool,
+) -> str | None:
+  """None when the Mosaic kernels can run these inputs here (on a Hopper GPU, or anywhere in
+  interpret mode), else why not and the fix. `query_len`: rows per query chunk."""
+  stages = (config or GcaMosaicConfig()).stages
+  query_rows = -(-query_len // mosaic_tiles.TILE_ROWS) * mosaic_tiles.TILE_ROWS
+  reason = mosaic_tiles.unsupported_reason(
+    head_dim=head_dim,
+    chunk_len=chunk_len,
+    query_rows=query_rows,
+    heads=heads,
+    kv_heads=kv_heads,
+    dtype=dtype,
+    stages=stages,
+  )
+  if reason:
+    return reason
+  needed = shared_memory_bytes(head_dim=head_dim, top_k=top_k, dtype=dtype, stages=stages)
+  if needed > MOSAIC_SHARED_MEMORY:
+    return (
+      f"GcaMosaicConfig.stages={stages} asks for about {needed // 1024} KiB of shared memory per program at "
+      f"head_dim {head_dim}, over the {MOSAIC_SHARED_MEMORY // 1024} KiB an H100 block gives; lower stages"
+    )
+  if interpret:
+    return None
+  return device_facts.not_hopper_reason(
+    device_facts.compute_capability(), "the GCA Mosaic GPU kernels", "use implementation='triton'"
+  )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))

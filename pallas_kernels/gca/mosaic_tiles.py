@@ -42,17 +42,17 @@ def unsupported_reason(
     return (
       f"the GCA Mosaic kernels take q in {[jnp.dtype(d).name for d in SUPPORTED_DTYPES]} (wgmma's 16-bit "
       f"operands), got dtype {jnp.dtype(dtype).name}; cast q, chunk_k and chunk_v or use the Triton kernels "
-      "(GcaKernelConfig(backend='triton'))"
+      "(implementation='triton')"
     )
   if head_dim not in SUPPORTED_HEAD_DIMS:
     return (
       f"the GCA Mosaic kernels take head_dim in {SUPPORTED_HEAD_DIMS} (last axis of q), got {head_dim}; use "
-      "the Triton kernels (GcaKernelConfig(backend='triton'))"
+      "the Triton kernels (implementation='triton')"
     )
   if not 1 <= chunk_len <= CHUNK_TILE:
     return (
       f"the GCA Mosaic kernels take memory chunks of 1..{CHUNK_TILE} keys (chunk_len, axis 2 of chunk_k), "
-      f"got {chunk_len}; use the Triton kernels (GcaKernelConfig(backend='triton'))"
+      f"got {chunk_len}; use the Triton kernels (implementation='triton')"
     )
   if query_rows % TILE_ROWS:
     return (

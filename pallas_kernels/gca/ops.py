@@ -1,9 +1,7 @@
-"""GCA through the Pallas kernels, differentiable with a custom VJP.
+"""GCA through the Pallas Triton kernels, differentiable with a custom VJP.
 
-`gca_attention_pallas` first picks the kernels (`backend.choose_backend`, by
-`GcaKernelConfig.backend`): on a Hopper GPU the Mosaic GPU kernels
-(`mosaic_attention.gca_attention_mosaic`) where they take the inputs, else the Triton
-kernels described here. For those it takes the layout of the GCA entry point, views the
+`gca_attention_triton` (`gca_attention(implementation="triton")`) takes the layout of the
+GCA entry point, views the
 queries as [batch, query_chunks, query_len, heads, head_dim] (a reshape), zero-pads each
 query chunk to its query blocks (`kernels.Tiling.segments`) and each memory chunk to a
 power-of-two tile, and runs `kernels.forward`; the custom VJP runs `kernels.backward_queries` (dQ, dw)
@@ -28,9 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.config_checks import SMALLEST_TILE, is_power_of_two, next_power_of_two
-from pallas_kernels.gca import backend, kernels, padding, shared_memory
-from pallas_kernels.gca.config import GcaKernelConfig, default_config
-from pallas_kernels.gca.mosaic_attention import gca_attention_mosaic
+from pallas_kernels.gca import kernels, padding, shared_memory
+from pallas_kernels.gca.config import GcaTritonConfig, default_triton_config
 from pallas_kernels.gca.pairs import retrieving_pairs
 from pallas_kernels.residuals import keep_for_backward
 
@@ -55,81 +52,37 @@ def unsupported_reason(
   heads: int,
   kv_heads: int,
   dtype,
-  config: GcaKernelConfig | None = None,
-  query_len: int | None = None,
-  top_k: int | None = None,
-) -> str | None:
-  """Why the kernels cannot run inputs of these sizes (a message naming the argument and the
-  fix), or None. Takes sizes, not arrays, so a caller can ask before any array exists.
-
-  Asks the kernels that would run: the Mosaic kernels for backend "mosaic", and for "auto"
-  on a Hopper GPU where they take the inputs (`backend.mosaic_unsupported_reason`; without
-  `query_len` or `top_k`, one 64-row tile and one slot, `gca_attention_pallas` checks again
-  with them); otherwise the Triton kernels (`triton_unsupported_reason`). So "auto" on
-  Hopper accepts sizes only the Mosaic kernels take (grouped heads of 128, whose Triton
-  memory-side kernel is past the shared memory).
-  """
-  choice = backend.pick(
-    config or default_config(),
-    dtype=dtype,
-    head_dim=head_dim,
-    chunk_len=chunk_len,
-    query_len=query_len or 1,
-    heads=heads,
-    kv_heads=kv_heads,
-    top_k=top_k or 1,
-    interpret=jax.default_backend() == "cpu",
-  )
-  if choice.kernels == "mosaic":
-    return choice.reason
-  return triton_unsupported_reason(
-    head_dim=head_dim,
-    chunk_len=chunk_len,
-    heads=heads,
-    kv_heads=kv_heads,
-    dtype=dtype,
-    config=config,
-    query_len=query_len,
-  )
-
-
-def triton_unsupported_reason(
-  *,
-  head_dim: int,
-  chunk_len: int,
-  heads: int,
-  kv_heads: int,
-  dtype,
-  config: GcaKernelConfig | None = None,
+  config: GcaTritonConfig | None = None,
   query_len: int | None = None,
 ) -> str | None:
-  """Why the Triton kernels cannot run inputs of these sizes, or None.
+  """Why the Triton kernels cannot run inputs of these sizes (a message naming the argument
+  and the fix), or None. Takes sizes, not arrays, so a caller can ask before any array exists.
 
   Includes the shared-memory budget (`shared_memory`): an explicit `config` is checked as
   given, the default after `config_for` has lowered its stages. The memory-side backward's
   pipelined tiles grow with the query chunk's rows, so without `query_len` (rows per query
   chunk) that kernel is checked at one stage only, the floor of the default's rule;
-  `gca_attention_pallas` checks again with it.
+  `gca_attention_triton` checks again with it.
   """
   if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
     return (
-      f"implementation='pallas' takes {[jnp.dtype(d).name for d in SUPPORTED_DTYPES]} queries, got "
+      f"implementation='triton' takes {[jnp.dtype(d).name for d in SUPPORTED_DTYPES]} queries, got "
       f"{jnp.dtype(dtype).name}; cast them or use implementation='xla'"
     )
   if not is_power_of_two(head_dim) or not SMALLEST_TILE <= head_dim <= MAX_HEAD_DIM:
     return (
-      f"implementation='pallas' needs a power-of-two head_dim in [{SMALLEST_TILE}, {MAX_HEAD_DIM}], got "
+      f"implementation='triton' needs a power-of-two head_dim in [{SMALLEST_TILE}, {MAX_HEAD_DIM}], got "
       f"{head_dim}; use implementation='xla'"
     )
   if chunk_len > MAX_CHUNK_LEN:
     return (
-      f"implementation='pallas' takes memory chunks of at most {MAX_CHUNK_LEN} keys (chunk_k's chunk_len), "
+      f"implementation='triton' takes memory chunks of at most {MAX_CHUNK_LEN} keys (chunk_k's chunk_len), "
       f"got {chunk_len}; use implementation='xla'"
     )
-  per_program = (config or default_config()).heads_per_program
+  per_program = (config or default_triton_config()).heads_per_program
   if per_program is not None and (heads // kv_heads) % per_program:
     return (
-      f"GcaKernelConfig.heads_per_program ({per_program}) must divide the query heads per kv head "
+      f"GcaTritonConfig.heads_per_program ({per_program}) must divide the query heads per kv head "
       f"({heads} // {kv_heads}); pick a power of two that does, or None"
     )
   group = heads // kv_heads
@@ -150,20 +103,20 @@ def triton_unsupported_reason(
 
 
 def config_for(
-  config: GcaKernelConfig | None, *, query_len: int, group: int, chunk_len: int, head_dim: int, dtype
-) -> tuple[GcaKernelConfig, kernels.Tiling]:
-  """(config, tiling) to run: an explicit `config` as given; None: `default_config()` with
+  config: GcaTritonConfig | None, *, query_len: int, group: int, chunk_len: int, head_dim: int, dtype
+) -> tuple[GcaTritonConfig, kernels.Tiling]:
+  """(config, tiling) to run: an explicit `config` as given; None: `default_triton_config()` with
   the stages of any kernel whose tiles would exceed the shared-memory budget lowered to 1
   (`shared_memory.fit_stages`; the drt_128m shape, 12 heads x 64, 64-row query chunks and
   63-key chunks, keeps every default)."""
   if config is not None:
     return config, tiling_for(query_len, group, chunk_len, config)
-  config = default_config()
+  config = default_triton_config()
   tiling = tiling_for(query_len, group, chunk_len, config)
   return shared_memory.fit_stages(config, tiling, head_dim, dtype), tiling
 
 
-def tiling_for(query_len: int, group: int, chunk_len: int, config: GcaKernelConfig) -> kernels.Tiling:
+def tiling_for(query_len: int, group: int, chunk_len: int, config: GcaTritonConfig) -> kernels.Tiling:
   """The static tile sizes for query chunks of `query_len` rows, `group` query heads per kv
   head and memory chunks of `chunk_len` keys."""
   query_rows = max(SMALLEST_TILE, next_power_of_two(query_len))
@@ -215,7 +168,7 @@ def _gca_bwd(tiling, scale, config, interpret, residuals, d_out):
 _gca.defvjp(_gca_fwd, _gca_bwd)
 
 
-def gca_attention_pallas(
+def gca_attention_triton(
   q: jax.Array,
   chunk_k: jax.Array,
   chunk_v: jax.Array,
@@ -223,22 +176,20 @@ def gca_attention_pallas(
   chunk_indices: jax.Array,
   *,
   scale: float,
-  config: GcaKernelConfig | None = None,
+  config: GcaTritonConfig | None = None,
   interpret: bool | None = None,
 ) -> jax.Array:
-  """GCA through the Pallas kernels (shapes already checked by the caller): the Triton kernels
-  or, on Hopper, the Mosaic GPU kernels (`backend.choose_backend`, by `config.backend`).
+  """GCA through the Triton kernels (shapes already checked by the caller).
 
   Args:
     q: [batch, seq, heads, head_dim], seq = query_chunks * query_len; head_dim a power of
-      two in [16, 256] (Mosaic: 64 or 128).
-    chunk_k, chunk_v: [batch, memory_chunks, chunk_len, kv_heads, head_dim], chunk_len <= 256
-      (Mosaic: <= 64).
+      two in [16, 256].
+    chunk_k, chunk_v: [batch, memory_chunks, chunk_len, kv_heads, head_dim], chunk_len <= 256.
     chunk_weights: float [batch, query_chunks, k].
     chunk_indices: int [batch, query_chunks, k] (out-of-range indices are clipped).
     scale: the score scale.
-    config: backend, tiles and launch parameters; None means `default_config()` (backend
-      "auto") with the Triton kernels' stages fitted to the shared-memory budget (`config_for`).
+    config: tiles and launch parameters; None means `default_triton_config()` with the
+      stages fitted to the shared-memory budget (`config_for`).
     interpret: run the kernels in Pallas interpret mode; None means on CPU.
 
   Returns:
@@ -246,40 +197,16 @@ def gca_attention_pallas(
     full float32 products; bf16/f16: bf16/f16 products with float32 accumulation).
 
   Raises:
-    ValueError: sizes or a dtype the kernels do not take, a config whose tiles exceed the
-      shared-memory budget (`unsupported_reason`), or backend "mosaic" where the Mosaic
-      kernels cannot run.
+    ValueError: sizes or a dtype the kernels do not take, or a config whose tiles exceed
+      the shared-memory budget (`unsupported_reason`).
   """
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   _, seq, heads, head_dim = q.shape
   chunk_len, kv_heads = chunk_k.shape[2:4]
-  query_chunks, top_k = chunk_indices.shape[1:]
+  query_chunks = chunk_indices.shape[1]
   query_len = seq // query_chunks
-  requested = config or default_config()
-  chosen = backend.choose_backend(
-    requested,
-    dtype=q.dtype,
-    head_dim=head_dim,
-    chunk_len=chunk_len,
-    query_len=query_len,
-    heads=heads,
-    kv_heads=kv_heads,
-    top_k=top_k,
-    interpret=interpret,
-  )
-  if chosen == "mosaic":
-    return gca_attention_mosaic(
-      q,
-      chunk_k,
-      chunk_v,
-      chunk_weights,
-      chunk_indices,
-      scale=scale,
-      stages=requested.mosaic_stages,
-      interpret=interpret,
-    )
-  reason = triton_unsupported_reason(
+  reason = unsupported_reason(
     head_dim=head_dim,
     chunk_len=chunk_len,
     heads=heads,

@@ -35,14 +35,14 @@ import dataclasses
 import jax.numpy as jnp
 
 from pallas_kernels.config_checks import SMALLEST_TILE
-from pallas_kernels.gca.config import GcaKernelConfig
+from pallas_kernels.gca.config import GcaTritonConfig
 from pallas_kernels.gca.kernels import Tiling
 
 # An H100 (sm_90) gives one block at most 227 KiB of shared memory (232,448 bytes, the
 # "available" of XLA's error). 200 KiB leaves 27 KiB for what the estimates do not count.
 SHARED_MEMORY_BUDGET = 200 * 1024
 
-# Each kernel's num_stages field of GcaKernelConfig.
+# Each kernel's num_stages field of GcaTritonConfig.
 STAGE_FIELDS = {"forward": "num_stages", "backward_queries": "bwd_num_stages", "backward_memory": "memory_num_stages"}
 
 
@@ -68,7 +68,7 @@ def estimate(kernel: str, tiling: Tiling, head_dim: int, dtype, num_stages: int)
   raise ValueError(f"kernel must be one of {list(STAGE_FIELDS)}, got {kernel!r}")
 
 
-def fit_stages(config: GcaKernelConfig, tiling: Tiling, head_dim: int, dtype) -> GcaKernelConfig:
+def fit_stages(config: GcaTritonConfig, tiling: Tiling, head_dim: int, dtype) -> GcaTritonConfig:
   """`config` with the num_stages of each kernel whose estimate exceeds the budget lowered to 1
   (no pipelining: its loads are no longer buffered per stage). Tiles stay as they are, so a
   config whose kernels all fit comes back unchanged."""
@@ -81,7 +81,7 @@ def fit_stages(config: GcaKernelConfig, tiling: Tiling, head_dim: int, dtype) ->
 
 
 def over_budget_reason(
-  config: GcaKernelConfig, tiling: Tiling, head_dim: int, dtype, kernels=tuple(STAGE_FIELDS)
+  config: GcaTritonConfig, tiling: Tiling, head_dim: int, dtype, kernels=tuple(STAGE_FIELDS)
 ) -> str | None:
   """Why `config` would ask one of `kernels` for more shared memory than the budget (naming
   the field and the fix), or None."""
@@ -94,9 +94,9 @@ def over_budget_reason(
       if estimate(kernel, smallest, head_dim, dtype, 1) > SHARED_MEMORY_BUDGET:
         fix = "no tiles fit these chunks and head_dim"
       elif stages > 1:
-        fix = f"set GcaKernelConfig.{field}=1 (or lower block_rows or heads_per_program)"
+        fix = f"set GcaTritonConfig.{field}=1 (or lower block_rows or heads_per_program)"
       else:
-        fix = "lower GcaKernelConfig.block_rows or heads_per_program"
+        fix = "lower GcaTritonConfig.block_rows or heads_per_program"
       return (
         f"the GCA {kernel} kernel would ask for about {needed // 1024} KiB of shared memory with "
         f"{field}={stages} ({tiling.block_q * tiling.heads_per_program}-row query tiles, "

@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 
-from pallas_kernels.power.config import FEATURE_TILE, PowerKernelConfig
+from pallas_kernels.power.config import FEATURE_TILE, PowerTritonConfig
 
 
 def tile_pairs(head_dim: int) -> list[tuple[int, int, float]]:
@@ -117,7 +117,7 @@ def _placement(start, head_dim: int, dtype):
   return jnp.where(column == start + feature, 1.0, 0.0).astype(dtype)
 
 
-def _compiler_params(config: PowerKernelConfig):
+def _compiler_params(config: PowerTritonConfig):
   return pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
 
 
@@ -162,7 +162,7 @@ def _update_state_kernel(
 
 
 def update_state(
-  x: jax.Array, w: jax.Array, u: jax.Array, *, chunk: int, config: PowerKernelConfig, interpret: bool
+  x: jax.Array, w: jax.Array, u: jax.Array, *, chunk: int, config: PowerTritonConfig, interpret: bool
 ) -> tuple[jax.Array, jax.Array]:
   """Per-chunk states of the expanded rows of x.
 
@@ -320,7 +320,7 @@ def query_state_attention(
   heads: int,
   kv_heads: int,
   chunk: int,
-  config: PowerKernelConfig,
+  config: PowerTritonConfig,
   interpret: bool,
 ) -> tuple[jax.Array, jax.Array]:
   """Normalized outputs from the incoming chunk states plus the intra-chunk attention.
@@ -462,7 +462,7 @@ def state_gradient(
   heads: int,
   kv_heads: int,
   chunk: int,
-  config: PowerKernelConfig,
+  config: PowerTritonConfig,
   interpret: bool,
   with_product: bool = False,
 ):
@@ -594,7 +594,7 @@ def _attention_dkv_kernel(
 
 
 def attention_backward(
-  q, k, v, g, d_num, d_den, *, heads: int, kv_heads: int, chunk: int, config: PowerKernelConfig, interpret: bool
+  q, k, v, g, d_num, d_den, *, heads: int, kv_heads: int, chunk: int, config: PowerTritonConfig, interpret: bool
 ):
   """Gradients of the intra-chunk attention sum_j A_ij [v_j, 1] (the numerator and denominator).
 

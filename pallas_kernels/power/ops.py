@@ -1,6 +1,6 @@
 """Power attention (p = 2) through the Pallas kernels, differentiable with a custom VJP.
 
-`power_attention_pallas` takes the [batch, seq, heads, dim] layout of the power-attention
+`power_attention_triton` takes the [batch, seq, heads, dim] layout of the power-attention
 entry point, folds heads into the batch, zero-pads the sequence to a multiple of the
 chunk size (zero keys and zero log-gates change neither real outputs nor the final
 state), and runs per chunk:
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.power import discumsum, kernels
-from pallas_kernels.power.config import FEATURE_TILE, PowerKernelConfig, default_config
+from pallas_kernels.power.config import FEATURE_TILE, PowerTritonConfig, default_triton_config
 from pallas_kernels.residuals import keep_for_backward
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -34,36 +34,36 @@ EXPANSION = ("tspow", FEATURE_TILE)
 
 
 def unsupported_reason(
-  p: int, head_dim: int, value_dim: int, dtype, chunk_size: int, config: PowerKernelConfig | None = None
+  p: int, head_dim: int, value_dim: int, dtype, chunk_size: int, config: PowerTritonConfig | None = None
 ) -> str | None:
   """Why the kernels cannot run these inputs (a message naming the argument and the fix), or None.
 
   Takes sizes, not arrays, so that a FLOP count can ask the same question from a
   model config before any array exists.
   """
-  config = config or default_config()
+  config = config or default_triton_config()
   if p != 2:
-    return f"implementation='pallas' supports p=2 only, got p={p}; use implementation='xla'"
+    return f"implementation='triton' supports p=2 only, got p={p}; use implementation='xla'"
   for name, size in (("head_dim", head_dim), ("value_dim", value_dim)):
     if size < FEATURE_TILE or size & (size - 1):
       return (
-        f"implementation='pallas' needs a power-of-two {name} >= {FEATURE_TILE}, got {size}; use implementation='xla'"
+        f"implementation='triton' needs a power-of-two {name} >= {FEATURE_TILE}, got {size}; use implementation='xla'"
       )
   if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
     return (
-      f"implementation='pallas' supports {[jnp.dtype(d).name for d in SUPPORTED_DTYPES]}, got "
+      f"implementation='triton' supports {[jnp.dtype(d).name for d in SUPPORTED_DTYPES]}, got "
       f"{jnp.dtype(dtype).name}; use implementation='xla'"
     )
   multiple = config.chunk_multiple
   if chunk_size % multiple:
     return (
       f"chunk_size ({chunk_size}) must be a multiple of {multiple} (the kernels' largest block) for "
-      f"implementation='pallas'; try {max(multiple, chunk_size // multiple * multiple)}"
+      f"implementation='triton'; try {max(multiple, chunk_size // multiple * multiple)}"
     )
   return None
 
 
-def kernel_chunk_size(chunk_size: int, seq: int, config: PowerKernelConfig) -> int:
+def kernel_chunk_size(chunk_size: int, seq: int, config: PowerTritonConfig) -> int:
   """The chunk the kernels use: `chunk_size` (a multiple of config.chunk_multiple), or
   the sequence rounded up to that multiple when it is shorter (one chunk: the attention form)."""
   multiple = config.chunk_multiple
@@ -380,7 +380,7 @@ def _power_attention_form_bwd(scale, chunk, config, interpret, saved, d_out):
 _power_attention_form.defvjp(_power_attention_form_fwd, _power_attention_form_bwd)
 
 
-def power_attention_pallas(
+def power_attention_triton(
   q: jax.Array,
   k: jax.Array,
   v: jax.Array,
@@ -390,7 +390,7 @@ def power_attention_pallas(
   chunk_size: int,
   initial_state: tuple[jax.Array, jax.Array] | None = None,
   return_final_state: bool = True,
-  config: PowerKernelConfig | None = None,
+  config: PowerTritonConfig | None = None,
   interpret: bool | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
   """Causal power attention, p = 2, through the Pallas kernels (inputs already validated).
@@ -406,14 +406,14 @@ def power_attention_pallas(
       the kernels' layout (tspow, d_tile 16; D = `kernels.expanded_dim(head_dim)`), or None.
     return_final_state: False skips what only the final state needs; with no initial state
       and seq within one chunk that is every state kernel (the attention form alone).
-    config: kernel tiles; None means `default_config()`.
+    config: kernel tiles; None means `default_triton_config()`.
     interpret: run the kernels in Pallas interpret mode; None means on CPU.
 
   Returns:
     outputs [batch, seq, heads, value_dim] in q's dtype and the final (state, normalizer)
     (float32, tspow layout with d_tile 16), None when not return_final_state.
   """
-  config = config or default_config()
+  config = config or default_triton_config()
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   batch, seq, _, head_dim = q.shape

@@ -8,7 +8,7 @@ from pallas_kernels.config_checks import check_int_fields, parse_config
 
 
 @dataclasses.dataclass(frozen=True)
-class TreeAttentionConfig:
+class TreeAttentionTritonConfig:
   """How the kernel tiles its work.
 
   The n drafted nodes times the heads that share one KV head form the query rows of a
@@ -44,6 +44,6 @@ class TreeAttentionConfig:
     )
 
   @classmethod
-  def from_string(cls, text: str) -> "TreeAttentionConfig":
+  def from_string(cls, text: str) -> "TreeAttentionTritonConfig":
     """From "key=value,..." (`pallas_kernels.config_checks.parse_config`)."""
     return parse_config(cls, text)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.config_checks import SMALLEST_TILE, is_power_of_two, next_power_of_two
 from pallas_kernels.split_k import merge_split_states
-from pallas_kernels.tree_attention.config import TreeAttentionConfig
+from pallas_kernels.tree_attention.config import TreeAttentionTritonConfig
 
 # 64-row blocks measured faster than 128 on an H100 (138 rows run as 3 x 64 instead of
 # 2 x 128: less padding, one more pass over the cache, mostly from L2; benchmarks/RESULTS.md).
@@ -43,13 +43,13 @@ def supports_head_dim(head_dim: int) -> bool:
   return head_dim >= SMALLEST_TILE and is_power_of_two(head_dim)
 
 
-def _block_rows(rows: int, config: TreeAttentionConfig) -> int:
+def _block_rows(rows: int, config: TreeAttentionTritonConfig) -> int:
   if config.block_rows is not None:
     return config.block_rows
   return min(_MAX_DEFAULT_BLOCK_ROWS, max(SMALLEST_TILE, next_power_of_two(rows)))
 
 
-def _splits(other_programs: int, capacity: int, config: TreeAttentionConfig) -> int:
+def _splits(other_programs: int, capacity: int, config: TreeAttentionTritonConfig) -> int:
   if config.splits is not None:
     return config.splits
   by_occupancy = -(-config.target_programs // other_programs)
@@ -158,7 +158,7 @@ def _heads_of_rows(x: jax.Array, n: int, heads: int) -> jax.Array:
   return moved.reshape(batch, n, heads, *tail)
 
 
-def tree_attention_pallas(
+def tree_attention_triton(
   q: jax.Array,
   cache_k: jax.Array,
   cache_v: jax.Array,
@@ -167,7 +167,7 @@ def tree_attention_pallas(
   tree_v: jax.Array | None = None,
   tree_mask: jax.Array | None = None,
   *,
-  config: TreeAttentionConfig | None = None,
+  config: TreeAttentionTritonConfig | None = None,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """Attention of n queries over a cache's filled slots and, optionally, a masked tree of n nodes.
@@ -181,14 +181,14 @@ def tree_attention_pallas(
     cache_length: int32 scalar or [batch], filled slots (may be traced).
     tree_k, tree_v: [batch, n, kv_heads, head_dim] or None (the cache part alone).
     tree_mask: bool [batch, n, n] or [n, n]; [i, j] True iff node i sees node j.
-    config: tiling; default `TreeAttentionConfig()`.
+    config: tiling; default `TreeAttentionTritonConfig()`.
     interpret: run in Pallas interpret mode (CPU tests).
 
   Returns:
     out: [batch, n, heads, head_dim] in q's dtype (0 for a row that sees no key);
     lse: float32 [batch, n, heads] (-inf for a row that sees no key).
   """
-  config = config or TreeAttentionConfig()
+  config = config or TreeAttentionTritonConfig()
   batch, n, heads, head_dim = q.shape
   _, capacity, kv_heads, _ = cache_k.shape
   rows = n * (heads // kv_heads)

@@ -5,7 +5,7 @@ oracles in `reference`; the chunked XLA path in `chunked`; decoding with a const
 state in `recurrent`.
 """
 
-from castle_jax.ops.power.api import IMPLEMENTATIONS, power_attention, resolve
+from castle_jax.ops.power.api import IMPLEMENTATIONS, KERNEL_CONFIGS, power_attention, resolve
 from castle_jax.ops.power.chunked import empty_state, power_attention_chunked
 from castle_jax.ops.power.common import DEFAULT_CHUNK_SIZE, PowerState
 from castle_jax.ops.power.expansion import EXPANSIONS, expand, expanded_dim, spow, tpow, tspow
@@ -23,6 +23,7 @@ __all__ = [
   "DEFAULT_CHUNK_SIZE",
   "EXPANSIONS",
   "IMPLEMENTATIONS",
+  "KERNEL_CONFIGS",
   "PowerCache",
   "PowerState",
   "append_tokens",

@@ -20,7 +20,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from castle_jax.ops.backend import Implementation, choose
+from castle_jax.ops.backend import Implementation, choose, rejects_renamed_arguments
 from castle_jax.ops.power.api import power_attention
 from castle_jax.ops.power.chunked import empty_state
 from castle_jax.ops.numerics import compute_dtype
@@ -195,6 +195,7 @@ def decode_step(
   return outputs, cache.advanced(state, 1)
 
 
+@rejects_renamed_arguments
 def prefill(
   cache: PowerCache,
   q: jax.Array,
@@ -208,14 +209,14 @@ def prefill(
   expansion: str = "spow",
   d_tile: int | None = None,
   implementation: str | None = None,
-  pallas_config=None,
+  kernel_config=None,
 ) -> tuple[jax.Array, PowerCache]:
   """Absorbs a block of tokens starting from the cache's state, through `power_attention`.
 
   Args:
     cache: the PowerCache after `length` tokens (empty for a prompt).
     q, k, v, log_g: [batch, new, ...] as in `power_attention`.
-    chunk_size, implementation, pallas_config: as in `power_attention` (the same choice
+    chunk_size, implementation, kernel_config: as in `power_attention` (the same choice
       as training: `castle_jax.ops.power.resolve`).
 
   Returns:
@@ -234,11 +235,12 @@ def prefill(
     initial_state=cache.power_state,
     return_final_state=True,
     implementation=implementation,
-    pallas_config=pallas_config,
+    kernel_config=kernel_config,
   )
   return outputs, cache.advanced(state, q.shape[1])
 
 
+@rejects_renamed_arguments
 def append_tokens(
   cache: PowerCache,
   q: jax.Array,
@@ -252,12 +254,12 @@ def append_tokens(
   expansion: str = "spow",
   d_tile: int | None = None,
   implementation: str | None = None,
-  pallas_config=None,
+  kernel_config=None,
 ) -> tuple[jax.Array, PowerCache]:
   """Any number of new tokens on any cache: one token takes `decode_step`, more take `prefill`.
 
   The choice depends only on the (static) number of new tokens; both give the rows of
-  the attention form for these positions. `implementation` and `pallas_config` choose
+  the attention form for these positions. `implementation` and `kernel_config` choose
   the prefill's path as `power_attention` does; a single token always takes the
   recurrent step (there is no other decoding step).
   """
@@ -266,5 +268,5 @@ def append_tokens(
   if q.shape[1] == 1:
     return decode_step(cache, q, k, v, log_g, **options)
   return prefill(
-    cache, q, k, v, log_g, chunk_size=chunk_size, implementation=implementation, pallas_config=pallas_config, **options
+    cache, q, k, v, log_g, chunk_size=chunk_size, implementation=implementation, kernel_config=kernel_config, **options
   )
