@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from castle_jax.ops.attention.alibi import alibi_window_attention
 from castle_jax.ops.gca import gca_attention
 from castle_jax.ops.gca import KERNEL_CONFIGS
-from pallas_kernels.gca.mosaic_attention import gca_attention_mosaic
+from pallas_kernels.gca.mosaic import gca_attention_mosaic
 from pallas_kernels.gca.mosaic_forward import gca_forward_mosaic
 from benchmarks.timing import error_text, median_ms, run_meta, time_forward_and_gradients, write_json
 

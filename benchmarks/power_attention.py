@@ -39,7 +39,13 @@ import jax.numpy as jnp
 
 from castle_jax.ops.attention import causal_attention
 from castle_jax.ops.power import power_attention
-from pallas_kernels.power import PowerTritonConfig, default_triton_config, discumsum, kernels, power_attention_triton
+from pallas_kernels.power import (
+  PowerTritonConfig,
+  default_triton_config,
+  triton_discumsum,
+  triton_kernels,
+  power_attention_triton,
+)
 from benchmarks.timing import error_text, median_ms, run_meta, time_forward_and_gradients, torch_median_ms, write_json
 
 
@@ -129,7 +135,7 @@ def kernel_breakdown(batch, seq, heads, head_dim, chunk, dtype, iters, config=No
   """
   config = config or default_triton_config()
   bh, tokens = batch * heads, batch * seq * heads
-  dim = kernels.expanded_dim(head_dim)
+  dim = triton_kernels.expanded_dim(head_dim)
   n = seq // chunk
   keys = jax.random.split(jax.random.key(0), 6)
   x = jax.random.normal(keys[0], (bh, seq, head_dim), jnp.float32).astype(dtype)
@@ -141,25 +147,25 @@ def kernel_breakdown(batch, seq, heads, head_dim, chunk, dtype, iters, config=No
   opts = dict(chunk=chunk, config=config, interpret=False)
   mha = dict(heads=heads, kv_heads=heads)
   cases = [
-    ("update_state", lambda: kernels.update_state(x, w, r, **opts), 2 * dim * head_dim * tokens),
+    ("update_state", lambda: triton_kernels.update_state(x, w, r, **opts), 2 * dim * head_dim * tokens),
     (
       "query_state_attention",
-      lambda: kernels.query_state_attention(x, x, w, g, state, normalizer, **mha, **opts),
+      lambda: triton_kernels.query_state_attention(x, x, w, g, state, normalizer, **mha, **opts),
       (2 * dim * head_dim + 2 * (chunk + 1) * head_dim) * tokens,
     ),
     (
       "state_gradient(queries)",
-      lambda: kernels.state_gradient(x, w, r, state, normalizer, **mha, **opts),
+      lambda: triton_kernels.state_gradient(x, w, r, state, normalizer, **mha, **opts),
       2 * dim * head_dim * tokens,
     ),
     (
       "state_gradient(keys)",
-      lambda: kernels.state_gradient(x, w, r, state, normalizer, **mha, with_product=True, **opts),
+      lambda: triton_kernels.state_gradient(x, w, r, state, normalizer, **mha, with_product=True, **opts),
       4 * dim * head_dim * tokens,
     ),
     (
       "attention_backward",
-      lambda: kernels.attention_backward(x, x, w, g, w, r, **mha, **opts),
+      lambda: triton_kernels.attention_backward(x, x, w, g, w, r, **mha, **opts),
       5 * (chunk + 1) * head_dim * tokens,
     ),
   ]
@@ -175,13 +181,13 @@ def kernel_breakdown(batch, seq, heads, head_dim, chunk, dtype, iters, config=No
     # Reads the own states, writes the entering states.
     (
       "discumsum",
-      lambda: discumsum.discumsum(states, totals, states[:, 0], entering_dtype=dtype, interpret=False),
+      lambda: triton_discumsum.discumsum(states, totals, states[:, 0], entering_dtype=dtype, interpret=False),
       states.size * (4 + size),
     ),
     # Reads the direct gradients and the entering states, writes the own states' gradients.
     (
       "reverse_discumsum",
-      lambda: discumsum.reverse_discumsum(states, totals, state, states[:, 0], interpret=False),
+      lambda: triton_discumsum.reverse_discumsum(states, totals, state, states[:, 0], interpret=False),
       states.size * (4 + size + 4),
     ),
   ]

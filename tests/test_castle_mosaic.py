@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from castle_jax.ops.castle.blockwise import castle_blockwise_prefill
+from castle_jax.ops.castle.xla import castle_blockwise_prefill
 from helpers import rel_err
-from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
-from pallas_kernels.castle.mosaic_ops import castle_forward_mosaic
+from pallas_kernels.castle.config import CastleMosaicConfig
+from pallas_kernels.castle.mosaic import castle_forward_mosaic
 
 # (shape, window); small T keeps interpret mode fast.
 CASES = [

@@ -17,7 +17,7 @@ import pytest
 
 from castle_jax.ops.castle.reference import castle_parallel
 from helpers import mosaic_kernels_lowered_for_h100, rel_err
-from pallas_kernels.castle.mosaic_attention import castle_attention_mosaic
+from pallas_kernels.castle.mosaic import castle_attention_mosaic
 
 _NAMES = ("q_u", "k_u", "v_u", "q_c", "k_c", "v_c")
 

@@ -1,5 +1,5 @@
 """CASTLE-SWL's forward split in two Mosaic GPU kernels: the key-major sweep inside the
-window and the query-major kernel past it (`pallas_kernels.castle.mosaic_past_window`).
+window and the query-major kernel past it (`pallas_kernels.castle.mosaic_forward_past_window`).
 
 CPU only: GPU interpret mode for the numbers, the H100 lowering for the kernels' shapes
 and layouts, and the partition of the (key block, query block) pairs between the two
@@ -13,13 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from castle_jax.ops.castle.blockwise import castle_blockwise_prefill
+from castle_jax.ops.castle.xla import castle_blockwise_prefill
 from castle_jax.ops.castle.reference import castle_parallel
 from helpers import mosaic_kernels_lowered_for_h100, rel_err
-from pallas_kernels.castle.mosaic_attention import castle_attention_mosaic
+from pallas_kernels.castle.mosaic import castle_attention_mosaic
 from pallas_kernels.castle.mosaic_forward import key_major_sweep_end
-from pallas_kernels.castle.mosaic_ops import castle_forward_mosaic
-from pallas_kernels.castle.mosaic_past_window import past_window_key_programs
+from pallas_kernels.castle.mosaic import castle_forward_mosaic
+from pallas_kernels.castle.mosaic_forward_past_window import past_window_key_programs
 from test_castle_mosaic import _inputs, _reference_lse
 
 BLOCK = 64

@@ -14,7 +14,7 @@ import pytest
 
 from castle_jax.ops.castle import castle_attention, castle_parallel, init_cache, prefill
 from helpers import rel_err
-from pallas_kernels.castle import CastleTritonConfig, castle_attention_triton, kernels, ops
+from pallas_kernels.castle import CastleTritonConfig, castle_attention_triton, common, triton, triton_kernels
 
 SHAPE = (2, 45, 3, 24)  # 45 tokens: a ragged last block; head dim 24 padded to 32
 SMALL = CastleTritonConfig(block_q=16, block_k=16, bwd_block_q=16, bwd_block_k=16)
@@ -101,12 +101,12 @@ def test_score_overflow_falls_back_to_the_row_maximum():
   above_diagonal = jnp.max(jnp.where(visible, causal_scores, -jnp.inf), -1) - jnp.diagonal(causal_scores, 0, 2, 3)
   assert float(jnp.max(above_diagonal)) > 100
   # The diagonal shift alone overflows for these inputs, so the fallback is exercised.
-  heads, _ = ops._prepare(inputs, SMALL)
+  heads, _ = triton._prepare(inputs, SMALL)
   scale = 1 / np.sqrt(SHAPE[-1])
-  _, sums, _ = kernels.forward(
+  _, sums, _ = triton_kernels.forward(
     *heads,
-    shift=ops._diagonal_scores(heads[3], heads[4], scale),
-    in_block=ops._in_block_scores(heads[3], heads[2], scale, SMALL.block_q),
+    shift=common._diagonal_scores(heads[3], heads[4], scale),
+    in_block=common.in_block_scores(heads[3], heads[2], scale, SMALL.block_q),
     scale=scale,
     window=None,
     config=SMALL,

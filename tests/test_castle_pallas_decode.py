@@ -1,4 +1,4 @@
-"""The fused CASTLE decoding kernel (pallas_kernels.castle.decode) in interpret mode.
+"""The fused CASTLE decoding kernel (pallas_kernels.castle.triton_decode) in interpret mode.
 
 Each step's output is checked against the parallel form's row and the cache's
 lookahead keys against U^t from the definition, for CASTLE (update fused into the
@@ -17,7 +17,7 @@ import pytest
 from castle_jax.ops.castle import append_tokens, castle_parallel, decode_step, init_cache, lookahead_keys, prefill
 from helpers import rel_err
 from pallas_kernels.castle import CastleDecodeConfig
-from pallas_kernels.castle import decode as pallas_decode
+from pallas_kernels.castle import triton_decode as pallas_decode
 
 SHAPE = (2, 40, 3, 16)  # batch, seq, heads, head_dim
 CAPACITY = 43  # not a multiple of the 16-row blocks

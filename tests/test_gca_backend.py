@@ -19,8 +19,8 @@ from castle_jax.ops import backend
 from castle_jax.ops.gca import api, gca_attention
 from helpers import rel_err
 from pallas_kernels import device_facts
-from pallas_kernels.gca import GcaMosaicConfig, GcaTritonConfig, kernels, mosaic_attention
-from pallas_kernels.gca.ops import unsupported_reason
+from pallas_kernels.gca import GcaMosaicConfig, GcaTritonConfig, triton_kernels, mosaic
+from pallas_kernels.gca.triton import unsupported_reason
 from test_gca_mosaic import gca_inputs
 
 HOPPER = "9.0"
@@ -132,17 +132,17 @@ def spied_kernels(monkeypatch):
   calls = []
   for name in ("forward_native", "backward_queries_native", "backward_memory_native"):
 
-    def spy(*args, _name=name, _kernel=getattr(mosaic_attention, name), **kwargs):
+    def spy(*args, _name=name, _kernel=getattr(mosaic, name), **kwargs):
       calls.append(_name)
       return _kernel(*args, **kwargs)
 
-    monkeypatch.setattr(mosaic_attention, name, spy)
+    monkeypatch.setattr(mosaic, name, spy)
   for name in ("forward", "backward_queries", "backward_memory"):
 
     def refuse(*args, _name=name, **kwargs):
       raise AssertionError(f"the Triton kernel {_name} ran")
 
-    monkeypatch.setattr(kernels, name, refuse)
+    monkeypatch.setattr(triton_kernels, name, refuse)
   return calls
 
 
@@ -180,9 +180,9 @@ def test_mosaic_runs_its_kernels_and_matches_xla(spied_kernels):
 
 
 @pytest.mark.parametrize(
-  "implementation, capability, mosaic", [(None, HOPPER, True), ("triton", HOPPER, False), (None, AMPERE, False)]
+  "implementation, capability, runs_mosaic", [(None, HOPPER, True), ("triton", HOPPER, False), (None, AMPERE, False)]
 )
-def test_value_and_gradients_lower_for_an_h100(device, implementation, capability, mosaic):
+def test_value_and_gradients_lower_for_an_h100(device, implementation, capability, runs_mosaic):
   device(capability)
   struct = jax.ShapeDtypeStruct
   memory = struct((1, 4, 63, 12, 64), jnp.bfloat16)
@@ -204,5 +204,5 @@ def test_value_and_gradients_lower_for_an_h100(device, implementation, capabilit
   with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h100)):
     text = jax.jit(value_and_grads).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   triton = [name for name in ("gca_forward", "gca_backward_queries", "gca_backward_memory") if name in text]
-  assert ("mosaic_gpu" in text) == mosaic
-  assert triton == ([] if mosaic else ["gca_forward", "gca_backward_queries", "gca_backward_memory"])
+  assert ("mosaic_gpu" in text) == runs_mosaic
+  assert triton == ([] if runs_mosaic else ["gca_forward", "gca_backward_queries", "gca_backward_memory"])

@@ -26,9 +26,9 @@ import pytest
 
 from castle_jax.ops.gca import gca_attention
 from helpers import rel_err
-from pallas_kernels.gca import kernels, mosaic_forward
+from pallas_kernels.gca import triton_kernels, mosaic_forward
 from pallas_kernels.gca.config import default_triton_config
-from pallas_kernels.gca.ops import tiling_for
+from pallas_kernels.gca.triton import tiling_for
 
 pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
 
@@ -135,7 +135,7 @@ def test_interpret_matches_xla_and_triton(case):
     queries = q.reshape(batch, shape["query_chunks"], query_len, heads, head_dim)
     padding = ((0, 0), (0, 0), (0, 64 - shape["chunk_len"]), (0, 0), (0, 0))
     memory_chunks = chunk_k.shape[1]
-    _, triton_lse = kernels.forward(
+    _, triton_lse = triton_kernels.forward(
       queries,
       jnp.pad(chunk_k, padding),
       jnp.pad(chunk_v, padding),

@@ -1,7 +1,7 @@
 """The GCA Mosaic GPU query-side backward (dQ, the deltas, dw) on CPU: GPU interpret mode and
 the Mosaic lowering for an H100.
 
-Against the Triton `kernels.backward_queries` in interpret mode (same inputs, including the
+Against the Triton `triton_kernels.backward_queries` in interpret mode (same inputs, including the
 log-normalizers: dQ, delta and dw in its layouts) and against autodiff of the XLA path in
 float32 (dQ and dw: an independent implementation), with the retrievals of
 `test_gca_mosaic` (one chunk twice, an empty slot, an out-of-range index clipped) at
@@ -17,10 +17,10 @@ import pytest
 
 from castle_jax.ops.gca import gca_attention
 from helpers import rel_err
-from pallas_kernels.gca import kernels, mosaic_backward_queries, mosaic_forward
-from pallas_kernels.gca.mosaic_attention import gca_attention_mosaic
+from pallas_kernels.gca import triton_kernels, mosaic_backward_queries, mosaic_forward
+from pallas_kernels.gca.mosaic import gca_attention_mosaic
 from pallas_kernels.gca.config import default_triton_config
-from pallas_kernels.gca.ops import tiling_for
+from pallas_kernels.gca.triton import tiling_for
 from test_gca_mosaic import CASES, DRT_128M, H100_SHARED_MEMORY, drt_padded_structs, gca_inputs, lower_for_hopper
 
 pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
@@ -78,7 +78,7 @@ def test_interpret_matches_triton_and_xla_gradients(case):
 
   if query_len % 64 == 0:  # the Triton kernels' query tiles are then the same rows
     tiling = tiling_for(query_len, shape["heads"] // shape["kv_heads"], shape["chunk_len"], default_triton_config())
-    triton = kernels.backward_queries(
+    triton = triton_kernels.backward_queries(
       *padded, lse, d_out_padded, tiling=tiling, scale=scale, config=default_triton_config(), interpret=True
     )
     for name, ours, theirs in zip(("d_queries", "delta", "d_weights"), (d_queries, delta, d_weights), triton):

@@ -1,7 +1,7 @@
 """The GCA Mosaic GPU memory-side backward (dK, dV) on CPU: GPU interpret mode and the
 Mosaic lowering for an H100.
 
-Against the Triton `kernels.backward_memory` in interpret mode (same inputs: the Mosaic
+Against the Triton `triton_kernels.backward_memory` in interpret mode (same inputs: the Mosaic
 forward's log-normalizers and the query side's row dots, turned into the Triton layouts and
 deltas) and against autodiff of the XLA path in float32 (an independent implementation).
 The retrievals are laid out by hand so that one memory chunk is retrieved by several query
@@ -20,7 +20,7 @@ import pytest
 
 from castle_jax.ops.gca import gca_attention
 from helpers import rel_err
-from pallas_kernels.gca import kernels, mosaic_backward_memory, mosaic_backward_queries, mosaic_forward
+from pallas_kernels.gca import triton_kernels, mosaic_backward_memory, mosaic_backward_queries, mosaic_forward
 from pallas_kernels.gca.config import default_triton_config
 from pallas_kernels.gca.mosaic_tiles import CHUNK_TILE, TILE_ROWS, pad_inputs
 from pallas_kernels.gca.pairs import retrieving_pairs
@@ -73,7 +73,7 @@ def _kernel_gradients(inputs, shape, stages):
 
   # The Triton kernel over the same whole 64-row tiles, deltas w_j r_j in its layout.
   to_triton = lambda slot_rows: slot_rows.transpose(0, 1, 3, 4, 2)
-  tiling = kernels.Tiling(
+  tiling = triton_kernels.Tiling(
     query_len=query_rows,
     block_q=TILE_ROWS,
     heads_per_program=1,
@@ -82,7 +82,7 @@ def _kernel_gradients(inputs, shape, stages):
     padded_chunk_len=CHUNK_TILE,
   )
   delta = to_triton(row_dots * weights[:, :, None, :, None])
-  theirs = kernels.backward_memory(
+  theirs = triton_kernels.backward_memory(
     queries,
     keys,
     values,

@@ -25,8 +25,8 @@ from castle_jax.ops.gca import gca_attention
 from castle_jax.ops.gca.api import DEFAULT_ORDER, implementations
 from helpers import rel_err
 from pallas_kernels.gca import GcaTritonConfig, default_triton_config, gca_attention_triton
-from pallas_kernels.gca import shared_memory
-from pallas_kernels.gca.ops import config_for, tiling_for, unsupported_reason
+from pallas_kernels.gca import triton_shared_memory
+from pallas_kernels.gca.triton import config_for, tiling_for, unsupported_reason
 
 pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
 
@@ -148,8 +148,8 @@ def test_explicit_pallas_on_inputs_it_cannot_take_names_why():
 
 def _estimates(config, tiling, head_dim, dtype):
   return {
-    kernel: shared_memory.estimate(kernel, tiling, head_dim, dtype, getattr(config, field))
-    for kernel, field in shared_memory.STAGE_FIELDS.items()
+    kernel: triton_shared_memory.estimate(kernel, tiling, head_dim, dtype, getattr(config, field))
+    for kernel, field in triton_shared_memory.STAGE_FIELDS.items()
   }
 
 
@@ -163,13 +163,13 @@ REFUSED_BYTES = 371204
 def test_default_config_fits_grouped_heads_at_head_dim_128_under_the_budget():
   unfitted = default_triton_config()
   tiling = tiling_for(65, 4, 64, unfitted)
-  memory_side = shared_memory.estimate("backward_memory", tiling, 128, jnp.bfloat16, unfitted.memory_num_stages)
+  memory_side = triton_shared_memory.estimate("backward_memory", tiling, 128, jnp.bfloat16, unfitted.memory_num_stages)
   assert abs(memory_side - REFUSED_BYTES) < 16 * 1024  # the estimate tracks what the GPU was asked for
   config, fitted_tiling = config_for(None, **GROUPED_128)
   assert fitted_tiling == tiling
   assert config.memory_num_stages == 1  # the pipelined per-pair tiles were what did not fit
   assert (config.num_stages, config.bwd_num_stages) == (2, 2)  # the others fit as they were
-  assert max(_estimates(config, tiling, 128, jnp.bfloat16).values()) <= shared_memory.SHARED_MEMORY_BUDGET
+  assert max(_estimates(config, tiling, 128, jnp.bfloat16).values()) <= triton_shared_memory.SHARED_MEMORY_BUDGET
   assert unsupported_reason(heads=8, kv_heads=2, head_dim=128, chunk_len=64, dtype=jnp.bfloat16, query_len=65) is None
 
 

@@ -8,9 +8,9 @@ default ring and a deeper one, and grouped heads at head dim 128 with 65-positio
 chunks (two 64-row tiles each). Retrievals come from `select_chunks` over causal scores, as
 in DRT: the first query chunks have empty slots (weight 0, index 0) and early memory chunks
 are retrieved by many query chunks. The query-side backward (dQ, delta, dw) against the
-compiled Triton `kernels.backward_queries` on the same inputs and against autodiff of the
+compiled Triton `triton_kernels.backward_queries` on the same inputs and against autodiff of the
 XLA path. The memory-side backward (dK, dV) against the compiled Triton
-`kernels.backward_memory` on the same log-normalizers and deltas and against XLA autodiff, and
+`triton_kernels.backward_memory` on the same log-normalizers and deltas and against XLA autodiff, and
 it is deterministic. `gca_attention_mosaic`'s output and four gradients against XLA autodiff,
 and `gca_attention(implementation="triton")` on Hopper: the default backend runs the Mosaic
 kernels, "triton" the Triton ones.
@@ -22,11 +22,11 @@ import pytest
 
 from castle_jax.ops.gca import gca_attention
 from helpers import rel_err
-from pallas_kernels.gca import kernels, mosaic_backward_memory, mosaic_backward_queries, mosaic_forward
+from pallas_kernels.gca import triton_kernels, mosaic_backward_memory, mosaic_backward_queries, mosaic_forward
 from pallas_kernels.gca.config import default_triton_config
-from pallas_kernels.gca.mosaic_attention import gca_attention_mosaic
+from pallas_kernels.gca.mosaic import gca_attention_mosaic
 from pallas_kernels.gca.mosaic_forward import CHUNK_TILE, gca_forward_mosaic
-from pallas_kernels.gca.ops import tiling_for
+from pallas_kernels.gca.triton import tiling_for
 from pallas_kernels.gca.pairs import retrieving_pairs
 from test_gpu_gca_pallas import _inputs as gpu_gca_inputs
 
@@ -66,7 +66,7 @@ def _triton_tiling(shape):
 def _triton_lse(inputs, shape):
   """The Triton forward's log-normalizers [batch, query_chunks, k, query_len, heads]."""
   forward = jax.jit(
-    lambda *a: kernels.forward(
+    lambda *a: triton_kernels.forward(
       *a, tiling=_triton_tiling(shape), scale=shape["head_dim"] ** -0.5, config=default_triton_config(), interpret=False
     )[1]
   )
@@ -127,7 +127,7 @@ def test_compiled_backward_queries_matches_triton_and_xla(stages):
     *padded, lse, d_out_padded
   )
   triton = jax.jit(
-    lambda *a: kernels.backward_queries(
+    lambda *a: triton_kernels.backward_queries(
       *a, tiling=_triton_tiling(shape), scale=scale, config=default_triton_config(), interpret=False
     )
   )(*padded, lse, d_out_padded)
@@ -193,7 +193,7 @@ def test_compiled_backward_memory_matches_triton_and_xla(shape, stages, against_
     to_triton = lambda slot_rows: slot_rows.transpose(0, 1, 3, 4, 2)
     delta = to_triton(row_dots * weights[:, :, None, :, None])
     triton = jax.jit(
-      lambda *a: kernels.backward_memory(
+      lambda *a: triton_kernels.backward_memory(
         *a, tiling=_triton_tiling(shape), scale=scale, config=default_triton_config(), interpret=False
       )
     )(queries, keys, values, weights, to_triton(lse), delta, d_out_padded, order, starts)

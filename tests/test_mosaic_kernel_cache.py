@@ -1,7 +1,7 @@
 """A model's layers of Mosaic GPU kernels are lowered and compiled once, not per layer.
 
 Two mechanisms, both checked on the program lowered for an H100 on CPU:
-- the op's forward and backward are jitted (`pallas_kernels.castle.mosaic_attention`), so
+- the op's forward and backward are jitted (`pallas_kernels.castle.mosaic`), so
   every layer that calls them with equal shapes calls one lowered function;
 - identical kernels hash alike (`pallas_kernels.mosaic_kernel_cache`), so jaxlib, whose
   compile cache is keyed by the kernel hash, compiles the kernels that several lowered
@@ -20,8 +20,8 @@ import jax.numpy as jnp
 
 from helpers import lowered_for_h100
 from pallas_kernels import mosaic_kernel_cache
-from pallas_kernels.castle.mosaic_attention import castle_attention_mosaic
-from pallas_kernels.gca.mosaic_attention import gca_attention_mosaic
+from pallas_kernels.castle.mosaic import castle_attention_mosaic
+from pallas_kernels.gca.mosaic import gca_attention_mosaic
 
 _INPUTS = tuple(jnp.full((1, 128, 1, 64), 0.1 * (i + 1), jnp.bfloat16) for i in range(6))
 

@@ -15,7 +15,7 @@ import pytest
 
 from castle_jax.ops.power import PowerState, expand, expanded_dim, power_attention
 from helpers import rel_err
-from pallas_kernels.power import PowerTritonConfig, discumsum, kernels, power_attention_triton
+from pallas_kernels.power import PowerTritonConfig, triton_discumsum, triton_kernels, power_attention_triton
 
 B, HQ, HKV, D_HEAD, D_VALUE = 2, 4, 2, 32, 16
 SMALL = PowerTritonConfig(block_t=16, block_q=16, block_k=16, grad_block=16)
@@ -45,8 +45,8 @@ def _state(seed, expansion="spow", d_tile=None):
 
 
 def test_tile_pairs_give_the_tspow_layout():
-  assert kernels.expanded_dim(64) == expanded_dim(64, 2, "tspow", 16) == 2560
-  assert [(s, t) for s, t, _ in kernels.tile_pairs(48)] == [(0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (2, 2)]
+  assert triton_kernels.expanded_dim(64) == expanded_dim(64, 2, "tspow", 16) == 2560
+  assert [(s, t) for s, t, _ in triton_kernels.tile_pairs(48)] == [(0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (2, 2)]
 
 
 @pytest.mark.parametrize("gating", [True, False])
@@ -137,14 +137,14 @@ def test_discumsum_kernels_match_a_scan_and_its_gradient():
     final, entering = jax.lax.scan(step, initial, (jnp.moveaxis(deltas, 1, 0), jnp.moveaxis(totals, 1, 0)))
     return jnp.moveaxis(entering, 0, 1), final
 
-  entering, final = discumsum.discumsum(deltas, totals, initial, interpret=True)
+  entering, final = triton_discumsum.discumsum(deltas, totals, initial, interpret=True)
   expected_entering, expected_final = scan(deltas, totals, initial)
   assert rel_err(entering, expected_entering) < 1e-6 and rel_err(final, expected_final) < 1e-6
   assert rel_err(entering[:, 1:], deltas[:, :-1]) > 1e-1  # the check can fail: decay and carry matter
 
   _, pullback = jax.vjp(scan, deltas, totals, initial)
   expected_grads = pullback((d_entering, d_final))
-  grads = discumsum.reverse_discumsum(d_entering, totals, entering, d_final, interpret=True)
+  grads = triton_discumsum.reverse_discumsum(d_entering, totals, entering, d_final, interpret=True)
   for name, g, e in zip(("deltas", "totals", "initial"), grads, expected_grads):
     assert rel_err(g, e) < 1e-5, name
 
@@ -153,8 +153,10 @@ def test_one_chunk_without_states_runs_the_attention_form_alone(monkeypatch):
   inputs = _inputs(15, seq=40)
   cotangent = jnp.asarray(np.random.default_rng(16).standard_normal((B, 40, HQ, D_VALUE)), jnp.float32)
   state_kernel_calls = []
-  update_state = kernels.update_state
-  monkeypatch.setattr(kernels, "update_state", lambda *a, **kw: state_kernel_calls.append(1) or update_state(*a, **kw))
+  update_state = triton_kernels.update_state
+  monkeypatch.setattr(
+    triton_kernels, "update_state", lambda *a, **kw: state_kernel_calls.append(1) or update_state(*a, **kw)
+  )
 
   def loss(impl, *args):
     return jnp.sum(power_attention(*args, chunk_size=64, implementation=impl) * cotangent)
@@ -249,7 +251,7 @@ def test_default_implementation_on_a_gpu_picks_the_kernels_when_they_apply(monke
   assert resolve(None, 128, **sizes) == ("xla", 128)
 
 
-def test_pallas_default_chunk_is_large(monkeypatch):
+def test_triton_default_chunk_is_large(monkeypatch):
   import pallas_kernels.power as kernels_package
   from castle_jax.ops.power import api
 
@@ -257,7 +259,7 @@ def test_pallas_default_chunk_is_large(monkeypatch):
 
   def spy(*args, chunk_size, **kwargs):
     seen["chunk_size"] = chunk_size
-    return kernels_package.ops.power_attention_triton(*args, chunk_size=chunk_size, **kwargs)
+    return kernels_package.triton.power_attention_triton(*args, chunk_size=chunk_size, **kwargs)
 
   monkeypatch.setattr(api, "power_attention_triton", spy)
   inputs = _inputs(13, seq=8)

@@ -13,7 +13,7 @@ import pytest
 from castle_jax.config import ModelConfig
 from castle_jax.models.drt import DRT, DRTOptions
 from castle_jax.models.transformer import TransformerLM
-from pallas_kernels.castle.mosaic_attention import castle_attention_mosaic
+from pallas_kernels.castle.mosaic import castle_attention_mosaic
 from pallas_kernels.residuals import save_attention_residuals
 from helpers import assert_close, mosaic_kernels_lowered_for_h100
 

@@ -3,10 +3,10 @@ CUDA GPU) and on Pallas Mosaic GPU (Hopper), and a Triton decoding kernel. The C
 (`castle_jax.ops.castle.castle_attention`) picks them by `implementation`."""
 
 from pallas_kernels.castle.config import CastleDecodeConfig, CastleTritonConfig, default_triton_config
-from pallas_kernels.castle.mosaic_attention import castle_attention_mosaic
-from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
-from pallas_kernels.castle.mosaic_ops import castle_forward_mosaic
-from pallas_kernels.castle.ops import castle_attention_triton, castle_prefill_triton
+from pallas_kernels.castle.mosaic import castle_attention_mosaic
+from pallas_kernels.castle.config import CastleMosaicConfig
+from pallas_kernels.castle.mosaic import castle_forward_mosaic
+from pallas_kernels.castle.triton import castle_attention_triton, castle_prefill_triton
 
 __all__ = [
   "CastleDecodeConfig",

@@ -1,6 +1,6 @@
 """CASTLE backward as a Pallas Mosaic GPU (Hopper: wgmma + TMA) kernel, key-block major.
 
-The math is that of the Triton backward (`pallas_kernels.castle.kernels`): one program
+The math is that of the Triton backward (`pallas_kernels.castle.triton_kernels`): one program
 per (key block b, batch * head) sweeps the query blocks in reverse, i = N-1 .. b. It
 starts from the forward's final lookahead-key state D_b and walks it back with exactly
 the forward's float16 product, D^(i) = D^(i+1) - W_bi V^U_i (the paper's Eq. 37),
@@ -35,7 +35,7 @@ anyway; no float32 tile and nothing of D crosses between the warpgroups. The sch
 synchronous (each wgmma waited on, one buffer per tile).
 
 CASTLE-SWL: the pairs past each key block's window run in the kernels of
-`mosaic_past_window_backward` (dQ^C query-block major; dK^C, dV^C and dD key-block major,
+`mosaic_backward_past_window` (dQ^C query-block major; dK^C, dV^C and dD key-block major,
 first, so that this sweep starts its walk back from their dD); this sweep covers the
 rest.
 
@@ -49,7 +49,7 @@ gradient products take the inputs' dtype (as flash attention); the lookahead gra
 products take float16 (W in [0, 1], dSU, dD, D scaled by 2^-8, Q^C, V^U and R), so
 those gradients must stay within float16's normal range: the caller scales dO per
 (batch, head) to max |dO| in [0.5, 1) by a power of two and divides the gradients by it
-(`mosaic_attention.cotangent_scale`; a training loss's dO of ~1e-6 would otherwise
+(`mosaic.cotangent_scale`; a training loss's dO of ~1e-6 would otherwise
 reach these products as subnormals).
 GPU interpret mode differs in two places, as in the forward: a wgmma accumulator that
 starts from a value is added to afterwards, and the reduce-adds read, add and write back.
@@ -66,8 +66,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.castle import mosaic_math, mosaic_past_window_backward
-from pallas_kernels.castle.mosaic_config import KEY_BLOCKS_PER_PROGRAM, WGMMA_ROWS, CastleMosaicConfig
+from pallas_kernels.castle import mosaic_math, mosaic_backward_past_window
+from pallas_kernels.castle.config import KEY_BLOCKS_PER_PROGRAM, WGMMA_ROWS, CastleMosaicConfig
 from pallas_kernels.castle.mosaic_forward import (
   KEY_STATE_SCALE,
   LOOKAHEAD_DTYPE,
@@ -124,7 +124,7 @@ class _Sweep:
   what they compute (the step function takes them as static flags):
 
     - CASTLE-SWL: from the sweep's `top` (`key_major_sweep_end`; the pairs after it are
-      `mosaic_past_window_backward`'s) down to the key block's window end, W is zero, so D
+      `mosaic_backward_past_window`'s) down to the key block's window end, W is zero, so D
       is constant and W, R, dW, dV^U, dK^U, dQ^U drop out (`with_lookahead=False`); then
       the blocks within reach of the window: masked at its edge, unmasked between the
       diagonal and the edge (`window_interior_end`), masked on the diagonal;
@@ -473,7 +473,7 @@ def backward(
     d_out: [BH, L, d], the output cotangent in the inputs' dtype.
     lse: float32 [BH, L], the rows' log-sum-exp of the scores.
     delta: float32 [BH, L], rowsum(out * d_out).
-    in_block_t: float [BH, L, block_q], the R_ii^T tiles (`mosaic_ops._in_block_scores_transposed`);
+    in_block_t: float [BH, L, block_q], the R_ii^T tiles (`mosaic._in_block_scores_transposed`);
       they enter the products as float16, as in the forward.
     scale: the score scale.
     window: None or the CASTLE-SWL window.
@@ -572,12 +572,12 @@ def backward(
 
   def sweeps(dq_c, dk_u, dv_u, d_in_block, dq_u, dk_c, dv_c, *d_keys):
     if split:
-      mosaic_past_window_backward.key_grads_into(
+      mosaic_backward_past_window.key_grads_into(
         q_c, k_c, keys_final, v_c, d_out, lse, delta, dk_c, dv_c, *d_keys, **past_window
       )
     launch(q_u, k_c, v_c, keys_final, *d_keys, q_c, *query_tiles, dq_c, dk_u, dv_u, d_in_block, dq_u, dk_c, dv_c)
     if split:
-      mosaic_past_window_backward.accumulate_query_grads(
+      mosaic_backward_past_window.accumulate_query_grads(
         q_c, k_c, keys_final, v_c, d_out, lse, delta, dq_c, **past_window
       )
 

@@ -1,6 +1,6 @@
 """CASTLE forward as a Pallas Mosaic GPU (Hopper: wgmma + TMA) kernel, key-block major.
 
-The math and the schedule are those of the Triton kernels (`pallas_kernels.castle.kernels`,
+The math and the schedule are those of the Triton kernels (`pallas_kernels.castle.triton_kernels`,
 whose docstring derives them): one program per (key block b, batch * head) keeps the
 key block's lookahead-key state D_b ([block_k, d], float32) in registers and sweeps
 the query blocks i >= b. Per step, with every tile in the key-row frame
@@ -38,7 +38,7 @@ runs one output product over both key blocks, then issues the step's single redu
 The score products of a step are issued together and waited on once; W's two products
 too. CASTLE-SWL steps past the program's lookahead window skip W, R, V^U and D's step (3
 products instead of 6), and the sweep stops at `key_major_sweep_end`: the pairs after it
-are `mosaic_past_window`'s.
+are `mosaic_forward_past_window`'s.
 
 In GPU interpret mode each of the three warpgroups is a thread running an XLA CPU program;
 with more warpgroups than CPU cores XLA's intra-op thread pool can starve one of them (a
@@ -57,7 +57,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels.castle import mosaic_math
-from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
+from pallas_kernels.castle.config import CastleMosaicConfig
 from pallas_kernels.mosaic_common import (
   matmul,
   observe_last_releases,
@@ -123,7 +123,7 @@ _CONSUMER_REGISTERS = 232
 # exceeds float16's range as soon as a score is ~11 above its row's diagonal score.
 PROBS_DTYPE = jnp.bfloat16
 # Query blocks per program of the query-major kernel for CASTLE-SWL's pairs past the window
-# (`mosaic_past_window`, one consumer warpgroup each).
+# (`mosaic_forward_past_window`, one consumer warpgroup each).
 PAST_WINDOW_QUERY_BLOCKS = 2
 
 
@@ -173,7 +173,7 @@ def _warp_specialized_kernel(
     last_key = (program + 1) * _CONSUMERS * block_k - 1
     lookahead_end = jnp.minimum(num_query_blocks, lax.div(last_key + window, block_q) + 1)
   # The sweep's last query block + 1: all of them, or under a window up to where
-  # `mosaic_past_window` takes over.
+  # `mosaic_forward_past_window` takes over.
   sweep_end = (
     num_query_blocks
     if window is None
@@ -472,7 +472,7 @@ def _warp_specialized_scratch(block_q, block_k, head_dim, dtype, interpreted):
 
 def key_major_sweep_end(program, *, window: int, block_q: int, block_k: int, num_query_blocks):
   """CASTLE-SWL: the first query block that the sweep of key `program` leaves to the
-  query-major kernel (`mosaic_past_window`).
+  query-major kernel (`mosaic_forward_past_window`).
 
   The sweep keeps the query blocks up to the program's window end (its last key + W),
   rounded up to a whole query program of that kernel (PAST_WINDOW_QUERY_BLOCKS query
@@ -499,7 +499,7 @@ def forward(
   interpret,
 ):
   """CASTLE's Mosaic GPU forward kernel on padded [BH, L, d] arrays (CASTLE-SWL:
-  `mosaic_past_window.forward`).
+  `mosaic_forward_past_window.forward`).
 
   Args:
     q_u, k_u, q_c, k_c, v_c: [BH, L, d] in the inputs' dtype (bf16 or f16); L a
@@ -579,7 +579,7 @@ def forward_into(
 ):
   """`forward`'s kernel, reduce-adding into `acc_ref` and `sums_ref` and writing `keys_ref`;
   under a window (CASTLE-SWL) each key program stops at `key_major_sweep_end`, leaving the
-  pairs after it to `mosaic_past_window`.
+  pairs after it to `mosaic_forward_past_window`.
   """
   heads, length, head_dim = q_c.shape
   block_q, block_k = config.block_q, config.block_k

@@ -3,8 +3,8 @@ deterministic backward. The GCA op (`castle_jax.ops.gca.gca_attention`) picks th
 `implementation`."""
 
 from pallas_kernels.gca.config import GcaMosaicConfig, GcaTritonConfig, default_triton_config
-from pallas_kernels.gca.mosaic_attention import gca_attention_mosaic
-from pallas_kernels.gca.ops import gca_attention_triton
+from pallas_kernels.gca.mosaic import gca_attention_mosaic
+from pallas_kernels.gca.triton import gca_attention_triton
 
 __all__ = [
   "GcaMosaicConfig",

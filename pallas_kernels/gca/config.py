@@ -28,7 +28,7 @@ class GcaTritonConfig:
     bwd_num_warps, bwd_num_stages: the same for the query-side backward (dQ, dw).
     memory_num_warps, memory_num_stages: the same for the memory-side backward (dK, dV).
 
-  Pipelining stages multiply the shared memory a kernel asks for (`shared_memory`): the
+  Pipelining stages multiply the shared memory a kernel asks for (`triton_shared_memory`): the
   default config (None where a config is taken) gets any kernel's stages lowered to 1 for
   the shapes whose tiles would pass the budget; an explicit config runs as given, and one
   over the budget is refused with a ValueError naming the field.

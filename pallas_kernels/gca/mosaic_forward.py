@@ -1,6 +1,6 @@
 """GCA forward as a Pallas Mosaic GPU (Hopper: wgmma + TMA) kernel.
 
-The math is the Triton forward's (`pallas_kernels.gca.kernels`, whose docstring derives
+The math is the Triton forward's (`pallas_kernels.gca.triton_kernels`, whose docstring derives
 it): for one 64-row query tile and each of its k retrieved memory chunks j (one padded
 64-key tile each), in base-2 score units s = Q K_j^T * scale * log2(e):
 
@@ -35,8 +35,8 @@ cross-warp reduction, so the shared-scratch race of the CASTLE warp-specialized 
 Outputs: out in the queries' layout, and the per-slot log-normalizers. The kernel writes
 them as [batch, query_chunks, heads, k, padded_query_len] (each program's [k, 64] block
 contiguous, one TMA store); `forward` transposes them to the Triton kernels' layout
-[batch, query_chunks, k, padded_query_len, heads], so that `kernels.backward_queries` and
-`kernels.backward_memory` can consume them unchanged.
+[batch, query_chunks, k, padded_query_len, heads], so that `triton_kernels.backward_queries` and
+`triton_kernels.backward_memory` can consume them unchanged.
 
 GPU interpret mode (CPU) runs the same code except in two places, each a helper shared
 with the CASTLE Mosaic kernels: the register operand P goes through shared memory
@@ -192,7 +192,7 @@ def forward_native(
 
   Returns:
     out: like queries; lse: float32 [batch, query_chunks, heads, k, query_rows], base-2
-    log-normalizers in base-2 score units (as `kernels.forward`'s).
+    log-normalizers in base-2 score units (as `triton_kernels.forward`'s).
   """
   check_padded(queries, keys, values, chunk_len=chunk_len, stages=stages)
   batch, query_chunks, query_rows, heads, head_dim = queries.shape
@@ -246,7 +246,7 @@ def forward(
   stages: int = DEFAULT_STAGES,
   interpret=None,
 ):
-  """`forward_native` with the log-normalizers in `kernels.forward`'s layout
+  """`forward_native` with the log-normalizers in `triton_kernels.forward`'s layout
   [batch, query_chunks, k, query_rows, heads] (one XLA transpose)."""
   out, lse = forward_native(
     queries,

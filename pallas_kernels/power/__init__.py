@@ -2,6 +2,6 @@
 (`castle_jax.ops.power.power_attention`) runs them for implementation="triton"."""
 
 from pallas_kernels.power.config import PowerTritonConfig, default_triton_config
-from pallas_kernels.power.ops import power_attention_triton
+from pallas_kernels.power.triton import power_attention_triton
 
 __all__ = ["PowerTritonConfig", "default_triton_config", "power_attention_triton"]

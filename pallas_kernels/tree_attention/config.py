@@ -1,4 +1,4 @@
-"""Tiling of the hybrid tree attention kernel (`pallas_kernels.tree_attention.kernels`)."""
+"""Tiling of the hybrid tree attention kernel (`pallas_kernels.tree_attention.triton`)."""
 
 from __future__ import annotations
 

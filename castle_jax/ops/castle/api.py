@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from castle_jax.ops.backend import Implementation, choose, rejects_renamed_arguments
-from castle_jax.ops.castle.blockwise import DEFAULT_BLOCK_SIZE, castle_blockwise
+from castle_jax.ops.castle.xla import DEFAULT_BLOCK_SIZE, castle_blockwise
 from castle_jax.ops.castle.common import validate_block_size, validate_inputs
 from castle_jax.ops.castle.reference import castle_parallel
 from castle_jax.ops.numerics import score_scale
@@ -37,7 +37,7 @@ from pallas_kernels.castle import (
   castle_attention_mosaic,
   castle_attention_triton,
 )
-from pallas_kernels.castle import mosaic_attention, ops as triton_ops
+from pallas_kernels.castle import mosaic, triton as triton_ops
 
 IMPLEMENTATIONS = ("reference", "xla", "triton", "mosaic")
 DEFAULT_ORDER = ("mosaic", "triton", "xla")
@@ -87,7 +87,7 @@ def implementations(
     "xla": Implementation(),
     "triton": Implementation(triton_unsupported, default_backends=("gpu",), config_type=CastleTritonConfig),
     "mosaic": Implementation(
-      lambda: mosaic_attention.unsupported_reason(dtype=dtype, head_dim=head_dim, interpret=_interpret()),
+      lambda: mosaic.unsupported_reason(dtype=dtype, head_dim=head_dim, interpret=_interpret()),
       default_backends=("gpu",),
       config_type=CastleMosaicConfig,
       default_declines=lambda: mosaic_not_measured_faster(dtype, head_dim, window),

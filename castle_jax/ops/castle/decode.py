@@ -36,7 +36,7 @@ import numpy as np
 
 from castle_jax.ops.backend import Implementation, choose, rejects_renamed_arguments
 from castle_jax.ops.castle.api import implementations
-from castle_jax.ops.castle.blockwise import DEFAULT_BLOCK_SIZE, castle_blockwise_prefill
+from castle_jax.ops.castle.xla import DEFAULT_BLOCK_SIZE, castle_blockwise_prefill
 from castle_jax.ops.numerics import compute_dtype, score_scale
 from castle_jax.ops.castle.common import (
   attend_with_lookahead_keys,
@@ -47,8 +47,8 @@ from castle_jax.ops.castle.common import (
 )
 from castle_jax.sharding import SEQUENCE_HEADS_AXES, TOKEN_HEADS_AXES, map_over_shards
 from pallas_kernels.castle import CastleDecodeConfig, castle_forward_mosaic, castle_prefill_triton
-from pallas_kernels.castle import decode as triton_decode
-from pallas_kernels.castle import ops as triton_ops
+from pallas_kernels.castle import triton_decode
+from pallas_kernels.castle import triton as triton_ops
 
 # The prefill's default stays on the Triton forward: the Mosaic one runs when asked for
 # (implementation="mosaic"); only forward plus backward was measured for the default.
@@ -294,7 +294,7 @@ def decode_step(
     q_u, k_u, v_u, q_c, k_c, v_c: [batch, 1, heads, head_dim], the new token's
       projections.
     implementation: "xla" (rank-1 update and combining step as XLA ops), "triton"
-      (`pallas_kernels.castle.decode`: one kernel updates U and attends in a single
+      (`pallas_kernels.castle.triton_decode`: one kernel updates U and attends in a single
       pass; SWL updates its W rows in XLA first; power-of-two head dims), "mosaic" (the
       same Triton kernel), "reference" (as "xla"), or None ("triton" on a GPU where it
       applies, else "xla").

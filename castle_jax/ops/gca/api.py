@@ -4,7 +4,7 @@
   - "reference": every retrieved chunk's scores materialized at once (plain jnp,
     autodiff); a test oracle.
   - "xla": one retrieved chunk at a time with a custom VJP that keeps only per-chunk
-    log-normalizers (`chunked.py`); memory O(T (d + k)) for the backward.
+    log-normalizers (`xla.py`); memory O(T (d + k)) for the backward.
   - "triton": the fused Pallas Triton kernels of `pallas_kernels.gca` (each program gathers
     its retrieved chunks' K/V by index, softmax_1 and the weighted sum in registers; a
     deterministic backward): power-of-two head dims in [16, 256], memory chunks of at
@@ -26,12 +26,12 @@ from __future__ import annotations
 import jax
 
 from castle_jax.ops.backend import Implementation, choose, rejects_renamed_arguments
-from castle_jax.ops.gca.chunked import gca_chunked
+from castle_jax.ops.gca.xla import gca_chunked
 from castle_jax.ops.gca.common import validate_inputs
 from castle_jax.ops.gca.reference import gca_reference
 from castle_jax.sharding import SEQUENCE_HEADS_AXES, map_over_shards
 from pallas_kernels.gca import GcaMosaicConfig, GcaTritonConfig, gca_attention_mosaic, gca_attention_triton
-from pallas_kernels.gca import mosaic_attention, ops as triton_ops
+from pallas_kernels.gca import mosaic, triton as triton_ops
 
 IMPLEMENTATIONS = ("reference", "xla", "triton", "mosaic")
 DEFAULT_ORDER = ("mosaic", "triton", "xla")
@@ -63,7 +63,7 @@ def implementations(
     return triton_ops.unsupported_reason(**sizes, dtype=q.dtype, config=config_of(GcaTritonConfig), query_len=query_len)
 
   def mosaic_unsupported() -> str | None:
-    return mosaic_attention.unsupported_reason(
+    return mosaic.unsupported_reason(
       config_of(GcaMosaicConfig),
       **sizes,
       dtype=q.dtype,

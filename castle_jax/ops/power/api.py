@@ -23,13 +23,13 @@ from __future__ import annotations
 import jax
 
 from castle_jax.ops.backend import Implementation, choose, rejects_renamed_arguments
-from castle_jax.ops.power.chunked import power_attention_chunked
+from castle_jax.ops.power.xla import power_attention_chunked
 from castle_jax.ops.power.common import DEFAULT_CHUNK_SIZE, PowerState, validate_all, validate_chunk_size
 from castle_jax.ops.power.expansion import convert_expanded
 from castle_jax.ops.power.reference import power_attention_reference, reference_state
 from castle_jax.sharding import KV_SEQUENCE_HEADS_AXES, SEQUENCE_HEADS_AXES, map_over_shards
 from pallas_kernels.power import PowerTritonConfig, power_attention_triton
-from pallas_kernels.power.ops import EXPANSION, unsupported_reason
+from pallas_kernels.power.triton import EXPANSION, unsupported_reason
 
 IMPLEMENTATIONS = ("reference", "xla", "triton")
 DEFAULT_ORDER = ("triton", "xla")

@@ -8,7 +8,7 @@ the tree mask (itself and its ancestors, `tree_mask_from_parents`).
   - "reference": one dense softmax over [cache ; tree] with the concatenated mask
     (`reference.py`, float32 math); a test oracle.
   - "xla": the hybrid form (LongSpec §3.3): cache part without a mask, tree part with
-    the n x n mask, merged through their log-sum-exps (`split.py`).
+    the n x n mask, merged through their log-sum-exps (`xla.py`).
   - "triton": one Pallas Triton kernel (`pallas_kernels/tree_attention`): split-K
     flash decoding over the filled slots (work follows cache_length, not the capacity)
     with the masked tree tile folded into the last split, partial states merged in XLA.
@@ -38,7 +38,7 @@ import numpy as np
 from castle_jax.ops.backend import Implementation, choose, rejects_renamed_arguments
 from castle_jax.sharding import KV_SEQUENCE_HEADS_AXES, SEQUENCE_HEADS_AXES, map_over_shards
 from castle_jax.ops.tree_attention.reference import cache_attention_reference, tree_attention_reference
-from castle_jax.ops.tree_attention.split import cache_attention as split_cache_attention, hybrid_tree_attention
+from castle_jax.ops.tree_attention.xla import cache_attention as split_cache_attention, hybrid_tree_attention
 from pallas_kernels.tree_attention import TreeAttentionTritonConfig, supports_head_dim, tree_attention_triton
 
 IMPLEMENTATIONS = ("reference", "xla", "triton")

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.config_checks import SMALLEST_TILE
 from pallas_kernels.gca.config import GcaTritonConfig
-from pallas_kernels.gca.kernels import Tiling
+from pallas_kernels.gca.triton_kernels import Tiling
 
 # An H100 (sm_90) gives one block at most 227 KiB of shared memory (232,448 bytes, the
 # "available" of XLA's error). 200 KiB leaves 27 KiB for what the estimates do not count.
@@ -83,7 +83,7 @@ def fit_stages(config: GcaTritonConfig, tiling: Tiling, head_dim: int, dtype) ->
 def over_budget_reason(
   config: GcaTritonConfig, tiling: Tiling, head_dim: int, dtype, kernels=tuple(STAGE_FIELDS)
 ) -> str | None:
-  """Why `config` would ask one of `kernels` for more shared memory than the budget (naming
+  """Why `config` would ask one of the Triton kernels for more shared memory than the budget (naming
   the field and the fix), or None."""
   for kernel in kernels:
     field = STAGE_FIELDS[kernel]

@@ -3,9 +3,9 @@
 `gca_attention_triton` (`gca_attention(implementation="triton")`) takes the layout of the
 GCA entry point, views the
 queries as [batch, query_chunks, query_len, heads, head_dim] (a reshape), zero-pads each
-query chunk to its query blocks (`kernels.Tiling.segments`) and each memory chunk to a
-power-of-two tile, and runs `kernels.forward`; the custom VJP runs `kernels.backward_queries` (dQ, dw)
-and `kernels.backward_memory` (dK, dV). Padding is exact: padded keys are masked out
+query chunk to its query blocks (`triton_kernels.Tiling.segments`) and each memory chunk to a
+power-of-two tile, and runs `triton_kernels.forward`; the custom VJP runs `triton_kernels.backward_queries` (dQ, dw)
+and `triton_kernels.backward_memory` (dK, dV). Padding is exact: padded keys are masked out
 of every softmax_1, padded query rows are sliced off (and their cotangent is zero).
 
 The memory side of the backward needs, for each memory chunk, the (query chunk, slot)
@@ -26,13 +26,13 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.config_checks import SMALLEST_TILE, is_power_of_two, next_power_of_two
-from pallas_kernels.gca import kernels, padding, shared_memory
+from pallas_kernels.gca import triton_kernels, padding, triton_shared_memory
 from pallas_kernels.gca.config import GcaTritonConfig, default_triton_config
 from pallas_kernels.gca.pairs import retrieving_pairs
 from pallas_kernels.residuals import keep_for_backward
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-# A memory chunk is one key tile (see `kernels`); beyond 256 keys its score tile no
+# A memory chunk is one key tile (see `triton_kernels`); beyond 256 keys its score tile no
 # longer fits a program's registers.
 MAX_CHUNK_LEN = 256
 MAX_HEAD_DIM = 256
@@ -58,7 +58,7 @@ def unsupported_reason(
   """Why the Triton kernels cannot run inputs of these sizes (a message naming the argument
   and the fix), or None. Takes sizes, not arrays, so a caller can ask before any array exists.
 
-  Includes the shared-memory budget (`shared_memory`): an explicit `config` is checked as
+  Includes the shared-memory budget (`triton_shared_memory`): an explicit `config` is checked as
   given, the default after `config_for` has lowered its stages. The memory-side backward's
   pipelined tiles grow with the query chunk's rows, so without `query_len` (rows per query
   chunk) that kernel is checked at one stage only, the floor of the default's rule;
@@ -90,33 +90,33 @@ def unsupported_reason(
     config, tiling = config_for(
       config, query_len=query_len, group=group, chunk_len=chunk_len, head_dim=head_dim, dtype=dtype
     )
-    return shared_memory.over_budget_reason(config, tiling, head_dim, dtype)
+    return triton_shared_memory.over_budget_reason(config, tiling, head_dim, dtype)
   # Rows per query chunk unknown: a stand-in long enough for the largest query tiles.
   config, tiling = config_for(
     config, query_len=_LONG_QUERY_CHUNK, group=group, chunk_len=chunk_len, head_dim=head_dim, dtype=dtype
   )
-  return shared_memory.over_budget_reason(
+  return triton_shared_memory.over_budget_reason(
     config, tiling, head_dim, dtype, ("forward", "backward_queries")
-  ) or shared_memory.over_budget_reason(
+  ) or triton_shared_memory.over_budget_reason(
     dataclasses.replace(config, memory_num_stages=1), tiling, head_dim, dtype, ("backward_memory",)
   )
 
 
 def config_for(
   config: GcaTritonConfig | None, *, query_len: int, group: int, chunk_len: int, head_dim: int, dtype
-) -> tuple[GcaTritonConfig, kernels.Tiling]:
+) -> tuple[GcaTritonConfig, triton_kernels.Tiling]:
   """(config, tiling) to run: an explicit `config` as given; None: `default_triton_config()` with
   the stages of any kernel whose tiles would exceed the shared-memory budget lowered to 1
-  (`shared_memory.fit_stages`; the drt_128m shape, 12 heads x 64, 64-row query chunks and
+  (`triton_shared_memory.fit_stages`; the drt_128m shape, 12 heads x 64, 64-row query chunks and
   63-key chunks, keeps every default)."""
   if config is not None:
     return config, tiling_for(query_len, group, chunk_len, config)
   config = default_triton_config()
   tiling = tiling_for(query_len, group, chunk_len, config)
-  return shared_memory.fit_stages(config, tiling, head_dim, dtype), tiling
+  return triton_shared_memory.fit_stages(config, tiling, head_dim, dtype), tiling
 
 
-def tiling_for(query_len: int, group: int, chunk_len: int, config: GcaTritonConfig) -> kernels.Tiling:
+def tiling_for(query_len: int, group: int, chunk_len: int, config: GcaTritonConfig) -> triton_kernels.Tiling:
   """The static tile sizes for query chunks of `query_len` rows, `group` query heads per kv
   head and memory chunks of `chunk_len` keys."""
   query_rows = max(SMALLEST_TILE, next_power_of_two(query_len))
@@ -126,7 +126,7 @@ def tiling_for(query_len: int, group: int, chunk_len: int, config: GcaTritonConf
   else:
     per_program = config.heads_per_program
     block_q = min(max(SMALLEST_TILE, config.block_rows // per_program), query_rows)
-  return kernels.Tiling(
+  return triton_kernels.Tiling(
     query_len=query_len,
     block_q=block_q,
     heads_per_program=per_program,
@@ -138,14 +138,14 @@ def tiling_for(query_len: int, group: int, chunk_len: int, config: GcaTritonConf
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def _gca(queries, keys, values, weights, indices, tiling, scale, config, interpret):
-  return kernels.forward(
+  return triton_kernels.forward(
     queries, keys, values, weights, indices, tiling=tiling, scale=scale, config=config, interpret=interpret
   )[0]
 
 
 def _gca_fwd(queries, keys, values, weights, indices, tiling, scale, config, interpret):
   out, lse = keep_for_backward(
-    kernels.forward(
+    triton_kernels.forward(
       queries, keys, values, weights, indices, tiling=tiling, scale=scale, config=config, interpret=interpret
     )
   )
@@ -157,9 +157,11 @@ def _gca_bwd(tiling, scale, config, interpret, residuals, d_out):
   queries, keys, values, weights, indices, lse = residuals
   options = dict(tiling=tiling, scale=scale, config=config, interpret=interpret)
   d_out = d_out.astype(queries.dtype)
-  d_queries, delta, d_weights = kernels.backward_queries(queries, keys, values, weights, indices, lse, d_out, **options)
+  d_queries, delta, d_weights = triton_kernels.backward_queries(
+    queries, keys, values, weights, indices, lse, d_out, **options
+  )
   order, starts = retrieving_pairs(indices, weights, keys.shape[1])
-  d_keys, d_values = kernels.backward_memory(
+  d_keys, d_values = triton_kernels.backward_memory(
     queries, keys, values, weights, lse, delta, d_out, order, starts, **options
   )
   return d_queries, d_keys, d_values, d_weights, None

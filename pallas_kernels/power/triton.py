@@ -5,15 +5,15 @@ entry point, folds heads into the batch, zero-pads the sequence to a multiple of
 chunk size (zero keys and zero log-gates change neither real outputs nor the final
 state), and runs per chunk:
 
-  1. `kernels.update_state`: each chunk's own state dS_c = phi(K_c)^T diag(e^{G_c,last - G}) V_c
+  1. `triton_kernels.update_state`: each chunk's own state dS_c = phi(K_c)^T diag(e^{G_c,last - G}) V_c
      and normalizer dz_c;
-  2. `discumsum.discumsum` (one launch walking the chunks): the state entering chunk c,
+  2. `triton_discumsum.discumsum` (one launch walking the chunks): the state entering chunk c,
      S_c = e^{G_{c-1},last} S_{c-1} + dS_{c-1};
-  3. `kernels.query_state_attention`: outputs from S_c plus the intra-chunk attention,
+  3. `triton_kernels.query_state_attention`: outputs from S_c plus the intra-chunk attention,
      normalized.
 
 States are kept float32 and use the tspow layout with 16-feature tiles
-(`kernels.expanded_dim`). They cross this module's boundary as plain (state,
+(`triton_kernels.expanded_dim`). They cross this module's boundary as plain (state,
 normalizer) tuples, so the kernels depend on jax alone; the power-attention op
 wraps them in its PowerState and converts between expansions.
 """
@@ -25,7 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.power import discumsum, kernels
+from pallas_kernels.power import triton_discumsum, triton_kernels
 from pallas_kernels.power.config import FEATURE_TILE, PowerTritonConfig, default_triton_config
 from pallas_kernels.residuals import keep_for_backward
 
@@ -113,10 +113,10 @@ def _states_entering_chunks(chunk_states, chunk_normalizers, totals, state, norm
   """States entering each chunk [BH, n, D, d_v] (in `state_dtype`), normalizers [BH, n, D]
   (float32), and the final state and normalizer: S_0 = the initial state,
   S_{c+1} = e^{total_c} S_c + dS_c, carried in float32."""
-  entering, final_state = discumsum.discumsum(
+  entering, final_state = triton_discumsum.discumsum(
     chunk_states, totals, state, entering_dtype=state_dtype, interpret=interpret
   )
-  entering_normalizers, final_normalizer = discumsum.discumsum(
+  entering_normalizers, final_normalizer = triton_discumsum.discumsum(
     _as_rows(chunk_normalizers), totals, _as_rows(normalizer), interpret=interpret
   )
   return (
@@ -145,7 +145,7 @@ def _forward(q, k, v, log_g, state, normalizer, *, scale, chunk, config, interpr
   q_folded, k_folded, v_folded = _fold_inputs(q, k, v, scale, length)
   g, totals = _chunk_gates(_fold(log_g, length), chunk)
   decay = _key_decay(g, totals, chunk)
-  chunk_states, chunk_normalizers = kernels.update_state(
+  chunk_states, chunk_normalizers = triton_kernels.update_state(
     k_folded, _weighted(v_folded, decay, q.dtype), decay, chunk=chunk, config=config, interpret=interpret
   )
   dim = chunk_states.shape[2]
@@ -158,7 +158,7 @@ def _forward(q, k, v, log_g, state, normalizer, *, scale, chunk, config, interpr
     state_dtype=q.dtype,
     interpret=interpret,
   )
-  out_folded, denominator = kernels.query_state_attention(
+  out_folded, denominator = triton_kernels.query_state_attention(
     q_folded,
     k_folded,
     v_folded,
@@ -182,8 +182,10 @@ def _reverse_states_entering_chunks(
   """Backward of `_states_entering_chunks`: the gradients of each chunk's own state
   [BH, n, D, d_v] and normalizer [BH, n, D], of the totals [BH, n], and of the initial
   state and normalizer, from the direct gradients of the entering states (the query side's)."""
-  d_own, d_totals, d_initial = discumsum.reverse_discumsum(query_states, totals, entering, d_final, interpret=interpret)
-  d_own_normalizer, d_totals_normalizer, d_initial_normalizer = discumsum.reverse_discumsum(
+  d_own, d_totals, d_initial = triton_discumsum.reverse_discumsum(
+    query_states, totals, entering, d_final, interpret=interpret
+  )
+  d_own_normalizer, d_totals_normalizer, d_initial_normalizer = triton_discumsum.reverse_discumsum(
     _as_rows(query_normalizers),
     totals,
     _as_rows(entering_normalizers),
@@ -234,7 +236,7 @@ def _backward(q, k, v, log_g, state, normalizer, residuals, cotangents, *, scale
   discount = jnp.exp(_expand_to_q_heads(g, group))
   weighted_d_num = _weighted(d_num, discount, dtype)
   d_den_discounted = d_den * discount
-  dq, dg_q = kernels.state_gradient(
+  dq, dg_q = triton_kernels.state_gradient(
     q_folded,
     weighted_d_num,
     d_den_discounted,
@@ -244,7 +246,7 @@ def _backward(q, k, v, log_g, state, normalizer, residuals, cotangents, *, scale
     kv_heads=kv_heads,
     **options,
   )
-  query_states, query_normalizers = kernels.update_state(q_folded, weighted_d_num, d_den_discounted, **options)
+  query_states, query_normalizers = triton_kernels.update_state(q_folded, weighted_d_num, d_den_discounted, **options)
   d_own, d_own_normalizer, d_totals, d_initial, d_initial_normalizer = _reverse_states_entering_chunks(
     _sum_over_group(query_states, group),
     _sum_over_group(query_normalizers, group),
@@ -258,7 +260,7 @@ def _backward(q, k, v, log_g, state, normalizer, residuals, cotangents, *, scale
 
   # Each chunk's own state sum_j r_j phi(k_j) [v_j, 1], r_j = e^{total - G_j}.
   decay = _key_decay(g, totals, chunk)
-  dk, d_log_decay, dv_product = kernels.state_gradient(
+  dk, d_log_decay, dv_product = triton_kernels.state_gradient(
     k_folded,
     _weighted(v_folded, decay, dtype),
     decay,
@@ -272,7 +274,7 @@ def _backward(q, k, v, log_g, state, normalizer, residuals, cotangents, *, scale
   dv = dv_product * decay[..., None]
 
   # Intra-chunk attention.
-  dq_att, dg_q_att, dk_att, dv_att, dg_k_att = kernels.attention_backward(
+  dq_att, dg_q_att, dk_att, dv_att, dg_k_att = triton_kernels.attention_backward(
     q_folded, k_folded, v_folded, g, d_num.astype(dtype), d_den, heads=heads, kv_heads=kv_heads, **options
   )
   dq = (dq + dq_att) * scale
@@ -320,7 +322,7 @@ def _attention_form_forward(q, k, v, log_g, *, scale, chunk, config, interpret):
   batch, seq, heads, _ = q.shape
   q_folded, k_folded, v_folded = _fold_inputs(q, k, v, scale, chunk)
   g, _ = _chunk_gates(_fold(log_g, chunk), chunk)
-  out_folded, denominator = kernels.query_state_attention(
+  out_folded, denominator = triton_kernels.query_state_attention(
     q_folded,
     k_folded,
     v_folded,
@@ -354,7 +356,7 @@ def _power_attention_form_bwd(scale, chunk, config, interpret, saved, d_out):
   kv_heads = k.shape[2]
   q_folded, k_folded, v_folded = _fold_inputs(q, k, v, scale, chunk)
   d_num, d_den = _output_cotangents(d_out, out_folded, denominator, chunk)
-  dq, dg_q, dk, dv, dg_k = kernels.attention_backward(
+  dq, dg_q, dk, dv, dg_k = triton_kernels.attention_backward(
     q_folded,
     k_folded,
     v_folded,
@@ -403,7 +405,7 @@ def power_attention_triton(
     scale: the score scale.
     chunk_size: a multiple of `config.chunk_multiple` (a longer one than seq is clipped).
     initial_state: (state [batch, kv_heads, D, value_dim], normalizer [batch, kv_heads, D]) in
-      the kernels' layout (tspow, d_tile 16; D = `kernels.expanded_dim(head_dim)`), or None.
+      the kernels' layout (tspow, d_tile 16; D = `triton_kernels.expanded_dim(head_dim)`), or None.
     return_final_state: False skips what only the final state needs; with no initial state
       and seq within one chunk that is every state kernel (the attention form alone).
     config: kernel tiles; None means `default_triton_config()`.
@@ -426,7 +428,7 @@ def power_attention_triton(
     log_g = jnp.zeros((batch, seq, kv_heads), jnp.float32)
   if not return_final_state and initial_state is None and seq <= chunk:
     return _power_attention_form(q, k, v, log_g, scale, chunk, config, interpret), None
-  dim = kernels.expanded_dim(head_dim)
+  dim = triton_kernels.expanded_dim(head_dim)
   if initial_state is None:
     initial_state = (
       jnp.zeros((batch, kv_heads, dim, value_dim), jnp.float32),

@@ -33,7 +33,7 @@ from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 
 from pallas_kernels.castle.config import CastleDecodeConfig
-from pallas_kernels.castle.kernels import sigmoid, silu
+from pallas_kernels.castle.triton_kernels import sigmoid, silu
 from pallas_kernels.config_checks import is_power_of_two
 from pallas_kernels.split_k import merge_split_states
 

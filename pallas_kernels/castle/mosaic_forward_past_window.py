@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import mosaic_common
 from pallas_kernels.castle import mosaic_forward, mosaic_math
-from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
+from pallas_kernels.castle.config import CastleMosaicConfig
 from pallas_kernels.castle.mosaic_forward import KEY_STATE_SCALE, LOOKAHEAD_DTYPE, PAST_WINDOW_QUERY_BLOCKS, PROBS_DTYPE
 from pallas_kernels.mosaic_compiler_params import compiler_params
 
@@ -69,8 +69,8 @@ def check_length(length: int, block_q: int, keys_per_program: int):
   multiple = max(CONSUMERS * block_q, keys_per_program)
   if length % multiple:
     raise ValueError(
-      f"mosaic_past_window: the sequence length {length} must be a multiple of {multiple} "
-      "(pad with mosaic_ops.padded_length)"
+      f"mosaic_forward_past_window: the sequence length {length} must be a multiple of {multiple} "
+      "(pad with mosaic.padded_length)"
     )
 
 

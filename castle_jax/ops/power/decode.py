@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from castle_jax.ops.backend import Implementation, choose, rejects_renamed_arguments
 from castle_jax.ops.power.api import power_attention
-from castle_jax.ops.power.chunked import empty_state
+from castle_jax.ops.power.xla import empty_state
 from castle_jax.ops.numerics import compute_dtype
 from castle_jax.ops.power.common import (
   PowerState,

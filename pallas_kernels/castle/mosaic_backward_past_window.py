@@ -1,6 +1,6 @@
 """The backward of CASTLE-SWL's (query, key) pairs past the lookahead window (Mosaic GPU).
 
-Past key s's window its lookahead key is final (`mosaic_past_window`), so these pairs'
+Past key s's window its lookahead key is final (`mosaic_forward_past_window`), so these pairs'
 backward is flash attention's with one more score term: with S^C = Q^C K^C^T,
 S^U = Q^C D^T, P = exp(S^C s - SiLU(S^U s) - lse), dP = dO V^C^T, dS = P (dP - delta)
 and dSU = -dS SiLU'(S^U s),
@@ -50,7 +50,7 @@ from pallas_kernels.mosaic_common import (
   register_operand,
   wgmma_zeros,
 )
-from pallas_kernels.castle.mosaic_past_window import (
+from pallas_kernels.castle.mosaic_forward_past_window import (
   CONSUMER_REGISTERS,
   CONSUMERS,
   STAGES,
