@@ -1,15 +1,19 @@
-"""CASTLE attention speed and memory next to standard attention, in one run.
+"""CASTLE attention: every implementation of the op next to cuDNN attention, in one run.
 
     python -m benchmarks.castle_attention [--seq_lens=2048,8192,16384] [--tokens=32768] \
-        [--impls=xla,cudnn] [--window=512] [--json=out.json]
+        [--impls=xla,triton,mosaic,cudnn] [--kernel_configs=triton:block_q=64;mosaic:] \
+        [--window=512] [--json=out.json]
+    python -m benchmarks.castle_attention --smoke   # tiny shapes, any device (CI)
 
 For each sequence length T the batch is tokens // T (the CASTLE paper's XL attention
-shape by default: 9 CASTLE heads, 16 baseline heads, head_dim 128, bf16). Times the
-forward and forward+backward (gradients of all inputs) of each implementation with
-`jax.block_until_ready`, median of --iters runs after warm-up, over two input sets
-in turn. Peak memory is the compiled fwd+bwd program's own (temporaries plus
-arguments and outputs, from XLA's memory analysis), so it is not disturbed by other
-buffers alive in the process.
+shape by default: 9 CASTLE heads, 16 baseline heads, head_dim 128, bf16). `--impls`
+defaults to the op's implementations (`castle_jax.ops.castle.IMPLEMENTATIONS`, but the
+O(T^3) "reference") and the standard-attention baseline ("cudnn" on a GPU, "xla_mha"
+elsewhere); an implementation that cannot run here is a row saying why. Times the forward
+and forward+backward (gradients of all inputs) of each with `jax.block_until_ready`,
+median of --iters runs after warm-up, over two input sets in turn. Peak memory is the
+compiled fwd+bwd program's own (temporaries plus arguments and outputs, from XLA's memory
+analysis), so it is not disturbed by other buffers alive in the process.
 
 Model FLOPs (the same convention for every row, so TFLOP/s compare):
   standard attention forward  = 4 d * causal_pairs per head (q.k and p.v);
@@ -17,8 +21,8 @@ Model FLOPs (the same convention for every row, so TFLOP/s compare):
     q^C.u over causal pairs; q^U.k^U, the lookahead-key update and q^C.v^U over the
     pairs inside the lookahead window), the blockwise algorithm's in-block term not counted;
   backward = 2.5 x forward for both.
-Ratios are against the baseline (`cudnn`, else `xla_mha`) measured in the same run.
-Prints a table last and optionally writes JSON.
+Ratios are against the baseline measured in the same run. Prints a table last and
+optionally writes JSON.
 """
 
 from __future__ import annotations
@@ -34,8 +38,20 @@ import jax.numpy as jnp
 
 from castle_jax.ops.attention import causal_attention
 from castle_jax.ops.castle import castle_attention
-from castle_jax.ops.castle import KERNEL_CONFIGS
-from benchmarks.timing import error_text, run_meta, time_forward_and_gradients, torch_median_ms, write_json
+from castle_jax.ops.castle import IMPLEMENTATIONS, KERNEL_CONFIGS
+from benchmarks.timing import (
+  PEAK_COLUMN,
+  TIME_COLUMNS,
+  error_text,
+  implementations_to_time,
+  kernel_configs,
+  print_table,
+  run_meta,
+  smoke_mode,
+  time_forward_and_gradients,
+  torch_median_ms,
+  write_json,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,15 +157,15 @@ def main(argv=None) -> int:
   parser.add_argument("--block_size", type=int, default=64, help="block size of the XLA blockwise path")
   parser.add_argument(
     "--impls",
-    default="xla,cudnn",
-    help="comma list of: xla, triton, mosaic, reference (CASTLE); cudnn, xla_mha (standard)",
+    default=None,
+    help="comma list of CASTLE implementations (reference, xla, triton, mosaic) and standard-attention "
+    "baselines (cudnn, xla_mha); default: every CASTLE implementation but reference, and the baseline",
   )
   parser.add_argument(
     "--kernel_configs",
     default="",
-    help="';'-separated kernel configs of CastleTritonConfig fields as key=value, e.g. "
-    "'block_q=32,block_k=64;block_q=64,bwd_block_q=16', each timed as its own "
-    "row (default: the heuristic config)",
+    help="';'-separated 'impl:key=value,...' kernel configs, e.g. 'triton:block_q=32,block_k=64;triton:block_q=64', "
+    "each timed as its own row of that implementation (default: its default config)",
   )
   parser.add_argument(
     "--peer_seq_lens",
@@ -160,18 +176,27 @@ def main(argv=None) -> int:
   parser.add_argument("--peer_iters", type=int, default=3)
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--dtype", default="bfloat16")
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes, one timed call: checks the harness runs")
   parser.add_argument("--json", default=None)
   args = parser.parse_args(argv)
+  if args.smoke:
+    smoke_mode()
+    args.seq_lens, args.tokens, args.heads, args.baseline_heads, args.head_dim, args.iters = "128", 128, 1, 1, 64, 1
+  on_gpu = jax.default_backend() == "gpu"
+  impls = args.impls or f"{implementations_to_time(IMPLEMENTATIONS)},{'cudnn' if on_gpu else 'xla_mha'}"
 
   window = args.window or None
   dtype = jnp.dtype(args.dtype)
+  try:
+    configs = kernel_configs(args.kernel_configs, KERNEL_CONFIGS)
+  except ValueError as error:
+    parser.error(str(error))
   cases = []
-  for impl in args.impls.split(","):
-    if impl in KERNEL_CONFIGS and args.kernel_configs:
-      for spec in args.kernel_configs.split(";"):
-        config = KERNEL_CONFIGS[impl].from_string(spec)
-        cases.append(_castle_case(impl, args.heads, window, args.block_size, config, f"[{spec}]"))
-    elif impl in ("xla", "triton", "mosaic", "reference"):
+  for impl in impls.split(","):
+    if impl in configs:
+      for config in configs[impl]:
+        cases.append(_castle_case(impl, args.heads, window, args.block_size, config, f"[{config}]"))
+    elif impl in IMPLEMENTATIONS:
       cases.append(_castle_case(impl, args.heads, window, args.block_size))
     elif impl in ("cudnn", "xla_mha"):
       cases.append(_standard_case("cudnn" if impl == "cudnn" else "xla", args.baseline_heads))
@@ -215,31 +240,20 @@ def main(argv=None) -> int:
 
   meta = run_meta(dtype=args.dtype, window=window, tokens=args.tokens)
   write_json(args.json, meta, rows=rows)
-
   print(f"\n{meta['device']} | jax {meta['jax']} | {args.dtype} | window {window} | {args.tokens} tokens")
-  width = max(18, max(len(c.name) for c in cases) + 1)
-  header = (
-    f"{'impl':<{width}}{'B x T':>12}{'H':>4}{'fwd ms':>10}{'fwd+bwd ms':>12}{'fwd TF/s':>10}"
-    f"{'f+b TF/s':>10}{'x base f+b':>11}{'peak GiB':>10}"
+  print_table(
+    rows,
+    [
+      ("impl", "impl", ""),
+      ("batch", "batch", "d"),
+      ("T", "seq", "d"),
+      ("heads", "heads", "d"),
+      *TIME_COLUMNS,
+      (f"x {baseline_name} fwd+bwd", "fwd_bwd_ratio", ".2f"),
+      PEAK_COLUMN,
+      ("peer / ours fwd+bwd", "peer_over_ours_fwd_bwd", ".0f"),
+    ],
   )
-  print(header)
-  for r in rows:
-    if "error" in r:
-      print(f"{r['impl']:<{width}}{r['batch']:>5} x {r['seq']:<6}{r['heads']:>4}  {r['error']}")
-      continue
-    if r["impl"] == "peer_pypi_triton":
-      nan = float("nan")
-      print(
-        f"{r['impl']:<{width}}{r['batch']:>5} x {r['seq']:<6}{r['heads']:>4}{r['fwd_ms']:>10.2f}"
-        f"{r.get('fwd_bwd_ms', nan):>12.2f}{r['fwd_tflops']:>10.2f}  peer / ours: fwd "
-        f"{r.get('peer_over_ours_fwd', nan):.0f}x, fwd+bwd {r.get('peer_over_ours_fwd_bwd', nan):.0f}x"
-      )
-      continue
-    print(
-      f"{r['impl']:<{width}}{r['batch']:>5} x {r['seq']:<6}{r['heads']:>4}{r['fwd_ms']:>10.2f}{r['fwd_bwd_ms']:>12.2f}"
-      f"{r['fwd_tflops']:>10.1f}{r['fwd_bwd_tflops']:>10.1f}{r.get('fwd_bwd_ratio', float('nan')):>11.2f}"
-      f"{r['peak_gib']:>10.2f}"
-    )
   return 0
 
 

@@ -1,15 +1,21 @@
-"""Power attention speed next to standard attention and the paper authors' kernels, in one run.
+"""Power attention: every implementation of the op next to standard attention and the paper
+authors' kernels, in one run.
 
     python -m benchmarks.power_attention [--seq_lens=4096,16384,65536] [--tokens=65536] \
-        [--impls=triton,xla,cudnn,authors] [--chunk_sizes=1024] [--json=out.json]
+        [--impls=xla,triton,cudnn,authors] [--chunk_sizes=1024] [--json=out.json]
+    python -m benchmarks.power_attention --smoke   # tiny shapes, any device (CI)
 
 For each sequence length T the batch is tokens // T (the power-attention paper's
 shape by default: 12 heads, head_dim 64, p = 2, per-head gating, bf16). Times the
 forward and forward+backward (gradients of q, k, v and the log-gates) of each
-implementation, median of --iters runs after warm-up over two input sets:
+implementation, median of --iters runs after warm-up over two input sets. `--impls` defaults
+to the op's implementations (`castle_jax.ops.power.IMPLEMENTATIONS`, but "reference"), the
+cuDNN baseline (on a GPU; "xla_mha" elsewhere) and the authors' kernels (where installed):
   triton  : ours, `power_attention(implementation="triton")` (fused kernels);
   xla     : ours, the chunked XLA form (`implementation="xla"`);
-  cudnn   : `jax.nn.dot_product_attention(implementation="cudnn")`, causal, same heads/dims;
+  reference: ours, the attention form from the definition;
+  cudnn   : `jax.nn.dot_product_attention(implementation="cudnn")`, causal, same heads/dims
+            (xla_mha: the same with implementation="xla");
   authors : PyPI `retention` 1.0.7 (`retention.triton.power_retention`, PyTorch + Triton),
             installed only where the benchmark runs; TRITON_NO_AUTOTUNE=1 unless
             --authors_autotune, so its kernels use their default configs (warm-up calls
@@ -38,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from castle_jax.ops.attention import causal_attention
-from castle_jax.ops.power import power_attention
+from castle_jax.ops.power import IMPLEMENTATIONS, power_attention
 from pallas_kernels.power import (
   PowerTritonConfig,
   default_triton_config,
@@ -46,7 +52,7 @@ from pallas_kernels.power import (
   triton_kernels,
   power_attention_triton,
 )
-from benchmarks.timing import error_text, median_ms, run_meta, time_forward_and_gradients, torch_median_ms, write_json
+from benchmarks import timing
 
 
 def power_forward_flops(batch: int, seq: int, heads: int, head_dim: int, chunk: int) -> float:
@@ -80,7 +86,7 @@ def measure_jax(name: str, fn, batch, seq, heads, head_dim, dtype, iters, gated:
   args_sets = _jax_inputs(batch, seq, heads, head_dim, dtype, gated)
   num_inputs = 4 if gated else 3
   row = {"impl": name, "batch": batch, "seq": seq, "heads": heads, "head_dim": head_dim}
-  row.update(time_forward_and_gradients(fn, num_inputs, args_sets, iters))
+  row.update(timing.time_forward_and_gradients(fn, num_inputs, args_sets, iters))
   return row
 
 
@@ -114,12 +120,12 @@ def measure_authors(batch, seq, heads, head_dim, chunk, iters) -> dict:
       out = power_retention(q, k, v, log_g, deg=2, chunk_size=chunk_size)
       torch.autograd.grad(out, (q, k, v, log_g), cotangent)
 
-    row["fwd_ms"] = torch_median_ms(forward, iters)
-    row["fwd_bwd_ms"] = torch_median_ms(forward_backward, iters)
+    row["fwd_ms"] = timing.torch_median_ms(forward, iters)
+    row["fwd_bwd_ms"] = timing.torch_median_ms(forward_backward, iters)
     row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     torch.cuda.reset_peak_memory_stats()
   except Exception as e:  # a missing or failing peer must not lose the other rows
-    row["error"] = error_text(e)
+    row["error"] = timing.error_text(e)
   return row
 
 
@@ -172,7 +178,7 @@ def kernel_breakdown(batch, seq, heads, head_dim, chunk, dtype, iters, config=No
   rows = []
   for name, fn, flops in cases:
     compiled = jax.jit(fn)
-    ms = median_ms(lambda *_: compiled(), [()], iters)
+    ms = timing.median_ms(lambda *_: compiled(), [()], iters)
     rows.append({"kernel": name, "batch": batch, "seq": seq, "chunk": chunk, "ms": ms, "tflops": flops / ms / 1e9})
   states = jax.random.normal(keys[5], (bh, n, dim, head_dim), jnp.float32)
   totals = g[:, chunk - 1 :: chunk]
@@ -193,7 +199,7 @@ def kernel_breakdown(batch, seq, heads, head_dim, chunk, dtype, iters, config=No
   ]
   for name, fn, moved in scans:
     compiled = jax.jit(fn)
-    ms = median_ms(lambda *_: compiled(), [()], iters)
+    ms = timing.median_ms(lambda *_: compiled(), [()], iters)
     rows.append({"kernel": name, "batch": batch, "seq": seq, "chunk": chunk, "ms": ms, "gb_per_s": moved / ms / 1e6})
   return rows
 
@@ -204,7 +210,12 @@ def main(argv=None) -> int:
   parser.add_argument("--tokens", type=int, default=65536, help="batch * seq for every length")
   parser.add_argument("--heads", type=int, default=12)
   parser.add_argument("--head_dim", type=int, default=64)
-  parser.add_argument("--impls", default="triton,xla,cudnn,authors", help="comma list of: triton, xla, cudnn, authors")
+  parser.add_argument(
+    "--impls",
+    default=None,
+    help="comma list of: reference, xla, triton (the op's), cudnn, xla_mha (standard attention), authors; "
+    "default: the op's but reference, the baseline and authors",
+  )
   parser.add_argument("--chunk_sizes", default="1024", help="chunk sizes of our chunked rows")
   parser.add_argument("--authors_chunk_sizes", default="1024", help="chunk sizes of the authors' rows")
   parser.add_argument(
@@ -224,16 +235,24 @@ def main(argv=None) -> int:
   parser.add_argument("--no_gating", action="store_true")
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--dtype", default="bfloat16")
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes, one timed call: checks the harness runs")
   parser.add_argument("--json", default=None)
   args = parser.parse_args(argv)
+  if args.smoke:
+    timing.smoke_mode()
+    args.seq_lens, args.tokens, args.heads, args.head_dim, args.iters, args.chunk_sizes = "128", 128, 2, 16, 1, "64"
+  on_gpu = jax.default_backend() == "gpu"
+  baseline = "cudnn" if on_gpu else "xla_mha"
+  impls = (
+    args.impls or f"{timing.implementations_to_time(IMPLEMENTATIONS)},{baseline}{',authors' if on_gpu else ''}"
+  ).split(",")
   if not args.authors_autotune:
     os.environ.setdefault("TRITON_NO_AUTOTUNE", "1")
 
   dtype = jnp.dtype(args.dtype)
   gated = not args.no_gating
-  impls = args.impls.split(",")
   for impl in impls:
-    if impl not in ("triton", "xla", "cudnn", "authors"):
+    if impl not in IMPLEMENTATIONS + ("cudnn", "xla_mha", "authors"):
       parser.error(f"--impls: unknown implementation {impl!r}")
   chunks = [int(c) for c in args.chunk_sizes.split(",")]
   authors_chunks = [int(c) for c in args.authors_chunk_sizes.split(",")]
@@ -245,10 +264,10 @@ def main(argv=None) -> int:
     batch = args.tokens // seq
     shape = (batch, seq, args.heads, args.head_dim)
     for impl in impls:
-      if impl == "cudnn":
+      if impl in ("cudnn", "xla_mha"):
         row = measure_jax(
-          "cudnn",
-          lambda q, k, v: causal_attention(q, k, v, implementation="cudnn"),
+          impl,
+          lambda q, k, v, impl=impl: causal_attention(q, k, v, implementation="cudnn" if impl == "cudnn" else "xla"),
           *shape,
           dtype,
           args.iters,
@@ -301,34 +320,34 @@ def main(argv=None) -> int:
     row["fwd_tflops"] = row["fwd_flops"] / row["fwd_ms"] / 1e9
     row["fwd_bwd_tflops"] = 3.5 * row["fwd_flops"] / row["fwd_bwd_ms"] / 1e9
     same_seq = [r for r in rows if r["seq"] == row["seq"] and "error" not in r]
-    cudnn = next((r for r in same_seq if r["impl"] == "cudnn"), None)
+    base = next((r for r in same_seq if r["impl"] in ("cudnn", "xla_mha")), None)
     authors = min((r for r in same_seq if r["impl"].startswith("authors")), key=lambda r: r["fwd_bwd_ms"], default=None)
-    if cudnn:
-      row["cudnn_over_this_fwd_bwd"] = cudnn["fwd_bwd_ms"] / row["fwd_bwd_ms"]
+    if base:
+      row["base_over_this_fwd_bwd"] = base["fwd_bwd_ms"] / row["fwd_bwd_ms"]
     if authors:
       row["authors_best_over_this_fwd_bwd"] = authors["fwd_bwd_ms"] / row["fwd_bwd_ms"]
 
-  meta = run_meta(dtype=args.dtype, p=2, gating=gated, tokens=args.tokens, authors_autotune=args.authors_autotune)
-  write_json(args.json, meta, rows=rows, kernels=breakdown)
+  meta = timing.run_meta(
+    dtype=args.dtype, p=2, gating=gated, tokens=args.tokens, authors_autotune=args.authors_autotune
+  )
+  timing.write_json(args.json, meta, rows=rows, kernels=breakdown)
 
   print(
     f"\n{meta['device']} | jax {meta['jax']} | {args.dtype} | p=2 | gating {gated} | {args.tokens} tokens"
     f" | speed-ups: >1 means this row is faster"
   )
-  width = max(16, max(len(r["impl"]) for r in rows) + 1)
-  print(
-    f"{'impl':<{width}}{'B x T':>13}{'fwd ms':>9}{'f+b ms':>9}{'fwd TF/s':>9}{'f+b TF/s':>9}"
-    f"{'vs cudnn':>9}{'vs authors':>11}{'peak GiB':>9}"
+  timing.print_table(
+    rows,
+    [
+      ("impl", "impl", ""),
+      ("batch", "batch", "d"),
+      ("T", "seq", "d"),
+      *timing.TIME_COLUMNS,
+      (f"{baseline} / this", "base_over_this_fwd_bwd", ".2f"),
+      ("authors' best / this", "authors_best_over_this_fwd_bwd", ".2f"),
+      timing.PEAK_COLUMN,
+    ],
   )
-  for r in rows:
-    if "error" in r:
-      print(f"{r['impl']:<{width}}{r['batch']:>5} x {r['seq']:<6}  {r['error']}")
-      continue
-    print(
-      f"{r['impl']:<{width}}{r['batch']:>5} x {r['seq']:<6}{r['fwd_ms']:>9.2f}{r['fwd_bwd_ms']:>9.2f}"
-      f"{r['fwd_tflops']:>9.1f}{r['fwd_bwd_tflops']:>9.1f}{r.get('cudnn_over_this_fwd_bwd', math.nan):>9.2f}"
-      f"{r.get('authors_best_over_this_fwd_bwd', math.nan):>11.2f}{r['peak_gib']:>9.2f}"
-    )
   if breakdown:
     print(f"\n{'kernel (alone)':<24}{'B x T':>13}{'chunk':>7}{'ms':>9}{'TF/s or GB/s':>14}")
     for r in breakdown:

@@ -1,8 +1,9 @@
-"""Hybrid tree attention: the Pallas kernel against the XLA split form, dense masked attention
-over [cache ; tree], and single-token decoding steps, at the LongSpec target's heads.
+"""Hybrid tree attention: every implementation of the op against dense masked attention over
+[cache ; tree], and single-token decoding steps next to cuDNN, at the LongSpec target's heads.
 
-    python -m benchmarks.tree_attention --lengths=4096,16384,32768 --nodes=69 \
-        --configs="block_keys=64;block_keys=128;block_rows=64,block_keys=64" --out=tree_attention.json
+    python -m benchmarks.tree_attention --lengths=4096,16384,32768 --nodes=69 [--impls=xla,triton] \
+        --kernel_configs="triton:block_keys=64;triton:block_rows=64,block_keys=64" --out=tree_attention.json
+    python -m benchmarks.tree_attention --smoke   # tiny shapes, any device (CI)
 
 Each row times one compiled function that runs `--repeats` passes over `--layers`
 calls, one cache per layer (separate arrays, so nothing is sliced or copied, and, as in
@@ -12,11 +13,12 @@ per call is reported (the dispatch of the whole function spread over them). Rows
   - dense: `masked_attention` (the model's masked decoding op, float32 softmax) over the
     concatenation [cache capacity ; tree] with the combined mask: attention without the
     hybrid split;
-  - xla: `tree_attention(implementation="xla")`, cache part over the capacity (masked by
-    the length) + tree part + LSE merge;
-  - triton: `tree_attention(implementation="triton")` (and each --configs tiling);
+  - each of `--impls` (default: the op's implementations, `castle_jax.ops.tree_attention.IMPLEMENTATIONS`,
+    but "reference"): "xla", `tree_attention(implementation="xla")`, cache part over the
+    capacity (masked by the length) + tree part + LSE merge; "triton", the Pallas kernel
+    (and each --kernel_configs tiling);
   - decode rows, n = 1 (a single-token step over the same cache): the model's previous
-    masked step, the XLA cache part, the Pallas kernel, and cuDNN
+    masked step, the op's cache part by each of `--impls`, and cuDNN
     (`jax.nn.dot_product_attention` with the key length) where it runs.
 The memory-bound time is the filled cache's K and V bytes over the bandwidth of a
 plain read of the same caches, measured in the same run (`read` row). Writes JSON to
@@ -34,12 +36,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-from castle_jax.eval.cli import format_table  # noqa: E402
-from castle_jax.ops.attention.reference import masked_attention  # noqa: E402
-from castle_jax.ops.tree_attention import cache_attention, tree_attention, tree_mask_from_parents  # noqa: E402
-from pallas_kernels.tree_attention import TreeAttentionTritonConfig  # noqa: E402
-from benchmarks.timing import error_text, median_ms  # noqa: E402
+from castle_jax.eval.cli import format_table
+from castle_jax.ops.attention.reference import masked_attention
+from castle_jax.ops.tree_attention import (
+  IMPLEMENTATIONS,
+  KERNEL_CONFIGS,
+  cache_attention,
+  tree_attention,
+  tree_mask_from_parents,
+)
+from benchmarks.timing import error_text, implementations_to_time, kernel_configs, median_ms, smoke_mode
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -55,9 +61,17 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--repeats", type=int, default=8, help="passes over the layers per timed call")
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--iters", type=int, default=20)
-  parser.add_argument("--configs", default="", help="extra Pallas tilings, ';'-separated key=value lists")
+  parser.add_argument("--impls", default=implementations_to_time(IMPLEMENTATIONS), help="the op's implementations")
+  parser.add_argument(
+    "--kernel_configs", default="", help="extra tilings, ';'-separated 'triton:key=value,...' (a row each)"
+  )
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes, one timed call: checks the harness runs")
   parser.add_argument("--out", default=None)
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  if args.smoke:
+    smoke_mode()
+    args.lengths, args.headroom, args.nodes, args.layers, args.repeats, args.iters = "64", 16, 5, 2, 1, 1
+  return args
 
 
 def tree_parents(nodes: int, seed: int = 0) -> np.ndarray:
@@ -91,9 +105,8 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   dtype = jnp.dtype(args.dtype)
   lengths = [int(x) for x in args.lengths.split(",") if x]
-  configs = [
-    (text.strip(), TreeAttentionTritonConfig.from_string(text)) for text in args.configs.split(";") if text.strip()
-  ]
+  impls = args.impls.split(",")
+  configs = kernel_configs(args.kernel_configs, KERNEL_CONFIGS)
   b, n, h, kv, d, layers = args.batch, args.nodes, args.heads, args.kv_heads, args.head_dim, args.layers
   mask = tree_mask_from_parents(jnp.asarray(tree_parents(n)))
   records = []
@@ -147,8 +160,8 @@ def main(argv=None) -> int:
 
     tree_inputs = (q_tree, list(zip(cache_k, cache_v, tree_k, tree_v)))
     record("tree", length, n, "dense masked [cache ; tree]", chain(dense), tree_inputs, cache_bytes)
-    for name, impl, config in [("xla split", "xla", None), ("triton", "triton", None)] + [
-      (f"triton {text}", "triton", config) for text, config in configs
+    for name, impl, config in [(impl, impl, None) for impl in impls] + [
+      (f"{impl} {config}", impl, config) for impl in impls for config in configs.get(impl, ())
     ]:
       attend = functools.partial(
         lambda q, ck, cv, tk, tv, impl, config: tree_attention(
@@ -170,7 +183,7 @@ def main(argv=None) -> int:
       one_inputs,
       cache_bytes,
     )
-    for name, impl in (("xla cache part", "xla"), ("triton", "triton")):
+    for name, impl in ((f"{impl} cache part", impl) for impl in impls):
       attend = functools.partial(
         lambda q, ck, cv, impl: cache_attention(q, ck, cv, filled, implementation=impl)[0], impl=impl
       )
@@ -186,7 +199,7 @@ def main(argv=None) -> int:
     base = {(r["kind"], r["name"]): r for r in records if r["length"] == row["length"] and "error" not in r}
     read = base.get(("read", "read K,V (bandwidth)"))
     dense = base.get(("tree", "dense masked [cache ; tree]"))
-    one = base.get(("decode", "triton"))
+    one = base.get(("decode", "triton cache part"))
     if "error" in row:
       rows.append([row["length"], row["nodes"], row["name"], "error", "", "", "", row["error"][:60]])
       continue
