@@ -181,7 +181,7 @@ def test_tree_attention_kernel_runs_per_shard():
   """Batch rows over data x fsdp with their own lengths and trees, grouped heads (4 query
   heads on 2 key/value heads) over tensor = 2."""
   from castle_jax.ops.tree_attention import tree_attention
-  from test_tree_attention import make_inputs
+  from ops.tree_attention.base import make_inputs
 
   inputs = make_inputs(8, batch=4, n=5, heads=4, kv_heads=2, head_dim=16, capacity=40, cache_length=[0, 40, 17, 3])
   run = jax.jit(lambda **kw: tree_attention(**kw, implementation="triton", return_lse=True))
