@@ -1,15 +1,19 @@
-"""CASTLE attention speed and memory next to standard attention, in one run.
+"""CASTLE attention: every implementation of the op next to cuDNN attention, in one run.
 
     python -m benchmarks.castle_attention [--seq_lens=2048,8192,16384] [--tokens=32768] \
-        [--impls=xla,cudnn] [--window=512] [--json=out.json]
+        [--impls=xla,triton,mosaic,cudnn] [--kernel_configs=triton:block_q=64;mosaic:] \
+        [--window=512] [--json=out.json]
+    python -m benchmarks.castle_attention --smoke   # tiny shapes, any device (CI)
 
 For each sequence length T the batch is tokens // T (the CASTLE paper's XL attention
-shape by default: 9 CASTLE heads, 16 baseline heads, head_dim 128, bf16). Times the
-forward and forward+backward (gradients of all inputs) of each implementation with
-`jax.block_until_ready`, median of --iters runs after warm-up, over two input sets
-in turn. Peak memory is the compiled fwd+bwd program's own (temporaries plus
-arguments and outputs, from XLA's memory analysis), so it is not disturbed by other
-buffers alive in the process.
+shape by default: 9 CASTLE heads, 16 baseline heads, head_dim 128, bf16). `--impls`
+defaults to the op's implementations (`castle_jax.ops.castle.IMPLEMENTATIONS`, but the
+O(T^3) "reference") and the standard-attention baseline ("cudnn" on a GPU, "xla_mha"
+elsewhere); an implementation that cannot run here is a row saying why. Times the forward
+and forward+backward (gradients of all inputs) of each with `jax.block_until_ready`,
+median of --iters runs after warm-up, over two input sets in turn. Peak memory is the
+compiled fwd+bwd program's own (temporaries plus arguments and outputs, from XLA's memory
+analysis), so it is not disturbed by other buffers alive in the process.
 
 Model FLOPs (the same convention for every row, so TFLOP/s compare):
   standard attention forward  = 4 d * causal_pairs per head (q.k and p.v);
@@ -17,8 +21,8 @@ Model FLOPs (the same convention for every row, so TFLOP/s compare):
     q^C.u over causal pairs; q^U.k^U, the lookahead-key update and q^C.v^U over the
     pairs inside the lookahead window), the blockwise algorithm's in-block term not counted;
   backward = 2.5 x forward for both.
-Ratios are against the baseline (`cudnn`, else `xla_mha`) measured in the same run.
-Prints a table last and optionally writes JSON.
+Ratios are against the baseline measured in the same run. Prints a table last and
+optionally writes JSON.
 """
 
 from __future__ import annotations
@@ -34,8 +38,20 @@ import jax.numpy as jnp
 from castle_jax import command_line as cl
 from castle_jax.ops.attention import causal_attention
 from castle_jax.ops.castle import castle_attention
-from pallas_kernels.castle import CastleKernelConfig
-from benchmarks.timing import error_text, run_meta, time_forward_and_gradients, torch_median_ms, write_json
+from castle_jax.ops.castle import IMPLEMENTATIONS, KERNEL_CONFIGS
+from benchmarks.timing import (
+  PEAK_COLUMN,
+  TIME_COLUMNS,
+  error_text,
+  implementations_to_time,
+  kernel_configs,
+  print_table,
+  run_meta,
+  smoke_mode,
+  time_forward_and_gradients,
+  torch_median_ms,
+  write_json,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,10 +63,10 @@ class Case:
   castle: bool
 
 
-def _castle_case(impl: str, heads: int, window, block_size: int, pallas_config=None, label: str = "") -> Case:
+def _castle_case(impl: str, heads: int, window, block_size: int, kernel_config=None, label: str = "") -> Case:
   def fn(*inputs):
     return castle_attention(
-      *inputs, window=window, implementation=impl, block_size=block_size, pallas_config=pallas_config
+      *inputs, window=window, implementation=impl, block_size=block_size, kernel_config=kernel_config
     )
 
   return Case(f"castle_{impl}{label}", heads, 6, fn, True)
@@ -130,10 +146,6 @@ def measure_peer(batch: int, seq: int, heads: int, head_dim: int, iters: int) ->
   return result
 
 
-def _kernel_configs(text: str) -> list[tuple[str, CastleKernelConfig]]:
-  return [(spec, CastleKernelConfig.from_string(spec)) for spec in text.split(";")] if text else []
-
-
 def main(argv) -> int:
   parser = cl.ArgumentParser(description=__doc__)
   parser.add_argument("--seq_lens", type=cl.positive_int_list, default="2048,8192,16384")
@@ -145,42 +157,49 @@ def main(argv) -> int:
   parser.add_argument("--block_size", type=cl.positive_int, default=64, help="block size of the XLA blockwise path")
   parser.add_argument(
     "--impls",
-    type=cl.choice_list(("xla", "pallas", "reference", "cudnn", "xla_mha")),
-    default="xla,cudnn",
-    help="comma list of: xla, pallas, reference (CASTLE); cudnn, xla_mha (standard)",
+    type=cl.choice_list((*IMPLEMENTATIONS, "cudnn", "xla_mha")),
+    default=None,
+    help="comma list of CASTLE implementations (reference, xla, triton, mosaic) and standard-attention "
+    "baselines (cudnn, xla_mha); default: every CASTLE implementation but reference, and the baseline",
   )
   parser.add_argument(
-    "--pallas_configs",
-    type=cl.parsed_by(_kernel_configs, "';'-separated CastleKernelConfig fields as key=value"),
-    default="",
-    help="';'-separated kernel configs of CastleKernelConfig fields as key=value, e.g. "
-    "'block_q=32,block_k=64;block_q=64,lookahead_operands=split', each timed as its own "
-    "row (default: the heuristic config)",
+    "--kernel_configs",
+    type=cl.parsed_by(lambda text: kernel_configs(text, KERNEL_CONFIGS), "';'-separated 'impl:key=value,...'"),
+    default={},
+    help="';'-separated 'impl:key=value,...' kernel configs, e.g. 'triton:block_q=32,block_k=64;triton:block_q=64', "
+    "each timed as its own row of that implementation (default: its default config)",
   )
   parser.add_argument(
     "--peer_seq_lens",
     type=cl.optional_positive_int_list,
-    default="",
+    default=[],
     help="comma list of lengths at which to time the PyPI lookahead-keys-attention kernel's "
     "forward and forward+backward (slow: ~1.3 s per forward at 2K)",
   )
   parser.add_argument("--peer_iters", type=cl.positive_int, default=3)
   parser.add_argument("--iters", type=cl.positive_int, default=10)
   parser.add_argument("--dtype", choices=cl.DTYPES, default="bfloat16")
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes, one timed call: checks the harness runs")
   parser.add_argument("--json", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")
   args = parser.parse_args(argv)
+  if args.smoke:
+    smoke_mode()
+    args.seq_lens, args.tokens, args.heads, args.baseline_heads, args.head_dim, args.iters = [128], 128, 1, 1, 64, 1
   for seq in args.seq_lens:
     if args.tokens % seq:
       parser.error(f"--tokens ({args.tokens}) must be a multiple of every sequence length ({seq})")
+  on_gpu = jax.default_backend() == "gpu"
+  impls = args.impls or [*implementations_to_time(IMPLEMENTATIONS).split(","), "cudnn" if on_gpu else "xla_mha"]
 
   window = args.window or None
   dtype = jnp.dtype(args.dtype)
+  configs = args.kernel_configs
   cases = []
-  for impl in args.impls:
-    if impl == "pallas" and args.pallas_configs:
-      for spec, config in args.pallas_configs:
-        cases.append(_castle_case(impl, args.heads, window, args.block_size, config, f"[{spec}]"))
-    elif impl in ("xla", "pallas", "reference"):
+  for impl in impls:
+    if impl in configs:
+      for config in configs[impl]:
+        cases.append(_castle_case(impl, args.heads, window, args.block_size, config, f"[{config}]"))
+    elif impl in IMPLEMENTATIONS:
       cases.append(_castle_case(impl, args.heads, window, args.block_size))
     else:
       cases.append(_standard_case("cudnn" if impl == "cudnn" else "xla", args.baseline_heads))
@@ -202,7 +221,7 @@ def main(argv) -> int:
     if "error" not in row:
       row["fwd_tflops"] = forward_flops(cases[0], row["batch"], seq, args.head_dim, window) / row["fwd_ms"] / 1e9
       ours = next(
-        (r for r in rows if r["seq"] == seq and r["impl"].startswith("castle_pallas") and "error" not in r), None
+        (r for r in rows if r["seq"] == seq and r["impl"].startswith("castle_triton") and "error" not in r), None
       )
       if ours:
         row["peer_over_ours_fwd"] = row["fwd_ms"] / ours["fwd_ms"]
@@ -220,31 +239,20 @@ def main(argv) -> int:
 
   meta = run_meta(dtype=args.dtype, window=window, tokens=args.tokens)
   write_json(args.json, meta, rows=rows)
-
   print(f"\n{meta['device']} | jax {meta['jax']} | {args.dtype} | window {window} | {args.tokens} tokens")
-  width = max(18, max(len(c.name) for c in cases) + 1)
-  header = (
-    f"{'impl':<{width}}{'B x T':>12}{'H':>4}{'fwd ms':>10}{'fwd+bwd ms':>12}{'fwd TF/s':>10}"
-    f"{'f+b TF/s':>10}{'x base f+b':>11}{'peak GiB':>10}"
+  print_table(
+    rows,
+    [
+      ("impl", "impl", ""),
+      ("batch", "batch", "d"),
+      ("T", "seq", "d"),
+      ("heads", "heads", "d"),
+      *TIME_COLUMNS,
+      (f"x {baseline_name} fwd+bwd", "fwd_bwd_ratio", ".2f"),
+      PEAK_COLUMN,
+      ("peer / ours fwd+bwd", "peer_over_ours_fwd_bwd", ".0f"),
+    ],
   )
-  print(header)
-  for r in rows:
-    if "error" in r:
-      print(f"{r['impl']:<{width}}{r['batch']:>5} x {r['seq']:<6}{r['heads']:>4}  {r['error']}")
-      continue
-    if r["impl"] == "peer_pypi_triton":
-      nan = float("nan")
-      print(
-        f"{r['impl']:<{width}}{r['batch']:>5} x {r['seq']:<6}{r['heads']:>4}{r['fwd_ms']:>10.2f}"
-        f"{r.get('fwd_bwd_ms', nan):>12.2f}{r['fwd_tflops']:>10.2f}  peer / ours: fwd "
-        f"{r.get('peer_over_ours_fwd', nan):.0f}x, fwd+bwd {r.get('peer_over_ours_fwd_bwd', nan):.0f}x"
-      )
-      continue
-    print(
-      f"{r['impl']:<{width}}{r['batch']:>5} x {r['seq']:<6}{r['heads']:>4}{r['fwd_ms']:>10.2f}{r['fwd_bwd_ms']:>12.2f}"
-      f"{r['fwd_tflops']:>10.1f}{r['fwd_bwd_tflops']:>10.1f}{r.get('fwd_bwd_ratio', float('nan')):>11.2f}"
-      f"{r['peak_gib']:>10.2f}"
-    )
   return 0
 
 

@@ -1,7 +1,7 @@
 """One-token decoding step: CASTLE's UQ-KV cache next to a standard KV cache, in one run.
 
     python -m benchmarks.castle_decode [--batch=64] [--length=16384] [--heads=9] \
-        [--baseline_heads=16] [--head_dim=128] [--window=512] [--impls=xla,pallas] \
+        [--baseline_heads=16] [--head_dim=128] [--window=512] [--impls=xla,triton] \
         [--decode_configs='block_rows=64;block_rows=128,num_warps=8'] [--json=out.json]
 
 Times `castle_jax.ops.castle.decode_step` (rank-1 update of the lookahead keys, then
@@ -67,7 +67,7 @@ def castle_row(batch, length, heads, head_dim, window, dtype, iters, implementat
     window=window,
   )
   token = tuple(_filled((batch, 1, heads, head_dim), dtype, k) for k in keys[4:10])
-  step = jax.jit(functools.partial(decode_step, implementation=implementation, pallas_config=config), donate_argnums=0)
+  step = jax.jit(functools.partial(decode_step, implementation=implementation, kernel_config=config), donate_argnums=0)
   name = "castle" if window is None else f"castle_swl(W={window})"
   name += f" {implementation}" + (f" {_config_label(config)}" if config else "")
   return {
@@ -119,9 +119,9 @@ def main(argv) -> int:
   parser.add_argument("--window", type=cl.nonnegative_int, default=512, help="CASTLE-SWL window (0: skip SWL)")
   parser.add_argument(
     "--impls",
-    type=cl.choice_list(("xla", "pallas")),
-    default="xla,pallas",
-    help="CASTLE decoding steps to time: xla, pallas",
+    type=cl.choice_list(("xla", "triton")),
+    default="xla,triton",
+    help="CASTLE decoding steps to time: xla, triton",
   )
   parser.add_argument(
     "--decode_configs",
@@ -140,7 +140,7 @@ def main(argv) -> int:
   windows = [None] + ([args.window] if args.window else [])
   for window in windows:
     for implementation in args.impls:
-      configs = args.decode_configs if implementation == "pallas" else [None]
+      configs = args.decode_configs if implementation == "triton" else [None]
       for config in configs:
         rows.append(
           castle_row(

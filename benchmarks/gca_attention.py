@@ -1,35 +1,30 @@
-"""Grouped cross attention (GCA) forward and forward+backward, next to the decoder's
-sliding-window ALiBi self-attention over the same tokens.
+"""Grouped cross attention (GCA): every implementation of the op next to cuDNN on the same
+work and the decoder's sliding-window ALiBi self-attention over the same tokens.
 
     python -m benchmarks.gca_attention [--tokens=16384,65536] [--batch=4] [--heads=12] \
-        [--head_dim=64] [--chunk=64] [--top_k=8] \
-        [--impls=xla,pallas,reference,pallas_mosaic_fwd,pallas_mosaic,dense_cudnn] \
-        [--pallas_configs="block_rows=64;block_rows=32,num_warps=4"] \
+        [--head_dim=64] [--chunk=64] [--top_k=8] [--impls=xla,triton,mosaic,dense_cudnn] \
+        [--timing.kernel_configs="triton:block_rows=32,num_warps=4;mosaic:stages=3"] \
         [--window_impls=cudnn,cudnn_plain,xla] [--json=out.json]
+    python -m benchmarks.gca_attention --smoke   # tiny shapes, any device (CI)
 
 The DRT layout: each chunk of `--chunk` real tokens plus its landmark is one query chunk
 (chunk + 1 positions); each query chunk attends to `--top_k` memory chunks of `--chunk`
 keys (the landmark row is the softmax_1's implicit zero logit), indices and weights drawn
 at random (retrieval is not timed). Gradients: q, chunk keys/values and chunk weights.
 configs/drt_128m.py has chunk_size 63: --chunk=63 gives its shape (64 query positions
-per chunk, memory chunks of 63 keys). `--pallas_configs` times "pallas" once per
-`pallas_kernels.gca.GcaKernelConfig` given (a sweep); without it, the default config, whose
-backend "auto" runs the Mosaic GPU kernels on Hopper: "backend=triton;backend=mosaic" puts
-the two side by side (the Triton fields of a config apply only with backend=triton).
+per chunk, memory chunks of 63 keys). `--impls` defaults to the op's implementations
+(`castle_jax.ops.gca.IMPLEMENTATIONS`, but "reference") and the dense baseline;
+`--timing.kernel_configs` times an implementation once per config given (a sweep); without it,
+its default config; an implementation that cannot run here is a row saying why.
 
 FLOPs per forward: 4 * positions * heads * top_k * chunk * head_dim (two products per
 retrieved chunk); the backward recomputes P and O' and adds four products (x2.5 the
 forward; 3.5x in all: the algorithm's count, whatever an implementation recomputes; the
-Pallas kernels run 9 products per retrieved chunk, i.e. 4.5x). Mosaic GPU rows
-(Hopper only), once per `--mosaic_stages` value (a ring depth, or "N+overlap" for the forward's
-overlapped schedule): "pallas_mosaic_fwd" times the Mosaic
-forward alone (`pallas_kernels.gca.mosaic_forward`; compare with the "pallas" row's fwd ms,
-the Triton forward), "pallas_mosaic" the forward and gradients of `gca_attention_mosaic`
-(the Mosaic forward and both Mosaic backward kernels). "dense_cudnn" is the reference for
+kernels run 9 products per retrieved chunk, i.e. 4.5x). "dense_cudnn" is the reference for
 the kernels' rate: cuDNN flash attention on the same work laid out densely (each query
 chunk over top_k * chunk contiguous keys: the same FLOPs and product shapes, no gather and
-no softmax_1). Prints a table
-last; median of --iters calls.
+no softmax_1; "dense_xla" the same through XLA, off a GPU). Prints a table last; median of
+--iters calls.
 """
 
 from __future__ import annotations
@@ -42,10 +37,8 @@ import jax.numpy as jnp
 from castle_jax import command_line as cl
 from castle_jax.ops.attention.alibi import alibi_window_attention
 from castle_jax.ops.gca import gca_attention
-from pallas_kernels.gca import GcaKernelConfig
-from pallas_kernels.gca.mosaic_attention import gca_attention_mosaic
-from pallas_kernels.gca.mosaic_forward import gca_forward_mosaic
-from benchmarks.timing import error_text, median_ms, run_meta, time_forward_and_gradients, write_json
+from castle_jax.ops.gca import IMPLEMENTATIONS, KERNEL_CONFIGS
+from benchmarks import timing
 
 
 def gca_inputs(batch, tokens, heads, head_dim, chunk, top_k, dtype, seed):
@@ -70,72 +63,20 @@ def with_rates(row: dict, timings: dict, flops: float) -> dict:
   return row
 
 
-def gca_row(
-  impl,
-  batch,
-  tokens,
-  heads,
-  head_dim,
-  chunk,
-  top_k,
-  dtype,
-  iters,
-  pallas_config=None,
-  label="",
-  mosaic_variant_text="2",
-):
-  """impl: a `gca_attention` implementation, or "pallas_mosaic" (`gca_attention_mosaic` with
-  `mosaic_variant_text`, a --mosaic_stages entry)."""
+def gca_row(impl, batch, tokens, heads, head_dim, chunk, top_k, dtype, iters, kernel_config=None, label=""):
+  """The forward and gradients of `gca_attention(implementation=impl)`."""
   sets = [gca_inputs(batch, tokens, heads, head_dim, chunk, top_k, dtype, seed) for seed in range(2)]
   positions = sets[0][0].shape[1]
 
   indices = sets[0][4]  # not differentiated: one set of random retrievals for every call
 
   def fn(q, chunk_k, chunk_v, weights):
-    if impl == "pallas_mosaic":
-      stages, overlap = mosaic_variant(mosaic_variant_text)
-      return gca_attention_mosaic(
-        q, chunk_k, chunk_v, weights, indices, scale=head_dim**-0.5, stages=stages, overlap=overlap
-      )
-    return gca_attention(q, chunk_k, chunk_v, weights, indices, implementation=impl, pallas_config=pallas_config)
+    return gca_attention(q, chunk_k, chunk_v, weights, indices, implementation=impl, kernel_config=kernel_config)
 
-  timings = time_forward_and_gradients(fn, 4, [s[:4] + (s[5],) for s in sets], iters)
+  timings = timing.time_forward_and_gradients(fn, 4, [s[:4] + (s[5],) for s in sets], iters)
   flops = 4 * batch * positions * heads * top_k * chunk * head_dim
   row = {"impl": f"gca_{impl}{label}", "tokens": tokens, "positions": positions, **timings, "fwd_gflop": flops / 1e9}
   return with_rates(row, timings, flops)
-
-
-def mosaic_variant(text: str) -> tuple[int, bool]:
-  """'3' -> (3, False); '3+overlap' -> (3, True)."""
-  stages, _, schedule = text.partition("+")
-  if schedule not in ("", "overlap"):
-    raise ValueError(f"--mosaic_stages entries are N or N+overlap, got {text!r}")
-  return int(stages), schedule == "overlap"
-
-
-def mosaic_forward_row(batch, tokens, heads, head_dim, chunk, top_k, dtype, iters, variant):
-  """The Mosaic GPU forward alone (output only: its log-normalizers' transpose is dead code here,
-  as the Triton forward's log-normalizers are outside a gradient)."""
-  sets = [gca_inputs(batch, tokens, heads, head_dim, chunk, top_k, dtype, seed) for seed in range(2)]
-  positions = sets[0][0].shape[1]
-  indices = sets[0][4]
-  scale = head_dim**-0.5
-  stages, overlap = mosaic_variant(variant)
-  forward = jax.jit(
-    lambda q, chunk_k, chunk_v, weights: gca_forward_mosaic(
-      q, chunk_k, chunk_v, weights, indices, scale=scale, stages=stages, overlap=overlap
-    )[0]
-  )
-  fwd_ms = median_ms(forward, [s[:4] for s in sets], iters)
-  flops = 4 * batch * positions * heads * top_k * chunk * head_dim
-  return {
-    "impl": f"gca_pallas_mosaic_fwd[{variant}]",
-    "tokens": tokens,
-    "positions": positions,
-    "fwd_ms": fwd_ms,
-    "fwd_gflop": flops / 1e9,
-    "fwd_tflops": flops / fwd_ms / 1e9,
-  }
 
 
 def window_row(impl, batch, tokens, heads, head_dim, chunk, window, dtype, iters):
@@ -157,13 +98,14 @@ def window_row(impl, batch, tokens, heads, head_dim, chunk, window, dtype, iters
 
   # Visible keys per query ~ window: 4 * window * head_dim FLOPs per query and head.
   flops = 4 * batch * positions * heads * window * head_dim
-  timings = time_forward_and_gradients(fn, 3, sets, iters)
+  timings = timing.time_forward_and_gradients(fn, 3, sets, iters)
   row = {"impl": f"window_{window}_{impl}", "tokens": tokens, "positions": positions, **timings}
   return with_rates(row, timings, flops)
 
 
-def dense_row(batch, tokens, heads, head_dim, chunk, top_k, dtype, iters):
-  """The same work as GCA without the retrieval: cuDNN's flash attention, one sequence per
+def dense_row(impl, batch, tokens, heads, head_dim, chunk, top_k, dtype, iters):
+  """The same work as GCA without the retrieval: cuDNN's flash attention (impl "cudnn"; or
+  "xla"), one sequence per
   (batch, query chunk), its chunk + 1 queries over top_k * chunk contiguous keys, no mask.
   Equal FLOPs and equal product shapes, so its TFLOP/s is the rate that the best dense
   kernel reaches on GCA's small per-chunk problems: the reference for GCA's kernels."""
@@ -176,27 +118,16 @@ def dense_row(batch, tokens, heads, head_dim, chunk, top_k, dtype, iters):
     sets.append((q, k, v, cotangent))
 
   def fn(q, k, v):
-    return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+    return jax.nn.dot_product_attention(q, k, v, implementation=impl)
 
   flops = 4 * batch * chunks * (chunk + 1) * heads * top_k * chunk * head_dim
-  timings = time_forward_and_gradients(fn, 3, sets, iters)
-  row = {"impl": "dense_same_work_cudnn", "tokens": tokens, "positions": chunks * (chunk + 1), **timings}
+  timings = timing.time_forward_and_gradients(fn, 3, sets, iters)
+  row = {"impl": f"dense_same_work_{impl}", "tokens": tokens, "positions": chunks * (chunk + 1), **timings}
   return with_rates(row, timings, flops)
 
 
-GCA_IMPLS = ("xla", "pallas", "reference", "pallas_mosaic_fwd", "pallas_mosaic", "dense_cudnn")
+DENSE_IMPLS = ("dense_cudnn", "dense_xla")
 WINDOW_IMPLS = ("cudnn", "cudnn_plain", "xla")
-
-
-def _kernel_configs(text: str) -> list[GcaKernelConfig]:
-  return [GcaKernelConfig.from_string(spec) for spec in text.split(";")] if text else []
-
-
-def _mosaic_variants(text: str) -> list[tuple[int, bool]]:
-  variants = [mosaic_variant(part) for part in text.split(",")]
-  if any(stages < 1 for stages, _ in variants):
-    raise ValueError("ring depths must be >= 1")
-  return variants
 
 
 def main(argv) -> int:
@@ -210,123 +141,74 @@ def main(argv) -> int:
   parser.add_argument("--window", type=cl.positive_int, default=512, help="sliding window of the self-attention rows")
   parser.add_argument(
     "--window_impls",
-    type=cl.validated_by(lambda t: t and cl.choice_list(WINDOW_IMPLS)(t), "a comma list of " + ", ".join(WINDOW_IMPLS)),
+    type=lambda text: cl.choice_list(WINDOW_IMPLS)(text) if text.strip() else [],
     default="cudnn,cudnn_plain,xla",
     help="self-attention rows: ALiBi window on 'cudnn'/'xla', 'cudnn_plain' (no ALiBi); '' for none",
   )
   parser.add_argument(
     "--impls",
-    type=cl.validated_by(cl.choice_list(GCA_IMPLS), "a comma list of " + ", ".join(GCA_IMPLS)),
-    default="xla",
-    help="comma-separated GCA implementations (xla, pallas, reference, pallas_mosaic_fwd, "
-    "pallas_mosaic) and 'dense_cudnn' (the same work as dense cuDNN attention)",
+    type=cl.choice_list((*IMPLEMENTATIONS, *DENSE_IMPLS)),
+    default=None,
+    help="comma-separated GCA implementations (reference, xla, triton, mosaic) and 'dense_cudnn' / 'dense_xla' "
+    "(the same work as dense attention); default: the op's but reference, and the dense baseline",
   )
   parser.add_argument(
-    "--pallas_configs",
-    type=cl.validated_by(_kernel_configs, "';'-separated GcaKernelConfig fields as key=value"),
+    "--kernel_configs",
+    type=cl.validated_by(
+      lambda text: timing.kernel_configs(text, KERNEL_CONFIGS), "';'-separated 'impl:key=value,...'"
+    ),
     default="",
-    help="';'-separated GcaKernelConfig fields as key=value, e.g. 'block_rows=64;num_stages=3': "
-    "one 'pallas' row each (default: the default config)",
-  )
-  parser.add_argument(
-    "--mosaic_stages",
-    type=cl.validated_by(_mosaic_variants, "comma-separated N or N+overlap, e.g. 2,3,3+overlap"),
-    default="2",
-    help="comma-separated K/V ring depths of the Mosaic rows, one row each; 'N+overlap' runs the "
-    "forward's overlapped schedule (N >= 3), e.g. '2,3,3+overlap'",
+    help="';'-separated 'impl:key=value,...' kernel configs, e.g. 'triton:block_rows=32;mosaic:stages=3': "
+    "one row each (default: the implementation's default config)",
   )
   parser.add_argument("--iters", type=cl.positive_int, default=10)
   parser.add_argument("--dtype", choices=cl.DTYPES, default="bfloat16")
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes, one timed call: checks the harness runs")
   parser.add_argument("--json", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")
   args = parser.parse_args(argv)
+  if args.smoke:
+    timing.smoke_mode()
+    args.tokens, args.batch, args.heads, args.chunk, args.top_k, args.iters = [126], 1, 2, 63, 2, 1
+    args.window, args.window_impls = 64, ["xla"]
+  dense = "dense_cudnn" if jax.default_backend() == "gpu" else "dense_xla"
+  impls = args.impls or [*timing.implementations_to_time(IMPLEMENTATIONS).split(","), dense]
+  configs = timing.kernel_configs(args.kernel_configs, KERNEL_CONFIGS)
   dtype = jnp.dtype(args.dtype)
+  shape = (args.heads, args.head_dim, args.chunk, args.top_k, dtype, args.iters)
   rows = []
   for tokens in args.tokens:
-    for impl in args.impls.split(","):
-      if impl == "pallas_mosaic":
-        for variant in args.mosaic_stages.split(","):
-          rows.append(
-            gca_row(
-              impl,
-              args.batch,
-              tokens,
-              args.heads,
-              args.head_dim,
-              args.chunk,
-              args.top_k,
-              dtype,
-              args.iters,
-              label=f"[{variant}]",
-              mosaic_variant_text=variant,
-            )
-          )
-          print(rows[-1], flush=True)
-        continue
-      if impl == "dense_cudnn":
+    for impl in impls:
+      if impl in DENSE_IMPLS:
         try:
-          rows.append(
-            dense_row(args.batch, tokens, args.heads, args.head_dim, args.chunk, args.top_k, dtype, args.iters)
-          )
+          rows.append(dense_row(impl.removeprefix("dense_"), args.batch, tokens, *shape))
         except Exception as e:  # report and go on
-          rows.append({"impl": "dense_same_work_cudnn", "tokens": tokens, "error": error_text(e)})
-        print(rows[-1], flush=True)
-        continue
-      if impl == "pallas_mosaic_fwd":
-        for variant in args.mosaic_stages.split(","):
-          try:
-            rows.append(
-              mosaic_forward_row(
-                args.batch, tokens, args.heads, args.head_dim, args.chunk, args.top_k, dtype, args.iters, variant
-              )
-            )
-          except Exception as e:  # report and go on
-            rows.append({"impl": f"gca_pallas_mosaic_fwd[{variant}]", "tokens": tokens, "error": error_text(e)})
-          print(rows[-1], flush=True)
-        continue
-      specs = args.pallas_configs.split(";") if impl == "pallas" and args.pallas_configs else [None]
-      for spec in specs:
-        config = GcaKernelConfig.from_string(spec) if spec else None
-        rows.append(
-          gca_row(
-            impl,
-            args.batch,
-            tokens,
-            args.heads,
-            args.head_dim,
-            args.chunk,
-            args.top_k,
-            dtype,
-            args.iters,
-            config,
-            f"[{spec}]" if spec else "",
-          )
-        )
-        print(rows[-1], flush=True)
-    for impl in args.window_impls.split(",") if args.window_impls else ():
+          rows.append({"impl": f"dense_same_work_{impl}", "tokens": tokens, "error": timing.error_text(e)})
+      else:
+        for config in configs.get(impl, [None]):
+          rows.append(gca_row(impl, args.batch, tokens, *shape, config, "" if config is None else f"[{config}]"))
+      print(rows[-1], flush=True)
+    for impl in args.window_impls:
       try:
         rows.append(
           window_row(impl, args.batch, tokens, args.heads, args.head_dim, args.chunk, args.window, dtype, args.iters)
         )
       except Exception as e:  # report and go on
-        rows.append({"impl": f"window_{args.window}_{impl}", "tokens": tokens, "error": error_text(e)})
+        rows.append({"impl": f"window_{args.window}_{impl}", "tokens": tokens, "error": timing.error_text(e)})
       print(rows[-1], flush=True)
-  write_json(args.json, run_meta(**vars(args)), rows=rows)
+  timing.write_json(args.json, timing.run_meta(**vars(args)), rows=rows)
   print(
     f"\n| {jax.devices()[0].device_kind} | batch {args.batch} | {args.heads} x {args.head_dim} | chunk "
     f"{args.chunk} | k {args.top_k} | {args.dtype} |"
   )
-  print("| impl | tokens | fwd ms | fwd+bwd ms | fwd / fwd+bwd TFLOP/s | peak GiB |")
-  print("| --- | --- | --- | --- | --- | --- |")
-  for r in rows:
-    if "error" in r:
-      print(f"| {r['impl']} | {r['tokens']} | {r['error']} |")
-      continue
-    rates = "-"
-    if "fwd_tflops" in r:
-      rates = f"{r['fwd_tflops']:.1f} / " + (f"{r['fwd_bwd_tflops']:.1f}" if "fwd_bwd_tflops" in r else "-")
-    fwd_bwd = f"{r['fwd_bwd_ms']:.2f}" if "fwd_bwd_ms" in r else "-"
-    peak = f"{r['peak_gib']:.2f}" if r.get("peak_gib") is not None else "-"
-    print(f"| {r['impl']} | {r['tokens']} | {r['fwd_ms']:.2f} | {fwd_bwd} | {rates} | {peak} |")
+  timing.print_table(
+    rows,
+    [
+      ("impl", "impl", ""),
+      ("tokens", "tokens", "d"),
+      *timing.TIME_COLUMNS,
+      timing.PEAK_COLUMN,
+    ],
+  )
   return 0
 
 

@@ -199,7 +199,7 @@ def small_model(attention: str, smoke: bool, dtype: str | None = None):
 
   on_gpu = jax.default_backend() == "gpu"
   dtype = dtype or ("float32" if smoke else "bfloat16")
-  impl = {"mha": "cudnn" if on_gpu and dtype != "float32" else "xla", "castle": "pallas", "power": "pallas"}[attention]
+  impl = {"mha": "cudnn" if on_gpu and dtype != "float32" else "xla", "castle": "triton", "power": "triton"}[attention]
   kwargs = {"power": (("p", 2), ("chunk_size", 64 if smoke else 128))}.get(attention, ())
   if smoke:
     config = ModelConfig(
@@ -461,7 +461,7 @@ def preset_config(name: str, args, mesh_sizes, num_devices: int, batch_per_devic
       m.d_model, m.n_heads, m.head_dim, m.mlp_hidden, m.vocab_size, m.dtype = 64, 8, 16, 128, 512, "float32"
       m.remat = False
       config.data.seq_len = 64
-      m.attention_impl = "pallas" if m.attention in ("castle", "power") else None
+      m.attention_impl = "triton" if m.attention in ("castle", "power") else None
       if "chunk_size" in m.attention_kwargs:
         m.attention_kwargs.chunk_size = 64
     for override in args.override:

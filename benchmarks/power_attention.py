@@ -1,15 +1,21 @@
-"""Power attention speed next to standard attention and the paper authors' kernels, in one run.
+"""Power attention: every implementation of the op next to standard attention and the paper
+authors' kernels, in one run.
 
     python -m benchmarks.power_attention [--seq_lens=4096,16384,65536] [--tokens=65536] \
-        [--impls=pallas,xla,cudnn,authors] [--chunk_sizes=1024] [--json=out.json]
+        [--impls=xla,triton,cudnn,authors] [--chunk_sizes=1024] [--json=out.json]
+    python -m benchmarks.power_attention --smoke   # tiny shapes, any device (CI)
 
 For each sequence length T the batch is tokens // T (the power-attention paper's
 shape by default: 12 heads, head_dim 64, p = 2, per-head gating, bf16). Times the
 forward and forward+backward (gradients of q, k, v and the log-gates) of each
-implementation, median of --iters runs after warm-up over two input sets:
-  pallas  : ours, `power_attention(implementation="pallas")` (fused kernels);
+implementation, median of --iters runs after warm-up over two input sets. `--impls` defaults
+to the op's implementations (`castle_jax.ops.power.IMPLEMENTATIONS`, but "reference"), the
+cuDNN baseline (on a GPU; "xla_mha" elsewhere) and the authors' kernels (where installed):
+  triton  : ours, `power_attention(implementation="triton")` (fused kernels);
   xla     : ours, the chunked XLA form (`implementation="xla"`);
-  cudnn   : `jax.nn.dot_product_attention(implementation="cudnn")`, causal, same heads/dims;
+  reference: ours, the attention form from the definition;
+  cudnn   : `jax.nn.dot_product_attention(implementation="cudnn")`, causal, same heads/dims
+            (xla_mha: the same with implementation="xla");
   authors : PyPI `retention` 1.0.7 (`retention.triton.power_retention`, PyTorch + Triton),
             installed only where the benchmark runs; TRITON_NO_AUTOTUNE=1 unless
             --authors_autotune, so its kernels use their default configs (warm-up calls
@@ -38,9 +44,15 @@ import jax.numpy as jnp
 
 from castle_jax import command_line as cl
 from castle_jax.ops.attention import causal_attention
-from castle_jax.ops.power import power_attention
-from pallas_kernels.power import PowerKernelConfig, default_config, discumsum, kernels, power_attention_pallas
-from benchmarks.timing import error_text, median_ms, run_meta, time_forward_and_gradients, torch_median_ms, write_json
+from castle_jax.ops.power import IMPLEMENTATIONS, power_attention
+from pallas_kernels.power import (
+  PowerTritonConfig,
+  default_triton_config,
+  triton_discumsum,
+  triton_kernels,
+  power_attention_triton,
+)
+from benchmarks import timing
 
 
 def power_forward_flops(batch: int, seq: int, heads: int, head_dim: int, chunk: int) -> float:
@@ -74,7 +86,7 @@ def measure_jax(name: str, fn, batch, seq, heads, head_dim, dtype, iters, gated:
   args_sets = _jax_inputs(batch, seq, heads, head_dim, dtype, gated)
   num_inputs = 4 if gated else 3
   row = {"impl": name, "batch": batch, "seq": seq, "heads": heads, "head_dim": head_dim}
-  row.update(time_forward_and_gradients(fn, num_inputs, args_sets, iters))
+  row.update(timing.time_forward_and_gradients(fn, num_inputs, args_sets, iters))
   return row
 
 
@@ -108,12 +120,12 @@ def measure_authors(batch, seq, heads, head_dim, chunk, iters) -> dict:
       out = power_retention(q, k, v, log_g, deg=2, chunk_size=chunk_size)
       torch.autograd.grad(out, (q, k, v, log_g), cotangent)
 
-    row["fwd_ms"] = torch_median_ms(forward, iters)
-    row["fwd_bwd_ms"] = torch_median_ms(forward_backward, iters)
+    row["fwd_ms"] = timing.torch_median_ms(forward, iters)
+    row["fwd_bwd_ms"] = timing.torch_median_ms(forward_backward, iters)
     row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     torch.cuda.reset_peak_memory_stats()
   except Exception as e:  # a missing or failing peer must not lose the other rows
-    row["error"] = error_text(e)
+    row["error"] = timing.error_text(e)
   return row
 
 
@@ -127,9 +139,9 @@ def kernel_breakdown(batch, seq, heads, head_dim, chunk, dtype, iters, config=No
   5 (c + 1) d (q.k twice, dN.v twice, and three products for dq, dk, dv, halved by
   causality). The discumsums are memory-bound: GB/s instead.
   """
-  config = config or default_config()
+  config = config or default_triton_config()
   bh, tokens = batch * heads, batch * seq * heads
-  dim = kernels.expanded_dim(head_dim)
+  dim = triton_kernels.expanded_dim(head_dim)
   n = seq // chunk
   keys = jax.random.split(jax.random.key(0), 6)
   x = jax.random.normal(keys[0], (bh, seq, head_dim), jnp.float32).astype(dtype)
@@ -141,32 +153,32 @@ def kernel_breakdown(batch, seq, heads, head_dim, chunk, dtype, iters, config=No
   opts = dict(chunk=chunk, config=config, interpret=False)
   mha = dict(heads=heads, kv_heads=heads)
   cases = [
-    ("update_state", lambda: kernels.update_state(x, w, r, **opts), 2 * dim * head_dim * tokens),
+    ("update_state", lambda: triton_kernels.update_state(x, w, r, **opts), 2 * dim * head_dim * tokens),
     (
       "query_state_attention",
-      lambda: kernels.query_state_attention(x, x, w, g, state, normalizer, **mha, **opts),
+      lambda: triton_kernels.query_state_attention(x, x, w, g, state, normalizer, **mha, **opts),
       (2 * dim * head_dim + 2 * (chunk + 1) * head_dim) * tokens,
     ),
     (
       "state_gradient(queries)",
-      lambda: kernels.state_gradient(x, w, r, state, normalizer, **mha, **opts),
+      lambda: triton_kernels.state_gradient(x, w, r, state, normalizer, **mha, **opts),
       2 * dim * head_dim * tokens,
     ),
     (
       "state_gradient(keys)",
-      lambda: kernels.state_gradient(x, w, r, state, normalizer, **mha, with_product=True, **opts),
+      lambda: triton_kernels.state_gradient(x, w, r, state, normalizer, **mha, with_product=True, **opts),
       4 * dim * head_dim * tokens,
     ),
     (
       "attention_backward",
-      lambda: kernels.attention_backward(x, x, w, g, w, r, **mha, **opts),
+      lambda: triton_kernels.attention_backward(x, x, w, g, w, r, **mha, **opts),
       5 * (chunk + 1) * head_dim * tokens,
     ),
   ]
   rows = []
   for name, fn, flops in cases:
     compiled = jax.jit(fn)
-    ms = median_ms(lambda *_: compiled(), [()], iters)
+    ms = timing.median_ms(lambda *_: compiled(), [()], iters)
     rows.append({"kernel": name, "batch": batch, "seq": seq, "chunk": chunk, "ms": ms, "tflops": flops / ms / 1e9})
   states = jax.random.normal(keys[5], (bh, n, dim, head_dim), jnp.float32)
   totals = g[:, chunk - 1 :: chunk]
@@ -175,25 +187,25 @@ def kernel_breakdown(batch, seq, heads, head_dim, chunk, dtype, iters, config=No
     # Reads the own states, writes the entering states.
     (
       "discumsum",
-      lambda: discumsum.discumsum(states, totals, states[:, 0], entering_dtype=dtype, interpret=False),
+      lambda: triton_discumsum.discumsum(states, totals, states[:, 0], entering_dtype=dtype, interpret=False),
       states.size * (4 + size),
     ),
     # Reads the direct gradients and the entering states, writes the own states' gradients.
     (
       "reverse_discumsum",
-      lambda: discumsum.reverse_discumsum(states, totals, state, states[:, 0], interpret=False),
+      lambda: triton_discumsum.reverse_discumsum(states, totals, state, states[:, 0], interpret=False),
       states.size * (4 + size + 4),
     ),
   ]
   for name, fn, moved in scans:
     compiled = jax.jit(fn)
-    ms = median_ms(lambda *_: compiled(), [()], iters)
+    ms = timing.median_ms(lambda *_: compiled(), [()], iters)
     rows.append({"kernel": name, "batch": batch, "seq": seq, "chunk": chunk, "ms": ms, "gb_per_s": moved / ms / 1e6})
   return rows
 
 
-def _kernel_configs(text: str) -> list[tuple[str, PowerKernelConfig]]:
-  return [(spec, PowerKernelConfig.from_string(spec)) for spec in text.split(";")] if text else []
+def _kernel_configs(text: str) -> list[tuple[str, PowerTritonConfig]]:
+  return [(spec, PowerTritonConfig.from_string(spec)) for spec in text.split(";")] if text else []
 
 
 def main(argv) -> int:
@@ -204,9 +216,10 @@ def main(argv) -> int:
   parser.add_argument("--head_dim", type=cl.positive_int, default=64)
   parser.add_argument(
     "--impls",
-    type=cl.choice_list(("pallas", "xla", "cudnn", "authors")),
-    default="pallas,xla,cudnn,authors",
-    help="comma list of: pallas, xla, cudnn, authors",
+    type=cl.choice_list((*IMPLEMENTATIONS, "cudnn", "xla_mha", "authors")),
+    default=None,
+    help="comma list of: reference, xla, triton (the op's), cudnn, xla_mha (standard attention), authors; "
+    "default: the op's but reference, the baseline and authors",
   )
   parser.add_argument(
     "--chunk_sizes", type=cl.positive_int_list, default="1024", help="chunk sizes of our chunked rows"
@@ -218,10 +231,10 @@ def main(argv) -> int:
     "--authors_autotune", action="store_true", help="let the authors' kernels autotune (minutes on the first call)"
   )
   parser.add_argument(
-    "--pallas_configs",
-    type=cl.parsed_by(_kernel_configs, "';'-separated PowerKernelConfig fields as key=value"),
+    "--kernel_configs",
+    type=cl.parsed_by(_kernel_configs, "';'-separated PowerTritonConfig fields as key=value"),
     default="",
-    help="';'-separated kernel configs of PowerKernelConfig fields as key=value, e.g. "
+    help="';'-separated kernel configs of PowerTritonConfig fields as key=value, e.g. "
     "'block_t=32,num_warps=8;row_group=2', each its own row (default: the default config)",
   )
   parser.add_argument(
@@ -233,14 +246,24 @@ def main(argv) -> int:
   parser.add_argument("--no_gating", action="store_true")
   parser.add_argument("--iters", type=cl.positive_int, default=10)
   parser.add_argument("--dtype", choices=cl.DTYPES, default="bfloat16")
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes, one timed call: checks the harness runs")
   parser.add_argument("--json", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")
   args = parser.parse_args(argv)
+  if args.smoke:
+    timing.smoke_mode()
+    args.seq_lens, args.tokens, args.heads, args.head_dim, args.iters, args.chunk_sizes = [128], 128, 2, 16, 1, [64]
+  on_gpu = jax.default_backend() == "gpu"
+  baseline = "cudnn" if on_gpu else "xla_mha"
+  impls = args.impls or [
+    *timing.implementations_to_time(IMPLEMENTATIONS).split(","),
+    baseline,
+    *(["authors"] if on_gpu else []),
+  ]
   if not args.authors_autotune:
     os.environ.setdefault("TRITON_NO_AUTOTUNE", "1")
 
   dtype = jnp.dtype(args.dtype)
   gated = not args.no_gating
-  impls = args.impls
   chunks = args.chunk_sizes
   authors_chunks = args.authors_chunk_sizes
   for seq in args.seq_lens:
@@ -252,10 +275,10 @@ def main(argv) -> int:
     batch = args.tokens // seq
     shape = (batch, seq, args.heads, args.head_dim)
     for impl in impls:
-      if impl == "cudnn":
+      if impl in ("cudnn", "xla_mha"):
         row = measure_jax(
-          "cudnn",
-          lambda q, k, v: causal_attention(q, k, v, implementation="cudnn"),
+          impl,
+          lambda q, k, v, impl=impl: causal_attention(q, k, v, implementation="cudnn" if impl == "cudnn" else "xla"),
           *shape,
           dtype,
           args.iters,
@@ -271,7 +294,7 @@ def main(argv) -> int:
             row["fwd_flops"] = power_forward_flops(*shape, chunk)
           rows.append(row)
       else:
-        configs = args.pallas_configs if impl == "pallas" and args.pallas_configs else [("", None)]
+        configs = args.kernel_configs if impl == "triton" and args.kernel_configs else [("", None)]
         for chunk in chunks:
           for spec, config in configs:
             if config is None:
@@ -279,7 +302,7 @@ def main(argv) -> int:
                 q, k, v, log_g, p=2, chunk_size=chunk, implementation=impl
               )
             else:
-              fn = lambda q, k, v, log_g=None, chunk=chunk, config=config: power_attention_pallas(
+              fn = lambda q, k, v, log_g=None, chunk=chunk, config=config: power_attention_triton(
                 q, k, v, log_g, scale=args.head_dim**-0.5, chunk_size=chunk, config=config
               )[0]
             row = measure_jax(f"{impl}[c={chunk}{';' + spec if spec else ''}]", fn, *shape, dtype, args.iters, gated)
@@ -292,7 +315,7 @@ def main(argv) -> int:
       printed = len(rows)
 
   breakdown = []
-  if "pallas" in impls:
+  if "triton" in impls:
     for seq in args.breakdown_seq_lens:
       breakdown += kernel_breakdown(
         args.tokens // seq, seq, args.heads, args.head_dim, min(chunks[0], seq), dtype, args.iters
@@ -304,34 +327,34 @@ def main(argv) -> int:
     row["fwd_tflops"] = row["fwd_flops"] / row["fwd_ms"] / 1e9
     row["fwd_bwd_tflops"] = 3.5 * row["fwd_flops"] / row["fwd_bwd_ms"] / 1e9
     same_seq = [r for r in rows if r["seq"] == row["seq"] and "error" not in r]
-    cudnn = next((r for r in same_seq if r["impl"] == "cudnn"), None)
+    base = next((r for r in same_seq if r["impl"] in ("cudnn", "xla_mha")), None)
     authors = min((r for r in same_seq if r["impl"].startswith("authors")), key=lambda r: r["fwd_bwd_ms"], default=None)
-    if cudnn:
-      row["cudnn_over_this_fwd_bwd"] = cudnn["fwd_bwd_ms"] / row["fwd_bwd_ms"]
+    if base:
+      row["base_over_this_fwd_bwd"] = base["fwd_bwd_ms"] / row["fwd_bwd_ms"]
     if authors:
       row["authors_best_over_this_fwd_bwd"] = authors["fwd_bwd_ms"] / row["fwd_bwd_ms"]
 
-  meta = run_meta(dtype=args.dtype, p=2, gating=gated, tokens=args.tokens, authors_autotune=args.authors_autotune)
-  write_json(args.json, meta, rows=rows, kernels=breakdown)
+  meta = timing.run_meta(
+    dtype=args.dtype, p=2, gating=gated, tokens=args.tokens, authors_autotune=args.authors_autotune
+  )
+  timing.write_json(args.json, meta, rows=rows, kernels=breakdown)
 
   print(
     f"\n{meta['device']} | jax {meta['jax']} | {args.dtype} | p=2 | gating {gated} | {args.tokens} tokens"
     f" | speed-ups: >1 means this row is faster"
   )
-  width = max(16, max(len(r["impl"]) for r in rows) + 1)
-  print(
-    f"{'impl':<{width}}{'B x T':>13}{'fwd ms':>9}{'f+b ms':>9}{'fwd TF/s':>9}{'f+b TF/s':>9}"
-    f"{'vs cudnn':>9}{'vs authors':>11}{'peak GiB':>9}"
+  timing.print_table(
+    rows,
+    [
+      ("impl", "impl", ""),
+      ("batch", "batch", "d"),
+      ("T", "seq", "d"),
+      *timing.TIME_COLUMNS,
+      (f"{baseline} / this", "base_over_this_fwd_bwd", ".2f"),
+      ("authors' best / this", "authors_best_over_this_fwd_bwd", ".2f"),
+      timing.PEAK_COLUMN,
+    ],
   )
-  for r in rows:
-    if "error" in r:
-      print(f"{r['impl']:<{width}}{r['batch']:>5} x {r['seq']:<6}  {r['error']}")
-      continue
-    print(
-      f"{r['impl']:<{width}}{r['batch']:>5} x {r['seq']:<6}{r['fwd_ms']:>9.2f}{r['fwd_bwd_ms']:>9.2f}"
-      f"{r['fwd_tflops']:>9.1f}{r['fwd_bwd_tflops']:>9.1f}{r.get('cudnn_over_this_fwd_bwd', math.nan):>9.2f}"
-      f"{r.get('authors_best_over_this_fwd_bwd', math.nan):>11.2f}{r['peak_gib']:>9.2f}"
-    )
   if breakdown:
     print(f"\n{'kernel (alone)':<24}{'B x T':>13}{'chunk':>7}{'ms':>9}{'TF/s or GB/s':>14}")
     for r in breakdown:

@@ -1,14 +1,81 @@
-"""Timing, memory and JSON-record helpers shared by the benchmark scripts (each runs from the
-repository root as `python -m benchmarks.<name>`)."""
+"""Timing, memory, table and JSON-record functions shared by the benchmark scripts (each runs
+from the repository root as `python -m benchmarks.<name>`).
+
+The per-op harnesses (`castle_attention`, `power_attention`, `gca_attention`,
+`tree_attention`) time every implementation of their op's table (`kernel_implementations`)
+next to cuDNN attention in the same process, and take `--smoke` (`smoke_mode`): tiny shapes
+on whatever device there is, the kernels in interpret mode on a CPU, so that CI runs them.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
+
+# GPU interpret mode runs each Mosaic GPU warpgroup as a thread; with more warpgroups than
+# CPU cores XLA's intra-op pool can starve one unless this scheduler is off (read when jax
+# starts its backend, so `smoke_mode` sets it before the first computation).
+_INTERPRET_XLA_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def smoke_mode() -> None:
+  """Prepares a --smoke run: the XLA flag the Mosaic kernels' interpret mode needs on a CPU."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if _INTERPRET_XLA_FLAG not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} {_INTERPRET_XLA_FLAG}".strip()
+
+
+def implementations_to_time(implementations: Sequence[str]) -> str:
+  """The default --impls of a per-op harness: every implementation of the op's table but the
+  O(T^2)-memory "reference" oracle."""
+  return ",".join(name for name in implementations if name != "reference")
+
+
+def kernel_configs(text: str, config_types: dict[str, type]) -> dict[str, list]:
+  """{implementation: [config, ...]} from --kernel_configs "impl:key=value,...;impl:..." (an
+  empty config after "impl:" is that implementation's default); `config_types` is the op's
+  KERNEL_CONFIGS."""
+  configs = {}
+  for entry in filter(None, (part.strip() for part in text.split(";"))):
+    impl, sep, spec = entry.partition(":")
+    if not sep or impl not in config_types:
+      raise ValueError(
+        f"--kernel_configs entries are 'impl:key=value,...' with impl in {tuple(config_types)}, got {entry!r}"
+      )
+    configs.setdefault(impl, []).append(config_types[impl].from_string(spec))
+  return configs
+
+
+# The columns every per-op table has: times, rates (model FLOPs) and the compiled program's peak.
+TIME_COLUMNS = (
+  ("fwd ms", "fwd_ms", ".2f"),
+  ("fwd+bwd ms", "fwd_bwd_ms", ".2f"),
+  ("fwd TFLOP/s", "fwd_tflops", ".1f"),
+  ("fwd+bwd TFLOP/s", "fwd_bwd_tflops", ".1f"),
+)
+PEAK_COLUMN = ("peak GiB", "peak_gib", ".2f")
+
+
+def print_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) -> None:
+  """A markdown table of `rows`: `columns` are (header, row key, format spec); a row with an
+  "error" shows it after its first column, a missing value shows as "-"."""
+  print("| " + " | ".join(header for header, _, _ in columns) + " |")
+  print("|" + " --- |" * len(columns))
+  for row in rows:
+    cells = []
+    for header, key, spec in columns:
+      del header
+      value = row.get(key)
+      cells.append("-" if value is None else format(value, spec))
+    if "error" in row:
+      cells = [cells[0], row["error"]]
+    print("| " + " | ".join(cells) + " |")
 
 
 def median_ms(fn: Callable, args_sets: Sequence[tuple], iters: int) -> float:
@@ -16,8 +83,6 @@ def median_ms(fn: Callable, args_sets: Sequence[tuple], iters: int) -> float:
 
   Cycles through `args_sets` so that no two consecutive calls see the same buffers.
   """
-  import jax
-
   for args in args_sets[:2]:
     jax.block_until_ready(fn(*args))
   times = []
@@ -69,9 +134,6 @@ def time_forward_and_gradients(fn: Callable, num_inputs: int, args_sets: Sequenc
   Each args tuple is (*inputs, cotangent); the backward differentiates sum(fn(*inputs) *
   cotangent). A failure is reported as {"error": ...} so that one row cannot lose the others.
   """
-  import jax
-  import jax.numpy as jnp
-
   forward = jax.jit(lambda *a: fn(*a[:-1]))
 
   def loss(*a):

@@ -1,8 +1,9 @@
-"""Hybrid tree attention: the Pallas kernel against the XLA split form, dense masked attention
-over [cache ; tree], and single-token decoding steps, at the LongSpec target's heads.
+"""Hybrid tree attention: every implementation of the op against dense masked attention over
+[cache ; tree], and single-token decoding steps next to cuDNN, at the LongSpec target's heads.
 
-    python -m benchmarks.tree_attention --lengths=4096,16384,32768 --nodes=69 \
-        --configs="block_keys=64;block_keys=128;block_rows=64,block_keys=64" --out=tree_attention.json
+    python -m benchmarks.tree_attention --lengths=4096,16384,32768 --nodes=69 [--impls=xla,triton] \
+        --kernel_configs="triton:block_keys=64;triton:block_rows=64,block_keys=64" --out=tree_attention.json
+    python -m benchmarks.tree_attention --smoke   # tiny shapes, any device (CI)
 
 Each row times one compiled function that runs `--repeats` passes over `--layers`
 calls, one cache per layer (separate arrays, so nothing is sliced or copied, and, as in
@@ -12,11 +13,12 @@ per call is reported (the dispatch of the whole function spread over them). Rows
   - dense: `masked_attention` (the model's masked decoding op, float32 softmax) over the
     concatenation [cache capacity ; tree] with the combined mask: attention without the
     hybrid split;
-  - xla: `tree_attention(implementation="xla")`, cache part over the capacity (masked by
-    the length) + tree part + LSE merge;
-  - pallas: `tree_attention(implementation="pallas")` (and each --configs tiling);
+  - each of `--impls` (default: the op's implementations, `castle_jax.ops.tree_attention.IMPLEMENTATIONS`,
+    but "reference"): "xla", `tree_attention(implementation="xla")`, cache part over the
+    capacity (masked by the length) + tree part + LSE merge; "triton", the Pallas kernel
+    (and each --kernel_configs tiling);
   - decode rows, n = 1 (a single-token step over the same cache): the model's previous
-    masked step, the XLA cache part, the Pallas kernel, and cuDNN
+    masked step, the op's cache part by each of `--impls`, and cuDNN
     (`jax.nn.dot_product_attention` with the key length) where it runs.
 The memory-bound time is the filled cache's K and V bytes over the bandwidth of a
 plain read of the same caches, measured in the same run (`read` row). Writes JSON to
@@ -33,17 +35,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-from castle_jax import command_line as cl  # noqa: E402
-from castle_jax.eval.cli import format_table  # noqa: E402
-from castle_jax.ops.attention.reference import masked_attention  # noqa: E402
-from castle_jax.ops.tree_attention import cache_attention, tree_attention, tree_mask_from_parents  # noqa: E402
-from pallas_kernels.tree_attention import TreeAttentionConfig  # noqa: E402
-from benchmarks.timing import error_text, median_ms  # noqa: E402
-
-
-def _configs(text: str) -> list[tuple[str, TreeAttentionConfig]]:
-  return [(part.strip(), TreeAttentionConfig.from_string(part)) for part in text.split(";") if part.strip()]
+from castle_jax import command_line as cl
+from castle_jax.eval.cli import format_table
+from castle_jax.ops.attention.reference import masked_attention
+from castle_jax.ops.tree_attention import (
+  IMPLEMENTATIONS,
+  KERNEL_CONFIGS,
+  cache_attention,
+  tree_attention,
+  tree_mask_from_parents,
+)
+from benchmarks.timing import error_text, implementations_to_time, kernel_configs, median_ms, smoke_mode
 
 
 def parse_args(argv):
@@ -62,15 +64,25 @@ def parse_args(argv):
   parser.add_argument("--dtype", choices=cl.DTYPES, default="bfloat16")
   parser.add_argument("--iters", type=cl.positive_int, default=20)
   parser.add_argument(
-    "--configs",
-    type=cl.validated_by(_configs, "';'-separated TreeAttentionConfig fields as key=value"),
-    default="",
-    help="extra Pallas tilings, ';'-separated key=value lists",
+    "--impls",
+    type=cl.choice_list(IMPLEMENTATIONS),
+    default=implementations_to_time(IMPLEMENTATIONS),
+    help="the op's implementations",
   )
+  parser.add_argument(
+    "--kernel_configs",
+    type=cl.parsed_by(lambda text: kernel_configs(text, KERNEL_CONFIGS), "';'-separated 'triton:key=value,...'"),
+    default="",
+    help="extra tilings, ';'-separated 'triton:key=value,...' (a row each)",
+  )
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes, one timed call: checks the harness runs")
   parser.add_argument("--out", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")
   args = parser.parse_args(argv)
   if args.heads % args.kv_heads:
     parser.error(f"--heads={args.heads} must be a multiple of --kv_heads={args.kv_heads}")
+  if args.smoke:
+    smoke_mode()
+    args.lengths, args.headroom, args.nodes, args.layers, args.repeats, args.iters = [64], 16, 5, 2, 1, 1
   return args
 
 
@@ -105,7 +117,8 @@ def main(argv) -> int:
   args = parse_args(argv)
   dtype = jnp.dtype(args.dtype)
   lengths = args.lengths
-  configs = _configs(args.configs)
+  impls = args.impls
+  configs = args.kernel_configs
   b, n, h, kv, d, layers = args.batch, args.nodes, args.heads, args.kv_heads, args.head_dim, args.layers
   mask = tree_mask_from_parents(jnp.asarray(tree_parents(n)))
   records = []
@@ -159,12 +172,12 @@ def main(argv) -> int:
 
     tree_inputs = (q_tree, list(zip(cache_k, cache_v, tree_k, tree_v)))
     record("tree", length, n, "dense masked [cache ; tree]", chain(dense), tree_inputs, cache_bytes)
-    for name, impl, config in [("xla split", "xla", None), ("pallas", "pallas", None)] + [
-      (f"pallas {text}", "pallas", config) for text, config in configs
+    for name, impl, config in [(impl, impl, None) for impl in impls] + [
+      (f"{impl} {config}", impl, config) for impl in impls for config in configs.get(impl, ())
     ]:
       attend = functools.partial(
         lambda q, ck, cv, tk, tv, impl, config: tree_attention(
-          q, ck, cv, filled, tk, tv, mask, implementation=impl, pallas_config=config
+          q, ck, cv, filled, tk, tv, mask, implementation=impl, kernel_config=config
         ),
         impl=impl,
         config=config,
@@ -182,7 +195,7 @@ def main(argv) -> int:
       one_inputs,
       cache_bytes,
     )
-    for name, impl in (("xla cache part", "xla"), ("pallas", "pallas")):
+    for name, impl in ((f"{impl} cache part", impl) for impl in impls):
       attend = functools.partial(
         lambda q, ck, cv, impl: cache_attention(q, ck, cv, filled, implementation=impl)[0], impl=impl
       )
@@ -198,7 +211,7 @@ def main(argv) -> int:
     base = {(r["kind"], r["name"]): r for r in records if r["length"] == row["length"] and "error" not in r}
     read = base.get(("read", "read K,V (bandwidth)"))
     dense = base.get(("tree", "dense masked [cache ; tree]"))
-    one = base.get(("decode", "pallas"))
+    one = base.get(("decode", "triton cache part"))
     if "error" in row:
       rows.append([row["length"], row["nodes"], row["name"], "error", "", "", "", row["error"][:60]])
       continue
@@ -221,6 +234,7 @@ def main(argv) -> int:
         {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "args": vars(args), "rows": records},
         f,
         indent=1,
+        default=str,  # kernel configs as their repr
       )
   print(
     f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}, {args.dtype}, batch {b}, {h} query / {kv} KV "
@@ -228,7 +242,7 @@ def main(argv) -> int:
   )
   print(
     format_table(
-      ["cache", "n", "implementation", "us/call", "GB/s (cache K,V)", "speed-up vs dense", "/ pallas n=1", "/ read"],
+      ["cache", "n", "implementation", "us/call", "GB/s (cache K,V)", "speed-up vs dense", "/ triton n=1", "/ read"],
       rows,
     )
   )

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from castle_jax.layers.options import AttentionOptions
 from castle_jax.layers.registry import get_attention
+from castle_jax.ops.backend import pallas_is_renamed
 from pallas_kernels.residuals import save_attention_residuals
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -28,7 +29,7 @@ class ModelConfig:
   Zero-valued fields are derived: n_kv_heads=0 means n_heads, head_dim=0 means
   d_model // n_heads, mlp_hidden=0 means 8/3 * d_model rounded to the nearest
   multiple of mlp_multiple_of (an odd width such as 8/3 * 896 = 2389 runs the MLP
-  matmuls ~1.5x slower on an H100), sliding_window=0 means full causal attention.
+  matmuls measurably slower on an H100), sliding_window=0 means full causal attention.
 
   Attributes:
     family: the model family (`castle_jax.models.registry.MODEL_FAMILIES`).
@@ -41,7 +42,8 @@ class ModelConfig:
     rope_theta, norm_eps: RoPE base and RMSNorm epsilon.
     attention: a name in the attention table (`castle_jax.layers.registry.ATTENTIONS`).
     attention_impl: the attention op's implementation, one of that attention's
-      implementations, or None for the best the backend runs.
+      implementations (e.g. "reference", "xla", "triton", "mosaic"; "cudnn" for `mha`),
+      or None for the fastest that runs here.
     sliding_window: 0 for full causal attention; W > 0: each `mha` query sees the last W keys.
     dtype: activations and matmul inputs; param_dtype: parameters.
     remat: rematerialize each block in the backward pass.
@@ -103,6 +105,8 @@ class ModelConfig:
     if self.remat_policy not in REMAT_POLICIES:
       raise ValueError(f"model.remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
     kind = get_attention(self.attention)
+    if self.attention_impl == "pallas":
+      raise ValueError(pallas_is_renamed(f"attention {self.attention!r}", kind.implementations, "model.attention_impl"))
     if self.attention_impl is not None and self.attention_impl not in kind.implementations:
       raise ValueError(
         f"model.attention_impl={self.attention_impl!r} is not an implementation of attention "

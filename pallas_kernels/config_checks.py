@@ -53,6 +53,11 @@ def parse_config(cls, text: str):
     key, sep, value = (s.strip() for s in entry.partition("="))
     if not sep:
       raise ValueError(f"{cls.__name__}: {entry!r} is not key=value (in {text!r}); known keys: {known}")
+    if key == "backend" and key not in known:
+      raise ValueError(
+        f"{cls.__name__} has no key 'backend' (in {text!r}): the implementation picks the kernels now, "
+        "implementation='triton' or 'mosaic' (model.attention_impl in a config)"
+      )
     if key not in known:
       raise ValueError(f"{cls.__name__} has no key {key!r} (in {text!r}); known keys: {known}")
     if value.lower() == "none":

@@ -1,16 +1,22 @@
-"""Identical Mosaic GPU kernels compiled once per process (jax 0.11.2).
+"""Identical Mosaic GPU kernels compiled once per process: a workaround for jax 0.11.2.
 
 jaxlib compiles Mosaic GPU kernels through a process-wide cache keyed by the kernel's
 hash, the sha256 of its serialized module (`CachedCompile` in jaxlib's
-`mosaic/gpu/custom_call.cc`). jax 0.11.2 stamps every module it lowers with a fresh
-`mosaic_gpu.dump_basename` (a counter that only names dump files), so identical kernels,
-such as the same attention kernel in each of a model's 24 layers, hash differently and
-ptxas compiles each call site again: minutes for a 24-layer CASTLE model.
+`mosaic/gpu/custom_call.cc`). The Pallas Mosaic GPU lowering of jax 0.11.2
+(`jax/_src/pallas/mosaic_gpu/lowering.py`) calls the private
+`jax._src.lib.mosaic_gpu_dialect.get_or_set_dump_options(module)`, which stamps every module
+it lowers with a fresh `mosaic_gpu.dump_basename` (a counter that only names dump files).
+So identical kernels, such as the same attention kernel in each of a model's 24 layers,
+hash differently and ptxas compiles each call site again: minutes for a 24-layer CASTLE
+model. No jax issue or option covers it in 0.11.2.
 
-`share_identical_kernels()` gives every module the same basename before jax would stamp
-it, so identical kernels hash alike and compile once. It steps aside when Mosaic GPU
-dumps are requested (a MOSAIC_GPU_DUMP_* environment variable is set), where the
-basenames keep the dump files apart. Importing `pallas_kernels` calls it.
+`share_identical_kernels()` wraps that private function so that every module gets the same
+basename before jax would stamp it: identical kernels then hash alike and compile once. It
+patches a private jax module, so nothing does it at import: the Mosaic ops that have kernels
+in every layer (`castle_attention_mosaic`, `castle_forward_mosaic`, `gca_attention_mosaic`,
+`gca_forward_mosaic`) call it before they lower anything. It steps aside when Mosaic GPU
+dumps are requested (a MOSAIC_GPU_DUMP_* environment variable is set), where the basenames
+keep the dump files apart.
 """
 
 from __future__ import annotations

@@ -11,6 +11,13 @@ primitives, Pallas interpret mode), not to running them: JAX's
 compare with (a test must not rely on the compiler cancelling a rounding error). It is
 set through the environment so that the training subprocesses and notebook kernels that
 tests start inherit it. GPU runs keep the full optimization: they compile what users run.
+
+The Mosaic GPU kernels run on CPU in GPU interpret mode, each warpgroup as a thread whose
+XLA CPU program may hand its blocking barrier waits to XLA's intra-op thread pool. That
+pool has one thread per core, so a kernel with more warpgroups than cores (three on the
+2-core CI machine) can starve one and hang. `--xla_cpu_enable_concurrency_optimized_scheduler=false`
+keeps every program on its own thread; XLA reads it when the backend starts, so it is set
+here too.
 """
 
 import os
@@ -19,6 +26,9 @@ from typing import Any, NamedTuple
 _CHEAP_COMPILES = "JAX_DISABLE_MOST_OPTIMIZATIONS" not in os.environ  # an explicit setting wins
 if _CHEAP_COMPILES:
   os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+_INTERPRET_XLA_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+if _INTERPRET_XLA_FLAG not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_INTERPRET_XLA_FLAG}".strip()
 
 import chex  # noqa: E402  (after the environment it reads)
 import jax  # noqa: E402

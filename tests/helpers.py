@@ -77,6 +77,11 @@ class Interrupt(Exception):
   """Raised from a training callback to stop a run between steps."""
 
 
+# Compute capabilities the op tests' `device` fixture (tests/ops/conftest.py) fakes.
+HOPPER = "9.0"
+AMPERE = "8.0"
+
+
 def lowered_for_h100(f, inputs) -> str:
   """The StableHLO text of jit(f)(*inputs) lowered for an H100, on any machine."""
   mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H100 80GB HBM3", None, "cuda"))

@@ -56,13 +56,13 @@ def test_float32_equivalence_passes_and_finds_planted_sharding_defects(monkeypat
   clean = error_by_layout(multi_gpu.check_equivalence("power", 2, smoke=True))
   assert all(ok and err < 1e-5 for ok, err, _ in clean.values()), clean
 
-  kernels = power_api.power_attention_pallas
+  kernels = power_api.power_attention_triton
   for axis, caught in ((2, {"tp"}), (0, {"dp", "fsdp"})):
 
     def defective(q, k, v, log_g, axis=axis, **options):
       return kernels(q, k, v, jnp.broadcast_to(jnp.mean(log_g, axis=axis, keepdims=True), log_g.shape), **options)
 
-    monkeypatch.setattr(power_api, "power_attention_pallas", defective)
+    monkeypatch.setattr(power_api, "power_attention_triton", defective)
     found = error_by_layout(multi_gpu.check_equivalence("power", 2, smoke=True))
     assert {layout for layout, (ok, _, _) in found.items() if not ok} == caught, found
     assert all(err > 0.1 and "gate" in worst for layout, (_, err, worst) in found.items() if layout in caught)
@@ -124,7 +124,7 @@ def test_smoke_equivalence_of_the_power_kernels(tmp_path):
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   assert [r["layout"] for r in rows] == ["dp", "fsdp", "tp", "dp_tp"] and all(r["ok"] for r in rows)
   assert rows[1]["counts"]["all-gather"] > 0  # FSDP gathers weights, never the kernel's operands
-  assert "| equivalence | power (pallas, float32) | tp | 8 |" in done.stdout
+  assert "| equivalence | power (triton, float32) | tp | 8 |" in done.stdout
 
 
 @pytest.mark.slow

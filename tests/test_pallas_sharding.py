@@ -16,10 +16,10 @@ import pytest
 from castle_jax.ops.castle import castle_attention, decode_step, init_cache, prefill
 from castle_jax.sharding import SEQUENCE_HEADS_AXES, map_over_shards
 from helpers import rel_err
-from pallas_kernels.castle import CastleDecodeConfig, CastleKernelConfig
+from pallas_kernels.castle import CastleDecodeConfig, CastleTritonConfig
 
 SHAPE = (4, 24, 2, 16)  # batch over data x fsdp = 2 x 2, heads over tensor = 2
-KERNELS = CastleKernelConfig(block_q=16, block_k=16, bwd_block_q=16, bwd_block_k=16)
+KERNELS = CastleTritonConfig(block_q=16, block_k=16, bwd_block_q=16, bwd_block_k=16)
 HEADS_SPEC = P(("data", "fsdp"), None, "tensor", None)
 
 
@@ -39,9 +39,9 @@ def _inputs(seed, shape=SHAPE):
 
 def _attention_and_grads(inputs, cotangent):
   def loss(*args):
-    return jnp.sum(castle_attention(*args, window=5, implementation="pallas", pallas_config=KERNELS) * cotangent)
+    return jnp.sum(castle_attention(*args, window=5, implementation="triton", kernel_config=KERNELS) * cotangent)
 
-  out = castle_attention(*inputs, window=5, implementation="pallas", pallas_config=KERNELS)
+  out = castle_attention(*inputs, window=5, implementation="triton", kernel_config=KERNELS)
   return out, jax.grad(loss, argnums=range(6))(*inputs)
 
 
@@ -64,9 +64,9 @@ def test_pallas_prefill_and_decoding_per_shard(window):
   inputs, _ = _inputs(seed=1)
   batch, seq, heads, head_dim = SHAPE
   step = jax.jit(
-    lambda c, *a: decode_step(c, *a, implementation="pallas", pallas_config=CastleDecodeConfig(block_rows=16, splits=2))
+    lambda c, *a: decode_step(c, *a, implementation="triton", kernel_config=CastleDecodeConfig(block_rows=16, splits=2))
   )
-  fill = jax.jit(lambda c, *a: prefill(c, *a, implementation="pallas"))
+  fill = jax.jit(lambda c, *a: prefill(c, *a, implementation="triton"))
 
   def run(inputs):
     cache = init_cache(batch, seq, heads, head_dim, jnp.float32, window=window)
@@ -91,7 +91,7 @@ def test_batch_that_does_not_divide_names_the_fix():
   inputs, _ = _inputs(seed=2, shape=(3, 16, 2, 16))
   with jax.set_mesh(_mesh()):
     with pytest.raises(ValueError, match=r"castle_attention: argument 0 .* multiple of 4.*batch size"):
-      castle_attention(*inputs, implementation="pallas", pallas_config=KERNELS)
+      castle_attention(*inputs, implementation="triton", kernel_config=KERNELS)
 
 
 def test_without_a_mesh_nothing_is_wrapped():
@@ -117,7 +117,7 @@ def test_power_kernels_run_per_shard_with_states():
 
   def run(q, k, v, log_g, state):
     out, final = power_attention(
-      q, k, v, log_g, implementation="pallas", chunk_size=64, initial_state=state, return_final_state=True
+      q, k, v, log_g, implementation="triton", chunk_size=64, initial_state=state, return_final_state=True
     )
     return jnp.sum(out * out), (out, final)
 
@@ -156,7 +156,7 @@ def test_gca_kernels_run_per_shard():
   indices = jax.random.randint(rng[4], (batch, query_chunks, top_k), 0, memory_chunks)
 
   def run(q, chunk_k, chunk_v, weights, indices):
-    out = gca_attention(q, chunk_k, chunk_v, weights, indices, implementation="pallas")
+    out = gca_attention(q, chunk_k, chunk_v, weights, indices, implementation="triton")
     return jnp.sum(out * out), out
 
   grad_fn = jax.jit(jax.value_and_grad(run, argnums=range(4), has_aux=True))
@@ -181,10 +181,10 @@ def test_tree_attention_kernel_runs_per_shard():
   """Batch rows over data x fsdp with their own lengths and trees, grouped heads (4 query
   heads on 2 key/value heads) over tensor = 2."""
   from castle_jax.ops.tree_attention import tree_attention
-  from test_tree_attention import make_inputs
+  from ops.tree_attention.base import make_inputs
 
   inputs = make_inputs(8, batch=4, n=5, heads=4, kv_heads=2, head_dim=16, capacity=40, cache_length=[0, 40, 17, 3])
-  run = jax.jit(lambda **kw: tree_attention(**kw, implementation="pallas", return_lse=True))
+  run = jax.jit(lambda **kw: tree_attention(**kw, implementation="triton", return_lse=True))
   expected = run(**inputs)
   mesh = _mesh()
   with jax.set_mesh(mesh):

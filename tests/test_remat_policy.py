@@ -13,17 +13,17 @@ import pytest
 from castle_jax.config import ModelConfig
 from castle_jax.models.drt import DRT, DRTOptions
 from castle_jax.models.transformer import TransformerLM
-from pallas_kernels.castle.mosaic_attention import castle_attention_mosaic
+from pallas_kernels.castle.mosaic import castle_attention_mosaic
 from pallas_kernels.residuals import save_attention_residuals
 from helpers import assert_close, mosaic_kernels_lowered_for_h100
 
 _BASE = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, head_dim=16, dtype="float32", remat=True)
 _MODELS = {
-  "castle_pallas": dict(attention="castle", attention_impl="pallas", attention_kwargs=(("block_size", 8),)),
+  "castle_triton": dict(attention="castle", attention_impl="triton", attention_kwargs=(("block_size", 8),)),
   "castle_swl_xla": dict(
     attention="castle_swl", attention_impl="xla", attention_kwargs=(("block_size", 4), ("lookahead_window", 3))
   ),
-  "power_pallas": dict(attention="power", attention_impl="pallas", attention_kwargs=(("chunk_size", 64),)),
+  "power_triton": dict(attention="power", attention_impl="triton", attention_kwargs=(("chunk_size", 64),)),
 }
 
 

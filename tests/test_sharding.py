@@ -107,7 +107,7 @@ def test_kernel_models_start_on_a_data_parallel_mesh(attention, kwargs):
     n_heads=2,
     head_dim=16,
     attention=attention,
-    attention_impl="pallas",
+    attention_impl="triton",
     attention_kwargs=kwargs,
     dtype="float32",
   )

@@ -23,9 +23,11 @@ Options (`model.attention_kwargs`, `CastleOptions`):
   lookahead_window: W, the CASTLE-SWL window (required for `castle_swl`, rejected
     for `castle`; the attention table pairs each name with its options class);
   block_size: tokens per block of the blockwise training path (default 64);
-  kernel_config: the Pallas kernels' tiles for training and prefill, as
-    "block_q=64,block_k=32,..." (`CastleKernelConfig` fields) or None for the default;
-  decode_kernel_config: the Pallas decoding kernel's tiles ("block_rows=64,splits=4",
+  kernel_config: the kernels' config for training and prefill, as "block_q=64,block_k=32,..."
+    (the fields of model.attention_impl's config type: `CastleTritonConfig` for "triton",
+    `CastleMosaicConfig` for "mosaic"; model.attention_impl must be set to one of them) or
+    None for the default;
+  decode_kernel_config: the decoding kernel's tiles ("block_rows=64,splits=4",
     `CastleDecodeConfig` fields) or None.
 """
 
@@ -47,13 +49,14 @@ from castle_jax.layers.rope import apply_rope
 from castle_jax.layers.shared import mean_visible_keys, output_projection, projection
 from castle_jax.ops.castle import (
   DEFAULT_BLOCK_SIZE,
+  KERNEL_CONFIGS,
   UQKVCache,
   append_tokens,
   castle_attention,
   init_cache,
 )
 from castle_jax.sharding import constrain
-from pallas_kernels.castle import CastleDecodeConfig, CastleKernelConfig
+from pallas_kernels.castle import CastleDecodeConfig, CastleMosaicConfig, CastleTritonConfig
 
 if TYPE_CHECKING:  # layers read the config's attributes only; castle_jax.config imports the attention table
   from castle_jax.config import ModelConfig
@@ -73,7 +76,7 @@ class CastleOptions(AttentionOptions):
 
   lookahead_window: int | None = None
   block_size: int = DEFAULT_BLOCK_SIZE
-  kernel_config: CastleKernelConfig | str | None = None
+  kernel_config: CastleTritonConfig | CastleMosaicConfig | str | None = None
   decode_kernel_config: CastleDecodeConfig | str | None = None
 
   def __post_init__(self):
@@ -90,15 +93,6 @@ class CastleOptions(AttentionOptions):
     if self.lookahead_window is not None:  # None was checked above, against the attention
       check_positive_int("lookahead_window", self.lookahead_window)
     check_positive_int("block_size", self.block_size)
-    # Strings from a config file become kernel configs once, here.
-    object.__setattr__(
-      self, "kernel_config", kernel_config_option("kernel_config", self.kernel_config, CastleKernelConfig)
-    )
-    object.__setattr__(
-      self,
-      "decode_kernel_config",
-      kernel_config_option("decode_kernel_config", self.decode_kernel_config, CastleDecodeConfig),
-    )
 
   def for_model(self, config: ModelConfig) -> "CastleOptions":
     if config.n_kv_heads not in (0, config.n_heads):
@@ -111,7 +105,18 @@ class CastleOptions(AttentionOptions):
       "CASTLE attends to every causal key. Set it to 0 (for CASTLE-SWL use "
       "attention 'castle_swl' with model.attention_kwargs.lookahead_window)",
     )
-    return self
+    # Strings from a config file become the kernel configs of model.attention_impl once, here.
+    implementation = config.attention_impl
+    return dataclasses.replace(
+      self,
+      kernel_config=kernel_config_option("kernel_config", self.kernel_config, KERNEL_CONFIGS, implementation),
+      decode_kernel_config=kernel_config_option(
+        "decode_kernel_config",
+        self.decode_kernel_config,
+        {"triton": CastleDecodeConfig, "mosaic": CastleDecodeConfig},  # both decode with the Triton kernel
+        implementation,
+      ),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +181,7 @@ class MultiHeadCastle(nn.Module):
         window=options.lookahead_window,
         implementation=cfg.attention_impl,
         block_size=options.block_size,
-        pallas_config=options.kernel_config,
+        kernel_config=options.kernel_config,
       )
     else:
       out, cache = append_tokens(
@@ -184,7 +189,7 @@ class MultiHeadCastle(nn.Module):
         *inputs,
         block_size=options.block_size,
         implementation=cfg.attention_impl,
-        pallas_config=options.kernel_config,
-        decode_pallas_config=options.decode_kernel_config,
+        kernel_config=options.kernel_config,
+        decode_kernel_config=options.decode_kernel_config,
       )
     return output_projection(cfg, out), cache

@@ -23,8 +23,8 @@ class Embedding(nn.Embed):
   of one row per token into a [vocab, d_model] table, and Embed casts the whole table
   first, so that scatter-add runs in `dtype`. Real text repeats a few hundred ids, so
   many tokens add into the same rows: in bfloat16 that is lossy (8 bits of mantissa
-  per partial sum) and, on an H100, slow under contention (the Baseline-S step on
-  real batches took 110 ms instead of 93 ms on uniform ids; benchmarks/RESULTS.md).
+  per partial sum) and, on an H100, slow under contention (the Baseline-S step on real
+  batches against uniform ids: benchmarks/RESULTS.md).
   Here the scatter-add runs in float32. `attend` (the tied LM head) is Embed's own
   matmul in `dtype`.
   """

@@ -31,14 +31,38 @@ def check_positive_int(name: str, value, *, allow_none: bool = False) -> None:
     raise option_error(name, f"must be {'None or ' if allow_none else ''}an int >= 1, got {value!r}")
 
 
-def kernel_config_option(name: str, value, config_class):
-  """A kernel config dataclass from a "key=value,..." option string (or the config itself, or None)."""
-  if value is None or isinstance(value, config_class):
+def kernel_config_option(name: str, value, config_types: Mapping[str, type], implementation: str | None):
+  """The kernel config of the implementation that runs, from a "key=value,..." option string
+  (or the config itself, or None).
+
+  Args:
+    name: the option's name (`model.attention_kwargs.<name>`).
+    value: None, a config, or a string of its fields.
+    config_types: {implementation: its kernel config class} (the op's KERNEL_CONFIGS).
+    implementation: model.attention_impl; None leaves the choice to the op, which then needs
+      a config type that only one implementation takes.
+  """
+  if value is None:
+    return None
+  kinds = ", ".join(f"{impl!r}: {cls.__name__}" for impl, cls in config_types.items())
+  if implementation in config_types:
+    config_type = config_types[implementation]
+  elif implementation is None and len(set(config_types.values())) == 1:
+    (config_type,) = set(config_types.values())
+  elif implementation is None:
+    raise option_error(
+      name, f"needs model.attention_impl set to one of {tuple(config_types)}, whose config it is ({kinds})"
+    )
+  else:
+    raise option_error(
+      name, f"configures the kernels ({kinds}); model.attention_impl={implementation!r} takes none: drop it"
+    )
+  if isinstance(value, config_type):
     return value
   if not isinstance(value, str):
-    raise option_error(name, f"must be a \"key=value,...\" string of {config_class.__name__} fields, got {value!r}")
+    raise option_error(name, f'must be a "key=value,..." string of {config_type.__name__} fields, got {value!r}')
   try:
-    return config_class.from_string(value)
+    return config_type.from_string(value)
   except ValueError as error:
     raise ValueError(f"model.attention_kwargs.{name}: {value!r}: {error}") from None
 

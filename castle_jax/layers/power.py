@@ -21,7 +21,7 @@ the paper does not mention it, and it is not used here.
 Options (`model.attention_kwargs`, `PowerOptions`):
   p: even power (default 2);
   chunk_size: tokens per chunk of the chunked form (default None: the implementation's own,
-    1024 for the Pallas kernels, 128 for XLA; `castle_jax.ops.power.resolve` decides);
+    1024 for the Triton kernels, 128 for XLA; `castle_jax.ops.power.resolve` decides);
   expansion: "spow" (default), "tpow" or "tspow" (state size D: C(d+p-1, p), d^p, or
     C(d/d_tile+p-1, p) d_tile^p);
   d_tile: tile size of "tspow";
@@ -29,8 +29,8 @@ Options (`model.attention_kwargs`, `PowerOptions`):
     only sets the magnitude of the numbers);
   gating: learn per-head gates (default True); False drops W_g and never forgets;
   gate_bias: the constant added before log_sigmoid (default None: 6.906768);
-  kernel_config: the Pallas kernels' tiles, "block_t=64,block_q=64,..."
-    (`PowerKernelConfig` fields) or None for the default.
+  kernel_config: the Triton kernels' tiles, "block_t=64,block_q=64,..."
+    (`PowerTritonConfig` fields) or None for the default.
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ from castle_jax.layers.options import (
 )
 from castle_jax.layers.shared import mean_visible_keys, output_projection, projection, rotary_qkv
 from castle_jax.ops.power import EXPANSIONS, PowerCache, append_tokens, expanded_dim, init_cache, power_attention
-from castle_jax.ops.power.api import resolve
+from castle_jax.ops.power.api import KERNEL_CONFIGS, resolve
 from castle_jax.ops.power.common import resolve_scale, validate_power
 from castle_jax.ops.power.expansion import validate_expansion
 from castle_jax.sharding import constrain
-from pallas_kernels.power import PowerKernelConfig
+from pallas_kernels.power import PowerTritonConfig
 
 if TYPE_CHECKING:  # layers read the config's attributes only; castle_jax.config imports the attention table
   from castle_jax.config import ModelConfig
@@ -85,7 +85,7 @@ class PowerOptions(AttentionOptions):
   scale: float | None = None
   gating: bool = True
   gate_bias: float | None = None
-  kernel_config: PowerKernelConfig | str | None = None
+  kernel_config: PowerTritonConfig | str | None = None
 
   def __post_init__(self):
     _checked("p", lambda: validate_power(self.p))
@@ -100,10 +100,6 @@ class PowerOptions(AttentionOptions):
       raise option_error("gate_bias", f"must be a float, got {self.gate_bias!r}")
     if self.gate_bias is not None and not self.gating:
       raise ValueError("model.attention_kwargs.gate_bias has no effect with gating=False; drop one of them")
-    # Strings from a config file become a kernel config once, here.
-    object.__setattr__(
-      self, "kernel_config", kernel_config_option("kernel_config", self.kernel_config, PowerKernelConfig)
-    )
 
   @property
   def bias(self) -> float:
@@ -116,7 +112,9 @@ class PowerOptions(AttentionOptions):
     reject_sliding_window(
       config, "power attention keeps a state of every key. Set it to 0 (gates decide what is forgotten)"
     )
-    return dataclasses.replace(self, d_tile=d_tile, scale=scale)
+    # A string from a config file becomes the kernel config of model.attention_impl once, here.
+    kernel_config = kernel_config_option("kernel_config", self.kernel_config, KERNEL_CONFIGS, config.attention_impl)
+    return dataclasses.replace(self, d_tile=d_tile, scale=scale, kernel_config=kernel_config)
 
 
 def state_size(config: ModelConfig) -> int:
@@ -152,7 +150,7 @@ def training_chunk_size(config: ModelConfig) -> int:
     head_dim=config.qk_head_dim,
     value_dim=config.qk_head_dim,
     dtype=config.compute_dtype,
-    pallas_config=options.kernel_config,
+    kernel_config=options.kernel_config,
   )
   return chunk_size
 
@@ -205,7 +203,7 @@ class PowerAttention(nn.Module):
       expansion=options.expansion,
       d_tile=options.d_tile,
       implementation=cfg.attention_impl,
-      pallas_config=options.kernel_config,
+      kernel_config=options.kernel_config,
     )
     if cache is None:
       out = power_attention(q, k, v, log_g, **op_options)

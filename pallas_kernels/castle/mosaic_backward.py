@@ -1,6 +1,6 @@
 """CASTLE backward as a Pallas Mosaic GPU (Hopper: wgmma + TMA) kernel, key-block major.
 
-The math is that of the Triton backward (`pallas_kernels.castle.kernels`): one program
+The math is that of the Triton backward (`pallas_kernels.castle.triton_kernels`): one program
 per (key block b, batch * head) sweeps the query blocks in reverse, i = N-1 .. b. It
 starts from the forward's final lookahead-key state D_b and walks it back with exactly
 the forward's float16 product, D^(i) = D^(i+1) - W_bi V^U_i (the paper's Eq. 37),
@@ -31,9 +31,13 @@ thread in one warpgroup):
   - the accumulator warpgroup holds dK^C, dV^C and dQ^U and runs their three products
     from tiles the score warpgroup leaves in shared memory (P^T, dS^T, dL).
 The accumulator warpgroup's three products need only 16-bit tiles that are staged
-anyway; no float32 tile and nothing of D crosses between the warpgroups. This first
-schedule is synchronous (each wgmma waited on, one buffer per tile); it is the verified
-base for a pipelined one.
+anyway; no float32 tile and nothing of D crosses between the warpgroups. The schedule is
+synchronous (each wgmma waited on, one buffer per tile).
+
+CASTLE-SWL: the pairs past each key block's window run in the kernels of
+`mosaic_backward_past_window` (dQ^C query-block major; dK^C, dV^C and dD key-block major,
+first, so that this sweep starts its walk back from their dD); this sweep covers the
+rest.
 
 Every [64, d] tile is handled as d / 64 column chunks of [64, 64]: register state,
 shared-memory staging and the float32 reduce-adds all stay at 64 columns, which keeps
@@ -45,7 +49,7 @@ gradient products take the inputs' dtype (as flash attention); the lookahead gra
 products take float16 (W in [0, 1], dSU, dD, D scaled by 2^-8, Q^C, V^U and R), so
 those gradients must stay within float16's normal range: the caller scales dO per
 (batch, head) to max |dO| in [0.5, 1) by a power of two and divides the gradients by it
-(`mosaic_attention.cotangent_scale`; a training loss's dO of ~1e-6 would otherwise
+(`mosaic.cotangent_scale`; a training loss's dO of ~1e-6 would otherwise
 reach these products as subnormals).
 GPU interpret mode differs in two places, as in the forward: a wgmma accumulator that
 starts from a value is added to afterwards, and the reduce-adds read, add and write back.
@@ -62,20 +66,22 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.castle import mosaic_math, mosaic_past_window_backward
-from pallas_kernels.castle.mosaic_config import KEY_BLOCKS_PER_PROGRAM, WGMMA_ROWS, CastleMosaicConfig
+from pallas_kernels.castle import mosaic_math, mosaic_backward_past_window
+from pallas_kernels.castle.config import KEY_BLOCKS_PER_PROGRAM, WGMMA_ROWS, CastleMosaicConfig
 from pallas_kernels.castle.mosaic_forward import (
   KEY_STATE_SCALE,
   LOOKAHEAD_DTYPE,
   key_major_launch,
   key_major_sweep_end,
+  step_masks as _step_masks,
+  window_interior_end,
+)
+from pallas_kernels.mosaic_common import (
   operand_smem,
   products as wgmma_products,
   reduce_add_tiles,
   run_on_zeroed_refs,
-  step_masks as _step_masks,
   wgmma_zeros,
-  window_interior_end,
 )
 
 # Columns per chunk of a [64, head_dim] tile: one 128-byte swizzle span of 16-bit values.
@@ -117,72 +123,49 @@ class _Sweep:
   """The reverse sweep of one key block's program, as segments of steps that differ in
   what they compute (the step function takes them as static flags):
 
-    - CASTLE-SWL, query blocks past the key block's window (lookahead_end .. N-1): W is
-      zero there, so D is constant and W, R, dW, dV^U, dK^U, dQ^U drop out
-      (`with_lookahead=False`); from `query_grad_start` on, dQ^C drops out too when the
-      query-major kernel (`mosaic_past_window_backward.accumulate_query_grads`) computes
-      it (`with_query_grad=False`), and with `key_grads_elsewhere` those steps are left
-      to `mosaic_past_window_backward.key_grads` altogether (the sweep then starts from its
-      dD); then the blocks within reach of the window: masked at its edge, unmasked
-      between the diagonal and the edge (`window_interior_end`), masked on the diagonal;
+    - CASTLE-SWL: from the sweep's `top` (`key_major_sweep_end`; the pairs after it are
+      `mosaic_backward_past_window`'s) down to the key block's window end, W is zero, so D
+      is constant and W, R, dW, dV^U, dK^U, dQ^U drop out (`with_lookahead=False`); then
+      the blocks within reach of the window: masked at its edge, unmasked between the
+      diagonal and the edge (`window_interior_end`), masked on the diagonal;
     - CASTLE: the blocks after the diagonal, where every query follows every key and no
       mask is needed, then the diagonal block, masked.
   """
 
-  def __init__(
-    self,
-    key_block,
-    block_q: int,
-    block_k: int,
-    num_query_blocks: int,
-    window: int | None,
-    query_grads_elsewhere: bool,
-    key_grads_elsewhere: bool,
-  ):
+  def __init__(self, key_block, block_q: int, block_k: int, num_query_blocks: int, window: int | None):
     if block_q != block_k:
       raise ValueError(f"the backward sweep takes block_q == block_k, got {block_q} and {block_k}")
     self.first = key_block
     self.num_query_blocks = num_query_blocks
     self.window = window
-    self.lookahead_end = (
-      num_query_blocks
-      if window is None
-      else jnp.minimum(num_query_blocks, lax.div((key_block + 1) * block_k - 1 + window, block_q) + 1)
-    )
+    # One past the sweep's first (highest) query block.
+    self.top = num_query_blocks
     if window is not None:
+      self.lookahead_end = jnp.minimum(num_query_blocks, lax.div((key_block + 1) * block_k - 1 + window, block_q) + 1)
       self.interior_end = window_interior_end(
         key_block * block_k, key_block + 1, self.lookahead_end, window=window, block_q=block_q
       )
-    self.query_grad_start = num_query_blocks
-    if query_grads_elsewhere:
-      # The query-major kernel works on key programs of the forward's size.
-      self.query_grad_start = key_major_sweep_end(
-        lax.div(key_block, KEY_BLOCKS_PER_PROGRAM["warp_specialized"]),
+      # The past-window kernels work on key programs of the forward's size.
+      self.top = key_major_sweep_end(
+        lax.div(key_block, KEY_BLOCKS_PER_PROGRAM),
         window=window,
         block_q=block_q,
         block_k=block_k,
         num_query_blocks=num_query_blocks,
       )
-    # One past the sweep's first (highest) query block.
-    self.top = self.query_grad_start if key_grads_elsewhere else num_query_blocks
 
   def run(self, step, carry):
     def reverse(start, stop, carry, **flags):
       return lax.fori_loop(0, stop - start, lambda r, c: step(stop - 1 - r, c, **flags), carry)
 
     if self.window is not None:
-      past_window = dict(with_lookahead=False, masked=False)
-      carry = reverse(self.query_grad_start, self.top, carry, with_query_grad=False, **past_window)
-      carry = reverse(self.lookahead_end, self.query_grad_start, carry, with_query_grad=True, **past_window)
+      carry = reverse(self.lookahead_end, self.top, carry, with_lookahead=False, masked=False)
       # Inside the window only the diagonal block and the window's edge need masks.
-      lookahead = dict(with_lookahead=True, with_query_grad=True)
-      carry = reverse(self.interior_end, self.lookahead_end, carry, masked=True, **lookahead)
-      carry = reverse(self.first + 1, self.interior_end, carry, masked=False, **lookahead)
-      return step(self.first, carry, masked=True, **lookahead)
-    carry = reverse(
-      self.first + 1, self.num_query_blocks, carry, with_lookahead=True, masked=False, with_query_grad=True
-    )
-    return step(self.first, carry, with_lookahead=True, masked=True, with_query_grad=True)
+      carry = reverse(self.interior_end, self.lookahead_end, carry, with_lookahead=True, masked=True)
+      carry = reverse(self.first + 1, self.interior_end, carry, with_lookahead=True, masked=False)
+      return step(self.first, carry, with_lookahead=True, masked=True)
+    carry = reverse(self.first + 1, self.num_query_blocks, carry, with_lookahead=True, masked=False)
+    return step(self.first, carry, with_lookahead=True, masked=True)
 
 
 def _columns(ref, chunk: int, num_chunks: int):
@@ -201,7 +184,8 @@ def _store_tile(tile, gmem, out_smem):
 
 
 def _phase(name: str, *, with_lookahead: bool):
-  """A named region of a step, as `mosaic_profile` reports it: steps that walk D back
+  """A named region of a step, the unit of a Mosaic GPU profile
+  (`plgpu.CompilerParams(profile_space=..., profile_dir=...)`): steps that walk D back
   ("lookahead: ...") and CASTLE-SWL's steps past the window ("past window: ...")."""
   return jax.named_scope(("lookahead: " if with_lookahead else "past window: ") + name)
 
@@ -219,11 +203,10 @@ def _backward_kernel(
   num_query_blocks: int,
   head_dim: int,
   interpreted: bool,
-  query_grads_elsewhere: bool,
-  key_grads_elsewhere: bool,
 ):
-  # With `key_grads_elsewhere`, dD starts from the share of the pairs past the window.
-  d_keys_ref, refs = (refs[0], refs[1:]) if key_grads_elsewhere else (None, refs)
+  # CASTLE-SWL: dD starts from the share of the pairs past the window.
+  past_window = window is not None
+  d_keys_ref, refs = (refs[0], refs[1:]) if past_window else (None, refs)
   (
     q_c_ref,
     q_c16_ref,
@@ -265,7 +248,7 @@ def _backward_kernel(
   tile = (block_k, block_q)
   chunk_tile = (block_k, CHUNK)
 
-  sweep = _Sweep(key_block, block_q, block_k, num_query_blocks, window, query_grads_elsewhere, key_grads_elsewhere)
+  sweep = _Sweep(key_block, block_q, block_k, num_query_blocks, window)
 
   @pl.when(warpgroup == _SCORE_WARPGROUP)
   def _():
@@ -291,7 +274,7 @@ def _backward_kernel(
         staging.keys[c][...] = (keys[c] * KEY_STATE_SCALE).astype(LOOKAHEAD_DTYPE)
       plgpu.commit_smem()
 
-    def step(query_block, carry, *, with_lookahead: bool, masked: bool, with_query_grad: bool):
+    def step(query_block, carry, *, with_lookahead: bool, masked: bool):
       keys, d_keys = carry
       rows = pl.ds(query_block * block_q, block_q)
       phase = functools.partial(_phase, with_lookahead=with_lookahead)
@@ -359,7 +342,7 @@ def _backward_kernel(
 
       with phase("dQ^C"):
         # dQ^C_i = (dS K^C_b + dSU D^(i)) * scale, with D entering scaled by 2^-8.
-        for c in chunks if with_query_grad else ():
+        for c in chunks:
           from_keys = products([(staging.d_lookahead.T, staging.keys[c])], (block_q, CHUNK))
           dq_c = products(
             [(staging.d_scores.T, _columns(k_c_smem, c, num_chunks))],
@@ -417,8 +400,8 @@ def _backward_kernel(
     with jax.named_scope("prologue: the key tiles"):
       plgpu.barrier_wait(barriers.keys)
 
-    def step(_, carry, *, with_lookahead: bool, masked: bool, with_query_grad: bool):
-      del masked, with_query_grad  # only the score warpgroup masks and computes dQ^C
+    def step(_, carry, *, with_lookahead: bool, masked: bool):
+      del masked  # only the score warpgroup masks
       dk_c, dv_c, dq_u = carry
       phase = functools.partial(_phase, with_lookahead=with_lookahead)
       with phase("wait for P"):
@@ -446,11 +429,11 @@ def _backward_kernel(
     zeros = [wgmma_zeros(chunk_tile) for _ in chunks]
     dk_c, dv_c, dq_u = sweep.run(step, (zeros, zeros, zeros))
     plgpu.barrier_wait(barriers.staging_free)
-    # With `key_grads_elsewhere` the key-side kernel has written the share of the pairs past
-    # the window into dK^C and dV^C already.
+    # CASTLE-SWL: the key-side kernel has written the share of the pairs past the window
+    # into dK^C and dV^C already.
     for grads, ref, factor, add in (
-      (dk_c, dk_c_ref, scale, key_grads_elsewhere),
-      (dv_c, dv_c_ref, 1.0, key_grads_elsewhere),
+      (dk_c, dk_c_ref, scale, past_window),
+      (dv_c, dv_c_ref, 1.0, past_window),
       (dq_u, dq_u_ref, 1.0, False),
     ):
       for c in chunks:
@@ -490,7 +473,7 @@ def backward(
     d_out: [BH, L, d], the output cotangent in the inputs' dtype.
     lse: float32 [BH, L], the rows' log-sum-exp of the scores.
     delta: float32 [BH, L], rowsum(out * d_out).
-    in_block_t: float [BH, L, block_q], the R_ii^T tiles (`mosaic_ops._in_block_scores_transposed`);
+    in_block_t: float [BH, L, block_q], the R_ii^T tiles (`mosaic._in_block_scores_transposed`);
       they enter the products as float16, as in the forward.
     scale: the score scale.
     window: None or the CASTLE-SWL window.
@@ -511,9 +494,8 @@ def backward(
   dtype = q_c.dtype
   num_chunks = head_dim // CHUNK
   # CASTLE-SWL: dQ^C of the pairs past the window comes from the query-major kernel, and
-  # (by default) their dK^C, dV^C and dD from a key-major kernel of their own.
-  split = window is not None and config.splits_past_window
-  split_key_grads = window is not None and config.splits_past_window_key_grads
+  # their dK^C, dV^C and dD from a key-major kernel of their own.
+  split = window is not None
   kernel = functools.partial(
     _backward_kernel,
     scale=scale,
@@ -523,8 +505,6 @@ def backward(
     num_query_blocks=length // block_q,
     head_dim=head_dim,
     interpreted=interpret is not None,
-    query_grads_elsewhere=split,
-    key_grads_elsewhere=split_key_grads,
   )
   full_tile = lambda rows, dt: operand_smem((rows, head_dim), dt)
   square = lambda dt: operand_smem((block_k, block_q), dt)
@@ -586,22 +566,20 @@ def backward(
   )
   rows = jax.ShapeDtypeStruct((heads, length, head_dim), jnp.float32)
   # dQ^C, dK^U, dV^U and dR are reduce-added into; dQ^U is written; dK^C and dV^C are
-  # written, or with `split_key_grads` written by the key-side kernel (with dD, which the
+  # written, or under a window written by the key-side kernel (with dD, which the
   # sweep starts its walk back from) and then reduce-added into by the sweep.
   types = (rows, rows, rows, jax.ShapeDtypeStruct((heads, length, block_q), jnp.float32), rows, rows, rows)
 
   def sweeps(dq_c, dk_u, dv_u, d_in_block, dq_u, dk_c, dv_c, *d_keys):
-    if split_key_grads:
-      mosaic_past_window_backward.key_grads_into(
+    if split:
+      mosaic_backward_past_window.key_grads_into(
         q_c, k_c, keys_final, v_c, d_out, lse, delta, dk_c, dv_c, *d_keys, **past_window
       )
     launch(q_u, k_c, v_c, keys_final, *d_keys, q_c, *query_tiles, dq_c, dk_u, dv_u, d_in_block, dq_u, dk_c, dv_c)
     if split:
-      mosaic_past_window_backward.accumulate_query_grads(
+      mosaic_backward_past_window.accumulate_query_grads(
         q_c, k_c, keys_final, v_c, d_out, lse, delta, dq_c, **past_window
       )
 
-  dq_c, dk_u, dv_u, d_in_block, dq_u, dk_c, dv_c, *_ = run_on_zeroed_refs(
-    sweeps, types + ((rows,) if split_key_grads else ())
-  )
+  dq_c, dk_u, dv_u, d_in_block, dq_u, dk_c, dv_c, *_ = run_on_zeroed_refs(sweeps, types + ((rows,) if split else ()))
   return dq_u, dk_c, dv_c, dq_c, dk_u, dv_u, d_in_block

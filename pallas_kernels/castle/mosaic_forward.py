@@ -1,6 +1,6 @@
 """CASTLE forward as a Pallas Mosaic GPU (Hopper: wgmma + TMA) kernel, key-block major.
 
-The math and the schedule are those of the Triton kernels (`pallas_kernels.castle.kernels`,
+The math and the schedule are those of the Triton kernels (`pallas_kernels.castle.triton_kernels`,
 whose docstring derives them): one program per (key block b, batch * head) keeps the
 key block's lookahead-key state D_b ([block_k, d], float32) in registers and sweeps
 the query blocks i >= b. Per step, with every tile in the key-row frame
@@ -29,20 +29,21 @@ output tile and [block_q] sums into float32 accumulators in global memory, with 
 reduce-add on the GPU. GPU interpret mode has no TMA reduction but runs the grid one
 program at a time, so there the kernel reads, adds and writes back instead.
 
-Two schedules (`CastleMosaicConfig.schedule`):
-- "simple" (`_forward_kernel`): one warpgroup per key block, loads waited on
-  synchronously, one reduce-add per (key block, query block).
-- "warp_specialized" (`_warp_specialized_kernel`, the default: verified on the H100 and faster; see
-  `CastleMosaicConfig.schedule`): 2 * block_k keys per
-  program. A producer warpgroup loads the key tiles once and streams the query tiles
-  (Q^C, K^U, shift through a two-stage ring; R and V^U, read last in a step, single-
-  buffered) with TMA; two consumer warpgroups each own one key block's D and
-  probabilities and share every query tile. Per step one consumer (alternating) writes
-  its P^T next to its partner's in shared memory and runs one output product over both
-  key blocks, then issues the step's single reduce-add: half the reduce-add traffic and
-  half the query-tile loads per key of "simple". The score products of a step are issued
-  together and waited on once; W's two products too. CASTLE-SWL steps past the program's
-  lookahead window skip W, R, V^U and D's step (3 products instead of 6).
+The schedule (`_warp_specialized_kernel`) takes 2 * block_k keys per program. A producer
+warpgroup loads the key tiles once and streams the query tiles (Q^C, K^U, shift through a
+two-stage ring; R and V^U, read last in a step, single-buffered) with TMA; two consumer
+warpgroups each own one key block's D and probabilities and share every query tile. Per
+step one consumer (alternating) writes its P^T next to its partner's in shared memory and
+runs one output product over both key blocks, then issues the step's single reduce-add.
+The score products of a step are issued together and waited on once; W's two products
+too. CASTLE-SWL steps past the program's lookahead window skip W, R, V^U and D's step (3
+products instead of 6), and the sweep stops at `key_major_sweep_end`: the pairs after it
+are `mosaic_forward_past_window`'s.
+
+In GPU interpret mode each of the three warpgroups is a thread running an XLA CPU program;
+with more warpgroups than CPU cores XLA's intra-op thread pool can starve one of them (a
+hang) unless `--xla_cpu_enable_concurrency_optimized_scheduler=false` is in XLA_FLAGS
+(tests/conftest.py sets it).
 """
 
 from __future__ import annotations
@@ -55,87 +56,25 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.castle import mosaic_math, mosaic_profile
-from pallas_kernels.castle.mosaic_config import CastleMosaicConfig
+from pallas_kernels.castle import mosaic_math
+from pallas_kernels.castle.config import CastleMosaicConfig
+from pallas_kernels.mosaic_common import (
+  matmul,
+  observe_last_releases,
+  operand_smem,
+  reduce_add_tiles,
+  register_operand,
+  run_on_zeroed_refs,
+  wgmma_zeros,
+)
+from pallas_kernels.mosaic_compiler_params import compiler_params
 
 # D enters a float16 product scaled by this power of two (exact), and the product is
 # scaled back.
 KEY_STATE_SCALE = 2.0**-8
 LOOKAHEAD_DTYPE = jnp.float16
-_SWIZZLE_BYTES = 128
-# What each program loads once (its key block) and per step (a query block).
+# What each program loads once (its key blocks).
 _KEY_TILES = ("q_u", "k_c", "v_c")
-_QUERY_TILES = ("q_c", "q_c16", "k_u", "v_u16", "in_block_t", "shift")
-
-
-def operand_smem(shape, dtype):
-  """Shared memory laid out for TMA and wgmma: 8-row tiles one 128-byte swizzle span wide."""
-  span = _SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
-  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, span)), plgpu.SwizzleTransform(_SWIZZLE_BYTES)))
-
-
-def products(pairs, shape, init=None, *, init_in_place: bool = True):
-  """init + sum of a @ b over `pairs` ((a, b) operand pairs), with float32 accumulation
-  in one wgmma accumulator of `shape`.
-
-  With `init_in_place` the accumulator starts from `init` (no second register tile);
-  GPU interpret mode cannot run a preinitialized accumulator, so there the product
-  is added after.
-  """
-
-  def accumulate(acc_ref):
-    for a, b in pairs:
-      plgpu.wgmma(acc_ref, a, b)
-
-  if init is not None and init_in_place:
-    return pl.run_state(accumulate)(plgpu.ACC.init(init))
-
-  def product_of(acc_ref):
-    accumulate(acc_ref)
-    return acc_ref[...]
-
-  product = pl.run_scoped(product_of, plgpu.ACC(shape, jnp.float32))
-  return product if init is None else init + product
-
-
-def accumulate_products(pair_groups, states, *, init_in_place: bool = True):
-  """(states[k] + sum of a @ b over pair_groups[k] for each k): several accumulators at
-  once, every wgmma issued before the one wait (`products` waits for each accumulator).
-
-  GPU interpret mode cannot start an accumulator from a value; there each group is a
-  `products` call, added afterwards.
-  """
-  if not init_in_place:
-    return tuple(products(pairs, state.shape, state, init_in_place=False) for pairs, state in zip(pair_groups, states))
-
-  def accumulate(acc_refs):
-    for pairs, acc_ref in zip(pair_groups, acc_refs):
-      for a, b in pairs:
-        plgpu.wgmma(acc_ref, a, b)
-
-  return pl.run_state(accumulate)(tuple(plgpu.ACC.init(state) for state in states))
-
-
-def wgmma_zeros(shape):
-  """A float32 zero tile in the wgmma accumulator layout (a state's start)."""
-  return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-
-
-def observe_last_releases(free_barriers, num_steps, stages: int):
-  """Waits for the releases of a ring's last `stages` steps (slot = step mod stages),
-  which no later refill waited for: a waiter may not skip a barrier's phase (GPU
-  interpret mode checks it). Fewer steps than stages: only those steps' releases."""
-  for last in range(stages, 0, -1):
-
-    @pl.when(num_steps >= last)
-    def _():
-      for free in free_barriers:
-        plgpu.barrier_wait(free.at[lax.rem(num_steps - last, stages)])
-
-
-def matmul(a, b, shape, init=None, *, init_in_place: bool = True):
-  """init + a @ b (`products` of one pair)."""
-  return products([(a, b)], shape, init, init_in_place=init_in_place)
 
 
 def step_masks(key_start, query_start, shape, window: int | None):
@@ -169,169 +108,11 @@ def window_interior_end(key_start, diagonal_end, lookahead_end, *, window: int, 
   return jnp.minimum(lookahead_end, jnp.maximum(diagonal_end, last_inside + 1))
 
 
-def run_on_zeroed_refs(call, types):
-  """`call(*refs)` (a Mosaic GPU kernel that writes, or reduce-adds into, refs given as its
-  last arguments) on zero-filled refs of `types`; returns their final values.
-
-  The refs live inside `pl.run_state`, so that the whole is a pure function seen from
-  outside. A kernel writing refs made by `jax.new_ref` instead is dropped by
-  `jax.checkpoint` (jax 0.11.2) when the recomputation needs none of its other outputs:
-  the refs then read back as zeros, and the rematerialized attention came out 0 / 0.
-  """
-
-  def body(refs):
-    call(*refs)
-
-  return pl.run_state(body)(tuple(jnp.zeros(t.shape, t.dtype) for t in types))
-
-
-def register_operand(x, staging_smem):
-  """x as a wgmma left operand: from registers on the GPU; GPU interpret mode only
-  multiplies shared-memory operands, so there x goes through `staging_smem`."""
-  if staging_smem is None:
-    return x
-  staging_smem[...] = x
-  plgpu.commit_smem()
-  return staging_smem
-
-
-def _forward_kernel(
-  q_u_ref,
-  k_c_ref,
-  v_c_ref,
-  q_c_ref,
-  q_c16_ref,
-  k_u_ref,
-  v_u16_ref,
-  in_block_t_ref,
-  shift_ref,
-  acc_ref,
-  sums_ref,  # float32 accumulators in global memory (mutable inputs)
-  keys_ref,  # output: the final D
-  key_smem,
-  query_smem,
-  in_block_smem,
-  shift_smem,
-  probs_smem,
-  out_smem,
-  sums_smem,
-  keys_smem,
-  weights_staging,
-  keys_staging,  # None on the GPU (see `register_operand`)
-  key_barrier,
-  query_barrier,
-  accumulate_barrier,
-  *,
-  scale: float,
-  window: int | None,
-  block_q: int,
-  block_k: int,
-  num_query_blocks: int,
-  head_dim: int,
-  interpreted: bool,
-):
-  multiply = functools.partial(matmul, init_in_place=not interpreted)
-  key_block = lax.axis_index("key_block")
-  head = lax.axis_index("head")
-  key_rows = pl.ds(key_block * block_k, block_k)
-  q_u_smem, k_c_smem, v_c_smem = key_smem
-  q_c_smem, q_c16_smem, k_u_smem, v_u16_smem = query_smem
-  dtype = q_c_ref.dtype
-
-  for src, dst in zip((q_u_ref, k_c_ref, v_c_ref), key_smem):
-    plgpu.copy_gmem_to_smem(src.at[head, key_rows], dst, key_barrier)
-  plgpu.barrier_wait(key_barrier)
-
-  def step(query_block, keys, *, masked: bool):
-    rows = pl.ds(query_block * block_q, block_q)
-    for src, dst in zip((q_c_ref, q_c16_ref, k_u_ref, v_u16_ref), query_smem):
-      plgpu.copy_gmem_to_smem(src.at[head, rows], dst, query_barrier)
-    plgpu.copy_gmem_to_smem(in_block_t_ref.at[head, rows], in_block_smem, query_barrier)
-    plgpu.copy_gmem_to_smem(shift_ref.at[head, rows], shift_smem, query_barrier)
-    plgpu.barrier_wait(query_barrier)
-    causal_mask, visible = (
-      step_masks(key_block * block_k, query_block * block_q, (block_k, block_q), window) if masked else (None, None)
-    )
-
-    # W: lookahead weights of this key block's tokens s against query-block keys j.
-    weights = mosaic_math.sigmoid(multiply(q_u_smem, k_u_smem.T, (block_k, block_q)) * scale)
-    if masked:
-      weights = jnp.where(visible, weights, 0.0)
-    weights16 = register_operand(weights.astype(LOOKAHEAD_DTYPE), weights_staging)
-
-    # S^U^T = D Q^C^T * scale + W R^T.
-    keys16 = register_operand((keys * KEY_STATE_SCALE).astype(LOOKAHEAD_DTYPE), keys_staging)
-    lookahead = multiply(keys16, q_c16_smem.T, (block_k, block_q)) * (scale / KEY_STATE_SCALE)
-    lookahead = multiply(weights16, in_block_smem, (block_k, block_q), init=lookahead)
-
-    causal = multiply(k_c_smem, q_c_smem.T, (block_k, block_q)) * scale
-    shift = lax.broadcast_in_dim(shift_smem[...], (block_k, block_q), [1])
-    probs = jnp.exp(causal - mosaic_math.silu(lookahead) - shift)
-    if masked:
-      probs = jnp.where(causal_mask, probs, 0.0)
-
-    probs_smem[...] = probs.astype(dtype)
-    plgpu.commit_smem()
-    out = multiply(probs_smem.T, v_c_smem, (block_q, head_dim))
-    accumulate_rows(
-      out,
-      jnp.sum(probs, axis=0),
-      acc_ref.at[head, rows],
-      sums_ref.at[head, rows],
-      out_smem,
-      sums_smem,
-      accumulate_barrier,
-      with_tma=not interpreted,
-    )
-
-    return multiply(weights16, v_u16_smem, (block_k, head_dim), init=keys)
-
-  first = lax.div(key_block * block_k, block_q)
-  keys = wgmma_zeros((block_k, head_dim))
-  # The diagonal block is masked; so is every step under a window (its edge moves).
-  keys = step(first, keys, masked=True)
-  keys = lax.fori_loop(first + 1, num_query_blocks, functools.partial(step, masked=window is not None), keys)
-  keys_smem[...] = keys
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(keys_smem, keys_ref.at[head, key_rows])
-  plgpu.wait_smem_to_gmem(0)
-
-
-def reduce_add_tiles(tiles, barrier, *, with_tma: bool):
-  """gmem += tile for each (tile, gmem, staging) in `tiles` (float32 tiles, staged through
-  the shared-memory buffers `staging`).
-
-  On the GPU a TMA reduce-add each. GPU interpret mode has none, but runs the grid one
-  program at a time, so there it reads, adds and writes back; `barrier` then needs one
-  arrival per tile.
-  """
-  # The previous reduce-adds must have read the staging buffers.
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  if with_tma:
-    for tile, _, staging in tiles:
-      staging[...] = tile
-    plgpu.commit_smem()
-    for _, gmem, staging in tiles:
-      plgpu.copy_smem_to_gmem(staging, gmem, reduction_op="add")
-    return
-  for _, gmem, staging in tiles:
-    plgpu.copy_gmem_to_smem(gmem, staging, barrier)
-  plgpu.barrier_wait(barrier)
-  for tile, _, staging in tiles:
-    staging[...] = staging[...] + tile
-  plgpu.commit_smem()
-  for _, gmem, staging in tiles:
-    plgpu.copy_smem_to_gmem(staging, gmem)
-
-
 def accumulate_rows(out, sums, acc_gmem, sums_gmem, out_smem, sums_smem, barrier, with_tma: bool):
   """acc_gmem += out and sums_gmem += sums (float32 tiles of one query block; `barrier`
   with two arrivals)."""
   reduce_add_tiles([(out, acc_gmem, out_smem), (sums, sums_gmem, sums_smem)], barrier, with_tma=with_tma)
 
-
-# ---------------------------------------------------------------------------
-# The warp-specialized schedule: a producer warpgroup and two consumer warpgroups.
 
 _PRODUCER = 2  # warpgroup index of the producer; consumers are 0 and 1
 _CONSUMERS = 2
@@ -342,7 +123,7 @@ _CONSUMER_REGISTERS = 232
 # exceeds float16's range as soon as a score is ~11 above its row's diagonal score.
 PROBS_DTYPE = jnp.bfloat16
 # Query blocks per program of the query-major kernel for CASTLE-SWL's pairs past the window
-# (`mosaic_past_window`, one consumer warpgroup each).
+# (`mosaic_forward_past_window`, one consumer warpgroup each).
 PAST_WINDOW_QUERY_BLOCKS = 2
 
 
@@ -372,7 +153,6 @@ def _warp_specialized_kernel(
   num_query_blocks: int,
   head_dim: int,
   interpreted: bool,
-  past_window: bool,
 ):
   """One program: key rows [2 * block_k * p, 2 * block_k * (p + 1)) of one head.
 
@@ -392,10 +172,11 @@ def _warp_specialized_kernel(
   if window is not None:
     last_key = (program + 1) * _CONSUMERS * block_k - 1
     lookahead_end = jnp.minimum(num_query_blocks, lax.div(last_key + window, block_q) + 1)
-  # The sweep's last query block + 1: all of them, or up to where `mosaic_past_window` takes over.
+  # The sweep's last query block + 1: all of them, or under a window up to where
+  # `mosaic_forward_past_window` takes over.
   sweep_end = (
     num_query_blocks
-    if past_window
+    if window is None
     else key_major_sweep_end(
       program, window=window, block_q=block_q, block_k=block_k, num_query_blocks=num_query_blocks
     )
@@ -689,31 +470,9 @@ def _warp_specialized_scratch(block_q, block_k, head_dim, dtype, interpreted):
   return [key_union, query_ring, lookahead_smem, exchange_union, register_staging, barriers]
 
 
-def _simple_scratch(block_q, block_k, head_dim, dtype, interpreted):
-  """Shared memory and barriers of `_forward_kernel`."""
-  key_tile = lambda dt: operand_smem((block_k, head_dim), dt)
-  query_tile = lambda dt: operand_smem((block_q, head_dim), dt)
-  return [
-    (key_tile(dtype),) * 3,
-    (query_tile(dtype), query_tile(LOOKAHEAD_DTYPE), query_tile(dtype), query_tile(LOOKAHEAD_DTYPE)),
-    operand_smem((block_q, block_q), LOOKAHEAD_DTYPE),
-    plgpu.SMEM((block_q,), jnp.float32),
-    operand_smem((block_k, block_q), dtype),
-    plgpu.SMEM((block_q, head_dim), jnp.float32),
-    plgpu.SMEM((block_q,), jnp.float32),
-    plgpu.SMEM((block_k, head_dim), jnp.float32),
-    operand_smem((block_k, block_q), LOOKAHEAD_DTYPE) if interpreted else None,
-    operand_smem((block_k, head_dim), LOOKAHEAD_DTYPE) if interpreted else None,
-    # A barrier completes when every copy that signals it has arrived.
-    plgpu.Barrier(num_arrivals=len(_KEY_TILES)),
-    plgpu.Barrier(num_arrivals=len(_QUERY_TILES)),
-    plgpu.Barrier(num_arrivals=2),
-  ]
-
-
 def key_major_sweep_end(program, *, window: int, block_q: int, block_k: int, num_query_blocks):
-  """First query block that the warp-specialized sweep of key `program` leaves to the
-  query-major kernel (`mosaic_past_window`) when CASTLE-SWL splits its pairs.
+  """CASTLE-SWL: the first query block that the sweep of key `program` leaves to the
+  query-major kernel (`mosaic_forward_past_window`).
 
   The sweep keeps the query blocks up to the program's window end (its last key + W),
   rounded up to a whole query program of that kernel (PAST_WINDOW_QUERY_BLOCKS query
@@ -736,11 +495,11 @@ def forward(
   shift,
   *,
   scale: float,
-  window: int | None,
   config: CastleMosaicConfig,
   interpret,
 ):
-  """The Mosaic GPU forward kernel on padded [BH, L, d] arrays.
+  """CASTLE's Mosaic GPU forward kernel on padded [BH, L, d] arrays (CASTLE-SWL:
+  `mosaic_forward_past_window.forward`).
 
   Args:
     q_u, k_u, q_c, k_c, v_c: [BH, L, d] in the inputs' dtype (bf16 or f16); L a
@@ -750,8 +509,7 @@ def forward(
       (R_ii = Q^C_i V^U_i^T * scale under the causal mask).
     shift: float32 [BH, L], the per-row softmax shift m_t.
     scale: the score scale.
-    window: None or the CASTLE-SWL window.
-    config: tiles and schedule.
+    config: the tiles.
     interpret: None, or `plgpu.InterpretGPUParams` to run in GPU interpret mode.
 
   Returns:
@@ -770,7 +528,7 @@ def forward(
     in_block_t,
     shift,
     scale=scale,
-    window=window,
+    window=None,
     config=config,
     interpret=interpret,
   )
@@ -784,22 +542,20 @@ def accumulator_types(q_c):
   return rows, jax.ShapeDtypeStruct((heads, length), jnp.float32), rows
 
 
-def key_major_launch(
-  kernel, scratch, *, length: int, heads: int, keys_per_program: int, interpret, num_threads: int | None = None
-):
+def key_major_launch(kernel, scratch, *, length: int, heads: int, keys_per_program: int, interpret, num_threads: int):
   """`kernel` as a Mosaic GPU call with one program per (keys_per_program keys, head), grid
-  axes "key_block" and "head", and `num_threads` warpgroups on axis "wg" (None: one
-  warpgroup, no axis); the key-block-major kernels of the forward and the backward."""
-  mesh = {} if num_threads is None else dict(num_threads=num_threads, thread_name="wg")
+  axes "key_block" and "head", and `num_threads` warpgroups on axis "wg"; the
+  key-block-major kernels of the forward and the backward."""
   return plgpu.kernel(
     kernel,
     out_type=(),
     scratch_types=scratch,
     grid=(length // keys_per_program, heads),
     grid_names=("key_block", "head"),
-    compiler_params=mosaic_profile.compiler_params(),
+    num_threads=num_threads,
+    thread_name="wg",
+    compiler_params=compiler_params(),
     interpret=interpret,
-    **mesh,
   )
 
 
@@ -820,21 +576,16 @@ def forward_into(
   window: int | None,
   config: CastleMosaicConfig,
   interpret,
-  past_window: bool = True,
 ):
-  """`forward`'s kernel, reduce-adding into `acc_ref` and `sums_ref` and writing `keys_ref`.
-
-  With `past_window=False` (CASTLE-SWL, schedule "warp_specialized" only) each key
-  program stops at `key_major_sweep_end`: the pairs after it are left to
-  `mosaic_past_window`.
+  """`forward`'s kernel, reduce-adding into `acc_ref` and `sums_ref` and writing `keys_ref`;
+  under a window (CASTLE-SWL) each key program stops at `key_major_sweep_end`, leaving the
+  pairs after it to `mosaic_forward_past_window`.
   """
   heads, length, head_dim = q_c.shape
   block_q, block_k = config.block_q, config.block_k
-  dtype = q_c.dtype
   interpreted = interpret is not None
-  if not past_window and (window is None or config.schedule != "warp_specialized"):
-    raise ValueError("forward_into: past_window=False needs a window and schedule 'warp_specialized'")
-  params = dict(
+  kernel = functools.partial(
+    _warp_specialized_kernel,
     scale=scale,
     window=window,
     block_q=block_q,
@@ -843,39 +594,27 @@ def forward_into(
     head_dim=head_dim,
     interpreted=interpreted,
   )
-  if config.schedule == "warp_specialized":
-    kernel = functools.partial(_warp_specialized_kernel, past_window=past_window, **params)
-    scratch = _warp_specialized_scratch(block_q, block_k, head_dim, dtype, interpreted)
-    # The causal product takes float16 copies of Q^C and K^C (exact for bf16 values within
-    # float16's range), so that Q^C is streamed once for both of its products.
-    inputs = (
-      q_u,
-      k_c.astype(LOOKAHEAD_DTYPE),
-      v_c.astype(PROBS_DTYPE),
-      q_c.astype(LOOKAHEAD_DTYPE),
-      k_u,
-      v_u.astype(LOOKAHEAD_DTYPE),
-      (in_block_t * (KEY_STATE_SCALE / scale)).astype(LOOKAHEAD_DTYPE),
-      shift,
-    )
-    mesh = dict(num_threads=_CONSUMERS + 1)
-  else:
-    kernel = functools.partial(_forward_kernel, **params)
-    scratch = _simple_scratch(block_q, block_k, head_dim, dtype, interpreted)
-    inputs = (
-      q_u,
-      k_c,
-      v_c,
-      q_c,
-      q_c.astype(LOOKAHEAD_DTYPE),
-      k_u,
-      v_u.astype(LOOKAHEAD_DTYPE),
-      in_block_t.astype(LOOKAHEAD_DTYPE),
-      shift,
-    )
-    mesh = {}
+  scratch = _warp_specialized_scratch(block_q, block_k, head_dim, q_c.dtype, interpreted)
+  # The causal product takes float16 copies of Q^C and K^C (exact for bf16 values within
+  # float16's range), so that Q^C is streamed once for both of its products.
+  inputs = (
+    q_u,
+    k_c.astype(LOOKAHEAD_DTYPE),
+    v_c.astype(PROBS_DTYPE),
+    q_c.astype(LOOKAHEAD_DTYPE),
+    k_u,
+    v_u.astype(LOOKAHEAD_DTYPE),
+    (in_block_t * (KEY_STATE_SCALE / scale)).astype(LOOKAHEAD_DTYPE),
+    shift,
+  )
   launch = key_major_launch(
-    kernel, scratch, length=length, heads=heads, keys_per_program=config.keys_per_program, interpret=interpret, **mesh
+    kernel,
+    scratch,
+    length=length,
+    heads=heads,
+    keys_per_program=config.keys_per_program,
+    interpret=interpret,
+    num_threads=_CONSUMERS + 1,
   )
   # acc and sums are reduce-added into; keys (after them) is written.
   launch(*inputs, acc_ref, sums_ref, keys_ref)

@@ -5,10 +5,10 @@ derivative), so the sigmoid sits in the elementwise work that the tensor cores w
 `1 / (1 + e^-x)` lowers to an IEEE division in Mosaic GPU (`arith.divf`: a reciprocal,
 Newton steps and a range check per element, even with `approx_math`). Here the
 reciprocal is the square of a reciprocal square root, `rsqrt(1 + e^-x)^2`: with
-`approx_math` (`mosaic_profile.compiler_params`) that is `rsqrt.approx.f32`, one MUFU
+`approx_math` (`pallas_kernels.mosaic_compiler_params`) that is `rsqrt.approx.f32`, one MUFU
 instruction with ~2^-22 relative error, and one multiply. 1 + e^-x >= 1, so the root
 is always defined; where e^-x overflows to inf, the root is 0 and so is the sigmoid.
-The Triton kernels keep `pallas_kernels.castle.kernels.sigmoid` (Triton lowers the
+The Triton kernels keep `pallas_kernels.castle.triton_kernels.sigmoid` (Triton lowers the
 division to a fast one already).
 """
 

@@ -1,40 +1,25 @@
-"""Backend, tile sizes and launch parameters of the GCA Pallas kernels."""
+"""Tile sizes and launch parameters of the GCA Pallas kernels: `GcaTritonConfig` for the
+Triton kernels, `GcaMosaicConfig` for the Mosaic GPU (Hopper) ones."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from pallas_kernels.config_checks import check_int_fields, is_power_of_two, parse_config
-
-# Which kernels run GCA (`pallas_kernels.gca.backend` chooses).
-BACKENDS = ("auto", "triton", "mosaic")
+from pallas_kernels.gca.mosaic_tiles import DEFAULT_STAGES
 
 
 @dataclasses.dataclass(frozen=True)
-class GcaKernelConfig:
-  """Backend, rows per program, warps and pipeline stages of the three GCA kernels.
+class GcaTritonConfig:
+  """Rows per program, warps and pipeline stages of the three GCA Triton kernels.
 
-  `backend` picks the kernels (`pallas_kernels.gca.backend`):
-    "triton": the Pallas Triton kernels (`kernels`), any CUDA GPU;
-    "mosaic": the Pallas Mosaic GPU kernels (`mosaic_attention.gca_attention_mosaic`),
-      Hopper (compute capability 9.x) only, bfloat16/float16 inputs, head dim 64 or 128,
-      memory chunks of at most 64 keys; other inputs or devices raise a ValueError naming
-      the reason;
-    "auto" (default): Mosaic on a 9.x GPU where it takes the inputs, else Triton.
-  `mosaic_stages` is the Mosaic kernels' only setting (their ring depth; their tiles are
-  fixed at 64 x 64, one warpgroup's wgmma). Every other field is the Triton kernels' and
-  applies only when they run.
-
-  The Triton forward and the query-side backward run one program per (batch, query chunk, head
+  The forward and the query-side backward run one program per (batch, query chunk, head
   block, query block); a program's tile has `block_rows` rows = query rows x heads
   (the query heads that share one kv head are stacked as rows of one product when the
   query chunk is shorter than `block_rows`). The memory-side backward runs one program
   per (batch, memory chunk, kv head).
 
   Attributes:
-    backend: "auto", "triton" or "mosaic" (above).
-    mosaic_stages: depth of the Mosaic kernels' rings of gathered tiles (2 measured best on
-      an H100 at the drt_128m shape; benchmarks/RESULTS.md).
     block_rows: rows of the query tile (query rows x heads per program), a power of two >= 16.
     heads_per_program: query heads of one kv head stacked into the tile (a power of two
       dividing heads // kv_heads), or None: as many as fill `block_rows` with the query
@@ -43,7 +28,7 @@ class GcaKernelConfig:
     bwd_num_warps, bwd_num_stages: the same for the query-side backward (dQ, dw).
     memory_num_warps, memory_num_stages: the same for the memory-side backward (dK, dV).
 
-  Pipelining stages multiply the shared memory a kernel asks for (`shared_memory`): the
+  Pipelining stages multiply the shared memory a kernel asks for (`triton_shared_memory`): the
   default config (None where a config is taken) gets any kernel's stages lowered to 1 for
   the shapes whose tiles would pass the budget; an explicit config runs as given, and one
   over the budget is refused with a ValueError naming the field.
@@ -59,13 +44,9 @@ class GcaKernelConfig:
   bwd_num_stages: int = 2
   memory_num_warps: int = 4
   memory_num_stages: int = 2
-  backend: str = "auto"
-  mosaic_stages: int = 2
 
   def __post_init__(self):
-    if self.backend not in BACKENDS:
-      raise ValueError(f"GcaKernelConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
-    skip = ("backend",) + (("heads_per_program",) if self.heads_per_program is None else ())
+    skip = ("heads_per_program",) if self.heads_per_program is None else ()
     check_int_fields(
       self,
       power_of_two=("block_rows", "num_warps", "bwd_num_warps", "memory_num_warps"),
@@ -74,14 +55,35 @@ class GcaKernelConfig:
     )
     if self.heads_per_program is not None and not is_power_of_two(self.heads_per_program):
       raise ValueError(
-        f"GcaKernelConfig.heads_per_program must be a power of two or None, got {self.heads_per_program}"
+        f"GcaTritonConfig.heads_per_program must be a power of two or None, got {self.heads_per_program}"
       )
 
   @classmethod
-  def from_string(cls, text: str) -> "GcaKernelConfig":
+  def from_string(cls, text: str) -> "GcaTritonConfig":
     """From "key=value,..." (`pallas_kernels.config_checks.parse_config`)."""
     return parse_config(cls, text)
 
 
-def default_config() -> GcaKernelConfig:
-  return GcaKernelConfig()
+def default_triton_config() -> GcaTritonConfig:
+  return GcaTritonConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class GcaMosaicConfig:
+  """The GCA Mosaic GPU kernels' one setting; their tiles are fixed at 64 x 64 (one
+  warpgroup's wgmma).
+
+  Attributes:
+    stages: depth of the kernels' rings of gathered tiles (2 measured best on an H100 at
+      the drt_128m shape; benchmarks/RESULTS.md).
+  """
+
+  stages: int = DEFAULT_STAGES
+
+  def __post_init__(self):
+    check_int_fields(self, power_of_two=(), tiles=())
+
+  @classmethod
+  def from_string(cls, text: str) -> "GcaMosaicConfig":
+    """From "key=value,..." (`pallas_kernels.config_checks.parse_config`)."""
+    return parse_config(cls, text)

@@ -1,7 +1,7 @@
 """GCA backward, memory side (dK and dV of every memory chunk), as a Pallas Mosaic GPU
 (Hopper: wgmma + TMA) kernel.
 
-The math and the reduction are the Triton `kernels.backward_memory`'s: one program per
+The math and the reduction are the Triton `triton_kernels.backward_memory`'s: one program per
 (batch, kv head, memory chunk) walks the (query chunk, slot) pairs that retrieved its chunk
 (`pairs.retrieving_pairs`: sorted by chunk, pairs of weight 0 excluded) and, for each pair, each
 query head of its kv head and each 64-row query tile, recomputes the slot's probabilities
@@ -46,7 +46,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.castle.mosaic_forward import operand_smem, register_operand
+from pallas_kernels.mosaic_common import operand_smem, register_operand
 from pallas_kernels.gca.mosaic_tiles import (
   CHUNK_TILE,
   DEFAULT_STAGES,

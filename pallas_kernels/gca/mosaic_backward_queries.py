@@ -1,7 +1,7 @@
 """GCA backward, query side (dQ, the chunk weights' gradient and the deltas), as a Pallas
 Mosaic GPU (Hopper: wgmma + TMA) kernel.
 
-The math is the Triton `kernels.backward_queries`' (its module docstring derives it). Per
+The math is the Triton `triton_kernels.backward_queries`' (its module docstring derives it). Per
 64-row query tile and slot j, from the forward's stored log-normalizer lse_j (base-2):
 
   P_j  = exp2(Q K_j^T * scale * log2(e) - lse_j)   (padded keys: 0)
@@ -10,7 +10,7 @@ The math is the Triton `kernels.backward_queries`' (its module docstring derives
   dQ  += w_j P_j (dP_j - r_j) K_j,   dQ *= scale at the end
 
 The kernel writes dQ and the row dots r_j; XLA forms delta_j = w_j r_j (what
-`kernels.backward_memory` takes) and dw_j = sum of r_j over rows and heads, both O(T k)
+`triton_kernels.backward_memory` takes) and dw_j = sum of r_j over rows and heads, both O(T k)
 work. So the kernel needs no cross-warp reduction at all (r_j reduces along a WGMMA tile's
 rows, within a warp).
 
@@ -35,7 +35,7 @@ from jax import lax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.castle.mosaic_forward import operand_smem, register_operand, products
+from pallas_kernels.mosaic_common import operand_smem, products, register_operand
 from pallas_kernels.gca.mosaic_tiles import (
   CHUNK_TILE,
   DEFAULT_STAGES,
@@ -217,11 +217,11 @@ def backward_queries(
   stages: int = DEFAULT_STAGES,
   interpret=None,
 ):
-  """`kernels.backward_queries`' contract: lse and delta in the Triton layout
+  """`triton_kernels.backward_queries`' contract: lse and delta in the Triton layout
   [batch, query_chunks, k, query_rows, heads].
 
   Returns:
-    d_queries: like queries; delta: float32 like lse, w_j r_j (what `kernels.backward_memory`
+    d_queries: like queries; delta: float32 like lse, w_j r_j (what `triton_kernels.backward_memory`
     takes); d_weights: float32 [batch, query_chunks, k].
   """
   d_queries, row_dots = backward_queries_native(

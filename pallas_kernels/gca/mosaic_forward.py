@@ -1,6 +1,6 @@
 """GCA forward as a Pallas Mosaic GPU (Hopper: wgmma + TMA) kernel.
 
-The math is the Triton forward's (`pallas_kernels.gca.kernels`, whose docstring derives
+The math is the Triton forward's (`pallas_kernels.gca.triton_kernels`, whose docstring derives
 it): for one 64-row query tile and each of its k retrieved memory chunks j (one padded
 64-key tile each), in base-2 score units s = Q K_j^T * scale * log2(e):
 
@@ -20,12 +20,6 @@ out += P_j V_j (wgmma with P from registers onto the running accumulator); once 
 products of a slot are done its ring buffer is refilled with slot j + stages. K and V
 have separate barriers, so the score product waits only for K.
 
-`overlap=True` (needs stages >= 3; `_overlapped_slots`) is the FA3-style variant within the
-warpgroup: S_{j+1} = Q K_{j+1}^T and P_j V_j are issued back to back and only S_{j+1} is
-waited for, so P_j V_j runs under slot j + 1's softmax; slot j's buffers are released one
-slot later. Whether it pays (ptxas may serialize wgmmas whose register operand is reused)
-is for the GPU benchmark to tell; the default is the serial schedule.
-
 Why no producer warpgroup (the FA3 / CASTLE-Mosaic style): a program does only k = 8 slot
 steps and no two query tiles share retrieved chunks, so a producer would sit idle and give
 no reuse. The single-warpgroup program is small (at head dim 64, 2 stages: 44 KiB of
@@ -41,15 +35,13 @@ cross-warp reduction, so the shared-scratch race of the CASTLE warp-specialized 
 Outputs: out in the queries' layout, and the per-slot log-normalizers. The kernel writes
 them as [batch, query_chunks, heads, k, padded_query_len] (each program's [k, 64] block
 contiguous, one TMA store); `forward` transposes them to the Triton kernels' layout
-[batch, query_chunks, k, padded_query_len, heads], so that `kernels.backward_queries` and
-`kernels.backward_memory` can consume them unchanged.
+[batch, query_chunks, k, padded_query_len, heads], so that `triton_kernels.backward_queries` and
+`triton_kernels.backward_memory` can consume them unchanged.
 
 GPU interpret mode (CPU) runs the same code except in two places, each a helper shared
 with the CASTLE Mosaic kernels: the register operand P goes through shared memory
 (`register_operand`), and the slot's product is added to the accumulator after the wgmma
-instead of accumulated in place (`products(init_in_place=False)`); the overlapped schedule
-accumulates into one zero-initialized accumulator in both, and interpret mode runs its
-wgmmas synchronously. The H100 lowering test covers the GPU variant.
+instead of accumulated in place (`products(init_in_place=False)`). The H100 lowering test covers the GPU variant.
 """
 
 from __future__ import annotations
@@ -59,20 +51,15 @@ import math
 
 import jax
 from jax import lax
-import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-# Shared with the CASTLE Mosaic kernels: TMA/wgmma shared-memory layout, wgmma products, and
-# the interpret-mode staging of register operands.
-from pallas_kernels.castle.mosaic_forward import operand_smem, register_operand, products
 from pallas_kernels.gca.mosaic_tiles import (
   CHUNK_TILE,
   DEFAULT_STAGES,
   SUPPORTED_DTYPES,
   SUPPORTED_HEAD_DIMS,
   TILE_ROWS,
-  KeyValueRing,
   check_padded,
   key_mask,
   launch,
@@ -82,6 +69,8 @@ from pallas_kernels.gca.mosaic_tiles import (
   ring_scratch,
   unsupported_reason,
 )
+from pallas_kernels.mosaic_common import operand_smem, products, register_operand
+from pallas_kernels.mosaic_kernel_cache import share_identical_kernels
 
 __all__ = [
   "CHUNK_TILE",
@@ -118,7 +107,6 @@ def _forward_kernel(
   top_k: int,
   chunk_len: int,
   stages: int,
-  overlap: bool,
   scale: float,
   interpreted: bool,
 ):
@@ -155,15 +143,12 @@ def _forward_kernel(
     probs = probs * lax.broadcast_in_dim(row_weight, probs.shape, [0])
     return register_operand(probs.astype(dtype), probs_staging)
 
-  if overlap:
-    out = _overlapped_slots(ring, query_smem, weighted_probabilities, top_k=top_k, head_dim=head_dim)
-  else:
-    out = None
-    for slot in range(top_k):
-      scores = products([(query_smem, ring.keys(slot).T)], (TILE_ROWS, CHUNK_TILE))
-      probs = weighted_probabilities(slot, scores)
-      out = products([(probs, ring.values(slot))], (TILE_ROWS, head_dim), init=out, init_in_place=not interpreted)
-      ring.release(slot)
+  out = None
+  for slot in range(top_k):
+    scores = products([(query_smem, ring.keys(slot).T)], (TILE_ROWS, CHUNK_TILE))
+    probs = weighted_probabilities(slot, scores)
+    out = products([(probs, ring.values(slot))], (TILE_ROWS, head_dim), init=out, init_in_place=not interpreted)
+    ring.release(slot)
 
   # The query tile is dead after the last score product: it stages the output.
   query_smem[...] = out.astype(dtype)
@@ -171,46 +156,6 @@ def _forward_kernel(
   plgpu.copy_smem_to_gmem(query_smem, program.query_rows(out_ref))
   plgpu.copy_smem_to_gmem(lse_smem, program.slot_rows(lse_ref))
   plgpu.wait_smem_to_gmem(0)
-
-
-def _overlapped_slots(ring: KeyValueRing, query_smem, weighted_probabilities, *, top_k: int, head_dim: int):
-  """The slots with the products of neighbouring slots in flight together: S_{j+1} = Q K_{j+1}^T
-  and P_j V_j are issued back to back and only S_{j+1} is waited for, so P_j V_j runs under
-  the softmax of slot j + 1. The output accumulator lives across all slots. Slot j's ring
-  buffers are released one slot later (once P_j V_j is known to be done), hence stages >= 3."""
-
-  def sweep(out_acc):
-    scores = products([(query_smem, ring.keys(0).T)], (TILE_ROWS, CHUNK_TILE))
-    for slot in range(top_k):
-      probs = weighted_probabilities(slot, scores)
-      values = ring.values(slot)
-      if slot + 1 == top_k:
-        plgpu.wgmma(out_acc, probs, values)
-        break
-      next_keys = ring.keys(slot + 1)
-
-      def issue(scores_acc):
-        plgpu.wgmma(scores_acc, query_smem, next_keys.T)
-        plgpu.wgmma(out_acc, probs, values)
-        # Commit groups complete in order: S_{j+1} and everything before P_j V_j are done.
-        return plgpu.wgmma_accumulator_load(scores_acc, wait_n=1)
-
-      scores = pl.run_scoped(issue, plgpu.ACC((TILE_ROWS, CHUNK_TILE), jnp.float32))
-      if slot >= 1:
-        ring.release(slot - 1)
-    return out_acc[...]
-
-  return pl.run_scoped(sweep, plgpu.ACC((TILE_ROWS, head_dim), jnp.float32))
-
-
-def _check_overlap(overlap: bool, stages: int):
-  if not isinstance(overlap, bool):
-    raise ValueError(f"overlap must be a bool, got {overlap!r}")
-  if overlap and stages < 3:
-    raise ValueError(
-      f"overlap=True needs stages >= 3 (a slot's ring buffers are released one slot late), got "
-      f"stages={stages}; pass stages=3 or overlap=False"
-    )
 
 
 def shared_memory_bytes(head_dim: int, top_k: int, dtype, stages: int = DEFAULT_STAGES) -> int:
@@ -229,7 +174,6 @@ def forward_native(
   chunk_len: int,
   scale: float,
   stages: int = DEFAULT_STAGES,
-  overlap: bool = False,
   interpret=None,
 ):
   """The kernel on padded arrays, log-normalizers in the kernel's own layout.
@@ -244,16 +188,13 @@ def forward_native(
     chunk_len: real keys per memory chunk (the rest are masked out).
     scale: the score scale.
     stages: depth of the K/V ring.
-    overlap: keep P_j V_j in flight under slot j + 1's softmax (`_overlapped_slots`);
-      needs stages >= 3.
     interpret: None, or `plgpu.InterpretGPUParams` to run in GPU interpret mode.
 
   Returns:
     out: like queries; lse: float32 [batch, query_chunks, heads, k, query_rows], base-2
-    log-normalizers in base-2 score units (as `kernels.forward`'s).
+    log-normalizers in base-2 score units (as `triton_kernels.forward`'s).
   """
   check_padded(queries, keys, values, chunk_len=chunk_len, stages=stages)
-  _check_overlap(overlap, stages)
   batch, query_chunks, query_rows, heads, head_dim = queries.shape
   kv_heads = keys.shape[3]
   top_k = indices.shape[-1]
@@ -274,7 +215,6 @@ def forward_native(
     top_k=top_k,
     chunk_len=chunk_len,
     stages=stages,
-    overlap=overlap,
     scale=float(scale),
     interpreted=interpreted,
   )
@@ -304,10 +244,9 @@ def forward(
   chunk_len: int,
   scale: float,
   stages: int = DEFAULT_STAGES,
-  overlap: bool = False,
   interpret=None,
 ):
-  """`forward_native` with the log-normalizers in `kernels.forward`'s layout
+  """`forward_native` with the log-normalizers in `triton_kernels.forward`'s layout
   [batch, query_chunks, k, query_rows, heads] (one XLA transpose)."""
   out, lse = forward_native(
     queries,
@@ -318,7 +257,6 @@ def forward(
     chunk_len=chunk_len,
     scale=scale,
     stages=stages,
-    overlap=overlap,
     interpret=interpret,
   )
   return out, lse.transpose(0, 1, 3, 4, 2)
@@ -333,7 +271,6 @@ def gca_forward_mosaic(
   *,
   scale: float,
   stages: int = DEFAULT_STAGES,
-  overlap: bool = False,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """GCA forward through the Mosaic GPU kernel (Hopper), in the GCA entry point's layout.
@@ -348,7 +285,6 @@ def gca_forward_mosaic(
       k] (out-of-range indices are clipped).
     scale: the score scale.
     stages: depth of the kernel's K/V ring.
-    overlap: the overlapped schedule (`_overlapped_slots`; needs stages >= 3).
     interpret: run in Pallas GPU interpret mode (CPU; slow, for tests).
 
   Returns:
@@ -360,12 +296,12 @@ def gca_forward_mosaic(
     ValueError: sizes or a dtype the kernel does not take (naming the argument).
   """
   padded = pad_inputs(q, chunk_k, chunk_v, chunk_weights, chunk_indices, stages=stages)
+  share_identical_kernels()
   out, lse = forward(
     *padded.arrays,
     chunk_len=padded.chunk_len,
     scale=scale,
     stages=stages,
-    overlap=overlap,
     interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
   return padded.unpad(out), lse

@@ -22,7 +22,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 # Shared with the CASTLE Mosaic kernels: the TMA/wgmma shared-memory layout.
-from pallas_kernels.castle.mosaic_forward import operand_smem
+from pallas_kernels.mosaic_common import operand_smem
+from pallas_kernels.mosaic_compiler_params import compiler_params
 from pallas_kernels.gca import padding
 
 TILE_ROWS = 64  # query rows per program: one warpgroup's wgmma rows
@@ -41,17 +42,17 @@ def unsupported_reason(
     return (
       f"the GCA Mosaic kernels take q in {[jnp.dtype(d).name for d in SUPPORTED_DTYPES]} (wgmma's 16-bit "
       f"operands), got dtype {jnp.dtype(dtype).name}; cast q, chunk_k and chunk_v or use the Triton kernels "
-      "(GcaKernelConfig(backend='triton'))"
+      "(implementation='triton')"
     )
   if head_dim not in SUPPORTED_HEAD_DIMS:
     return (
       f"the GCA Mosaic kernels take head_dim in {SUPPORTED_HEAD_DIMS} (last axis of q), got {head_dim}; use "
-      "the Triton kernels (GcaKernelConfig(backend='triton'))"
+      "the Triton kernels (implementation='triton')"
     )
   if not 1 <= chunk_len <= CHUNK_TILE:
     return (
       f"the GCA Mosaic kernels take memory chunks of 1..{CHUNK_TILE} keys (chunk_len, axis 2 of chunk_k), "
-      f"got {chunk_len}; use the Triton kernels (GcaKernelConfig(backend='triton'))"
+      f"got {chunk_len}; use the Triton kernels (implementation='triton')"
     )
   if query_rows % TILE_ROWS:
     return (
@@ -271,7 +272,7 @@ def launch_grid(kernel, out_type, scratch, *, grid, grid_names, interpret):
     scratch_types=scratch,
     grid=grid,
     grid_names=grid_names,
-    compiler_params=plgpu.CompilerParams(approx_math=True),
+    compiler_params=compiler_params(),
     interpret=interpret,
   )
 

@@ -1,6 +1,6 @@
 """Zero padding of GCA inputs to the tiles of a kernel family, and its undoing.
 
-Both kernel families (Triton: `ops`; Mosaic GPU: `mosaic_tiles`) view the queries as
+Both kernel families (Triton: `triton`; Mosaic GPU: `mosaic_tiles`) view the queries as
 [batch, query_chunks, query_len, heads, head_dim], pad each query chunk with zero rows
 and each memory chunk with zero keys (masked out of every softmax_1 by the kernels), and
 slice the padded rows off the output. They differ only in the padded sizes.

@@ -1,6 +1,7 @@
-"""Power attention (p = 2) Pallas GPU kernels (Triton backend): fused expand-and-multiply."""
+"""Power attention (p = 2) Pallas Triton kernels: fused expand-and-multiply. The power-attention op
+(`castle_jax.ops.power.power_attention`) runs them for implementation="triton"."""
 
-from pallas_kernels.power.config import PowerKernelConfig, default_config
-from pallas_kernels.power.ops import power_attention_pallas
+from pallas_kernels.power.config import PowerTritonConfig, default_triton_config
+from pallas_kernels.power.triton import power_attention_triton
 
-__all__ = ["PowerKernelConfig", "default_config", "power_attention_pallas"]
+__all__ = ["PowerTritonConfig", "default_triton_config", "power_attention_triton"]

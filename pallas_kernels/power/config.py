@@ -12,7 +12,7 @@ FEATURE_TILE = 16
 
 
 @dataclasses.dataclass(frozen=True)
-class PowerKernelConfig:
+class PowerTritonConfig:
   """Block sizes, warps and pipeline stages of the power-attention kernels.
 
   Attributes:
@@ -44,10 +44,10 @@ class PowerKernelConfig:
       tiles=("block_t", "block_q", "block_k", "grad_block"),
     )
     if self.row_group > FEATURE_TILE:
-      raise ValueError(f"PowerKernelConfig.row_group must be <= {FEATURE_TILE}, got {self.row_group}")
+      raise ValueError(f"PowerTritonConfig.row_group must be <= {FEATURE_TILE}, got {self.row_group}")
     if self.block_q % self.block_k and self.block_k % self.block_q:
       raise ValueError(
-        f"PowerKernelConfig.block_q ({self.block_q}) and block_k ({self.block_k}) must divide one another"
+        f"PowerTritonConfig.block_q ({self.block_q}) and block_k ({self.block_k}) must divide one another"
       )
 
   @property
@@ -56,10 +56,10 @@ class PowerKernelConfig:
     return max(self.block_t, self.block_q, self.block_k, self.grad_block)
 
   @classmethod
-  def from_string(cls, text: str) -> "PowerKernelConfig":
+  def from_string(cls, text: str) -> "PowerTritonConfig":
     """From "key=value,..." (`pallas_kernels.config_checks.parse_config`)."""
     return parse_config(cls, text)
 
 
-def default_config() -> PowerKernelConfig:
-  return PowerKernelConfig()
+def default_triton_config() -> PowerTritonConfig:
+  return PowerTritonConfig()

@@ -1,4 +1,4 @@
-"""Tiling of the hybrid tree attention kernel (`pallas_kernels.tree_attention.kernels`)."""
+"""Tiling of the hybrid tree attention kernel (`pallas_kernels.tree_attention.triton`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pallas_kernels.config_checks import check_int_fields, parse_config
 
 
 @dataclasses.dataclass(frozen=True)
-class TreeAttentionConfig:
+class TreeAttentionTritonConfig:
   """How the kernel tiles its work.
 
   The n drafted nodes times the heads that share one KV head form the query rows of a
@@ -27,7 +27,7 @@ class TreeAttentionConfig:
   """
 
   block_rows: int | None = None
-  # 128: 1.1-1.4x faster than 64 for a 69-node tree at 16K-32K slots on an H100.
+  # 128: measured faster than 64 on an H100 (benchmarks/RESULTS.md, tree attention).
   block_keys: int = 128
   splits: int | None = None
   target_programs: int = 256
@@ -44,6 +44,6 @@ class TreeAttentionConfig:
     )
 
   @classmethod
-  def from_string(cls, text: str) -> "TreeAttentionConfig":
+  def from_string(cls, text: str) -> "TreeAttentionTritonConfig":
     """From "key=value,..." (`pallas_kernels.config_checks.parse_config`)."""
     return parse_config(cls, text)

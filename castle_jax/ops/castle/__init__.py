@@ -1,11 +1,11 @@
 """CASTLE: causal attention with lookahead keys (and CASTLE-SWL).
 
 Entry point `castle_attention`; oracles in `reference`; the blockwise training path
-in `blockwise`; UQ-KV cache decoding in `decode`.
+in `xla`; UQ-KV cache decoding in `decode`.
 """
 
-from castle_jax.ops.castle.api import IMPLEMENTATIONS, castle_attention
-from castle_jax.ops.castle.blockwise import (
+from castle_jax.ops.castle.api import IMPLEMENTATIONS, KERNEL_CONFIGS, castle_attention
+from castle_jax.ops.castle.xla import (
   DEFAULT_BLOCK_SIZE,
   castle_blockwise,
   castle_blockwise_prefill,
@@ -16,6 +16,7 @@ from castle_jax.ops.castle.reference import castle_parallel, castle_recurrent, l
 __all__ = [
   "DEFAULT_BLOCK_SIZE",
   "IMPLEMENTATIONS",
+  "KERNEL_CONFIGS",
   "UQKVCache",
   "append_tokens",
   "castle_attention",

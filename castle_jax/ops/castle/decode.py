@@ -34,9 +34,9 @@ from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 
-from castle_jax.ops.backend import choose
-from castle_jax.ops.castle.api import DEFAULT_ORDER, implementations
-from castle_jax.ops.castle.blockwise import DEFAULT_BLOCK_SIZE, castle_blockwise_prefill
+from castle_jax.ops.backend import Implementation, choose, rejects_renamed_arguments
+from castle_jax.ops.castle.api import implementations
+from castle_jax.ops.castle.xla import DEFAULT_BLOCK_SIZE, castle_blockwise_prefill
 from castle_jax.ops.numerics import compute_dtype, score_scale
 from castle_jax.ops.castle.common import (
   attend_with_lookahead_keys,
@@ -46,8 +46,16 @@ from castle_jax.ops.castle.common import (
   validate_window,
 )
 from castle_jax.sharding import SEQUENCE_HEADS_AXES, TOKEN_HEADS_AXES, map_over_shards
-from pallas_kernels.castle import castle_prefill_pallas
-from pallas_kernels.castle import decode as pallas_decode
+from pallas_kernels.castle import CastleDecodeConfig, castle_forward_mosaic, castle_prefill_triton
+from pallas_kernels.castle import triton_decode
+from pallas_kernels.castle import triton as triton_ops
+
+# The prefill's default stays on the Triton forward: the Mosaic one runs when asked for
+# (implementation="mosaic"); only forward plus backward was measured for the default.
+PREFILL_DEFAULT_ORDER = ("triton", "xla")
+# Decoding has one kernel, Triton's (one token: nothing for wgmma tiles to fill); a model
+# that trains with "mosaic" decodes with it too.
+DECODE_DEFAULT_ORDER = ("triton", "xla")
 
 
 @flax.struct.dataclass
@@ -126,6 +134,7 @@ def _check_against_cache(cache: UQKVCache, inputs, what: str) -> None:
     )
 
 
+@rejects_renamed_arguments
 def prefill(
   cache: UQKVCache,
   q_u: jax.Array,
@@ -137,7 +146,7 @@ def prefill(
   *,
   block_size: int = DEFAULT_BLOCK_SIZE,
   implementation: str | None = None,
-  pallas_config=None,
+  kernel_config=None,
 ) -> tuple[jax.Array, UQKVCache]:
   """Algorithm 5: the prompt's outputs and a cache filled with its UQ-KV state.
 
@@ -150,10 +159,11 @@ def prefill(
     q_u, k_u, v_u, q_c, k_c, v_c: [batch, prompt_len, heads, head_dim].
     block_size: block size of the blockwise forward ("xla").
     implementation: the forward pass that yields outputs and U^L: "xla" (blockwise
-      Algorithm 1), "pallas" (the forward kernel), "reference" (treated as "xla":
-      the parallel form has no U^L), or None ("pallas" on a GPU, else "xla"); chosen
-      as in `castle_attention`.
-    pallas_config: a `pallas_kernels.castle.CastleKernelConfig` for "pallas" (None: default).
+      Algorithm 1), "triton" or "mosaic" (the forward kernels, whose final D is U^L),
+      "reference" (treated as "xla": the parallel form has no U^L), or None ("triton"
+      on a GPU where it runs, else "xla"; `PREFILL_DEFAULT_ORDER`).
+    kernel_config: a `CastleTritonConfig` for "triton", a `CastleMosaicConfig` for
+      "mosaic", or None (their defaults).
 
   Returns:
     outputs: [batch, prompt_len, heads, head_dim] in the inputs' dtype.
@@ -170,9 +180,15 @@ def prefill(
       f"prefill: the prompt has {prompt_len} tokens but the cache capacity is {cache.capacity}; "
       "create the cache with a larger capacity"
     )
-  if choose("prefill", implementation, implementations(q_u.dtype), DEFAULT_ORDER) == "pallas":
+  table = implementations(q_u.dtype, q_u.shape[-1], cache.window)
+  implementation = choose("prefill", implementation, table, PREFILL_DEFAULT_ORDER, kernel_config=kernel_config)
+  if implementation in ("triton", "mosaic"):
     run = functools.partial(
-      castle_prefill_pallas, scale=score_scale(q_u.shape[-1]), window=cache.window, config=pallas_config
+      _prefill_triton if implementation == "triton" else _prefill_mosaic,
+      scale=score_scale(q_u.shape[-1]),
+      window=cache.window,
+      config=kernel_config,
+      interpret=jax.default_backend() == "cpu",
     )
     outputs, keys = map_over_shards(run, inputs, [SEQUENCE_HEADS_AXES] * 6, [SEQUENCE_HEADS_AXES] * 2, what="prefill")
   else:
@@ -194,6 +210,16 @@ def prefill(
     window=cache.window,
   )
   return outputs, new_cache
+
+
+def _prefill_triton(*inputs, scale, window, config, interpret):
+  return castle_prefill_triton(*inputs, scale=scale, window=window, config=config, interpret=interpret)
+
+
+def _prefill_mosaic(*inputs, scale, window, config, interpret):
+  """The Mosaic forward's outputs and final D (the prompt's lookahead keys U^L)."""
+  result = castle_forward_mosaic(*inputs, scale=scale, window=window, config=config, interpret=interpret)
+  return result.out, result.lookahead_keys
 
 
 def _overflow_message(capacity: int) -> str:
@@ -231,20 +257,24 @@ def _update_lookahead_keys(cache: UQKVCache, position, in_bounds, k_u, v_u, dtyp
   )
 
 
-def _decode_implementation(implementation: str | None, cache: UQKVCache, dtype) -> str:
-  """ "pallas" or "xla" for a decoding step ("reference" has no step of its own and runs
-  the XLA step); the default falls back to "xla" (logged) where the kernel cannot run."""
+def _decode_implementation(implementation: str | None, cache: UQKVCache, dtype, kernel_config) -> str:
+  """ "triton" or "xla" for a decoding step: "mosaic" runs the Triton decoding kernel and
+  "reference" (no step of its own) the XLA step; the default falls back to "xla" (logged)
+  where the kernel cannot run."""
   head_dim = cache.causal_keys.shape[-1]
 
-  def head_dim_reason() -> str | None:
-    if pallas_decode.supports_head_dim(head_dim):
-      return None
-    return f"the Pallas decoding kernel takes power-of-two head dims >= 16, got {head_dim}; use implementation='xla'"
+  def kernel_unsupported() -> str | None:
+    if not triton_decode.supports_head_dim(head_dim):
+      return f"the decoding kernel takes power-of-two head dims >= 16, got {head_dim}; use implementation='xla'"
+    return triton_ops.unsupported_reason(dtype)
 
-  chosen = choose("decode_step", implementation, implementations(dtype, head_dim_reason), DEFAULT_ORDER)
-  return "pallas" if chosen == "pallas" else "xla"
+  kernel = Implementation(kernel_unsupported, default_backends=("gpu",), config_type=CastleDecodeConfig)
+  table = {"reference": Implementation(), "xla": Implementation(), "triton": kernel, "mosaic": kernel}
+  chosen = choose("decode_step", implementation, table, DECODE_DEFAULT_ORDER, kernel_config=kernel_config)
+  return "triton" if chosen in ("triton", "mosaic") else "xla"
 
 
+@rejects_renamed_arguments
 def decode_step(
   cache: UQKVCache,
   q_u: jax.Array,
@@ -255,7 +285,7 @@ def decode_step(
   v_c: jax.Array,
   *,
   implementation: str | None = None,
-  pallas_config=None,
+  kernel_config: CastleDecodeConfig | None = None,
 ) -> tuple[jax.Array, UQKVCache]:
   """Algorithm 4: one new token against the UQ-KV cache.
 
@@ -263,11 +293,12 @@ def decode_step(
     cache: the UQKVCache after `length` tokens.
     q_u, k_u, v_u, q_c, k_c, v_c: [batch, 1, heads, head_dim], the new token's
       projections.
-    implementation: "xla" (rank-1 update and combining step as XLA ops), "pallas"
-      (`pallas_kernels.castle.decode`: one kernel updates U and attends in a single
-      pass; SWL updates its W rows in XLA first; power-of-two head dims), "reference"
-      (as "xla"), or None ("pallas" on a GPU where it applies, else "xla").
-    pallas_config: a `pallas_kernels.castle.CastleDecodeConfig` for "pallas".
+    implementation: "xla" (rank-1 update and combining step as XLA ops), "triton"
+      (`pallas_kernels.castle.triton_decode`: one kernel updates U and attends in a single
+      pass; SWL updates its W rows in XLA first; power-of-two head dims), "mosaic" (the
+      same Triton kernel), "reference" (as "xla"), or None ("triton" on a GPU where it
+      applies, else "xla").
+    kernel_config: a `CastleDecodeConfig` for the decoding kernel (None: its default).
 
   Returns:
     output: [batch, 1, heads, head_dim] in the inputs' dtype.
@@ -289,9 +320,9 @@ def decode_step(
   checkify.debug_check(in_bounds, _overflow_message(capacity))
 
   dtype = compute_dtype(jnp.promote_types(q_u.dtype, cache.lookahead_keys.dtype))
-  implementation = _decode_implementation(implementation, cache, dtype)
-  # CASTLE's update touches every cached row: the Pallas kernel fuses it with attending.
-  fused_update = implementation == "pallas" and cache.window is None
+  implementation = _decode_implementation(implementation, cache, dtype, kernel_config)
+  # CASTLE's update touches every cached row: the kernel fuses it with attending.
+  fused_update = implementation == "triton" and cache.window is None
   lookahead_keys = cache.lookahead_keys
   if not fused_update:
     lookahead_keys = _update_lookahead_keys(cache, position, in_bounds, k_u.astype(dtype), v_u.astype(dtype), dtype)
@@ -306,13 +337,13 @@ def decode_step(
     window=cache.window,
   )
 
-  if implementation == "pallas":
+  if implementation == "triton":
     last_row = jnp.minimum(position, capacity - 1)
     attend = functools.partial(
-      pallas_decode.decode_attend,
+      triton_decode.decode_attend,
       scale=score_scale(q_c.shape[-1]),
       update_lookahead_keys=fused_update,
-      config=pallas_config,
+      config=kernel_config,
       interpret=jax.default_backend() == "cpu",
     )
     output, keys = map_over_shards(
@@ -350,6 +381,7 @@ def decode_step(
   return output, new_cache
 
 
+@rejects_renamed_arguments
 def append_tokens(
   cache: UQKVCache,
   q_u: jax.Array,
@@ -361,8 +393,8 @@ def append_tokens(
   *,
   block_size: int = DEFAULT_BLOCK_SIZE,
   implementation: str | None = None,
-  pallas_config=None,
-  decode_pallas_config=None,
+  kernel_config=None,
+  decode_kernel_config: CastleDecodeConfig | None = None,
 ) -> tuple[jax.Array, UQKVCache]:
   """Appends any number of tokens: a prefill into an empty cache, decoding steps otherwise.
 
@@ -377,8 +409,8 @@ def append_tokens(
       projections (positions length .. length + new - 1).
     block_size: of the prefill (see `prefill`).
     implementation: of the prefill and the decoding steps (see `prefill`, `decode_step`).
-    pallas_config, decode_pallas_config: kernel configs of the Pallas prefill and decoding
-      step (None: their defaults).
+    kernel_config, decode_kernel_config: kernel configs of the prefill (see `prefill`) and
+      of the decoding step (a `CastleDecodeConfig`); None: their defaults.
 
   Returns:
     outputs: [batch, new, heads, head_dim] in the inputs' dtype.
@@ -391,7 +423,7 @@ def append_tokens(
   """
   inputs = (q_u, k_u, v_u, q_c, k_c, v_c)
   if q_u.ndim == 4 and q_u.shape[1] == 1:
-    return decode_step(cache, *inputs, implementation=implementation, pallas_config=decode_pallas_config)
+    return decode_step(cache, *inputs, implementation=implementation, kernel_config=decode_kernel_config)
   _check_against_cache(cache, inputs, "append_tokens")
   new = q_u.shape[1]
   if new > cache.capacity:
@@ -401,12 +433,12 @@ def append_tokens(
     )
 
   def fresh(cache):
-    return prefill(cache, *inputs, block_size=block_size, implementation=implementation, pallas_config=pallas_config)
+    return prefill(cache, *inputs, block_size=block_size, implementation=implementation, kernel_config=kernel_config)
 
   def extend(cache):
     def step(cache, token):
       output, cache = decode_step(
-        cache, *(x[:, None] for x in token), implementation=implementation, pallas_config=decode_pallas_config
+        cache, *(x[:, None] for x in token), implementation=implementation, kernel_config=decode_kernel_config
       )
       return cache, output[:, 0]
 

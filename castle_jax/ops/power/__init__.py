@@ -1,15 +1,15 @@
 """Power attention: (q . k)^p attention = linear attention with a symmetric-power state.
 
 Entry point `power_attention`; state expansions in `expansion`; the attention-form
-oracles in `reference`; the chunked XLA path in `chunked`; decoding with a constant-size
-state in `recurrent`.
+oracles in `reference`; the chunked XLA path in `xla`; decoding with a constant-size
+state in `decode`.
 """
 
-from castle_jax.ops.power.api import IMPLEMENTATIONS, power_attention, resolve
-from castle_jax.ops.power.chunked import empty_state, power_attention_chunked
+from castle_jax.ops.power.api import IMPLEMENTATIONS, KERNEL_CONFIGS, power_attention, resolve
+from castle_jax.ops.power.xla import empty_state, power_attention_chunked
 from castle_jax.ops.power.common import DEFAULT_CHUNK_SIZE, PowerState
 from castle_jax.ops.power.expansion import EXPANSIONS, expand, expanded_dim, spow, tpow, tspow
-from castle_jax.ops.power.recurrent import (
+from castle_jax.ops.power.decode import (
   PowerCache,
   append_tokens,
   decode_step,
@@ -23,6 +23,7 @@ __all__ = [
   "DEFAULT_CHUNK_SIZE",
   "EXPANSIONS",
   "IMPLEMENTATIONS",
+  "KERNEL_CONFIGS",
   "PowerCache",
   "PowerState",
   "append_tokens",

@@ -4,11 +4,12 @@
   - "reference": the attention form from the definition (O(T^2), plain jnp, full
     precision); a test oracle and fine for short sequences.
   - "xla": the chunked form (O(T c d + T D d_v), memory O(T d + (T / c) D d_v) per head).
-  - "pallas": fused Pallas GPU kernels (pallas_kernels/power), p = 2, power-of-two head
+  - "triton": fused Pallas Triton kernels (pallas_kernels/power), p = 2, power-of-two head
     dims >= 16, chunk_size a multiple of the kernels' largest block (64 by default); runs
     in interpret mode on CPU (slow: for tests). States cross the boundary in `expansion`'s
-    layout (the kernels use tspow with 16-feature tiles inside).
-  - None: "pallas" on a GPU when the kernels support the inputs (p = 2, power-of-two
+    layout (the kernels use tspow with 16-feature tiles inside). `kernel_config` a
+    `PowerTritonConfig`.
+  - None: "triton" on a GPU when the kernels support the inputs (p = 2, power-of-two
     dims, chunk_size a multiple of 64), else "xla" (`castle_jax.ops.backend.choose`:
     logged at debug level; an explicit choice that cannot run raises).
 
@@ -21,19 +22,21 @@ from __future__ import annotations
 
 import jax
 
-from castle_jax.ops.backend import Implementation, choose
-from castle_jax.ops.power.chunked import power_attention_chunked
+from castle_jax.ops.backend import Implementation, choose, rejects_renamed_arguments
+from castle_jax.ops.power.xla import power_attention_chunked
 from castle_jax.ops.power.common import DEFAULT_CHUNK_SIZE, PowerState, validate_all, validate_chunk_size
 from castle_jax.ops.power.expansion import convert_expanded
 from castle_jax.ops.power.reference import power_attention_reference, reference_state
 from castle_jax.sharding import KV_SEQUENCE_HEADS_AXES, SEQUENCE_HEADS_AXES, map_over_shards
-from pallas_kernels.power import power_attention_pallas
-from pallas_kernels.power.ops import EXPANSION, unsupported_reason
+from pallas_kernels.power import PowerTritonConfig, power_attention_triton
+from pallas_kernels.power.triton import EXPANSION, unsupported_reason
 
-IMPLEMENTATIONS = ("reference", "xla", "pallas")
-DEFAULT_ORDER = ("pallas", "xla")
+IMPLEMENTATIONS = ("reference", "xla", "triton")
+DEFAULT_ORDER = ("triton", "xla")
+# The kernel config type of each kernel implementation (`kernel_config=`).
+KERNEL_CONFIGS = {"triton": PowerTritonConfig}
 # The kernels' measured sweet spot (benchmarks/RESULTS.md); the XLA path's is DEFAULT_CHUNK_SIZE.
-PALLAS_DEFAULT_CHUNK_SIZE = 1024
+TRITON_DEFAULT_CHUNK_SIZE = 1024
 
 
 def resolve(
@@ -44,13 +47,13 @@ def resolve(
   head_dim: int,
   value_dim: int,
   dtype,
-  pallas_config=None,
+  kernel_config: PowerTritonConfig | None = None,
 ) -> tuple[str, int]:
   """(implementation, chunk size) that `power_attention` runs for inputs of these sizes.
 
-  chunk_size None means the implementation's own: PALLAS_DEFAULT_CHUNK_SIZE for "pallas",
+  chunk_size None means the implementation's own: TRITON_DEFAULT_CHUNK_SIZE for "triton",
   DEFAULT_CHUNK_SIZE for "xla" (and "reference", which has no chunks). The default
-  implementation is "pallas" on a GPU where the kernels take p, the dims, the dtype and
+  implementation is "triton" on a GPU where the kernels take p, the dims, the dtype and
   that chunk, else "xla".
 
   Raises:
@@ -63,20 +66,22 @@ def resolve(
   def chunk_for(name: str) -> int:
     if chunk_size is not None:
       return chunk_size
-    return PALLAS_DEFAULT_CHUNK_SIZE if name == "pallas" else DEFAULT_CHUNK_SIZE
+    return TRITON_DEFAULT_CHUNK_SIZE if name == "triton" else DEFAULT_CHUNK_SIZE
 
   implementations = {
     "reference": Implementation(),
     "xla": Implementation(),
-    "pallas": Implementation(
-      lambda: unsupported_reason(p, head_dim, value_dim, dtype, chunk_for("pallas"), pallas_config),
+    "triton": Implementation(
+      lambda: unsupported_reason(p, head_dim, value_dim, dtype, chunk_for("triton"), kernel_config),
       default_backends=("gpu",),
+      config_type=PowerTritonConfig,
     ),
   }
-  chosen = choose("power_attention", implementation, implementations, DEFAULT_ORDER)
+  chosen = choose("power_attention", implementation, implementations, DEFAULT_ORDER, kernel_config=kernel_config)
   return chosen, chunk_for(chosen)
 
 
+@rejects_renamed_arguments
 def power_attention(
   q: jax.Array,
   k: jax.Array,
@@ -91,7 +96,7 @@ def power_attention(
   initial_state: PowerState | None = None,
   return_final_state: bool = False,
   implementation: str | None = None,
-  pallas_config=None,
+  kernel_config: PowerTritonConfig | None = None,
 ) -> jax.Array | tuple[jax.Array, PowerState]:
   """Causal power attention with optional per-head gating (paper Sec. 4).
 
@@ -107,13 +112,13 @@ def power_attention(
     p: even power >= 2 (2 and 4 are the paper's).
     scale: score scale; None means 1/sqrt(head_dim), as in the authors' code.
     chunk_size: tokens per chunk (static); seq need not be a multiple. None: 128 for "xla",
-      1024 for "pallas" (the kernels' measured sweet spot; clipped to the sequence).
+      1024 for "triton" (the kernels' measured sweet spot; clipped to the sequence).
     expansion: "spow", "tpow" or "tspow": the phi of the chunked form and of the state.
     d_tile: tile size of "tspow" (default 8 for p = 2, else 4).
     initial_state: PowerState from earlier tokens (e.g. a prompt), or None.
     return_final_state: also return the PowerState after the last token.
     implementation: one of IMPLEMENTATIONS or None (see module docstring).
-    pallas_config: a `pallas_kernels.power.PowerKernelConfig` for "pallas" (None: default).
+    kernel_config: a `PowerTritonConfig` for "triton" (None: its default).
 
   Returns:
     outputs [batch, seq, heads, value_dim] in q's dtype (bf16 inputs are computed in
@@ -132,10 +137,10 @@ def power_attention(
     head_dim=q.shape[-1],
     value_dim=v.shape[-1],
     dtype=q.dtype,
-    pallas_config=pallas_config,
+    kernel_config=kernel_config,
   )
-  if implementation == "pallas":
-    return _pallas(
+  if implementation == "triton":
+    return _triton(
       q,
       k,
       v,
@@ -147,7 +152,7 @@ def power_attention(
       d_tile=d_tile,
       initial_state=initial_state,
       return_final_state=return_final_state,
-      config=pallas_config,
+      config=kernel_config,
     )
   options = dict(p=p, scale=scale, expansion=expansion, d_tile=d_tile, initial_state=initial_state)
   if implementation == "reference":
@@ -159,7 +164,7 @@ def power_attention(
   return (out, final_state) if return_final_state else out
 
 
-def _pallas(q, k, v, log_g, *, p, scale, chunk_size, expansion, d_tile, initial_state, return_final_state, config):
+def _triton(q, k, v, log_g, *, p, scale, chunk_size, expansion, d_tile, initial_state, return_final_state, config):
   head_dim = q.shape[-1]
   layout = (expansion, d_tile)
 
@@ -173,7 +178,7 @@ def _pallas(q, k, v, log_g, *, p, scale, chunk_size, expansion, d_tile, initial_
     initial_state = convert(initial_state, layout, EXPANSION)
 
   def per_shard(q, k, v, log_g, initial_state):
-    out, final = power_attention_pallas(
+    out, final = power_attention_triton(
       q,
       k,
       v,

@@ -8,12 +8,13 @@ the tree mask (itself and its ancestors, `tree_mask_from_parents`).
   - "reference": one dense softmax over [cache ; tree] with the concatenated mask
     (`reference.py`, float32 math); a test oracle.
   - "xla": the hybrid form (LongSpec §3.3): cache part without a mask, tree part with
-    the n x n mask, merged through their log-sum-exps (`split.py`).
-  - "pallas": one Pallas (Triton) kernel (`pallas_kernels/tree_attention`): split-K
+    the n x n mask, merged through their log-sum-exps (`xla.py`).
+  - "triton": one Pallas Triton kernel (`pallas_kernels/tree_attention`): split-K
     flash decoding over the filled slots (work follows cache_length, not the capacity)
     with the masked tree tile folded into the last split, partial states merged in XLA.
     Power-of-two head dims >= 16. Runs in interpret mode on CPU (slow: for tests).
-  - None: "pallas" on a GPU where it takes the head dim, else "xla"
+    `kernel_config` a `TreeAttentionTritonConfig`.
+  - None: "triton" on a GPU where it takes the head dim, else "xla"
     (`castle_jax.ops.backend.choose`, logged at debug level).
 
 Inference only: there is no custom VJP, and gradients are neither needed nor tested.
@@ -34,18 +35,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from castle_jax.ops.backend import Implementation, choose
+from castle_jax.ops.backend import Implementation, choose, rejects_renamed_arguments
 from castle_jax.sharding import KV_SEQUENCE_HEADS_AXES, SEQUENCE_HEADS_AXES, map_over_shards
 from castle_jax.ops.tree_attention.reference import cache_attention_reference, tree_attention_reference
-from castle_jax.ops.tree_attention.split import cache_attention as split_cache_attention, hybrid_tree_attention
-from pallas_kernels.tree_attention import TreeAttentionConfig, supports_head_dim, tree_attention_pallas
+from castle_jax.ops.tree_attention.xla import cache_attention as split_cache_attention, hybrid_tree_attention
+from pallas_kernels.tree_attention import TreeAttentionTritonConfig, supports_head_dim, tree_attention_triton
 
-IMPLEMENTATIONS = ("reference", "xla", "pallas")
-_DEFAULT_ORDER = ("pallas", "xla")
+IMPLEMENTATIONS = ("reference", "xla", "triton")
+_DEFAULT_ORDER = ("triton", "xla")
+# The kernel config type of each kernel implementation (`kernel_config=`).
+KERNEL_CONFIGS = {"triton": TreeAttentionTritonConfig}
 
 
 def _implementations(head_dim: int) -> dict[str, Implementation]:
-  def pallas_unsupported() -> str | None:
+  def triton_unsupported() -> str | None:
     if supports_head_dim(head_dim):
       return None
     return f"the kernel needs a power-of-two head_dim >= 16, got {head_dim} (use implementation='xla')"
@@ -53,12 +56,20 @@ def _implementations(head_dim: int) -> dict[str, Implementation]:
   return {
     "reference": Implementation(),
     "xla": Implementation(),
-    "pallas": Implementation(pallas_unsupported, default_backends=("gpu",)),
+    "triton": Implementation(triton_unsupported, default_backends=("gpu",), config_type=TreeAttentionTritonConfig),
   }
 
 
-def _pallas(
-  q, cache_k, cache_v, cache_length, tree_k=None, tree_v=None, tree_mask=None, *, config: TreeAttentionConfig | None
+def _triton(
+  q,
+  cache_k,
+  cache_v,
+  cache_length,
+  tree_k=None,
+  tree_v=None,
+  tree_mask=None,
+  *,
+  config: TreeAttentionTritonConfig | None,
 ):
   """The kernel, per shard of batch rows and heads under a device mesh."""
   interpret = jax.default_backend() == "cpu"
@@ -75,7 +86,7 @@ def _pallas(
     axes += [KV_SEQUENCE_HEADS_AXES, KV_SEQUENCE_HEADS_AXES, ("batch", None, None) if tree_mask.ndim == 3 else None]
 
   def run(*shard_args):
-    return tree_attention_pallas(*shard_args, config=config, interpret=interpret)
+    return tree_attention_triton(*shard_args, config=config, interpret=interpret)
 
   return map_over_shards(run, args, axes, [SEQUENCE_HEADS_AXES, ("batch", None, "act_heads")], what="tree_attention")
 
@@ -147,6 +158,7 @@ def _validate_tree_inputs(
     )
 
 
+@rejects_renamed_arguments
 def cache_attention(
   q: jax.Array,
   cache_k: jax.Array,
@@ -154,7 +166,7 @@ def cache_attention(
   cache_length: jax.Array,
   *,
   implementation: str | None = None,
-  pallas_config: TreeAttentionConfig | None = None,
+  kernel_config: TreeAttentionTritonConfig | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Attention of n queries over the filled slots of a cache, with its log-sum-exp.
 
@@ -166,9 +178,9 @@ def cache_attention(
     cache_k, cache_v: [batch, capacity, kv_heads, head_dim]; heads % kv_heads == 0.
       Slots >= cache_length are ignored.
     cache_length: int32 scalar or [batch], 0 .. capacity (may be traced under jit).
-    implementation: "reference" (dense, masked by the length), "xla", "pallas" or None
+    implementation: "reference" (dense, masked by the length), "xla", "triton" or None
       (see module docstring).
-    pallas_config: the kernel's tiling for "pallas" (None: its default).
+    kernel_config: the kernel's tiling for "triton" (None: its default).
 
   Returns:
     out: [batch, n, heads, head_dim] in q's dtype; 0 for an empty cache.
@@ -179,14 +191,17 @@ def cache_attention(
       unsupported implementation.
   """
   _validate_cache_inputs(q, cache_k, cache_v, cache_length)
-  implementation = choose("cache_attention", implementation, _implementations(q.shape[-1]), _DEFAULT_ORDER)
+  implementation = choose(
+    "cache_attention", implementation, _implementations(q.shape[-1]), _DEFAULT_ORDER, kernel_config=kernel_config
+  )
   if implementation == "reference":
     return cache_attention_reference(q, cache_k, cache_v, cache_length)
-  if implementation == "pallas":
-    return _pallas(q, cache_k, cache_v, cache_length, config=pallas_config)
+  if implementation == "triton":
+    return _triton(q, cache_k, cache_v, cache_length, config=kernel_config)
   return split_cache_attention(q, cache_k, cache_v, cache_length)
 
 
+@rejects_renamed_arguments
 def tree_attention(
   q: jax.Array,
   cache_k: jax.Array,
@@ -198,7 +213,7 @@ def tree_attention(
   *,
   implementation: str | None = None,
   return_lse: bool = False,
-  pallas_config: TreeAttentionConfig | None = None,
+  kernel_config: TreeAttentionTritonConfig | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Drafted tree nodes attend to the committed cache and to their own branch.
 
@@ -216,7 +231,7 @@ def tree_attention(
       node i sees node j (`tree_mask_from_parents`).
     implementation: one of IMPLEMENTATIONS or None (see module docstring).
     return_lse: also return the log-sum-exp, e.g. to merge with more key groups.
-    pallas_config: the kernel's tiling for "pallas" (None: its default).
+    kernel_config: the kernel's tiling for "triton" (None: its default).
 
   Returns:
     out [batch, n, heads, head_dim] in q's dtype; with return_lse, (out, lse) with
@@ -228,9 +243,11 @@ def tree_attention(
   """
   _validate_cache_inputs(q, cache_k, cache_v, cache_length)
   _validate_tree_inputs(q, cache_k, tree_k, tree_v, tree_mask)
-  implementation = choose("tree_attention", implementation, _implementations(q.shape[-1]), _DEFAULT_ORDER)
-  if implementation == "pallas":
-    run = functools.partial(_pallas, config=pallas_config)
+  implementation = choose(
+    "tree_attention", implementation, _implementations(q.shape[-1]), _DEFAULT_ORDER, kernel_config=kernel_config
+  )
+  if implementation == "triton":
+    run = functools.partial(_triton, config=kernel_config)
   else:
     run = tree_attention_reference if implementation == "reference" else hybrid_tree_attention
   out, lse = run(q, cache_k, cache_v, cache_length, tree_k, tree_v, tree_mask)
