@@ -37,9 +37,17 @@ class _Parser(argparse.ArgumentParser):
     fail(f"{message} (see --help)")
 
 
-def make_parser(prog: str, description: str, *, lengths: str) -> argparse.ArgumentParser:
+def make_parser(
+  prog: str,
+  description: str,
+  *,
+  lengths: str | None,
+  output_help: str = "a directory, or a .json file (the plot goes beside it as .png); "
+  "default: <workdir>/eval/, or eval/<name>/ for --pretrained",
+) -> argparse.ArgumentParser:
   """A parser with the flags every evaluation has (`--workdir` or `--pretrained`, `--step`,
-  `--lengths`, `--output`, `--data_dir`); the caller adds its own."""
+  `--output`) and, for evaluations of corpus text against context length (`lengths` the
+  default), `--lengths` and `--data_dir`; the caller adds its own."""
   parser = _Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
   source = parser.add_mutually_exclusive_group(required=True)
   source.add_argument("--workdir", help="training workdir (config.json, checkpoints/)")
@@ -49,18 +57,15 @@ def make_parser(prog: str, description: str, *, lengths: str) -> argparse.Argume
     help="a trained model shipped with the package (castle_jax.models.pretrained) instead",
   )
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest good one)")
-  parser.add_argument(
-    "--lengths", default=lengths, help=f"comma-separated context lengths in tokens (default {lengths})"
-  )
-  parser.add_argument(
-    "--output",
-    default=None,
-    help="a directory, or a .json file (the plot goes beside it as .png); "
-    "default: <workdir>/eval/, or eval/<name>/ for --pretrained",
-  )
-  parser.add_argument(
-    "--data_dir", default=None, help="TFDS data dir of the validation text (default: the workdir's data.data_dir)"
-  )
+  if lengths is not None:
+    parser.add_argument(
+      "--lengths", default=lengths, help=f"comma-separated context lengths in tokens (default {lengths})"
+    )
+  parser.add_argument("--output", default=None, help=output_help)
+  if lengths is not None:
+    parser.add_argument(
+      "--data_dir", default=None, help="TFDS data dir of the validation text (default: the workdir's data.data_dir)"
+    )
   return parser
 
 
@@ -162,6 +167,34 @@ def header(name: str, args: argparse.Namespace, config: ml_collections.ConfigDic
     "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     "config": config.to_dict(),
   }
+
+
+def refuse_existing(output: str | None) -> None:
+  """An EvalError if `output` names a .json file that exists (checked before any work)."""
+  if output and output.endswith(".json") and os.path.exists(output):
+    fail(f"--output={output} exists; results are never overwritten: pass a new .json path or a directory")
+
+
+def new_result_path(output: str | None, default_dir: str | None, stem: str) -> str:
+  """A path for a result file that no earlier result has: `output` if it is a .json file
+  that does not exist yet (an EvalError if it does), else `<dir>/<stem>_<UTC time>.json` in
+  the directory `output` (default `default_dir`), with -2, -3, ... added if taken."""
+  if output and output.endswith(".json"):
+    refuse_existing(output)
+    path = os.path.abspath(output)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    return path
+  directory = os.path.abspath(output or default_dir)
+  os.makedirs(directory, exist_ok=True)
+  base = os.path.join(directory, f"{stem}_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+  for attempt in range(1, 1000):
+    path = base + ("" if attempt == 1 else f"-{attempt}") + ".json"
+    try:  # claims the name, so two runs started in the same second get different files
+      os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+      return path
+    except FileExistsError:
+      continue
+  fail(f"{base}-*.json: 999 result files of this second exist; pass --output")
 
 
 def write_json(path: str, record: dict[str, Any]) -> None:
