@@ -152,7 +152,7 @@ def test_shortest_prompt_fits(data_config):
 @pytest.mark.parametrize(
   "key, value, match",
   [
-    ("task", "mlm", r"data.task must be one of \('lm', 'passkey'\)"),
+    ("task", "mlm", r"data.task must be one of \('lm', 'passkey', 'variable_tracking', 'mqar'\)"),
     ("passkey.loss", "prompt", r"data.passkey.loss must be one of \('answer', 'all'\)"),
     ("passkey.digits", 0, "data.passkey.digits must be an int >= 1"),
     ("passkey.align_to", -1, "data.passkey.align_to must be 0"),

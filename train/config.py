@@ -14,6 +14,7 @@ import difflib
 import ml_collections
 
 from castle_jax.config import ModelConfig
+from castle_jax.data.task_data import default_knobs
 
 
 def model_defaults() -> ml_collections.ConfigDict:
@@ -65,13 +66,18 @@ def base_config() -> ml_collections.ConfigDict:
   d.worker_count = 0  # grain worker processes; 0 reads in the main process
   d.prefetch = 2  # train batches read ahead by a background thread; 0: read on the step's path
   # "lm": packed documents; "passkey": passkey-retrieval prompts with corpus haystacks,
-  # generated on the fly (castle_jax/data/passkey_data.py), for fine-tuning and eval.
+  # generated on the fly (castle_jax/data/passkey_data.py), for fine-tuning and eval;
+  # "variable_tracking", "mqar": synthetic mechanism tasks, no corpus (docs/tasks.md).
   d.task = "lm"
   d.passkey = ml_collections.ConfigDict()
   d.passkey.digits = 5  # decimal digits of the passkey
   d.passkey.loss = "answer"  # "answer": only the passkey tokens are targets; "all": every prompt token
   d.passkey.align_to = 0  # 0: no alignment; a DRT chunk size: the answer " is <passkey>" starts a chunk
   d.passkey.min_length = 0  # 0: every prompt fills seq_len; else lengths uniform in [min_length, seq_len]
+  # The mechanism tasks' knobs, documented with their ranges where they are defined
+  # (castle_jax/data/variable_tracking.py and mqar.py, class Knobs).
+  d.variable_tracking = ml_collections.ConfigDict(default_knobs("variable_tracking"))
+  d.mqar = ml_collections.ConfigDict(default_knobs("mqar"))
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1  # -1: fill with the devices left over

@@ -1,8 +1,9 @@
 """grain input pipelines for language modelling over a TFDS dataset.
 
-data.task picks the stream (one dispatch, in make_lm_dataset): "lm" (below) or
+data.task picks the stream (one dispatch, in make_lm_dataset): "lm" (below),
 "passkey" (castle_jax.data.passkey_data: passkey-retrieval prompts over the same
-corpus, generated on the fly, in the same batch format).
+corpus, generated on the fly, in the same batch format), or a mechanism task,
+"variable_tracking" or "mqar" (castle_jax.data.task_data: synthetic prompts, no corpus).
 
 source (random access) -> shuffle (train) -> repeat -> this process's shard ->
 tokenize to [BOS] + doc + [EOS] -> concatenate and split into windows of
@@ -29,9 +30,11 @@ import tensorflow_datasets as tfds
 
 from castle_jax.data import python_stdlib
 from castle_jax.data.passkey_data import make_passkey_dataset
+from castle_jax.data.task_data import TASKS as MECHANISM_TASKS
+from castle_jax.data.task_data import make_task_dataset
 from castle_jax.data.tokenizer import Tokenizer
 
-TASKS = ("lm", "passkey")
+TASKS = ("lm", "passkey", *MECHANISM_TASKS)
 
 DEFAULT_DATA_DIR = os.path.join(os.path.expanduser("~"), ".cache", "castle_jax", "tensorflow_datasets")
 
@@ -165,7 +168,8 @@ def make_lm_dataset(
   Args:
     data_config: `config.data` (task, dataset, data_dir, source_dir, text_key, seq_len,
       batch_size (global), shuffle_seed, worker_count; passkey.* for task "passkey",
-      whose stream replaces the packed documents and ignores `shuffle`).
+      whose stream replaces the packed documents and ignores `shuffle`; <task>.* for
+      the mechanism tasks, whose streams read no dataset and ignore `shuffle`).
     tokenizer: maps text to ids.
     split: TFDS split name.
     shuffle: shuffle documents (reshuffled every epoch); eval streams keep file order.
@@ -191,13 +195,17 @@ def make_lm_dataset(
   if task not in TASKS:
     raise ValueError(f"data.task must be one of {TASKS}, got {task!r}")
 
-  source = get_data_source(d.dataset, split, d.data_dir, d.get("source_dir"))
-  if task == "passkey":
+  if task in MECHANISM_TASKS:
+    batched = make_task_dataset(
+      d, tokenizer, split=split, process_index=process_index, process_count=process_count
+    ).to_iter_dataset()
+  elif task == "passkey":
+    source = get_data_source(d.dataset, split, d.data_dir, d.get("source_dir"))
     batched = make_passkey_dataset(
       d, tokenizer, source, split=split, process_index=process_index, process_count=process_count
     ).to_iter_dataset()
   else:
-    ds = grain.MapDataset.source(source)
+    ds = grain.MapDataset.source(get_data_source(d.dataset, split, d.data_dir, d.get("source_dir")))
     if shuffle:
       ds = ds.shuffle(seed=d.shuffle_seed)
     ds = ds.repeat()[process_index::process_count]

@@ -31,9 +31,10 @@ def fail(message: str) -> NoReturn:
   raise EvalError(message)
 
 
-def make_parser(prog: str, description: str, *, lengths: str) -> argparse.ArgumentParser:
+def make_parser(prog: str, description: str, *, lengths: str | None) -> argparse.ArgumentParser:
   """A parser with the flags every evaluation has (`--workdir` or `--pretrained`, `--step`,
-  `--lengths`, `--output`, `--data_dir`); the caller adds its own."""
+  `--output`) and, for evaluations of corpus text against context length (`lengths` the
+  default), `--lengths` and `--data_dir`; the caller adds its own."""
   parser = command_line.ArgumentParser(prog=prog, description=description)
   source = parser.add_mutually_exclusive_group(required=True)
   source.add_argument("--workdir", help="training workdir (config.json, checkpoints/)")
@@ -43,19 +44,22 @@ def make_parser(prog: str, description: str, *, lengths: str) -> argparse.Argume
     help="a trained model shipped with the package (castle_jax.models.pretrained) instead",
   )
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest good one)")
-  parser.add_argument(
-    "--lengths", default=lengths, help=f"comma-separated context lengths in tokens (default {lengths})"
-  )
+  if lengths is not None:
+    parser.add_argument(
+      "--lengths", default=lengths, help=f"comma-separated context lengths in tokens (default {lengths})"
+    )
   parser.add_argument(
     "--output",
     default=None,
-    help="a directory, where each evaluation gets its own <eval>_step<N>.json (then -2, -3, ...) and .png, "
-    "or a new .json file (the plot goes beside it as .png); default: <workdir>/eval/, or "
+    help="a directory, where each evaluation gets its own <eval>_step<N>.json (then -2, -3, ...)"
+    + (" and .png" if lengths is not None else "")
+    + ", or a new .json file; default: <workdir>/eval/, or "
     f"{outputs.user_cache_dir('eval', 'NAME')}/ for --pretrained=NAME",
   )
-  parser.add_argument(
-    "--data_dir", default=None, help="TFDS data dir of the validation text (default: the workdir's data.data_dir)"
-  )
+  if lengths is not None:
+    parser.add_argument(
+      "--data_dir", default=None, help="TFDS data dir of the validation text (default: the workdir's data.data_dir)"
+    )
   return parser
 
 
