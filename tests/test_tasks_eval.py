@@ -138,7 +138,9 @@ def test_command_writes_new_files_under_the_workdir(workdir, capsys, monkeypatch
   out = capsys.readouterr().out
   assert "variable_tracking at step 4: 4 examples, 12 queries" in out and "overwrites" in out
   files = sorted(os.listdir(os.path.join(workdir, "eval")))
-  assert len(files) == 2 and files == ["tasks_variable_tracking_step4-2.json", "tasks_variable_tracking_step4.json"], files
+  assert len(files) == 2 and files == ["tasks_variable_tracking_step4-2.json", "tasks_variable_tracking_step4.json"], (
+    files
+  )
   assert os.listdir(tmp_path) == []
   records = []
   for name in files:
