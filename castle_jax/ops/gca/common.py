@@ -18,11 +18,6 @@ import jax
 import jax.numpy as jnp
 
 
-def compute_dtype(dtype) -> jnp.dtype:
-  """The dtype the math runs in: at least float32 (bf16 inputs are upcast)."""
-  return jnp.promote_types(dtype, jnp.float32)
-
-
 def softmax_one(scores: jax.Array, axis: int = -1) -> jax.Array:
   """softmax_1 along `axis`: exp(z_i) / (1 + sum_l exp(z_l)), overflow-free.
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from castle_jax.ops.gca.common import compute_dtype, gather_chunks, softmax_one, validate_inputs
+from castle_jax.ops.numerics import compute_dtype
+from castle_jax.ops.gca.common import gather_chunks, softmax_one, validate_inputs
 
 
 def gca_reference(

@@ -25,7 +25,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from castle_jax.ops.gca.common import compute_dtype, gather_chunks, log_normalizer_one, validate_inputs
+from castle_jax.ops.numerics import compute_dtype
+from castle_jax.ops.gca.common import gather_chunks, log_normalizer_one, validate_inputs
 from pallas_kernels.residuals import keep_for_backward
 
 
