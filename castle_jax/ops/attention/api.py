@@ -47,6 +47,14 @@ def cudnn_unsupported_reason(q: jax.Array) -> str | None:
   return None
 
 
+def _cudnn_alibi_unsupported_reason(alibi: bool, window: int | None) -> str | None:
+  # ALiBi runs as blocks of `window` queries over 2 * window keys with a bias, and cuDNN's
+  # biased backward takes even lengths only.
+  if alibi and window % 2:
+    return f"cuDNN ALiBi attention needs an even window (cuDNN's biased backward takes even lengths), got {window}"
+  return None
+
+
 def _validate(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None) -> None:
   for name, x in (("q", q), ("k", k), ("v", v)):
     if x.ndim != 4:
@@ -94,7 +102,7 @@ def causal_attention(
   implementations = {
     "reference": Implementation(),
     "xla": Implementation(),
-    "cudnn": Implementation(lambda: cudnn_unsupported_reason(q)),
+    "cudnn": Implementation(lambda: cudnn_unsupported_reason(q) or _cudnn_alibi_unsupported_reason(alibi, window)),
   }
   implementation = choose("causal_attention", implementation, implementations, _DEFAULT_ORDER)
 

@@ -8,14 +8,14 @@ import jax.numpy as jnp
 import pytest
 
 from castle_jax.ops.attention import causal_attention
-from helpers import rel_err
+from helpers import HOPPER, rel_err
 
 IMPLEMENTATIONS = ["xla", pytest.param("cudnn", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.usefixtures("full_float32_matmuls")
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("window, alibi", [(None, False), (5, False), (5, True)])
+@pytest.mark.parametrize("window, alibi", [(None, False), (5, False), (6, True)])
 def test_outputs_and_gradients_match_the_reference(implementation, window, alibi):
   dtype, tol = (jnp.float32, 1e-5) if implementation == "xla" else (jnp.bfloat16, 2e-2)
   keys = jax.random.split(jax.random.key(0), 4)
@@ -35,3 +35,12 @@ def test_outputs_and_gradients_match_the_reference(implementation, window, alibi
   assert rel_err(out, ref) < tol
   for name, grad, ref_grad in zip("qkv", grads, ref_grads):
     assert rel_err(grad, ref_grad) < tol, name
+
+
+def test_cudnn_alibi_with_an_odd_window_is_refused_and_the_default_takes_xla(device):
+  device(HOPPER)
+  q, k, v = (jnp.ones((1, 10, 2, 16), jnp.bfloat16) for _ in range(3))
+  with pytest.raises(ValueError, match="cuDNN ALiBi attention needs an even window .* got 5"):
+    causal_attention(q, k, v, window=5, alibi=True, implementation="cudnn")
+  reference = causal_attention(q, k, v, window=5, alibi=True, implementation="reference")
+  assert rel_err(causal_attention(q, k, v, window=5, alibi=True), reference) < 1e-2
