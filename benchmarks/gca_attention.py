@@ -3,7 +3,7 @@ work and the decoder's sliding-window ALiBi self-attention over the same tokens.
 
     python -m benchmarks.gca_attention [--tokens=16384,65536] [--batch=4] [--heads=12] \
         [--head_dim=64] [--chunk=64] [--top_k=8] [--impls=xla,triton,mosaic,dense_cudnn] \
-        [--timing.kernel_configs="triton:block_rows=32,num_warps=4;mosaic:stages=3"] \
+        [--kernel_configs="triton:block_rows=32,num_warps=4;mosaic:stages=3"] \
         [--window_impls=cudnn,cudnn_plain,xla] [--json=out.json]
     python -m benchmarks.gca_attention --smoke   # tiny shapes, any device (CI)
 
@@ -14,7 +14,7 @@ at random (retrieval is not timed). Gradients: q, chunk keys/values and chunk we
 configs/drt_128m.py has chunk_size 63: --chunk=63 gives its shape (64 query positions
 per chunk, memory chunks of 63 keys). `--impls` defaults to the op's implementations
 (`castle_jax.ops.gca.IMPLEMENTATIONS`, but "reference") and the dense baseline;
-`--timing.kernel_configs` times an implementation once per config given (a sweep); without it,
+`--kernel_configs` times an implementation once per config given (a sweep); without it,
 its default config; an implementation that cannot run here is a row saying why.
 
 FLOPs per forward: 4 * positions * heads * top_k * chunk * head_dim (two products per

@@ -41,7 +41,7 @@ def _grads(impl, window, inputs, cotangent):
     (128, None, jnp.bfloat16, 4096),
   ],
 )
-def test_pallas_matches_parallel_form(head_dim, window, dtype, seq):
+def test_triton_matches_parallel_form(head_dim, window, dtype, seq):
   shape = (2, seq, 3, head_dim)
   inputs, cotangent = _inputs(head_dim + (window or 0), shape, dtype)
   f32 = tuple(x.astype(jnp.float32) for x in inputs)
@@ -61,7 +61,7 @@ def test_pallas_matches_parallel_form(head_dim, window, dtype, seq):
     assert error < tol_grad, name
 
 
-def test_default_on_gpu_is_pallas():
+def test_default_on_gpu_is_a_kernel():
   inputs, _ = _inputs(0, (1, 128, 2, 64), jnp.bfloat16)
   text = jax.jit(lambda *a: castle_attention(*a)).lower(*inputs).as_text()
   assert "castle_forward" in text
@@ -71,7 +71,7 @@ def test_default_on_gpu_is_pallas():
   "head_dim, window, dtype",
   [(128, None, jnp.bfloat16), (64, None, jnp.float32), (128, 200, jnp.bfloat16), (64, 1024, jnp.float32)],
 )
-def test_pallas_decoding_matches_xla_step(head_dim, window, dtype):
+def test_triton_decoding_matches_xla_step(head_dim, window, dtype):
   """The fused decoding kernel against the XLA step: outputs and the whole cache after
   a prompt of 2500 tokens and 6 steps, capacity 3000 (a ragged last block)."""
   from castle_jax.ops.castle import decode_step, init_cache, prefill
@@ -92,10 +92,10 @@ def test_pallas_decoding_matches_xla_step(head_dim, window, dtype):
         out, state = step(state, *(x[:, t : t + 1] for x in inputs))
         outs.append(out.astype(jnp.float32))
       caches[impl] = (jnp.concatenate(outs, axis=1), state)
-  (out_xla, cache_xla), (out_pallas, cache_pallas) = caches["xla"], caches["triton"]
-  assert int(cache_pallas.length) == prompt + steps
-  assert rel_err(out_pallas, out_xla) < tol
+  (out_xla, cache_xla), (out_triton, cache_triton) = caches["xla"], caches["triton"]
+  assert int(cache_triton.length) == prompt + steps
+  assert rel_err(out_triton, out_xla) < tol
   for name in ("lookahead_keys", "lookahead_queries", "causal_keys", "causal_values"):
     assert (
-      rel_err(getattr(cache_pallas, name).astype(jnp.float32), getattr(cache_xla, name).astype(jnp.float32)) < tol
+      rel_err(getattr(cache_triton, name).astype(jnp.float32), getattr(cache_xla, name).astype(jnp.float32)) < tol
     ), name
