@@ -208,6 +208,29 @@ def test_results_files_of_the_passkey_command_must_be_of_the_same_prompts(tmp_pa
   assert status == 1 and f"{arms[2]} and {arms[0]} are evaluated on different data (passkey examples 10 vs 20)" in err
 
 
+def test_results_files_of_the_tasks_command_must_be_of_the_same_task(tmp_path, capsys):
+  arms = []
+  knobs = {"names": 8, "assignments": 16, "overwrite_rate": 0.5}
+  for name, accuracies, rate in (("A", [0.2, 0.3], 0.5), ("B", [0.4, 0.6], 0.5), ("C", [0.4, 0.6], 0.0)):
+    path = _write_arm(tmp_path / name, _final([1.0, 2.0]))
+    for k, accuracy in enumerate(accuracies):
+      os.makedirs(os.path.join(path, f"seed_{k}", "eval"))
+      record = {"eval": "tasks", "step": 20, "time": "2025-01-01", "task": "variable_tracking", "examples": 50}
+      record.update(seed=0, knobs={**knobs, "overwrite_rate": rate})
+      record["overall"] = {"query_accuracy": accuracy, "token_accuracy": accuracy, "answer_loss": 2.0 - accuracy}
+      with open(os.path.join(path, f"seed_{k}", "eval", "tasks_variable_tracking_step20.json"), "w") as f:
+        json.dump(record, f)
+    arms.append(path)
+  status, out, err = _run(capsys, arms[0], arms[1], "--results=tasks")
+  assert status == 0, err
+  record = json.load(open(tmp_path / "A" / "compare" / "compare_query_accuracy.json"))
+  assert record["equal_tokens"]["arms"][1]["difference"]["mean"] == pytest.approx(0.25)
+  status, out, err = _run(capsys, arms[0], arms[1], "--results=tasks", "--metric=answer_loss")
+  assert status == 0, err
+  status, _, err = _run(capsys, arms[0], arms[2], "--results=tasks")
+  assert status == 1 and f"{arms[2]} and {arms[0]} are evaluated on different data (tasks knobs" in err
+
+
 @pytest.fixture()
 def paths(tmp_path):
   final = _final([1.0, 2.0])
@@ -265,6 +288,14 @@ def paths(tmp_path):
     (
       ["{A}", "--results=passkey"],
       "{A}: none of its 2 seeds has passkey results in eval/ (run python -m castle_jax.eval.passkey",
+    ),
+    (
+      ["{A}", "--results=tasks"],
+      "{A}: none of its 2 seeds has tasks results in eval/ (run python -m castle_jax.eval.tasks --workdir=<arm>/seed_<k>",
+    ),
+    (
+      ["{A}", "--results=tasks", "--length=8"],
+      "--length applies to --results=perplexity or passkey, not to --results=tasks",
     ),
     ([], "the following arguments are required: arms"),
   ],

@@ -2,7 +2,7 @@
 different configs, evaluated on the same data.
 
     python -m castle_jax.eval.compare runs/baseline runs/castle [runs/C ...] [--metric=eval_loss]
-        [--at_tokens=N] [--at_seconds=S] [--results=metrics|perplexity|passkey --length=L]
+        [--at_tokens=N] [--at_seconds=S] [--results=metrics|perplexity|passkey|tasks --length=L]
         [--unpaired] [--output=DIR]
 
 Each arm is the workdir of a run of several seeds; seed k is read from `<arm>/seed_<k>/`. The
@@ -10,7 +10,8 @@ values compared are each seed's evaluations: by default the eval records of its
 metrics.jsonl (`--metric` eval_loss, perplexity or bits_per_byte), or with `--results` the
 results files of an evaluation command in `<arm>/seed_<k>/eval/` (perplexity: `--metric`
 eval_loss, perplexity or bits_per_byte at context `--length`; passkey: first_token or
-all_tokens accuracy at `--length`). For each arm: the mean over its seeds and its 95%
+all_tokens accuracy at `--length`; tasks: query_accuracy, token_accuracy or answer_loss of
+`castle_jax.eval.tasks`, overall). For each arm: the mean over its seeds and its 95%
 interval (t distribution). For each later arm: the difference to the first arm, paired by
 seed index (seed k of every arm read the same data in the same order and is evaluated on the
 same data: `train.seeds` gives seed k the same seeds in every config): its mean, 95%
@@ -59,12 +60,16 @@ LEVEL = 0.95
 # The exact two-sided Wilcoxon signed-rank test cannot reach p < 0.05 with fewer pairs
 # (its smallest p with 5 pairs is 2 / 2^5 = 0.0625).
 WILCOXON_MIN_PAIRS = 6
-SOURCES = ("metrics", "perplexity", "passkey")
+SOURCES = ("metrics", "perplexity", "passkey", "tasks")
+# Evaluations whose results are one row per context length (`--length` picks one).
+_BY_LENGTH = ("perplexity", "passkey")
 METRICS = {
   "metrics": {"eval_loss": "loss", "perplexity": "perplexity", "bits_per_byte": "bits_per_byte"},
   "perplexity": {"eval_loss": "loss", "perplexity": "perplexity", "bits_per_byte": "bits_per_byte"},
   "passkey": {"all_tokens": "all_tokens", "first_token": "first_token"},
+  "tasks": {"query_accuracy": "query_accuracy", "token_accuracy": "token_accuracy", "answer_loss": "answer_loss"},
 }
+DEFAULT_METRIC = {"metrics": "eval_loss", "perplexity": "eval_loss", "passkey": "all_tokens", "tasks": "query_accuracy"}
 # data.* settings that change neither the evaluation data nor the data order.
 _DATA_KEYS_IGNORED = ("data_dir", "worker_count", "prefetch")
 # data.* settings that change the training data order but not the evaluation data.
@@ -73,6 +78,7 @@ _DATA_ORDER_KEYS = ("shuffle_seed", "train_split")
 _RESULTS_EVAL_SET = {
   "perplexity": ("windows",),
   "passkey": ("examples", "digits", "seed", "depths", "align_to", "top_k"),
+  "tasks": ("task", "knobs", "examples", "seed"),
 }
 
 
@@ -228,10 +234,12 @@ def _train_seconds(seed_dir: str) -> dict[int, float]:
 def _points_from_results(
   seed_dir: str, source: str, key: str, length: int | None, tokens_per_step: int
 ) -> tuple[list[Point], dict[str, Any], int]:
-  """The seed's evaluations in its `<source>_step<N>*.json` files (the newest file of each
-  step), what defines their data, and the length read."""
+  """The seed's evaluations in its `<source>_step<N>*.json` files (`tasks_<task>_step<N>*.json`
+  for the mechanism tasks; the newest file of each step), what defines their data, and the
+  length read (None for the tasks)."""
   by_step = {}
-  for path in glob.glob(os.path.join(seed_dir, "eval", f"{source}_step*.json")):
+  pattern = "tasks_*_step*.json" if source == "tasks" else f"{source}_step*.json"
+  for path in glob.glob(os.path.join(seed_dir, "eval", pattern)):
     with open(path) as f:
       record = json.load(f)
     if record.get("eval") == source and (
@@ -244,21 +252,26 @@ def _points_from_results(
   points, eval_set = [], {}
   for step in sorted(by_step):
     record = by_step[step]
-    rows = {row["length"]: row for row in record["results"]}
-    chosen = length if length is not None else max(rows)
-    if chosen not in rows:
-      raise CompareError(
-        f"--length={chosen}: {source} results of step {step} in {seed_dir}/eval have lengths {sorted(rows)} only"
-      )
-    length = chosen
-    points.append(Point(step, step * tokens_per_step, seconds.get(step), float(rows[chosen][key])))
+    if source in _BY_LENGTH:
+      rows = {row["length"]: row for row in record["results"]}
+      chosen = length if length is not None else max(rows)
+      if chosen not in rows:
+        raise CompareError(
+          f"--length={chosen}: {source} results of step {step} in {seed_dir}/eval have lengths {sorted(rows)} only"
+        )
+      length, row = chosen, rows[chosen]
+    else:
+      row = record["overall"]
+    points.append(Point(step, step * tokens_per_step, seconds.get(step), float(row[key])))
     settings = {f"{source} {name}": record.get(name) for name in _RESULTS_EVAL_SET[source]}
     if eval_set and settings != eval_set:
       raise CompareError(
         f"the {source} results of {seed_dir} are not all of the same evaluation: {'; '.join(_differences(eval_set, settings))}"
       )
     eval_set = settings
-  return points, {**eval_set, f"{source} length": length}, length
+  if source in _BY_LENGTH:
+    eval_set = {**eval_set, f"{source} length": length}
+  return points, eval_set, length
 
 
 def load_arm(name: str, source: str, metric: str, length: int | None = None) -> tuple[Arm, int | None]:
@@ -298,6 +311,8 @@ def load_arm(name: str, source: str, metric: str, length: int | None = None) -> 
       "eval records in metrics.jsonl (train.eval_batches=0?)"
       if source == "metrics"
       else f"{source} results in eval/ (run python -m castle_jax.eval.{source} on each seed's workdir)"
+      if source in _BY_LENGTH
+      else "tasks results in eval/ (run python -m castle_jax.eval.tasks --workdir=<arm>/seed_<k> on each seed)"
     )
     raise CompareError(f"{name}: none of its {count} seeds has {where}")
   return arm, length
@@ -510,9 +525,12 @@ def _main(argv: Sequence[str]) -> None:
   parser.add_argument(
     "--metric",
     default=None,
-    help="eval_loss (default), perplexity, bits_per_byte; passkey: all_tokens (default), first_token",
+    help="eval_loss (default), perplexity, bits_per_byte; passkey: all_tokens (default), first_token; "
+    "tasks: query_accuracy (default), token_accuracy, answer_loss",
   )
-  parser.add_argument("--length", type=command_line.positive_int, default=None, help="--results: the context length")
+  parser.add_argument(
+    "--length", type=command_line.positive_int, default=None, help="--results=perplexity|passkey: the context length"
+  )
   parser.add_argument(
     "--at_tokens", type=command_line.positive_int, default=None, help="tokens (default: the last common)"
   )
@@ -520,13 +538,13 @@ def _main(argv: Sequence[str]) -> None:
   parser.add_argument("--unpaired", action="store_true", help="compare arms that are not paired (Welch's t test)")
   parser.add_argument("--output", default=None, help="a directory (default: <first arm>/compare/)")
   args = parser.parse_args(argv)
-  metric = args.metric or ("all_tokens" if args.results == "passkey" else "eval_loss")
+  metric = args.metric or DEFAULT_METRIC[args.results]
   if metric not in METRICS[args.results]:
     raise CompareError(
       f"--metric={metric}: with --results={args.results} choose one of {sorted(METRICS[args.results])}"
     )
-  if args.length is not None and args.results == "metrics":
-    raise CompareError("--length applies to --results=perplexity or passkey, not to the metrics.jsonl evaluations")
+  if args.length is not None and args.results not in _BY_LENGTH:
+    raise CompareError(f"--length applies to --results=perplexity or passkey, not to --results={args.results}")
   workdirs = [os.path.abspath(w) for w in args.arms]
   repeated = sorted({w for w in workdirs if workdirs.count(w) > 1})
   if repeated:
