@@ -44,14 +44,8 @@ import jax.numpy as jnp
 
 from castle_jax import command_line as cl
 from castle_jax.ops.attention import causal_attention
-from castle_jax.ops.power import IMPLEMENTATIONS, power_attention
-from pallas_kernels.power import (
-  PowerTritonConfig,
-  default_triton_config,
-  triton_discumsum,
-  triton_kernels,
-  power_attention_triton,
-)
+from castle_jax.ops.power import IMPLEMENTATIONS, KERNEL_CONFIGS, power_attention
+from pallas_kernels.power import default_triton_config, triton_discumsum, triton_kernels
 from benchmarks import timing
 
 
@@ -204,8 +198,14 @@ def kernel_breakdown(batch, seq, heads, head_dim, chunk, dtype, iters, config=No
   return rows
 
 
-def _kernel_configs(text: str) -> list[tuple[str, PowerTritonConfig]]:
-  return [(spec, PowerTritonConfig.from_string(spec)) for spec in text.split(";")] if text else []
+def _kernel_configs(text: str) -> dict[str, list[tuple[str, object]]]:
+  """{implementation: [(its key=value text, config), ...]} from "impl:key=value,...;impl:..."."""
+  configs = timing.kernel_configs(text, KERNEL_CONFIGS)
+  specs = {}
+  for entry in filter(None, (part.strip() for part in text.split(";"))):
+    impl, _, spec = entry.partition(":")
+    specs.setdefault(impl, []).append(spec)
+  return {impl: list(zip(specs[impl], configs[impl])) for impl in configs}
 
 
 def main(argv) -> int:
@@ -232,10 +232,10 @@ def main(argv) -> int:
   )
   parser.add_argument(
     "--kernel_configs",
-    type=cl.parsed_by(_kernel_configs, "';'-separated PowerTritonConfig fields as key=value"),
+    type=cl.parsed_by(_kernel_configs, "';'-separated 'impl:key=value,...'"),
     default="",
-    help="';'-separated kernel configs of PowerTritonConfig fields as key=value, e.g. "
-    "'block_t=32,num_warps=8;row_group=2', each its own row (default: the default config)",
+    help="';'-separated 'impl:key=value,...' kernel configs, e.g. 'triton:block_t=32,num_warps=8;triton:row_group=2', "
+    "each timed as its own row of that implementation (default: its default config)",
   )
   parser.add_argument(
     "--breakdown_seq_lens",
@@ -294,17 +294,12 @@ def main(argv) -> int:
             row["fwd_flops"] = power_forward_flops(*shape, chunk)
           rows.append(row)
       else:
-        configs = args.kernel_configs if impl == "triton" and args.kernel_configs else [("", None)]
+        configs = args.kernel_configs.get(impl, [("", None)])
         for chunk in chunks:
           for spec, config in configs:
-            if config is None:
-              fn = lambda q, k, v, log_g=None, chunk=chunk, impl=impl: power_attention(
-                q, k, v, log_g, p=2, chunk_size=chunk, implementation=impl
-              )
-            else:
-              fn = lambda q, k, v, log_g=None, chunk=chunk, config=config: power_attention_triton(
-                q, k, v, log_g, scale=args.head_dim**-0.5, chunk_size=chunk, config=config
-              )[0]
+            fn = lambda q, k, v, log_g=None, chunk=chunk, impl=impl, config=config: power_attention(
+              q, k, v, log_g, p=2, chunk_size=chunk, implementation=impl, kernel_config=config
+            )
             row = measure_jax(f"{impl}[c={chunk}{';' + spec if spec else ''}]", fn, *shape, dtype, args.iters, gated)
             row["chunk"] = chunk
             if "error" not in row:
