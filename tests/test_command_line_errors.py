@@ -100,6 +100,10 @@ TRAIN_CASES = [
   ((*TINY, "--config.train.log_every=0"), "train.log_every must be >= 1, got 0"),
   ((*TINY, "--seeds=4"), "--seeds=4: the number of seeds is a config key: pass --config.train.seeds=4"),
   ((*TINY, "--config.train.seeds=0"), "train.seeds must be an integer >= 1 (or None: one run in the workdir), got 0"),
+  (
+    (*TRAIN, "--config=configs/drt_tiny.py", "--workdir={nowhere}", "--config.model.family_kwargs.retriever=random"),
+    "model.family_kwargs holds only the keys its config file sets",
+  ),
 ]
 
 GENERATE = ("-m", "train.generate", "--workdir={nowhere}")

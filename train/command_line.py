@@ -140,6 +140,10 @@ def _lookup(config: Any, key: str) -> tuple[bool, Any, str]:
   return True, node, section
 
 
+# Config sections that are free-form dicts of a model family's or attention's own options.
+_FREE_FORM_SECTIONS = ("model.family_kwargs", "model.attention_kwargs")
+
+
 def _explain_override(error: BaseException, argv: list[str], config: ml_collections.ConfigDict) -> str | None:
   for key, value in overrides(argv):
     found, current, section = _lookup(config, key)
@@ -149,6 +153,13 @@ def _explain_override(error: BaseException, argv: list[str], config: ml_collecti
       keys = list(parent.keys()) if isinstance(parent, ml_collections.ConfigDict) else []
       close = difflib.get_close_matches(name, keys, n=1)
       where = f"section {section!r}" if section else "the config"
+      if section in _FREE_FORM_SECTIONS:
+        # These dicts hold only the keys the config file set; a new key means passing the whole dict.
+        shown = dict(parent) if isinstance(parent, ml_collections.ConfigDict) else {}
+        return (
+          f"--config.{key}={value}: {section} holds only the keys its config file sets ({sorted(keys)}); "
+          f'to set {name!r}, pass the whole dict: --config.{section}="{ {**shown, name: "..."} }"'
+        )
       suggestion = f"; did you mean --config.{section + '.' if section else ''}{close[0]}?" if close else ""
       return f"--config.{key}={value}: {where} has no key {name!r}{suggestion} ({CONFIG_HELP})"
     if f"--config.{key}=" in str(error):
