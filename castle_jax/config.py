@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from castle_jax.layers.options import AttentionOptions
 from castle_jax.layers.registry import get_attention
+from castle_jax.layers.rope import check_rope_scaling
 from castle_jax.ops.backend import pallas_is_renamed
 from pallas_kernels.residuals import save_attention_residuals
 
@@ -40,6 +41,10 @@ class ModelConfig:
     mlp_hidden, mlp_multiple_of: SwiGLU width (0: 8/3 * d_model rounded to the multiple).
     tie_embeddings: the LM head is the embedding table.
     rope_theta, norm_eps: RoPE base and RMSNorm epsilon.
+    rope_scaling: (key, value) pairs of a scaling of the RoPE frequencies (empty: none):
+      type "llama3" with factor, low_freq_factor, high_freq_factor and
+      original_max_position_embeddings (Llama 3.1/3.2; `castle_jax.layers.rope.rope_inv_freq`).
+    qkv_bias: the query, key and value projections have biases (Qwen2); `mha` only.
     attention: a name in the attention table (`castle_jax.layers.registry.ATTENTIONS`).
     attention_impl: the attention op's implementation, one of that attention's
       implementations (e.g. "reference", "xla", "triton", "mosaic"; "cudnn" for `mha`),
@@ -70,6 +75,9 @@ class ModelConfig:
   tie_embeddings: bool = True
   rope_theta: float = 10_000.0
   norm_eps: float = 1e-6
+  # Hashable (key, value) pairs, like attention_kwargs.
+  rope_scaling: tuple[tuple[str, Any], ...] = ()
+  qkv_bias: bool = False
   attention: str = "mha"
   attention_impl: str | None = None
   sliding_window: int = 0
@@ -104,6 +112,12 @@ class ModelConfig:
         raise ValueError(f"model.{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
     if self.remat_policy not in REMAT_POLICIES:
       raise ValueError(f"model.remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
+    check_rope_scaling(dict(self.rope_scaling))
+    if self.qkv_bias and (self.attention != "mha" or self.family != "transformer"):
+      raise ValueError(
+        f"model.qkv_bias is supported for the 'transformer' family with 'mha' attention only, got family "
+        f"{self.family!r} with attention {self.attention!r}"
+      )
     kind = get_attention(self.attention)
     if self.attention_impl == "pallas":
       raise ValueError(pallas_is_renamed(f"attention {self.attention!r}", kind.implementations, "model.attention_impl"))
@@ -123,7 +137,8 @@ class ModelConfig:
     if unknown:
       raise ValueError(f"Unknown model config keys {unknown}; known keys: {sorted(known)}")
     pairs = {
-      name: tuple(sorted(dict(fields.pop(name, None) or {}).items())) for name in ("attention_kwargs", "family_kwargs")
+      name: tuple(sorted(dict(fields.pop(name, None) or {}).items()))
+      for name in ("attention_kwargs", "family_kwargs", "rope_scaling")
     }
     return cls(**fields, **pairs)
 

@@ -12,13 +12,27 @@ import pytest
 from castle_jax.inference import generate, sample_next_token
 from castle_jax.ops.attention import KVCache
 from castle_jax.layers.registry import get_attention, registered_attentions
-from castle_jax.models import ModelConfig, TransformerLM, count_parameters
+from castle_jax.layers.rope import apply_rope
+from castle_jax.models import ModelConfig, TransformerLM, build_model, count_parameters
 from helpers import rel_err
 
 VARIANTS = {
   "mha": dict(),
   "gqa_window": dict(n_kv_heads=2, sliding_window=4),
   "untied_mqa": dict(n_kv_heads=1, tie_embeddings=False),
+  # Qwen2's q/k/v biases and Llama 3's RoPE scaling, with an original context of 64 so that
+  # one frequency is kept, one interpolated and two divided by the factor.
+  "gqa_qkv_bias_llama3_rope": dict(
+    n_kv_heads=2,
+    qkv_bias=True,
+    rope_scaling=(
+      ("factor", 8.0),
+      ("high_freq_factor", 4.0),
+      ("low_freq_factor", 1.0),
+      ("original_max_position_embeddings", 64),
+      ("type", "llama3"),
+    ),
+  ),
   # Block size 4 makes the 11-token tests span several blocks and a ragged last one.
   "castle": dict(attention="castle", n_heads=2, head_dim=16, attention_kwargs=(("block_size", 4),)),
   "castle_swl": dict(
@@ -325,3 +339,37 @@ def test_model_families_and_config_defaults():
   model_block = base_config().model
   model_block.init_std = 0.01
   assert ModelConfig.from_mapping(model_block).init_std == 0.01
+
+
+def test_qkv_bias_option():
+  config = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, qkv_bias=True, dtype="float32")
+  model = build_model(config)
+  params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))["params"]
+  attention = params["block_0"]["attention"]
+  assert attention["query"]["bias"].shape == (4, 8) and attention["key"]["bias"].shape == (2, 8)
+  assert sum(x.size for x in jax.tree.leaves(params)) == count_parameters(config)
+  plain = build_model(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, dtype="float32"))
+  plain_params = plain.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+  assert "bias" not in plain_params["block_0"]["attention"]["query"]
+  with pytest.raises(ValueError, match=r"qkv_bias is supported for the 'transformer' family with 'mha' attention only"):
+    ModelConfig(attention="castle", qkv_bias=True)
+
+
+def test_rope_scaling_option():
+  from train.config import base_config
+
+  x = jax.random.normal(jax.random.key(0), (1, 5, 2, 8))
+  positions = jnp.arange(5)[None]
+  np.testing.assert_array_equal(apply_rope(x, positions, 500.0), apply_rope(x, positions, 500.0, ()))
+  scaling = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+  model_block = base_config().model  # a training config sets it as a dict
+  model_block.rope_scaling = {**scaling, "original_max_position_embeddings": 64}
+  config = ModelConfig.from_mapping(model_block)
+  assert dict(config.rope_scaling)["factor"] == 8.0
+  scaled = apply_rope(x, positions, 500.0, config.rope_scaling)
+  assert not np.allclose(scaled, apply_rope(x, positions, 500.0))  # the lowest frequencies are slowed down
+  np.testing.assert_array_equal(scaled[..., 0], apply_rope(x, positions, 500.0)[..., 0])  # the highest is kept
+  with pytest.raises(ValueError, match=r"rope_scaling type 'yarn' is not supported; supported: \('llama3',\)"):
+    ModelConfig(rope_scaling=(("type", "yarn"),))
+  with pytest.raises(ValueError, match=r"needs exactly the keys"):
+    ModelConfig.from_mapping({"rope_scaling": scaling})

@@ -3,7 +3,13 @@
 import numpy as np
 import pytest
 
-from castle_jax.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, train_bpe_tokenizer
+from castle_jax.data.tokenizer import (
+  BPETokenizer,
+  ByteTokenizer,
+  PretrainedTokenizer,
+  load_tokenizer,
+  train_bpe_tokenizer,
+)
 
 TEXT = "def héllo(x):\n    return '☃' * x  # ünïcode\n"
 
@@ -51,3 +57,11 @@ def test_load_tokenizer_errors(tmp_path):
     load_tokenizer(str(tmp_path / "missing.json"))
   with pytest.raises(ValueError, match="vocab_size must be"):
     train_bpe_tokenizer(["x"], vocab_size=100, path=str(tmp_path / "t.json"))
+
+
+def test_pretrained_tokenizer_takes_the_given_specials_and_counts_bytes_as_bpe_does(bpe):
+  """A Hugging Face tokenizer.json (here a byte-level BPE) with special ids from its model's config."""
+  tok = PretrainedTokenizer(bpe.path, bos_id=bpe.eos_id, eos_id=bpe.bos_id)
+  assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (bpe.eos_id, bpe.bos_id, bpe.bos_id, bpe.vocab_size)
+  np.testing.assert_array_equal(tok.token_byte_lengths, bpe.token_byte_lengths)
+  assert tok.decode(tok.encode(TEXT)) == TEXT

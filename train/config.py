@@ -21,14 +21,14 @@ def model_defaults() -> ml_collections.ConfigDict:
   """`config.model`: ModelConfig's fields and defaults, so the two cannot drift.
 
   A field whose default is None (model.attention_impl) becomes a str placeholder;
-  model.attention_kwargs (and model.family_kwargs) is a ConfigDict whose keys depend on
-  model.attention (model.family)
+  model.attention_kwargs (and model.family_kwargs, model.rope_scaling) is a ConfigDict whose
+  keys depend on model.attention (model.family, the scaling's type)
   (assign a dict to it, e.g. `c.model.attention_kwargs = dict(p=2)`, which also works
   on a locked config; ModelConfig rejects keys the attention does not know).
   """
   m = ml_collections.ConfigDict()
   for field in dataclasses.fields(ModelConfig):
-    if field.name in ("attention_kwargs", "family_kwargs"):
+    if field.name in ("attention_kwargs", "family_kwargs", "rope_scaling"):
       m[field.name] = ml_collections.ConfigDict()
     elif field.default is None:
       m[field.name] = ml_collections.config_dict.placeholder(str)
@@ -132,7 +132,7 @@ def finalize(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
 
 # Sub-dicts whose keys are free-form (their meaning depends on another setting).
-_FREE_FORM = ("model.attention_kwargs", "model.family_kwargs")
+_FREE_FORM = ("model.attention_kwargs", "model.family_kwargs", "model.rope_scaling")
 
 
 def validate_keys(config: ml_collections.ConfigDict) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import json
 import os
 from typing import Iterable
 
@@ -90,6 +91,54 @@ class BPETokenizer(Tokenizer):
 
   def decode(self, ids) -> str:
     return self._tokenizer.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=True)
+
+
+class PretrainedTokenizer(Tokenizer):
+  """A Hugging Face `tokenizer.json` (byte-level BPE as in Llama 3 and Qwen2, or
+  SentencePiece-style with byte fallback as in Llama 2) whose special ids are given by
+  the model's config rather than named <bos>/<eos>/<pad>.
+
+  token_byte_lengths: 0 for the file's special added tokens, 1 for a byte-fallback
+  token <0xNN>, the bytes a byte-level token stands for, else the UTF-8 length of the
+  token with SentencePiece's "▁" read as a space.
+  """
+
+  def __init__(self, path: str, bos_id: int, eos_id: int, pad_id: int | None = None):
+    tokenizers = _import_tokenizers()
+    self.path = path
+    self._tokenizer = tokenizers.Tokenizer.from_file(path)
+    self.vocab_size = self._tokenizer.get_vocab_size()
+    self.bos_id, self.eos_id = int(bos_id), int(eos_id)
+    self.pad_id = self.eos_id if pad_id is None else int(pad_id)
+    specials = {token.content for token in self._tokenizer.get_added_tokens_decoder().values() if token.special}
+    byte_level = _decoder_is_byte_level(self._tokenizer.decoder)
+    lengths = []
+    for i in range(self.vocab_size):
+      token = self._tokenizer.id_to_token(i)
+      lengths.append(0 if token is None or token in specials else _token_byte_length(token, byte_level))
+    self.token_byte_lengths = np.array(lengths, np.int32)
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
+
+  def decode(self, ids) -> str:
+    return self._tokenizer.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=True)
+
+
+def _decoder_is_byte_level(decoder) -> bool:
+  if decoder is None:
+    return False
+  state = json.loads(decoder.__getstate__())
+  kinds = [state.get("type")] + [d.get("type") for d in state.get("decoders", [])]
+  return "ByteLevel" in kinds
+
+
+def _token_byte_length(token: str, byte_level: bool) -> int:
+  if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+    return 1  # a byte-fallback token
+  if byte_level and all(ch in _BYTE_OF_CHAR for ch in token):
+    return len(token)
+  return len(token.replace("▁", " ").encode("utf-8"))
 
 
 def _gpt2_byte_alphabet() -> dict[str, int]:

@@ -173,7 +173,7 @@ class MultiHeadCastle(nn.Module):
     for name in _PROJECTIONS:
       y = projection((heads, head_dim), ("embed", "heads", "head_dim"), cfg.init_std, cfg, name)(x)
       if name in _ROTATED:
-        y = apply_rope(y, positions, cfg.rope_theta)
+        y = apply_rope(y, positions, cfg.rope_theta, cfg.rope_scaling)
       inputs.append(constrain(y, _ACTIVATION_AXES))
     if cache is None:
       out = castle_attention(

@@ -1,4 +1,4 @@
-"""A bias-free linear map over several axes whose kernel carries logical axis names.
+"""A linear map over several axes (bias-free by default) whose kernel carries logical axis names.
 
 Flax's DenseGeneral initializes a flattened 2-D kernel and reshapes it, which does
 not fit a 3-D logical sharding annotation; this creates the kernel in its real shape.
@@ -16,13 +16,14 @@ from castle_jax.sharding import with_axes
 
 
 class Linear(nn.Module):
-  """y = tensordot(x, kernel) over the last `contract_dims` axes of x.
+  """y = tensordot(x, kernel) (+ bias) over the last `contract_dims` axes of x.
 
   Attributes:
     features: output shape appended to x's leading axes, e.g. (heads, head_dim).
     axes: logical names of the kernel axes, [*contracted input axes, *features].
     contract_dims: number of trailing input axes contracted.
     init_std: std of the normal initializer.
+    use_bias: add a bias of shape `features` (zeros at init; its axes are the features' names).
   """
 
   features: Sequence[int]
@@ -31,6 +32,7 @@ class Linear(nn.Module):
   init_std: float = 0.02
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
+  use_bias: bool = False
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -38,4 +40,9 @@ class Linear(nn.Module):
     if len(self.axes) != len(shape):
       raise ValueError(f"Linear {self.name}: {len(self.axes)} axis names {self.axes} for a kernel of shape {shape}")
     kernel = self.param("kernel", with_axes(nn.initializers.normal(self.init_std), self.axes), shape, self.param_dtype)
-    return jnp.tensordot(x.astype(self.dtype), kernel.astype(self.dtype), axes=self.contract_dims)
+    y = jnp.tensordot(x.astype(self.dtype), kernel.astype(self.dtype), axes=self.contract_dims)
+    if self.use_bias:
+      bias_axes = tuple(self.axes[self.contract_dims :])
+      bias = self.param("bias", with_axes(nn.initializers.zeros, bias_axes), tuple(self.features), self.param_dtype)
+      y = y + bias.astype(self.dtype)
+    return y

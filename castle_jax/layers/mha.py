@@ -73,7 +73,8 @@ def cache_for(config: ModelConfig, batch: int, capacity: int) -> KVCache:
 
 def param_count(config: ModelConfig) -> int:
   q_and_out = 2 * config.d_model * config.n_heads * config.qk_head_dim
-  return q_and_out + 2 * config.d_model * config.kv_heads * config.qk_head_dim
+  biases = (config.n_heads + 2 * config.kv_heads) * config.qk_head_dim if config.qkv_bias else 0
+  return q_and_out + 2 * config.d_model * config.kv_heads * config.qk_head_dim + biases
 
 
 def core_flops_per_token(config: ModelConfig, seq_len: int) -> float:

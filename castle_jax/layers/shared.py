@@ -29,8 +29,10 @@ def mean_visible_keys(seq_len: int, window: int | None) -> float:
   return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
 
 
-def projection(features, axes, std, config: ModelConfig, name: str, contract_dims: int = 1) -> Linear:
-  """A bias-free projection in the model's dtypes whose kernel carries logical axis names."""
+def projection(
+  features, axes, std, config: ModelConfig, name: str, contract_dims: int = 1, use_bias: bool = False
+) -> Linear:
+  """A projection in the model's dtypes (bias-free unless `use_bias`) whose kernel carries logical axis names."""
   return Linear(
     tuple(features) if isinstance(features, tuple) else (features,),
     axes,
@@ -38,23 +40,31 @@ def projection(features, axes, std, config: ModelConfig, name: str, contract_dim
     std,
     config.compute_dtype,
     config.weights_dtype,
+    use_bias,
     name=name,
   )
 
 
 def rotary_qkv(config: ModelConfig, x: jax.Array, positions: jax.Array, *, rope: bool = True):
-  """Projections "query", "key", "value" of x: [batch, seq, d_model], RoPE on q and k
-  (unless `rope` is False: positions then enter as biases, e.g. ALiBi).
+  """Projections "query", "key", "value" of x: [batch, seq, d_model] (with biases when
+  model.qkv_bias), RoPE on q and k (unless `rope` is False: positions then enter as
+  biases, e.g. ALiBi), its frequencies scaled as model.rope_scaling says.
 
   Returns q [batch, seq, heads, head_dim], k and v [batch, seq, kv_heads, head_dim],
   with logical-axis constraints.
   """
   heads, kv_heads, head_dim = config.n_heads, config.kv_heads, config.qk_head_dim
-  q = projection((heads, head_dim), ("embed", "heads", "head_dim"), config.init_std, config, "query")(x)
-  k = projection((kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), config.init_std, config, "key")(x)
-  v = projection((kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), config.init_std, config, "value")(x)
+  bias = config.qkv_bias
+  q = projection((heads, head_dim), ("embed", "heads", "head_dim"), config.init_std, config, "query", use_bias=bias)(x)
+  k = projection(
+    (kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), config.init_std, config, "key", use_bias=bias
+  )(x)
+  v = projection(
+    (kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), config.init_std, config, "value", use_bias=bias
+  )(x)
   if rope:
-    q, k = apply_rope(q, positions, config.rope_theta), apply_rope(k, positions, config.rope_theta)
+    theta, scaling = config.rope_theta, config.rope_scaling
+    q, k = apply_rope(q, positions, theta, scaling), apply_rope(k, positions, theta, scaling)
   q = constrain(q, ("batch", "act_length", "act_heads", "head_dim"))
   k = constrain(k, ("batch", "act_length", "act_kv_heads", "head_dim"))
   return q, k, constrain(v, ("batch", "act_length", "act_kv_heads", "head_dim"))

@@ -226,7 +226,7 @@ class DraftCrossAttention(nn.Module):
     """
     cfg = self.config
     q = projection((cfg.n_heads, cfg.qk_head_dim), ("embed", "heads", "head_dim"), cfg.init_std, cfg, "query")(x)
-    q = apply_rope(q, positions, cfg.rope_theta)
+    q = apply_rope(q, positions, cfg.rope_theta, cfg.rope_scaling)
     if length is not None:
       out, _ = cache_attention(q, keys.astype(q.dtype), values.astype(q.dtype), length)
     else:
