@@ -51,7 +51,7 @@ fi
 # The stamp records pyproject.toml's hash and the extra installed ("test" covers --train).
 stamp=.venv/.castle_jax_installed
 hash="$(sha256sum pyproject.toml | cut -d' ' -f1)"
-read -r installed_hash installed_extras < "$stamp" 2>/dev/null || true
+if [ -f "$stamp" ]; then read -r installed_hash installed_extras < "$stamp" || true; fi
 if [ "${installed_hash:-}" != "$hash" ] || { [ -n "$extras" ] && [ "${installed_extras:-}" != "$extras" ]; }; then
   echo "setup.sh: installing castle_jax${extras:+ with its $extras extra} and its dependencies into .venv" >&2
   PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/python -m pip install --quiet --upgrade pip

@@ -39,6 +39,7 @@ def test_setup_installs_only_what_is_missing(tmp_path):
   checkout = _checkout(tmp_path)
   done, calls = _setup(checkout, "--train")
   assert done.returncode == 0 and calls == ["-m pip install --quiet -e ."], done.stderr
+  assert done.stderr.splitlines() == ["setup.sh: installing castle_jax and its dependencies into .venv"]
   assert _setup(checkout, "--train")[1] == []  # nothing changed
   assert _setup(checkout)[1] == ["-m pip install --quiet -e .[test]"]  # the test extra is missing
   assert _setup(checkout)[1] == [] and _setup(checkout, "--train")[1] == []  # "test" covers --train
