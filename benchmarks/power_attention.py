@@ -198,16 +198,6 @@ def kernel_breakdown(batch, seq, heads, head_dim, chunk, dtype, iters, config=No
   return rows
 
 
-def _kernel_configs(text: str) -> dict[str, list[tuple[str, object]]]:
-  """{implementation: [(its key=value text, config), ...]} from "impl:key=value,...;impl:..."."""
-  configs = timing.kernel_configs(text, KERNEL_CONFIGS)
-  specs = {}
-  for entry in filter(None, (part.strip() for part in text.split(";"))):
-    impl, _, spec = entry.partition(":")
-    specs.setdefault(impl, []).append(spec)
-  return {impl: list(zip(specs[impl], configs[impl])) for impl in configs}
-
-
 def main(argv) -> int:
   parser = cl.ArgumentParser(description=__doc__)
   parser.add_argument("--seq_lens", type=cl.positive_int_list, default="4096,16384,65536")
@@ -232,7 +222,9 @@ def main(argv) -> int:
   )
   parser.add_argument(
     "--kernel_configs",
-    type=cl.parsed_by(_kernel_configs, "';'-separated 'impl:key=value,...'"),
+    type=cl.parsed_by(
+      lambda text: timing.kernel_config_specs(text, KERNEL_CONFIGS), "';'-separated 'impl:key=value,...'"
+    ),
     default="",
     help="';'-separated 'impl:key=value,...' kernel configs, e.g. 'triton:block_t=32,num_warps=8;triton:row_group=2', "
     "each timed as its own row of that implementation (default: its default config)",

@@ -37,10 +37,10 @@ def implementations_to_time(implementations: Sequence[str]) -> str:
   return ",".join(name for name in implementations if name != "reference")
 
 
-def kernel_configs(text: str, config_types: dict[str, type]) -> dict[str, list]:
-  """{implementation: [config, ...]} from --kernel_configs "impl:key=value,...;impl:..." (an
-  empty config after "impl:" is that implementation's default); `config_types` is the op's
-  KERNEL_CONFIGS."""
+def kernel_config_specs(text: str, config_types: dict[str, type]) -> dict[str, list[tuple[str, object]]]:
+  """{implementation: [(its key=value text, config), ...]} from --kernel_configs
+  "impl:key=value,...;impl:..." (an empty config after "impl:" is that implementation's
+  default); `config_types` is the op's KERNEL_CONFIGS."""
   configs = {}
   for entry in filter(None, (part.strip() for part in text.split(";"))):
     impl, sep, spec = entry.partition(":")
@@ -48,8 +48,13 @@ def kernel_configs(text: str, config_types: dict[str, type]) -> dict[str, list]:
       raise ValueError(
         f"--kernel_configs entries are 'impl:key=value,...' with impl in {tuple(config_types)}, got {entry!r}"
       )
-    configs.setdefault(impl, []).append(config_types[impl].from_string(spec))
+    configs.setdefault(impl, []).append((spec, config_types[impl].from_string(spec)))
   return configs
+
+
+def kernel_configs(text: str, config_types: dict[str, type]) -> dict[str, list]:
+  """{implementation: [config, ...]} from --kernel_configs (see `kernel_config_specs`)."""
+  return {impl: [config for _, config in pairs] for impl, pairs in kernel_config_specs(text, config_types).items()}
 
 
 # The columns every per-op table has: times, rates (model FLOPs) and the compiled program's peak.
