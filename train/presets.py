@@ -97,7 +97,7 @@ POWER_PAPER_STEPS = 64_000
 
 
 def power_paper_config(
-  size: str = "s", *, p: int = 2, attention: str = "power", chunk_size: int = 256, micro_batch: int = 32
+  size: str = "s", *, p: int = 2, attention: str = "power", chunk_size: int | None = None, micro_batch: int = 32
 ) -> ml_collections.ConfigDict:
   """The power-attention paper's Appendix D setup for one GPT-2 size.
 
@@ -110,7 +110,8 @@ def power_paper_config(
     size: "s", "m" or "l".
     p: the power of attention "power" (ignored for other attentions).
     attention: "power", or a baseline ("mha", with model.sliding_window for windows).
-    chunk_size: tokens per chunk of the chunked form.
+    chunk_size: tokens per chunk of the chunked form; None lets the op choose by cost (at
+      the paper's 1,024-token context the Triton kernels run the attention form).
     micro_batch: sequences per gradient-accumulation step.
   """
   if size not in POWER_PAPER_SHAPES:
@@ -130,6 +131,8 @@ def power_paper_config(
   m.remat = size != "s"
   if attention == "power":
     m.attention_kwargs.p = p
+    # An int placeholder: None until a command line or config sets it.
+    m.attention_kwargs.chunk_size = ml_collections.config_dict.placeholder(int)
     m.attention_kwargs.chunk_size = chunk_size
   c.data.seq_len = POWER_PAPER_SEQ_LEN
   c.data.batch_size = POWER_PAPER_BATCH

@@ -20,8 +20,9 @@ the paper does not mention it, and it is not used here.
 
 Options (`model.attention_kwargs`, `PowerOptions`):
   p: even power (default 2);
-  chunk_size: tokens per chunk of the chunked form (default None: the implementation's own,
-    1024 for the Triton kernels, 128 for XLA; `castle_jax.ops.power.resolve` decides);
+  chunk_size: tokens per chunk of the chunked form (default None: the implementation's own;
+    for the Triton kernels the whole context while the attention form costs fewer FLOPs,
+    else 1024; 128 for XLA; `castle_jax.ops.power.resolve` decides);
   expansion: "spow" (default), "tpow" or "tspow" (state size D: C(d+p-1, p), d^p, or
     C(d/d_tile+p-1, p) d_tile^p);
   d_tile: tile size of "tspow";
@@ -139,36 +140,40 @@ def param_count(config: ModelConfig) -> int:
   return projections + gate
 
 
-def training_chunk_size(config: ModelConfig) -> int:
-  """The chunk the training path runs: `castle_jax.ops.power.resolve` for the model's
-  head dims, dtype, options and model.attention_impl (the same call the op makes)."""
+def training_chunk_size(config: ModelConfig, seq_len: int) -> int:
+  """The chunk the training path runs for seq_len tokens: `castle_jax.ops.power.resolve`
+  for the model's head dims, dtype, options and model.attention_impl (the same call the op
+  makes), at most seq_len."""
   options = config.options
   _, chunk_size = resolve(
     config.attention_impl,
     options.chunk_size,
+    seq_len=seq_len,
     p=options.p,
     head_dim=config.qk_head_dim,
     value_dim=config.qk_head_dim,
     dtype=config.compute_dtype,
     kernel_config=options.kernel_config,
   )
-  return chunk_size
+  return min(chunk_size, seq_len)
 
 
 def core_flops_per_token(config: ModelConfig, seq_len: int) -> float:
-  """Forward + backward (3x forward) FLOPs per token of the chunked form.
+  """Forward + backward (3x forward) FLOPs per token of the form that runs.
 
   Per token, with D the expanded dimension and c the chunk size that runs (at most
   seq_len): per k/v head the state update phi(k) v^T and the normalizer sum (2 D d + 2 D);
   per query head the query state phi(q) S and phi(q) . z (2 D d + 2 D) and the
   intra-chunk attention over (c + 1) / 2 keys on average (2 d per q . k and per p . v).
-  The expansions themselves (p - 1 multiplies per entry) are not counted.
+  A sequence of one chunk (the attention form) has no state terms. The expansions
+  themselves (p - 1 multiplies per entry) are not counted.
   """
   options = config.options
   head_dim = config.qk_head_dim
+  chunk = training_chunk_size(config, seq_len)
   dim = expanded_dim(head_dim, options.p, options.expansion, options.d_tile)
-  state = 2 * dim * head_dim + 2 * dim
-  in_chunk = 2 * 2 * head_dim * mean_visible_keys(min(training_chunk_size(config), seq_len), None)
+  state = 2 * dim * head_dim + 2 * dim if chunk < seq_len else 0
+  in_chunk = 2 * 2 * head_dim * mean_visible_keys(chunk, None)
   return 3 * (config.kv_heads * state + config.n_heads * (state + in_chunk))
 
 

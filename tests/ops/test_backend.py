@@ -105,20 +105,31 @@ def test_power_prefill_respects_the_implementation():
   assert_close(out, expected)
 
 
-def test_power_flop_count_follows_the_chunk_that_runs(monkeypatch):
-  """On a GPU, p=2 with head dim 32 runs the kernels (chunk 1024); p=4 runs XLA with chunk 128."""
+def test_power_flop_count_follows_the_form_that_runs(monkeypatch):
+  """On a GPU, p=2 with head dim 32 runs the kernels: the attention form up to 2 D + 1024 =
+  2080 tokens, chunks of 1024 beyond; p=4 runs XLA with chunk 128."""
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   base = dict(vocab_size=64, d_model=128, n_layers=2, n_heads=4, attention="power")
-  for p, implementation, chunk in ((2, "triton", 1024), (4, "xla", 128)):
+  for p, seq_len, implementation, chunk in (
+    (2, 2048, "triton", 2048),
+    (2, 4096, "triton", 1024),
+    (4, 4096, "xla", 128),
+  ):
     config = ModelConfig(**base, attention_kwargs=(("p", p),))
-    assert resolve(None, None, p=p, head_dim=32, value_dim=32, dtype=jnp.bfloat16) == (implementation, chunk)
-    assert power_layer.training_chunk_size(config) == chunk
+    sizes = dict(seq_len=seq_len, p=p, head_dim=32, value_dim=32, dtype=jnp.bfloat16)
+    assert resolve(None, None, **sizes) == (implementation, chunk)
+    assert power_layer.training_chunk_size(config, seq_len) == chunk
     pinned = ModelConfig(**base, attention_kwargs=(("chunk_size", chunk), ("p", p)))
-    assert power_layer.core_flops_per_token(config, 4096) == power_layer.core_flops_per_token(pinned, 4096)
-  # The count can tell the chunks apart.
+    assert power_layer.core_flops_per_token(config, seq_len) == power_layer.core_flops_per_token(pinned, seq_len)
+  # The count can tell the chunks apart, and the attention form has no state terms.
   config = ModelConfig(**base, attention_kwargs=(("p", 4),))
   larger = ModelConfig(**base, attention_kwargs=(("chunk_size", 1024), ("p", 4)))
   assert power_layer.core_flops_per_token(config, 4096) < power_layer.core_flops_per_token(larger, 4096)
+  attention_form = ModelConfig(**base, attention_kwargs=(("chunk_size", 256), ("p", 2)))
+  in_chunk_only = 3 * 4 * 2 * 2 * 32 * (256 + 1) / 2  # 3 x heads x (q.k and w.v) x 2 d x mean keys
+  assert power_layer.core_flops_per_token(attention_form, 256) == in_chunk_only
+  chunked = ModelConfig(**base, attention_kwargs=(("chunk_size", 128), ("p", 2)))
+  assert power_layer.core_flops_per_token(chunked, 256) > in_chunk_only
 
 
 @pytest.mark.parametrize(

@@ -15,10 +15,15 @@
 
 The implementation and the chunk size are decided together, once, by `resolve`: the op
 calls it with the inputs' sizes, and a model's FLOP count calls it with the config's,
-so the reported MFU counts the chunk that actually runs.
+so the reported MFU counts the chunk that actually runs. Unless the caller fixes
+chunk_size, the kernels run the cheaper of two forms by FLOPs (`triton_chunk_size`): the
+whole sequence as one chunk (plain (q . k)^p attention, no state) or chunks of
+TRITON_DEFAULT_CHUNK_SIZE.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 
@@ -28,21 +33,42 @@ from castle_jax.ops.power.common import DEFAULT_CHUNK_SIZE, PowerState, validate
 from castle_jax.ops.power.expansion import convert_expanded
 from castle_jax.ops.power.reference import power_attention_reference, reference_state
 from castle_jax.sharding import KV_SEQUENCE_HEADS_AXES, SEQUENCE_HEADS_AXES, map_over_shards
-from pallas_kernels.power import PowerTritonConfig, power_attention_triton
+from pallas_kernels.power import PowerTritonConfig, default_triton_config, power_attention_triton
 from pallas_kernels.power.triton import EXPANSION, unsupported_reason
 
 IMPLEMENTATIONS = ("reference", "xla", "triton")
 DEFAULT_ORDER = ("triton", "xla")
 # The kernel config type of each kernel implementation (`kernel_config=`).
 KERNEL_CONFIGS = {"triton": PowerTritonConfig}
-# The kernels' measured sweet spot (benchmarks/RESULTS.md); the XLA path's is DEFAULT_CHUNK_SIZE.
+# The kernels' fastest chunk for sequences longer than the attention form pays for, in the
+# chunk sweep of benchmarks/RESULTS.md; the XLA path's is DEFAULT_CHUNK_SIZE.
 TRITON_DEFAULT_CHUNK_SIZE = 1024
+
+
+def triton_chunk_size(seq_len: int, *, p: int, head_dim: int, value_dim: int, chunk_multiple: int) -> int:
+  """The chunk the Triton kernels run for `seq_len` tokens when the caller fixes none.
+
+  Per token and query head, the attention form (one chunk of the whole sequence, no
+  state) costs 2 d (T + 1) FLOPs in its causal (q . k) and (w . v) products; the chunked
+  form costs 4 D d_v for the state update and the query-state product (D = C(d + p - 1, p),
+  the smallest exact expansion) plus 2 d (c + 1) inside its chunks of c tokens. The
+  attention form is the cheaper while T <= 2 D d_v / d + c, so it runs up to there
+  (the sequence rounded up to `chunk_multiple`, the kernels' largest block), and chunks
+  of TRITON_DEFAULT_CHUNK_SIZE run beyond. On the H100 this rule picked the fastest
+  measured form, or one within 3% of it, at every length and head dim of the sweep.
+  """
+  expanded = math.comb(head_dim + p - 1, p)
+  chunk = TRITON_DEFAULT_CHUNK_SIZE
+  if seq_len <= 2 * expanded * value_dim // head_dim + chunk:
+    return max(chunk_multiple, -(-seq_len // chunk_multiple) * chunk_multiple)
+  return chunk
 
 
 def resolve(
   implementation: str | None,
   chunk_size: int | None,
   *,
+  seq_len: int,
   p: int,
   head_dim: int,
   value_dim: int,
@@ -51,10 +77,11 @@ def resolve(
 ) -> tuple[str, int]:
   """(implementation, chunk size) that `power_attention` runs for inputs of these sizes.
 
-  chunk_size None means the implementation's own: TRITON_DEFAULT_CHUNK_SIZE for "triton",
-  DEFAULT_CHUNK_SIZE for "xla" (and "reference", which has no chunks). The default
-  implementation is "triton" on a GPU where the kernels take p, the dims, the dtype and
-  that chunk, else "xla".
+  chunk_size None means the implementation's own: `triton_chunk_size` for "triton" (the
+  cheaper of the attention form and chunks of TRITON_DEFAULT_CHUNK_SIZE for seq_len
+  tokens), DEFAULT_CHUNK_SIZE for "xla" (whose attention form would hold T^2 scores per
+  head; "reference" has no chunks). The default implementation is "triton" on a GPU
+  where the kernels take p, the dims, the dtype and that chunk, else "xla".
 
   Raises:
     ValueError: a bad chunk_size, an unknown implementation, or an explicit one that
@@ -66,7 +93,10 @@ def resolve(
   def chunk_for(name: str) -> int:
     if chunk_size is not None:
       return chunk_size
-    return TRITON_DEFAULT_CHUNK_SIZE if name == "triton" else DEFAULT_CHUNK_SIZE
+    if name != "triton":
+      return DEFAULT_CHUNK_SIZE
+    multiple = (kernel_config or default_triton_config()).chunk_multiple
+    return triton_chunk_size(seq_len, p=p, head_dim=head_dim, value_dim=value_dim, chunk_multiple=multiple)
 
   implementations = {
     "reference": Implementation(),
@@ -111,8 +141,9 @@ def power_attention(
     log_g: [batch, seq, kv_heads] log-gates (e.g. log_sigmoid of a projection), or None.
     p: even power >= 2 (2 and 4 are the paper's).
     scale: score scale; None means 1/sqrt(head_dim), as in the authors' code.
-    chunk_size: tokens per chunk (static); seq need not be a multiple. None: 128 for "xla",
-      1024 for "triton" (the kernels' measured sweet spot; clipped to the sequence).
+    chunk_size: tokens per chunk (static); seq need not be a multiple. None: 128 for "xla";
+      for "triton" the whole sequence (the attention form) while that costs fewer FLOPs
+      than chunks, else 1024 (`triton_chunk_size`).
     expansion: "spow", "tpow" or "tspow": the phi of the chunked form and of the state.
     d_tile: tile size of "tspow" (default 8 for p = 2, else 4).
     initial_state: PowerState from earlier tokens (e.g. a prompt), or None.
@@ -133,6 +164,7 @@ def power_attention(
   implementation, chunk_size = resolve(
     implementation,
     chunk_size,
+    seq_len=q.shape[1],
     p=p,
     head_dim=q.shape[-1],
     value_dim=v.shape[-1],

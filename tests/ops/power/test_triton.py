@@ -237,7 +237,7 @@ def test_gradients_through_the_entry_point_with_the_default_config():
 def test_default_implementation_on_a_gpu_picks_the_kernels_when_they_apply(monkeypatch):
   from castle_jax.ops.power import resolve
 
-  sizes = dict(p=2, head_dim=D_HEAD, value_dim=D_VALUE, dtype=jnp.float32)
+  sizes = dict(seq_len=4096, p=2, head_dim=D_HEAD, value_dim=D_VALUE, dtype=jnp.float32)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   assert resolve(None, 128, **sizes) == ("triton", 128)
   assert resolve(None, None, **sizes) == ("triton", 1024)  # the kernels' own chunk
@@ -251,7 +251,51 @@ def test_default_implementation_on_a_gpu_picks_the_kernels_when_they_apply(monke
   assert resolve(None, 128, **sizes) == ("xla", 128)
 
 
-def test_triton_default_chunk_is_large(monkeypatch):
+@pytest.mark.parametrize("head_dim, expanded", [(16, 136), (64, 2080), (128, 8256)])  # D = C(d + 1, 2)
+def test_default_triton_chunk_is_the_attention_form_while_it_costs_fewer_flops(head_dim, expanded):
+  from castle_jax.ops.power import resolve
+
+  def chunk(seq_len, chunk_size=None, implementation="triton"):
+    sizes = dict(p=2, head_dim=head_dim, value_dim=head_dim, dtype=jnp.bfloat16)
+    return resolve(implementation, chunk_size, seq_len=seq_len, **sizes)[1]
+
+  longest_attention_form = 2 * expanded + 1024
+  # One chunk of the whole sequence, rounded up to the kernels' 64-token blocks.
+  assert chunk(1) == 64
+  assert chunk(1000) == 1024
+  assert chunk(longest_attention_form - 70) == -(-(longest_attention_form - 70) // 64) * 64
+  assert chunk(longest_attention_form + 1) == 1024
+  assert chunk(65536) == 1024
+  assert chunk(1024, chunk_size=256) == 256  # a fixed chunk is the caller's
+  # The XLA path keeps its own: its attention form would hold T^2 scores per head.
+  assert chunk(1024, implementation="xla") == 128
+
+
+def test_outputs_and_gradients_agree_on_both_sides_of_the_form_switch(monkeypatch):
+  """With the kernels' chunk shrunk to 64, head dim 32 and value dim 16 switch from the
+  attention form to chunks above 2 D d_v / d + 64 = 592 tokens (D = 528): both sides match
+  the reference."""
+  from castle_jax.ops.power import api, resolve
+
+  monkeypatch.setattr(api, "TRITON_DEFAULT_CHUNK_SIZE", 64)
+  sizes = dict(p=2, head_dim=D_HEAD, value_dim=D_VALUE, dtype=jnp.float32)
+  for seq, chunk in ((570, 576), (600, 64)):
+    assert resolve("triton", None, seq_len=seq, **sizes)[1] == chunk
+    inputs = _inputs(20 + seq, seq=seq)
+    cotangent = jnp.asarray(np.random.default_rng(seq).standard_normal((B, seq, HQ, D_VALUE)), jnp.float32)
+
+    def loss(impl, *args):
+      return jnp.sum(power_attention(*args, implementation=impl) * cotangent)
+
+    out = power_attention(*inputs, implementation="triton")
+    assert rel_err(out, power_attention(*inputs, implementation="reference")) < 1e-4, seq
+    grads = jax.jit(jax.grad(functools.partial(loss, "triton"), argnums=range(4)))(*inputs)
+    expected = jax.jit(jax.grad(functools.partial(loss, "reference"), argnums=range(4)))(*inputs)
+    for name, g, e in zip(("q", "k", "v", "log_g"), grads, expected):
+      assert rel_err(g, e) < 1e-4, (seq, name)
+
+
+def test_triton_default_chunk_follows_the_sequence(monkeypatch):
   import pallas_kernels.power as kernels_package
   from castle_jax.ops.power import api
 
@@ -264,6 +308,6 @@ def test_triton_default_chunk_is_large(monkeypatch):
   monkeypatch.setattr(api, "power_attention_triton", spy)
   inputs = _inputs(13, seq=8)
   power_attention(*inputs, implementation="triton")
-  assert seen["chunk_size"] == api.TRITON_DEFAULT_CHUNK_SIZE == 1024
-  power_attention(*inputs, implementation="triton", chunk_size=64)
-  assert seen["chunk_size"] == 64
+  assert seen["chunk_size"] == 64  # the attention form: 8 tokens rounded up to one 64-token block
+  power_attention(*inputs, implementation="triton", chunk_size=128)
+  assert seen["chunk_size"] == 128
