@@ -154,8 +154,8 @@ def main(argv) -> int:
   )
   parser.add_argument(
     "--kernel_configs",
-    type=cl.validated_by(
-      lambda text: timing.kernel_configs(text, KERNEL_CONFIGS), "';'-separated 'impl:key=value,...'"
+    type=cl.parsed_by(
+      lambda text: timing.kernel_config_specs(text, KERNEL_CONFIGS), "';'-separated 'impl:key=value,...'"
     ),
     default="",
     help="';'-separated 'impl:key=value,...' kernel configs, e.g. 'triton:block_rows=32;mosaic:stages=3': "
@@ -172,7 +172,7 @@ def main(argv) -> int:
     args.window, args.window_impls = 64, ["xla"]
   dense = "dense_cudnn" if jax.default_backend() == "gpu" else "dense_xla"
   impls = args.impls or [*timing.implementations_to_time(IMPLEMENTATIONS).split(","), dense]
-  configs = timing.kernel_configs(args.kernel_configs, KERNEL_CONFIGS)
+  configs = args.kernel_configs
   dtype = jnp.dtype(args.dtype)
   shape = (args.heads, args.head_dim, args.chunk, args.top_k, dtype, args.iters)
   rows = []
@@ -184,8 +184,8 @@ def main(argv) -> int:
         except Exception as e:  # report and go on
           rows.append({"impl": f"dense_same_work_{impl}", "tokens": tokens, "error": timing.error_text(e)})
       else:
-        for config in configs.get(impl, [None]):
-          rows.append(gca_row(impl, args.batch, tokens, *shape, config, "" if config is None else f"[{config}]"))
+        for spec, config in configs.get(impl, [("", None)]):
+          rows.append(gca_row(impl, args.batch, tokens, *shape, config, f"[{spec}]" if spec else ""))
       print(rows[-1], flush=True)
     for impl in args.window_impls:
       try:
@@ -195,7 +195,8 @@ def main(argv) -> int:
       except Exception as e:  # report and go on
         rows.append({"impl": f"window_{args.window}_{impl}", "tokens": tokens, "error": timing.error_text(e)})
       print(rows[-1], flush=True)
-  timing.write_json(args.json, timing.run_meta(**vars(args)), rows=rows)
+  specs = {impl: [spec for spec, _ in pairs] for impl, pairs in configs.items()}
+  timing.write_json(args.json, timing.run_meta(**(vars(args) | {"kernel_configs": specs})), rows=rows)
   print(
     f"\n| {jax.devices()[0].device_kind} | batch {args.batch} | {args.heads} x {args.head_dim} | chunk "
     f"{args.chunk} | k {args.top_k} | {args.dtype} |"

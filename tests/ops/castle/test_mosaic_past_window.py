@@ -68,7 +68,11 @@ def _case(number):
   return inputs, cotangent, window
 
 
-@pytest.mark.parametrize("number", range(len(CASES)))
+# The first case runs in the default suite; the other windows run with -m slow and, at real
+# sizes, in test_gpu_mosaic.py (interpret mode takes ~50 s a case on 2 cores).
+@pytest.mark.parametrize(
+  "number", [number if number == 0 else pytest.param(number, marks=pytest.mark.slow) for number in range(len(CASES))]
+)
 def test_split_matches_the_parallel_form(number):
   """Outputs, lse and lookahead keys, and all six gradients (dQ^C of the past-window pairs
   from the query-major kernel, their key side from a kernel of its own), in GPU interpret
