@@ -4,7 +4,12 @@
 
 Reads `<workdir>/config.json` (written by training) to rebuild the model and
 tokenizer, restores the parameters of the latest (or `--step`) checkpoint, and
-prints the prompt followed by the generated continuation.
+prints the prompt followed by the generated continuation. `--workdir` may also be a
+Hugging Face model directory (Llama or Qwen2: config.json, *.safetensors,
+tokenizer.json; `castle_jax.models.hf`), read in float32, without `--step`:
+
+    python -m train.generate --workdir=tests/fixtures/hf/llama3 --prompt="the quick" \
+        --max_new_tokens=8 --temperature=0
 
 With `--draft_workdir` (a LongSpec draft trained for this target), the continuation is
 decoded speculatively (`castle_jax.inference.speculative_generate`; the same output as
@@ -30,8 +35,15 @@ from castle_jax.inference import generate
 from castle_jax.inference.speculative import DEFAULT_TREE, speculative_generate
 from castle_jax.workdir import TrainedModel, load_draft, load_trained_model
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (holds config.json and checkpoints/).")
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).", lower_bound=0)
+_WORKDIR = flags.DEFINE_string(
+  "workdir",
+  None,
+  "Training workdir (holds config.json and checkpoints/), or a Hugging Face model directory (config.json, "
+  "*.safetensors, tokenizer.json).",
+)
+_STEP = flags.DEFINE_integer(
+  "step", None, "Checkpoint step (default: latest; not for a Hugging Face directory).", lower_bound=0
+)
 _PROMPT = flags.DEFINE_string("prompt", "def ", "Text to continue.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate.", lower_bound=1)
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "0 for greedy decoding.", lower_bound=0)
@@ -58,7 +70,10 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   if not _WORKDIR.value:
-    raise UsageError("--workdir is required: pass the workdir of a run of `python -m train`, e.g. --workdir=runs/tiny")
+    raise UsageError(
+      "--workdir is required: pass the workdir of a run of `python -m train` (e.g. --workdir=runs/tiny) or a "
+      "Hugging Face model directory"
+    )
   model, params, tokenizer, step = load_trained_model(_WORKDIR.value, _STEP.value)
   prompt = np.concatenate([[tokenizer.bos_id], tokenizer.encode(_PROMPT.value)]).astype(np.int32)
   sampling = dict(
