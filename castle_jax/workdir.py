@@ -275,7 +275,9 @@ def with_hf_frozen_source(config: ml_collections.ConfigDict) -> tuple[ml_collect
         config.data.tokenizer = value
       else:
         config.model[key] = value
-  settings = ", ".join(f"{key if key.startswith('data.') else 'model.' + key}={value!r}" for key, value in changed.items())
+  settings = ", ".join(
+    f"{key if key.startswith('data.') else 'model.' + key}={value!r}" for key, value in changed.items()
+  )
   return config, f"{source.setting}={source.workdir} is a Hugging Face model directory: took {settings} from it"
 
 
