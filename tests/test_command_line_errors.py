@@ -135,6 +135,7 @@ TRAIN_CASES = [
     ),
     "model_type 'mistral' with architectures ['MistralForCausalLM'] is not supported",
   ),
+  ((*TINY, "--config.train.init_from={hf}"), "train.init_from={hf} is a Hugging Face model directory: a run starts"),
   (
     (*TRAIN, "--config=configs/drt_tiny.py", "--workdir={nowhere}", "--config.model.family_kwargs.retriever=random"),
     "model.family_kwargs holds only the keys its config file sets",
