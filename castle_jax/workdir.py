@@ -7,7 +7,13 @@ data.tokenizer relative to the workdir), `tokenizer.json` for a BPE run, and
 from another run (`train.init_from`) read it through this module; only the trainer
 writes it.
 
+A Hugging Face model directory (`castle_jax.models.hf`: a config.json with a `model_type`,
+safetensors weights, tokenizer.json) is read wherever a workdir is, except by
+`train.init_from`: as a trained model of step `HF_STEP`, and as a LongSpec draft's frozen
+target (`with_hf_frozen_source`, `load_frozen_params`).
+
     model, params, tokenizer, step = load_trained_model("runs/tiny")
+    model, params, tokenizer, step = load_trained_model("tests/fixtures/hf/llama3")
 """
 
 from __future__ import annotations

@@ -22,6 +22,11 @@ Qwen2.5, whose query/key/value projections have biases). The checkpoint maps ont
 
 The weights are read with `safetensors` (framework "flax", which reads bfloat16
 checkpoints as well) onto one device.
+
+The commands take such a directory as `--workdir` (`castle_jax.workdir.load_trained_model`
+tells one from a training workdir with `is_hf_model_dir`, and `run_config` stands in for a
+run's config.json), and a LongSpec draft trains against one (`load_hf_params` into the
+draft's target config).
 """
 
 from __future__ import annotations
@@ -287,7 +292,6 @@ def run_config(path: str) -> dict[str, Any]:
       "data_dir": None,
       "source_dir": None,
       "text_key": "text",
-      "train_split": "train",
       "eval_split": "validation",
       "tokenizer": path,
       "task": "lm",
