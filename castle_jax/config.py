@@ -118,8 +118,7 @@ class ModelConfig:
     if self.qkv_bias and (self.attention != "mha" or self.family not in ("transformer", "longspec_draft")):
       raise ValueError(
         "model.qkv_bias is supported for the 'transformer' family (and a LongSpec draft of one) with 'mha' "
-        f"attention only, got family "
-        f"{self.family!r} with attention {self.attention!r}"
+        f"attention only, got family {self.family!r} with attention {self.attention!r}"
       )
     kind = get_attention(self.attention)
     if self.attention_impl == "pallas":

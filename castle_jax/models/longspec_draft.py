@@ -426,8 +426,7 @@ def frozen_source(config: ModelConfig) -> FrozenSource:
   if not options.target_workdir:
     raise ValueError(
       "model.family_kwargs.target_workdir is empty: set it to the target's training workdir or Hugging Face "
-      "model directory "
-      "(e.g. --config.model.family_kwargs.target_workdir=runs/longspec_target_tiny)"
+      "model directory (e.g. --config.model.family_kwargs.target_workdir=runs/longspec_target_tiny)"
     )
   target = target_config(config)
 
