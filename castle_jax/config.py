@@ -44,7 +44,8 @@ class ModelConfig:
     rope_scaling: (key, value) pairs of a scaling of the RoPE frequencies (empty: none):
       type "llama3" with factor, low_freq_factor, high_freq_factor and
       original_max_position_embeddings (Llama 3.1/3.2; `castle_jax.layers.rope.rope_inv_freq`).
-    qkv_bias: the query, key and value projections have biases (Qwen2); `mha` only.
+    qkv_bias: the query, key and value projections have biases (Qwen2); `mha` only (a
+      LongSpec draft's own self-attention then has them too).
     attention: a name in the attention table (`castle_jax.layers.registry.ATTENTIONS`).
     attention_impl: the attention op's implementation, one of that attention's
       implementations (e.g. "reference", "xla", "triton", "mosaic"; "cudnn" for `mha`),
@@ -113,10 +114,11 @@ class ModelConfig:
     if self.remat_policy not in REMAT_POLICIES:
       raise ValueError(f"model.remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
     check_rope_scaling(dict(self.rope_scaling))
-    if self.qkv_bias and (self.attention != "mha" or self.family != "transformer"):
+    # A LongSpec draft's config describes its `mha` target, whose projections may have biases.
+    if self.qkv_bias and (self.attention != "mha" or self.family not in ("transformer", "longspec_draft")):
       raise ValueError(
-        f"model.qkv_bias is supported for the 'transformer' family with 'mha' attention only, got family "
-        f"{self.family!r} with attention {self.attention!r}"
+        "model.qkv_bias is supported for the 'transformer' family (and a LongSpec draft of one) with 'mha' "
+        f"attention only, got family {self.family!r} with attention {self.attention!r}"
       )
     kind = get_attention(self.attention)
     if self.attention_impl == "pallas":
@@ -141,6 +143,14 @@ class ModelConfig:
       for name in ("attention_kwargs", "family_kwargs", "rope_scaling")
     }
     return cls(**fields, **pairs)
+
+  def to_mapping(self) -> dict[str, Any]:
+    """The fields as `from_mapping` reads them (a config's `model` section): the (key,
+    value) pairs of attention_kwargs, family_kwargs and rope_scaling as dicts."""
+    fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+    for name in ("attention_kwargs", "family_kwargs", "rope_scaling"):
+      fields[name] = dict(fields[name])
+    return fields
 
   @functools.cached_property
   def options(self) -> AttentionOptions:

@@ -7,11 +7,18 @@ data.tokenizer relative to the workdir), `tokenizer.json` for a BPE run, and
 from another run (`train.init_from`) read it through this module; only the trainer
 writes it.
 
+A Hugging Face model directory (`castle_jax.models.hf`: a config.json with a `model_type`,
+safetensors weights, tokenizer.json) is read wherever a workdir is, except by
+`train.init_from`: as a trained model of step `HF_STEP`, and as a LongSpec draft's frozen
+target (`with_hf_frozen_source`, `load_frozen_params`).
+
     model, params, tokenizer, step = load_trained_model("runs/tiny")
+    model, params, tokenizer, step = load_trained_model("tests/fixtures/hf/llama3")
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -25,8 +32,8 @@ import numpy as np
 
 from castle_jax.checkpoints import Checkpointer
 from castle_jax.data.tokenizer import Tokenizer, load_tokenizer
-from castle_jax.models import ModelConfig, build_model, family_of, longspec_draft
-from castle_jax.sharding import LOGICAL_AXIS_RULES
+from castle_jax.models import ModelConfig, build_model, family_of, hf, longspec_draft
+from castle_jax.models.registry import abstract_params
 
 CONFIG_NAME = "config.json"
 TOKENIZER_NAME = "tokenizer.json"
@@ -36,6 +43,13 @@ FROZEN_NAME = "frozen_params.json"
 # A run of several seeds (`train.seeds`): this record ({"seeds": N, "seeds_mode": ...}) in its
 # workdir, and seed k as a normal workdir in `seed_workdir(workdir, k)`.
 SEEDS_NAME = "seeds.json"
+# What a --workdir (or a frozen source's directory) may be, for messages.
+EXPECTED = (
+  "a training workdir (written by `python -m train`: config.json, checkpoints/) or a Hugging Face model "
+  "directory (config.json with a model_type, *.safetensors weights, tokenizer.json)"
+)
+# The step a Hugging Face model directory's weights are reported as: it has no checkpoints.
+HF_STEP = 0
 
 
 class TrainedModel(NamedTuple):
@@ -72,19 +86,28 @@ def seeds_record(workdir: str) -> dict[str, Any] | None:
 
 
 def read_config(workdir: str, *, what: str = "--workdir") -> ml_collections.ConfigDict:
-  """The config a workdir was trained with; FileNotFoundError naming `what` (the
-  flag or key that gave the workdir) when it has no config.json."""
-  config = saved_config(os.path.abspath(workdir))
+  """The config a workdir was trained with, or for a Hugging Face model directory what a
+  run's config would say of it (`hf.run_config`: its model, its tokenizer, default data).
+
+  Raises FileNotFoundError naming `what` (the flag or key that gave the directory) when
+  it has no config.json, ValueError when its config.json is neither a run's nor a
+  Hugging Face model's (or names an unsupported model)."""
+  path = os.path.abspath(workdir)
+  if hf.is_hf_model_dir(path):
+    return ml_collections.ConfigDict(hf.run_config(path))
+  config = saved_config(path)
   if config is None:
-    seeds = seeds_record(os.path.abspath(workdir))
+    seeds = seeds_record(path)
     if seeds is not None:
       raise FileNotFoundError(
         f"{what}={workdir} holds a run of {seeds.get('seeds')} seeds, not one run: pass one seed's workdir, "
         f"e.g. {what}={seed_workdir(workdir, 0)}"
       )
-    raise FileNotFoundError(
-      f"{os.path.join(os.path.abspath(workdir), CONFIG_NAME)} not found: {what} must be a "
-      "directory written by `python -m train`"
+    raise FileNotFoundError(f"{os.path.join(path, CONFIG_NAME)} not found: {what} must be {EXPECTED}")
+  if not isinstance(config, dict) or "model" not in config:
+    raise ValueError(
+      f"{os.path.join(path, CONFIG_NAME)} has neither a training run's model section nor a Hugging Face "
+      f"model_type: {what} must be {EXPECTED}"
     )
   return ml_collections.ConfigDict(config)
 
@@ -96,30 +119,6 @@ def resolve_tokenizer_path(workdir: str, tokenizer: str) -> str:
     return tokenizer
   inside = os.path.join(workdir, tokenizer)
   return inside if os.path.exists(inside) else tokenizer
-
-
-def abstract_params(
-  model: nn.Module, seq_len: int, device: jax.Device | None = None, mesh: jax.sharding.Mesh | None = None
-) -> Any:
-  """The model's parameters as ShapeDtypeStructs, from `jax.eval_shape` of its family's
-  init (nothing is computed): sharded over `mesh` by their logical axis names, or else
-  placed on one device (default: the first)."""
-  with jax.set_mesh(None):
-    boxed = jax.eval_shape(
-      lambda rng: family_of(model).init_variables(model, rng, seq_len)["params"], jax.random.key(0)
-    )
-  is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
-  if mesh is None:
-    single = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
-    shardings = jax.tree.map(lambda _: single, boxed, is_leaf=is_box)
-  else:
-    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, LOGICAL_AXIS_RULES)
-
-  def place(leaf, sharding):
-    value = leaf.unbox(apply_constraint=False) if is_box(leaf) else leaf
-    return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
-
-  return jax.tree.map(place, boxed, shardings, is_leaf=is_box)
 
 
 def restore_params(
@@ -149,14 +148,24 @@ def restore_params(
 
 
 def load_trained_model(workdir: str, step: int | None = None, *, log=None) -> TrainedModel:
-  """(model, params, tokenizer, step) from a training workdir.
+  """(model, params, tokenizer, step) from a training workdir or a Hugging Face model directory.
 
-  Reads `<workdir>/config.json` and restores only the parameters (not the
+  A workdir: reads `<workdir>/config.json` and restores only the parameters (not the
   optimizer state) of the newest good checkpoint, or of `step`, after checking it
   against its checksum manifest, onto one device. The tokenizer is the workdir's.
   `log` receives warnings (default: stderr).
+
+  A Hugging Face model directory (`hf.is_hf_model_dir`): `hf.load_hf_model` in float32,
+  step `HF_STEP`; `step` must be None (its weights have no checkpoint steps).
   """
   workdir = os.path.abspath(workdir)
+  if hf.is_hf_model_dir(workdir):
+    if step is not None:
+      raise ValueError(
+        f"--step={step}: {workdir} is a Hugging Face model directory, whose weights have no checkpoint "
+        "steps; leave --step out"
+      )
+    return TrainedModel(*hf.load_hf_model(workdir), HF_STEP)
   config = read_config(workdir)
   model = build_model(ModelConfig.from_mapping(config.model))
   params, step = restore_params(workdir, abstract_params(model, config.data.seq_len), step=step, log=log)
@@ -230,9 +239,52 @@ def load_frozen_params(config: ModelConfig, mesh: jax.sharding.Mesh | None = Non
       f"{'; '.join(differing)}. Copy that run's model values into this config"
     )
   abstract = abstract_params(build_model(source.model_config), 8, mesh=mesh)
-  params, step = restore_params(source.workdir, abstract, step=source.step, log=log, what=source.setting)
+  if hf.is_hf_model_dir(source.workdir):
+    if source.step is not None:
+      raise ValueError(
+        f"{source.step_setting}={source.step}: {source.setting}={source.workdir} is a Hugging Face model "
+        f"directory, whose weights have no checkpoint steps; leave {source.step_setting} out"
+      )
+    converted = hf.load_hf_params(source.workdir, source.model_config)
+    params = jax.device_put(converted, jax.tree.map(lambda leaf: leaf.sharding, abstract))
+    step = HF_STEP
+  else:
+    params, step = restore_params(source.workdir, abstract, step=source.step, log=log, what=source.setting)
   frozen = {source.name: params}
   return FrozenParams(frozen, source.workdir, step, params_fingerprint(frozen))
+
+
+def with_hf_frozen_source(config: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict, str | None]:
+  """A training config whose family's frozen source (a LongSpec draft's target) is a Hugging
+  Face model directory, with the model.* fields that the source fixes (`FrozenSource.adopt`)
+  and data.tokenizer taken from that directory, and a note naming what changed (None when
+  nothing did). Any other config comes back unchanged.
+
+  A trained target's widths are checked against the config instead (the draft configs are
+  written beside their target's); no config file mirrors a Hugging Face model's config.json.
+  """
+  model_config = ModelConfig.from_mapping(config.model)
+  hook = family_of(model_config).frozen_source
+  source = hook(model_config) if hook is not None else None
+  if source is None or not hf.is_hf_model_dir(source.workdir):
+    return config, None
+  ours, theirs = model_config.to_mapping(), source.adopt(hf.hf_model_config(source.workdir)).to_mapping()
+  changed = {key: value for key, value in theirs.items() if ours[key] != value}
+  if config.data.tokenizer != source.workdir:
+    changed["data.tokenizer"] = source.workdir
+  if not changed:
+    return config, None
+  config = copy.deepcopy(config)
+  with config.unlocked():
+    for key, value in changed.items():
+      if key == "data.tokenizer":
+        config.data.tokenizer = value
+      else:
+        config.model[key] = value
+  settings = ", ".join(
+    f"{key if key.startswith('data.') else 'model.' + key}={value!r}" for key, value in changed.items()
+  )
+  return config, f"{source.setting}={source.workdir} is a Hugging Face model directory: took {settings} from it"
 
 
 def load_draft(draft_workdir: str, target: TrainedModel, *, step: int | None = None, log=None) -> TrainedModel:

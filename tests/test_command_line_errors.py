@@ -6,7 +6,9 @@ The cases run as the user runs them, as subprocesses (two at a time): `python -m
 """
 
 import concurrent.futures
+import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -67,7 +69,22 @@ def paths(tmp_path):
   (tmp_path / "earlier").mkdir()
   (tmp_path / "earlier" / "results.json").write_text("{}")
   (tmp_path / "curve.csv").write_text("")
+  (tmp_path / "odd").mkdir()
+  (tmp_path / "odd" / "config.json").write_text('{"hidden_size": 8}')
+  # Hugging Face model directories: one without weights, one of an unsupported model_type.
+  llama2 = os.path.join(ROOT, "tests", "fixtures", "hf", "llama2")
+  for name in ("hf_no_weights", "hf_mistral"):
+    (tmp_path / name).mkdir()
+    for file in ("config.json", "tokenizer.json"):
+      shutil.copyfile(os.path.join(llama2, file), tmp_path / name / file)
+  config = json.loads((tmp_path / "hf_mistral" / "config.json").read_text())
+  config.update(model_type="mistral", architectures=["MistralForCausalLM"])
+  (tmp_path / "hf_mistral" / "config.json").write_text(json.dumps(config))
   return {
+    "odd": str(tmp_path / "odd"),
+    "hf_no_weights": str(tmp_path / "hf_no_weights"),
+    "hf_mistral": str(tmp_path / "hf_mistral"),
+    "hf": os.path.join(ROOT, "tests", "fixtures", "hf", "llama3"),
     "earlier": str(tmp_path / "earlier"),
     "tmp": str(tmp_path),
     "file": str(tmp_path / "a_file"),
@@ -101,6 +118,25 @@ TRAIN_CASES = [
   ((*TINY, "--seeds=4"), "--seeds=4: the number of seeds is a config key: pass --config.train.seeds=4"),
   ((*TINY, "--config.train.seeds=0"), "train.seeds must be an integer >= 1 (or None: one run in the workdir), got 0"),
   (
+    (
+      *TRAIN,
+      "--config=configs/longspec_draft_tiny.py",
+      "--workdir={tmp}/draft",
+      "--config.model.family_kwargs.target_workdir={nowhere}",
+    ),
+    "{nowhere}/config.json not found: model.family_kwargs.target_workdir must be a training workdir",
+  ),
+  (
+    (
+      *TRAIN,
+      "--config=configs/longspec_draft_tiny.py",
+      "--workdir={tmp}/draft",
+      "--config.model.family_kwargs.target_workdir={hf_mistral}",
+    ),
+    "model_type 'mistral' with architectures ['MistralForCausalLM'] is not supported",
+  ),
+  ((*TINY, "--config.train.init_from={hf}"), "train.init_from={hf} is a Hugging Face model directory: a run starts"),
+  (
     (*TRAIN, "--config=configs/drt_tiny.py", "--workdir={nowhere}", "--config.model.family_kwargs.retriever=random"),
     "model.family_kwargs holds only the keys its config file sets",
   ),
@@ -113,7 +149,29 @@ EVAL_AND_NOTEBOOK_CASES = [
   ((*GENERATE, "--temperature=-1"), "--temperature=-1: -1.0 is not a non-negative number"),
   ((*GENERATE, "--top_p=2"), "--top_p=2.0: must be in (0, 1]"),
   ((*GENERATE, "--tree=4,x"), "--tree=4,x: must list positive integers"),
-  (GENERATE, "{nowhere}/config.json not found: --workdir must be a directory written by `python -m train`"),
+  (
+    GENERATE,
+    "{nowhere}/config.json not found: --workdir must be a training workdir (written by `python -m train`: "
+    "config.json, checkpoints/) or a Hugging Face model directory (config.json with a model_type",
+  ),
+  (
+    ("-m", "train.generate", "--workdir={odd}"),
+    "{odd}/config.json has neither a training run's model section nor a Hugging Face model_type",
+  ),
+  (
+    ("-m", "train.generate", "--workdir={hf}", "--step=1"),
+    "--step=1: {hf} is a Hugging Face model directory, whose weights have no checkpoint steps; leave --step out",
+  ),
+  (
+    ("-m", "train.generate", "--workdir={hf_no_weights}"),
+    "no weights in {hf_no_weights}: expected model.safetensors, or model.safetensors.index.json and its shards",
+  ),
+  (
+    ("-m", "train.generate", "--workdir={hf_mistral}"),
+    "model_type 'mistral' with architectures ['MistralForCausalLM'] is not supported; supported: llama",
+  ),
+  (("-m", "train.generate", "--workdir={hf}", "--draft_workdir={hf}"), "holds a 'transformer' model, not a"),
+  (("-m", "castle_jax.eval.perplexity", "--workdir={hf}", "--step=1"), "--step=1: {hf} is a Hugging Face model"),
   (("-m", "castle_jax.eval.passkey"), "one of the arguments --workdir --pretrained is required"),
   (("-m", "castle_jax.eval.passkey", "--workdir={nowhere}", "--examples=0"), "--examples must be an integer >= 1"),
   (("-m", "castle_jax.eval.perplexity", "--workdir={nowhere}", "--lengths=2k"), "--lengths='2k' must be"),

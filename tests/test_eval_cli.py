@@ -173,7 +173,7 @@ def test_perplexity_cli_on_swa_skips_lengths_the_split_cannot_fill(tmp_path, std
       "argument --pretrained: invalid choice: 'drt_tiny' (choose from 'drt_tiny_retrieval_topk')",
     ),
     (passkey, ["--pretrained=drt_tiny_retrieval_topk", "--step=3"], "--step must be left out with --pretrained"),
-    (passkey, ["--workdir={missing}"], "config.json not found: --workdir must be a directory written by"),
+    (passkey, ["--workdir={missing}"], "config.json not found: --workdir must be a training workdir (written by"),
     (passkey, ["--workdir={drt}", "--lengths=1k"], "--lengths='1k' must be comma-separated integers"),
     (passkey, ["--workdir={drt}", "--lengths=0,8"], "--lengths='0,8' must list lengths >= 2"),
     (passkey, ["--workdir={drt}", "--examples=0"], "--examples must be an integer >= 1, got 0"),
@@ -214,7 +214,9 @@ def test_command_line_help_and_missing_workdir(module, tmp_path):
   )
   assert done.returncode == 1
   assert done.stderr.strip().splitlines() == [
-    f"ERROR: {tmp_path}/config.json not found: --workdir must be a directory written by `python -m train`"
+    f"ERROR: {tmp_path}/config.json not found: --workdir must be a training workdir (written by `python -m "
+    "train`: config.json, checkpoints/) or a Hugging Face model directory (config.json with a model_type, "
+    "*.safetensors weights, tokenizer.json)"
   ]
 
 

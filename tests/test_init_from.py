@@ -83,7 +83,7 @@ def test_a_different_model_or_a_missing_source_is_an_error_before_anything_is_wr
   with pytest.raises(
     FileNotFoundError,
     match=r"nowhere/config.json not found: train.init_from=.* must be a "
-    r"directory written by `python -m train`",
+    r"training workdir \(written by `python -m train`",
   ):
     train(config)
 

@@ -351,7 +351,9 @@ def test_qkv_bias_option():
   plain = build_model(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, dtype="float32"))
   plain_params = plain.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
   assert "bias" not in plain_params["block_0"]["attention"]["query"]
-  with pytest.raises(ValueError, match=r"qkv_bias is supported for the 'transformer' family with 'mha' attention only"):
+  with pytest.raises(
+    ValueError, match=r"qkv_bias is supported for the 'transformer' family \(and a LongSpec draft of one\) with 'mha'"
+  ):
     ModelConfig(attention="castle", qkv_bias=True)
 
 

@@ -202,7 +202,7 @@ def lm_workdir(workdir, tmp_path_factory):
     ),
     (["--workdir={vt}", "--bogus=1"], "unrecognized argument '--bogus=1'"),
     (["--workdir={vt}", "--output={existing}"], "exists (results of an earlier run are never replaced)"),
-    (["--workdir={missing}"], "config.json not found: --workdir must be a directory written by"),
+    (["--workdir={missing}"], "config.json not found: --workdir must be a training workdir (written by"),
     (["--workdir={vt}", "--step=3"], "No checkpoint for step 3 in"),
   ],
 )

@@ -4,7 +4,12 @@
 
 Reads `<workdir>/config.json` (written by training) to rebuild the model and
 tokenizer, restores the parameters of the latest (or `--step`) checkpoint, and
-prints the prompt followed by the generated continuation.
+prints the prompt followed by the generated continuation. `--workdir` may also be a
+Hugging Face model directory (Llama or Qwen2: config.json, *.safetensors,
+tokenizer.json; `castle_jax.models.hf`), read in float32, without `--step`:
+
+    python -m train.generate --workdir=tests/fixtures/hf/llama3 --prompt="the quick" \
+        --max_new_tokens=8 --temperature=0
 
 With `--draft_workdir` (a LongSpec draft trained for this target), the continuation is
 decoded speculatively (`castle_jax.inference.speculative_generate`; the same output as
@@ -30,8 +35,15 @@ from castle_jax.inference import generate
 from castle_jax.inference.speculative import DEFAULT_TREE, speculative_generate
 from castle_jax.workdir import TrainedModel, load_draft, load_trained_model
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (holds config.json and checkpoints/).")
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).", lower_bound=0)
+_WORKDIR = flags.DEFINE_string(
+  "workdir",
+  None,
+  "Training workdir (holds config.json and checkpoints/), or a Hugging Face model directory (config.json, "
+  "*.safetensors, tokenizer.json).",
+)
+_STEP = flags.DEFINE_integer(
+  "step", None, "Checkpoint step (default: latest; not for a Hugging Face directory).", lower_bound=0
+)
 _PROMPT = flags.DEFINE_string("prompt", "def ", "Text to continue.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate.", lower_bound=1)
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "0 for greedy decoding.", lower_bound=0)
@@ -53,45 +65,74 @@ flags.register_validator(
 _ERRORS = (UsageError, FileNotFoundError, ValueError, CheckpointError)
 
 
+def continue_prompt(
+  target: TrainedModel,
+  prompt: np.ndarray,
+  *,
+  max_new_tokens: int,
+  temperature: float = 0.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+  seed: int = 0,
+  draft: TrainedModel | None = None,
+  tree: tuple[int, ...] = DEFAULT_TREE,
+  warmup: bool = False,
+) -> tuple[np.ndarray, str | None]:
+  """What the command decodes: `prompt` (int32 [n], the BOS already in it) and its
+  continuation, int32 [n + max_new_tokens], by `target` alone or, with a LongSpec `draft`
+  (`load_draft`), speculatively; and the speculative run's line of tau and speed (None
+  without a draft). warmup: decode once before timing, so the speed excludes compilation."""
+  sampling = dict(rng=jax.random.key(seed), temperature=temperature, top_k=top_k, top_p=top_p)
+  prompt = jnp.asarray(prompt, jnp.int32)[None]
+  if draft is None:
+    tokens = generate(target.model, target.params, prompt, max_new_tokens=max_new_tokens, **sampling)
+    return np.asarray(tokens[0]), None
+  run = lambda: speculative_generate(
+    target.model, target.params, draft.model, draft.params, prompt, max_new_tokens=max_new_tokens, tree=tree, **sampling
+  )
+  if warmup:
+    jax.block_until_ready(run().tokens)
+  start = time.perf_counter()
+  result = run()
+  tokens = jax.block_until_ready(result.tokens)
+  seconds = time.perf_counter() - start
+  line = (
+    f"# speculative: draft step {draft.step}, tree {list(tree)}: tau {result.mean_accepted:.2f} tokens per "
+    f"target forward over {result.rounds} rounds, {max_new_tokens / seconds:.1f} tokens/s"
+    + ("" if warmup else " (including compilation; --warmup to exclude it)")
+  )
+  return np.asarray(tokens[0]), line
+
+
 def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   if not _WORKDIR.value:
-    raise UsageError("--workdir is required: pass the workdir of a run of `python -m train`, e.g. --workdir=runs/tiny")
-  model, params, tokenizer, step = load_trained_model(_WORKDIR.value, _STEP.value)
+    raise UsageError(
+      "--workdir is required: pass the workdir of a run of `python -m train` (e.g. --workdir=runs/tiny) or a "
+      "Hugging Face model directory"
+    )
+  target = load_trained_model(_WORKDIR.value, _STEP.value)
+  draft = load_draft(_DRAFT.value, target) if _DRAFT.value else None
+  tokenizer = target.tokenizer
   prompt = np.concatenate([[tokenizer.bos_id], tokenizer.encode(_PROMPT.value)]).astype(np.int32)
-  sampling = dict(
-    rng=jax.random.key(_SEED.value), temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value
+  tokens, speculative = continue_prompt(
+    target,
+    prompt,
+    max_new_tokens=_MAX_NEW.value,
+    temperature=_TEMPERATURE.value,
+    top_k=_TOP_K.value,
+    top_p=_TOP_P.value,
+    seed=_SEED.value,
+    draft=draft,
+    tree=tuple(int(w) for w in _TREE.value),
+    warmup=_WARMUP.value,
   )
-  if _DRAFT.value:
-    tree = tuple(int(w) for w in _TREE.value)
-    draft = load_draft(_DRAFT.value, TrainedModel(model, params, tokenizer, step))
-    run = lambda: speculative_generate(
-      model,
-      params,
-      draft.model,
-      draft.params,
-      jnp.asarray(prompt)[None],
-      max_new_tokens=_MAX_NEW.value,
-      tree=tree,
-      **sampling,
-    )
-    if _WARMUP.value:
-      jax.block_until_ready(run().tokens)
-    start = time.perf_counter()
-    result = run()
-    tokens = jax.block_until_ready(result.tokens)
-    seconds = time.perf_counter() - start
-    print(
-      f"# speculative: draft step {draft.step}, tree {list(tree)}: tau {result.mean_accepted:.2f} tokens per "
-      f"target forward over {result.rounds} rounds, {_MAX_NEW.value / seconds:.1f} tokens/s"
-      + ("" if _WARMUP.value else " (including compilation; --warmup to exclude it)")
-    )
-  else:
-    tokens = generate(model, params, jnp.asarray(prompt)[None], max_new_tokens=_MAX_NEW.value, **sampling)
-  print(f"# step {step}, temperature {_TEMPERATURE.value}")
-  print(tokenizer.decode(np.asarray(tokens[0, 1:])))
+  if speculative is not None:
+    print(speculative)
+  print(f"# step {target.step}, temperature {_TEMPERATURE.value}")
+  print(tokenizer.decode(tokens[1:]))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 from castle_jax.checkpoints import file_sha256
 from castle_jax.models import ModelConfig, family_of
+from castle_jax.models.hf import is_hf_model_dir
 from castle_jax.workdir import TOKENIZER_NAME, read_config, resolve_tokenizer_path, saved_config
 from train.config import base_config
 
@@ -77,8 +78,14 @@ def check_init_from(source: str, model_config, tokenizer: str) -> None:
   Raises:
     FileNotFoundError: `source` has no config.json.
     ConfigMismatchError: one line listing the differing model.* keys, or naming the tokenizers.
+    ValueError: `source` is a Hugging Face model directory (it has no checkpoint to start from).
   """
   source = os.path.abspath(source)
+  if is_hf_model_dir(source):
+    raise ValueError(
+      f"train.init_from={source} is a Hugging Face model directory: a run starts from a training workdir's "
+      "checkpoint only (castle_jax.models.hf.load_hf_model reads the directory in Python)"
+    )
   saved = read_config(source, what=f"train.init_from={source}").to_dict()
   training_only = family_of(ModelConfig.from_mapping(model_config)).training_only_kwargs
   differing = [

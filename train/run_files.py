@@ -119,13 +119,17 @@ def claim_for_fresh_run(workdir: str, *, resume: bool, overwrite: bool) -> str |
 def write_run_files(workdir: str, config) -> None:
   """Writes config.json (atomically) and copies a BPE tokenizer file into the
   workdir, so the workdir is self-contained: config.json names the tokenizer
-  relative to the workdir. Process 0 only; call after restore succeeded."""
+  relative to the workdir (a Hugging Face model directory as data.tokenizer is named by
+  its absolute path instead). Process 0 only; call after restore succeeded."""
   if jax.process_index() != 0:
     return
   config = copy.deepcopy(config)
   with config.unlocked():
     tokenizer = config.data.tokenizer
-    if tokenizer != "byte":
+    if os.path.isdir(tokenizer):
+      # A Hugging Face model directory's special ids live in its config.json: it is named, not copied.
+      config.data.tokenizer = os.path.abspath(tokenizer)
+    elif tokenizer != "byte":
       destination = os.path.join(workdir, TOKENIZER_NAME)
       if os.path.abspath(tokenizer) != os.path.abspath(destination):
         temporary = destination + ".tmp"

@@ -36,7 +36,7 @@ from castle_jax.data.tokenizer import Tokenizer, load_tokenizer
 from castle_jax.eval.perplexity import summarize
 from castle_jax.models import ModelConfig, build_model, training_flops_per_token
 from castle_jax.sharding import LOGICAL_AXIS_RULES
-from castle_jax.workdir import FrozenParams, frozen_record, restore_params, saved_config
+from castle_jax.workdir import FrozenParams, frozen_record, restore_params, saved_config, with_hf_frozen_source
 from castle_jax.workdir import load_frozen_params as load_frozen
 from train.config import validate_keys
 from train.mesh import data_parallel_size, make_mesh
@@ -133,6 +133,9 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
     raise ValueError("config.workdir is empty: pass --workdir=DIR (checkpoints and metrics go there)")
   validate_train_config(config)
   config, note = clip_warmup(config)
+  if note:
+    note_line(note)
+  config, note = with_hf_frozen_source(config)
   if note:
     note_line(note)
   model_config = ModelConfig.from_mapping(config.model)

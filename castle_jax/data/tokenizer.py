@@ -10,6 +10,9 @@ from typing import Iterable
 import numpy as np
 
 SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>")
+# A Hugging Face model directory's tokenizer and the config.json holding its special ids.
+HF_TOKENIZER_NAME = "tokenizer.json"
+HF_CONFIG_NAME = "config.json"
 
 
 class Tokenizer(abc.ABC):
@@ -181,10 +184,37 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, path: str) -> BPE
   return BPETokenizer(path)
 
 
+def load_hf_tokenizer(directory: str, config: dict | None = None) -> PretrainedTokenizer:
+  """A Hugging Face model directory's tokenizer: `directory`/tokenizer.json with the special
+  ids of `config` (its config.json as a dict; None: read it). A list of eos ids gives the
+  first; no bos id gives eos. ValueError when a file or the eos id is missing."""
+  tokenizer_path = os.path.join(directory, HF_TOKENIZER_NAME)
+  if not os.path.isfile(tokenizer_path):
+    raise ValueError(f"{tokenizer_path} not found: a Hugging Face model directory needs {HF_TOKENIZER_NAME}")
+  config_path = os.path.join(directory, HF_CONFIG_NAME)
+  if config is None:
+    if not os.path.isfile(config_path):
+      raise ValueError(f"{config_path} not found: a Hugging Face tokenizer takes its special ids from it")
+    with open(config_path) as f:
+      config = json.load(f)
+  first = lambda value: value[0] if isinstance(value, list) else value
+  eos = first(config.get("eos_token_id"))
+  bos = first(config.get("bos_token_id"))
+  if eos is None:
+    raise ValueError(f"{config_path} has no eos_token_id")
+  return PretrainedTokenizer(tokenizer_path, eos if bos is None else bos, eos, first(config.get("pad_token_id")))
+
+
 def load_tokenizer(spec: str) -> Tokenizer:
-  """ "byte" for the byte tokenizer, else the path of a BPE JSON file (config data.tokenizer)."""
+  """config data.tokenizer: "byte" for the byte tokenizer, the path of a BPE JSON file, or a
+  Hugging Face model directory (`load_hf_tokenizer`: its tokenizer.json, whose special ids
+  are in its config.json)."""
   if spec == "byte":
     return ByteTokenizer()
+  if os.path.isdir(spec):
+    return load_hf_tokenizer(spec)
   if not os.path.isfile(spec):
-    raise ValueError(f"data.tokenizer={spec!r} is neither 'byte' nor an existing tokenizer JSON file")
+    raise ValueError(
+      f"data.tokenizer={spec!r} is neither 'byte', an existing tokenizer JSON file nor a Hugging Face model directory"
+    )
   return BPETokenizer(spec)

@@ -19,6 +19,7 @@ from castle_jax import command_line, outputs
 from castle_jax.checkpoints import CheckpointError
 from castle_jax.data.pipeline import get_data_source
 from castle_jax.data.tokenizer import Tokenizer, load_tokenizer
+from castle_jax.models.hf import is_hf_model_dir
 from castle_jax.models.pretrained import available_pretrained, load_pretrained
 from castle_jax.workdir import TrainedModel, load_trained_model, read_config
 
@@ -37,7 +38,11 @@ def make_parser(prog: str, description: str, *, lengths: str | None) -> argparse
   default), `--lengths` and `--data_dir`; the caller adds its own."""
   parser = command_line.ArgumentParser(prog=prog, description=description)
   source = parser.add_mutually_exclusive_group(required=True)
-  source.add_argument("--workdir", help="training workdir (config.json, checkpoints/)")
+  source.add_argument(
+    "--workdir",
+    help="training workdir (config.json, checkpoints/), or a Hugging Face model directory (config.json, "
+    "*.safetensors, tokenizer.json: Llama or Qwen2, evaluated on the python_stdlib validation split)",
+  )
   source.add_argument(
     "--pretrained",
     choices=available_pretrained(),
@@ -54,7 +59,7 @@ def make_parser(prog: str, description: str, *, lengths: str | None) -> argparse
     help="a directory, where each evaluation gets its own <eval>_step<N>.json (then -2, -3, ...)"
     + (" and .png" if lengths is not None else "")
     + ", or a new .json file; default: <workdir>/eval/, or "
-    f"{outputs.user_cache_dir('eval', 'NAME')}/ for --pretrained=NAME",
+    f"{outputs.user_cache_dir('eval', 'NAME')}/ for --pretrained=NAME or a Hugging Face directory NAME",
   )
   if lengths is not None:
     parser.add_argument(
@@ -80,8 +85,9 @@ def require(ok: bool, flag: str, rule: str, value: Any) -> None:
 
 
 def load(args: argparse.Namespace) -> tuple[TrainedModel, ml_collections.ConfigDict]:
-  """The trained model of `--workdir` (at `--step`) or `--pretrained`, and its training
-  config, or an EvalError saying what is missing."""
+  """The trained model of `--workdir` (at `--step`; or a Hugging Face model directory) or
+  `--pretrained`, and its training config (`castle_jax.workdir.read_config`), or an
+  EvalError saying what is missing."""
   if args.pretrained is not None:
     require(args.step is None, "--step", "left out with --pretrained (a shipped model has one step)", args.step)
     model, params, config = load_pretrained(args.pretrained)
@@ -98,10 +104,13 @@ def evaluated(args: argparse.Namespace) -> str:
 
 
 def default_output_dir(args: argparse.Namespace) -> str:
-  """<workdir>/eval, or the user's cache for a shipped model: never the current directory."""
-  if args.pretrained is None:
-    return os.path.join(args.workdir, "eval")
-  return outputs.user_cache_dir("eval", args.pretrained)
+  """<workdir>/eval, or the user's cache for a shipped model or a Hugging Face model
+  directory (a model's files are not written into): never the current directory."""
+  if args.pretrained is not None:
+    return outputs.user_cache_dir("eval", args.pretrained)
+  if is_hf_model_dir(args.workdir):
+    return outputs.user_cache_dir("eval", os.path.basename(os.path.abspath(args.workdir)))
+  return os.path.join(args.workdir, "eval")
 
 
 def check_output(args: argparse.Namespace) -> None:

@@ -14,12 +14,16 @@ class FrozenSource:
 
   Attributes:
     name: their key in the parameter tree the loss sees (`{**params, name: frozen}`).
-    workdir: the run's training workdir.
+    workdir: the run's training workdir, or a Hugging Face model directory.
     step: its checkpoint step (None: the newest good one).
     setting: the config key that names the workdir, for messages.
     model_config: the ModelConfig to restore them with.
     differences: (the run's saved ModelConfig) -> one line per field where it does not
       fit `model_config` (empty: it fits).
+    adopt: (the source's ModelConfig) -> the family's config with every field that must
+      fit the source taken from it (used when the source is a Hugging Face model
+      directory, whose config.json no config file mirrors).
+    step_setting: the config key that names `step`, for messages.
   """
 
   name: str
@@ -28,3 +32,5 @@ class FrozenSource:
   setting: str
   model_config: ModelConfig
   differences: Callable[[ModelConfig], list[str]]
+  adopt: Callable[[ModelConfig], ModelConfig]
+  step_setting: str

@@ -22,6 +22,11 @@ Qwen2.5, whose query/key/value projections have biases). The checkpoint maps ont
 
 The weights are read with `safetensors` (framework "flax", which reads bfloat16
 checkpoints as well) onto one device.
+
+The commands take such a directory as `--workdir` (`castle_jax.workdir.load_trained_model`
+tells one from a training workdir with `is_hf_model_dir`, and `run_config` stands in for a
+run's config.json), and a LongSpec draft trains against one (`load_hf_params` into the
+draft's target config).
 """
 
 from __future__ import annotations
@@ -35,9 +40,8 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from castle_jax.config import ModelConfig
-from castle_jax.data.tokenizer import PretrainedTokenizer
-from castle_jax.models.registry import build_model
-from castle_jax.workdir import abstract_params
+from castle_jax.data.tokenizer import PretrainedTokenizer, load_hf_tokenizer
+from castle_jax.models.registry import abstract_params, build_model
 
 CONFIG_NAME = "config.json"
 TOKENIZER_NAME = "tokenizer.json"
@@ -241,17 +245,58 @@ def convert_params(tensors: dict[str, Any], config: ModelConfig, where: str = "t
   return traverse_util.unflatten_dict(params, sep="/")
 
 
-def load_hf_tokenizer(path: str, config: dict[str, Any]) -> PretrainedTokenizer:
-  """`path`/tokenizer.json with config.json's special ids (a list of eos ids: the first)."""
-  tokenizer_path = os.path.join(path, TOKENIZER_NAME)
-  if not os.path.isfile(tokenizer_path):
-    raise ValueError(f"{tokenizer_path} not found: a Hugging Face model directory needs {TOKENIZER_NAME}")
-  first = lambda value: value[0] if isinstance(value, list) else value
-  eos = first(config.get("eos_token_id"))
-  bos = first(config.get("bos_token_id"))
-  if eos is None:
-    raise ValueError(f"{os.path.join(path, CONFIG_NAME)} has no eos_token_id")
-  return PretrainedTokenizer(tokenizer_path, eos if bos is None else bos, eos, first(config.get("pad_token_id")))
+def is_hf_model_dir(path: str) -> bool:
+  """Whether `path` holds a Hugging Face model's config.json (one with a `model_type`; a
+  training run's config.json has none). Says nothing about whether it is supported."""
+  config_path = os.path.join(path, CONFIG_NAME)
+  if not os.path.isfile(config_path):
+    return False
+  try:
+    with open(config_path) as f:
+      config = json.load(f)
+  except (OSError, ValueError):
+    return False
+  return isinstance(config, dict) and "model_type" in config
+
+
+def hf_model_config(path: str, dtype: str = "float32", param_dtype: str | None = None) -> ModelConfig:
+  """The ModelConfig of the model in directory `path` (read_hf_config, then model_config);
+  a config.json without tie_word_embeddings is tied when the weights have no lm_head."""
+  path = os.path.abspath(path)
+  config = read_hf_config(path)
+  tie = config.get("tie_word_embeddings")
+  if tie is None:
+    tie = "lm_head.weight" not in _weight_files(path)
+  return model_config(config, tie_embeddings=tie, dtype=dtype, param_dtype=param_dtype)
+
+
+def load_hf_params(path: str, config: ModelConfig) -> dict[str, Any]:
+  """The parameters of the model in directory `path`, converted for `config` (its
+  `hf_model_config`, perhaps with other dtypes or another family that shares its
+  transformer's parameters) onto one device, in config.param_dtype."""
+  path = os.path.abspath(path)
+  tensors = _read_tensors(_weight_files(path))
+  return convert_params(tensors, config, where=f"the safetensors weights in {path}")
+
+
+def run_config(path: str) -> dict[str, Any]:
+  """What a training run's config.json would say of the model in directory `path`: its
+  `model` (float32) and `data` sections, the tokenizer the directory itself. The data
+  settings are the repository's defaults (evaluations read the embedded python_stdlib
+  corpus's validation split unless told otherwise)."""
+  path = os.path.abspath(path)
+  return {
+    "model": hf_model_config(path).to_mapping(),
+    "data": {
+      "dataset": "python_stdlib",
+      "data_dir": None,
+      "source_dir": None,
+      "text_key": "text",
+      "eval_split": "validation",
+      "tokenizer": path,
+      "task": "lm",
+    },
+  }
 
 
 def load_hf_model(path: str, dtype: str = "float32", param_dtype: str | None = None) -> HFModel:
@@ -267,13 +312,6 @@ def load_hf_model(path: str, dtype: str = "float32", param_dtype: str | None = N
       supported (the message names it and what is), or the tensors do not fit the config.
   """
   path = os.path.abspath(path)
-  config = read_hf_config(path)
-  tokenizer = load_hf_tokenizer(path, config)
-  files = _weight_files(path)
-  tensors = _read_tensors(files)
-  tie = config.get("tie_word_embeddings")
-  if tie is None:
-    tie = "lm_head.weight" not in tensors
-  model_cfg = model_config(config, tie_embeddings=tie, dtype=dtype, param_dtype=param_dtype)
-  params = convert_params(tensors, model_cfg, where=f"the safetensors weights in {path}")
-  return HFModel(build_model(model_cfg), params, tokenizer)
+  tokenizer = load_hf_tokenizer(path, read_hf_config(path))
+  model_cfg = hf_model_config(path, dtype, param_dtype)
+  return HFModel(build_model(model_cfg), load_hf_params(path, model_cfg), tokenizer)

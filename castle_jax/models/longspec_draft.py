@@ -71,7 +71,10 @@ class DraftOptions:
 
   Attributes:
     target_workdir: the target's training workdir (config.json and checkpoints); the
-      target is restored from its newest good checkpoint, or from `target_step`.
+      target is restored from its newest good checkpoint, or from `target_step`. Or a
+      Hugging Face model directory (`castle_jax.models.hf`; no `target_step`): the
+      trainer then takes model.* and data.tokenizer from it
+      (`castle_jax.workdir.with_hf_frozen_source`).
     target_step: a checkpoint step of the target (None: the newest good one).
     window: W, the self-attention window (the paper: 512).
     anchor_tokens: a, positions kept at 0 .. a-1 by anchor-offset indexing (the paper: 4).
@@ -155,7 +158,9 @@ class DraftSelfCache:
 
 
 class DraftSelfAttention(nn.Module):
-  """Sliding-window causal self-attention with the target's RoPE."""
+  """Sliding-window causal self-attention with the target's RoPE (and, when the target's
+  query/key/value projections have biases, model.qkv_bias, its own have them too: the
+  draft block mirrors the target's layers)."""
 
   config: ModelConfig
   window: int
@@ -373,6 +378,8 @@ def param_count(config: ModelConfig) -> int:
   """The draft block's parameters (the embedding, final norm and head are the target's)."""
   d, heads, kv_heads, head_dim = config.d_model, config.n_heads, config.kv_heads, config.qk_head_dim
   self_attention = 2 * d * heads * head_dim + 2 * d * kv_heads * head_dim
+  if config.qkv_bias:  # the target's query/key/value biases, in the draft's own self-attention
+    self_attention += (heads + 2 * kv_heads) * head_dim
   cross_attention = 2 * d * heads * head_dim
   return self_attention + cross_attention + 3 * d * config.ffn_hidden + 3 * d
 
@@ -412,13 +419,14 @@ def width_differences(target: ModelConfig, draft: ModelConfig) -> list[str]:
 
 
 def frozen_source(config: ModelConfig) -> FrozenSource:
-  """Where the draft's frozen target comes from (model.family_kwargs.target_workdir); the
-  target run's model must have the draft's widths (`width_differences`)."""
+  """Where the draft's frozen target comes from (model.family_kwargs.target_workdir: a
+  training workdir or a Hugging Face model directory); the target's model must have the
+  draft's widths (`width_differences`)."""
   options = DraftOptions.from_config(config)
   if not options.target_workdir:
     raise ValueError(
-      "model.family_kwargs.target_workdir is empty: set it to the target's training workdir "
-      "(e.g. --config.model.family_kwargs.target_workdir=runs/longspec_target_tiny)"
+      "model.family_kwargs.target_workdir is empty: set it to the target's training workdir or Hugging Face "
+      "model directory (e.g. --config.model.family_kwargs.target_workdir=runs/longspec_target_tiny)"
     )
   target = target_config(config)
 
@@ -434,4 +442,13 @@ def frozen_source(config: ModelConfig) -> FrozenSource:
     "model.family_kwargs.target_workdir",
     target,
     differences,
+    adopt=functools.partial(with_target_widths, config),
+    step_setting="model.family_kwargs.target_step",
   )
+
+
+def with_target_widths(config: ModelConfig, target: ModelConfig) -> ModelConfig:
+  """The draft's `config` describing `target`: every field `width_differences` compares
+  taken from it (the draft's numerics and family options stay)."""
+  fixed = {field.name: getattr(target, field.name) for field in dataclasses.fields(ModelConfig)}
+  return dataclasses.replace(config, **{name: value for name, value in fixed.items() if name not in _FREE_FIELDS})

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from castle_jax.config import ModelConfig
 from castle_jax.models import drt, drt_decoding, longspec_draft, transformer
 from castle_jax.models.frozen import FrozenSource
+from castle_jax.sharding import LOGICAL_AXIS_RULES
 
 
 def _init_variables(module: nn.Module, rng: jax.Array, seq_len: int):
@@ -168,3 +169,27 @@ def count_parameters(config: ModelConfig) -> int:
 def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
   """Forward + backward FLOPs per trained token of config's model, for MFU."""
   return get_family(config.family).training_flops_per_token(config, seq_len)
+
+
+def abstract_params(
+  model: nn.Module, seq_len: int, device: jax.Device | None = None, mesh: jax.sharding.Mesh | None = None
+) -> Any:
+  """The model's parameters as ShapeDtypeStructs, from `jax.eval_shape` of its family's
+  init (nothing is computed): sharded over `mesh` by their logical axis names, or else
+  placed on one device (default: the first)."""
+  with jax.set_mesh(None):
+    boxed = jax.eval_shape(
+      lambda rng: family_of(model).init_variables(model, rng, seq_len)["params"], jax.random.key(0)
+    )
+  is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
+  if mesh is None:
+    single = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+    shardings = jax.tree.map(lambda _: single, boxed, is_leaf=is_box)
+  else:
+    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, LOGICAL_AXIS_RULES)
+
+  def place(leaf, sharding):
+    value = leaf.unbox(apply_constraint=False) if is_box(leaf) else leaf
+    return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+
+  return jax.tree.map(place, boxed, shardings, is_leaf=is_box)
