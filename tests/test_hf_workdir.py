@@ -156,7 +156,8 @@ def test_an_hf_target_fixes_the_draft_config_and_refuses_a_step(stdlib_data_dir,
     load_frozen_params(stepped)
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen2"])
+# Qwen2 (biases, and the generate command too) in the default suite; Llama 3 with -m slow.
+@pytest.mark.parametrize("name", [pytest.param("llama3", marks=pytest.mark.slow), "qwen2"])
 def test_a_draft_trains_against_an_hf_target_and_decodes_as_the_target(name, stdlib_data_dir, tmp_path, capfd):
   config = _draft_config(name, tmp_path / "draft", stdlib_data_dir)
   result = train(config)
