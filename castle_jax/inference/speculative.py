@@ -560,7 +560,8 @@ def _round(
   if temperature == 0.0:
     path, kept, bonus = jax.vmap(functools.partial(_accept_greedy, shape))(tokens, parents, ancestors, logits)
   else:
-    # Batch 1 draws from the round's key itself, as it did before rows had keys of their own.
+    # A single row draws from the round's key itself, so a one-prompt call's samples do not
+    # depend on how a batch would split keys.
     row_rngs = accept_rng[None] if batch == 1 else jax.random.split(accept_rng, batch)
     accept = functools.partial(_accept_sampling, shape, temperature=temperature, top_k=top_k, top_p=top_p)
     path, kept, bonus = jax.vmap(accept)(tokens, parents, logits, row_rngs)
