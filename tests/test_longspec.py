@@ -74,7 +74,7 @@ def test_cache_after_acceptance_equals_the_cache_of_sequential_decoding(pair):
   positions = jnp.arange(committed.shape[1])[None]
   _, sequential = target.apply({"params": target_params}, committed, positions, caches)
   length = committed.shape[1]
-  assert int(result.caches[0].length) >= length
+  assert int(result.caches[0].length[0]) >= length
   for ours, theirs in zip(result.caches, sequential):
     np.testing.assert_allclose(ours.keys[:, :length], theirs.keys, atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(ours.values[:, :length], theirs.values, atol=2e-5, rtol=2e-5)
@@ -82,7 +82,7 @@ def test_cache_after_acceptance_equals_the_cache_of_sequential_decoding(pair):
   ring = result.draft_cache.ring
   h = longspec_draft.embed_tokens(target.config, target_params, committed)
   keys, _ = draft.apply({"params": draft_params}, h, positions, method=LongSpecDraft.self_keys_values)
-  ring_positions = np.asarray(ring.positions)
+  ring_positions = np.asarray(ring.positions)[0]
   filled = ring_positions[(ring_positions >= 0) & (ring_positions < length)]
   assert filled.size >= draft.options.window
   slots = np.nonzero((ring_positions >= 0) & (ring_positions < length))[0]
@@ -154,6 +154,115 @@ def test_sampling_runs_end_to_end_and_is_reproducible(pair):
   np.testing.assert_array_equal(a.tokens, b.tokens)
   assert not np.array_equal(a.tokens, c.tokens)
   assert a.tokens.shape == (1, 23) and int(a.tokens.max()) < VOCAB and a.tokens_per_round.sum() == 16
+
+
+def _rows_prompt(batch, length, seed):
+  return jax.random.randint(jax.random.key(seed), (batch, length), 0, VOCAB, dtype=jnp.int32)
+
+
+def test_batched_greedy_rows_equal_their_own_greedy_decoding(pair):
+  """Three rows accept different numbers of drafts per round; each row's tokens are the
+  target's greedy decoding of that row, and a row that finishes first stops growing."""
+  target, target_params, draft, draft_params = pair
+  prompt = _rows_prompt(3, 9, seed=21)
+  result = speculative_generate(target, target_params, draft, draft_params, prompt, max_new_tokens=24, tree=(4, 8, 8))
+  for row in range(3):
+    expected = generate(target, target_params, prompt[row : row + 1], max_new_tokens=24)
+    np.testing.assert_array_equal(result.tokens[row : row + 1], expected)
+  counts = result.row_tokens_per_round
+  assert counts.shape == (3, result.rounds)
+  np.testing.assert_array_equal(counts.sum(axis=1), [24, 24, 24])
+  # The rows grow apart: some round has rows that keep different numbers of tokens, and
+  # a row that needed fewer rounds emits nothing after its last.
+  assert any(len(set(counts[:, r][counts[:, r] > 0])) > 1 for r in range(result.rounds))
+  assert len(set(result.row_rounds.tolist())) > 1
+  for row in range(3):
+    assert (counts[row, result.row_rounds[row] :] == 0).all() and (counts[row, : result.row_rounds[row]] > 0).all()
+  np.testing.assert_allclose(result.row_mean_accepted, 24 / result.row_rounds)
+  assert result.mean_accepted == pytest.approx(72 / result.row_rounds.sum())
+  assert result.mean_accepted > 1.0
+  # Each row's cache holds its own committed tokens at its own length.
+  lengths = np.asarray(result.caches[0].length)
+  single = [
+    speculative_generate(
+      target, target_params, draft, draft_params, prompt[row : row + 1], max_new_tokens=24, tree=(4, 8, 8)
+    )
+    for row in range(3)
+  ]
+  for row, alone in enumerate(single):
+    np.testing.assert_array_equal(alone.row_tokens_per_round[0], counts[row, : result.row_rounds[row]])
+    assert lengths[row] == int(alone.caches[0].length[0])
+    np.testing.assert_allclose(
+      result.caches[0].keys[row, : lengths[row]], alone.caches[0].keys[0, : lengths[row]], atol=2e-5, rtol=2e-5
+    )
+
+
+def test_batched_sampling_emits_valid_tokens_and_rows_follow_the_target(pair):
+  """A batch of one prompt repeated: every row samples on its own (the rows differ), each
+  is reproducible, and the rows' first new tokens follow the target's distribution."""
+  target, target_params, draft, draft_params = pair
+  rows = 64
+  prompt = jnp.tile(_prompt(6, seed=8), (rows, 1))
+  run = lambda key: speculative_generate(
+    target, target_params, draft, draft_params, prompt, max_new_tokens=6, tree=(4, 8), temperature=1.0, rng=key
+  )
+  a, b = run(jax.random.key(3)), run(jax.random.key(3))
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  tokens = np.asarray(a.tokens)
+  assert tokens.shape == (rows, 12) and tokens.min() >= 0 and tokens.max() < VOCAB
+  np.testing.assert_array_equal(tokens[:, :6], np.asarray(prompt))
+  np.testing.assert_array_equal(a.row_tokens_per_round.sum(axis=1), np.full(rows, 6))
+  assert len({tuple(row) for row in tokens[:, 6:]}) > rows // 2
+  logits = target.apply({"params": target_params}, prompt[:1])[0][0, -1]
+  observed = np.bincount(tokens[:, 6], minlength=VOCAB)
+  expected = _probabilities(logits) * rows
+  # Pool rare tokens so every expected count is large enough for the chi-squared test.
+  rare = expected < 5
+  observed = np.append(observed[~rare], observed[rare].sum())
+  expected = np.append(expected[~rare], expected[rare].sum())
+  assert stats.chisquare(observed, expected).pvalue > 1e-3
+
+
+def test_caches_reject_a_batch_they_were_not_built_for(pair):
+  from castle_jax.ops.attention import KVCache, WindowKVCache
+
+  keys = jnp.zeros((3, 2, 2, 8))
+  for cache in (KVCache.create(2, 16, 2, 8, jnp.float32), WindowKVCache.create(2, 16, 2, 8, jnp.float32)):
+    with pytest.raises(ValueError, match="cannot append a batch of 3 rows to a .*built for batch 2; create the cache"):
+      cache.append(keys, keys)
+  with pytest.raises(ValueError, match="rows need \\[18, 4\\] slots > capacity 16"):
+    KVCache.create(2, 16, 2, 8, jnp.float32).per_row().replace(length=jnp.array([15, 1])).append(
+      keys[:2], keys[:2], count=jnp.array([3, 3])
+    )
+
+
+def test_per_row_cache_appends_equal_one_row_appends():
+  """Per-row appends write each row's first `count` entries at its own length and leave
+  everything else as it was (the reference: one row at a time with one length)."""
+  from castle_jax.ops.attention import KVCache, WindowKVCache
+
+  rng = np.random.default_rng(0)
+  new = jnp.asarray(rng.normal(size=(3, 4, 2, 8)), jnp.float32)
+  counts, lengths = np.array([4, 0, 2]), np.array([5, 13, 9])
+  cache = KVCache.create(3, 16, 2, 8, jnp.float32)
+  cache = cache.replace(keys=jnp.asarray(rng.normal(size=cache.keys.shape), jnp.float32), values=cache.keys)
+  appended = cache.per_row().replace(length=jnp.asarray(lengths, jnp.int32)).append(new, new, count=jnp.asarray(counts))
+  np.testing.assert_array_equal(appended.length, lengths + counts)
+  for row in range(3):
+    one = KVCache(cache.keys[row : row + 1], cache.values[row : row + 1], jnp.int32(lengths[row]))
+    one = one.append(new[row : row + 1, : counts[row]], new[row : row + 1, : counts[row]]) if counts[row] else one
+    np.testing.assert_array_equal(appended.keys[row], one.keys[0])
+    np.testing.assert_array_equal(appended.key_positions()[row], one.key_positions()[0])
+  ring = WindowKVCache.create(3, 6, 2, 8, jnp.float32)
+  ring = ring.append(jnp.ones((3, 5, 2, 8)), jnp.ones((3, 5, 2, 8))).per_row()
+  ring = ring.replace(length=jnp.asarray([5, 5, 5], jnp.int32))
+  grown = ring.append(new, new, count=jnp.asarray(counts))
+  np.testing.assert_array_equal(grown.length, [9, 5, 7])
+  for row in range(3):
+    one = WindowKVCache(ring.keys[row : row + 1], ring.values[row : row + 1], ring.positions[row], jnp.int32(5))
+    one = one.append(new[row : row + 1, : counts[row]], new[row : row + 1, : counts[row]]) if counts[row] else one
+    np.testing.assert_array_equal(grown.keys[row], one.keys[0])
+    np.testing.assert_array_equal(grown.positions[row], one.positions)
 
 
 def test_draft_decoding_equals_its_training_forward(pair):
@@ -263,8 +372,10 @@ def test_bad_input_is_named(pair):
   call = lambda **kw: speculative_generate(
     target, target_params, draft, draft_params, kw.pop("prompt", prompt), **{"max_new_tokens": 4, **kw}
   )
-  with pytest.raises(ValueError, match="batch 1"):
-    call(prompt=jnp.zeros((2, 4), jnp.int32))
+  with pytest.raises(ValueError, match=r"prompt rows must have equal lengths, got lengths \[3, 4\]"):
+    call(prompt=[[1, 2, 3, 4], [1, 2, 3]])
+  with pytest.raises(ValueError, match=r"prompt batch must be >= 1, got prompt of shape \(0, 4\)"):
+    call(prompt=jnp.zeros((0, 4), jnp.int32))
   with pytest.raises(ValueError, match="tree level 1 keeps 9 nodes"):
     call(tree=(9,))
   with pytest.raises(ValueError, match="window"):

@@ -123,5 +123,5 @@ def test_sampling_trace_emits_the_tokens_of_speculative_decoding(pair):
 
 def test_bad_request_is_named(pair):
   target, target_params, draft, draft_params = pair
-  with pytest.raises(ValueError, match="batch 1"):
+  with pytest.raises(ValueError, match="trace_speculation traces one prompt, got a prompt batch of 2"):
     trace_speculation(target, target_params, draft, draft_params, jnp.zeros((2, 4), jnp.int32), max_new_tokens=4)

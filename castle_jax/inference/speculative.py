@@ -24,9 +24,12 @@ with the root (the last committed token, not yet run through the target) at posi
   commit   the root's and the accepted nodes' keys/values go into the target's cache and
            the draft's ring (a padded gather of depth + 1 entries); the bonus is the next root.
 
-The whole generation is one compiled `lax.while_loop`; batch 1 (rows would accept paths
-of different lengths). `trace_speculation` runs the same rounds one at a time from Python
-and keeps each round's tree and verdict, to look at them.
+The whole generation is one compiled `lax.while_loop` over a batch of equal-length
+prompts. Every row drafts its own tree and accepts its own path, so rows grow apart: the
+target's caches and the draft's ring keep one length per row, each row's tree sits at its
+own positions, and a row that has its max_new_tokens commits nothing more while the others
+go on; the loop ends when every row is done. `trace_speculation` runs the same rounds one
+at a time from Python (batch 1) and keeps each round's tree and verdict, to look at them.
 """
 
 from __future__ import annotations
@@ -89,34 +92,56 @@ class SpeculativeResult:
   """What `speculative_generate` returns.
 
   Attributes:
-    tokens: int32 [1, prompt_len + max_new_tokens], the prompt and the new tokens.
-    tokens_per_round: int [rounds], tokens emitted by each target forward (accepted + bonus).
-    caches: the target's per-layer KV caches after the last round: every emitted token
-      but the last (the next round's root) is in them, possibly a few past max_new_tokens.
+    tokens: int32 [batch, prompt_len + max_new_tokens], the prompts and the new tokens.
+    row_tokens_per_round: int [batch, rounds], tokens each row's verification emitted in
+      each round (accepted + bonus; a row's last round cut at max_new_tokens, 0 once the
+      row is done).
+    caches: the target's per-layer KV caches after the last round, one length per row:
+      every emitted token but the last (the next round's root) is in them, possibly a few
+      past max_new_tokens.
     draft_cache: the draft's self-attention state (its ring holds the same tokens' last
-      positions).
+      positions, per row).
   """
 
   tokens: jax.Array
-  tokens_per_round: np.ndarray
+  row_tokens_per_round: np.ndarray
   caches: Any = None
   draft_cache: DraftSelfCache | None = None
   prefill_seconds: float = 0.0
   decode_seconds: float = 0.0
 
   @property
+  def tokens_per_round(self) -> np.ndarray:
+    """int [rounds]: tokens emitted by each target forward, summed over the rows."""
+    return self.row_tokens_per_round.sum(axis=0)
+
+  @property
   def tokens_per_second(self) -> float:
-    """New tokens over the decoding time (prefill excluded; the first call includes compilation)."""
-    return float(self.tokens_per_round.sum()) / self.decode_seconds if self.decode_seconds else 0.0
+    """New tokens of every row over the decoding time (prefill excluded; the first call
+    includes compilation)."""
+    return float(self.row_tokens_per_round.sum()) / self.decode_seconds if self.decode_seconds else 0.0
 
   @property
   def rounds(self) -> int:
-    return int(self.tokens_per_round.size)
+    """Target forwards (each verifies every row that is not done)."""
+    return int(self.row_tokens_per_round.shape[1])
+
+  @property
+  def row_rounds(self) -> np.ndarray:
+    """int [batch]: the rounds in which each row was verified (it emits >= 1 token in each)."""
+    return np.count_nonzero(self.row_tokens_per_round, axis=1)
+
+  @property
+  def row_mean_accepted(self) -> np.ndarray:
+    """float [batch]: each row's tau, its tokens per verification."""
+    return self.row_tokens_per_round.sum(axis=1) / np.maximum(self.row_rounds, 1)
 
   @property
   def mean_accepted(self) -> float:
-    """tau: mean tokens per target forward (the last round may be cut at max_new_tokens)."""
-    return float(self.tokens_per_round.mean()) if self.rounds else 0.0
+    """tau: mean tokens per row verification over every row and round (at batch 1, tokens
+    per target forward; a row's last round may be cut at max_new_tokens)."""
+    verified = int(self.row_rounds.sum())
+    return float(self.row_tokens_per_round.sum()) / verified if verified else 0.0
 
 
 def check_pair(target_config: ModelConfig, draft_config: ModelConfig) -> None:
@@ -154,17 +179,19 @@ def speculative_generate(
     target_model: the target (`TransformerLM` with `mha` attention); target_params its
       parameters (also the draft's embedding and head).
     draft_model: a `LongSpecDraft` built for this target; draft_params its parameters.
-    prompt: int [1, prompt_len], prompt_len >= 1.
-    max_new_tokens: tokens to append (>= 1).
+    prompt: int [batch, prompt_len], batch >= 1, prompt_len >= 1: equal-length prompts
+      (there is no padding; group prompts by length).
+    max_new_tokens: tokens to append to each row (>= 1).
     tree: nodes per draft level (default [4, 16, 16, 16, 16]; a chain: [1, 1, 1, 1]).
     temperature, top_k, top_p: the target's sampling (`sample_next_token`); 0 is greedy,
-      and then the output equals `generate(target_model, ...)` token for token.
-    rng: PRNG key (required when temperature > 0).
+      and then each row equals `generate(target_model, ...)` of that row token for token.
+    rng: PRNG key (required when temperature > 0); at batch > 1 each round's key is split
+      into one key per row.
     tree_attention_impl: the verification's `tree_attention` implementation (None: default).
     prefill_chunk: the prompt enters the target's cache this many tokens at a time.
 
   Returns:
-    SpeculativeResult (tokens, tokens per round).
+    SpeculativeResult (tokens, tokens per round and row, tau per row and overall).
   """
   shape, prompt = _check_request(
     target_model, draft_model, prompt, max_new_tokens, tree, temperature, top_k, top_p, rng, prefill_chunk
@@ -194,8 +221,11 @@ def speculative_generate(
     )
   )
   decoded = time.perf_counter()
-  counts = np.array(jax.device_get(emitted_per_round))[: int(rounds)]
-  counts[-1] -= int(counts.sum()) - max_new_tokens  # the last round may overshoot max_new_tokens
+  counts = np.array(jax.device_get(emitted_per_round))[:, : int(rounds)]
+  # A row's rounds are a prefix (it emits >= 1 token in each until done); its last one
+  # may overshoot max_new_tokens.
+  last = np.count_nonzero(counts, axis=1) - 1
+  counts[np.arange(counts.shape[0]), last] -= counts.sum(axis=1) - max_new_tokens
   return SpeculativeResult(
     jnp.concatenate([prompt, new_tokens[:, :max_new_tokens]], axis=1),
     counts,
@@ -287,7 +317,7 @@ def trace_speculation(
   with the same inputs. It pays a host round trip per round: use it to look at the
   algorithm, `speculative_generate` to run it.
 
-  Args: as `speculative_generate`.
+  Args: as `speculative_generate`, with one prompt (batch 1).
 
   Returns:
     SpeculativeTrace (tokens, the rounds).
@@ -295,11 +325,17 @@ def trace_speculation(
   shape, prompt = _check_request(
     target_model, draft_model, prompt, max_new_tokens, tree, temperature, top_k, top_p, rng, prefill_chunk
   )
+  if prompt.shape[0] != 1:
+    raise ValueError(
+      f"trace_speculation traces one prompt, got a prompt batch of {prompt.shape[0]}: "
+      "pass prompt[i : i + 1] for the row to look at"
+    )
   caches, draft_cache = _prefill(
     target_model, target_params, draft_model, draft_params, prompt, max_new_tokens, shape, prefill_chunk
   )
   rng = jax.random.key(0) if rng is None else rng
   root, position = prompt[:, -1], caches[0].length
+  active = jnp.ones((1,), bool)
   rounds, emitted_count = [], 0
   while emitted_count < max_new_tokens:
     rng, accept_rng = jax.random.split(rng)
@@ -317,20 +353,21 @@ def trace_speculation(
       draft_cache,
       root,
       position,
+      active,
       accept_rng,
     )
-    kept = int(outcome.kept)
+    kept = int(outcome.kept[0])
     rounds.append(
       DraftedRound(
-        position=int(position),
+        position=int(position[0]),
         tokens=np.asarray(outcome.tokens[0]),
-        parents=np.asarray(outcome.parents),
-        target_next=np.asarray(jnp.argmax(outcome.logits, axis=-1), np.int32),
-        path=np.asarray(outcome.path[:kept]),
-        emitted=np.asarray(outcome.emitted[:kept]),
+        parents=np.asarray(outcome.parents[0]),
+        target_next=np.asarray(jnp.argmax(outcome.logits[0], axis=-1), np.int32),
+        path=np.asarray(outcome.path[0, :kept]),
+        emitted=np.asarray(outcome.emitted[0, :kept]),
       )
     )
-    root, position, emitted_count = outcome.bonus[None], position + outcome.kept, emitted_count + kept
+    root, position, emitted_count = outcome.bonus, position + outcome.kept, emitted_count + kept
   new_tokens = np.concatenate([drafted.emitted for drafted in rounds])[:max_new_tokens]
   return SpeculativeTrace(
     jnp.concatenate([prompt, jnp.asarray(new_tokens, jnp.int32)[None]], axis=1), rounds, prompt.shape[1]
@@ -340,14 +377,18 @@ def trace_speculation(
 def _check_request(
   target_model, draft_model, prompt, max_new_tokens, tree, temperature, top_k, top_p, rng, prefill_chunk
 ) -> tuple[TreeShape, jax.Array]:
-  """The tree's shape and the validated prompt int32 [1, prompt_len]; ValueError on a bad request."""
+  """The tree's shape and the validated prompt int32 [batch, prompt_len]; ValueError on a bad request."""
   shape = TreeShape(tuple(tree))
+  if isinstance(prompt, (list, tuple)):
+    lengths = sorted({len(row) for row in prompt})
+    if len(lengths) > 1:
+      raise ValueError(
+        f"prompt rows must have equal lengths, got lengths {lengths}: speculative decoding takes "
+        "int [batch, prompt_len] without padding; group the prompts by length or call it once per prompt"
+      )
   prompt = validate_request(prompt, max_new_tokens, temperature, top_k, top_p, rng)
-  if prompt.shape[0] != 1:
-    raise ValueError(
-      f"speculative decoding runs batch 1 (each row would accept a different number of tokens); "
-      f"got a prompt batch of {prompt.shape[0]}: call it once per prompt"
-    )
+  if prompt.shape[0] < 1:
+    raise ValueError(f"prompt batch must be >= 1, got prompt of shape {prompt.shape}: pass at least one prompt row")
   if prefill_chunk < 1:
     raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
   check_pair(target_model.config, draft_model.config)
@@ -369,17 +410,20 @@ def _check_request(
 def _prefill(
   target_model, target_params, draft_model, draft_params, prompt, max_new_tokens, shape: TreeShape, prefill_chunk
 ):
-  """(target caches, draft cache) holding every prompt token but the last, the first root;
-  the target's caches sized for the whole request and one round's overshoot."""
+  """(target caches, draft cache) holding every prompt token but the last, the first root,
+  with one length per row; the target's caches sized for the whole request and one
+  round's overshoot."""
   capacity = prompt.shape[1] + max_new_tokens + shape.depth + 1
   caches = prefill_caches(target_model, target_params, prompt[:, :-1], capacity, chunk=prefill_chunk)
+  caches = [cache.per_row() for cache in caches]
   draft_cache = _prefill_draft(draft_model, draft_params, target_model.config, target_params, prompt[:, :-1], shape)
+  draft_cache = draft_cache.replace(ring=draft_cache.ring.per_row())
   return jax.block_until_ready((caches, draft_cache))
 
 
 def _prefill_draft(draft: LongSpecDraft, params, target_config, target_params, tokens, shape: TreeShape):
-  """The draft's ring holding the last committed tokens of tokens [1, L] (L may be 0)."""
-  cache = DraftSelfCache.create(draft.config, 1, draft.options.window, shape.nodes, shape.depth + 1)
+  """The draft's ring holding the last committed tokens of tokens [batch, L] (L may be 0)."""
+  cache = DraftSelfCache.create(draft.config, tokens.shape[0], draft.options.window, shape.nodes, shape.depth + 1)
   keep = min(tokens.shape[1], cache.ring.capacity)
   if keep == 0:
     return cache
@@ -389,8 +433,8 @@ def _prefill_draft(draft: LongSpecDraft, params, target_config, target_params, t
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _fill_ring(draft, target_config, params, target_params, tokens, start, cache):
-  """The cache with tokens [1, n] (positions start ..) as the ring's newest entries."""
-  positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+  """The cache with tokens [batch, n] (positions start ..) as the ring's newest entries."""
+  positions = jnp.broadcast_to(start + jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
   keys, values = draft.apply(
     {"params": params},
     embed_tokens(target_config, target_params, tokens),
@@ -417,15 +461,21 @@ def _speculate(
   root,
   rng,
 ):
-  """(new tokens int32 [1, max_new + depth + 1], tokens per round int32 [max_new], rounds,
-  target caches, draft cache)."""
-  buffer = jnp.zeros((1, max_new_tokens + shape.depth + 1), jnp.int32)
-  per_round = jnp.zeros((max_new_tokens,), jnp.int32)
+  """From the roots int32 [batch]: (new tokens int32 [batch, max_new + depth + 1], tokens
+  per round int32 [batch, max_new] (0 once a row is done), rounds, target caches, draft
+  cache). Each active row emits >= 1 token a round, so max_new rounds finish every row."""
+  batch = root.shape[0]
+  width = max_new_tokens + shape.depth + 1
+  buffer = jnp.zeros((batch, width), jnp.int32)
+  per_round = jnp.zeros((batch, max_new_tokens), jnp.int32)
   position = caches[0].length
+  rows = jnp.arange(batch)[:, None]
+  offsets = jnp.arange(shape.depth + 1)
 
   def round_(carry):
     caches, draft_cache, root, position, buffer, count, per_round, rounds, rng = carry
     rng, accept_rng = jax.random.split(rng)
+    active = count < max_new_tokens
     outcome, caches, draft_cache = _round(
       target_model,
       draft,
@@ -440,14 +490,17 @@ def _speculate(
       draft_cache,
       root,
       position,
+      active,
       accept_rng,
     )
-    buffer = jax.lax.dynamic_update_slice(buffer, outcome.emitted[None], (0, count))
-    per_round = per_round.at[rounds].set(outcome.kept)
+    # A done row's count may sit near the buffer's end: entries past `kept` are dropped.
+    slots = jnp.where(offsets < outcome.kept[:, None], count[:, None] + offsets, width)
+    buffer = buffer.at[rows, slots].set(outcome.emitted, mode="drop")
+    per_round = per_round.at[:, rounds].set(outcome.kept)
     return (
       caches,
       draft_cache,
-      outcome.bonus[None],
+      jnp.where(active, outcome.bonus, root),
       position + outcome.kept,
       buffer,
       count + outcome.kept,
@@ -456,21 +509,23 @@ def _speculate(
       rng,
     )
 
-  carry = (caches, draft_cache, root, position, buffer, jnp.int32(0), per_round, jnp.int32(0), rng)
-  carry = jax.lax.while_loop(lambda c: c[5] < max_new_tokens, round_, carry)
+  count = jnp.zeros((batch,), jnp.int32)
+  carry = (caches, draft_cache, root, position, buffer, count, per_round, jnp.int32(0), rng)
+  carry = jax.lax.while_loop(lambda c: jnp.any(c[5] < max_new_tokens), round_, carry)
   return carry[4], carry[6], carry[7], carry[0], carry[1]
 
 
 class _RoundOutcome(NamedTuple):
-  """One round's tree and verdict (device arrays; see `DraftedRound` for their meaning)."""
+  """One round's trees and verdicts, a row each (device arrays; see `DraftedRound` for
+  their meaning)."""
 
-  tokens: jax.Array  # int32 [1, nodes]
-  parents: jax.Array  # int32 [nodes]
-  logits: jax.Array  # float32 [nodes, V], the target's
-  path: jax.Array  # int32 [depth + 1], padded with 0 past `kept`
-  kept: jax.Array  # int32 scalar
-  bonus: jax.Array  # int32 scalar
-  emitted: jax.Array  # int32 [depth + 1], padded past `kept`
+  tokens: jax.Array  # int32 [batch, nodes]
+  parents: jax.Array  # int32 [batch, nodes]
+  logits: jax.Array  # float32 [batch, nodes, V], the target's
+  path: jax.Array  # int32 [batch, depth + 1], padded with 0 past `kept`
+  kept: jax.Array  # int32 [batch], 0 for a row that was not active
+  bonus: jax.Array  # int32 [batch]
+  emitted: jax.Array  # int32 [batch, depth + 1], padded past `kept`
 
 
 def _round(
@@ -487,37 +542,46 @@ def _round(
   draft_cache,
   root,
   position,
+  active,
   accept_rng,
 ):
-  """One round (draft, verify, accept, commit; see the module docstring) from the root int32
-  [1] at `position`: (`_RoundOutcome`, target caches, draft cache)."""
+  """One round (draft, verify, accept, commit; see the module docstring) from the roots
+  int32 [batch] at positions int32 [batch]; rows where `active` (bool [batch]) is False
+  commit nothing. -> (`_RoundOutcome`, target caches, draft cache)."""
   target_config = target_model.config
+  batch = root.shape[0]
   tokens, parents, ancestors, draft_cache = _draft_tree(
     draft, shape, draft_params, target_config, target_params, caches[-1], draft_cache, root, position
   )
-  positions = position + jnp.asarray(shape.depths())[None]
+  positions = position[:, None] + jnp.asarray(shape.depths())[None]
   logits, pending = target_model.apply(
-    {"params": target_params}, tokens, positions, caches, TreeVerification(ancestors[None], tree_impl)
+    {"params": target_params}, tokens, positions, caches, TreeVerification(ancestors, tree_impl)
   )
   if temperature == 0.0:
-    path, kept, bonus = _accept_greedy(shape, tokens[0], parents, ancestors, logits[0])
+    path, kept, bonus = jax.vmap(functools.partial(_accept_greedy, shape))(tokens, parents, ancestors, logits)
   else:
-    path, kept, bonus = _accept_sampling(shape, tokens[0], parents, logits[0], accept_rng, temperature, top_k, top_p)
-  caches = [cache.append(kv.keys[:, path], kv.values[:, path], count=kept) for cache, kv in zip(caches, pending)]
+    # A single row draws from the round's key itself, so a one-prompt call's samples do not
+    # depend on how a batch would split keys.
+    row_rngs = accept_rng[None] if batch == 1 else jax.random.split(accept_rng, batch)
+    accept = functools.partial(_accept_sampling, shape, temperature=temperature, top_k=top_k, top_p=top_p)
+    path, kept, bonus = jax.vmap(accept)(tokens, parents, logits, row_rngs)
+  kept = jnp.where(active, kept, 0)
+  gather = lambda x: jnp.take_along_axis(x, path[:, :, None, None], axis=1)
+  caches = [cache.append(gather(kv.keys), gather(kv.values), count=kept) for cache, kv in zip(caches, pending)]
   # The draft's entries depend on the token and position alone; the deepest level's
   # nodes never ran through the draft, so the path's entries are computed here.
-  path_tokens = tokens[0, path]
+  path_tokens = jnp.take_along_axis(tokens, path, axis=1)
   path_keys, path_values = draft.apply(
     {"params": draft_params},
-    embed_tokens(target_config, target_params, path_tokens[None]),
-    position + jnp.arange(shape.depth + 1, dtype=jnp.int32)[None],
+    embed_tokens(target_config, target_params, path_tokens),
+    position[:, None] + jnp.arange(shape.depth + 1, dtype=jnp.int32)[None],
     method=LongSpecDraft.self_keys_values,
   )
   draft_cache = draft_cache.replace(ring=draft_cache.ring.append(path_keys, path_values, count=kept))
   # Emitted: the accepted nodes' tokens (path[1:kept]) then the bonus.
-  accepted_tokens = jnp.concatenate([path_tokens[1:], jnp.zeros((1,), jnp.int32)])
-  emitted = jnp.where(jnp.arange(shape.depth + 1) == kept - 1, bonus, accepted_tokens)
-  return _RoundOutcome(tokens, parents, logits[0], path, kept, bonus, emitted), caches, draft_cache
+  accepted_tokens = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((batch, 1), jnp.int32)], axis=1)
+  emitted = jnp.where(jnp.arange(shape.depth + 1)[None] == kept[:, None] - 1, bonus[:, None], accepted_tokens)
+  return _RoundOutcome(tokens, parents, logits, path, kept, bonus, emitted), caches, draft_cache
 
 
 # `_round` compiled on its own (static: the models, the tree and the sampling settings).
@@ -527,43 +591,45 @@ _traced_round = jax.jit(_round, static_argnums=(0, 1, 2, 3, 4, 5, 6))
 def _draft_tree(
   draft, shape: TreeShape, draft_params, target_config, target_params, target_cache, draft_cache, root, position
 ):
-  """Drafts one tree. Returns (tokens int32 [1, nodes], parents int32 [nodes] (-1 for the
-  root), ancestors bool [nodes, nodes] (node i sees node j), the draft cache with every
+  """Drafts one tree per row from the roots int32 [batch] at positions int32 [batch].
+  Returns (tokens int32 [batch, nodes], parents int32 [batch, nodes] (-1 for the root),
+  ancestors bool [batch, nodes, nodes] (node i sees node j), the draft cache with every
   drafted node's self-attention entry)."""
-  nodes = shape.nodes
-  tokens = jnp.zeros((1, nodes), jnp.int32).at[:, 0].set(root)
-  parents = jnp.full((nodes,), -1, jnp.int32)
-  ancestors = jnp.zeros((nodes, nodes), bool).at[0, 0].set(True)
-  cumulative = jnp.zeros((1,), jnp.float32)  # log-probability of each node of the current level
+  nodes, batch = shape.nodes, root.shape[0]
+  tokens = jnp.zeros((batch, nodes), jnp.int32).at[:, 0].set(root)
+  parents = jnp.full((batch, nodes), -1, jnp.int32)
+  ancestors = jnp.zeros((batch, nodes, nodes), bool).at[:, 0, 0].set(True)
+  cumulative = jnp.zeros((batch, 1), jnp.float32)  # log-probability of each node of the current level
   keys, values = target_cache.keys, target_cache.values
   for level in range(shape.depth):
     start, size = shape.level_start(level), shape.level_size(level)
     slots = jnp.arange(start, start + size)
     h = embed_tokens(target_config, target_params, tokens[:, start : start + size])
-    positions = jnp.full((1, size), position + level, jnp.int32)
+    positions = jnp.broadcast_to(position[:, None] + level, (batch, size)).astype(jnp.int32)
     out, draft_cache = draft.apply(
       {"params": draft_params},
       h,
       positions,
       draft_cache,
       slots,
-      ancestors[start : start + size][None],
+      ancestors[:, start : start + size],
       keys,
       values,
       target_cache.length,
       method=LongSpecDraft.draft,
     )
-    log_probs = jax.nn.log_softmax(draft_logits(target_config, target_params, out)[0], axis=-1)  # [size, V]
-    scores = (cumulative[:, None] + log_probs).reshape(-1)
+    log_probs = jax.nn.log_softmax(draft_logits(target_config, target_params, out), axis=-1)  # [batch, size, V]
+    scores = (cumulative[:, :, None] + log_probs).reshape(batch, -1)
     width = shape.widths[level]
-    cumulative, flat = jax.lax.top_k(scores, width)
+    cumulative, flat = jax.lax.top_k(scores, width)  # [batch, width]
     vocab = log_probs.shape[-1]
-    child_parents = start + flat // vocab
+    child_parents = (start + flat // vocab).astype(jnp.int32)
     child_start = shape.level_start(level + 1)
     children = jnp.arange(child_start, child_start + width)
-    tokens = tokens.at[0, children].set((flat % vocab).astype(jnp.int32))
-    parents = parents.at[children].set(child_parents.astype(jnp.int32))
-    ancestors = ancestors.at[children].set(ancestors[child_parents] | (children[:, None] == jnp.arange(nodes)))
+    tokens = tokens.at[:, children].set((flat % vocab).astype(jnp.int32))
+    parents = parents.at[:, children].set(child_parents)
+    parent_rows = jnp.take_along_axis(ancestors, child_parents[:, :, None], axis=1)  # [batch, width, nodes]
+    ancestors = ancestors.at[:, children].set(parent_rows | (children[:, None] == jnp.arange(nodes)))
   return tokens, parents, ancestors, draft_cache
 
 
