@@ -2,11 +2,14 @@
 
     python -m benchmarks.longspec --target_workdir=runs/longspec_target_tiny \
         --draft=runs/longspec_draft_tiny_long --prompt_lengths=256,448 --new_tokens=64 \
-        --prompts=2 --temperatures=0,1 --tree=4,16,16,16,16 --tree=1,1,1,1,1 --out=longspec.json
+        --prompts=2 --temperatures=0,1 --tree=4,16,16,16,16 --tree=1,1,1,1,1 --out=longspec.json \
+        [--batch_sizes=1,4,8]
 
 Prompts are long-file code completion: consecutive [BOS] file [EOS] pieces of the target's
-validation split (files it never trained on), cut at each prompt length. For every prompt
-length, temperature, draft, tree and tree-attention implementation:
+validation split (files it never trained on), cut at each prompt length; a batch of B
+decodes B different prompts of that length together (rows accept their own numbers of
+tokens per round). For every batch size, prompt length, temperature, draft, tree and
+tree-attention implementation:
   - autoregressive: the target's prefilled KV cache, then `continue_decoding` (one
     compiled `lax.scan` of single-token steps) for --new_tokens tokens;
   - speculative: `speculative_generate` (one compiled `lax.while_loop` of rounds).
@@ -47,7 +50,10 @@ def parse_args(argv):
   )
   parser.add_argument("--prompt_lengths", type=cl.positive_int_list, default=[4096, 16384])
   parser.add_argument("--new_tokens", type=cl.positive_int, default=512)
-  parser.add_argument("--prompts", type=cl.positive_int, default=2, help="timed prompts per length (after one warm-up)")
+  parser.add_argument("--prompts", type=cl.positive_int, default=2, help="timed batches per length (after one warm-up)")
+  parser.add_argument(
+    "--batch_sizes", type=cl.positive_int_list, default=[1], help="prompts decoded together (tokens/s counts every row)"
+  )
   parser.add_argument("--temperatures", type=cl.number_list, default=[0.0, 1.0])
   parser.add_argument(
     "--tree", type=cl.positive_int_list, action="append", help="nodes per level (repeat: tree vs chain)"
@@ -83,18 +89,21 @@ def _drafts(specs: list[str]) -> list[tuple[str, str]]:
   return named
 
 
-def _prompts(config, tokenizer, length: int, count: int, new_tokens: int) -> list[np.ndarray]:
-  """count + 1 prompts (the first is the warm-up) of `length` tokens from the validation split."""
+def _prompts(config, tokenizer, length: int, count: int, new_tokens: int, batch: int = 1) -> list[np.ndarray]:
+  """count + 1 batches [batch, length] of different prompts (the first batch is the warm-up)
+  from the validation split."""
   stride = length + new_tokens
-  stream = validation_tokens(config, tokenizer, stride * (count + 1))
-  if stream.size < stride * (count + 1):
+  needed = stride * (count + 1) * batch
+  stream = validation_tokens(config, tokenizer, needed)
+  if stream.size < needed:
     print(f"note: the validation split has {stream.size} tokens; prompts repeat it", file=sys.stderr)
-    stream = np.resize(stream, stride * (count + 1))
-  return [stream[i * stride : i * stride + length][None] for i in range(count + 1)]
+    stream = np.resize(stream, needed)
+  pieces = [stream[i * stride : i * stride + length] for i in range((count + 1) * batch)]
+  return [np.stack(pieces[i * batch : (i + 1) * batch]) for i in range(count + 1)]
 
 
 def _autoregressive(target, prompt, new_tokens, temperature, seed):
-  """(new tokens [1, new_tokens], decode seconds)."""
+  """(new tokens [batch, new_tokens], decode seconds)."""
   prompt = jnp.asarray(prompt, jnp.int32)
   caches = prefill_caches(target.model, target.params, prompt[:, :-1], prompt.shape[1] + new_tokens)
   jax.block_until_ready(caches)
@@ -134,54 +143,61 @@ def run(args) -> list[dict]:
     raise cl.UsageError(f"--target_workdir={args.target_workdir} / --draft={args.draft}: {e}") from e
   target = _in_dtype(target, args.dtype)
   rows = []
-  for length in args.prompt_lengths:
-    prompts = _prompts(config, target.tokenizer, length, args.prompts, args.new_tokens)
-    for temperature in args.temperatures:
-      _autoregressive(target, prompts[0], args.new_tokens, temperature, 0)  # compile
-      baseline = [_autoregressive(target, p, args.new_tokens, temperature, i) for i, p in enumerate(prompts[1:])]
-      base_tps = args.new_tokens * len(baseline) / sum(seconds for _, seconds in baseline)
-      for name, draft in drafts:
-        for tree in args.tree:
-          for implementation in args.tree_attention:
-            call = lambda prompt, seed: speculative_generate(
-              target.model,
-              target.params,
-              draft.model,
-              draft.params,
-              jnp.asarray(prompt, jnp.int32),
-              max_new_tokens=args.new_tokens,
-              tree=tuple(tree),
-              temperature=temperature,
-              rng=jax.random.key(seed),
-              tree_attention_impl=implementation,
-            )
-            call(prompts[0], 0)  # compile
-            results = [call(p, i) for i, p in enumerate(prompts[1:])]
-            differences = [
-              _first_difference(np.asarray(r.tokens[:, length:]), b) for r, (b, _) in zip(results, baseline)
-            ]
-            identical = all(d is None for d in differences) if temperature == 0 else None
-            seconds = sum(r.decode_seconds for r in results)
-            rounds = sum(r.rounds for r in results)
-            row = {
-              "prompt_length": length,
-              "temperature": temperature,
-              "draft": name,
-              "tree": tree,
-              "tree_attention": implementation,
-              "tau": args.new_tokens * len(results) / rounds,
-              "tokens_per_s": args.new_tokens * len(results) / seconds,
-              "autoregressive_tokens_per_s": base_tps,
-              "identical_to_autoregressive": identical,
-              "first_difference": differences if temperature == 0 else None,
-              "dtype": target.model.config.dtype,
-              "draft_state_bytes": sum(x.nbytes for x in jax.tree.leaves(results[0].draft_cache)),
-              "device": jax.devices()[0].device_kind,
-              "jax": jax.__version__,
-            }
-            row["speedup"] = row["tokens_per_s"] / base_tps
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
+  for batch in args.batch_sizes:
+    for length in args.prompt_lengths:
+      rows += _measure_length(args, target, config, drafts, batch, length)
+  return rows
+
+
+def _measure_length(args, target, config, drafts, batch: int, length: int) -> list[dict]:
+  rows = []
+  prompts = _prompts(config, target.tokenizer, length, args.prompts, args.new_tokens, batch)
+  new_tokens = args.new_tokens * batch * (len(prompts) - 1)  # timed, over every row
+  for temperature in args.temperatures:
+    _autoregressive(target, prompts[0], args.new_tokens, temperature, 0)  # compile
+    baseline = [_autoregressive(target, p, args.new_tokens, temperature, i) for i, p in enumerate(prompts[1:])]
+    base_tps = new_tokens / sum(seconds for _, seconds in baseline)
+    for name, draft in drafts:
+      for tree in args.tree:
+        for implementation in args.tree_attention:
+          call = lambda prompt, seed: speculative_generate(
+            target.model,
+            target.params,
+            draft.model,
+            draft.params,
+            jnp.asarray(prompt, jnp.int32),
+            max_new_tokens=args.new_tokens,
+            tree=tuple(tree),
+            temperature=temperature,
+            rng=jax.random.key(seed),
+            tree_attention_impl=implementation,
+          )
+          call(prompts[0], 0)  # compile
+          results = [call(p, i) for i, p in enumerate(prompts[1:])]
+          differences = [_first_difference(np.asarray(r.tokens[:, length:]), b) for r, (b, _) in zip(results, baseline)]
+          identical = all(d is None for d in differences) if temperature == 0 else None
+          row = {
+            "batch": batch,
+            "prompt_length": length,
+            "temperature": temperature,
+            "draft": name,
+            "tree": tree,
+            "tree_attention": implementation,
+            # Tokens per row verification (at batch 1, per target forward).
+            "tau": float(np.mean([r.mean_accepted for r in results])),
+            "target_forwards": sum(r.rounds for r in results),
+            "tokens_per_s": new_tokens / sum(r.decode_seconds for r in results),
+            "autoregressive_tokens_per_s": base_tps,
+            "identical_to_autoregressive": identical,
+            "first_difference": differences if temperature == 0 else None,
+            "dtype": target.model.config.dtype,
+            "draft_state_bytes": sum(x.nbytes for x in jax.tree.leaves(results[0].draft_cache)),
+            "device": jax.devices()[0].device_kind,
+            "jax": jax.__version__,
+          }
+          row["speedup"] = row["tokens_per_s"] / base_tps
+          rows.append(row)
+          print(json.dumps(row), file=sys.stderr, flush=True)
   return rows
 
 
@@ -195,6 +211,7 @@ def main(argv) -> list[dict]:
       json.dump(rows, f, indent=2)
   table = [
     [
+      r["batch"],
       r["prompt_length"],
       r["temperature"],
       r["dtype"],
@@ -211,7 +228,21 @@ def main(argv) -> list[dict]:
   ]
   print(
     format_table(
-      ["prompt", "T", "dtype", "draft", "tree", "attention", "tau", "tok/s", "AR tok/s", "speedup", "same as AR"], table
+      [
+        "batch",
+        "prompt",
+        "T",
+        "dtype",
+        "draft",
+        "tree",
+        "attention",
+        "tau",
+        "tok/s",
+        "AR tok/s",
+        "speedup",
+        "same as AR",
+      ],
+      table,
     )
   )
   return rows

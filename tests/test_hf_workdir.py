@@ -27,6 +27,7 @@ from castle_jax.workdir import (
   read_config,
   with_hf_frozen_source,
 )
+from benchmarks import longspec as longspec_benchmark
 from configs import longspec_draft_tiny, tiny
 from helpers import tiny_run
 from test_hf_import import FIXTURES, NAMES, copy_fixture, reference
@@ -195,3 +196,19 @@ def test_a_draft_trains_against_an_hf_target_and_decodes_as_the_target(name, std
   lines = out.splitlines()
   assert lines[-3].startswith("# speculative: draft step 4, tree [2, 4]: tau")
   assert lines[-1] == target.tokenizer.decode(alone[1 : prompt.size + 12])
+  # The LongSpec benchmark decodes batches of different prompts, each row as the target alone.
+  rows = longspec_benchmark.main(
+    [
+      f"--target_workdir={_fixture(name)}",
+      f"--draft={config.workdir}",
+      "--prompt_lengths=24",
+      "--new_tokens=6",
+      "--prompts=1",
+      "--temperatures=0",
+      "--tree=2,4",
+      "--batch_sizes=1,3",
+      "--dtype=float32",
+    ]
+  )
+  assert [(row["batch"], row["identical_to_autoregressive"]) for row in rows] == [(1, True), (3, True)]
+  assert all(row["tau"] >= 1 and row["target_forwards"] >= 1 for row in rows)
