@@ -238,17 +238,16 @@ def load_frozen_params(config: ModelConfig, mesh: jax.sharding.Mesh | None = Non
       f"{source.setting}={source.workdir} holds another model than this config expects: "
       f"{'; '.join(differing)}. Copy that run's model values into this config"
     )
-  abstract = abstract_params(build_model(source.model_config), 8, mesh=mesh)
   if hf.is_hf_model_dir(source.workdir):
     if source.step is not None:
       raise ValueError(
         f"{source.step_setting}={source.step}: {source.setting}={source.workdir} is a Hugging Face model "
         f"directory, whose weights have no checkpoint steps; leave {source.step_setting} out"
       )
-    converted = hf.load_hf_params(source.workdir, source.model_config)
-    params = jax.device_put(converted, jax.tree.map(lambda leaf: leaf.sharding, abstract))
+    params = hf.load_hf_params(source.workdir, source.model_config, mesh)
     step = HF_STEP
   else:
+    abstract = abstract_params(build_model(source.model_config), 8, mesh=mesh)
     params, step = restore_params(source.workdir, abstract, step=source.step, log=log, what=source.setting)
   frozen = {source.name: params}
   return FrozenParams(frozen, source.workdir, step, params_fingerprint(frozen))

@@ -196,7 +196,7 @@ def test_a_draft_trains_against_an_hf_target_and_decodes_as_the_target(name, std
   lines = out.splitlines()
   assert lines[-3].startswith("# speculative: draft step 4, tree [2, 4]: tau")
   assert lines[-1] == target.tokenizer.decode(alone[1 : prompt.size + 12])
-  # The LongSpec benchmark decodes batches of different prompts, each row as the target alone.
+  # The LongSpec benchmark decodes a batch of different prompts, each row as the target alone.
   rows = longspec_benchmark.main(
     [
       f"--target_workdir={_fixture(name)}",
@@ -206,9 +206,9 @@ def test_a_draft_trains_against_an_hf_target_and_decodes_as_the_target(name, std
       "--prompts=1",
       "--temperatures=0",
       "--tree=2,4",
-      "--batch_sizes=1,3",
+      "--batch_sizes=3",  # batch 1 runs through the same code in test_longspec.py
       "--dtype=float32",
     ]
   )
-  assert [(row["batch"], row["identical_to_autoregressive"]) for row in rows] == [(1, True), (3, True)]
+  assert [(row["batch"], row["identical_to_autoregressive"]) for row in rows] == [(3, True)]
   assert all(row["tau"] >= 1 and row["target_forwards"] >= 1 for row in rows)

@@ -36,6 +36,7 @@ import os
 from typing import Any, NamedTuple
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
@@ -270,13 +271,22 @@ def hf_model_config(path: str, dtype: str = "float32", param_dtype: str | None =
   return model_config(config, tie_embeddings=tie, dtype=dtype, param_dtype=param_dtype)
 
 
-def load_hf_params(path: str, config: ModelConfig) -> dict[str, Any]:
+def load_hf_params(path: str, config: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> dict[str, Any]:
   """The parameters of the model in directory `path`, converted for `config` (its
   `hf_model_config`, perhaps with other dtypes or another family that shares its
-  transformer's parameters) onto one device, in config.param_dtype."""
+  transformer's parameters), in config.param_dtype: on the default device, or sharded over
+  `mesh` by their logical axis names (`abstract_params`, as training places them).
+
+  The tensors are read and converted in host memory, then each parameter goes to its
+  devices shard by shard, so a model larger than one accelerator's memory loads onto a
+  mesh that holds it.
+  """
   path = os.path.abspath(path)
-  tensors = _read_tensors(_weight_files(path))
-  return convert_params(tensors, config, where=f"the safetensors weights in {path}")
+  with jax.default_device(jax.local_devices(backend="cpu")[0]):
+    tensors = _read_tensors(_weight_files(path))
+    params = convert_params(tensors, config, where=f"the safetensors weights in {path}")
+  abstract = abstract_params(build_model(config), 8, mesh=mesh)
+  return jax.device_put(params, jax.tree.map(lambda leaf: leaf.sharding, abstract))
 
 
 def run_config(path: str) -> dict[str, Any]:
@@ -299,13 +309,17 @@ def run_config(path: str) -> dict[str, Any]:
   }
 
 
-def load_hf_model(path: str, dtype: str = "float32", param_dtype: str | None = None) -> HFModel:
+def load_hf_model(
+  path: str, dtype: str = "float32", param_dtype: str | None = None, mesh: jax.sharding.Mesh | None = None
+) -> HFModel:
   """(model, params, tokenizer) of a Hugging Face model directory (module docstring).
 
   Args:
     path: the directory (config.json, safetensors weights, tokenizer.json).
     dtype: the model's activations ("float32", "bfloat16" or "float16").
     param_dtype: the parameters' dtype (None: dtype).
+    mesh: shard the parameters over this mesh by their logical axes, never holding the
+      whole model on one device (`load_hf_params`); None: the default device.
 
   Raises:
     ValueError: a file is missing, the model_type, rope scaling or another setting is not
@@ -314,4 +328,4 @@ def load_hf_model(path: str, dtype: str = "float32", param_dtype: str | None = N
   path = os.path.abspath(path)
   tokenizer = load_hf_tokenizer(path, read_hf_config(path))
   model_cfg = hf_model_config(path, dtype, param_dtype)
-  return HFModel(build_model(model_cfg), load_hf_params(path, model_cfg), tokenizer)
+  return HFModel(build_model(model_cfg), load_hf_params(path, model_cfg, mesh), tokenizer)
