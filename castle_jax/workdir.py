@@ -147,6 +147,15 @@ def restore_params(
     checkpointer.close()
 
 
+def _refuse_hf_step(setting: str, step: int | None, where: str) -> None:
+  """ValueError when a step is asked of a Hugging Face model directory (`where`)."""
+  if step is not None:
+    raise ValueError(
+      f"{setting}={step}: {where} is a Hugging Face model directory, whose weights have no checkpoint "
+      f"steps; leave {setting} out"
+    )
+
+
 def load_trained_model(workdir: str, step: int | None = None, *, log=None) -> TrainedModel:
   """(model, params, tokenizer, step) from a training workdir or a Hugging Face model directory.
 
@@ -160,11 +169,7 @@ def load_trained_model(workdir: str, step: int | None = None, *, log=None) -> Tr
   """
   workdir = os.path.abspath(workdir)
   if hf.is_hf_model_dir(workdir):
-    if step is not None:
-      raise ValueError(
-        f"--step={step}: {workdir} is a Hugging Face model directory, whose weights have no checkpoint "
-        "steps; leave --step out"
-      )
+    _refuse_hf_step("--step", step, workdir)
     return TrainedModel(*hf.load_hf_model(workdir), HF_STEP)
   config = read_config(workdir)
   model = build_model(ModelConfig.from_mapping(config.model))
@@ -239,11 +244,7 @@ def load_frozen_params(config: ModelConfig, mesh: jax.sharding.Mesh | None = Non
       f"{'; '.join(differing)}. Copy that run's model values into this config"
     )
   if hf.is_hf_model_dir(source.workdir):
-    if source.step is not None:
-      raise ValueError(
-        f"{source.step_setting}={source.step}: {source.setting}={source.workdir} is a Hugging Face model "
-        f"directory, whose weights have no checkpoint steps; leave {source.step_setting} out"
-      )
+    _refuse_hf_step(source.step_setting, source.step, f"{source.setting}={source.workdir}")
     params = hf.load_hf_params(source.workdir, source.model_config, mesh)
     step = HF_STEP
   else:
