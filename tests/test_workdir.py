@@ -324,8 +324,8 @@ def test_a_resumed_writer_sets_aside_the_records_it_logs_again(tmp_path):
   assert starts == [4]
 
 
-def _start_training(config, steps):
-  overrides = [f"--config.{k}={v}" for k, v in SETTINGS.items()]
+def _start_training(config, steps, *extra_flags, own_process_group=False):
+  overrides = [f"--config.{k}={v}" for k, v in SETTINGS.items()] + list(extra_flags)
   command = [
     sys.executable,
     "-m",
@@ -337,31 +337,44 @@ def _start_training(config, steps):
     f"--config.train.steps={steps}",
   ]
   env = dict(os.environ, PYTHONPATH=ROOT)
-  return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  return subprocess.Popen(
+    command,
+    cwd=ROOT,
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    start_new_session=own_process_group,
+  )
 
 
-def _interrupt_after_a_few_steps(config, signum):
-  process = _start_training(config, steps=10_000)
+def _interrupt_after_a_few_steps(config, signum, *extra_flags, whole_group=False):
+  process = _start_training(config, 10_000, *extra_flags, own_process_group=whole_group)
   metrics = os.path.join(config.workdir, "metrics.jsonl")
   deadline = time.time() + 120
   while time.time() < deadline and process.poll() is None:
     if os.path.exists(metrics) and len(open(metrics).readlines()) >= 3:
       break
     time.sleep(0.2)
-  process.send_signal(signum)
+  if whole_group:  # as Ctrl-C in a terminal, `timeout` or a cluster scheduler do: data workers too
+    os.killpg(process.pid, signum)
+  else:
+    process.send_signal(signum)
   out, err = process.communicate(timeout=120)
   return process.returncode, out, err
 
 
 @pytest.mark.parametrize(
-  "signum, code",
+  "signum, code, data_workers",
   [
-    (signal.SIGINT, 130),
-    pytest.param(signal.SIGTERM, 143, marks=pytest.mark.slow),
+    (signal.SIGINT, 130, 1),  # to the whole process group, grain's worker processes included
+    pytest.param(signal.SIGTERM, 143, 0, marks=pytest.mark.slow),
   ],
 )
-def test_a_signal_saves_a_checkpoint_and_exits_cleanly(config, signum, code):
-  returncode, out, err = _interrupt_after_a_few_steps(config, signum)
+def test_a_signal_saves_a_checkpoint_and_exits_cleanly(config, signum, code, data_workers):
+  returncode, out, err = _interrupt_after_a_few_steps(
+    config, signum, f"--config.data.worker_count={data_workers}", whole_group=data_workers > 0
+  )
   last_line = err.strip().splitlines()[-1]
   assert returncode == code, err[-3000:]
   assert "Fatal Python error" not in err and "can't create new thread" not in err
@@ -375,8 +388,11 @@ def test_a_signal_saves_a_checkpoint_and_exits_cleanly(config, signum, code):
   assert all(os.path.getsize(os.path.join(tensorboard, f)) > 0 for f in os.listdir(tensorboard))
   assert not os.path.exists(os.path.join(config.workdir, ".lock"))
 
-  # The same command resumes from the saved step.
-  _set(config, train__steps=10_000)
+  # The same command resumes from the saved step; another number of data workers cannot.
+  _set(config, train__steps=10_000, data__worker_count=data_workers + 1)
+  with pytest.raises(ValueError, match=rf"data.worker_count {data_workers} -> {data_workers + 1}: .* restores with"):
+    train(config)
+  _set(config, data__worker_count=data_workers)
   started = []
   with pytest.raises(Interrupt):
     train(config, after_step=lambda step: (started.append(step), (_ for _ in ()).throw(Interrupt()))[1])

@@ -2,7 +2,8 @@
 
 Checked before any checkpoint is read: a `model.*` value that differs from the workdir's
 saved config.json (`check_model_unchanged`), another tokenizer file
-(`check_tokenizer_unchanged`), another learning-rate schedule (`check_schedule_unchanged`);
+(`check_tokenizer_unchanged`), another learning-rate schedule (`check_schedule_unchanged`), another number of data
+worker processes (`check_data_workers_unchanged`);
 for `train.init_from`, the source run's model and tokenizer (`check_init_from`). Each
 mismatch is one line listing what differs.
 """
@@ -150,3 +151,18 @@ def check_schedule_unchanged(saved: Mapping[str, Any] | None, config, workdir: s
       "step. Pass --config.train.allow_schedule_change=True to do it anyway, or keep the old values."
     )
   return differing
+
+
+def check_data_workers_unchanged(saved: Mapping[str, Any] | None, config, workdir: str) -> None:
+  """Raises ValueError when `data.worker_count` differs from the run being resumed: grain
+  saves the stream's position per worker process, so it restores with the same count only."""
+  if not saved or "data" not in saved:
+    return
+  before = saved["data"].get("worker_count", 0)
+  after = config.data.worker_count
+  if before != after:
+    raise ValueError(
+      f"Resuming the run in {workdir} with data.worker_count {before} -> {after}: the saved position in the "
+      f"data stream is kept per worker process and restores with the same count only; pass "
+      f"--config.data.worker_count={before}"
+    )

@@ -57,6 +57,7 @@ from train.resume_checks import (
   check_init_from,
   check_model_unchanged,
   check_same_tokenizer,
+  check_data_workers_unchanged,
   check_schedule_unchanged,
   check_tokenizer_unchanged,
 )
@@ -182,7 +183,9 @@ def open_workdir(run: Run) -> tuple[WorkdirLock | None, Checkpointer]:
     if t.resume and checkpointer.all_steps():
       check_model_unchanged(run.workdir, run.config.model)
       check_tokenizer_unchanged(run.workdir, run.config.data.tokenizer)
-      changed = check_schedule_unchanged(saved_config(run.workdir), run.config, run.workdir)
+      saved = saved_config(run.workdir)
+      check_data_workers_unchanged(saved, run.config, run.workdir)
+      changed = check_schedule_unchanged(saved, run.config, run.workdir)
       if changed:
         note_line(
           f"WARNING: {'!' * 60}\nWARNING: the learning-rate schedule changes at the resumed step "
@@ -597,7 +600,9 @@ def run_loop(
       log_now = step % t.log_every == 0 or save_now or step == start_step + 1
       if log_now:
         last_train = logger.log_train(step)
-      if t.eval_batches > 0 and (is_last or (t.eval_every > 0 and step % t.eval_every == 0)):
+      # A stop skips the evaluation: the checkpoint comes first (a scheduler's grace period is short).
+      signum = stop.requested if vote is None else StopVote.result(ballot)
+      if signum is None and t.eval_batches > 0 and (is_last or (t.eval_every > 0 and step % t.eval_every == 0)):
         jax.block_until_ready(metrics)  # the step's time is training time, not evaluation
         eval_start = time.perf_counter()
         last_eval = io.evaluate(state.params)
@@ -607,7 +612,8 @@ def run_loop(
       logger.progress.update(1)
       if after_step is not None:
         after_step(step)
-      signum = stop.requested if vote is None else StopVote.result(ballot)
+      if vote is None:
+        signum = stop.requested
       if signum is not None:  # SIGINT/SIGTERM: keep this step (if finite), then stop
         if logger.has_pending():
           last_train = logger.log_train(step)

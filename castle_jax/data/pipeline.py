@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import signal
 import hashlib
 import os
 import shutil
@@ -24,6 +25,7 @@ import tempfile
 from typing import Any
 
 import grain
+from absl import flags as absl_flags
 import jax
 import numpy as np
 import tensorflow_datasets as tfds
@@ -216,10 +218,25 @@ def make_lm_dataset(
     batched = packed.batch(d.batch_size // process_count, drop_remainder=True)
     batched = batched.map(functools.partial(_to_inputs_and_targets, pad_id=tokenizer.pad_id))
   if d.worker_count > 0:
-    batched = batched.mp_prefetch(grain.MultiprocessingOptions(num_workers=d.worker_count))
+    # grain's workers read absl flags, which only a command line parses: from a notebook or
+    # a test, their defaults stand.
+    if not absl_flags.FLAGS.is_parsed():
+      absl_flags.FLAGS.mark_as_parsed()
+    batched = batched.mp_prefetch(
+      grain.MultiprocessingOptions(num_workers=d.worker_count), worker_init_fn=_leave_stop_signals_to_the_trainer
+    )
   if prefetch > 0:
     batched = grain.experimental.ThreadPrefetchIterDataset(batched, prefetch_buffer_size=prefetch)
   return batched
+
+
+def _leave_stop_signals_to_the_trainer(worker_index: int, worker_count: int) -> None:
+  """Ctrl-C, `timeout` and cluster schedulers signal the whole process group: a worker that
+  died of it would fail the batch the trainer reads while it saves its checkpoint. The
+  trainer closes its workers itself (grain stops and, if need be, kills them)."""
+  del worker_index, worker_count
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def make_lm_iterator(
