@@ -22,10 +22,11 @@
 # compare/ (validation loss at equal tokens, castle_jax.eval.compare), logs/, summary.txt.
 set -u
 start=$SECONDS
-cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-python3}
+[[ $PY == */* ]] && PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")  # kept valid after the cd below
 SMOKE=${SMOKE:-0}
 OUT=$(realpath -m "${OUT:-runs/power_icl_seeds}")
+cd "$(dirname "$0")/.." || exit 1  # the repository root: python -m train, configs/
 RUNS=${RUNS:-}
 SEEDS=${SEEDS:-3}
 ARMS=${ARMS:-power swa mha}
