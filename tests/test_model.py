@@ -240,14 +240,23 @@ def test_power_parameter_counts():
   assert count_parameters(config) - count_parameters(baseline) == gated
 
 
-def test_icl_configs_compare_equal_decoding_states():
+@pytest.mark.parametrize("preset", ["icl_config", "icl_gpu_config"])
+def test_icl_configs_compare_equal_decoding_states(preset):
   from castle_jax.layers.power import state_size
-  from train.presets import icl_config
+  from train import presets
 
-  power, window = (ModelConfig.from_mapping(icl_config(name).model) for name in ("power", "swa"))
+  make = getattr(presets, preset)
+  power, window, full = (ModelConfig.from_mapping(make(name).model) for name in ("power", "swa", "mha"))
   kv_cache = 2 * window.sliding_window * window.kv_heads * window.qk_head_dim
   assert abs(kv_cache / state_size(power) - 1) < 0.01
-  assert ModelConfig.from_mapping(icl_config("mha").model).window is None
+  assert full.window is None
+  # The arms differ in their attention only.
+  shapes = ("d_model", "n_layers", "n_heads", "head_dim", "mlp_hidden", "dtype", "vocab_size")
+  assert {tuple(getattr(c, key) for key in shapes) for c in (power, window, full)} == {
+    tuple(getattr(power, key) for key in shapes)
+  }
+  assert make("power").data == make("swa").data == make("mha").data
+  assert make("power").train == make("swa").train == make("mha").train
 
 
 def test_power_cache_size_does_not_depend_on_capacity():

@@ -193,3 +193,43 @@ def icl_config(attention: str) -> ml_collections.ConfigDict:
   t.eval_batches = 1
   t.checkpoint_every = 30
   return c
+
+
+# The same comparison at 8192-token context on one GPU (benchmarks/power_icl_seeds.sh): widths of
+# `tiny` doubled (4 layers, d_model 256), heads kept at ICL_HEAD_DIM so that the equal-state window
+# stays 272, bfloat16, and each attention's GPU kernel chosen explicitly (an arm that cannot run its
+# kernel fails instead of silently taking a slower path): the Triton kernels for power attention
+# (p = 2, gated, the chunk chosen by cost), cuDNN flash attention for full and windowed softmax.
+ICL_GPU_SEQ_LEN = 8192
+ICL_GPU_IMPLEMENTATIONS = {"power": "triton", "mha": "cudnn", "swa": "cudnn"}
+
+
+def icl_gpu_config(attention: str) -> ml_collections.ConfigDict:
+  """The ICL-curve experiment for `attention` in ("power", "mha", "swa") at 8192-token context on one GPU.
+
+  Sized so that the three arms, with 2 or 3 vmapped seeds each (`--config.train.seeds=3`), train
+  at once on one GPU within minutes: 250 steps of 4 sequences per seed (8.2M tokens per seed).
+  Checkpoints every 50 steps, all kept, so that arms stopped by a time limit at different
+  steps still share a checkpoint step to be compared at (`benchmarks.icl_curve --step=common`).
+  """
+  c = icl_config(attention)
+  m = c.model
+  m.d_model, m.n_heads = 256, 256 // ICL_HEAD_DIM
+  m.dtype = "bfloat16"
+  m.attention_impl = ICL_GPU_IMPLEMENTATIONS[attention]
+  if attention == "power":
+    # An int placeholder left at None: the Triton kernels pick the chunk by cost (1024 here).
+    m.attention_kwargs.chunk_size = ml_collections.config_dict.placeholder(int)
+  c.data.seq_len = ICL_GPU_SEQ_LEN
+  c.data.batch_size = 4
+  t = c.train
+  t.steps = 250
+  t.learning_rate = 2e-3
+  t.warmup_steps = 25
+  t.log_every = 25
+  t.eval_every = 50
+  t.eval_batches = 2
+  t.checkpoint_every = 50
+  t.keep_checkpoints = 20
+  t.progress_bar = False
+  return c
