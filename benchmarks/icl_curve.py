@@ -366,7 +366,9 @@ def plot(path: str, result: dict[str, Any]) -> str | None:
     label = f"{name} ({len(arm['seeds'])} seed{'s' if len(arm['seeds']) > 1 else ''})"
     curves.plot(centers, arm["binned"]["mean"], color=color, marker="o", markersize=3, label=label)
     if len(arm["seeds"]) > 1:
-      curves.fill_between(centers, arm["binned"]["low"], arm["binned"]["high"], color=color, alpha=0.2)
+      # A loss is never negative; the t band of a few seeds over the first few tokens can be.
+      low = [max(value, 0.0) for value in arm["binned"]["low"]]
+      curves.fill_between(centers, low, arm["binned"]["high"], color=color, alpha=0.2)
       for run in result["runs"].values():
         if run["arm"] == name:
           curves.plot(centers, run["binned_loss"], color=color, linewidth=0.6, alpha=0.4)
@@ -377,6 +379,9 @@ def plot(path: str, result: dict[str, Any]) -> str | None:
     start, stop = result[key]
     curves.axvspan(max(start, 0.5), stop, color=shade, zorder=0, label=f"{key} positions [{start}, {stop})")
   curves.set_xscale("log")
+  # The means set the scale: the bands of the first tokens (few samples, 2-3 seeds) would flatten the curves.
+  top = max(max(arm["binned"]["mean"]) for arm in result["arms"].values())
+  curves.set_ylim(0, 1.1 * top)
   curves.set_xlabel("position in context (tokens)")
   curves.set_ylabel("loss (nats / token)")
   curves.grid(True, which="both", alpha=0.3)
