@@ -301,6 +301,7 @@ def test_the_command_writes_the_tests_of_split_prompts(workdirs, tmp_path, capsy
     (["--temperature=0"], "--temperature must be > 0 (0 is greedy sampling: nothing to test), got 0.0"),
     (["--top_p=1.5"], "--top_p must be in (0, 1]"),
     (["--alpha=1"], "--alpha must be in (0, 1), got 1.0"),
+    (["--seed=-1"], "argument --seed: '-1' must be an integer >= 0"),
     (["--tree=4,x"], "argument --tree: '4,x' is not a comma-separated list of integers"),
     (["--control_temperature=1"], "--control_temperature must be another temperature than --temperature=1"),
     (["--prompt=def", "--prompts=2"], "--prompt takes the place of --prompts/--prompt_length"),

@@ -558,7 +558,7 @@ def _parse(argv: Sequence[str]):
     default=list(DEFAULT_TREE),
     help="draft nodes per level (a chain: 1,1,1,1)",
   )
-  parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+  parser.add_argument("--seed", type=command_line.nonnegative_int, default=0, help="sampling seed")
   parser.add_argument("--batch_size", type=command_line.positive_int, default=500, help="rows per sampler call")
   parser.add_argument("--alpha", type=float, default=0.05, help="significance level, Bonferroni-corrected")
   parser.add_argument(
