@@ -177,6 +177,10 @@ EVAL_AND_NOTEBOOK_CASES = [
   (("-m", "castle_jax.eval.perplexity", "--workdir={nowhere}", "--lengths=2k"), "--lengths='2k' must be"),
   (("-m", "castle_jax.eval.perplexity", "--workdir={nowhere}"), "{nowhere}/config.json not found"),
   (("-m", "castle_jax.eval.compare", "{nowhere}"), "{nowhere}: no such directory"),
+  (
+    ("-m", "castle_jax.eval.lossless", "--target_workdir={nowhere}", "--draft_workdir={nowhere}"),
+    "--target_workdir={nowhere}: no such directory",
+  ),
   (("-m", "castle_jax.eval.compare", "{tmp}", "--at_tokens=0"), "--at_tokens: '0' must be an integer >= 1"),
   (("colabs/execute.py", "colabs/nope.ipynb"), "'colabs/nope.ipynb': no such file"),
   (("colabs/execute.py", "README.md"), "'README.md' is not a notebook (.ipynb)"),
