@@ -139,7 +139,13 @@ wait
 # 4. Summary (stdout and $OUT/summary.json).
 note "summary"
 "$PY" - "$OUT" "$SEEDS" "$THRESHOLD" "$ARMS" <<'EOF'
-import glob, json, os, re, sys
+import glob
+import json
+import os
+import re
+import sys
+
+from castle_jax.eval.compare import paired_difference
 
 out, seeds, threshold, arms = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4].split()
 
@@ -158,6 +164,10 @@ def stage(name, seed):
   train, evals = metrics.get("train", {}), metrics.get("eval", {})
   last_eval = evals[max(evals)] if evals else {}
   return {"steps": max(train, default=0), "eval_step": max(evals, default=None), "eval_loss": last_eval.get("loss")}
+
+
+def loss(stage):
+  return "-" if stage["eval_loss"] is None else f"{stage['eval_loss']:.3f}"
 
 
 passkey = {}
@@ -191,9 +201,29 @@ for arm in arms:
       else f"{length:>9,}: -"
       for length in lengths
     ]
-    loss = lambda s: "-" if s["eval_loss"] is None else f"{s['eval_loss']:.3f}"
     print(f"  seed {row['seed']}: {s1['steps']:>6} / {loss(s1)}  {s2['steps']:>5} / {loss(s2)}  " + "  ".join(cells))
-  print("  seeds >= threshold: " + ", ".join(f"{l}: {passing[str(l)]} of {evaluated[str(l)]}" for l in lengths))
+  print("  seeds >= threshold: " + ", ".join(f"{n}: {passing[str(n)]} of {evaluated[str(n)]}" for n in lengths))
+
+# random - learned, paired by seed (castle_jax.eval.compare's statistics): 95% t interval, paired t test.
+per_arm = {arm: summary["arms"][arm]["per_seed"] for arm in arms}
+values = {
+  "stage-2 answer eval loss": lambda row: row["stage2"]["eval_loss"],
+  **{
+    f"all-digit accuracy at {length:,}": (lambda row, n=str(length): row["passkey"].get(n, {}).get("all_tokens"))
+    for length in lengths
+  },
+}
+summary["random_minus_learned"] = {}
+print("\nrandom - learned, paired by seed: mean [95% interval], paired t test p")
+for name, value in values.items():
+  by_arm = [{row["seed"]: value(row) for row in per_arm[arm] if value(row) is not None} for arm in arms]
+  if not set(by_arm[0]) & set(by_arm[1]):
+    continue
+  difference = paired_difference(*by_arm)
+  summary["random_minus_learned"][name] = difference
+  interval = "" if difference["low"] is None else f" [{difference['low']:+.3f}, {difference['high']:+.3f}]"
+  p = "" if difference["p"] is None else f", p = {difference['p']:.3g}"
+  print(f"  {name}: {difference['mean']:+.3f}{interval}{p} ({difference['n']} seeds)")
 with open(os.path.join(out, "summary.json"), "w") as f:
   json.dump(summary, f, indent=1)
 EOF
