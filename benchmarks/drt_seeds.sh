@@ -19,7 +19,7 @@
 #       the evaluations what is left, at least EVAL_SECONDS=130); checkpoints go to RUNS
 #       (default runs/drt_seeds), which must not hold a previous run
 #   SMOKE=1 OUT=/tmp/drt_seeds RUNS=/tmp/drt_seeds_runs bash benchmarks/drt_seeds.sh
-#       any machine (CPU; about 5 minutes on 2 cores): 2 seeds, 3 steps per stage, 1K-token
+#       any machine (CPU; 1.5-5 minutes on 2 cores): 2 seeds, 3 steps per stage, 1K-token
 #       prompts; checks the plumbing only
 #
 # STAGE1_STEPS and STAGE2_STEPS are the schedules' lengths (default the recipe's: 16,000 and
@@ -28,8 +28,10 @@
 # a length in one batch, EVAL_BATCH caps it). Extra flags go to every training run.
 set -u
 PY=${PYTHON:-python3}
-OUT=${OUT:-runs/drt_seeds_results}
-RUNS=${RUNS:-runs/drt_seeds}
+[[ $PY == */* ]] && PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")  # kept valid after the cd below
+OUT=$(realpath -m "${OUT:-runs/drt_seeds_results}")
+RUNS=$(realpath -m "${RUNS:-runs/drt_seeds}")
+cd "$(dirname "$0")/.." || exit 1  # the repository root: python -m train, configs/
 SEEDS=${SEEDS:-4}
 THRESHOLD=${THRESHOLD:-0.9}
 START=$(date +%s)
@@ -46,7 +48,9 @@ else
   BUDGET_SECONDS=${BUDGET_SECONDS:-525} STAGE1_SECONDS=${STAGE1_SECONDS:-285} STAGE2_SECONDS=${STAGE2_SECONDS:-100}
   STAGE1_STEPS=${STAGE1_STEPS:-16000} STAGE2_STEPS=${STAGE2_STEPS:-5000}
   EVALS=${EVALS:-16384:20,131072:20,1048576:4}
-  stage1_size=() stage2_size=()
+  # Evaluations more often than the configs' 2,000 / 1,000 steps: the time limits stop the runs
+  # between them (a stop saves a checkpoint before any evaluation).
+  stage1_size=(--config.train.eval_every=1000) stage2_size=(--config.train.eval_every=250)
 fi
 EVAL_BATCH=${EVAL_BATCH:-20}
 EVAL_SECONDS=${EVAL_SECONDS:-130}  # kept for the evaluations whatever the training stages take
@@ -167,7 +171,7 @@ def stage(name, seed):
 
 
 def loss(stage):
-  return "-" if stage["eval_loss"] is None else f"{stage['eval_loss']:.3f}"
+  return "-" if stage["eval_loss"] is None else f"{stage['eval_loss']:.3f} @{stage['eval_step']}"
 
 
 passkey = {}
@@ -192,7 +196,7 @@ for arm in arms:
   }
   evaluated = {str(length): sum(1 for row in per_seed if str(length) in row["passkey"]) for length in lengths}
   summary["arms"][arm] = {"per_seed": per_seed, "seeds_passing": passing, "seeds_evaluated": evaluated}
-  print(f"\n{arm}: stage-1 steps / answer eval loss, stage-2 steps / answer eval loss, then per length")
+  print(f"\n{arm}: stage-1 steps / last answer eval loss @step, the same for stage 2, then per length")
   for row in per_seed:
     s1, s2 = row["stage1"], row["stage2"]
     cells = [
