@@ -1,5 +1,5 @@
 """DRT: landmark layout, causality of the whole model, retrieval in training vs evaluation,
-gradients reaching the retriever, bad options."""
+the random-retriever control, gradients reaching the retriever and GCA, bad options."""
 
 import dataclasses
 
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from castle_jax.config import ModelConfig
-from castle_jax.models.drt import DRT, DRTOptions, insert_landmarks, real_positions, serve_next_chunk
+from castle_jax.models.drt import DRT, DRTOptions, insert_landmarks, real_positions, select, serve_next_chunk
+from castle_jax.ops.gca import retrieval_scores
 
 CONFIG = ModelConfig(
   family="drt",
@@ -24,6 +25,7 @@ CONFIG = ModelConfig(
   attention_kwargs=(("positions", "alibi"),),
 )
 OPTIONS = DRTOptions(chunk_size=4, top_k=2, encoder_layers=1)
+RANDOM = dataclasses.replace(OPTIONS, retriever="random")
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +60,11 @@ def test_landmark_layout_round_trip():
   np.testing.assert_array_equal(weights[0, :, 0], [0.0, 0.5, 0.25])
 
 
+@pytest.mark.parametrize("options", [OPTIONS, RANDOM], ids=["learned", "random"])
 @pytest.mark.parametrize("train", [False, True])
-def test_whole_model_is_autoregressive(model_and_params, train):
-  model, params = model_and_params
+def test_whole_model_is_autoregressive(model_and_params, train, options):
+  _, params = model_and_params
+  model = DRT(CONFIG, options)
   tokens = _tokens(0)
   apply = _apply(model, train)
   logits = apply(params, tokens, jax.random.key(5))
@@ -80,8 +84,12 @@ def test_padding_of_the_last_chunk_changes_nothing(model_and_params):
   np.testing.assert_allclose(prefix, full[:, :27], rtol=1e-5, atol=1e-5)
 
 
-def test_gumbel_noise_only_in_training(model_and_params):
-  model, params = model_and_params
+@pytest.mark.parametrize("options", [OPTIONS, RANDOM], ids=["learned", "random"])
+def test_gumbel_noise_only_in_training(model_and_params, options):
+  """Evaluation ignores the rng (the random retriever draws from its fixed key); training
+  draws other chunks for other keys."""
+  _, params = model_and_params
+  model = DRT(CONFIG, options)
   tokens = _tokens(2, 40)
   evaluate = _apply(model)
   np.testing.assert_array_equal(
@@ -92,8 +100,10 @@ def test_gumbel_noise_only_in_training(model_and_params):
   assert any(float(jnp.max(jnp.abs(r - train_runs[0]))) > 0 for r in train_runs[1:])
 
 
-@pytest.mark.parametrize("options", [OPTIONS, DRTOptions(chunk_size=4, top_k=2, encoder_layers=1, retriever="random")])
-def test_retriever_learns_through_the_chunk_weights(model_and_params, options):
+@pytest.mark.parametrize("options", [OPTIONS, RANDOM], ids=["learned", "random"])
+def test_retriever_and_gca_learn_through_the_chunk_weights(model_and_params, options):
+  """The random retriever keeps GCA learnable: its queries, output and the shared memory
+  projections get gradients, and so do the relevance scores through the chunk weights."""
   _, params = model_and_params
   model = DRT(CONFIG, options)
   tokens = _tokens(3, 40)
@@ -104,14 +114,73 @@ def test_retriever_learns_through_the_chunk_weights(model_and_params, options):
 
   grads = jax.jit(jax.grad(loss))(params)
   assert float(jnp.linalg.norm(grads["retrieval_norm_0"]["scale"])) > 0
-  assert float(jnp.linalg.norm(grads["chunk_memory"]["key"]["kernel"])) > 0
+  for path in (
+    "chunk_memory/key",
+    "chunk_memory/value",
+    "block_2/cross_attention/query",
+    "block_3/cross_attention/out",
+  ):
+    grad = grads
+    for name in path.split("/"):
+      grad = grad[name]
+    assert float(jnp.linalg.norm(grad["kernel"])) > 0, path
+
+
+def _scores(seed, batch=2, chunks=12, dim=8):
+  """Relevance scores [batch, chunks, chunks] of random landmark states (-inf unless c < t)."""
+  queries, landmarks = jax.random.normal(jax.random.key(seed), (2, batch, chunks, dim))
+  return retrieval_scores(queries, landmarks)
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_random_retriever_picks_earlier_chunks_whatever_their_scores(train):
+  """Only earlier chunks, min(t, k) distinct ones, weighted by the softmax of their own
+  scores; other scores (the same causal mask) give the same choice."""
+  scores = _scores(0)
+  rng = jax.random.key(3) if train else None
+  indices, weights = select(RANDOM, scores, 3, rng)
+  indices, weights, scores_np = np.asarray(indices), np.asarray(weights), np.asarray(scores)
+  for b, t in np.ndindex(2, 12):
+    used = indices[b, t][weights[b, t] > 0]
+    assert len(set(used.tolist())) == len(used) == min(t, 3), (b, t, indices[b, t], weights[b, t])
+    assert np.all(used < t)
+    chosen = scores_np[b, t, used]
+    np.testing.assert_allclose(weights[b, t][weights[b, t] > 0], np.exp(chosen) / np.exp(chosen).sum(), rtol=1e-5)
+  np.testing.assert_allclose(weights.sum(-1), np.minimum(np.arange(12), 1)[None].repeat(2, 0), rtol=1e-5)
+  np.testing.assert_array_equal(select(RANDOM, _scores(1), 3, rng)[0], indices)
+  learned = np.asarray(select(OPTIONS, scores, 3, None)[0])
+  assert not np.array_equal(learned, indices)  # the learned one follows the scores
+
+
+def test_random_retriever_draws_a_uniform_subset_per_key():
+  """In training each key draws its own chunks, every earlier chunk about equally often."""
+  scores = _scores(0, batch=1, chunks=11)
+  keys = jax.random.split(jax.random.key(0), 500)
+  draws = np.asarray(jax.vmap(lambda key: select(RANDOM, scores, 2, key)[0][0, 10])(keys))
+  counts = np.bincount(draws.ravel(), minlength=11)
+  assert counts[10] == 0 and counts.sum() == 1000
+  assert 60 < counts[:10].min() and counts[:10].max() < 140  # 100 expected, binomial sd 9.5
+  assert len({tuple(sorted(d)) for d in draws.tolist()}) > 30  # of the 45 possible pairs
+
+
+def test_random_retriever_outside_training_is_keyed_by_position():
+  """Without an rng the draw depends on (group, query chunk, memory chunk) only: the same in
+  every batch row, not the first k chunks, the same when the memory is wider and the rows
+  are numbered from a later chunk (as the streaming decoder scores), other for another group."""
+  scores = _scores(0)
+  indices = np.asarray(select(RANDOM, scores, 3, None)[0])
+  np.testing.assert_array_equal(indices[0], indices[1])
+  assert any(set(indices[0, t].tolist()) != {0, 1, 2} for t in range(4, 12))
+  wide = jnp.pad(scores[:, 5:9], ((0, 0), (0, 0), (0, 20)), constant_values=-jnp.inf)
+  np.testing.assert_array_equal(select(RANDOM, wide, 3, None, query_chunks=jnp.arange(5, 9))[0], indices[:, 5:9])
+  assert not np.array_equal(select(RANDOM, scores, 3, None, group=1)[0], indices)
 
 
 @pytest.mark.parametrize(
   "fields, message",
   [
     (dict(chunk_size=0), "chunk_size must be an int >= 1"),
-    (dict(retriever="bm25"), "retriever must be one of"),
+    (dict(retriever="bm25"), r"retriever must be one of \('learned', 'random'\), got 'bm25'"),
     (dict(gumbel=1), "gumbel must be True or False"),
   ],
 )

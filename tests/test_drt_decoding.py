@@ -3,6 +3,7 @@ tokens are fed, greedy generate() equals the forward pass's argmax, the chunk me
 round-trips through host memory, and the device state does not grow with the context
 beyond the landmarks."""
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -175,5 +176,20 @@ def test_gca_output_in_the_residual_stream_streams_like_the_forward_pass(model_a
   assert float(jnp.max(jnp.abs(expected - forward(default, params, tokens))[:, 8:])) > 1e-3
   stream = DRTStream(model, params, batch=2, capacity=32, segment_chunks=2)
   cuts = [0, 17, 18, 30]
+  got = jnp.concatenate([stream.feed(tokens[:, a:b], keep=b - a) for a, b in zip(cuts, cuts[1:])], axis=1)
+  np.testing.assert_allclose(got, expected, atol=2e-5, rtol=0)
+
+
+def test_random_retriever_streams_like_the_forward_pass(model_and_params):
+  """retriever="random" outside training: the streamed logits (whole chunks from chunk 0,
+  one chunk retrieving at chunk 9, one more token) equal the batch forward's, which differ
+  from the learned retriever's (two groups, k = 2 of up to 9 chunks)."""
+  learned, params = model_and_params
+  model = learned.clone(options=dataclasses.replace(learned.options, retriever="random"))
+  tokens = _tokens(0, 41)  # the shape of the first test: the learned forward is compiled
+  expected = _forward(model, params, tokens)
+  assert float(jnp.max(jnp.abs(expected - _forward(learned, params, tokens))[:, 12:])) > 1e-3
+  stream = DRTStream(model, params, batch=2, capacity=48, segment_chunks=16)
+  cuts = [0, 36, 40, 41]
   got = jnp.concatenate([stream.feed(tokens[:, a:b], keep=b - a) for a, b in zip(cuts, cuts[1:])], axis=1)
   np.testing.assert_allclose(got, expected, atol=2e-5, rtol=0)

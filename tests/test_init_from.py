@@ -101,14 +101,17 @@ def test_a_different_tokenizer_is_an_error(tmp_path, tiny_run_config):
 
 
 def test_a_drt_run_may_start_from_one_that_retrieved_other_chunks(tmp_path):
-  """DRT's top_k and gumbel choose which chunks training reads, not the parameters: a
-  sharper top-k may fine-tune a run that read every chunk; a chunk size may not."""
+  """DRT's top_k, gumbel and retriever choose which chunks are read, not the parameters: a
+  sharper top-k (or the random-retriever control) may fine-tune a run that read every
+  chunk; a chunk size may not."""
   from configs.drt_tiny_retrieval import get_config
 
   source_config = get_config()
   (tmp_path / "config.json").write_text(source_config.to_json())
   config = get_config()
   config.model.family_kwargs = dict(config.model.family_kwargs, top_k=4, gumbel=False)
+  check_init_from(str(tmp_path), config.model, "byte")
+  config.model.family_kwargs = dict(config.model.family_kwargs, retriever="random")
   check_init_from(str(tmp_path), config.model, "byte")
   config.model.family_kwargs = dict(config.model.family_kwargs, chunk_size=15)
   with pytest.raises(ConfigMismatchError, match=r"model.family_kwargs.chunk_size: 31 -> 15"):

@@ -190,7 +190,6 @@ def test_the_vmapped_step_keeps_every_axis_but_the_seeds_sharded(stdlib_data_dir
     ({"train.seeds": 2, "train.seeds_mode": "parallel"}, r"train.seeds_mode must be one of \('vmap', 'sequential'\)"),
     ({"train.seeds": 2, "seed": 3}, r"seed=3 and data.shuffle_seed=0 cannot be combined with train.seeds=2"),
     ({"train.seeds": 2, "data.shuffle_seed": 1}, r"leave both at 0"),
-    ({"train.seeds": 2, "train.init_from": "/elsewhere"}, r"train.init_from=/elsewhere .*seeds_mode=sequential"),
     ({"train.seeds": 2, "data.batch_size": 7}, r"data.batch_size \(7\) must be a positive multiple"),
   ],
 )
@@ -228,6 +227,38 @@ def test_a_run_of_several_seeds_and_a_single_run_never_share_a_workdir(tiny_run_
   # Tools that read one run name a seed's workdir instead.
   with pytest.raises(FileNotFoundError, match=r"holds a run of 3 seeds, not one run: pass one seed's workdir, e\.g\."):
     read_config(workdir)
+
+
+def test_init_from_a_run_of_several_seeds_starts_seed_k_from_its_seed_k(
+  tmp_path, stdlib_data_dir, finished_tiny_run, seed_one_run
+):
+  """Vmapped seeds fine-tuned from a run of two seeds: seed k starts from the source's seed k
+  (seed 1 equals a single run started from the source's seed_1) and records it; a source
+  with fewer seeds than the run is one error line, before anything is written."""
+  import shutil
+
+  source = tmp_path / "source"
+  for k, run in enumerate([finished_tiny_run, seed_one_run]):
+    shutil.copytree(run.config.workdir, source / f"seed_{k}", ignore=shutil.ignore_patterns(".lock"))
+  (source / "seeds.json").write_text(json.dumps({"seeds": 2, "seeds_mode": "vmap"}))
+  overrides = {"train.init_from": str(source), "train.steps": 2, "train.eval_every": 2, "train.checkpoint_every": 2}
+  config = tiny_run(tiny, str(tmp_path / "fine_tune"), stdlib_data_dir, **overrides, **{"train.seeds": 2})
+  train(config)
+  alone = _seed_run(
+    stdlib_data_dir, str(tmp_path / "alone"), 1, **{**overrides, "train.init_from": str(source / "seed_1")}
+  )
+  train(alone)
+  for k in range(2):
+    seed_dir = tmp_path / "fine_tune" / f"seed_{k}"
+    assert read_config(str(seed_dir)).train.init_from == str(source / f"seed_{k}")
+    assert _records(str(seed_dir), split="init_from")[0]["source_step"] == 8
+  ours, theirs = _records(str(tmp_path / "fine_tune" / "seed_1")), _records(alone.workdir)
+  np.testing.assert_allclose([ours[s]["loss"] for s in (1, 2)], [theirs[s]["loss"] for s in (1, 2)], **TOLERANCE)
+
+  more = tiny_run(tiny, str(tmp_path / "three"), stdlib_data_dir, **overrides, **{"train.seeds": 3})
+  with pytest.raises(ValueError, match=r"holds a run of 2 seeds and seed k starts from its seed k: train.seeds=3"):
+    train(more)
+  assert not os.path.exists(more.workdir)
 
 
 def test_seed_configs_depend_on_the_index_alone(tiny_run_config):

@@ -15,8 +15,12 @@ evaluations, `train.init_from`) reads a seed's as it reads a single run's.
     single run writes them. The seeds resume together, from the newest checkpoint step that
     every seed has.
   "sequential": the seeds one after another, each with the single-run loop: for models whose
-    seeds do not fit on the device together, and for what the vmapped step lacks
-    (`train.init_from`, a family's frozen parameters).
+    seeds do not fit on the device together, and for what the vmapped step lacks (a
+    family's frozen parameters).
+
+`train.init_from` of a run of several seeds (its seeds.json) starts seed k from the source's
+seed k, so a later stage of a recipe (a fine-tune, a control arm) keeps the seeds paired; of a
+single run, every seed starts from its parameters.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from castle_jax.checkpoints import Checkpointer, CheckpointError
 from castle_jax.data.pipeline import make_lm_iterator
 from castle_jax.models import family_of
 from castle_jax.sharding import LOGICAL_AXIS_RULES
-from castle_jax.workdir import seed_workdir
+from castle_jax.workdir import seed_workdir, seeds_record
 from train.config import validate_keys
 from train.run_checks import clip_warmup, validate_train_config
 from train.run_files import check_layout, claim_for_fresh_run, write_run_files, write_seeds_record
@@ -68,13 +72,16 @@ from train.workdir_lock import acquire_lock
 
 
 def seed_config(config: ml_collections.ConfigDict, index: int) -> ml_collections.ConfigDict:
-  """Seed `index`'s config: one run in its own workdir, with seed = data.shuffle_seed = index."""
+  """Seed `index`'s config: one run in its own workdir, with seed = data.shuffle_seed = index,
+  and with `train.init_from` a run of several seeds, that run's seed `index`."""
   seeded = copy.deepcopy(config)
   with seeded.unlocked():
     seeded.seed = index
     seeded.data.shuffle_seed = index
     seeded.train.seeds = None
     seeded.workdir = seed_workdir(config.workdir, index)
+    if config.train.init_from and seeds_record(config.train.init_from) is not None:
+      seeded.train.init_from = seed_workdir(config.train.init_from, index)
   return seeded
 
 
@@ -95,10 +102,11 @@ def _check_seeds_config(config: ml_collections.ConfigDict) -> None:
       f"{jax.process_count()} processes: train each seed as its own job with --workdir=DIR/seed_<k> "
       "--config.seed=<k> --config.data.shuffle_seed=<k>"
     )
-  if t.seeds_mode == "vmap" and t.init_from:
+  source = seeds_record(t.init_from) if t.init_from else None
+  if source is not None and source.get("seeds", 0) < t.seeds:
     raise ValueError(
-      f"train.init_from={t.init_from} cannot be combined with train.seeds_mode='vmap' (the vmapped step "
-      "starts every seed from its own random parameters): pass --config.train.seeds_mode=sequential"
+      f"train.init_from={t.init_from} holds a run of {source.get('seeds')} seeds and seed k starts from its "
+      f"seed k: train.seeds={t.seeds} needs as many; train fewer seeds, or init from one run's workdir"
     )
 
 
@@ -224,19 +232,31 @@ def _train_vmapped(runs: list[Run], top: str, after_step: Callable[[int], None] 
         d = run.config.data
         iterators.append(make_lm_iterator(d, run.tokenizer, split=d.train_split, shuffle=True, prefetch=d.prefetch))
       step = resume_step_of_seeds(t, checkpointers)
-      states = []
+      states, init_sources = [], []
       for run, checkpointer, iterator in zip(runs, checkpointers, iterators):
-        state, resumed_step, _ = restore_or_init(run, checkpointer, abstract_state, shardings, iterator, step=step)
+        state, resumed_step, init_source = restore_or_init(
+          run, checkpointer, abstract_state, shardings, iterator, step=step
+        )
         states.append(state)
+        init_sources.append(init_source)
       for run in runs:
         write_run_files(run.workdir, run.config)
       write_seeds_record(top, seeds=count, seeds_mode="vmap")
       writers.extend(open_metrics(run.workdir, resumed_step) for run in runs)
-      start = (
-        f"resumed from step {resumed_step} ({os.path.join(top, 'seed_*', 'checkpoints', str(resumed_step))})"
-        if resumed_step is not None
-        else "fresh (random parameters)"
-      )
+      for writer, init_source in zip(writers, init_sources):
+        if init_source is not None:  # as a single run records it: the step its parameters came from
+          writer.write(0, "init_from", {"source_step": init_source.step})
+      if resumed_step is not None:
+        start = f"resumed from step {resumed_step} ({os.path.join(top, 'seed_*', 'checkpoints', str(resumed_step))})"
+      elif init_sources[0] is not None:
+        start = (
+          "; ".join(
+            f"seed {k}: parameters of step {source.step} of {source.workdir}" for k, source in enumerate(init_sources)
+          )
+          + " (train.init_from)"
+        )
+      else:
+        start = "fresh (random parameters)"
       seeds_line = f"{count}, vmapped in one step; seed k in {seed_workdir(top, '<k>')} (seed = data.shuffle_seed = k)"
       report_line(startup_banner(dataclasses.replace(first, workdir=top), abstract_state, start, None, seeds_line))
       state = stack_states(states, shardings)

@@ -19,7 +19,8 @@ padded after the real tokens; by causality the padding changes nothing before it
                        (the authors' code; the paper's W_h, W_l projections are not used),
                        top-k with Gumbel noise in training, weights = softmax of the
                        selected noise-free scores; chunk t's retrieval serves chunk t+1,
-                       chunk 0 retrieves nothing
+                       chunk 0 retrieves nothing (family_kwargs retriever="random": k
+                       chunks drawn uniformly among c < t instead, see `select`)
       upper block:     h = x + SWA(RMSNorm(x)); a = GCA(RMSNorm(h)) over the retrieved
                        memory; x = h + MLP(RMSNorm(h + a))
                        (the authors' code: the GCA output enters the residual stream
@@ -54,9 +55,13 @@ from castle_jax.sharding import constrain, with_axes
 
 RETRIEVERS = ("learned", "random")
 GCA_OUTPUTS = ("mlp_input", "residual")
-# Options that change which chunks training reads, not the parameters: a run may
-# `train.init_from` a run with other values (e.g. all chunks, then a sharper top-k).
-TRAINING_ONLY_KWARGS = ("top_k", "gumbel")
+# Options that change which chunks are read, not the parameters: a run may
+# `train.init_from` a run with other values (e.g. all chunks, then a sharper top-k; or a
+# run that read every chunk, then the random-retriever control).
+TRAINING_ONLY_KWARGS = ("top_k", "gumbel", "retriever")
+# The random retriever outside training (evaluation, decoding) draws its chunks from this
+# fixed key, folded with the group and the chunk positions (`position_priorities`).
+RANDOM_RETRIEVER_EVAL_SEED = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +73,12 @@ class DRTOptions:
     top_k: chunks retrieved per group and chunk (k; min(k, chunks) are used).
     retrieval_groups: G, groups of upper layers, one retrieval each (1: "retrieval x1").
     encoder_layers: bidirectional layers of the chunk encoder.
-    gumbel: add Gumbel noise before the top-k in training (False: the ablation).
-    retriever: "learned", or "random" (chunks picked uniformly at random, still mixed by
-      the softmax of their learned scores: the paper's random-retriever ablation).
+    gumbel: add Gumbel noise before the learned top-k in training (False: the ablation;
+      the random retriever draws its chunks either way).
+    retriever: "learned", or "random": the paper's random-retriever ablation (Sec. 4.1.2,
+      "We pick top-k chunks randomly but still keep GCA learnable"): each chunk's k chunks
+      are drawn uniformly among the earlier ones, whatever their scores, and GCA still
+      mixes them with the softmax of their learned relevance scores (see `select`).
     gca_output: where an upper block's GCA output a goes. "mlp_input" (the authors' code):
       x = h + MLP(RMSNorm(h + a)), a reaches the residual stream only through the MLP.
       "residual" (a reading of the paper's Eq. 2, H + O): x = h + a + MLP(RMSNorm(h + a)),
@@ -248,18 +256,73 @@ def serve_next_chunk(indices: jax.Array, weights: jax.Array) -> tuple[jax.Array,
   return shift(indices), shift(weights)
 
 
-def select(options: DRTOptions, scores: jax.Array, top_k: int, rng: jax.Array | None):
-  """(indices, weights) [..., top_k] of the chunks a group retrieves (see `select_chunks`);
-  rng: Gumbel noise in training, None in evaluation and decoding."""
-  if options.retriever == "random":
-    # Uniformly random chunks (Gumbel noise over equal scores), mixed by their learned scores.
-    pick = jnp.where(jnp.isfinite(scores), 0.0, -jnp.inf)
-    indices, _ = select_chunks(pick, top_k, gumbel_rng=rng)
-    selected = jnp.take_along_axis(scores, indices, axis=-1)
-    valid = jnp.isfinite(jnp.take_along_axis(pick, indices, axis=-1))
-    weights = jax.nn.softmax(jnp.where(valid, selected, -1e30), axis=-1) * valid
-    return indices, weights
-  return select_chunks(scores, top_k, gumbel_rng=rng if options.gumbel else None)
+def select(
+  options: DRTOptions,
+  scores: jax.Array,
+  top_k: int,
+  rng: jax.Array | None,
+  *,
+  group: int = 0,
+  query_chunks: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """The chunks a group retrieves and their GCA weights.
+
+  Args:
+    options: the model's; `options.retriever` decides how the chunks are chosen.
+    scores: float32 [batch, query_chunks, memory_chunks], `retrieval_scores` (-inf where
+      a memory chunk is not earlier than the query chunk).
+    top_k: chunks per query chunk (at most memory_chunks).
+    rng: training noise (the "gumbel" RNG stream), or None (evaluation and decoding).
+    group: the retrieval group (the random retriever's draw outside training).
+    query_chunks: int [query_chunks], the chunk number of each row of `scores` (default
+      0, 1, ...; decoding scores a few new chunks against every landmark so far).
+
+  Returns:
+    (indices int32 [batch, query_chunks, top_k], weights float32 [batch, query_chunks,
+    top_k]); slots with no earlier chunk have index 0 and weight 0.
+
+  "learned": `select_chunks` (top-k of the scores, Gumbel noise before it in training when
+  options.gumbel). "random": the paper's control, "We pick top-k chunks randomly but still
+  keep GCA learnable" (Sec. 4.1.2, ablations). The chunks are the top-k of random
+  priorities over the earlier chunks, a uniformly random k-subset drawn without looking at
+  the scores; the weights stay the softmax of the chosen chunks' relevance scores (Eq. 2),
+  so GCA and the scores keep learning as in DRT and only the choice of chunks is taken from
+  the retriever. (Uniform weights would cut the scores off from the loss, changing two
+  things at once.) In training the priorities are Gumbel noise from `rng`, a fresh draw
+  per step and batch row, as the learned retriever's noise is. Outside training they come
+  from the fixed key RANDOM_RETRIEVER_EVAL_SEED folded with the group, the query chunk's
+  number and the memory chunk's number (`position_priorities`): an evaluation is
+  reproducible, a prompt's draw does not depend on the batch it is in, and the batch
+  forward pass and `DRTStream` (whose landmark store is wider) pick the same chunks.
+  """
+  if options.retriever == "learned":
+    return select_chunks(scores, top_k, gumbel_rng=rng if options.gumbel else None)
+  if rng is not None:
+    priorities = jax.random.gumbel(rng, scores.shape, jnp.float32)
+  else:
+    if query_chunks is None:
+      query_chunks = jnp.arange(scores.shape[1], dtype=jnp.int32)
+    priorities = position_priorities(group, query_chunks, scores.shape[-1])[None]
+  allowed = jnp.isfinite(scores)
+  _, indices = jax.lax.top_k(jnp.where(allowed, priorities, -jnp.inf), top_k)
+  selected = jnp.take_along_axis(scores, indices, axis=-1)
+  valid = jnp.isfinite(selected)
+  weights = jax.nn.softmax(jnp.where(valid, selected, -1e30), axis=-1) * valid
+  return jnp.where(valid, indices, 0).astype(jnp.int32), weights.astype(jnp.float32)
+
+
+def position_priorities(group: int, query_chunks: jax.Array, memory_chunks: int) -> jax.Array:
+  """The random retriever's priorities outside training: float32 [len(query_chunks),
+  memory_chunks], entry (i, c) uniform in [0, 1) from key(RANDOM_RETRIEVER_EVAL_SEED)
+  folded with `group`, query_chunks[i] and c. One key per entry (not one draw of the
+  whole matrix), so an entry does not depend on how many memory chunks the caller holds."""
+  base = jax.random.fold_in(jax.random.key(RANDOM_RETRIEVER_EVAL_SEED), group)
+
+  def draw(query, memory):
+    return jax.random.uniform(jax.random.fold_in(jax.random.fold_in(base, query), memory))
+
+  memory = jnp.arange(memory_chunks, dtype=jnp.int32)
+  return jax.vmap(jax.vmap(draw, in_axes=(None, 0)), in_axes=(0, None))(query_chunks.astype(jnp.int32), memory)
 
 
 def retrieval_scale(config: ModelConfig) -> float:
@@ -271,8 +334,8 @@ class DRT(nn.Module):
 
   Call with tokens int [batch, seq] to get float32 logits [batch, seq, vocab] (and None:
   the cache slot of the decoder interface). `train=True` draws the Gumbel noise of the
-  retrieval from the "gumbel" RNG stream. Decoding streams through
-  `castle_jax.models.drt_decoding.DRTStream` (chunk memory in host RAM).
+  retrieval (and the random retriever's choice) from the "gumbel" RNG stream. Decoding
+  streams through `castle_jax.models.drt_decoding.DRTStream` (chunk memory in host RAM).
   """
 
   config: ModelConfig
@@ -317,7 +380,7 @@ class DRT(nn.Module):
       states = norm(cfg, f"retrieval_norm_{group}")(x.reshape(batch, num_chunks, size + 1, cfg.d_model)[:, :, size])
       scores = retrieval_scores(states, landmarks, scale=retrieval_scale(cfg))
       noise = self.make_rng("gumbel") if train and (opt.gumbel or opt.retriever == "random") else None
-      indices, weights = select(opt, scores, top_k, noise)
+      indices, weights = select(opt, scores, top_k, noise, group=group)
       served_indices, served_weights = serve_next_chunk(indices, weights)
       memory = (memory_k, memory_v, served_weights, served_indices)
       for _ in range(group_layers):

@@ -20,7 +20,8 @@ time), the rest. A piece runs in G + 1 jitted stages: the lower layers and the c
 encoder (+ group 0's retrieval), then each group's upper layers (+ the next group's
 retrieval); between stages the host gathers the retrieved chunks. As in training, chunk
 t's retrieval (made from its landmark state) serves chunk t + 1, and retrieval uses no
-noise.
+noise (the random retriever draws from its position-keyed evaluation key, so it picks the
+chunks the forward pass picks; `castle_jax.models.drt.select`).
 """
 
 from __future__ import annotations
@@ -307,7 +308,7 @@ def _retrieve(
   queries = _apply(norm(cfg), params[f"retrieval_norm_{group}"], at_landmarks)
   chunk_ids = scalars[2] + jnp.arange(queries.shape[1], dtype=jnp.int32)
   scores = retrieval_scores(queries, state.landmarks, scale=retrieval_scale(cfg), query_chunks=chunk_ids)
-  return select(opt, scores, opt.top_k, None)
+  return select(opt, scores, opt.top_k, None, group=group, query_chunks=chunk_ids)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
