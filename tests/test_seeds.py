@@ -179,6 +179,68 @@ def test_the_vmapped_step_keeps_every_axis_but_the_seeds_sharded(stdlib_data_dir
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), **PARAMS_TOLERANCE)
 
 
+def test_processes_with_disjoint_seed_indices_fill_one_run_of_several_seeds(
+  tmp_path, stdlib_data_dir, finished_tiny_run, seed_one_run
+):
+  """Seed 1 into a fresh workdir, then seed 0 while seed 1's workdir is locked (as a process
+  training it holds it), each by its own `train()` call: the workdir is the one `train.seeds=2`
+  trains, seed by seed the separate runs bit for bit, and compare reads it as one arm."""
+  from castle_jax.eval.compare import load_arm
+  from train.workdir_lock import acquire_lock
+
+  top = str(tmp_path / "runs")
+  config = tiny_run(tiny, top, stdlib_data_dir, **{"train.eval_batches": 1, "train.seeds": 2})
+  with config.unlocked():
+    config.train.seeds_mode = "sequential"
+  separate = [finished_tiny_run, seed_one_run]
+  for index in (1, 0):
+    held = acquire_lock(os.path.join(top, "seed_1")) if index == 0 else None
+    try:
+      with config.unlocked():
+        config.train.seed_indices = (index,)
+      (result,) = train(config)
+    finally:
+      if held is not None:
+        held.release()
+    _assert_equals_separate_run(
+      os.path.join(top, f"seed_{index}"),
+      separate[index].config.workdir,
+      result.state.params,
+      separate[index].result.state.params,
+      exact=True,
+    )
+    assert sorted(os.listdir(top)) == ["seed_0", "seed_1", "seeds.json"][index:]
+    assert json.load(open(os.path.join(top, "seeds.json"))) == {"seeds": 2, "seeds_mode": "sequential"}
+    saved = read_config(os.path.join(top, f"seed_{index}"))
+    assert (saved.seed, saved.data.shuffle_seed, saved.train.seeds, saved.train.seed_indices) == (
+      index,
+      index,
+      None,
+      None,
+    )
+  arm, _ = load_arm(top, "metrics", "eval_loss")
+  assert sorted(arm.seeds) == [0, 1] and arm.count == 2
+  # Another seed count than the run's is refused, as for a whole run.
+  with config.unlocked():
+    config.train.seeds, config.train.seed_indices = 3, (2,)
+  with pytest.raises(ValueError, match=r"holds a run of 2 seeds, not train.seeds=3"):
+    train(config)
+  assert not os.path.exists(os.path.join(top, "seed_2"))
+
+
+def test_vmapped_seed_indices_train_those_seeds_only(tmp_path, stdlib_data_dir, seed_one_run):
+  top = str(tmp_path / "runs")
+  config = tiny_run(
+    tiny, top, stdlib_data_dir, **{"train.eval_batches": 1, "train.seeds": 3, "train.seed_indices": (1,)}
+  )
+  (result,) = train(config)
+  assert sorted(os.listdir(top)) == ["seed_1", "seeds.json"]
+  assert json.load(open(os.path.join(top, "seeds.json"))) == {"seeds": 3, "seeds_mode": "vmap"}
+  _assert_equals_separate_run(
+    os.path.join(top, "seed_1"), seed_one_run.config.workdir, result.state.params, seed_one_run.result.state.params
+  )
+
+
 # --- bad settings: one clear line each, before anything is written -------------------------------
 
 
@@ -191,6 +253,20 @@ def test_the_vmapped_step_keeps_every_axis_but_the_seeds_sharded(stdlib_data_dir
     ({"train.seeds": 2, "seed": 3}, r"seed=3 and data.shuffle_seed=0 cannot be combined with train.seeds=2"),
     ({"train.seeds": 2, "data.shuffle_seed": 1}, r"leave both at 0"),
     ({"train.seeds": 2, "data.batch_size": 7}, r"data.batch_size \(7\) must be a positive multiple"),
+    ({"train.seed_indices": (0,)}, r"train.seed_indices=\(0,\) needs train.seeds=N, the run's seed count"),
+    (
+      {"train.seeds": 2, "train.seed_indices": (2,)},
+      r"distinct integers in \[0, train.seeds=2\), got \(2,\) \(2 not\)",
+    ),
+    ({"train.seeds": 2, "train.seed_indices": (-1, 0)}, r"got \(-1, 0\) \(-1 not\)"),
+    ({"train.seeds": 2, "train.seed_indices": ("a",)}, r"got \('a',\) \('a' not\)"),
+    ({"train.seeds": 2, "train.seed_indices": (True,)}, r"got \(True,\) \(True not\)"),
+    ({"train.seeds": 2, "train.seed_indices": ()}, r"must be a non-empty tuple .*got \(\)"),
+    ({"train.seeds": 3, "train.seed_indices": (1, 2, 1)}, r"got \(1, 2, 1\) \(1 twice\)"),
+    (
+      {"train.seeds": 2, "train.seed_indices": (0,), "train.resume": False, "train.overwrite": True},
+      r"train.overwrite=True moves the whole run of 2 seeds aside.*new --workdir",
+    ),
   ],
 )
 def test_bad_seed_settings_are_one_clear_error(tiny_run_config, settings, match):

@@ -122,6 +122,10 @@ def base_config() -> ml_collections.ConfigDict:
   # "vmap": every seed in one step vmapped over a leading seed axis (small models);
   # "sequential": the seeds one after another, each with the normal loop.
   t.seeds_mode = "vmap"
+  # With train.seeds=N: only these seed indices of the N (e.g. (1, 3); `=2` on a command line is
+  # (2,)); None: all N. Processes started with disjoint indices (one per GPU) train into the same
+  # workdir the layout of one run of N seeds, which castle_jax.eval.compare reads as one arm.
+  t.seed_indices = ml_collections.config_dict.placeholder(tuple)
   return c
 
 

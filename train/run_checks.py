@@ -51,8 +51,36 @@ def validate_train_config(config) -> None:
     seeds,
   )
   _require(t.get("seeds_mode", "vmap") in SEEDS_MODES, "train.seeds_mode", f"one of {SEEDS_MODES}", t.get("seeds_mode"))
+  indices = t.get("seed_indices")
+  if indices is not None:
+    _check_seed_indices(indices, seeds, t.overwrite)
   _require(d.prefetch >= 0, "data.prefetch", ">= 0 (0: no background reading)", d.prefetch)
   _require(d.worker_count >= 0, "data.worker_count", ">= 0", d.worker_count)
+
+
+def _check_seed_indices(indices: Any, seeds: int | None, overwrite: bool) -> None:
+  """Raises ValueError naming train.seed_indices unless it is a non-empty tuple of distinct
+  integers in [0, train.seeds) and the run may share its workdir with other processes."""
+  if seeds is None:
+    raise ValueError(
+      f"train.seed_indices={indices} needs train.seeds=N, the run's seed count (seed indices are 0..N-1): "
+      f"pass --config.train.seeds=N as well"
+    )
+  where = f"train.seed_indices must be a non-empty tuple of distinct integers in [0, train.seeds={seeds})"
+  if not isinstance(indices, (tuple, list)) or not indices:
+    raise ValueError(f"{where}, got {indices!r}")
+  bad = [i for i in indices if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < seeds]
+  if bad:
+    raise ValueError(f"{where}, got {tuple(indices)!r} ({', '.join(repr(i) for i in bad)} not)")
+  repeated = sorted({i for i in indices if list(indices).count(i) > 1})
+  if repeated:
+    raise ValueError(f"{where}, got {tuple(indices)!r} ({repeated[0]} twice)")
+  if overwrite:
+    # Other processes may be training the other indices in the same workdir.
+    raise ValueError(
+      f"train.overwrite=True moves the whole run of {seeds} seeds aside, which train.seed_indices={tuple(indices)} "
+      "shares with the processes training its other seeds: start over in a new --workdir instead"
+    )
 
 
 def clip_warmup(config) -> tuple[Any, str | None]:

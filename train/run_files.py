@@ -76,8 +76,10 @@ def write_seeds_record(workdir: str, *, seeds: int, seeds_mode: str) -> None:
 
 
 def _write_json(path: str, record: dict) -> None:
-  """Writes `record` to `path` atomically (a temporary file, then a rename)."""
-  temporary = path + ".tmp"
+  """Writes `record` to `path` atomically (a temporary file, then a rename). The temporary
+  file is the process's own: processes training other seed indices of one run of several
+  (`train.seed_indices`) write the same seeds.json at once."""
+  temporary = f"{path}.tmp{os.getpid()}"
   with open(temporary, "w") as f:
     json.dump(record, f, indent=2)
   os.replace(temporary, path)

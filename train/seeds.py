@@ -4,7 +4,9 @@ Seed k of a run in WORKDIR is a normal workdir, `WORKDIR/seed_<k>/` (config.json
 checkpoints, lock), trained with `seed = data.shuffle_seed = k`: values of the index alone, never
 of the config, so that runs of two configs (the arms of a comparison) with the same seed index
 read the same data in the same order and are evaluated on the same batches (a paired design).
-`WORKDIR/seeds.json` records the count. Every tool that reads a workdir (sampling, the
+`WORKDIR/seeds.json` records the count. `train.seed_indices` trains only some of the N seeds:
+processes started with disjoint indices (one per GPU, say) fill one run's workdir together, and
+each takes only its own seeds' locks. Every tool that reads a workdir (sampling, the
 evaluations, `train.init_from`) reads a seed's as it reads a single run's.
 
 `train.seeds_mode`:
@@ -79,6 +81,7 @@ def seed_config(config: ml_collections.ConfigDict, index: int) -> ml_collections
     seeded.seed = index
     seeded.data.shuffle_seed = index
     seeded.train.seeds = None
+    seeded.train.seed_indices = None
     seeded.workdir = seed_workdir(config.workdir, index)
     if config.train.init_from and seeds_record(config.train.init_from) is not None:
       seeded.train.init_from = seed_workdir(config.train.init_from, index)
@@ -99,8 +102,8 @@ def _check_seeds_config(config: ml_collections.ConfigDict) -> None:
   if jax.process_count() > 1:
     raise ValueError(
       f"train.seeds={t.seeds} runs in one process (whose devices may form a mesh), not in "
-      f"{jax.process_count()} processes: train each seed as its own job with --workdir=DIR/seed_<k> "
-      "--config.seed=<k> --config.data.shuffle_seed=<k>"
+      f"{jax.process_count()} processes: train each seed (or a few) as its own one-process job with "
+      "--config.train.seed_indices=<k>[,<k2>...] and the same --workdir and train.seeds"
     )
   source = seeds_record(t.init_from) if t.init_from else None
   if source is not None and source.get("seeds", 0) < t.seeds:
@@ -110,14 +113,26 @@ def _check_seeds_config(config: ml_collections.ConfigDict) -> None:
     )
 
 
+def seed_indices(train_config: ml_collections.ConfigDict) -> list[int]:
+  """The seed indices this process trains: `train.seed_indices`, else 0..train.seeds-1."""
+  if train_config.get("seed_indices") is not None:
+    return list(train_config.seed_indices)
+  return list(range(train_config.seeds))
+
+
 def train_seeds(config: ml_collections.ConfigDict, *, after_step: Callable[[int], None] | None = None):
-  """Trains (or resumes) seeds 0..train.seeds-1 of `config`, each in `seed_workdir(workdir, k)`;
-  returns one `TrainResult` per seed. Raises what `train.trainer.train` raises."""
+  """Trains (or resumes) seeds 0..train.seeds-1 of `config` (those of `train.seed_indices`
+  only, where set), each in `seed_workdir(workdir, k)`; returns one `TrainResult` per seed
+  trained, in the order of the indices. Raises what `train.trainer.train` raises."""
   validate_keys(config)
   validate_train_config(config)
   _check_seeds_config(config)
   config, note = clip_warmup(config)
-  first = build_run(seed_config(config, 0))  # checks every other setting; writes nothing
+  indices = seed_indices(config.train)
+  # Processes training other indices of this run may hold the workdir at the same time: each
+  # process then locks (and applies the resume rules to) its own seeds' workdirs only.
+  shared = config.train.get("seed_indices") is not None
+  first = build_run(seed_config(config, indices[0]))  # checks every other setting; writes nothing
   if note:
     note_line(note)
   t = config.train
@@ -127,24 +142,25 @@ def train_seeds(config: ml_collections.ConfigDict, *, after_step: Callable[[int]
       "step does not take: pass --config.train.seeds_mode=sequential"
     )
   top = os.path.abspath(config.workdir)
-  lock = acquire_lock(top)
+  lock = None if shared else acquire_lock(top)  # acquire_lock creates the workdir
+  if shared and jax.process_index() == 0:
+    os.makedirs(top, exist_ok=True)
   try:
-    if t.resume:
+    if t.resume or shared:
       check_layout(top, t.seeds)
-    moved = claim_for_fresh_run(top, resume=t.resume, overwrite=t.overwrite)
-    if moved:
-      note_line(f"train.overwrite=True: moved the previous run in {top} to {moved}")
+    if not shared:
+      moved = claim_for_fresh_run(top, resume=t.resume, overwrite=t.overwrite)
+      if moved:
+        note_line(f"train.overwrite=True: moved the previous run in {top} to {moved}")
     if t.seeds_mode == "sequential":
       write_seeds_record(top, seeds=t.seeds, seeds_mode=t.seeds_mode)
       results = []
-      for index in range(t.seeds):
-        report_line(f"seed {index} ({index + 1} of {t.seeds}): {seed_workdir(top, index)}")
+      for position, index in enumerate(indices):
+        report_line(f"seed {index} ({position + 1} of {len(indices)}): {seed_workdir(top, index)}")
         results.append(train(seed_config(config, index), after_step=after_step))
       return results
-    runs = [
-      dataclasses.replace(first, config=seed_config(config, k), workdir=seed_workdir(top, k)) for k in range(t.seeds)
-    ]
-    return _train_vmapped(runs, top, after_step)
+    runs = [dataclasses.replace(first, config=seed_config(config, k), workdir=seed_workdir(top, k)) for k in indices]
+    return _train_vmapped(runs, top, after_step, t.seeds)
   finally:
     if lock is not None:
       lock.release()
@@ -214,7 +230,10 @@ def _stacked(batches: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
   return {key: np.stack([batch[key] for batch in batches]) for key in batches[0]}
 
 
-def _train_vmapped(runs: list[Run], top: str, after_step: Callable[[int], None] | None) -> list[TrainResult]:
+def _train_vmapped(
+  runs: list[Run], top: str, after_step: Callable[[int], None] | None, seeds: int
+) -> list[TrainResult]:
+  """Trains `runs` (seeds of the run of `seeds` seeds in `top`) vmapped in one step."""
   first, count = runs[0], len(runs)
   t = first.config.train
   locks, checkpointers, iterators, writers = [], [], [], []
@@ -241,7 +260,7 @@ def _train_vmapped(runs: list[Run], top: str, after_step: Callable[[int], None] 
         init_sources.append(init_source)
       for run in runs:
         write_run_files(run.workdir, run.config)
-      write_seeds_record(top, seeds=count, seeds_mode="vmap")
+      write_seeds_record(top, seeds=seeds, seeds_mode="vmap")
       writers.extend(open_metrics(run.workdir, resumed_step) for run in runs)
       for writer, init_source in zip(writers, init_sources):
         if init_source is not None:  # as a single run records it: the step its parameters came from
@@ -257,7 +276,10 @@ def _train_vmapped(runs: list[Run], top: str, after_step: Callable[[int], None] 
         )
       else:
         start = "fresh (random parameters)"
-      seeds_line = f"{count}, vmapped in one step; seed k in {seed_workdir(top, '<k>')} (seed = data.shuffle_seed = k)"
+      which = "" if count == seeds else f" of {seeds} (indices {[run.config.seed for run in runs]})"
+      seeds_line = (
+        f"{count}{which}, vmapped in one step; seed k in {seed_workdir(top, '<k>')} (seed = data.shuffle_seed = k)"
+      )
       report_line(startup_banner(dataclasses.replace(first, workdir=top), abstract_state, start, None, seeds_line))
       state = stack_states(states, shardings)
       del states
