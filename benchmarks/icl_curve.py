@@ -53,7 +53,7 @@ import numpy as np
 from absl import flags, logging
 
 from castle_jax.checkpoints import Checkpointer, CheckpointError
-from castle_jax.command_line import UsageError, run_absl
+from castle_jax.command_line import UsageError, own_flags_parser, run_absl
 from castle_jax.data.pipeline import get_data_source
 from castle_jax.eval import cli
 from castle_jax.eval.compare import LEVEL, mean_interval, paired_difference
@@ -67,19 +67,42 @@ from castle_jax.workdir import (
   seeds_record,
 )
 
-_WORKDIRS = flags.DEFINE_list("workdirs", None, "Training workdirs (arms) to compare; the first is the base.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Context length (default: the runs' data.seq_len).", lower_bound=2)
-_MAX_DOCS = flags.DEFINE_integer("max_docs", 64, "Evaluate at most this many documents.", lower_bound=1)
-_SPLIT = flags.DEFINE_string("split", None, "Split to read (default: each run's data.eval_split).")
-_BINS_PER_OCTAVE = flags.DEFINE_integer("bins_per_octave", 2, "Bins per doubling of the position.", lower_bound=1)
-_STEP = flags.DEFINE_string(
-  "step", None, "Checkpoint step of every run: N, or 'common' (the newest step all runs have); default: each newest."
+# This command's own flags: other absl commands define --step, --split and --output too, and a
+# process (a test run) may import several.
+FLAGS = flags.FlagValues()
+_WORKDIRS = flags.DEFINE_list(
+  "workdirs", None, "Training workdirs (arms) to compare; the first is the base.", flag_values=FLAGS
 )
-_EARLY = flags.DEFINE_string("early", None, "START,STOP: positions of the early loss (default seq_len/16,seq_len/8).")
-_LATE = flags.DEFINE_string("late", None, "START,STOP: positions of the late loss (default seq_len/2,seq_len).")
-_FROM_JSON = flags.DEFINE_string("from_json", None, "Re-summarize and re-plot an earlier <output>.json instead.")
+_SEQ_LEN = flags.DEFINE_integer(
+  "seq_len", None, "Context length (default: the runs' data.seq_len).", lower_bound=2, flag_values=FLAGS
+)
+_MAX_DOCS = flags.DEFINE_integer(
+  "max_docs", 64, "Evaluate at most this many documents.", lower_bound=1, flag_values=FLAGS
+)
+_SPLIT = flags.DEFINE_string("split", None, "Split to read (default: each run's data.eval_split).", flag_values=FLAGS)
+_BINS_PER_OCTAVE = flags.DEFINE_integer(
+  "bins_per_octave", 2, "Bins per doubling of the position.", lower_bound=1, flag_values=FLAGS
+)
+_STEP = flags.DEFINE_string(
+  "step",
+  None,
+  "Checkpoint step of every run: N, or 'common' (the newest step all runs have); default: each newest.",
+  flag_values=FLAGS,
+)
+_EARLY = flags.DEFINE_string(
+  "early", None, "START,STOP: positions of the early loss (default seq_len/16,seq_len/8).", flag_values=FLAGS
+)
+_LATE = flags.DEFINE_string(
+  "late", None, "START,STOP: positions of the late loss (default seq_len/2,seq_len).", flag_values=FLAGS
+)
+_FROM_JSON = flags.DEFINE_string(
+  "from_json", None, "Re-summarize and re-plot an earlier <output>.json instead.", flag_values=FLAGS
+)
 _OUTPUT = flags.DEFINE_string(
-  "output", None, "Output path without extension (default: a new folder in the user cache); must not exist yet."
+  "output",
+  None,
+  "Output path without extension (default: a new folder in the user cache); must not exist yet.",
+  flag_values=FLAGS,
 )
 
 SUFFIXES = (".json", ".csv", ".png")
@@ -543,4 +566,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  run_absl(main)
+  run_absl(main, flags_parser=own_flags_parser(FLAGS))

@@ -214,7 +214,8 @@ def validated_by(parse: Callable[[str], object], what: str) -> Callable[[str], s
 
 
 def explain_flag_error(error: Exception, flag_values=flags.FLAGS) -> str:
-  """absl's message for a bad flag, with the fix: the flag's form, or the nearest known flag."""
+  """absl's message for a bad flag, with the fix: the flag's form, or the nearest known flag
+  (among the names `flag_values` iterates over)."""
   message = str(error)
   unknown = re.match(r"Unknown command line flag '([^']+)'", message)
   if unknown:
@@ -237,6 +238,25 @@ def absl_flags_parser(argv: list[str]) -> list[str]:
     return flags.FLAGS(argv)
   except flags.Error as e:
     exit_with_error(UsageError(explain_flag_error(e)), argv[1:])
+
+
+def own_flags_parser(command_flags: flags.FlagValues) -> Callable[[list[str]], list[str]]:
+  """A `flags_parser` for `run_absl` for a command whose flags live in `command_flags`, not in
+  absl's global FLAGS: other commands define flags of the same names (--step, --output), and a
+  test process imports several. Parses the command's flags, then absl's own (--verbosity,
+  --traceback) from what is left; a bad flag is one ERROR line; --help lists the command's flags."""
+
+  def parse(argv: list[str]) -> list[str]:
+    if any(arg in ("-h", "--help", "--helpshort", "--helpfull") for arg in argv[1:]):
+      print(command_flags.get_help(), flush=True)
+      sys.exit(0)
+    try:
+      rest = command_flags(argv, known_only=True)
+      return flags.FLAGS(rest)
+    except flags.Error as e:
+      exit_with_error(UsageError(explain_flag_error(e, [*command_flags, *flags.FLAGS])), argv[1:])
+
+  return parse
 
 
 def run_absl(

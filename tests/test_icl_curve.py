@@ -13,7 +13,6 @@ import sys
 import numpy as np
 import optax
 import pytest
-from absl import flags
 
 from benchmarks import icl_curve
 from castle_jax.command_line import UsageError
@@ -52,12 +51,12 @@ def arms(tmp_path_factory, stdlib_data_dir):
 
 def _main(*argv):
   """Runs the command in this process with `argv` as its flags."""
-  flags.FLAGS.unparse_flags()
-  flags.FLAGS(["icl_curve", *argv])
+  icl_curve.FLAGS.unparse_flags()
+  icl_curve.FLAGS(["icl_curve", *argv])
   try:
     icl_curve.main([])
   finally:
-    flags.FLAGS.unparse_flags()
+    icl_curve.FLAGS.unparse_flags()
 
 
 def _own_losses(workdir, step, data_dir):
