@@ -215,9 +215,12 @@ def _layer_map(config: ModelConfig, layer: int) -> dict[str, tuple[str, Any]]:
   return {hf + name: (ours + path, convert) for name, (path, convert) in mapping.items()}
 
 
-def convert_params(tensors: dict[str, Any], config: ModelConfig, where: str = "the checkpoint") -> dict[str, Any]:
+def convert_params(
+  tensors: dict[str, Any], config: ModelConfig, where: str = "the checkpoint", abstract: dict[str, Any] | None = None
+) -> dict[str, Any]:
   """Our parameter tree from HF tensors {name: array} (as the safetensors files name
-  them), in config.param_dtype; ValueError naming missing, unexpected or misshapen tensors."""
+  them), in config.param_dtype; ValueError naming missing, unexpected or misshapen tensors.
+  `abstract`: the model's `abstract_params`, when the caller has them (they give the shapes)."""
   mapping = {
     "model.embed_tokens.weight": ("embed/embedding", lambda w: w),
     "model.norm.weight": ("final_norm/scale", lambda w: w),
@@ -232,7 +235,9 @@ def convert_params(tensors: dict[str, Any], config: ModelConfig, where: str = "t
   unexpected = sorted(name for name in set(tensors) - set(mapping) if not ignored(name))
   if missing or unexpected:
     raise ValueError(f"{where} does not fit the config: missing tensors {missing}, unexpected tensors {unexpected}")
-  expected = traverse_util.flatten_dict(abstract_params(build_model(config), 8), sep="/")
+  if abstract is None:
+    abstract = abstract_params(build_model(config), 8)
+  expected = traverse_util.flatten_dict(abstract, sep="/")
   params, wrong_shapes = {}, []
   for name, (path, convert) in mapping.items():
     value = convert(jnp.asarray(tensors[name]))
@@ -282,10 +287,10 @@ def load_hf_params(path: str, config: ModelConfig, mesh: jax.sharding.Mesh | Non
   mesh that holds it.
   """
   path = os.path.abspath(path)
+  abstract = abstract_params(build_model(config), 8, mesh=mesh)
   with jax.default_device(jax.local_devices(backend="cpu")[0]):
     tensors = _read_tensors(_weight_files(path))
-    params = convert_params(tensors, config, where=f"the safetensors weights in {path}")
-  abstract = abstract_params(build_model(config), 8, mesh=mesh)
+    params = convert_params(tensors, config, where=f"the safetensors weights in {path}", abstract=abstract)
   return jax.device_put(params, jax.tree.map(lambda leaf: leaf.sharding, abstract))
 
 
