@@ -17,7 +17,8 @@ Both are compiled on a warm-up prompt first and timed on decode alone (prefill e
 as the paper reports). At temperature 0 the speculative output must equal the
 autoregressive one token for token (checked; a mismatch is reported in the table).
 Several drafts (`--draft=NAME=WORKDIR`, e.g. trained without anchor-offset) make the
-ablation rows. Writes every measurement to --out (JSON) and prints a table last.
+ablation rows; `--draft_step=N` reads every draft's checkpoint at step N (seeds that a time
+limit stopped at different steps then compare at equal training). Writes every measurement to --out (JSON) and prints a table last.
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ def parse_args(argv):
   parser.add_argument("--target_workdir", required=True)
   parser.add_argument(
     "--draft", action="append", required=True, help="a draft workdir, or NAME=WORKDIR (repeat for ablation rows)"
+  )
+  parser.add_argument(
+    "--draft_step",
+    type=cl.positive_int,
+    default=None,
+    help="every draft's checkpoint at this step (default: each draft's newest), e.g. the last step every "
+    "seed of an ablation holds, so that drafts stopped by a time limit compare at equal training",
   )
   parser.add_argument("--prompt_lengths", type=cl.positive_int_list, default=[4096, 16384])
   parser.add_argument("--new_tokens", type=cl.positive_int, default=512)
@@ -138,7 +146,10 @@ def run(args) -> list[dict]:
   try:
     target = load_trained_model(args.target_workdir)
     config = read_config(args.target_workdir)
-    drafts = [(name, _in_dtype(load_draft(path, target), args.dtype)) for name, path in _drafts(args.draft)]
+    drafts = [
+      (name, _in_dtype(load_draft(path, target, step=args.draft_step), args.dtype))
+      for name, path in _drafts(args.draft)
+    ]
   except (FileNotFoundError, ValueError, CheckpointError) as e:
     raise cl.UsageError(f"--target_workdir={args.target_workdir} / --draft={args.draft}: {e}") from e
   target = _in_dtype(target, args.dtype)
@@ -181,6 +192,7 @@ def _measure_length(args, target, config, drafts, batch: int, length: int) -> li
             "prompt_length": length,
             "temperature": temperature,
             "draft": name,
+            "draft_step": draft.step,
             "tree": tree,
             "tree_attention": implementation,
             # Tokens per row verification (at batch 1, per target forward).
