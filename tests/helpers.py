@@ -92,3 +92,20 @@ def lowered_for_h100(f, inputs) -> str:
 def mosaic_kernels_lowered_for_h100(functions, inputs) -> list[int]:
   """How many Mosaic GPU kernel calls each function's program has, lowered for an H100 on CPU."""
   return [lowered_for_h100(f, inputs).count("custom_call @mosaic_gpu") for f in functions]
+
+
+def random_longspec_pair(target_config, window: int = 8):
+  """(target, target_params, draft, draft_params) with random weights (keys 0 and 1): a
+  model of `target_config` and its one-block LongSpec draft with a ring of `window`."""
+  import dataclasses
+
+  import flax.linen as nn
+
+  from castle_jax.models import build_model, longspec_draft
+
+  target = build_model(target_config)
+  target_params = nn.unbox(target.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  draft_config = dataclasses.replace(target_config, family="longspec_draft", family_kwargs=(("window", window),))
+  draft = build_model(draft_config)
+  draft_params = nn.unbox(longspec_draft.init_variables(draft, jax.random.key(1), 8)["params"])
+  return target, target_params, draft, draft_params

@@ -21,6 +21,7 @@ from castle_jax.models import build_model, longspec_draft
 from castle_jax.models.longspec_draft import LongSpecDraft
 from castle_jax.ops.tree_attention import tree_mask_from_parents
 from castle_jax.workdir import load_frozen_params
+from helpers import random_longspec_pair
 
 VOCAB = 8
 
@@ -40,12 +41,7 @@ def _draft_config(target_config, **options):
 
 @pytest.fixture(scope="module")
 def pair():
-  target_config = _target_config()
-  target = build_model(target_config)
-  target_params = nn.unbox(target.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
-  draft = build_model(_draft_config(target_config))
-  draft_params = nn.unbox(longspec_draft.init_variables(draft, jax.random.key(1), 8)["params"])
-  return target, target_params, draft, draft_params
+  return random_longspec_pair(_target_config())
 
 
 def _prompt(length, seed):

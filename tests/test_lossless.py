@@ -3,7 +3,6 @@ on known distributions, that it passes LongSpec's sampler and rejects wrong ones
 target at another temperature, an acceptance rule that forgets to renormalize), and the
 command on target and draft workdirs."""
 
-import dataclasses
 import json
 import os
 
@@ -21,6 +20,7 @@ from castle_jax.inference import speculative
 from castle_jax.inference.sampling import filtered_logits
 from castle_jax.models import build_model, longspec_draft
 from castle_jax.workdir import CONFIG_NAME, FROZEN_NAME, params_fingerprint
+from helpers import random_longspec_pair
 
 VOCAB = 12
 TREE = (4, 8)
@@ -32,15 +32,9 @@ def _pair(vocab):
   uniform (85% of the first token's mass on two tokens after PROMPT); with TREE, the target
   accepts drafts at both tested positions (the tests check it: a random draft whose
   candidates missed the target's likely tokens would make the test vacuous)."""
-  target_config = ModelConfig(
-    vocab_size=vocab, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, dtype="float32", init_std=0.3
+  return random_longspec_pair(
+    ModelConfig(vocab_size=vocab, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, dtype="float32", init_std=0.3)
   )
-  target = build_model(target_config)
-  target_params = nn.unbox(target.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
-  draft_config = dataclasses.replace(target_config, family="longspec_draft", family_kwargs=(("window", 8),))
-  draft = build_model(draft_config)
-  draft_params = nn.unbox(longspec_draft.init_variables(draft, jax.random.key(1), 8)["params"])
-  return target, target_params, draft, draft_params
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,6 @@
 """`trace_speculation`: speculative decoding one round at a time, keeping each drafted tree,
 checked against `speculative_generate`, the target's plain decoding and the acceptance rules."""
 
-import dataclasses
-
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +9,7 @@ import pytest
 from castle_jax.config import ModelConfig
 from castle_jax.inference import generate, speculative_generate
 from castle_jax.inference.speculative import TreeShape, trace_speculation
-from castle_jax.models import build_model, longspec_draft
+from helpers import random_longspec_pair
 
 VOCAB = 8
 TREE = (3, 6, 6)
@@ -22,15 +19,9 @@ TREE = (3, 6, 6)
 def pair():
   # A large init makes a random target's predictions depend on its context, so drafts are
   # sometimes accepted and sometimes not.
-  target_config = ModelConfig(
-    vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, dtype="float32", init_std=0.3
+  return random_longspec_pair(
+    ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, dtype="float32", init_std=0.3)
   )
-  target = build_model(target_config)
-  target_params = nn.unbox(target.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
-  draft_config = dataclasses.replace(target_config, family="longspec_draft", family_kwargs=(("window", 8),))
-  draft = build_model(draft_config)
-  draft_params = nn.unbox(longspec_draft.init_variables(draft, jax.random.key(1), 8)["params"])
-  return target, target_params, draft, draft_params
 
 
 def _prompt(length, seed):
