@@ -532,3 +532,20 @@ def test_model_check_names_changed_keys_and_accepts_keys_added_later_at_their_de
   config.model.sliding_window, config.model.n_layers = 64, 6
   with pytest.raises(ConfigMismatchError, match=r"model.n_layers: 4 -> 6; model.sliding_window: 0 -> 64"):
     check_model_unchanged(str(tmp_path / "run"), config.model)
+
+
+def test_model_check_lets_a_run_continue_on_another_implementation(tmp_path):
+  """The attention kernel and rematerialization compute the same function of the same
+  parameters: a resume may change them, and still not the model."""
+  from train.config import base_config
+  from train.resume_checks import check_model_unchanged
+
+  config = base_config()
+  os.makedirs(tmp_path / "run")
+  with open(tmp_path / "run" / "config.json", "w") as f:
+    f.write(config.to_json_best_effort())
+  config.model.attention_impl, config.model.remat, config.model.remat_policy = "xla", True, "save_attention"
+  check_model_unchanged(str(tmp_path / "run"), config.model)
+  config.model.n_heads = 8
+  with pytest.raises(ConfigMismatchError, match=r"^[^;]*model.n_heads: 4 -> 8\)"):
+    check_model_unchanged(str(tmp_path / "run"), config.model)

@@ -21,6 +21,9 @@ from castle_jax.workdir import TOKENIZER_NAME, read_config, resolve_tokenizer_pa
 from train.config import base_config
 
 _SCHEDULE_KEYS = ("steps", "learning_rate", "warmup_steps", "min_lr_ratio")
+# How the same function of the same parameters is computed: a run may continue on another
+# kernel or rematerialization (e.g. to compare kernels from one checkpoint).
+_COMPUTATION_KEYS = ("model.attention_impl", "model.remat", "model.remat_policy")
 
 
 class ConfigMismatchError(ValueError):
@@ -59,11 +62,12 @@ def model_differences(saved_model: Mapping[str, Any], model_config) -> list[str]
 
 def check_model_unchanged(workdir: str, model_config) -> None:
   """Raises ConfigMismatchError (one line listing `model.key: old -> new`) when the
-  workdir's saved config.json has a different model (see `model_differences`)."""
+  workdir's saved config.json has a different model (see `model_differences`); the
+  attention implementation and rematerialization may change."""
   saved = saved_config(workdir)
   if saved is None or "model" not in saved:
     return
-  differing = model_differences(saved["model"], model_config)
+  differing = [d for d in model_differences(saved["model"], model_config) if d.split(":")[0] not in _COMPUTATION_KEYS]
   if differing:
     raise ConfigMismatchError(
       f"The checkpoints in {workdir} were trained with another model config ({'; '.join(differing)}). "
