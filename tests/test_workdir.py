@@ -22,7 +22,7 @@ from castle_jax.checkpoints import MANIFEST_NAME, Checkpointer, CheckpointError,
 from castle_jax.workdir import load_trained_model
 from helpers import TINY_RUN_SETTINGS, Interrupt
 from train.metrics import MetricsWriter, read_metrics
-from train.signals import TrainingInterrupted
+from train.signals import StopSignals, TrainingInterrupted
 from train.state import TrainState
 from train import trainer
 from train.trainer import train
@@ -397,6 +397,75 @@ def test_a_signal_saves_a_checkpoint_and_exits_cleanly(config, signum, code, dat
   with pytest.raises(Interrupt):
     train(config, after_step=lambda step: (started.append(step), (_ for _ in ()).throw(Interrupt()))[1])
   assert started == [saved + 1]
+
+
+def test_sigterm_during_evaluation_abandons_it_saves_and_exits_promptly(config):
+  """As `timeout` stops a run: SIGTERM to the trainer, then to its process group (its grain
+  worker too), while two vmapped seeds evaluate after step 3. The evaluation (100,000 batches)
+  is abandoned: each seed saves step 3 within seconds, with one message, and no eval record."""
+  process = _start_training(
+    config,
+    10_000,
+    "--config.train.seeds=2",
+    "--config.data.worker_count=1",
+    "--config.train.eval_every=3",
+    "--config.train.eval_batches=100000",
+    "--config.train.checkpoint_every=0",
+    own_process_group=True,
+  )
+  metrics = os.path.join(config.workdir, "seed_1", "metrics.jsonl")
+  deadline = time.time() + 120
+  while time.time() < deadline and process.poll() is None:
+    # One line a step (train.log_every=1): step 3's record is written just before its evaluation.
+    if os.path.exists(metrics) and open(metrics).read().count("\n") >= 3:
+      break
+    time.sleep(0.1)
+  time.sleep(1.0)  # well into the evaluation
+  assert process.poll() is None, process.communicate()[1][-3000:]
+  signaled = time.time()
+  process.send_signal(signal.SIGTERM)
+  os.killpg(process.pid, signal.SIGTERM)
+  try:
+    _, err = process.communicate(timeout=60)
+  finally:
+    if process.poll() is None:  # still evaluating: what `timeout -k` would then kill
+      os.killpg(process.pid, signal.SIGKILL)
+      process.communicate()
+  seconds = time.time() - signaled
+  assert process.returncode == 143, err[-3000:]
+  assert seconds < 20, seconds
+  assert err.count("SIGTERM received") == 1, err[-3000:]
+  last_line = err.strip().splitlines()[-1]
+  assert last_line.startswith(
+    "Stopped by SIGTERM after step 3 (the signal came during step 3; its evaluation was abandoned); saved checkpoint"
+  ), last_line
+  for k in (0, 1):
+    seed_dir = os.path.join(config.workdir, f"seed_{k}")
+    assert os.listdir(os.path.join(seed_dir, "checkpoints")) == ["3"]
+    assert verify_step(os.path.join(seed_dir, "checkpoints", "3")) is None
+    assert read_metrics(os.path.join(seed_dir, "metrics.jsonl"), split="eval") == {}
+    assert max(_losses(seed_dir)) == 3
+
+
+def test_a_stop_signal_delivered_twice_is_one_request(capfd):
+  """`timeout` signals the process and then its process group: one request, one message; a
+  SIGINT sent that way does not abort, a second Ctrl-C later does."""
+  handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+  stops = StopSignals()
+  with stops:
+    for _ in range(2):
+      os.kill(os.getpid(), signal.SIGTERM)
+    assert stops.requested == signal.SIGTERM
+  assert capfd.readouterr().err.count("SIGTERM received") == 1
+  stops = StopSignals()
+  with stops:
+    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGINT)
+    assert stops.requested == signal.SIGINT
+    stops.REPEAT_S = 0.0
+    with pytest.raises(KeyboardInterrupt):
+      os.kill(os.getpid(), signal.SIGINT)
+  assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
 
 
 @pytest.mark.slow

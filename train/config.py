@@ -63,7 +63,7 @@ def base_config() -> ml_collections.ConfigDict:
   d.seq_len = 256
   d.batch_size = 16  # global, in sequences
   d.shuffle_seed = 0
-  d.worker_count = 0  # grain worker processes; 0 reads in the main process
+  d.worker_count = 0  # grain worker processes (the evaluation: as many threads); 0 reads in the main process
   d.prefetch = 2  # train batches read ahead by a background thread; 0: read on the step's path
   # "lm": packed documents; "passkey": passkey-retrieval prompts with corpus haystacks,
   # generated on the fly (castle_jax/data/passkey_data.py), for fine-tuning and eval;

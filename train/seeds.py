@@ -40,7 +40,7 @@ import ml_collections
 import numpy as np
 
 from castle_jax.checkpoints import Checkpointer, CheckpointError
-from castle_jax.data.pipeline import make_lm_iterator
+from castle_jax.data.pipeline import close_iterators, make_lm_iterator
 from castle_jax.models import family_of
 from castle_jax.sharding import LOGICAL_AXIS_RULES
 from castle_jax.workdir import seed_workdir, seeds_record
@@ -316,7 +316,8 @@ def _train_vmapped(
         ) from e
   finally:
     try:
-      for resource in (*iterators, *checkpointers, *writers):
+      close_iterators(iterators)
+      for resource in (*checkpointers, *writers):
         resource.close()
     finally:
       for lock in locks:

@@ -5,8 +5,13 @@ keeps at most two steps on the device (the one running and the next one queued),
 request is seen within about a step, whatever `train.log_every` is; the loop then saves a
 checkpoint of the step in flight and raises `TrainingInterrupted`, which `python -m train`
 turns into exit status 130 (SIGINT) or 143 (SIGTERM), i.e. 128 + the signal number, as a
-shell reports a process killed by that signal. A second SIGINT aborts at once
-(KeyboardInterrupt).
+shell reports a process killed by that signal. An evaluation under way when the signal comes
+is abandoned: the checkpoint comes first. A second SIGINT aborts at once (KeyboardInterrupt).
+
+One stop may arrive twice: `timeout` sends its signal to the process and then to the process
+group, which holds the process too. Another signal within `REPEAT_S` of the first is taken as
+that repeat and ignored, as is any later SIGTERM; so the request is announced once, and a
+SIGINT sent that way does not abort.
 
 With several processes a signal may reach only some of them, and they must stop at the
 same step (the checkpoint save is collective). `StopVote` takes every process's request
@@ -20,6 +25,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -30,19 +36,29 @@ class TrainingInterrupted(Exception):
   """The run stopped on a signal after saving a checkpoint of `step`.
 
   `signaled_during`: the step that was running when this process got the signal (None when
-  the signal reached another process of the job)."""
+  the signal reached another process of the job). `abandoned_eval`: the evaluation of `step`
+  was under way and was given up for the checkpoint (it has no eval record)."""
 
-  def __init__(self, signum: int, step: int, checkpoint_dir: str, signaled_during: int | None = None):
+  def __init__(
+    self,
+    signum: int,
+    step: int,
+    checkpoint_dir: str,
+    signaled_during: int | None = None,
+    abandoned_eval: bool = False,
+  ):
     self.signum = signum
     self.step = step
     self.signaled_during = signaled_during
+    self.abandoned_eval = abandoned_eval
     self.exit_code = 128 + signum
     name = signal.Signals(signum).name
     cause = (
-      f" (the signal came during step {signaled_during})"
+      f" (the signal came during step {signaled_during}"
       if signaled_during is not None
-      else " (sent to another process of the job)"
+      else " (sent to another process of the job"
     )
+    cause += "; its evaluation was abandoned)" if abandoned_eval else ")"
     super().__init__(
       f"Stopped by {name} after step {step}{cause}; saved checkpoint {checkpoint_dir}. "
       "Re-run the same command to resume."
@@ -56,18 +72,23 @@ class StopSignals:
   that `signaled_during` names the step the signal interrupted."""
 
   SIGNALS = (signal.SIGINT, signal.SIGTERM)
+  REPEAT_S = 1.0  # a signal this soon after the first is the same stop, delivered twice
 
   def __init__(self):
     self.requested: int | None = None
     self.finished_step = 0
     self.signaled_during: int | None = None
+    self._requested_at = 0.0
     self._previous = {}
     self._active = False
 
   def _handle(self, signum, frame):
     del frame
-    if self.requested is not None and signum == signal.SIGINT:
-      raise KeyboardInterrupt  # second Ctrl-C: stop without waiting for the checkpoint
+    if self.requested is not None:
+      if signum == signal.SIGINT and time.monotonic() - self._requested_at >= self.REPEAT_S:
+        raise KeyboardInterrupt  # second Ctrl-C: stop without waiting for the checkpoint
+      return  # the same stop again (to the process, then to its group), or a later SIGTERM
+    self._requested_at = time.monotonic()
     self.requested = signum
     self.signaled_during = self.finished_step + 1
     # os.write, not print: the handler may interrupt a print to the same stream.

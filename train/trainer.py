@@ -358,16 +358,29 @@ def evaluate(
   configs: list[ml_collections.ConfigDict],
   tokenizer: Tokenizer,
   put_batch: Callable[[list[dict[str, np.ndarray]]], Any],
-) -> list[dict[str, float]]:
+  stopped: Callable[[], bool] = lambda: False,
+) -> list[dict[str, float]] | None:
   """Validation loss, perplexity and bits per byte over `train.eval_batches` batches read
   from the start of the eval split (the same batches every time), for each run of `configs`:
   one run, or the seeds of a vmapped run, whose batches `put_batch` stacks along the seed
-  axis that `eval_fn` maps over."""
-  iterators = [make_lm_iterator(c.data, tokenizer, split=c.data.eval_split, shuffle=False) for c in configs]
+  axis that `eval_fn` maps over. None: `stopped()` became true (a stop signal), and the
+  evaluation was abandoned, before its next batch.
+
+  `data.worker_count` shards are read by threads, not worker processes (the same batches):
+  processes started for every evaluation would take seconds each to start, and a stop signal
+  sent to the process group kills those still starting."""
+  if stopped():
+    return None
+  iterators = [
+    make_lm_iterator(c.data, tokenizer, split=c.data.eval_split, shuffle=False, worker_threads=True) for c in configs
+  ]
   totals = {k: np.zeros(len(configs)) for k in ("nll_sum", "tokens", "bytes")}
   try:
     for _ in range(configs[0].train.eval_batches):
-      sums = jax.device_get(eval_fn(params, put_batch([next(iterator) for iterator in iterators])))
+      batch = put_batch([next(iterator) for iterator in iterators])
+      if stopped():
+        return None
+      sums = jax.device_get(eval_fn(params, batch))
       totals = {k: totals[k] + np.reshape(sums[k], -1) for k in totals}
   finally:
     for iterator in iterators:
@@ -502,8 +515,8 @@ class RunIO:
   def next_batch(self):
     return self.put_batch([next(iterator) for iterator in self.train_iters])
 
-  def evaluate(self, params) -> list[dict[str, float]]:
-    return evaluate(params, self.eval_fn, self.configs, self.tokenizer, self.put_batch)
+  def evaluate(self, params, stopped: Callable[[], bool] = lambda: False) -> list[dict[str, float]] | None:
+    return evaluate(params, self.eval_fn, self.configs, self.tokenizer, self.put_batch, stopped)
 
   def save(self, step: int, state: TrainState) -> None:
     for index, (checkpointer, iterator) in enumerate(zip(self.checkpointers, self.train_iters)):
@@ -580,6 +593,9 @@ def run_loop(
   stop.finished_step = start_step
   last_train, last_eval = [], []
   previous_metrics = None
+  # One process gives up an evaluation as soon as it is signaled; several processes evaluate
+  # together (collectives), so they finish it and stop at the step their vote agrees on.
+  eval_stopped = (lambda: stop.requested is not None) if vote is None else (lambda: False)
   try:
     for step in range(start_step + 1, t.steps + 1):
       # The previous step is still running on the device while the host reads this batch.
@@ -600,13 +616,18 @@ def run_loop(
       log_now = step % t.log_every == 0 or save_now or step == start_step + 1
       if log_now:
         last_train = logger.log_train(step)
-      # A stop skips the evaluation: the checkpoint comes first (a scheduler's grace period is short).
+      # A stop skips the evaluation, and one during it abandons it: the checkpoint comes first (a
+      # scheduler's grace period is short).
       signum = stop.requested if vote is None else StopVote.result(ballot)
+      abandoned_eval = False
       if signum is None and t.eval_batches > 0 and (is_last or (t.eval_every > 0 and step % t.eval_every == 0)):
         jax.block_until_ready(metrics)  # the step's time is training time, not evaluation
         eval_start = time.perf_counter()
-        last_eval = io.evaluate(state.params)
-        logger.log_eval(step, last_eval, time.perf_counter() - eval_start)
+        records = io.evaluate(state.params, eval_stopped)
+        abandoned_eval = records is None
+        if not abandoned_eval:
+          last_eval = records
+          logger.log_eval(step, last_eval, time.perf_counter() - eval_start)
       if save_now:
         io.save(step, state)
       logger.progress.update(1)
@@ -621,7 +642,7 @@ def run_loop(
           io.save(step, state)
         io.wait()
         during = stop.signaled_during if stop.requested else None
-        raise TrainingInterrupted(signum, step, io.checkpoint_name(step), during)
+        raise TrainingInterrupted(signum, step, io.checkpoint_name(step), during, abandoned_eval)
   finally:
     logger.close()
   return state, last_train, last_eval

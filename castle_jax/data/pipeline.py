@@ -14,6 +14,7 @@ save, so a resumed run reads exactly the batches it would have read.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import fcntl
 import functools
@@ -164,6 +165,7 @@ def make_lm_dataset(
   process_index: int | None = None,
   process_count: int | None = None,
   prefetch: int = 0,
+  worker_threads: bool = False,
 ) -> grain.IterDataset:
   """The packed, batched dataset of one split, for this process.
 
@@ -179,6 +181,11 @@ def make_lm_dataset(
     prefetch: batches a background thread reads ahead (0: none). The iterator's
       state still records the position of the batches handed out, so a checkpoint
       resumes exactly where the consumer was.
+    worker_threads: read the `worker_count` shards with threads of this process
+      instead of worker processes: the same shards interleaved in the same order,
+      so the same batches. For a few batches read from a fresh iterator (the
+      evaluation), which would otherwise wait for new processes to start every
+      time, and which a stop signal sent to the process group must not break.
 
   Yields:
     {"inputs": int32 [batch_size // process_count, seq_len],
@@ -196,16 +203,20 @@ def make_lm_dataset(
   task = d.get("task", "lm")
   if task not in TASKS:
     raise ValueError(f"data.task must be one of {TASKS}, got {task!r}")
+  threads = worker_threads and d.worker_count > 0
+  # The worker threads read their shards one batch ahead; grain's default read-ahead (16
+  # threads, 500 elements per shard) would make them compete with the reader for the GIL.
+  read_options = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0) if threads else None
 
   if task in MECHANISM_TASKS:
     batched = make_task_dataset(
       d, tokenizer, split=split, process_index=process_index, process_count=process_count
-    ).to_iter_dataset()
+    ).to_iter_dataset(read_options)
   elif task == "passkey":
     source = get_data_source(d.dataset, split, d.data_dir, d.get("source_dir"))
     batched = make_passkey_dataset(
       d, tokenizer, source, split=split, process_index=process_index, process_count=process_count
-    ).to_iter_dataset()
+    ).to_iter_dataset(read_options)
   else:
     ds = grain.MapDataset.source(get_data_source(d.dataset, split, d.data_dir, d.get("source_dir")))
     if shuffle:
@@ -213,11 +224,13 @@ def make_lm_dataset(
     ds = ds.repeat()[process_index::process_count]
     ds = ds.map(functools.partial(_tokenize, tokenizer=tokenizer, text_key=d.text_key))
     packed = grain.experimental.ConcatThenSplitIterDataset(
-      ds.to_iter_dataset(), length_struct={"tokens": d.seq_len + 1}
+      ds.to_iter_dataset(read_options), length_struct={"tokens": d.seq_len + 1}
     )
     batched = packed.batch(d.batch_size // process_count, drop_remainder=True)
     batched = batched.map(functools.partial(_to_inputs_and_targets, pad_id=tokenizer.pad_id))
-  if d.worker_count > 0:
+  if threads:
+    batched = grain.experimental.multithread_prefetch(batched, num_threads=d.worker_count, buffer_size=1)
+  elif d.worker_count > 0:
     # grain's workers read absl flags, which only a command line parses: from a notebook or
     # a test, their defaults stand.
     if not absl_flags.FLAGS.is_parsed():
@@ -233,10 +246,28 @@ def make_lm_dataset(
 def _leave_stop_signals_to_the_trainer(worker_index: int, worker_count: int) -> None:
   """Ctrl-C, `timeout` and cluster schedulers signal the whole process group: a worker that
   died of it would fail the batch the trainer reads while it saves its checkpoint. The
-  trainer closes its workers itself (grain stops and, if need be, kills them)."""
+  trainer closes its workers itself (grain stops and, if need be, kills them).
+
+  This runs only once the worker has started (imported its modules): a signal to the group
+  before then still kills it. The train iterators' workers start at the first step; the
+  evaluation reads with threads (`worker_threads`), not with workers of its own."""
   del worker_index, worker_count
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def close_iterators(iterators) -> None:
+  """Closes `make_lm_iterator` iterators, all at once: closing one waits for each of its worker
+  processes to finish its batch and exit, and one iterator after another those waits add up
+  (a run of several seeds has an iterator per seed)."""
+  iterators = list(iterators)
+  if len(iterators) < 2:
+    for iterator in iterators:
+      iterator.close()
+    return
+  with concurrent.futures.ThreadPoolExecutor(len(iterators)) as pool:
+    for done in [pool.submit(iterator.close) for iterator in iterators]:
+      done.result()
 
 
 def make_lm_iterator(
@@ -248,6 +279,7 @@ def make_lm_iterator(
   process_index: int | None = None,
   process_count: int | None = None,
   prefetch: int = 0,
+  worker_threads: bool = False,
 ):
   """A checkpointable iterator (get_state/set_state) over `make_lm_dataset`; call
   its `close()` when done (it stops a prefetch thread or worker processes)."""
@@ -260,5 +292,6 @@ def make_lm_iterator(
       process_index=process_index,
       process_count=process_count,
       prefetch=prefetch,
+      worker_threads=worker_threads,
     )
   )
