@@ -29,7 +29,8 @@
 # tokens), SOURCE_DIR (the corpus: the Python sources of PYTHON's site-packages; "stdlib" for the
 # standard library), DEADLINE (seconds after the start by which everything has ended: 570),
 # LATER_RESERVE (seconds a GPU keeps for each of its runs still to start: 190), END_RESERVE (seconds
-# kept for the comparison and the archive: 50).
+# kept for the comparison and the archive: 50), CASTLE_IMPL (the CASTLE arms' kernels: mosaic; triton
+# or xla to compare).
 # A run still going when its time is up gets SIGTERM, saves the step in flight and stops; the
 # comparison then takes the largest token count that every seed has evaluated.
 set -u
@@ -72,7 +73,7 @@ else
   shape=(--config.data.batch_size=32 --config.train.grad_accum_steps=2 --config.train.log_every=10)
   # The fastest kernels measured for each arm on an H100, named so that an arm that cannot run
   # its kernel fails instead of training on a slower path.
-  declare -A impl=([baseline_s]=cudnn [castle_s]=mosaic [castle_swl_s]=mosaic)
+  declare -A impl=([baseline_s]=cudnn [castle_s]=${CASTLE_IMPL:-mosaic} [castle_swl_s]=${CASTLE_IMPL:-mosaic})
 fi
 WARMUP=${WARMUP:-$((STEPS / 10 > 0 ? STEPS / 10 : 1))}
 END_RESERVE=${END_RESERVE:-50}
