@@ -23,6 +23,12 @@
 # recurrent state, exact for any p, and cheap at 201 tokens); softmax attention runs on XLA; float32.
 # Written to OUT: <arm>/seeds.json, <arm>/seed_<k>/{config.json,metrics.jsonl,eval/*.json},
 # compare_query_accuracy/ and compare_answer_loss/ (castle_jax.eval.compare), logs/, summary.txt.
+# An arm that fails does not sink the others: the arms scored are those whose seeds all hold a
+# checkpoint step that the arms kept before them (in ARMS order) hold too, and those of them whose
+# every seed was scored are compared (differences to the first of them). summary.txt ends with a line
+# "ARM <arm>: ..." for each arm whose training failed (with its log's last line) or that was left out
+# of the scoring or the comparison, and why. Exit status 0 only when every arm trained, was scored and
+# was compared.
 set -u
 start=$SECONDS
 PY=${PYTHON:-python3}
@@ -98,44 +104,82 @@ for arm in $ARMS; do
     > "$LOGS/train_$arm.log" 2>&1 &
   pids[$arm]=$!
 done
+declare -A trouble  # arm -> what went wrong with it (said plainly at the end of summary.txt)
 for arm in $ARMS; do
   wait "${pids[$arm]}"
   status=$?
   case $status in 0) what="finished" ;; 124) what="stopped at the time limit" ;; 137) what="killed after the time limit" ;; *) what="FAILED" ;; esac
-  say "train $arm: exit status $status ($what); last line: $(grep -v '^\s*$' "$LOGS/train_$arm.log" | tail -1)"
+  last=$(grep -v '^\s*$' "$LOGS/train_$arm.log" | tail -1)
+  say "train $arm: exit status $status ($what); last line: $last"
+  [ "$what" = FAILED ] && trouble[$arm]="training FAILED (exit status $status, logs/train_$arm.log): $last"
 done
 
-# The newest checkpoint step every seed of every arm holds (arms stopped at different steps).
-step=$("$PY" - "$RUNS" "$SEEDS" $ARMS << 'EOF'
+# The arms to score: in ARMS order, each arm whose seeds all hold a checkpoint step in common with
+# each other and with the arms kept before it; all are scored at the newest step they all hold (arms
+# stop at different steps). Printed: that step, then a line per arm: "<arm> keep" or "<arm> drop <why>".
+decisions=$("$PY" - "$RUNS" "$SEEDS" $ARMS << 'EOF'
 import os, re, sys
 runs, seeds, arms = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-held = []
+common, kept, lines = None, [], []
 for arm in arms:
+  held = []
   for k in range(seeds):
     directory = os.path.join(runs, arm, f"seed_{k}", "checkpoints")
     names = os.listdir(directory) if os.path.isdir(directory) else []
     held.append({int(n) for n in names if re.fullmatch(r"[0-9]+", n)})
-common = set.intersection(*held) if held else set()
-print(max(common) if common else "")
+  empty = [str(k) for k, steps in enumerate(held) if not steps]
+  shared = set.intersection(*held)
+  if empty:
+    which = f"seed {empty[0]} (of {seeds}) holds" if len(empty) == 1 else f"seeds {', '.join(empty)} (of {seeds}) hold"
+    lines.append(f"{arm} drop {which} no checkpoint")
+  elif not shared:
+    lines.append(f"{arm} drop its seeds hold no checkpoint step in common")
+  elif common is not None and not common & shared:
+    lines.append(f"{arm} drop none of its checkpoint steps {sorted(shared)} is held by {' '.join(kept)}")
+  else:
+    common = shared if common is None else common & shared
+    kept.append(arm)
+    lines.append(f"{arm} keep")
+print(max(common) if common else "none")
+print("\n".join(lines))
 EOF
 )
-if [ -z "$step" ]; then
-  say "ERROR: no checkpoint step is held by every seed of every arm (logs/train_*.log)"
+step=$(head -1 <<< "$decisions")
+kept=()
+while read -r arm verdict why; do
+  if [ "$verdict" = keep ]; then
+    kept+=("$arm")
+  else
+    trouble[$arm]="${trouble[$arm]:+${trouble[$arm]}; }not scored: $why"
+  fi
+done < <(tail -n +2 <<< "$decisions")
+if [ ${#kept[@]} = 0 ]; then
+  say "ERROR: no arm has a checkpoint step that all its seeds hold (logs/train_*.log)"
+  for arm in $ARMS; do say "ARM $arm: ${trouble[$arm]:-}"; done
   exit 1
 fi
 budget=$(left 15)
-say "scoring every seed at step $step on $EXAMPLES held-out prompts, at most ${budget}s"
-scoring=()
-for arm in $ARMS; do
+say "scoring every seed of '${kept[*]}' at step $step on $EXAMPLES held-out prompts, at most ${budget}s"
+declare -A scoring
+for arm in "${kept[@]}"; do
   for k in $(seq 0 $((SEEDS - 1))); do
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s TERM -k 5 "$budget" "$PY" -m castle_jax.eval.tasks \
       --workdir="$RUNS/$arm/seed_$k" --step="$step" --examples="$EXAMPLES" > "$LOGS/tasks_${arm}_seed_$k.log" 2>&1 &
-    scoring+=($!)
+    scoring[$arm/$k]=$!
   done
 done
-failed=0
-for pid in "${scoring[@]}"; do wait "$pid" || failed=$((failed + 1)); done
-say "scoring: $failed of ${#scoring[@]} seeds failed (logs/tasks_*.log)"
+compared=()
+for arm in "${kept[@]}"; do
+  failed=()
+  for k in $(seq 0 $((SEEDS - 1))); do wait "${scoring[$arm/$k]}" || failed+=("$k"); done
+  if [ ${#failed[@]} = 0 ]; then
+    compared+=("$arm")
+    [ -n "${trouble[$arm]:-}" ] && trouble[$arm]+="; compared all the same, at step $step (all its seeds hold it)"
+  else
+    trouble[$arm]="${trouble[$arm]:+${trouble[$arm]}; }not compared: scoring failed for seed ${failed[*]} (logs/tasks_${arm}_seed_*.log)"
+  fi
+done
+say "scoring: every seed scored for '${compared[*]}'"
 
 for arm in $ARMS; do
   mkdir -p "$OUT/$arm"
@@ -148,9 +192,20 @@ for arm in $ARMS; do
 done
 # Compared from inside OUT, so that the tables name the arms by their folder names.
 root=$(pwd)
-for metric in query_accuracy answer_loss; do
-  (cd "$OUT" && PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" JAX_PLATFORMS=cpu timeout 60 "$PY" -m castle_jax.eval.compare \
-    $ARMS --results=tasks --metric="$metric" --output="compare_$metric") 2>&1 | tee -a "$OUT/summary.txt"
+if [ ${#compared[@]} -gt 0 ]; then
+  say "comparing '${compared[*]}' at step $step$([ ${#compared[@]} -gt 1 ] && echo " (differences to ${compared[0]})")"
+  for metric in query_accuracy answer_loss; do
+    (cd "$OUT" && PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" JAX_PLATFORMS=cpu timeout 60 "$PY" -m castle_jax.eval.compare \
+      "${compared[@]}" --results=tasks --metric="$metric" --output="compare_$metric") 2>&1 | tee -a "$OUT/summary.txt"
+  done
+fi
+troubled=0
+for arm in $ARMS; do
+  if [ -n "${trouble[$arm]:-}" ]; then
+    say "ARM $arm: ${trouble[$arm]}"
+    troubled=$((troubled + 1))
+  fi
 done
 say "done; results in $OUT"
-[ -d "$OUT/compare_query_accuracy" ]
+# Success only when every arm trained, was scored and was compared.
+[ -d "$OUT/compare_query_accuracy" ] && [ "$troubled" = 0 ]

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from castle_jax.ops.numerics import score_scale
-from castle_jax.ops.power.expansion import expanded_dim, validate_expansion
+from castle_jax.ops.power.expansion import expand, expanded_dim, validate_expansion
 
 DEFAULT_CHUNK_SIZE = 128
 
@@ -144,8 +144,8 @@ def group_queries(q: jax.Array, kv_heads: int) -> jax.Array:
   return q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
 
 
-def causal_power_weights(scores: jax.Array, p: int, cumulative_log_g: jax.Array | None) -> jax.Array:
-  """w_ij = scores_ij^p * exp(G_i - G_j) for j <= i, exactly 0 above the diagonal.
+def causal_power_bases(scores: jax.Array, p: int, cumulative_log_g: jax.Array | None) -> jax.Array:
+  """r_ij = scores_ij * exp((G_i - G_j) / p) for j <= i, exactly 0 above the diagonal: w_ij = r_ij^p.
 
   Args:
     scores: [B, H_kv, group, T, T], scale * q_i . k_j.
@@ -157,13 +157,88 @@ def causal_power_weights(scores: jax.Array, p: int, cumulative_log_g: jax.Array 
   """
   seq = scores.shape[-1]
   causal = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]
-  weights = scores**p
   if cumulative_log_g is not None:
     g = jnp.moveaxis(cumulative_log_g, 1, -1)[:, :, None, :]  # [B, H_kv, 1, T]
     # Above the diagonal G_i - G_j >= 0 can overflow exp; select before exponentiating.
-    decay = jnp.exp(jnp.where(causal, g[..., :, None] - g[..., None, :], -jnp.inf))
-    weights = weights * decay
-  return jnp.where(causal, weights, 0.0)
+    scores = scores * jnp.exp(jnp.where(causal, (g[..., :, None] - g[..., None, :]) / p, -jnp.inf))
+  return jnp.where(causal, scores, 0.0)
+
+
+def attend(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  cumulative_log_g: jax.Array | None,
+  p: int,
+  state: PowerState | None = None,
+  *,
+  expansion: str = "spow",
+  d_tile: int | None = None,
+  precision=None,
+) -> jax.Array:
+  """Outputs of queries over the keys at the same positions (causal) and a state of earlier tokens.
+
+  y_i = [e^{G_i} phi(q_i) S + sum_{j<=i} w_ij v_j] / [e^{G_i} phi(q_i) . z + sum_{j<=i} w_ij],
+  w_ij = (q_i . k_j)^p exp(G_i - G_j): the attention form (state None), one chunk of the
+  chunked form, or one token of the recurrent form. A query whose terms are all zero
+  outputs 0 instead of 0/0.
+
+  Each query is divided by a constant (not differentiated) that makes its largest term
+  +-1 before the power, the row max of the paper's attention kernel (Appendix F.1,
+  Table 5): every term has degree p in q_i, so the output does not change, and neither
+  do its gradients, but the sum that normalizes is at least 1. Unscaled, a query nearly
+  orthogonal to the keys it sees had a tiny sum (with p = 4 the first token's single
+  term (scale q_0 . k_0)^4 is below 5.4e-20 once |scale q_0 . k_0| < 1.5e-5), autodiff
+  of the division formed N / D^2 with D^2 = 0 in float32, and the gradient turned
+  inf/NaN while the output was fine. The terms are divided by their sum before they
+  weigh the values, and the largest term is exactly 1, so a term that carries all the
+  weight gives exactly its value and exactly zero gradient: the gradient w.r.t. a score,
+  p w_ij (v_j - y_i) / (s_ij sum_j w_ij), would amplify any rounding of y_i by 1 / s_ij.
+
+  Args:
+    q: [B, c, H_kv, group, d], already multiplied by the score scale.
+    k: [B, c, H_kv, d]; v: [B, c, H_kv, d_v].
+    cumulative_log_g: [B, c, H_kv], G_i (inclusive, counted from the state's last token), or None.
+    p: the even power.
+    state: the PowerState (S [B, H_kv, D, d_v], z [B, H_kv, D]) of the tokens before, or None.
+    expansion, d_tile: the phi the state was built with.
+    precision: of the products.
+
+  Returns:
+    [B, c, H_kv, group, d_v].
+  """
+  scores = jnp.einsum("bihgd,bjhd->bhgij", q, k, precision=precision)
+  bases = causal_power_bases(scores, p, cumulative_log_g)
+  row_max = jax.lax.stop_gradient(jnp.max(jnp.abs(bases), axis=-1))  # [B, H_kv, group, c]
+  divisor = jnp.where(row_max > 0, row_max, 1.0)
+  scaled = bases / divisor[..., None]
+  # XLA may divide by multiplying with a reciprocal, one rounding off: the largest term is
+  # set to exactly +-1, keeping the division's gradient.
+  top = (jnp.abs(bases) == row_max[..., None]) & (row_max > 0)[..., None]
+  bases = jnp.where(top, scaled + jax.lax.stop_gradient(jnp.sign(bases) - scaled), scaled)
+  state_weight = 0.0
+  if state is not None:
+    # The same division for the state's terms: phi(q / m) = phi(q) / m^p.
+    phi_q = expand(q / jnp.moveaxis(divisor, -1, 1)[..., None], p, expansion, d_tile)
+    if cumulative_log_g is not None:
+      phi_q = phi_q * jnp.exp(cumulative_log_g)[..., None, None]
+    state_weight = jnp.einsum("bihgD,bhD->bihg", phi_q, state.normalizer, precision=precision)
+    # Where the state outweighs the largest term in the block (or the block has none),
+    # every term is divided by the state's sum instead.
+    empty = jnp.moveaxis(row_max == 0, -1, 1)
+    outweighs = (state_weight > 1.0) | (empty & (state_weight > 0.0))
+    extra = jax.lax.stop_gradient(jnp.where(outweighs, state_weight, 1.0))  # [B, c, H_kv, group]
+    bases = bases / jnp.moveaxis(extra, 1, -1)[..., None] ** (1.0 / p)
+    phi_q = phi_q / extra[..., None]
+    state_weight = state_weight / extra
+  weights = bases**p
+  denominator = state_weight + jnp.moveaxis(jnp.sum(weights, axis=-1), -1, 1)  # [B, c, H_kv, group]
+  zero = denominator == 0
+  safe = jnp.where(zero, 1.0, denominator)
+  out = jnp.einsum("bhgij,bjhe->bihge", weights / jnp.moveaxis(safe, 1, -1)[..., None], v, precision=precision)
+  if state is not None:
+    out = out + jnp.einsum("bihgD,bhDe->bihge", phi_q / safe[..., None], state.state, precision=precision)
+  return jnp.where(zero[..., None], 0.0, out)
 
 
 def normalize(numerator: jax.Array, denominator: jax.Array) -> jax.Array:

@@ -26,8 +26,8 @@ from castle_jax.ops.power.xla import empty_state
 from castle_jax.ops.numerics import compute_dtype
 from castle_jax.ops.power.common import (
   PowerState,
+  attend,
   group_queries,
-  normalize,
   validate_all,
 )
 from castle_jax.ops.power.expansion import expand
@@ -93,17 +93,13 @@ def _token_step(carry: PowerState, token, *, p: int, expansion: str, d_tile: int
     (the state including this token, output [B, H_kv, group, d_v]).
   """
   q, k, v, log_g = token
-  gate = jnp.exp(log_g)[..., None]  # [B, H_kv, 1]: discounts the earlier tokens for this query
-  phi_q = expand(q, p, expansion, d_tile)
-  own_weight = jnp.einsum("bhgd,bhd->bhg", q, k) ** p
-  numerator = (
-    gate[..., None] * jnp.einsum("bhgD,bhDe->bhge", phi_q, carry.state) + own_weight[..., None] * v[:, :, None]
-  )
-  denominator = gate * jnp.einsum("bhgD,bhD->bhg", phi_q, carry.normalizer) + own_weight
+  # One position of the chunked form's block: own term (q . k)^p, state discounted by g_t.
+  out = attend(q[:, None], k[:, None], v[:, None], log_g[:, None], p, carry, expansion=expansion, d_tile=d_tile)
+  gate = jnp.exp(log_g)[..., None]  # [B, H_kv, 1]: discounts the earlier tokens
   phi_k = expand(k, p, expansion, d_tile)
   state = gate[..., None] * carry.state + phi_k[..., :, None] * v[..., None, :]
   normalizer = gate * carry.normalizer + phi_k
-  return PowerState(state, normalizer), normalize(numerator, denominator)
+  return PowerState(state, normalizer), out[:, 0]
 
 
 def power_attention_recurrent(

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from castle_jax.ops.numerics import compute_dtype
 from castle_jax.ops.power.common import (
   PowerState,
-  causal_power_weights,
+  attend,
   group_queries,
   normalize,
   validate_all,
@@ -55,7 +55,9 @@ def power_attention_reference(
 
   y_i = [sum_{j<=i} w_ij v_j + e^{G_i} phi(scale q_i) S_0] / [sum_{j<=i} w_ij + e^{G_i} phi(scale q_i) . z_0],
   w_ij = (scale q_i . k_j)^p exp(G_i - G_j), G_i = sum_{l<=i} log_g_l. A query whose
-  weights are all zero (q_i = 0) outputs 0 instead of 0/0.
+  weights are all zero (q_i = 0) outputs 0 instead of 0/0. Each query's terms are divided
+  by its largest one before they are summed (`common.attend`), which changes only the
+  rounding and keeps gradients finite where the terms are tiny.
 
   Args:
     q: [batch, seq, heads, head_dim].
@@ -73,19 +75,8 @@ def power_attention_reference(
   p, scale, d_tile = validate_all(q, k, v, log_g, p, scale, expansion, d_tile, initial_state)
   batch, seq, heads, _ = q.shape
   qg, k, v, cumulative = _prepare(q, k, v, log_g)
-  qg = qg * scale
-  scores = jnp.einsum("bihgd,bjhd->bhgij", qg, k, precision=_PRECISION)
-  weights = causal_power_weights(scores, p, cumulative)
-  numerator = jnp.einsum("bhgij,bjhe->bihge", weights, v, precision=_PRECISION)
-  denominator = jnp.moveaxis(jnp.sum(weights, axis=-1), -1, 1)  # [B, T, H_kv, group]
-  if initial_state is not None:
-    phi_q = expand(qg, p, expansion, d_tile)
-    decay = jnp.ones((batch, seq, k.shape[2]), qg.dtype) if cumulative is None else jnp.exp(cumulative)
-    state = initial_state.state.astype(qg.dtype)
-    normalizer = initial_state.normalizer.astype(qg.dtype)
-    numerator += decay[..., None, None] * jnp.einsum("bthgD,bhDe->bthge", phi_q, state, precision=_PRECISION)
-    denominator += decay[..., None] * jnp.einsum("bthgD,bhD->bthg", phi_q, normalizer, precision=_PRECISION)
-  out = normalize(numerator, denominator)
+  state = None if initial_state is None else PowerState(*(x.astype(qg.dtype) for x in initial_state))
+  out = attend(qg * scale, k, v, cumulative, p, state, expansion=expansion, d_tile=d_tile, precision=_PRECISION)
   return out.reshape(batch, seq, heads, v.shape[-1]).astype(q.dtype)
 
 

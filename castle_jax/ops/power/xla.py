@@ -11,10 +11,11 @@ G the inclusive cumulative log-gate *within* the chunk and G_c its last entry:
 where S, z enter as the state after all earlier chunks (or `initial_state`), and
 q is pre-multiplied by `scale`. Every factor e^{...} has a non-positive exponent, so
 nothing overflows however long the sequence; the states are float32 (float64 for
-float64 inputs) and stay unscaled. (The authors' kernels keep bf16 states divided
-by sqrt(D) and combine the two parts with a running row max; with float32 states and
-exponents <= 0 that rescaling is not needed: a float32 state overflows only once
-T * |scale q . k|^p nears 3e38.)
+float64 inputs) and stay unscaled (the authors' kernels keep bf16 states divided
+by sqrt(D); a float32 state overflows only once T * |scale q . k|^p nears 3e38). The
+outputs are combined with a per-query row max, as in the authors' kernels: each query's
+terms are divided by the largest of them (`common.attend`), so the normalizing sum is
+at least 1 and its gradient stays finite however small the terms are.
 
 A `lax.scan` walks the chunks, carrying (S, z): phi(K) and phi(Q) are expanded one
 chunk at a time ([c, D] per head), never for the whole sequence. The step is wrapped
@@ -38,9 +39,8 @@ from castle_jax.ops.numerics import compute_dtype
 from castle_jax.ops.power.common import (
   DEFAULT_CHUNK_SIZE,
   PowerState,
-  causal_power_weights,
+  attend,
   group_queries,
-  normalize,
   validate_all,
   validate_chunk_size,
 )
@@ -74,25 +74,16 @@ def _chunk_step(carry: PowerState, chunk, *, p: int, expansion: str, d_tile: int
   Returns:
     (the state after this chunk, outputs [B, c, H_kv, group, d_v]).
   """
-  state, normalizer = carry
   q, k, v, log_g = chunk
   cumulative = jnp.cumsum(log_g, axis=1)  # [B, c, H_kv]
   total = cumulative[:, -1]  # [B, H_kv]
 
-  weights = causal_power_weights(jnp.einsum("bihgd,bjhd->bhgij", q, k), p, cumulative)
-  numerator = jnp.einsum("bhgij,bjhe->bihge", weights, v)
-  denominator = jnp.moveaxis(jnp.sum(weights, axis=-1), -1, 1)  # [B, c, H_kv, group]
-
-  # Query state: discounting phi(q_i) by e^{G_i} is cheaper than discounting S per query.
-  phi_q = expand(q, p, expansion, d_tile) * jnp.exp(cumulative)[..., None, None]
-  numerator += jnp.einsum("bihgD,bhDe->bihge", phi_q, state)
-  denominator += jnp.einsum("bihgD,bhD->bihg", phi_q, normalizer)
-  outputs = normalize(numerator, denominator)
+  outputs = attend(q, k, v, cumulative, p, carry, expansion=expansion, d_tile=d_tile)
 
   phi_k = expand(k, p, expansion, d_tile) * jnp.exp(total[:, None] - cumulative)[..., None]
   decay = jnp.exp(total)
-  state = decay[..., None, None] * state + jnp.einsum("bjhD,bjhe->bhDe", phi_k, v)
-  normalizer = decay[..., None] * normalizer + jnp.sum(phi_k, axis=1)
+  state = decay[..., None, None] * carry.state + jnp.einsum("bjhD,bjhe->bhDe", phi_k, v)
+  normalizer = decay[..., None] * carry.normalizer + jnp.sum(phi_k, axis=1)
   return PowerState(state, normalizer), outputs
 
 

@@ -16,6 +16,7 @@ from castle_jax.ops.power import (
   power_attention_reference,
   reference_state,
 )
+from helpers import rel_err
 
 
 # batch, seq, q heads, kv heads, head_dim, value_dim: GQA with group 3, odd sizes.
@@ -34,6 +35,51 @@ def power_inputs(seed, seq=T, dtype=jnp.float32, gating=True):
   log_g = -np.logaddexp(0.0, -(1.0 + 1.5 * rng.standard_normal((B, seq, HKV))))
   inputs = tuple(jnp.asarray(x.astype(np.float32), dtype) for x in (q, k, v))
   return (*inputs, jnp.asarray(log_g.astype(np.float32), dtype) if gating else None)
+
+
+def tiny_weight_inputs(seed):
+  """float32 power_inputs where two rows of p = 4 weights are tiny, as early in training:
+  the first query nearly orthogonal to the first key (|scale q_0 . k_0| < 1e-5, its single
+  weight < 1e-20) and the query at position 5 shrunk to norm ~1e-6 (its weights < 1e-21).
+  Either sum of weights squares to 0 in float32 (below 5.4e-20, it does)."""
+  q, k, v, log_g = power_inputs(seed)
+  own_key = jnp.repeat(k[:, :1], HQ // HKV, axis=2)
+  along = jnp.sum(q[:, :1] * own_key, -1, keepdims=True) / jnp.sum(own_key**2, -1, keepdims=True)
+  q = q.at[:, :1].add(-(along - 1e-6) * own_key).at[:, 5].multiply(1e-6)
+  return q, k, v, log_g
+
+
+def definition(q, k, v, log_g, p):
+  """y_i = sum_j w_ij v_j / sum_j w_ij, w_ij = (q_i . k_j / sqrt(d))^p e^{G_i - G_j}, term by
+  term with nothing rescaled: an oracle for float64 only."""
+  group = q.shape[2] // k.shape[2]
+  k, v, cumulative = (jnp.repeat(x, group, axis=2) for x in (k, v, jnp.cumsum(log_g, axis=1)))
+  scores = jnp.einsum("bihd,bjhd->bhij", q, k) / np.sqrt(q.shape[-1])
+  g = jnp.moveaxis(cumulative, 1, -1)  # [B, H, T]
+  causal = jnp.tril(jnp.ones((q.shape[1],) * 2, bool))
+  weights = jnp.where(causal, scores**p * jnp.exp(jnp.where(causal, g[..., :, None] - g[..., None, :], 0.0)), 0.0)
+  return jnp.einsum("bhij,bjhe->bihe", weights, v) / jnp.moveaxis(jnp.sum(weights, -1), -1, 1)[..., None]
+
+
+def gradients(fn, inputs, seed):
+  """Gradients of sum(fn(q, k, v, log_g) * c) w.r.t. q, k, v and log_g, c a fixed random cotangent."""
+  cotangent = np.random.default_rng(seed).standard_normal(inputs[0].shape[:3] + (D_VALUE,))
+  loss = lambda *a: jnp.sum(fn(*a) * jnp.asarray(cotangent, a[0].dtype))
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*inputs)
+
+
+def assert_gradients_match_definition(fn, inputs, p, tolerance):
+  """fn's float32 gradients are finite and within `tolerance` (relative norm) of the
+  definition's in float64, for each argument and for the first query alone (whose true
+  gradient is 0: its output is the first value whatever the query)."""
+  got = gradients(fn, inputs, seed=1)
+  with jax.enable_x64(True):
+    want = gradients(lambda *a: definition(*a, p=p), tuple(jnp.asarray(x, jnp.float64) for x in inputs), seed=1)
+  for name, grad, expected in zip(("q", "k", "v", "log_g"), got, want):
+    assert np.isfinite(np.asarray(grad)).all(), name
+    assert rel_err(grad, expected) < tolerance, (name, rel_err(grad, expected))
+  first = np.abs(np.asarray(got[0][:, 0])).max()
+  assert first <= tolerance * np.abs(np.asarray(got[0][:, 1:])).max(), first
 
 
 def split_tokens(inputs, start, stop):

@@ -8,7 +8,18 @@ import numpy as np
 import pytest
 
 from helpers import rel_err
-from ops.power.base import HKV, HQ, T, attention_form, log_space, final_state_of, power_inputs, split_tokens
+from ops.power.base import (
+  HKV,
+  HQ,
+  T,
+  assert_gradients_match_definition,
+  attention_form,
+  final_state_of,
+  log_space,
+  power_inputs,
+  split_tokens,
+  tiny_weight_inputs,
+)
 
 
 pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
@@ -51,3 +62,11 @@ def test_outputs_are_the_weighted_mean_computed_by_hand():
     )
     expected = weights @ v[b, : i + 1, kv_head] / weights.sum()
     assert rel_err(out[b, i, h], expected) < 1e-13
+
+
+def test_gradients_where_the_weights_are_tiny():
+  """p = 4, float32, rows whose weights sum to ~1e-24 (a first query nearly orthogonal to
+  the first key, and a query of norm 1e-6). The outputs were fine, but autodiff of the
+  division formed N / D^2 = N / 0 and the gradients were inf/NaN (training with p = 4
+  stopped on a NaN gradient norm after 11 steps); they equal the definition's in float64."""
+  assert_gradients_match_definition(lambda *a: attention_form(*a, p=4), tiny_weight_inputs(seed=13), 4, 1e-5)

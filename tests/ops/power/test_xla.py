@@ -26,12 +26,14 @@ from ops.power.base import (
   HKV,
   HQ,
   T,
+  assert_gradients_match_definition,
   attention_form,
   chunked,
   loss_with_state,
   power_inputs,
   reference,
   split_tokens,
+  tiny_weight_inputs,
 )
 
 
@@ -127,6 +129,18 @@ def test_gradients_match_definition(p, chunk_size):
   for path, fast in fast_paths.items():
     for name, got, want in zip(("q", "k", "v", "log_g"), grad(fast), expected):
       assert rel_err(got, want) < tolerance, (path, name)
+
+
+@pytest.mark.parametrize("path", ["chunked", "recurrent"])
+def test_gradients_where_the_weights_are_tiny(path):
+  """As the oracle's test of that name: the chunked form (the first query in a chunk with
+  no state, the small one in a chunk with one) and token-by-token decoding."""
+  fast = {
+    "chunked": lambda *a: power_attention_chunked(*a, p=4, chunk_size=3)[0],
+    "recurrent": lambda *a: power_attention_recurrent(*a, p=4)[0],
+  }[path]
+  # Decoding reads every earlier key through phi(q) . S (see test_gradients_match_definition).
+  assert_gradients_match_definition(fast, tiny_weight_inputs(seed=13), 4, 3e-5 if path == "chunked" else 2e-4)
 
 
 def test_chunked_is_causal():
