@@ -95,7 +95,9 @@ def normalize_with_safe_shift(run, q_c: jax.Array, k_c: jax.Array, scale: float,
 
   `run(shift=...)` -> (unnormalized output, row sums, final D) of a forward kernel that
   exponentiates scores minus a per-row shift. It runs shifted by each row's diagonal
-  score and, only if a sum overflowed, again shifted by the row maximum.
+  score and, only if a sum or an output overflowed, again shifted by the row maximum. The
+  output overflows first: a score ~87 above the diagonal one gives a finite weight near
+  float32's maximum, and that weight times a value of norm > 1 does not fit.
 
   Returns out (float32 [BH, L, D]), lse (float32 [BH, L]) and the final D.
   """
@@ -103,12 +105,13 @@ def normalize_with_safe_shift(run, q_c: jax.Array, k_c: jax.Array, scale: float,
   acc, sums, keys = run(shift=diagonal)
 
   def rerun_with_row_max(_):
-    # Some score was > ~88 above its row's diagonal score and exp overflowed: shift by
-    # the row maximum instead, but never so far that the diagonal term underflows.
+    # Some score was far enough above its row's diagonal score that exp or a weighted
+    # value overflowed: shift by the row maximum instead, but never so far that the
+    # diagonal term underflows.
     row_max = _max_causal_scores(q_c, k_c, scale, block_q) + _SILU_MIN
     shift = jnp.maximum(diagonal, row_max - _EXPONENT_HEADROOM)
     return run(shift=shift) + (shift,)
 
-  overflowed = jnp.logical_not(jnp.all(jnp.isfinite(sums)))
+  overflowed = jnp.logical_not(jnp.all(jnp.isfinite(sums)) & jnp.all(jnp.isfinite(acc)))
   acc, sums, keys, shift = lax.cond(overflowed, rerun_with_row_max, lambda _: (acc, sums, keys, diagonal), None)
   return acc / sums[..., None], shift + jnp.log(sums), keys
