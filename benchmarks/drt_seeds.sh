@@ -22,6 +22,13 @@
 #       any machine (CPU; 1.5-5 minutes on 2 cores): 2 seeds, 3 steps per stage, 1K-token
 #       prompts; checks the plumbing only
 #
+# A stage-1 schedule longer than one call (the recipe's ~13,600 steps take about an hour): pass
+# STAGES="1" and CONTINUE=1 with the same RUNS to each call but the last, which runs all of
+# STAGES="1 2 eval" (the default). CONTINUE=1 resumes every stage from its newest checkpoint
+# in RUNS (a finished stage returns at once) instead of refusing a RUNS that holds one; OUT must
+# be new each call. On a machine that stays up between calls, RUNS can stay in place; else
+# carry it (checkpoints of the tiny model: a few MB per seed).
+#
 # STAGE1_STEPS and STAGE2_STEPS are the schedules' lengths (default the recipe's: 16,000 and
 # 5,000; the time limits usually stop the runs first, as the time limit stopped the run that
 # produced the shipped model at step ~13,600). EVALS: length:examples pairs (all the prompts of
@@ -55,9 +62,16 @@ fi
 EVAL_BATCH=${EVAL_BATCH:-20}
 EVAL_SECONDS=${EVAL_SECONDS:-130}  # kept for the evaluations whatever the training stages take
 ARMS="learned random"
-for previous in "$RUNS/stage1" "$RUNS/stage2_learned" "$RUNS/stage2_random" "$OUT/summary.json" "$OUT/passkey"; do
+STAGES=" ${STAGES:-1 2 eval} "
+CONTINUE=${CONTINUE:-0}
+for part in $STAGES; do
+  case $part in 1 | 2 | eval) ;; *) echo "ERROR: STAGES: unknown part '$part' (choose among 1 2 eval)" >&2; exit 2 ;; esac
+done
+runs_in_use=("$RUNS/stage1" "$RUNS/stage2_learned" "$RUNS/stage2_random")
+[ "$CONTINUE" = 1 ] && runs_in_use=()
+for previous in "${runs_in_use[@]}" "$OUT/summary.json" "$OUT/passkey"; do
   if [ -e "$previous" ]; then
-    echo "ERROR: $previous exists (a previous run): pass another RUNS= and OUT=, or move it away" >&2
+    echo "ERROR: $previous exists (a previous run): pass another RUNS= and OUT=, move it away, or CONTINUE=1 to resume its checkpoints" >&2
     exit 2
   fi
 done
@@ -95,15 +109,28 @@ train_stage() {  # seconds workdir log config [flags...]: exit status 0 (done) o
   "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tail -n 1; } > "$OUT/device.txt"
 note "start: $SEEDS seeds, budget ${BUDGET_SECONDS}s, evals $EVALS"
 
+wanted() { [[ $STAGES == *" $1 "* ]]; }
+later=0  # seconds kept for the parts after stage 1
+wanted 2 && later=$((later + STAGE2_SECONDS))
+wanted eval && later=$((later + EVAL_SECONDS))
+
 # 1. Stage 1, shared by both arms. The GPU holds one process: most of its memory.
-export XLA_PYTHON_CLIENT_MEM_FRACTION=0.5
-train_stage "$(limit "$STAGE1_SECONDS" $((STAGE2_SECONDS + EVAL_SECONDS)))" "$RUNS/stage1" stage1 configs/drt_tiny_retrieval.py \
-    --config.train.steps="$STAGE1_STEPS" "${stage1_size[@]}" "$@"
-stage1=$?
+stage1=0
+if wanted 1; then
+  export XLA_PYTHON_CLIENT_MEM_FRACTION=0.5
+  train_stage "$(limit "$STAGE1_SECONDS" "$later")" "$RUNS/stage1" stage1 configs/drt_tiny_retrieval.py \
+      --config.train.steps="$STAGE1_STEPS" "${stage1_size[@]}" "$@"
+  stage1=$?
+elif [ ! -d "$RUNS/stage1" ]; then
+  stage1=1
+  note "STAGES has no 1 and $RUNS/stage1 does not exist"
+fi
 collect "$RUNS/stage1" stage1
 
 # 2. Stage 2, the two arms at once from the same stage-1 seeds.
-if [ "$stage1" = 0 ] || [ "$stage1" = 124 ]; then
+if ! wanted 2; then
+  note "stage 2 not in STAGES"
+elif [ "$stage1" = 0 ] || [ "$stage1" = 124 ]; then
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.3
   seconds=$(limit "$STAGE2_SECONDS" "$EVAL_SECONDS")
   kwargs="'chunk_size': 31, 'top_k': 4, 'retrieval_groups': 1, 'encoder_layers': 1, 'gca_output': 'residual'"
@@ -133,12 +160,14 @@ evaluate_lane() {  # arm seed
     note "eval $arm seed $seed length $length: exit status $?"
   done
 }
-for arm in $ARMS; do
-  for seed in $(seq 0 $((SEEDS - 1))); do
-    [ -d "$RUNS/stage2_$arm/seed_$seed/checkpoints" ] && evaluate_lane "$arm" "$seed" &
+if wanted eval; then
+  for arm in $ARMS; do
+    for seed in $(seq 0 $((SEEDS - 1))); do
+      [ -d "$RUNS/stage2_$arm/seed_$seed/checkpoints" ] && evaluate_lane "$arm" "$seed" &
+    done
   done
-done
-wait
+  wait
+fi
 
 # 4. Summary (stdout and $OUT/summary.json).
 note "summary"
