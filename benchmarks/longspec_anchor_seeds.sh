@@ -29,7 +29,7 @@
 # Settings (environment): PYTHON (python3), OUT (receives longspec_anchor_seeds.tar.gz and a copy of
 # summary.txt; must not hold them yet), RUNS (checkpoints; default a new folder under /tmp, not
 # archived), SEEDS (4), TARGET (a trained target's workdir: no target training), TARGET_CONFIG,
-# DRAFT_CONFIG (the tiny pair), TARGET_STEPS (2000), DRAFT_STEPS (1000), LENGTHS (448,64),
+# DRAFT_CONFIG (the tiny pair), TARGET_STEPS (5000), DRAFT_STEPS (2500), LENGTHS (448,64),
 # NEW_TOKENS (64), PROMPTS (timed batches per length: 4), BATCH (prompts per batch: 8), TREE
 # (4,16,16,16,16), MEM_FRACTION (each draft process's share of the GPU memory: 0.09), EVAL_RESERVE
 # (seconds kept for the evaluation and the summary: 150). Where the GPU command's own limit also
@@ -62,7 +62,7 @@ if [ "$SMOKE" = 1 ]; then
 else
   SEEDS=${SEEDS:-4}
   DEADLINE=${DEADLINE:-540} TARGET_SECONDS=${TARGET_SECONDS:-170} DRAFT_SECONDS=${DRAFT_SECONDS:-170}
-  TARGET_STEPS=${TARGET_STEPS:-2000} DRAFT_STEPS=${DRAFT_STEPS:-1000}
+  TARGET_STEPS=${TARGET_STEPS:-5000} DRAFT_STEPS=${DRAFT_STEPS:-2500}
   LENGTHS=${LENGTHS:-448,64} NEW_TOKENS=${NEW_TOKENS:-64} PROMPTS=${PROMPTS:-4} BATCH=${BATCH:-8}
   # The tiny configs are float32 for CPUs; on a GPU their step is launch-bound either way.
   target_size=() draft_size=()
