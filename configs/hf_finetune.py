@@ -3,10 +3,10 @@ tokenizer.json) on the corpus: the directory follows the file's name,
 
     python -m train --config=configs/hf_finetune.py:path/to/Llama-3.2-1B --workdir=runs/llama_ft
 
-model.* is the directory's model (`castle_jax.models.hf.finetune_model_settings`), data.tokenizer
-its tokenizer and train.init_from the directory itself: the run starts from its weights with
-a fresh optimizer at step 0 (docs/hf_import.md#fine-tuning). The dtypes are the base
-config's (bfloat16 activations, float32 parameters; on CPU pass
+model.* is the directory's model (`castle_jax.models.hf.finetune_model_settings`),
+data.tokenizer its tokenizer and train.init_from the directory itself: the run starts from its
+weights with a fresh optimizer at step 0 (docs/hf_import.md#fine-tuning-a-hugging-face-model).
+The dtypes are the base config's (bfloat16 activations, float32 parameters; on CPU pass
 --config.model.dtype=float32); the schedule a short, gentle fine-tune.
 """
 
