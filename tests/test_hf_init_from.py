@@ -95,13 +95,17 @@ def _adam_count(opt_state):
 
 
 def test_a_run_starts_from_the_hf_weights_with_a_fresh_optimizer(stdlib_data_dir, tmp_path, capfd):
-  config = _config(hf_finetune, tmp_path / "llama", stdlib_data_dir, _fixture("llama3"), **RUN)
+  # On a mesh of data 2 x fsdp 2 x tensor 2: the weights go into sharded parameters.
+  mesh = {"mesh.fsdp": 2, "mesh.tensor": 2}
+  config = _config(hf_finetune, tmp_path / "llama", stdlib_data_dir, _fixture("llama3"), **RUN, **mesh)
   result = train(config)
   out, err = capfd.readouterr()
   assert f"Initialised the parameters from the Hugging Face weights in {_fixture('llama3')} (train.init_from)" in err
   assert "optimizer state and the step start fresh" in err
   assert f"parameters of the Hugging Face weights in {_fixture('llama3')}" in out
   assert int(result.state.step) == 2 and _adam_count(result.state.opt_state) == 2
+  query = result.state.params["block_0"]["attention"]["query"]["kernel"]
+  assert len(query.sharding.device_set) == 8 and not query.sharding.is_fully_replicated
   assert np.isfinite(result.last_train_metrics["loss"])
   _assert_started_from_the_hf_weights(config.workdir, "llama3")
 
