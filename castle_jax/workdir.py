@@ -8,9 +8,10 @@ from another run (`train.init_from`) read it through this module; only the train
 writes it.
 
 A Hugging Face model directory (`castle_jax.models.hf`: a config.json with a `model_type`,
-safetensors weights, tokenizer.json) is read wherever a workdir is, except by
-`train.init_from`: as a trained model of step `HF_STEP`, and as a LongSpec draft's frozen
-target (`with_hf_frozen_source`, `load_frozen_params`).
+safetensors weights, tokenizer.json) is read wherever a workdir is: as a trained model of
+step `HF_STEP`, as a LongSpec draft's frozen target (`with_hf_frozen_source`,
+`load_frozen_params`), and as the parameters a run starts from (`train.init_from`,
+`restore_source_params`).
 
     model, params, tokenizer, step = load_trained_model("runs/tiny")
     model, params, tokenizer, step = load_trained_model("tests/fixtures/hf/llama3")
@@ -147,6 +148,28 @@ def restore_params(
     checkpointer.close()
 
 
+def restore_source_params(
+  source: str,
+  model_config: ModelConfig,
+  abstract: Any,
+  *,
+  step: int | None = None,
+  log=None,
+  what: str = "--workdir",
+  step_setting: str = "--step",
+) -> tuple[Any, int]:
+  """(params, step) of `source`, restored into the shardings of `abstract` (the parameters of
+  `model_config` as ShapeDtypeStructs): a training workdir's checkpoint (`restore_params`;
+  `step` None: the newest good one), or a Hugging Face model directory's weights
+  (`hf.load_hf_params`, step `HF_STEP`; a `step` is refused, naming `step_setting`).
+
+  `what` names the setting that gave `source`, for messages."""
+  if hf.is_hf_model_dir(source):
+    _refuse_hf_step(step_setting, step, f"{what}={source}")
+    return hf.load_hf_params(source, model_config, abstract=abstract), HF_STEP
+  return restore_params(source, abstract, step=step, log=log, what=what)
+
+
 def _refuse_hf_step(setting: str, step: int | None, where: str) -> None:
   """ValueError when a step is asked of a Hugging Face model directory (`where`)."""
   if step is not None:
@@ -243,13 +266,16 @@ def load_frozen_params(config: ModelConfig, mesh: jax.sharding.Mesh | None = Non
       f"{source.setting}={source.workdir} holds another model than this config expects: "
       f"{'; '.join(differing)}. Copy that run's model values into this config"
     )
-  if hf.is_hf_model_dir(source.workdir):
-    _refuse_hf_step(source.step_setting, source.step, f"{source.setting}={source.workdir}")
-    params = hf.load_hf_params(source.workdir, source.model_config, mesh)
-    step = HF_STEP
-  else:
-    abstract = abstract_params(build_model(source.model_config), 8, mesh=mesh)
-    params, step = restore_params(source.workdir, abstract, step=source.step, log=log, what=source.setting)
+  abstract = abstract_params(build_model(source.model_config), 8, mesh=mesh)
+  params, step = restore_source_params(
+    source.workdir,
+    source.model_config,
+    abstract,
+    step=source.step,
+    log=log,
+    what=source.setting,
+    step_setting=source.step_setting,
+  )
   frozen = {source.name: params}
   return FrozenParams(frozen, source.workdir, step, params_fingerprint(frozen))
 

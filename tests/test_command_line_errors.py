@@ -135,7 +135,18 @@ TRAIN_CASES = [
     ),
     "model_type 'mistral' with architectures ['MistralForCausalLM'] is not supported",
   ),
-  ((*TINY, "--config.train.init_from={hf}"), "train.init_from={hf} is a Hugging Face model directory: a run starts"),
+  (
+    (*TINY, "--config.train.init_from={hf}"),
+    "train.init_from={hf} is a Hugging Face model with another model config (",
+  ),
+  (
+    (*TRAIN, "--config=configs/hf_finetune.py", "--workdir={tmp}/run"),
+    "ValueError: no model directory: pass it after the file's name, --config=configs/hf_finetune.py:path/to/model_dir",
+  ),
+  (
+    (*TRAIN, "--config=configs/hf_finetune.py:{hf}", "--workdir={tmp}/run", "--config.data.tokenizer=byte"),
+    "data.tokenizer byte differs from the tokenizer of train.init_from={hf} ({hf}); pass --config.data.tokenizer={hf}",
+  ),
   (
     (*TRAIN, "--config=configs/drt_tiny.py", "--workdir={nowhere}", "--config.model.family_kwargs.retriever=random"),
     "model.family_kwargs holds only the keys its config file sets",

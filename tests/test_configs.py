@@ -21,12 +21,14 @@ CONFIGS = sorted(
 PASSKEY_CONFIGS = [name for name in CONFIGS if name.endswith("_passkey")]
 # <base>_passkey fine-tunes configs/<base>.py (a run of <base> is its train.init_from).
 FINE_TUNE_CONFIGS = [name for name in PASSKEY_CONFIGS if name.removesuffix("_passkey") in CONFIGS]
+# The argument a config file takes after its name (--config=configs/<name>.py:<argument>).
+ARGUMENTS = {"hf_finetune": str(pathlib.Path(__file__).resolve().parent / "fixtures" / "hf" / "qwen2")}
 # Parameter counts stated in the files' docstrings.
 PARAMETERS = {"drt_128m": 146_011_392, "drt_128m_x2": 146_012_160, "swa_128m": 123_587_328}
 
 
 def _config(name):
-  return importlib.import_module(f"configs.{name}").get_config()
+  return importlib.import_module(f"configs.{name}").get_config(*([ARGUMENTS[name]] if name in ARGUMENTS else []))
 
 
 @pytest.mark.parametrize("name", CONFIGS)

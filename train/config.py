@@ -111,9 +111,11 @@ def base_config() -> ml_collections.ConfigDict:
   # checkpoint's run changes the LR schedule mid-run: an error unless this is True.
   t.allow_schedule_change = False
   t.progress_bar = True
-  # Fine-tuning: the workdir of an earlier run (same model.* and tokenizer). A fresh run
-  # starts from the parameters of its newest good checkpoint (optimizer state and step
-  # start fresh); once this run has checkpoints of its own, resuming uses those.
+  # Fine-tuning: the workdir of an earlier run (same model.* and tokenizer), or a Hugging Face
+  # Llama/Qwen2 model directory (its model.* and tokenizer: configs/hf_finetune.py). A fresh run
+  # starts from the parameters of its newest good checkpoint, or the directory's weights
+  # (optimizer state and step start fresh); once this run has checkpoints of its own, resuming
+  # uses those.
   t.init_from = ml_collections.config_dict.placeholder(str)  # None or "": off
   # Several seeds of this config (docs/training.md#several-seeds): None trains one run in the
   # workdir; N >= 1 trains seeds 0..N-1, seed k in <workdir>/seed_<k>/ (a normal workdir) with

@@ -4,8 +4,8 @@ Checked before any checkpoint is read: a `model.*` value that differs from the w
 saved config.json (`check_model_unchanged`), another tokenizer file
 (`check_tokenizer_unchanged`), another learning-rate schedule (`check_schedule_unchanged`), another number of data
 worker processes (`check_data_workers_unchanged`);
-for `train.init_from`, the source run's model and tokenizer (`check_init_from`). Each
-mismatch is one line listing what differs.
+for `train.init_from`, the source run's (or Hugging Face model directory's) model and
+tokenizer (`check_init_from`). Each mismatch is one line listing what differs.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 from castle_jax.checkpoints import file_sha256
 from castle_jax.models import ModelConfig, family_of
-from castle_jax.models.hf import is_hf_model_dir
+from castle_jax.models.hf import RUN_CHOICES, is_hf_model_dir
 from castle_jax.workdir import TOKENIZER_NAME, read_config, resolve_tokenizer_path, saved_config
 from train.config import base_config
 
@@ -78,44 +78,53 @@ def check_model_unchanged(workdir: str, model_config) -> None:
 
 def check_init_from(source: str, model_config, tokenizer: str) -> None:
   """`train.init_from`: the source workdir must hold a run (config.json) with the
-  same model config and the same tokenizer as this one.
+  same model config and the same tokenizer as this one; or be a Hugging Face model
+  directory whose model is this config's (`hf.finetune_model_settings`: all but the
+  `hf.RUN_CHOICES`, dtypes and kernels, which the run picks) and whose tokenizer is
+  data.tokenizer (the directory itself).
 
   Raises:
     FileNotFoundError: `source` has no config.json.
     ConfigMismatchError: one line listing the differing model.* keys, or naming the tokenizers.
-    ValueError: `source` is a Hugging Face model directory (it has no checkpoint to start from).
+    ValueError: `source` is a Hugging Face model directory of an unsupported model.
   """
   source = os.path.abspath(source)
+  what = f"train.init_from={source}"
+  saved = read_config(source, what=what).to_dict()
+  differing = model_differences(saved.get("model", {}), model_config)
   if is_hf_model_dir(source):
-    raise ValueError(
-      f"train.init_from={source} is a Hugging Face model directory: a run starts from a training workdir's "
-      "checkpoint only (castle_jax.models.hf.load_hf_model reads the directory in Python)"
-    )
-  saved = read_config(source, what=f"train.init_from={source}").to_dict()
+    differing = [line for line in differing if line.split(":")[0] not in {f"model.{key}" for key in RUN_CHOICES}]
+    if differing:
+      raise ConfigMismatchError(
+        f"{what} is a Hugging Face model with another model config ({'; '.join(differing)}): pass "
+        f"--config=configs/hf_finetune.py:{source}, which takes the model.* values and data.tokenizer from it, "
+        "or set those values"
+      )
+    check_same_tokenizer(source, tokenizer, what=what, fix="to fine-tune that model (its tokenizer.json)")
+    return
   training_only = family_of(ModelConfig.from_mapping(model_config)).training_only_kwargs
   differing = [
-    line
-    for line in model_differences(saved.get("model", {}), model_config)
-    if not any(line.startswith(f"model.family_kwargs.{key}:") for key in training_only)
+    line for line in differing if not any(line.startswith(f"model.family_kwargs.{key}:") for key in training_only)
   ]
   if differing:
     raise ConfigMismatchError(
-      f"train.init_from={source} was trained with another model config ({'; '.join(differing)}): "
+      f"{what} was trained with another model config ({'; '.join(differing)}): "
       "its parameters only fit the same model.* values; set them, or init from another run"
     )
-  check_same_tokenizer(source, tokenizer, what=f"train.init_from={source}", fix="to fine-tune from that run")
+  check_same_tokenizer(source, tokenizer, what=what, fix="to fine-tune from that run")
 
 
 def check_same_tokenizer(source: str, tokenizer: str, *, what: str, fix: str = "") -> None:
-  """The run in `source` (a workdir) must have used `tokenizer` (data.tokenizer): the same
-  setting, or a BPE file with the same contents. ConfigMismatchError names `what`."""
+  """The run in `source` (a workdir, or a Hugging Face model directory: its own tokenizer) must
+  have used `tokenizer` (data.tokenizer): the same setting, the same Hugging Face model
+  directory, or a BPE file with the same contents. ConfigMismatchError names `what`."""
   saved = read_config(source, what=what).to_dict()
   theirs = resolve_tokenizer_path(source, saved["data"]["tokenizer"])
-  same = theirs == tokenizer or (
-    "byte" not in (theirs, tokenizer)
-    and os.path.isfile(theirs)
-    and os.path.isfile(tokenizer)
-    and file_sha256(theirs) == file_sha256(tokenizer)
+  both = "byte" not in (theirs, tokenizer)
+  same = (
+    theirs == tokenizer
+    or (both and os.path.isdir(theirs) and os.path.isdir(tokenizer) and os.path.samefile(theirs, tokenizer))
+    or (both and os.path.isfile(theirs) and os.path.isfile(tokenizer) and file_sha256(theirs) == file_sha256(tokenizer))
   )
   if not same:
     raise ConfigMismatchError(

@@ -122,7 +122,9 @@ def write_run_files(workdir: str, config) -> None:
   """Writes config.json (atomically) and copies a BPE tokenizer file into the
   workdir, so the workdir is self-contained: config.json names the tokenizer
   relative to the workdir (a Hugging Face model directory as data.tokenizer is named by
-  its absolute path instead). Process 0 only; call after restore succeeded."""
+  its absolute path instead), and train.init_from (where a fine-tuning run started: a
+  workdir or a Hugging Face model directory) by its absolute path. Process 0 only; call
+  after restore succeeded."""
   if jax.process_index() != 0:
     return
   config = copy.deepcopy(config)
@@ -138,6 +140,8 @@ def write_run_files(workdir: str, config) -> None:
         shutil.copyfile(tokenizer, temporary)
         os.replace(temporary, destination)
       config.data.tokenizer = TOKENIZER_NAME  # relative to the workdir
+    if config.train.get("init_from"):
+      config.train.init_from = os.path.abspath(config.train.init_from)
     config.workdir = workdir
   path = os.path.join(workdir, CONFIG_NAME)
   temporary = path + ".tmp"

@@ -269,9 +269,7 @@ def _train_vmapped(
         start = f"resumed from step {resumed_step} ({os.path.join(top, 'seed_*', 'checkpoints', str(resumed_step))})"
       elif init_sources[0] is not None:
         start = (
-          "; ".join(
-            f"seed {k}: parameters of step {source.step} of {source.workdir}" for k, source in enumerate(init_sources)
-          )
+          "; ".join(f"seed {k}: parameters of {source.describe()}" for k, source in enumerate(init_sources))
           + " (train.init_from)"
         )
       else:

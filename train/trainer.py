@@ -5,7 +5,8 @@
                      (touches no file);
   `open_workdir`     lock the workdir and apply the resume/overwrite rules;
   `restore_or_init`  the train state and data position (newest good checkpoint, or
-                     fresh: random or another run's parameters, `train.init_from`),
+                     fresh: random, another run's or a Hugging Face model's parameters,
+                     `train.init_from`),
                      after which config.json is written;
   `run_loop`         the steps, with `StepLogger` (metrics, console) and the
                      `ThroughputWindow` (tokens/s, MFU, input wait).
@@ -35,8 +36,15 @@ from castle_jax.data.pipeline import make_lm_iterator
 from castle_jax.data.tokenizer import Tokenizer, load_tokenizer
 from castle_jax.eval.perplexity import summarize
 from castle_jax.models import ModelConfig, build_model, training_flops_per_token
+from castle_jax.models.hf import is_hf_model_dir
 from castle_jax.sharding import LOGICAL_AXIS_RULES
-from castle_jax.workdir import FrozenParams, frozen_record, restore_params, saved_config, with_hf_frozen_source
+from castle_jax.workdir import (
+  FrozenParams,
+  frozen_record,
+  restore_source_params,
+  saved_config,
+  with_hf_frozen_source,
+)
 from castle_jax.workdir import load_frozen_params as load_frozen
 from train.config import validate_keys
 from train.mesh import data_parallel_size, make_mesh
@@ -140,6 +148,10 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
   if note:
     note_line(note)
   model_config = ModelConfig.from_mapping(config.model)
+  if config.train.init_from and is_hf_model_dir(config.train.init_from):
+    # Before the tokenizer loads, whose own errors (a vocabulary the model cannot hold) would point
+    # elsewhere; the same model and tokenizer hold when this run resumes from its own checkpoints.
+    check_init_from(config.train.init_from, config.model, config.data.tokenizer)
   tokenizer = load_tokenizer(config.data.tokenizer)
   if model_config.vocab_size < tokenizer.vocab_size:
     raise ValueError(
@@ -208,10 +220,18 @@ def open_workdir(run: Run) -> tuple[WorkdirLock | None, Checkpointer]:
 
 @dataclasses.dataclass(frozen=True)
 class InitSource:
-  """Where a fresh run's parameters came from (`train.init_from`)."""
+  """Where a fresh run's parameters came from (`train.init_from`): a training workdir's
+  checkpoint, or a Hugging Face model directory's weights (`hugging_face`, step `HF_STEP`)."""
 
   workdir: str
   step: int
+  hugging_face: bool = False
+
+  def describe(self) -> str:
+    """'the Hugging Face weights in DIR' or 'step N of DIR', for messages."""
+    if self.hugging_face:
+      return f"the Hugging Face weights in {self.workdir}"
+    return f"step {self.step} of {self.workdir}"
 
 
 def restore_or_init(
@@ -227,8 +247,8 @@ def restore_or_init(
   initialised from or None); restores `train_iter` in place.
 
   The run's own checkpoints win (`step`, else `train.resume_step`, else the newest good
-  one); else `train.init_from` gives the parameters (its newest good checkpoint) with a
-  fresh optimizer state and step 0; else random."""
+  one); else `train.init_from` gives the parameters (its newest good checkpoint, or a Hugging
+  Face model directory's weights) with a fresh optimizer state and step 0; else random."""
   t = run.config.train
   if t.resume and checkpointer.all_steps():
     step = t.resume_step if step is None else step
@@ -240,17 +260,20 @@ def restore_or_init(
     return state, step, None
   if t.init_from:
     source = os.path.abspath(t.init_from)
-    params, step = restore_params(source, abstract_state.params, log=note_line, what="train.init_from")
+    params, step = restore_source_params(
+      source, run.model_config, abstract_state.params, log=note_line, what="train.init_from"
+    )
+    init_source = InitSource(source, step, hugging_face=is_hf_model_dir(source))
     start = jax.jit(
       lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=run.tx.init(p)),
       out_shardings=shardings,
       donate_argnums=0,
     )
     note_line(
-      f"Initialised the parameters from step {step} of {source} (train.init_from); the optimizer state "
+      f"Initialised the parameters from {init_source.describe()} (train.init_from); the optimizer state "
       "and the step start fresh"
     )
-    return start(params), None, InitSource(source, step)
+    return start(params), None, init_source
   return (
     init_train_state(run.model, run.tx, jax.random.key(run.config.seed), run.config.data.seq_len, shardings),
     None,
@@ -291,7 +314,7 @@ def describe_start(
   if resumed_step is not None:
     return f"resumed from step {resumed_step} ({checkpointer.step_dir(resumed_step)})"
   if init_source is not None:
-    return f"parameters of step {init_source.step} of {init_source.workdir} (train.init_from)"
+    return f"parameters of {init_source.describe()} (train.init_from)"
   return f"fresh (random parameters, seed {seed})"
 
 

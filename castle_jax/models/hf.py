@@ -25,8 +25,9 @@ checkpoints as well) onto one device.
 
 The commands take such a directory as `--workdir` (`castle_jax.workdir.load_trained_model`
 tells one from a training workdir with `is_hf_model_dir`, and `run_config` stands in for a
-run's config.json), and a LongSpec draft trains against one (`load_hf_params` into the
-draft's target config).
+run's config.json), a LongSpec draft trains against one (`load_hf_params` into the
+draft's target config), and a run fine-tunes one (`train.init_from`; its model.* values are
+`finetune_model_settings`, e.g. through configs/hf_finetune.py).
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ _DEFAULTS = {
   "llama": {"rms_norm_eps": 1e-6, "rope_theta": 10_000.0, "tie_word_embeddings": False},
   "qwen2": {"rms_norm_eps": 1e-6, "rope_theta": 10_000.0, "tie_word_embeddings": False},
 }
+# model.* keys a run fine-tuning a directory (`train.init_from`) chooses itself: how the same
+# function of the same weights is computed, not which function it is.
+RUN_CHOICES = ("dtype", "param_dtype", "attention_impl", "remat", "remat_policy")
 _SUPPORTED_TEXT = ", ".join(f"{kind} ({arch})" for kind, arch in SUPPORTED.items())
 
 
@@ -276,18 +280,29 @@ def hf_model_config(path: str, dtype: str = "float32", param_dtype: str | None =
   return model_config(config, tie_embeddings=tie, dtype=dtype, param_dtype=param_dtype)
 
 
-def load_hf_params(path: str, config: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> dict[str, Any]:
+def finetune_model_settings(path: str) -> dict[str, Any]:
+  """The model.* values a run that fine-tunes the model in directory `path` (`train.init_from`)
+  must have: its `hf_model_config`, less the `RUN_CHOICES` the run makes itself."""
+  return {key: value for key, value in hf_model_config(path).to_mapping().items() if key not in RUN_CHOICES}
+
+
+def load_hf_params(
+  path: str, config: ModelConfig, mesh: jax.sharding.Mesh | None = None, *, abstract: Any | None = None
+) -> dict[str, Any]:
   """The parameters of the model in directory `path`, converted for `config` (its
   `hf_model_config`, perhaps with other dtypes or another family that shares its
   transformer's parameters), in config.param_dtype: on the default device, or sharded over
-  `mesh` by their logical axis names (`abstract_params`, as training places them).
+  `mesh` by their logical axis names (`abstract_params`, as training places them), or into
+  the shardings of `abstract` (a tree of ShapeDtypeStructs, e.g. a train state's parameters;
+  `mesh` is then unused).
 
   The tensors are read and converted in host memory, then each parameter goes to its
   devices shard by shard, so a model larger than one accelerator's memory loads onto a
   mesh that holds it.
   """
   path = os.path.abspath(path)
-  abstract = abstract_params(build_model(config), 8, mesh=mesh)
+  if abstract is None:
+    abstract = abstract_params(build_model(config), 8, mesh=mesh)
   with jax.default_device(jax.local_devices(backend="cpu")[0]):
     tensors = _read_tensors(_weight_files(path))
     params = convert_params(tensors, config, where=f"the safetensors weights in {path}", abstract=abstract)
