@@ -48,8 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from castle_jax.config import ModelConfig
-from castle_jax.inference.generate import prefill_caches
-from castle_jax.inference.sampling import filtered_logits, validate_request
+from castle_jax.inference.generate import append_new_tokens, prefill_caches
+from castle_jax.inference.sampling import filtered_logits, padded_prompt, validate_request
 from castle_jax.layers.mha import TreeVerification
 from castle_jax.models import longspec_draft
 from castle_jax.models.longspec_draft import DraftSelfCache, LongSpecDraft, draft_logits, embed_tokens
@@ -256,7 +256,7 @@ def speculative_generate(
   last = np.count_nonzero(counts, axis=1) - 1
   counts[np.arange(counts.shape[0]), last] -= counts.sum(axis=1) - max_new_tokens
   return SpeculativeResult(
-    _append_new_tokens(prompt, lengths, new_tokens[:, :max_new_tokens]),
+    append_new_tokens(prompt, lengths, new_tokens[:, :max_new_tokens]),
     counts,
     caches,
     draft_cache,
@@ -264,19 +264,6 @@ def speculative_generate(
     decoded - prefilled,
     lengths,
   )
-
-
-def _append_new_tokens(prompt, lengths, new_tokens):
-  """int32 [batch, prompt_len + new]: row i's prompt[i, :lengths[i]], its new tokens, then zeros."""
-  prompt_len, new = prompt.shape[1], new_tokens.shape[1]
-  columns = jnp.arange(prompt_len + new)
-  lengths = jnp.asarray(lengths)[:, None]
-  # Column c of a row holds prompt column c before the row's length, else new token c - length,
-  # which sits at column prompt_len + c - length of [prompt ; new].
-  source = jnp.where(columns < lengths, columns, prompt_len + columns - lengths)
-  joined = jnp.concatenate([prompt, new_tokens], axis=1)
-  picked = jnp.take_along_axis(joined, jnp.minimum(source, prompt_len + new - 1), axis=1)
-  return jnp.where(columns < lengths + new, picked, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,7 +422,7 @@ def _check_request(
   """The tree's shape, the validated prompt int32 [batch, prompt_len] (rows padded at the
   end) and each row's length int32 [batch]; ValueError on a bad request."""
   shape = TreeShape(tuple(tree))
-  prompt, lengths = _padded_prompt(prompt, prompt_lengths)
+  prompt, lengths = padded_prompt(prompt, prompt_lengths)
   prompt = validate_request(prompt, max_new_tokens, temperature, top_k, top_p, rng)
   if prompt.shape[0] < 1:
     raise ValueError(f"prompt batch must be >= 1, got prompt of shape {prompt.shape}: pass at least one prompt row")
@@ -466,57 +453,6 @@ def _check_request(
         "continuations it can have; narrow the tree"
       )
   return shape, prompt, lengths
-
-
-def _padded_prompt(prompt, prompt_lengths) -> tuple[Any, np.ndarray | None]:
-  """(prompt [batch, prompt_len] with each row's tokens first, lengths int32 [batch] or None
-  when every row fills prompt_len) from a list of sequences or an array and prompt_lengths."""
-  if isinstance(prompt, (list, tuple)):
-    if prompt_lengths is not None:
-      raise ValueError(
-        "prompt_lengths goes with an int [batch, prompt_len] prompt, got a list of sequences "
-        "(each one's length is its own): drop prompt_lengths"
-      )
-    if not prompt:
-      raise ValueError("prompt is an empty list: pass at least one prompt sequence")
-    rows = [np.asarray(row) for row in prompt]
-    for i, row in enumerate(rows):
-      if row.ndim != 1 or not (row.size == 0 or np.issubdtype(row.dtype, np.integer)):
-        raise ValueError(
-          f"prompt row {i} must be a sequence of int token ids, got {row.dtype} of shape {row.shape}: "
-          "pass a list of token lists"
-        )
-    lengths = np.array([row.size for row in rows], np.int32)
-    _check_lengths(lengths, "len(prompt[{i}])")
-    padded = np.zeros((len(rows), int(lengths.max(initial=0))), np.int32)
-    for i, row in enumerate(rows):
-      padded[i, : row.size] = row
-    return padded, lengths
-  if prompt_lengths is None:
-    return prompt, None
-  width = jnp.shape(prompt)[1] if jnp.ndim(prompt) == 2 else None
-  lengths = np.asarray(prompt_lengths)
-  if lengths.shape != jnp.shape(prompt)[:1] or not np.issubdtype(lengths.dtype, np.integer):
-    raise ValueError(
-      f"prompt_lengths must be int [batch] with batch = {jnp.shape(prompt)[:1]} (the prompt's rows), "
-      f"got {lengths.dtype} of shape {lengths.shape}: one length per prompt row"
-    )
-  _check_lengths(lengths, "prompt_lengths[{i}]")
-  if width is not None and (lengths > width).any():
-    i = int(np.argmax(lengths > width))
-    raise ValueError(
-      f"prompt_lengths[{i}] = {int(lengths[i])} exceeds the prompt's {width} columns: "
-      "row i's prompt is prompt[i, :prompt_lengths[i]]; pad the prompt to the longest row"
-    )
-  return prompt, lengths.astype(np.int32)
-
-
-def _check_lengths(lengths: np.ndarray, name: str) -> None:
-  if (lengths < 1).any():
-    i = int(np.argmax(lengths < 1))
-    raise ValueError(
-      f"{name.format(i=i)} = {int(lengths[i])}: every prompt row needs >= 1 token (the first root); drop the empty row"
-    )
 
 
 def _prefill(
