@@ -219,6 +219,124 @@ def test_batched_sampling_emits_valid_tokens_and_rows_follow_the_target(pair):
   assert stats.chisquare(observed, expected).pvalue > 1e-3
 
 
+RAGGED_LENGTHS = (5, 9, 13)  # below, at and past the draft's window of 8
+
+
+def _ragged_prompts(lengths, seed):
+  return [np.asarray(_prompt(length, seed=seed + i))[0].tolist() for i, length in enumerate(lengths)]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_prompts_of_different_lengths_decode_as_each_row_alone(pair, padded):
+  """Greedy: each row of a batch of prompts of lengths 5, 9 and 13 emits the target's greedy
+  decoding of that prompt alone, and drafts exactly as speculative decoding of it alone does
+  (the same tokens per round: the pad columns reach neither the target nor the draft)."""
+  target, target_params, draft, draft_params = pair
+  rows = _ragged_prompts(RAGGED_LENGTHS, seed=30)
+  if padded:
+    # An int [batch, 13] prompt whose pad columns hold tokens: prompt_lengths says where rows end.
+    prompt = np.array(_rows_prompt(3, 13, seed=40))
+    for i, row in enumerate(rows):
+      prompt[i, : len(row)] = row
+    call = lambda: speculative_generate(
+      target,
+      target_params,
+      draft,
+      draft_params,
+      prompt,
+      prompt_lengths=RAGGED_LENGTHS,
+      max_new_tokens=20,
+      tree=(4, 8, 8),
+    )
+  else:
+    call = lambda: speculative_generate(
+      target, target_params, draft, draft_params, rows, max_new_tokens=20, tree=(4, 8, 8)
+    )
+  result = call()
+  tokens = np.asarray(result.tokens)
+  assert tokens.shape == (3, 13 + 20)
+  np.testing.assert_array_equal(result.prompt_lengths, RAGGED_LENGTHS)
+  for i, row in enumerate(rows):
+    expected = np.asarray(generate(target, target_params, jnp.asarray([row]), max_new_tokens=20))[0]
+    np.testing.assert_array_equal(tokens[i, : len(row) + 20], expected)
+    assert (tokens[i, len(row) + 20 :] == 0).all()
+    np.testing.assert_array_equal(result.new_tokens[i], expected[len(row) :])
+    alone = speculative_generate(
+      target, target_params, draft, draft_params, jnp.asarray([row]), max_new_tokens=20, tree=(4, 8, 8)
+    )
+    np.testing.assert_array_equal(result.row_tokens_per_round[i, : result.row_rounds[i]], alone.row_tokens_per_round[0])
+    length = int(alone.caches[0].length[0])
+    assert int(result.caches[0].length[i]) == length
+    np.testing.assert_allclose(
+      result.caches[-1].keys[i, :length], alone.caches[-1].keys[0, :length], atol=2e-5, rtol=2e-5
+    )
+  np.testing.assert_array_equal(result.row_tokens_per_round.sum(axis=1), [20, 20, 20])
+  assert result.mean_accepted > 1.0
+
+
+def test_prompts_of_different_lengths_sample_as_in_an_equal_length_batch(pair):
+  """Sampling: a row's draws depend on the key, its prompt and its place in the batch only,
+  so each row of a ragged batch equals that row of a batch repeating its prompt (an
+  equal-length batch of the same size); the same key repeats a run, another changes it."""
+  target, target_params, draft, draft_params = pair
+  rows = _ragged_prompts((1, 6, 11), seed=50)
+  run = lambda prompt, key: speculative_generate(
+    target, target_params, draft, draft_params, prompt, max_new_tokens=12, tree=(4, 8), temperature=1.0, rng=key
+  )
+  a, b, c = run(rows, jax.random.key(5)), run(rows, jax.random.key(5)), run(rows, jax.random.key(6))
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  assert not np.array_equal(a.tokens, c.tokens)
+  tokens = np.asarray(a.tokens)
+  assert tokens.shape == (3, 23) and tokens.min() >= 0 and tokens.max() < VOCAB
+  np.testing.assert_array_equal(a.row_tokens_per_round.sum(axis=1), [12, 12, 12])
+  for i, row in enumerate(rows):
+    repeated = run(jnp.asarray([row] * 3), jax.random.key(5))
+    np.testing.assert_array_equal(tokens[i, : len(row)], row)
+    np.testing.assert_array_equal(a.new_tokens[i], np.asarray(repeated.tokens)[i, len(row) :])
+    np.testing.assert_array_equal(
+      a.row_tokens_per_round[i, : a.row_rounds[i]], repeated.row_tokens_per_round[i, : repeated.row_rounds[i]]
+    )
+
+
+def test_bad_prompts_are_named(pair):
+  target, target_params, draft, draft_params = pair
+  call = lambda prompt, **kw: speculative_generate(
+    target, target_params, draft, draft_params, prompt, max_new_tokens=4, **kw
+  )
+  with pytest.raises(
+    ValueError, match=r"len\(prompt\[1\]\) = 0: every prompt row needs >= 1 token.*drop the empty row"
+  ):
+    call([[1, 2], [], [3]])
+  with pytest.raises(ValueError, match="prompt is an empty list"):
+    call([])
+  with pytest.raises(ValueError, match=r"prompt row 1 must be a sequence of int token ids, got float64"):
+    call([[1, 2], [0.5, 1.0]])
+  with pytest.raises(
+    ValueError, match=r"prompt row 0 must be a sequence of int token ids, got int64 of shape \(1, 2\)"
+  ):
+    call([[[1, 2]]])
+  with pytest.raises(
+    ValueError, match=r"prompt row 1 holds token 8 at column 2, outside the target's vocabulary \[0, 8\)"
+  ):
+    call([[1, 2], [3, 4, 8]])
+  padded = jnp.zeros((2, 5), jnp.int32)
+  with pytest.raises(ValueError, match=r"prompt_lengths\[1\] = 6 exceeds the prompt's 5 columns.*pad the prompt"):
+    call(padded, prompt_lengths=[3, 6])
+  with pytest.raises(ValueError, match=r"prompt_lengths\[0\] = 0: every prompt row needs >= 1 token"):
+    call(padded, prompt_lengths=[0, 5])
+  with pytest.raises(
+    ValueError, match=r"prompt_lengths must be int \[batch\] with batch = \(2,\).*got int64 of shape \(3,\)"
+  ):
+    call(padded, prompt_lengths=[1, 2, 3])
+  with pytest.raises(
+    ValueError, match="prompt_lengths goes with an int \\[batch, prompt_len\\] prompt.*drop prompt_lengths"
+  ):
+    call([[1, 2], [3]], prompt_lengths=[2, 1])
+  # Pad columns may hold anything, even ids outside the vocabulary.
+  result = call(jnp.asarray([[1, 2, 99], [3, 4, 5]]), prompt_lengths=[2, 3])
+  np.testing.assert_array_equal(np.asarray(result.tokens)[:, :2], [[1, 2], [3, 4]])
+
+
 def test_caches_reject_a_batch_they_were_not_built_for(pair):
   from castle_jax.ops.attention import KVCache, WindowKVCache
 
@@ -368,8 +486,6 @@ def test_bad_input_is_named(pair):
   call = lambda **kw: speculative_generate(
     target, target_params, draft, draft_params, kw.pop("prompt", prompt), **{"max_new_tokens": 4, **kw}
   )
-  with pytest.raises(ValueError, match=r"prompt rows must have equal lengths, got lengths \[3, 4\]"):
-    call(prompt=[[1, 2, 3, 4], [1, 2, 3]])
   with pytest.raises(ValueError, match=r"prompt batch must be >= 1, got prompt of shape \(0, 4\)"):
     call(prompt=jnp.zeros((0, 4), jnp.int32))
   with pytest.raises(ValueError, match="tree level 1 keeps 9 nodes"):

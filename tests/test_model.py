@@ -114,6 +114,47 @@ def test_greedy_generate_matches_parallel_argmax(variant):
   np.testing.assert_array_equal(jnp.argmax(logits[:, 4:-1], -1), out[:, 5:])
 
 
+KV_CACHE_VARIANTS = ["gqa_qkv_bias_llama3_rope", "gqa_window", "mha", "untied_mqa"]
+
+
+@pytest.mark.parametrize("variant", KV_CACHE_VARIANTS)
+def test_generate_takes_prompts_of_different_lengths(variant):
+  """Rows of lengths 2, 5 and 9 (past the window of 4): greedy, each row is its generation
+  alone; sampling, each row is that row of a batch repeating its prompt (same key)."""
+  model, params = _model(**VARIANTS[variant])
+  rows = [np.asarray(_tokens(10 + i, batch=1, seq=n))[0].tolist() for i, n in enumerate((2, 5, 9))]
+  out = np.asarray(generate(model, params, rows, max_new_tokens=6))
+  assert out.shape == (3, 15)
+  for i, row in enumerate(rows):
+    alone = np.asarray(generate(model, params, jnp.asarray([row]), max_new_tokens=6))[0]
+    np.testing.assert_array_equal(out[i, : len(row) + 6], alone)
+    assert (out[i, len(row) + 6 :] == 0).all()
+  padded = np.full((3, 12), 63, np.int32)  # the same rows padded past the longest: its columns are dropped
+  for i, row in enumerate(rows):
+    padded[i, : len(row)] = row
+  np.testing.assert_array_equal(generate(model, params, padded, prompt_lengths=[2, 5, 9], max_new_tokens=6), out)
+  sample = lambda prompt: np.asarray(
+    generate(model, params, prompt, max_new_tokens=6, temperature=1.5, rng=jax.random.key(7))
+  )
+  sampled = sample(rows)
+  for i, row in enumerate(rows):
+    repeated = sample(jnp.asarray([row] * 3))
+    np.testing.assert_array_equal(sampled[i, : len(row) + 6], repeated[i])
+
+
+def test_prompts_of_different_lengths_need_kv_caches():
+  model, params = _model(**VARIANTS["power"])
+  with pytest.raises(ValueError, match=r"different lengths \[2, 3\].*KV caches.*'power'.*once per prompt length"):
+    generate(model, params, [[1, 2], [3, 4, 5]], max_new_tokens=2)
+  # Equal lengths, as a list or padded, still decode with any cache.
+  equal = generate(model, params, [[1, 2], [3, 4]], max_new_tokens=2)
+  np.testing.assert_array_equal(
+    generate(model, params, jnp.asarray([[1, 2, 0], [3, 4, 0]]), prompt_lengths=[2, 2], max_new_tokens=2), equal
+  )
+  with pytest.raises(ValueError, match=r"len\(prompt\[0\]\) = 0: every prompt row needs >= 1 token"):
+    generate(model, params, [[], [3, 4]], max_new_tokens=2)
+
+
 def test_sampling_modes():
   model, params = _model()
   prompt = _tokens(4, seq=3)

@@ -48,6 +48,17 @@ def test_greedy_trace_emits_the_tokens_of_speculative_and_plain_decoding(pair, g
   assert 1 in kept and max(kept) > 1
 
 
+def test_a_padded_prompt_traces_as_its_tokens(pair, greedy_trace):
+  target, target_params, draft, draft_params = pair
+  prompt, trace = greedy_trace
+  padded = jnp.concatenate([prompt, jnp.full((1, 3), VOCAB - 1, jnp.int32)], axis=1)
+  traced = trace_speculation(
+    target, target_params, draft, draft_params, padded, prompt_lengths=[6], max_new_tokens=24, tree=TREE
+  )
+  np.testing.assert_array_equal(traced.tokens, trace.tokens)
+  np.testing.assert_array_equal(traced.tokens_per_round, trace.tokens_per_round)
+
+
 def test_each_round_is_a_tree_of_the_requested_shape_rooted_at_the_last_token(greedy_trace):
   prompt, trace = greedy_trace
   shape = TreeShape(TREE)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
@@ -28,6 +31,62 @@ def validate_request(
   if temperature > 0 and rng is None:
     raise ValueError("rng is required when temperature > 0")
   return prompt.astype(jnp.int32)
+
+
+def padded_prompt(prompt, prompt_lengths) -> tuple[Any, np.ndarray | None]:
+  """Prompts of different lengths as one array: (prompt [batch, prompt_len] with each row's
+  tokens first, then padding; lengths int32 [batch], or None when an array came without
+  prompt_lengths) from a list of token sequences, or from an array and prompt_lengths
+  (int [batch]); prompt_len is the longest row's length. ValueError on empty rows and bad
+  lengths; the array itself is checked by `validate_request`."""
+  if isinstance(prompt, (list, tuple)):
+    if prompt_lengths is not None:
+      raise ValueError(
+        "prompt_lengths goes with an int [batch, prompt_len] prompt, got a list of sequences "
+        "(each one's length is its own): drop prompt_lengths"
+      )
+    if not prompt:
+      raise ValueError("prompt is an empty list: pass at least one prompt sequence")
+    rows = [np.asarray(row) for row in prompt]
+    for i, row in enumerate(rows):
+      if row.ndim != 1 or not (row.size == 0 or np.issubdtype(row.dtype, np.integer)):
+        raise ValueError(
+          f"prompt row {i} must be a sequence of int token ids, got {row.dtype} of shape {row.shape}: "
+          "pass a list of token lists"
+        )
+    lengths = np.array([row.size for row in rows], np.int32)
+    _check_lengths(lengths, "len(prompt[{i}])")
+    padded = np.zeros((len(rows), int(lengths.max(initial=0))), np.int32)
+    for i, row in enumerate(rows):
+      padded[i, : row.size] = row
+    return padded, lengths
+  if prompt_lengths is None:
+    return prompt, None
+  lengths = np.asarray(prompt_lengths)
+  if lengths.shape != jnp.shape(prompt)[:1] or not np.issubdtype(lengths.dtype, np.integer):
+    raise ValueError(
+      f"prompt_lengths must be int [batch] with batch = {jnp.shape(prompt)[:1]} (the prompt's rows), "
+      f"got {lengths.dtype} of shape {lengths.shape}: one length per prompt row"
+    )
+  _check_lengths(lengths, "prompt_lengths[{i}]")
+  if jnp.ndim(prompt) != 2:
+    return prompt, lengths  # `validate_request` names the shape
+  width = jnp.shape(prompt)[1]
+  if (lengths > width).any():
+    i = int(np.argmax(lengths > width))
+    raise ValueError(
+      f"prompt_lengths[{i}] = {int(lengths[i])} exceeds the prompt's {width} columns: "
+      "row i's prompt is prompt[i, :prompt_lengths[i]]; pad the prompt to the longest row"
+    )
+  # Columns past the longest row are dropped: the result has prompt_len = the longest row.
+  return jnp.asarray(prompt)[:, : int(lengths.max())], lengths.astype(np.int32)
+
+
+def _check_lengths(lengths: np.ndarray, name: str) -> None:
+  """ValueError naming the first length < 1 (`name` formats with its index i)."""
+  if (lengths < 1).any():
+    i = int(np.argmax(lengths < 1))
+    raise ValueError(f"{name.format(i=i)} = {int(lengths[i])}: every prompt row needs >= 1 token; drop the empty row")
 
 
 def sample_next_token(

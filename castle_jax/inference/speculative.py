@@ -24,12 +24,16 @@ with the root (the last committed token, not yet run through the target) at posi
   commit   the root's and the accepted nodes' keys/values go into the target's cache and
            the draft's ring (a padded gather of depth + 1 entries); the bonus is the next root.
 
-The whole generation is one compiled `lax.while_loop` over a batch of equal-length
-prompts. Every row drafts its own tree and accepts its own path, so rows grow apart: the
-target's caches and the draft's ring keep one length per row, each row's tree sits at its
-own positions, and a row that has its max_new_tokens commits nothing more while the others
-go on; the loop ends when every row is done. `trace_speculation` runs the same rounds one
-at a time from Python (batch 1) and keeps each round's tree and verdict, to look at them.
+The whole generation is one compiled `lax.while_loop` over a batch of prompts. Every row
+drafts its own tree and accepts its own path, so rows grow apart: the target's caches and
+the draft's ring keep one length per row, each row's tree sits at its own positions, and a
+row that has its max_new_tokens commits nothing more while the others go on; the loop ends
+when every row is done. Prompts of different lengths use the same per-row lengths from the
+start: each row's prompt sits at columns 0 .. its length - 1 (positions from 0), the pad
+columns after it are prefilled but lie past the row's cache length (empty slots, masked out
+of every attention and overwritten by the row's first commits), so each row decodes as it
+would alone. `trace_speculation` runs the same rounds one at a time from Python (batch 1)
+and keeps each round's tree and verdict, to look at them.
 """
 
 from __future__ import annotations
@@ -44,8 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from castle_jax.config import ModelConfig
-from castle_jax.inference.generate import prefill_caches
-from castle_jax.inference.sampling import filtered_logits, validate_request
+from castle_jax.inference.generate import append_new_tokens, prefill_caches
+from castle_jax.inference.sampling import filtered_logits, padded_prompt, validate_request
 from castle_jax.layers.mha import TreeVerification
 from castle_jax.models import longspec_draft
 from castle_jax.models.longspec_draft import DraftSelfCache, LongSpecDraft, draft_logits, embed_tokens
@@ -92,7 +96,9 @@ class SpeculativeResult:
   """What `speculative_generate` returns.
 
   Attributes:
-    tokens: int32 [batch, prompt_len + max_new_tokens], the prompts and the new tokens.
+    tokens: int32 [batch, prompt_len + max_new_tokens], each row's prompt and its new
+      tokens; with prompts of different lengths prompt_len is the longest, and row i holds
+      its prompt_lengths[i] prompt tokens, its max_new_tokens new tokens, then zeros.
     row_tokens_per_round: int [batch, rounds], tokens each row's verification emitted in
       each round (accepted + bonus; a row's last round cut at max_new_tokens, 0 once the
       row is done).
@@ -101,6 +107,7 @@ class SpeculativeResult:
       past max_new_tokens.
     draft_cache: the draft's self-attention state (its ring holds the same tokens' last
       positions, per row).
+    prompt_lengths: int [batch], each row's prompt length.
   """
 
   tokens: jax.Array
@@ -109,6 +116,14 @@ class SpeculativeResult:
   draft_cache: DraftSelfCache | None = None
   prefill_seconds: float = 0.0
   decode_seconds: float = 0.0
+  prompt_lengths: np.ndarray | None = None
+
+  @property
+  def new_tokens(self) -> np.ndarray:
+    """int32 [batch, max_new_tokens]: each row's new tokens (host array)."""
+    tokens, lengths = np.asarray(self.tokens), np.asarray(self.prompt_lengths)
+    new = tokens.shape[1] - int(lengths.max())
+    return tokens[np.arange(tokens.shape[0])[:, None], lengths[:, None] + np.arange(new)]
 
   @property
   def tokens_per_round(self) -> np.ndarray:
@@ -162,9 +177,10 @@ def speculative_generate(
   target_params: Any,
   draft_model: LongSpecDraft,
   draft_params: Any,
-  prompt: jax.Array,
+  prompt: jax.Array | list,
   *,
   max_new_tokens: int,
+  prompt_lengths: Any = None,
   tree: tuple[int, ...] = DEFAULT_TREE,
   temperature: float = 0.0,
   top_k: int = 0,
@@ -179,9 +195,12 @@ def speculative_generate(
     target_model: the target (`TransformerLM` with `mha` attention); target_params its
       parameters (also the draft's embedding and head).
     draft_model: a `LongSpecDraft` built for this target; draft_params its parameters.
-    prompt: int [batch, prompt_len], batch >= 1, prompt_len >= 1: equal-length prompts
-      (there is no padding; group prompts by length).
+    prompt: int [batch, prompt_len] (batch >= 1, prompt_len >= 1), or a list of batch
+      token sequences of any lengths >= 1 (each a list or an int [length] array).
     max_new_tokens: tokens to append to each row (>= 1).
+    prompt_lengths: with an int [batch, prompt_len] prompt, int [batch]: row i's prompt is
+      prompt[i, :prompt_lengths[i]] (what follows is padding, ignored). None: every row
+      fills prompt_len, or, for a list, each sequence's own length.
     tree: nodes per draft level (default [4, 16, 16, 16, 16]; a chain: [1, 1, 1, 1]).
     temperature, top_k, top_p: the target's sampling (`sample_next_token`); 0 is greedy,
       and then each row equals `generate(target_model, ...)` of that row token for token.
@@ -193,12 +212,22 @@ def speculative_generate(
   Returns:
     SpeculativeResult (tokens, tokens per round and row, tau per row and overall).
   """
-  shape, prompt = _check_request(
-    target_model, draft_model, prompt, max_new_tokens, tree, temperature, top_k, top_p, rng, prefill_chunk
+  shape, prompt, lengths = _check_request(
+    target_model,
+    draft_model,
+    prompt,
+    prompt_lengths,
+    max_new_tokens,
+    tree,
+    temperature,
+    top_k,
+    top_p,
+    rng,
+    prefill_chunk,
   )
   start = time.perf_counter()
   caches, draft_cache = _prefill(
-    target_model, target_params, draft_model, draft_params, prompt, max_new_tokens, shape, prefill_chunk
+    target_model, target_params, draft_model, draft_params, prompt, lengths, max_new_tokens, shape, prefill_chunk
   )
   prefilled = time.perf_counter()
   rng = jax.random.key(0) if rng is None else rng
@@ -216,7 +245,7 @@ def speculative_generate(
       draft_params,
       caches,
       draft_cache,
-      prompt[:, -1],
+      prompt[jnp.arange(prompt.shape[0]), lengths - 1],
       rng,
     )
   )
@@ -227,12 +256,13 @@ def speculative_generate(
   last = np.count_nonzero(counts, axis=1) - 1
   counts[np.arange(counts.shape[0]), last] -= counts.sum(axis=1) - max_new_tokens
   return SpeculativeResult(
-    jnp.concatenate([prompt, new_tokens[:, :max_new_tokens]], axis=1),
+    append_new_tokens(prompt, lengths, new_tokens[:, :max_new_tokens]),
     counts,
     caches,
     draft_cache,
     prefilled - start,
     decoded - prefilled,
+    lengths,
   )
 
 
@@ -298,9 +328,10 @@ def trace_speculation(
   target_params: Any,
   draft_model: LongSpecDraft,
   draft_params: Any,
-  prompt: jax.Array,
+  prompt: jax.Array | list,
   *,
   max_new_tokens: int,
+  prompt_lengths: Any = None,
   tree: tuple[int, ...] = DEFAULT_TREE,
   temperature: float = 0.0,
   top_k: int = 0,
@@ -322,16 +353,27 @@ def trace_speculation(
   Returns:
     SpeculativeTrace (tokens, the rounds).
   """
-  shape, prompt = _check_request(
-    target_model, draft_model, prompt, max_new_tokens, tree, temperature, top_k, top_p, rng, prefill_chunk
+  shape, prompt, lengths = _check_request(
+    target_model,
+    draft_model,
+    prompt,
+    prompt_lengths,
+    max_new_tokens,
+    tree,
+    temperature,
+    top_k,
+    top_p,
+    rng,
+    prefill_chunk,
   )
   if prompt.shape[0] != 1:
     raise ValueError(
       f"trace_speculation traces one prompt, got a prompt batch of {prompt.shape[0]}: "
       "pass prompt[i : i + 1] for the row to look at"
     )
+  prompt = prompt[:, : lengths[0]]
   caches, draft_cache = _prefill(
-    target_model, target_params, draft_model, draft_params, prompt, max_new_tokens, shape, prefill_chunk
+    target_model, target_params, draft_model, draft_params, prompt, lengths, max_new_tokens, shape, prefill_chunk
   )
   rng = jax.random.key(0) if rng is None else rng
   root, position = prompt[:, -1], caches[0].length
@@ -375,20 +417,26 @@ def trace_speculation(
 
 
 def _check_request(
-  target_model, draft_model, prompt, max_new_tokens, tree, temperature, top_k, top_p, rng, prefill_chunk
-) -> tuple[TreeShape, jax.Array]:
-  """The tree's shape and the validated prompt int32 [batch, prompt_len]; ValueError on a bad request."""
+  target_model, draft_model, prompt, prompt_lengths, max_new_tokens, tree, temperature, top_k, top_p, rng, prefill_chunk
+) -> tuple[TreeShape, jax.Array, np.ndarray]:
+  """The tree's shape, the validated prompt int32 [batch, prompt_len] (rows padded at the
+  end) and each row's length int32 [batch]; ValueError on a bad request."""
   shape = TreeShape(tuple(tree))
-  if isinstance(prompt, (list, tuple)):
-    lengths = sorted({len(row) for row in prompt})
-    if len(lengths) > 1:
-      raise ValueError(
-        f"prompt rows must have equal lengths, got lengths {lengths}: speculative decoding takes "
-        "int [batch, prompt_len] without padding; group the prompts by length or call it once per prompt"
-      )
+  prompt, lengths = padded_prompt(prompt, prompt_lengths)
   prompt = validate_request(prompt, max_new_tokens, temperature, top_k, top_p, rng)
   if prompt.shape[0] < 1:
     raise ValueError(f"prompt batch must be >= 1, got prompt of shape {prompt.shape}: pass at least one prompt row")
+  lengths = np.full(prompt.shape[0], prompt.shape[1], np.int32) if lengths is None else lengths
+  vocab = target_model.config.vocab_size
+  tokens = np.asarray(prompt)
+  outside = (tokens < 0) | (tokens >= vocab)
+  outside &= np.arange(tokens.shape[1]) < lengths[:, None]
+  if outside.any():
+    row, column = (int(i) for i in np.argwhere(outside)[0])
+    raise ValueError(
+      f"prompt row {row} holds token {int(tokens[row, column])} at column {column}, outside the target's "
+      f"vocabulary [0, {vocab}): pass token ids of the target's tokenizer"
+    )
   if prefill_chunk < 1:
     raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
   check_pair(target_model.config, draft_model.config)
@@ -404,44 +452,61 @@ def _check_request(
         f"tree level {level} keeps {width} nodes, more than the {continuations} distinct "
         "continuations it can have; narrow the tree"
       )
-  return shape, prompt
+  return shape, prompt, lengths
 
 
 def _prefill(
-  target_model, target_params, draft_model, draft_params, prompt, max_new_tokens, shape: TreeShape, prefill_chunk
+  target_model,
+  target_params,
+  draft_model,
+  draft_params,
+  prompt,
+  lengths,
+  max_new_tokens,
+  shape: TreeShape,
+  prefill_chunk,
 ):
-  """(target caches, draft cache) holding every prompt token but the last, the first root,
-  with one length per row; the target's caches sized for the whole request and one
-  round's overshoot."""
+  """(target caches, draft cache) holding each row's prompt tokens but its last, the first
+  root, with one length per row (lengths int32 [batch] - 1); the target's caches sized
+  for the whole request and one round's overshoot. Pad columns are prefilled too (after a
+  row's tokens, they change none of its entries) but lie past the row's length."""
   capacity = prompt.shape[1] + max_new_tokens + shape.depth + 1
+  committed = np.asarray(lengths, np.int32) - 1
   caches = prefill_caches(target_model, target_params, prompt[:, :-1], capacity, chunk=prefill_chunk)
-  caches = [cache.per_row() for cache in caches]
-  draft_cache = _prefill_draft(draft_model, draft_params, target_model.config, target_params, prompt[:, :-1], shape)
-  draft_cache = draft_cache.replace(ring=draft_cache.ring.per_row())
+  caches = [cache.replace(length=jnp.asarray(committed)) for cache in caches]
+  draft_cache = _prefill_draft(
+    draft_model, draft_params, target_model.config, target_params, prompt[:, :-1], committed, shape
+  )
   return jax.block_until_ready((caches, draft_cache))
 
 
-def _prefill_draft(draft: LongSpecDraft, params, target_config, target_params, tokens, shape: TreeShape):
-  """The draft's ring holding the last committed tokens of tokens [batch, L] (L may be 0)."""
+def _prefill_draft(draft: LongSpecDraft, params, target_config, target_params, tokens, committed, shape: TreeShape):
+  """The draft's ring (per row) holding the last of each row's committed tokens
+  tokens[i, :committed[i]] (tokens [batch, L], L and the counts may be 0)."""
   cache = DraftSelfCache.create(draft.config, tokens.shape[0], draft.options.window, shape.nodes, shape.depth + 1)
+  cache = cache.replace(ring=cache.ring.per_row())
   keep = min(tokens.shape[1], cache.ring.capacity)
   if keep == 0:
     return cache
-  start = tokens.shape[1] - keep
-  return _fill_ring(draft, target_config, params, target_params, tokens[:, start:], jnp.int32(start), cache)
+  start = np.maximum(committed - keep, 0)
+  window = jnp.take_along_axis(tokens, jnp.asarray(start[:, None] + np.arange(keep)), axis=1)
+  return _fill_ring(
+    draft, target_config, params, target_params, window, jnp.asarray(start), jnp.asarray(committed - start), cache
+  )
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _fill_ring(draft, target_config, params, target_params, tokens, start, cache):
-  """The cache with tokens [batch, n] (positions start ..) as the ring's newest entries."""
-  positions = jnp.broadcast_to(start + jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+def _fill_ring(draft, target_config, params, target_params, tokens, start, count, cache):
+  """The cache with row i's first count[i] tokens of tokens [batch, n] (positions start[i] ..)
+  as its ring's newest entries (a per-row ring)."""
+  positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
   keys, values = draft.apply(
     {"params": params},
     embed_tokens(target_config, target_params, tokens),
     positions,
     method=LongSpecDraft.self_keys_values,
   )
-  return cache.replace(ring=cache.ring.replace(length=start).append(keys, values))
+  return cache.replace(ring=cache.ring.replace(length=start).append(keys, values, count=count))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
