@@ -12,11 +12,13 @@ because a parameter's embed axis is sharded over fsdp while activations keep it 
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import flax.linen as nn
 import jax
+import numpy as np
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -43,6 +45,49 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 SEQUENCE_HEADS_AXES = ("batch", None, "act_heads", None)  # [batch, seq, heads, head_dim]
 KV_SEQUENCE_HEADS_AXES = ("batch", None, "act_kv_heads", None)  # the same with key/value heads
 TOKEN_HEADS_AXES = ("batch", "act_heads", None)  # [batch, heads, head_dim]
+
+
+def resolve_mesh_shape(sizes: Sequence[int], num_devices: int) -> tuple[int, ...]:
+  """Fills at most one -1 entry so the product equals num_devices.
+
+  Args:
+    sizes: requested (data, fsdp, tensor) sizes; each >= 1 or -1.
+    num_devices: devices available.
+  """
+  names = ", ".join(f"mesh.{a}={s}" for a, s in zip(MESH_AXES, sizes))
+  if any(s == 0 or s < -1 for s in sizes):
+    raise ValueError(f"Mesh sizes must be >= 1 or -1 (fill); got {names}")
+  if sum(s == -1 for s in sizes) > 1:
+    raise ValueError(f"At most one mesh axis may be -1 (fill); got {names}")
+  known = math.prod(s for s in sizes if s != -1)
+  if num_devices % known:
+    raise ValueError(f"Mesh {names} does not divide the {num_devices} available devices")
+  shape = tuple(num_devices // known if s == -1 else s for s in sizes)
+  if math.prod(shape) != num_devices:
+    raise ValueError(
+      f"Mesh {names} uses {math.prod(shape)} devices but {num_devices} are available; set one axis to -1 to fill"
+    )
+  return shape
+
+
+def mesh_of(sizes: Sequence[int], devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
+  """The ("data", "fsdp", "tensor") mesh of `sizes` (`resolve_mesh_shape`) over `devices`."""
+  devices = list(devices)
+  shape = resolve_mesh_shape(sizes, len(devices))
+  return jax.make_mesh(
+    shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES), devices=np.asarray(devices).reshape(-1)
+  )
+
+
+@contextlib.contextmanager
+def on_mesh(mesh: jax.sharding.Mesh | None) -> Iterator[None]:
+  """Runs the body with `mesh` set (`jax.set_mesh`) and LOGICAL_AXIS_RULES in force, so that
+  the model's logical constraints and `map_over_shards` shard over it; None: nothing set."""
+  if mesh is None:
+    yield
+    return
+  with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
+    yield
 
 
 def with_axes(init: Callable, axes: Sequence[str | None]) -> Callable:
@@ -81,6 +126,15 @@ def check_divisible(shape: Sequence[int], mesh_axes: Sequence[tuple[str, ...]], 
         f"{what} cannot be sharded: shape {tuple(shape)}, dimension {dim} is split over mesh axes "
         f"{tuple(axes)} ({ways} ways) and must be a multiple of {ways}. {fix}"
       )
+
+
+def check_params_divisible(abstract, fix: str, what: str = "Parameter") -> None:
+  """`check_divisible` for every leaf of `abstract` (ShapeDtypeStructs with NamedShardings):
+  a ValueError naming the first parameter (`what` and its path) that does not divide over the
+  mesh axes its sharding splits it over, and `fix`."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(abstract):
+    axes = [(axis,) if isinstance(axis, str) else tuple(axis or ()) for axis in leaf.sharding.spec]
+    check_divisible(leaf.shape, axes, leaf.sharding.mesh, f"{what} {jax.tree_util.keystr(path)}", fix)
 
 
 def map_over_shards(fn: Callable, args: Sequence, in_axes: Sequence, out_axes, *, what: str):

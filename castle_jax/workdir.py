@@ -15,6 +15,14 @@ step `HF_STEP`, as a LongSpec draft's frozen target (`with_hf_frozen_source`,
 
     model, params, tokenizer, step = load_trained_model("runs/tiny")
     model, params, tokenizer, step = load_trained_model("tests/fixtures/hf/llama3")
+
+On several devices the parameters go straight into their shards on a tensor-parallel
+mesh (`tensor_parallel_mesh`; the commands' --tensor=N), never whole on one device:
+
+    mesh = tensor_parallel_mesh(2)
+    model, params, tokenizer, step = load_trained_model("runs/tiny", mesh=mesh)
+    with on_mesh(mesh):  # castle_jax.sharding
+      tokens = generate(model, params, prompt, max_new_tokens=8)
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from castle_jax.checkpoints import Checkpointer
 from castle_jax.data.tokenizer import Tokenizer, load_tokenizer
 from castle_jax.models import ModelConfig, build_model, family_of, hf, longspec_draft
 from castle_jax.models.registry import abstract_params
+from castle_jax.sharding import check_params_divisible, mesh_of
 
 CONFIG_NAME = "config.json"
 TOKENIZER_NAME = "tokenizer.json"
@@ -179,25 +188,71 @@ def _refuse_hf_step(setting: str, step: int | None, where: str) -> None:
     )
 
 
-def load_trained_model(workdir: str, step: int | None = None, *, log=None) -> TrainedModel:
+def load_trained_model(
+  workdir: str, step: int | None = None, *, log=None, mesh: jax.sharding.Mesh | None = None, flag: str = "--tensor"
+) -> TrainedModel:
   """(model, params, tokenizer, step) from a training workdir or a Hugging Face model directory.
 
   A workdir: reads `<workdir>/config.json` and restores only the parameters (not the
   optimizer state) of the newest good checkpoint, or of `step`, after checking it
-  against its checksum manifest, onto one device. The tokenizer is the workdir's.
-  `log` receives warnings (default: stderr).
+  against its checksum manifest. The tokenizer is the workdir's. `log` receives warnings
+  (default: stderr).
 
   A Hugging Face model directory (`hf.is_hf_model_dir`): `hf.load_hf_model` in float32,
   step `HF_STEP`; `step` must be None (its weights have no checkpoint steps).
+
+  mesh: None: the parameters go to one device. A mesh (`tensor_parallel_mesh`): each
+  parameter is read into its shards on the mesh, by its logical axis names as training
+  places it (`abstract_params`), never whole on one device; the computations that use them
+  run under `castle_jax.sharding.on_mesh(mesh)`. A model whose heads or widths do not
+  divide over the mesh is refused first (ValueError naming `flag`).
   """
   workdir = os.path.abspath(workdir)
   if hf.is_hf_model_dir(workdir):
     _refuse_hf_step("--step", step, workdir)
-    return TrainedModel(*hf.load_hf_model(workdir), HF_STEP)
+    if mesh is not None:
+      model_config = hf.hf_model_config(workdir)
+      check_mesh_fits(model_config, abstract_params(build_model(model_config), 8, mesh=mesh), mesh, flag)
+    return TrainedModel(*hf.load_hf_model(workdir, mesh=mesh), HF_STEP)
   config = read_config(workdir)
   model = build_model(ModelConfig.from_mapping(config.model))
-  params, step = restore_params(workdir, abstract_params(model, config.data.seq_len), step=step, log=log)
+  abstract = abstract_params(model, config.data.seq_len, mesh=mesh)
+  if mesh is not None:
+    check_mesh_fits(model.config, abstract, mesh, flag)
+  params, step = restore_params(workdir, abstract, step=step, log=log)
   return TrainedModel(model, params, load_workdir_tokenizer(workdir, config), step)
+
+
+def tensor_parallel_mesh(tensor: int, *, flag: str = "--tensor") -> jax.sharding.Mesh | None:
+  """The mesh that `tensor`-way tensor parallelism (heads, MLP width and vocabulary split over
+  the "tensor" axis, as training's mesh.tensor splits them) runs on: the first `tensor`
+  devices, or None (one device) for 1.
+
+  Raises ValueError naming `flag` when `tensor` is not a positive divisor of the number of
+  devices."""
+  count = jax.device_count()
+  if tensor < 1 or count % tensor:
+    choices = ", ".join(str(n) for n in range(1, count + 1) if count % n == 0)
+    raise ValueError(
+      f"{flag}={tensor} must divide the {count} devices ({jax.default_backend()}): pass one of {choices}"
+    )
+  if tensor == 1:
+    return None
+  return mesh_of((1, 1, tensor), jax.devices()[:tensor])
+
+
+def check_mesh_fits(config: ModelConfig, abstract: Any, mesh: jax.sharding.Mesh, flag: str = "--tensor") -> None:
+  """ValueError naming `flag` unless the attention heads, key/value heads and every parameter
+  (`abstract`, sharded over `mesh`) divide over the mesh's tensor axis."""
+  ways = mesh.shape["tensor"]
+  if config.n_heads % ways or config.kv_heads % ways:
+    fits = [n for n in range(1, jax.device_count() + 1) if jax.device_count() % n == 0]
+    fits = [n for n in fits if config.n_heads % n == 0 and config.kv_heads % n == 0]
+    raise ValueError(
+      f"{flag}={ways} does not divide the model's {config.n_heads} attention heads and {config.kv_heads} "
+      f"key/value heads: pass {' or '.join(f'{flag}={n}' for n in fits)}"
+    )
+  check_params_divisible(abstract, f"Pass a {flag} that divides it.", what=f"{flag}={ways}: parameter")
 
 
 def load_workdir_tokenizer(workdir: str, config: ml_collections.ConfigDict | None = None) -> Tokenizer:
@@ -313,14 +368,22 @@ def with_hf_frozen_source(config: ml_collections.ConfigDict) -> tuple[ml_collect
   return config, f"{source.setting}={source.workdir} is a Hugging Face model directory: took {settings} from it"
 
 
-def load_draft(draft_workdir: str, target: TrainedModel, *, step: int | None = None, log=None) -> TrainedModel:
+def load_draft(
+  draft_workdir: str,
+  target: TrainedModel,
+  *,
+  step: int | None = None,
+  log=None,
+  mesh: jax.sharding.Mesh | None = None,
+  flag: str = "--tensor",
+) -> TrainedModel:
   """A LongSpec draft trained for `target` (from `load_trained_model`): (model, params,
   tokenizer, step) of `draft_workdir`'s newest good (or `step`) checkpoint.
 
   Raises ValueError when the draft is not a LongSpec draft, its widths are not the
   target's, or it was trained against other target parameters (their fingerprints
-  differ)."""
-  draft = load_trained_model(draft_workdir, step, log=log)
+  differ). mesh, flag: as `load_trained_model` takes them (the target's mesh)."""
+  draft = load_trained_model(draft_workdir, step, log=log, mesh=mesh, flag=flag)
   if draft.model.config.family != longspec_draft.FAMILY:
     raise ValueError(
       f"--draft_workdir={draft_workdir} holds a {draft.model.config.family!r} model, not a "

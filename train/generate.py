@@ -18,6 +18,12 @@ per target forward (tau) and the decoding speed are printed:
 
     python -m train.generate --workdir=runs/longspec_target_tiny \
         --draft_workdir=runs/longspec_draft_tiny_long --temperature=0 --tree=4,16,16,16,16
+
+With `--tensor=N` the model (and a draft) is tensor-parallel over N devices: each weight
+is read straight into its shards (heads, MLP width and vocabulary split N ways, as
+training's mesh.tensor splits them), so a model larger than one device's memory decodes:
+
+    python -m train.generate --workdir=/models/Meta-Llama-3-8B --tensor=8 --prompt="def main(" --temperature=0
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from castle_jax.checkpoints import CheckpointError
 from castle_jax.command_line import UsageError, run_absl
 from castle_jax.inference import generate
 from castle_jax.inference.speculative import DEFAULT_TREE, speculative_generate
-from castle_jax.workdir import TrainedModel, load_draft, load_trained_model
+from castle_jax.sharding import on_mesh
+from castle_jax.workdir import TrainedModel, load_draft, load_trained_model, tensor_parallel_mesh
 
 _WORKDIR = flags.DEFINE_string(
   "workdir",
@@ -52,6 +59,12 @@ _TOP_P = flags.DEFINE_float("top_p", 0.95, "Nucleus sampling mass in (0, 1] (1: 
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _DRAFT = flags.DEFINE_string("draft_workdir", None, "A LongSpec draft's workdir: decode speculatively.")
 _TREE = flags.DEFINE_list("tree", [str(w) for w in DEFAULT_TREE], "Draft nodes per tree level (a chain: 1,1,1,1).")
+_TENSOR = flags.DEFINE_integer(
+  "tensor",
+  1,
+  "Tensor-parallel degree: shard the model's heads, MLP width and vocabulary over this many devices, loading "
+  "the weights straight into their shards (1: one device).",
+)
 _WARMUP = flags.DEFINE_bool("warmup", False, "Speculative: run once before timing, so tokens/s excludes compilation.")
 flags.register_validator("top_p", lambda p: 0 < p <= 1, "must be in (0, 1] (1 turns nucleus sampling off)")
 flags.register_validator(
@@ -113,22 +126,24 @@ def main(argv):
       "--workdir is required: pass the workdir of a run of `python -m train` (e.g. --workdir=runs/tiny) or a "
       "Hugging Face model directory"
     )
-  target = load_trained_model(_WORKDIR.value, _STEP.value)
-  draft = load_draft(_DRAFT.value, target) if _DRAFT.value else None
+  mesh = tensor_parallel_mesh(_TENSOR.value)
+  target = load_trained_model(_WORKDIR.value, _STEP.value, mesh=mesh)
+  draft = load_draft(_DRAFT.value, target, mesh=mesh) if _DRAFT.value else None
   tokenizer = target.tokenizer
   prompt = np.concatenate([[tokenizer.bos_id], tokenizer.encode(_PROMPT.value)]).astype(np.int32)
-  tokens, speculative = continue_prompt(
-    target,
-    prompt,
-    max_new_tokens=_MAX_NEW.value,
-    temperature=_TEMPERATURE.value,
-    top_k=_TOP_K.value,
-    top_p=_TOP_P.value,
-    seed=_SEED.value,
-    draft=draft,
-    tree=tuple(int(w) for w in _TREE.value),
-    warmup=_WARMUP.value,
-  )
+  with on_mesh(mesh):
+    tokens, speculative = continue_prompt(
+      target,
+      prompt,
+      max_new_tokens=_MAX_NEW.value,
+      temperature=_TEMPERATURE.value,
+      top_k=_TOP_K.value,
+      top_p=_TOP_P.value,
+      seed=_SEED.value,
+      draft=draft,
+      tree=tuple(int(w) for w in _TREE.value),
+      warmup=_WARMUP.value,
+    )
   if speculative is not None:
     print(speculative)
   print(f"# step {target.step}, temperature {_TEMPERATURE.value}")

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from castle_jax.models import family_of
-from castle_jax.sharding import LOGICAL_AXIS_RULES, check_divisible
+from castle_jax.sharding import LOGICAL_AXIS_RULES, check_params_divisible
 
 
 @flax.struct.dataclass
@@ -53,15 +53,9 @@ def _strip_boxes(tree):
 
 def _check_divisible(abstract: TrainState) -> None:
   """Raises a clear error when a parameter dimension cannot be split over its mesh axes."""
-  for path, leaf in jax.tree_util.tree_leaves_with_path(abstract.params):
-    axes = [(axis,) if isinstance(axis, str) else tuple(axis or ()) for axis in leaf.sharding.spec]
-    check_divisible(
-      leaf.shape,
-      axes,
-      leaf.sharding.mesh,
-      f"Parameter {jax.tree_util.keystr(path)}",
-      "Change the model sizes (e.g. model.n_heads, model.vocab_size) or the mesh (config.mesh).",
-    )
+  check_params_divisible(
+    abstract.params, "Change the model sizes (e.g. model.n_heads, model.vocab_size) or the mesh (config.mesh)."
+  )
 
 
 def init_train_state(

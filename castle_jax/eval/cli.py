@@ -5,23 +5,25 @@ JSON file and the plot against context length."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 from typing import Any, NoReturn, Sequence
 
+import jax
 import ml_collections
 import numpy as np
 import tqdm
 
-from castle_jax import command_line, outputs
+from castle_jax import command_line, outputs, sharding
 from castle_jax.checkpoints import CheckpointError
 from castle_jax.data.pipeline import get_data_source
 from castle_jax.data.tokenizer import Tokenizer, load_tokenizer
 from castle_jax.models.hf import is_hf_model_dir
 from castle_jax.models.pretrained import available_pretrained, load_pretrained
-from castle_jax.workdir import TrainedModel, load_trained_model, read_config
+from castle_jax.workdir import TrainedModel, load_trained_model, read_config, tensor_parallel_mesh
 
 
 class EvalError(command_line.UsageError):
@@ -34,7 +36,7 @@ def fail(message: str) -> NoReturn:
 
 def make_parser(prog: str, description: str, *, lengths: str | None) -> argparse.ArgumentParser:
   """A parser with the flags every evaluation has (`--workdir` or `--pretrained`, `--step`,
-  `--output`) and, for evaluations of corpus text against context length (`lengths` the
+  `--tensor`, `--output`) and, for evaluations of corpus text against context length (`lengths` the
   default), `--lengths` and `--data_dir`; the caller adds its own."""
   parser = command_line.ArgumentParser(prog=prog, description=description)
   source = parser.add_mutually_exclusive_group(required=True)
@@ -49,6 +51,13 @@ def make_parser(prog: str, description: str, *, lengths: str | None) -> argparse
     help="a trained model shipped with the package (castle_jax.models.pretrained) instead",
   )
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest good one)")
+  parser.add_argument(
+    "--tensor",
+    type=int,
+    default=1,
+    help="tensor-parallel degree: shard the model's heads, MLP width and vocabulary over this many devices, "
+    "loading the weights straight into their shards (default 1: one device)",
+  )
   if lengths is not None:
     parser.add_argument(
       "--lengths", default=lengths, help=f"comma-separated context lengths in tokens (default {lengths})"
@@ -87,15 +96,29 @@ def require(ok: bool, flag: str, rule: str, value: Any) -> None:
 def load(args: argparse.Namespace) -> tuple[TrainedModel, ml_collections.ConfigDict]:
   """The trained model of `--workdir` (at `--step`; or a Hugging Face model directory) or
   `--pretrained`, and its training config (`castle_jax.workdir.read_config`), or an
-  EvalError saying what is missing."""
+  EvalError saying what is missing. With `--tensor=N` > 1 the parameters are sharded over
+  a mesh of N devices (`castle_jax.workdir.tensor_parallel_mesh`); run the evaluation
+  under `on_mesh(params)`."""
+  tensor = getattr(args, "tensor", 1)
   if args.pretrained is not None:
     require(args.step is None, "--step", "left out with --pretrained (a shipped model has one step)", args.step)
+    require(tensor == 1, "--tensor", "1 with --pretrained (a shipped model loads onto one device)", tensor)
     model, params, config = load_pretrained(args.pretrained)
     return TrainedModel(model, params, load_tokenizer(config.data.tokenizer), config.train.steps), config
   try:
-    return load_trained_model(args.workdir, args.step), read_config(args.workdir)
+    mesh = tensor_parallel_mesh(tensor)
+    return load_trained_model(args.workdir, args.step, mesh=mesh), read_config(args.workdir)
   except (FileNotFoundError, ValueError, CheckpointError) as e:
     fail(str(e))
+
+
+def on_mesh(params: Any) -> contextlib.AbstractContextManager:
+  """The context an evaluation of `params` (from `load`) runs in: the mesh they are sharded
+  over set, with the logical axis rules (`castle_jax.sharding.on_mesh`), or nothing when they
+  are on one device."""
+  placed = jax.tree.leaves(params)[0].sharding
+  mesh = placed.mesh if isinstance(placed, jax.sharding.NamedSharding) and placed.mesh.size > 1 else None
+  return sharding.on_mesh(mesh)
 
 
 def evaluated(args: argparse.Namespace) -> str:

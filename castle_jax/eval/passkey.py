@@ -186,50 +186,51 @@ def _main(argv: Sequence[str]) -> None:
   align_to = chunk_alignment(model)
   haystack = cli.validation_tokens(config, tokenizer, max(lengths), args.data_dir)
   results = []
-  for length in lengths:
-    try:
-      examples = make_examples(
-        tokenizer,
-        haystack,
-        length,
-        args.examples,
-        seed=args.seed,
-        digits=args.digits,
-        depths=args.depths,
-        align_to=align_to,
+  with cli.on_mesh(params):
+    for length in lengths:
+      try:
+        examples = make_examples(
+          tokenizer,
+          haystack,
+          length,
+          args.examples,
+          seed=args.seed,
+          digits=args.digits,
+          depths=args.depths,
+          align_to=align_to,
+        )
+      except ValueError as e:
+        cli.fail(f"--lengths: {e}")
+      start = time.perf_counter()
+      scored = []
+      with cli.progress(len(examples), f"passkey {length:,}", "example") as bar:
+        for first in range(0, len(examples), args.batch_size):
+          scored += score_batch(model, params, examples[first : first + args.batch_size])
+          bar.update(min(args.batch_size, len(examples) - first))
+      summary = _summary(scored)
+      results.append(
+        {
+          "length": length,
+          **summary,
+          "seconds": time.perf_counter() - start,
+          **device_memory(),
+          "per_example": [
+            {
+              "passkey": e.passkey,
+              "needle_position": e.needle_position,
+              "depth": round(e.needle_position / length, 4),
+              "first_token": f,
+              "all_tokens": a,
+            }
+            for e, (f, a) in zip(examples, scored)
+          ],
+        }
       )
-    except ValueError as e:
-      cli.fail(f"--lengths: {e}")
-    start = time.perf_counter()
-    scored = []
-    with cli.progress(len(examples), f"passkey {length:,}", "example") as bar:
-      for first in range(0, len(examples), args.batch_size):
-        scored += score_batch(model, params, examples[first : first + args.batch_size])
-        bar.update(min(args.batch_size, len(examples) - first))
-    summary = _summary(scored)
-    results.append(
-      {
-        "length": length,
-        **summary,
-        "seconds": time.perf_counter() - start,
-        **device_memory(),
-        "per_example": [
-          {
-            "passkey": e.passkey,
-            "needle_position": e.needle_position,
-            "depth": round(e.needle_position / length, 4),
-            "first_token": f,
-            "all_tokens": a,
-          }
-          for e, (f, a) in zip(examples, scored)
-        ],
-      }
-    )
-    print(
-      f"length {length:,}: first-token {summary['first_token']:.3f}, all-token {summary['all_tokens']:.3f}",
-      file=sys.stderr,
-      flush=True,
-    )
+      print(
+        f"length {length:,}: first-token {summary['first_token']:.3f}, all-token {summary['all_tokens']:.3f}",
+        file=sys.stderr,
+        flush=True,
+      )
   cli.finish(
     "passkey",
     args,

@@ -97,25 +97,32 @@ def _main(argv: Sequence[str]) -> None:
     )
   )
   results, skipped = [], []
-  for length in lengths:
-    if stream.size < args.windows * length + 1:
-      message = (
-        f"length {length:,} skipped: {args.windows} windows need {args.windows * length + 1:,} tokens, "
-        f"the validation split ({config.data.dataset}, {config.data.eval_split}) has {stream.size:,}"
+  with cli.on_mesh(params):
+    for length in lengths:
+      if stream.size < args.windows * length + 1:
+        message = (
+          f"length {length:,} skipped: {args.windows} windows need {args.windows * length + 1:,} tokens, "
+          f"the validation split ({config.data.dataset}, {config.data.eval_split}) has {stream.size:,}"
+        )
+        print(message, file=sys.stderr, flush=True)
+        skipped.append({"length": length, "reason": message})
+        continue
+      start = time.perf_counter()
+      totals = {"nll_sum": 0.0, "tokens": 0.0, "bytes": 0.0}
+      with cli.progress(args.windows, f"perplexity {length:,}", "window") as bar:
+        for window in windows_of(stream, length, args.windows):
+          window_sums = jax.device_get(sums(params, window))
+          totals = {k: totals[k] + float(window_sums[k]) for k in totals}
+          bar.update(1)
+      results.append(
+        {
+          "length": length,
+          "windows": args.windows,
+          **totals,
+          **summarize(totals),
+          "seconds": time.perf_counter() - start,
+        }
       )
-      print(message, file=sys.stderr, flush=True)
-      skipped.append({"length": length, "reason": message})
-      continue
-    start = time.perf_counter()
-    totals = {"nll_sum": 0.0, "tokens": 0.0, "bytes": 0.0}
-    with cli.progress(args.windows, f"perplexity {length:,}", "window") as bar:
-      for window in windows_of(stream, length, args.windows):
-        window_sums = jax.device_get(sums(params, window))
-        totals = {k: totals[k] + float(window_sums[k]) for k in totals}
-        bar.update(1)
-    results.append(
-      {"length": length, "windows": args.windows, **totals, **summarize(totals), "seconds": time.perf_counter() - start}
-    )
   if not results:
     cli.fail(
       f"--lengths={args.lengths}: no length fits the validation split ({stream.size:,} tokens) with "

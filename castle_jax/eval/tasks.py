@@ -218,12 +218,13 @@ def _main(argv: Sequence[str]) -> None:
   except ValueError as e:
     cli.fail(str(e))
   start = time.perf_counter()
-  try:
-    result = evaluate_task(
-      model, params, tokenizer, task, knobs, examples=args.examples, seed=args.seed, batch_size=args.batch_size
-    )
-  except ValueError as e:  # a tokenizer that cannot build the prompts (e.g. a Hugging Face model's)
-    cli.fail(str(e))
+  with cli.on_mesh(params):
+    try:
+      result = evaluate_task(
+        model, params, tokenizer, task, knobs, examples=args.examples, seed=args.seed, batch_size=args.batch_size
+      )
+    except ValueError as e:  # a tokenizer that cannot build the prompts (e.g. a Hugging Face model's)
+      cli.fail(str(e))
   seconds = time.perf_counter() - start
   overall = result["overall"]
   print(
