@@ -222,6 +222,7 @@ BENCHMARK_CASES = [
     ("train_loop", ["--config=configs/tiny.py", "--steps=0"], "--steps=0: 0 is not a positive integer"),
     ("train_throughput", ["--config=configs/tinyy.py"], "did you mean --config=configs/tiny.py?"),
     ("tree_attention", ["--heads=6", "--kv_heads=4"], "--heads=6 must be a multiple of --kv_heads=4"),
+    ("gradient_agreement", ["--workdir={nowhere}"], "{nowhere}"),
   ]
 ]
 
