@@ -700,7 +700,6 @@ def run_restart(args, out_dir: str) -> dict:
     row["checkpoints_after_kill"] = sorted(
       int(s) for s in os.listdir(os.path.join(killed, "checkpoints")) if s.isdigit()
     )
-    logged_before = len(_metrics_lines(killed))
     log.write(f"\n==== relaunch after killing process 1 at step {row['killed_after_step']} ====\n")
     log.flush()
     start = time.time()
@@ -711,11 +710,15 @@ def run_restart(args, out_dir: str) -> dict:
   expected = {r["step"]: r["loss"] for r in _metrics_lines(reference) if r["split"] == "train"}
   resumed = {r["step"]: r["loss"] for r in _metrics_lines(killed) if r["split"] == "train"}  # last record wins
   differences = [abs(resumed[s] - expected[s]) / abs(expected[s]) for s in expected if s in resumed]
-  relaunched = _metrics_lines(killed)[logged_before:]
+  # The relaunch's start-up line names the checkpoint it resumed from (its metrics file cannot:
+  # the records of the steps it logs again were set aside).
+  with open(os.path.join(base, "jobs.log")) as f:
+    relaunch_log = f.read().split("==== relaunch after killing", 1)[-1]
+  resume_line = re.search(r"resumed from step (\d+)", relaunch_log)
   row.update(
     steps_compared=len(differences),
     max_loss_rel_diff=max(differences, default=None),
-    resumed_from_step=relaunched[0]["step"] - 1 if relaunched else None,
+    resumed_from_step=int(resume_line[1]) if resume_line else None,
   )
   row["ok"] = len(differences) == steps and max(differences) <= 1e-6
   return row
