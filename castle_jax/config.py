@@ -21,6 +21,9 @@ from pallas_kernels.residuals import save_attention_residuals
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # What a rematerialized block keeps from its forward for the backward.
 REMAT_POLICIES = ("recompute_all", "save_attention")
+# Fields that choose how the same function of the same parameters is computed, not which
+# function: a run may continue (or start from another run's weights) with other values.
+COMPUTATION_FIELDS = ("attention_impl", "remat", "remat_policy")
 
 
 @dataclasses.dataclass(frozen=True)

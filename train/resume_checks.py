@@ -15,15 +15,13 @@ import os
 from typing import Any, Mapping
 
 from castle_jax.checkpoints import file_sha256
+from castle_jax.config import COMPUTATION_FIELDS
 from castle_jax.models import ModelConfig, family_of
 from castle_jax.models.hf import RUN_CHOICES, is_hf_model_dir
 from castle_jax.workdir import TOKENIZER_NAME, read_config, resolve_tokenizer_path, saved_config
 from train.config import base_config
 
 _SCHEDULE_KEYS = ("steps", "learning_rate", "warmup_steps", "min_lr_ratio")
-# How the same function of the same parameters is computed: a run may continue on another
-# kernel or rematerialization (e.g. to compare kernels from one checkpoint).
-_COMPUTATION_KEYS = ("model.attention_impl", "model.remat", "model.remat_policy")
 
 
 class ConfigMismatchError(ValueError):
@@ -60,14 +58,21 @@ def model_differences(saved_model: Mapping[str, Any], model_config) -> list[str]
   return differing
 
 
+def _except_fields(differing: list[str], fields) -> list[str]:
+  """The `model.key: old -> new` lines of `model_differences` whose key is not model.<field>
+  for a field of `fields`."""
+  keys = {f"model.{field}" for field in fields}
+  return [line for line in differing if line.split(":")[0] not in keys]
+
+
 def check_model_unchanged(workdir: str, model_config) -> None:
   """Raises ConfigMismatchError (one line listing `model.key: old -> new`) when the
   workdir's saved config.json has a different model (see `model_differences`); the
-  attention implementation and rematerialization may change."""
+  attention implementation and rematerialization (`COMPUTATION_FIELDS`) may change."""
   saved = saved_config(workdir)
   if saved is None or "model" not in saved:
     return
-  differing = [d for d in model_differences(saved["model"], model_config) if d.split(":")[0] not in _COMPUTATION_KEYS]
+  differing = _except_fields(model_differences(saved["model"], model_config), COMPUTATION_FIELDS)
   if differing:
     raise ConfigMismatchError(
       f"The checkpoints in {workdir} were trained with another model config ({'; '.join(differing)}). "
@@ -93,7 +98,7 @@ def check_init_from(source: str, model_config, tokenizer: str) -> None:
   saved = read_config(source, what=what).to_dict()
   differing = model_differences(saved.get("model", {}), model_config)
   if is_hf_model_dir(source):
-    differing = [line for line in differing if line.split(":")[0] not in {f"model.{key}" for key in RUN_CHOICES}]
+    differing = _except_fields(differing, RUN_CHOICES)
     if differing:
       raise ConfigMismatchError(
         f"{what} is a Hugging Face model with another model config ({'; '.join(differing)}): pass "

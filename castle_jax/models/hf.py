@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
-from castle_jax.config import ModelConfig
+from castle_jax.config import COMPUTATION_FIELDS, ModelConfig
 from castle_jax.data.tokenizer import PretrainedTokenizer, load_hf_tokenizer
 from castle_jax.models.registry import abstract_params, build_model
 
@@ -57,9 +57,9 @@ _DEFAULTS = {
   "llama": {"rms_norm_eps": 1e-6, "rope_theta": 10_000.0, "tie_word_embeddings": False},
   "qwen2": {"rms_norm_eps": 1e-6, "rope_theta": 10_000.0, "tie_word_embeddings": False},
 }
-# model.* keys a run fine-tuning a directory (`train.init_from`) chooses itself: how the same
-# function of the same weights is computed, not which function it is.
-RUN_CHOICES = ("dtype", "param_dtype", "attention_impl", "remat", "remat_policy")
+# model.* keys a run fine-tuning a directory (`train.init_from`) chooses itself: the dtypes
+# (the weights are converted) and how the same function of them is computed.
+RUN_CHOICES = ("dtype", "param_dtype", *COMPUTATION_FIELDS)
 _SUPPORTED_TEXT = ", ".join(f"{kind} ({arch})" for kind, arch in SUPPORTED.items())
 
 
