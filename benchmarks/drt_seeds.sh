@@ -178,7 +178,7 @@ import os
 import re
 import sys
 
-from castle_jax.eval.compare import paired_difference
+from castle_jax.eval.compare import describe_difference, paired_difference
 
 out, seeds, threshold, arms = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4].split()
 
@@ -254,9 +254,7 @@ for name, value in values.items():
     continue
   difference = paired_difference(*by_arm)
   summary["random_minus_learned"][name] = difference
-  interval = "" if difference["low"] is None else f" [{difference['low']:+.3f}, {difference['high']:+.3f}]"
-  p = "" if difference["p"] is None else f", p = {difference['p']:.3g}"
-  print(f"  {name}: {difference['mean']:+.3f}{interval}{p} ({difference['n']} seeds)")
+  print(f"  {name}: {describe_difference(difference)} ({difference['n']} seeds)")
 with open(os.path.join(out, "summary.json"), "w") as f:
   json.dump(summary, f, indent=1)
 EOF

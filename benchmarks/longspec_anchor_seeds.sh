@@ -206,7 +206,7 @@ import json
 import os
 import sys
 
-from castle_jax.eval.compare import mean_interval, paired_difference
+from castle_jax.eval.compare import describe_difference, mean_interval, paired_difference
 
 results, seeds, lengths, arms = sys.argv[1], int(sys.argv[2]), [int(n) for n in sys.argv[3].split(",")], sys.argv[4:]
 base, other = arms  # anchor, no_anchor: differences are base - other
@@ -275,9 +275,7 @@ for length in lengths:
   difference = paired_difference(per_arm[other], per_arm[base])  # base - other
   summary["anchor_minus_no_anchor"][str(length)] = difference
   means = "  ".join(f"{arm} {summary['arms'][str(length)][arm]['mean']:.3f}" for arm in arms)
-  interval = "" if difference["low"] is None else f" [{difference['low']:+.3f}, {difference['high']:+.3f}]"
-  p = "" if difference["p"] is None else f", p = {difference['p']:.3g}"
-  print(f"  prompt {length}: {difference['mean']:+.3f}{interval}{p} ({difference['n']} seeds; {means})")
+  print(f"  prompt {length}: {describe_difference(difference)} ({difference['n']} seeds; {means})")
 with open(os.path.join(results, "summary.json"), "w") as f:
   json.dump(summary, f, indent=1)
 EOF

@@ -343,3 +343,11 @@ def test_two_tiny_arms_trained_on_cpu(tmp_path, stdlib_data_dir, capsys):
   status, out, err = _run(capsys, baseline.workdir, variant.workdir, "--results=perplexity")
   assert status == 0, err
   assert "eval_loss at length 16 at 1,024 training tokens" in out
+
+
+def test_a_paired_difference_is_described_in_one_line():
+  difference = compare.paired_difference({0: 1.0, 1: 2.0, 2: 1.5, 3: 1.2}, {0: 1.1, 1: 2.3, 2: 1.4, 3: 1.5})
+  assert compare.describe_difference(difference) == "+0.150 [-0.155, +0.455], p = 0.215"
+  assert (
+    compare.describe_difference(compare.paired_difference({0: 1.0}, {0: 1.2})) == "+0.200"
+  )  # one seed: no interval, no p

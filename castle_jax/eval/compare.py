@@ -444,6 +444,17 @@ def _p(value: float | None) -> str:
   return "-" if value is None else f"{value:.3g}"
 
 
+def describe_difference(difference: dict[str, Any]) -> str:
+  """ "+0.082 [-0.443, +0.606], p = 0.654" of a `paired_difference` (no interval or p where
+  there are too few seeds for them)."""
+  text = f"{difference['mean']:+.3f}"
+  if difference["low"] is not None:
+    text += f" [{difference['low']:+.3f}, {difference['high']:+.3f}]"
+  if difference["p"] is not None:
+    text += f", p = {difference['p']:.3g}"
+  return text
+
+
 def format_comparison(title: str, comparison: dict[str, Any]) -> str:
   headers = ["arm", "seeds", "mean", "95% interval", "diff vs first", "95% interval", "t", "p", "Wilcoxon p"]
   rows = []
