@@ -177,6 +177,16 @@ def test_the_run_picks_dtypes_and_kernels_and_may_name_the_directory_relatively(
     check_init_from(_fixture("qwen2"), _as_config({**model, "qkv_bias": False}), _fixture("qwen2"))
 
 
+def test_a_derived_field_left_at_zero_is_the_value_it_derives():
+  # head_dim=0 means d_model // n_heads: 32 // 4 = 8, the directory's head_dim.
+  model = dict(finetune_model_settings(_fixture("qwen2")), head_dim=0)
+  check_init_from(_fixture("qwen2"), _as_config(model), _fixture("qwen2"))
+  with pytest.raises(ConfigMismatchError, match=r"model.head_dim: 8 -> 16"):
+    check_init_from(_fixture("qwen2"), _as_config({**model, "head_dim": 16}), _fixture("qwen2"))
+  with pytest.raises(ConfigMismatchError, match=r"model.n_kv_heads: 2 -> 4"):  # 0: one per query head
+    check_init_from(_fixture("qwen2"), _as_config({**model, "n_kv_heads": 0}), _fixture("qwen2"))
+
+
 def _as_config(model):
   from train.config import model_defaults
 

@@ -38,15 +38,36 @@ def _flat(mapping: Mapping[str, Any], prefix: str) -> dict[str, Any]:
   return out
 
 
+def _derived_fields_resolved(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[dict, dict]:
+  """`saved` and `current` (model sections) with each derived field they set differently
+  (n_kv_heads, head_dim, mlp_hidden: 0 means "derive it") replaced on both sides by the value
+  it derives, so that `head_dim=0` and the head_dim it means are one model. Fields both set
+  alike stay as they are (a changed n_heads is one difference, not three); both sections stay
+  as they are if one is not a valid ModelConfig (e.g. a section of an older schema)."""
+  saved, current = dict(saved), dict(current)
+  differing = [field for field in ("n_kv_heads", "head_dim", "mlp_hidden") if saved.get(field) != current.get(field)]
+  if not differing:
+    return saved, current
+  try:
+    configs = [ModelConfig.from_mapping(saved), ModelConfig.from_mapping(current)]
+  except (TypeError, ValueError):
+    return saved, current
+  for model, config in zip((saved, current), configs):
+    derived = {"n_kv_heads": config.kv_heads, "head_dim": config.qk_head_dim, "mlp_hidden": config.ffn_hidden}
+    model.update({field: derived[field] for field in differing})
+  return saved, current
+
+
 def model_differences(saved_model: Mapping[str, Any], model_config) -> list[str]:
   """`model.key: old -> new` for every key where a saved config.json's model section
   differs from `model_config` (a ConfigDict).
 
   A key the saved config lacks (added to the schema after that run) counts as
   unchanged when the new value is the schema default, which by convention keeps
-  the old behaviour."""
-  old = _flat(saved_model, "model.")
-  new = _flat(json.loads(model_config.to_json_best_effort()), "model.")
+  the old behaviour. A derived field set to 0 equals the value it derives."""
+  saved, current = _derived_fields_resolved(saved_model, json.loads(model_config.to_json_best_effort()))
+  old = _flat(saved, "model.")
+  new = _flat(current, "model.")
   defaults = _flat(json.loads(base_config().model.to_json_best_effort()), "model.")
   unset = "<unset>"
   differing = []
