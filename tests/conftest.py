@@ -20,7 +20,9 @@ keeps every program on its own thread; XLA reads it when the backend starts, so 
 here too.
 """
 
+import getpass
 import os
+import tempfile
 from typing import Any, NamedTuple
 
 _CHEAP_COMPILES = "JAX_DISABLE_MOST_OPTIMIZATIONS" not in os.environ  # an explicit setting wins
@@ -29,6 +31,16 @@ if _CHEAP_COMPILES:
 _INTERPRET_XLA_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 if _INTERPRET_XLA_FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_INTERPRET_XLA_FLAG}".strip()
+
+# Many tests compile the same programs (a tiny model's training step, in-process and in the
+# training subprocesses they start): a compilation cache shared by the whole run, workers and
+# subprocesses included, compiles each once. Kept between runs (the key holds the jax version,
+# the flags and the program); an explicit setting wins.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
+    tempfile.gettempdir(), f"castle_jax_test_compilation_cache_{getpass.getuser()}"
+  )
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import chex  # noqa: E402  (after the environment it reads)
 import jax  # noqa: E402
