@@ -17,7 +17,7 @@ the tree mask (itself and its ancestors, `tree_mask_from_parents`).
   - "mosaic": the same on Pallas Mosaic GPU (Hopper: wgmma + TMA), for LLM heads: one
     program reads its cache range once for several 64-row tiles of a KV head's rows
     (`pallas_kernels/tree_attention/mosaic.py`). bfloat16/float16 inputs of one dtype, head
-    dim 64 or 128, a cache capacity that is a multiple of 8 (or under 64). Runs in GPU
+    dim 64 or 128, a cache capacity that is a multiple of 8 (or under one key block). Runs in GPU
     interpret mode on CPU (slow: for tests). `kernel_config` a `TreeAttentionMosaicConfig`.
     Opt-in only: not yet timed against "triton", so the default never picks it.
   - None: "triton" on a GPU where it takes the head dim, else "xla"
