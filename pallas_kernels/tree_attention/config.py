@@ -71,10 +71,11 @@ class TreeAttentionMosaicConfig:
     stages: depth of the K/V ring (>= 2, so that a load runs under the previous step).
     consumers: 64-row tiles per program (1 to 3: each holds a [64, head_dim] float32
       accumulator in registers, and three with the producer fill the register file).
-    splits: programs along the cache per (batch, KV head, row group); None: enough for
-      ~`target_programs` programs, each with at least 2 blocks of a full cache.
-    target_programs: what the default split count aims for (one program fills an SM's
-      shared memory: ~ the H100's 132 SMs).
+    splits: programs along the cache per (batch, KV head, row group); None: as many as
+      keep the programs within `target_programs` (at least 1), each with at least 2 blocks
+      of a full cache.
+    target_programs: what the default split count aims for: one program fills an SM's
+      shared memory, so the H100's 132 SMs run one wave of them.
   """
 
   block_keys: int = 64

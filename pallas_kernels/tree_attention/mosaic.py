@@ -199,27 +199,28 @@ def _kernel(
     @pl.loop(0, num_steps)
     def _load(step):
       slot = lax.rem(step, stages)
+      cache_slots = (batch, pl.ds(cache_start(first + step), block_keys), kv_head)
+      tree_nodes = (batch, pl.ds((step - cache_steps) * block_keys, block_keys), kv_head)
 
-      @pl.when(step >= stages)
-      def _():
-        plgpu.barrier_wait(key_free.at[slot])
-        plgpu.barrier_wait(value_free.at[slot])
-
-      def load(k_source, v_source):
-        plgpu.copy_gmem_to_smem(k_source, key_ring.at[slot], key_full.at[slot])
-        plgpu.copy_gmem_to_smem(v_source, value_ring.at[slot], value_full.at[slot])
-
-      @pl.when(step < cache_steps)
-      def _():
-        slots = (batch, pl.ds(cache_start(first + step), block_keys), kv_head)
-        load(cache_k_ref.at[slots], cache_v_ref.at[slots])
-
-      if tree_steps:
-
-        @pl.when(step >= cache_steps)
+      def refill(ring, full, free, cache_ref, tree_ref):
+        # Keys are released after the score product, values after the output product: the
+        # next keys load while the consumers still multiply by this step's values.
+        @pl.when(step >= stages)
         def _():
-          nodes = (batch, pl.ds((step - cache_steps) * block_keys, block_keys), kv_head)
-          load(tree_k_ref.at[nodes], tree_v_ref.at[nodes])
+          plgpu.barrier_wait(free.at[slot])
+
+        @pl.when(step < cache_steps)
+        def _():
+          plgpu.copy_gmem_to_smem(cache_ref.at[cache_slots], ring.at[slot], full.at[slot])
+
+        if tree_steps:
+
+          @pl.when(step >= cache_steps)
+          def _():
+            plgpu.copy_gmem_to_smem(tree_ref.at[tree_nodes], ring.at[slot], full.at[slot])
+
+      refill(key_ring, key_full, key_free, cache_k_ref, tree_k_ref if tree_steps else None)
+      refill(value_ring, value_full, value_free, cache_v_ref, tree_v_ref if tree_steps else None)
 
     observe_last_releases([key_free, value_free], num_steps, stages)
 
@@ -356,7 +357,9 @@ def _heads_of_rows(x: jax.Array, n: int, heads: int) -> jax.Array:
 def _splits(other_programs: int, capacity: int, config: TreeAttentionMosaicConfig) -> int:
   if config.splits is not None:
     return config.splits
-  by_occupancy = -(-config.target_programs // other_programs)
+  # Rounded down: a program fills an SM's shared memory, so programs past `target_programs`
+  # (the SMs) would run as a second, mostly idle wave.
+  by_occupancy = config.target_programs // other_programs
   by_length = max(1, capacity // (2 * config.block_keys))
   return max(1, min(by_occupancy, by_length))
 
