@@ -277,3 +277,11 @@ def test_lowers_for_an_h100(n, heads, kv_heads, config, with_tree, monkeypatch):
   assert 0 < allocations[-1] <= H100_SHARED_MEMORY
   # The kernel's own estimate (which its check compares with the limit) is within alignment.
   assert allocations[-1] - shared_memory_bytes(128, n if with_tree else 0, dtype, config) <= 1024
+
+
+@pytest.mark.slow
+def test_llm_heads_in_interpret_mode():
+  """32 query / 8 KV heads of 128 and a 69-node tree (276 rows per KV head: 3 row groups of
+  2 tiles) over a 264-slot cache, with the default tiling."""
+  inputs = make_inputs(47, batch=1, n=69, heads=32, kv_heads=8, head_dim=128, capacity=264, cache_length=[250])
+  _check(_bf16(inputs))
