@@ -59,6 +59,7 @@ from pallas_kernels.mosaic_common import observe_last_releases, operand_smem, pr
 from pallas_kernels.mosaic_compiler_params import compiler_params
 from pallas_kernels.mosaic_kernel_cache import share_identical_kernels
 from pallas_kernels.split_k import merge_split_states
+from pallas_kernels.tree_attention.rows import heads_of_rows, rows_of_heads
 from pallas_kernels.tree_attention.config import (
   MOSAIC_TILE_ROWS,
   PRODUCER_REGISTERS,
@@ -338,22 +339,6 @@ def _scratch(*, head_dim: int, dtype, tree_steps: int, config: TreeAttentionMosa
   ]
 
 
-def _rows_of_heads(x: jax.Array, kv_heads: int) -> jax.Array:
-  """[batch, n, heads, d] -> [batch, kv_heads, n * group, d]; row r = node r // group."""
-  batch, n, heads, head_dim = x.shape
-  grouped = x.reshape(batch, n, kv_heads, heads // kv_heads, head_dim)
-  return grouped.transpose(0, 2, 1, 3, 4).reshape(batch, kv_heads, n * (heads // kv_heads), head_dim)
-
-
-def _heads_of_rows(x: jax.Array, n: int, heads: int) -> jax.Array:
-  """Inverse of `_rows_of_heads` on the first n * group rows; [..., d] or without d."""
-  batch, kv_heads = x.shape[:2]
-  group = heads // kv_heads
-  tail = x.shape[3:]
-  grouped = x[:, :, : n * group].reshape(batch, kv_heads, n, group, *tail)
-  return jnp.moveaxis(grouped, 1, 2).reshape(batch, n, heads, *tail)
-
-
 def _splits(other_programs: int, capacity: int, config: TreeAttentionMosaicConfig) -> int:
   if config.splits is not None:
     return config.splits
@@ -418,7 +403,7 @@ def tree_attention_mosaic(
   tiles = -(-rows // MOSAIC_TILE_ROWS)
   row_groups = -(-tiles // consumers)
   padded_rows = row_groups * consumers * MOSAIC_TILE_ROWS
-  q_rows = jnp.pad(_rows_of_heads(q, kv_heads), ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
+  q_rows = jnp.pad(rows_of_heads(q, kv_heads), ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
   lengths = jnp.broadcast_to(jnp.asarray(cache_length, jnp.int32), (batch,))
   if capacity < block_keys:
     # A cache smaller than one block: padded (a copy of under block_keys slots per row).
@@ -441,7 +426,6 @@ def tree_attention_mosaic(
     bias = bias.reshape(batch, padded_rows, tree_steps, block_keys).transpose(0, 2, 1, 3)
     inputs += [jnp.pad(tree_k, node_padding), jnp.pad(tree_v, node_padding), bias]
 
-  interpreted = interpret
   kernel = functools.partial(
     _kernel,
     scale=head_dim**-0.5,
@@ -451,7 +435,7 @@ def tree_attention_mosaic(
     consumers=consumers,
     consumer_registers=config.consumer_registers,
     tree_steps=tree_steps,
-    interpreted=interpreted,
+    interpreted=interpret,
   )
   state = jax.ShapeDtypeStruct((splits, batch, kv_heads, padded_rows), jnp.float32)
   out_type = (jax.ShapeDtypeStruct((splits, batch, kv_heads, padded_rows, head_dim), jnp.float32), state, state)
@@ -460,7 +444,7 @@ def tree_attention_mosaic(
     kernel,
     out_type=out_type,
     scratch_types=_scratch(
-      head_dim=head_dim, dtype=q.dtype, tree_steps=tree_steps, config=config, interpreted=interpreted
+      head_dim=head_dim, dtype=q.dtype, tree_steps=tree_steps, config=config, interpreted=interpret
     ),
     # The row groups launch fastest: programs in flight at once read the same cache range.
     grid=(batch, kv_heads, splits, row_groups),
@@ -473,4 +457,4 @@ def tree_attention_mosaic(
     interpret=plgpu.InterpretGPUParams() if interpret else None,
   )(*inputs)
   out, lse = merge_split_states(maxima, sums, accs)
-  return _heads_of_rows(out, n, heads).astype(q.dtype), _heads_of_rows(lse, n, heads)
+  return heads_of_rows(out, n, heads).astype(q.dtype), heads_of_rows(lse, n, heads)
