@@ -15,8 +15,8 @@ per call is reported (the dispatch of the whole function spread over them). Rows
     hybrid split;
   - each of `--impls` (default: the op's implementations, `castle_jax.ops.tree_attention.IMPLEMENTATIONS`,
     but "reference"): "xla", `tree_attention(implementation="xla")`, cache part over the
-    capacity (masked by the length) + tree part + LSE merge; "triton", the Pallas kernel
-    (and each --kernel_configs tiling);
+    capacity (masked by the length) + tree part + LSE merge; "triton" and "mosaic", the
+    Pallas kernels (and each --kernel_configs tiling);
   - decode rows, n = 1 (a single-token step over the same cache): the model's previous
     masked step, the op's cache part by each of `--impls`, and cuDNN
     (`jax.nn.dot_product_attention` with the key length) where it runs.
@@ -71,9 +71,9 @@ def parse_args(argv):
   )
   parser.add_argument(
     "--kernel_configs",
-    type=cl.parsed_by(lambda text: kernel_configs(text, KERNEL_CONFIGS), "';'-separated 'triton:key=value,...'"),
+    type=cl.parsed_by(lambda text: kernel_configs(text, KERNEL_CONFIGS), "';'-separated 'impl:key=value,...'"),
     default="",
-    help="extra tilings, ';'-separated 'triton:key=value,...' (a row each)",
+    help="extra tilings, ';'-separated 'triton:key=value,...' or 'mosaic:key=value,...' (a row each)",
   )
   parser.add_argument("--smoke", action="store_true", help="tiny shapes, one timed call: checks the harness runs")
   parser.add_argument("--out", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")

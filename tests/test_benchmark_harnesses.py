@@ -13,7 +13,7 @@ from benchmarks import castle_attention, gca_attention, power_attention, tree_at
     (castle_attention, ["castle_xla", "castle_triton", "castle_mosaic", "mha_xla"]),
     (power_attention, ["xla[c=64]", "triton[c=64]", "xla_mha"]),
     (gca_attention, ["gca_xla", "gca_triton", "gca_mosaic", "dense_same_work_xla", "window_64_xla"]),
-    (tree_attention, ["xla", "triton", "xla cache part", "triton cache part"]),
+    (tree_attention, ["xla", "triton", "mosaic", "xla cache part", "triton cache part", "mosaic cache part"]),
   ],
 )
 def test_smoke_run_times_every_implementation(harness, rows, capsys):

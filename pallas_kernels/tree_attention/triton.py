@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.config_checks import SMALLEST_TILE, is_power_of_two, next_power_of_two
 from pallas_kernels.split_k import merge_split_states
+from pallas_kernels.tree_attention.rows import heads_of_rows, rows_of_heads
 from pallas_kernels.tree_attention.config import TreeAttentionTritonConfig
 
 # 64-row blocks measured faster than 128 on an H100 (138 rows run as 3 x 64 instead of
@@ -141,23 +142,6 @@ def _kernel(
   acc_ref[...] = acc
 
 
-def _rows_of_heads(x: jax.Array, kv_heads: int) -> jax.Array:
-  """[batch, n, heads, d] -> [batch, kv_heads, n * group, d]; row r = node r // group."""
-  batch, n, heads, head_dim = x.shape
-  grouped = x.reshape(batch, n, kv_heads, heads // kv_heads, head_dim)
-  return grouped.transpose(0, 2, 1, 3, 4).reshape(batch, kv_heads, n * (heads // kv_heads), head_dim)
-
-
-def _heads_of_rows(x: jax.Array, n: int, heads: int) -> jax.Array:
-  """Inverse of `_rows_of_heads` on the first n * group rows; [..., d] or without d."""
-  batch, kv_heads = x.shape[:2]
-  group = heads // kv_heads
-  tail = x.shape[3:]
-  grouped = x[:, :, : n * group].reshape(batch, kv_heads, n, group, *tail)
-  moved = jnp.moveaxis(grouped, 1, 2)  # [batch, n, kv_heads, group, ...]
-  return moved.reshape(batch, n, heads, *tail)
-
-
 def tree_attention_triton(
   q: jax.Array,
   cache_k: jax.Array,
@@ -196,7 +180,7 @@ def tree_attention_triton(
   row_blocks = -(-rows // block_rows)
   padded_rows = row_blocks * block_rows
   splits = _splits(row_blocks * batch * kv_heads, capacity, config)
-  q_rows = jnp.pad(_rows_of_heads(q, kv_heads), ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
+  q_rows = jnp.pad(rows_of_heads(q, kv_heads), ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
   lengths = jnp.broadcast_to(jnp.asarray(cache_length, jnp.int32), (batch,))
 
   def program(r, s, b, h):
@@ -248,4 +232,4 @@ def tree_attention_triton(
     name="tree_attention",
   )(*inputs)
   out, lse = merge_split_states(maxima, sums, accs)
-  return _heads_of_rows(out, n, heads).astype(q.dtype), _heads_of_rows(lse, n, heads)
+  return heads_of_rows(out, n, heads).astype(q.dtype), heads_of_rows(lse, n, heads)

@@ -14,6 +14,12 @@ the tree mask (itself and its ancestors, `tree_mask_from_parents`).
     with the masked tree tile folded into the last split, partial states merged in XLA.
     Power-of-two head dims >= 16. Runs in interpret mode on CPU (slow: for tests).
     `kernel_config` a `TreeAttentionTritonConfig`.
+  - "mosaic": the same on Pallas Mosaic GPU (Hopper: wgmma + TMA), for LLM heads: one
+    program reads its cache range once for several 64-row tiles of a KV head's rows
+    (`pallas_kernels/tree_attention/mosaic.py`). bfloat16/float16 inputs of one dtype, head
+    dim 64 or 128, a cache capacity that is a multiple of 8 (or under one key block). Runs in GPU
+    interpret mode on CPU (slow: for tests). `kernel_config` a `TreeAttentionMosaicConfig`.
+    Opt-in only: not yet timed against "triton", so the default never picks it.
   - None: "triton" on a GPU where it takes the head dim, else "xla"
     (`castle_jax.ops.backend.choose`, logged at debug level).
 
@@ -39,28 +45,51 @@ from castle_jax.ops.backend import Implementation, choose, rejects_renamed_argum
 from castle_jax.sharding import KV_SEQUENCE_HEADS_AXES, SEQUENCE_HEADS_AXES, map_over_shards
 from castle_jax.ops.tree_attention.reference import cache_attention_reference, tree_attention_reference
 from castle_jax.ops.tree_attention.xla import cache_attention as split_cache_attention, hybrid_tree_attention
-from pallas_kernels.tree_attention import TreeAttentionTritonConfig, supports_head_dim, tree_attention_triton
+from pallas_kernels.tree_attention import (
+  TreeAttentionMosaicConfig,
+  TreeAttentionTritonConfig,
+  mosaic_unsupported_reason,
+  supports_head_dim,
+  tree_attention_mosaic,
+  tree_attention_triton,
+)
 
-IMPLEMENTATIONS = ("reference", "xla", "triton")
+IMPLEMENTATIONS = ("reference", "xla", "triton", "mosaic")
+# "mosaic" is left out until it is measured faster than "triton": only an explicit choice runs it.
 _DEFAULT_ORDER = ("triton", "xla")
 # The kernel config type of each kernel implementation (`kernel_config=`).
-KERNEL_CONFIGS = {"triton": TreeAttentionTritonConfig}
+KERNEL_CONFIGS = {"triton": TreeAttentionTritonConfig, "mosaic": TreeAttentionMosaicConfig}
+_KERNELS = {"triton": tree_attention_triton, "mosaic": tree_attention_mosaic}
 
 
-def _implementations(head_dim: int) -> dict[str, Implementation]:
+def _implementations(q: jax.Array, kv_arrays, kernel_config) -> dict[str, Implementation]:
+  """The table for these inputs; `kv_arrays`: cache_k, cache_v and (for the tree) tree_k, tree_v."""
+  head_dim = q.shape[-1]
+
   def triton_unsupported() -> str | None:
     if supports_head_dim(head_dim):
       return None
     return f"the kernel needs a power-of-two head_dim >= 16, got {head_dim} (use implementation='xla')"
 
+  def mosaic_unsupported() -> str | None:
+    return mosaic_unsupported_reason(
+      head_dim=head_dim,
+      dtype=q.dtype,
+      kv_dtypes=[x.dtype for x in kv_arrays],
+      tree_nodes=q.shape[1] if len(kv_arrays) > 2 else 0,
+      capacity=kv_arrays[0].shape[1],
+      config=kernel_config if isinstance(kernel_config, TreeAttentionMosaicConfig) else None,
+    )
+
   return {
     "reference": Implementation(),
     "xla": Implementation(),
     "triton": Implementation(triton_unsupported, default_backends=("gpu",), config_type=TreeAttentionTritonConfig),
+    "mosaic": Implementation(mosaic_unsupported, default_backends=("gpu",), config_type=TreeAttentionMosaicConfig),
   }
 
 
-def _triton(
+def _kernel(
   q,
   cache_k,
   cache_v,
@@ -69,9 +98,11 @@ def _triton(
   tree_v=None,
   tree_mask=None,
   *,
-  config: TreeAttentionTritonConfig | None,
+  implementation: str,
+  config: TreeAttentionTritonConfig | TreeAttentionMosaicConfig | None,
 ):
-  """The kernel, per shard of batch rows and heads under a device mesh."""
+  """The kernel of `implementation` ("triton" or "mosaic"), per shard of batch rows and heads
+  under a device mesh."""
   interpret = jax.default_backend() == "cpu"
   cache_length = jnp.asarray(cache_length, jnp.int32)
   args = [q, cache_k, cache_v, cache_length]
@@ -86,7 +117,7 @@ def _triton(
     axes += [KV_SEQUENCE_HEADS_AXES, KV_SEQUENCE_HEADS_AXES, ("batch", None, None) if tree_mask.ndim == 3 else None]
 
   def run(*shard_args):
-    return tree_attention_triton(*shard_args, config=config, interpret=interpret)
+    return _KERNELS[implementation](*shard_args, config=config, interpret=interpret)
 
   return map_over_shards(run, args, axes, [SEQUENCE_HEADS_AXES, ("batch", None, "act_heads")], what="tree_attention")
 
@@ -166,7 +197,7 @@ def cache_attention(
   cache_length: jax.Array,
   *,
   implementation: str | None = None,
-  kernel_config: TreeAttentionTritonConfig | None = None,
+  kernel_config: TreeAttentionTritonConfig | TreeAttentionMosaicConfig | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Attention of n queries over the filled slots of a cache, with its log-sum-exp.
 
@@ -178,9 +209,9 @@ def cache_attention(
     cache_k, cache_v: [batch, capacity, kv_heads, head_dim]; heads % kv_heads == 0.
       Slots >= cache_length are ignored.
     cache_length: int32 scalar or [batch], 0 .. capacity (may be traced under jit).
-    implementation: "reference" (dense, masked by the length), "xla", "triton" or None
-      (see module docstring).
-    kernel_config: the kernel's tiling for "triton" (None: its default).
+    implementation: "reference" (dense, masked by the length), "xla", "triton", "mosaic"
+      or None (see module docstring).
+    kernel_config: the kernel's tiling for "triton" or "mosaic" (None: its default).
 
   Returns:
     out: [batch, n, heads, head_dim] in q's dtype; 0 for an empty cache.
@@ -192,12 +223,16 @@ def cache_attention(
   """
   _validate_cache_inputs(q, cache_k, cache_v, cache_length)
   implementation = choose(
-    "cache_attention", implementation, _implementations(q.shape[-1]), _DEFAULT_ORDER, kernel_config=kernel_config
+    "cache_attention",
+    implementation,
+    _implementations(q, (cache_k, cache_v), kernel_config),
+    _DEFAULT_ORDER,
+    kernel_config=kernel_config,
   )
   if implementation == "reference":
     return cache_attention_reference(q, cache_k, cache_v, cache_length)
-  if implementation == "triton":
-    return _triton(q, cache_k, cache_v, cache_length, config=kernel_config)
+  if implementation in _KERNELS:
+    return _kernel(q, cache_k, cache_v, cache_length, implementation=implementation, config=kernel_config)
   return split_cache_attention(q, cache_k, cache_v, cache_length)
 
 
@@ -213,7 +248,7 @@ def tree_attention(
   *,
   implementation: str | None = None,
   return_lse: bool = False,
-  kernel_config: TreeAttentionTritonConfig | None = None,
+  kernel_config: TreeAttentionTritonConfig | TreeAttentionMosaicConfig | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Drafted tree nodes attend to the committed cache and to their own branch.
 
@@ -231,7 +266,7 @@ def tree_attention(
       node i sees node j (`tree_mask_from_parents`).
     implementation: one of IMPLEMENTATIONS or None (see module docstring).
     return_lse: also return the log-sum-exp, e.g. to merge with more key groups.
-    kernel_config: the kernel's tiling for "triton" (None: its default).
+    kernel_config: the kernel's tiling for "triton" or "mosaic" (None: its default).
 
   Returns:
     out [batch, n, heads, head_dim] in q's dtype; with return_lse, (out, lse) with
@@ -244,10 +279,14 @@ def tree_attention(
   _validate_cache_inputs(q, cache_k, cache_v, cache_length)
   _validate_tree_inputs(q, cache_k, tree_k, tree_v, tree_mask)
   implementation = choose(
-    "tree_attention", implementation, _implementations(q.shape[-1]), _DEFAULT_ORDER, kernel_config=kernel_config
+    "tree_attention",
+    implementation,
+    _implementations(q, (cache_k, cache_v, tree_k, tree_v), kernel_config),
+    _DEFAULT_ORDER,
+    kernel_config=kernel_config,
   )
-  if implementation == "triton":
-    run = functools.partial(_triton, config=kernel_config)
+  if implementation in _KERNELS:
+    run = functools.partial(_kernel, implementation=implementation, config=kernel_config)
   else:
     run = tree_attention_reference if implementation == "reference" else hybrid_tree_attention
   out, lse = run(q, cache_k, cache_v, cache_length, tree_k, tree_v, tree_mask)

@@ -83,8 +83,9 @@ def test_one_compiled_function_serves_traced_lengths_and_trees():
   assert_close(scalar(**inputs), reference(**inputs))
 
 
-# The kernel needs head dims >= 16: test_triton.py poisons its empty slots.
-@pytest.mark.parametrize("implementation", [name for name in IMPLEMENTATIONS if name != "triton"])
+# The kernels need head dims >= 16 (Mosaic: 64 or 128, 16-bit inputs): test_triton.py and
+# test_mosaic.py poison their empty slots.
+@pytest.mark.parametrize("implementation", [name for name in IMPLEMENTATIONS if name not in ("triton", "mosaic")])
 def test_empty_slots_do_not_leak(implementation):
   """Slots at or beyond each row's length hold huge values: the output must not move."""
   inputs = make_inputs(5, cache_length=[3, 8])
