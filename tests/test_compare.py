@@ -101,7 +101,7 @@ def test_interval_and_paired_test_equal_hand_computed_values(tmp_path, capsys, m
     f"{_t_distribution_p_3(t):.3g}",
     "-",
   ]
-  assert "at 20.0 s of training (interpolated)" in out
+  assert "at 20.0 s of training after the first step (interpolated)" in out
 
   # A second comparison never replaces the first.
   assert _run(capsys, a, b, "--metric=bits_per_byte")[0] == 0
@@ -134,6 +134,22 @@ def test_unpaired_difference_is_welch():
   from scipy import stats
 
   assert result["p"] == pytest.approx(2 * stats.t.sf(result["t"], degrees), rel=1e-12)
+
+
+def test_equal_time_counts_from_the_end_of_the_first_step(tmp_path, capsys):
+  # Step 1 holds the compilation: 2 s in one arm, 12 s (a fresh compile) in the other. Counted
+  # from its end, both arms evaluate at 10 and 20 s; counted from the start, the second arm's
+  # evaluations would be at 20 and 30 s and the comparison at 20 s would pit its first
+  # evaluation against the first arm's last.
+  cached = {k: [(1, 9.0, 2.0), (10, 3.0 + k, 12.0), (20, 2.0 + k, 22.0)] for k in range(2)}
+  fresh = {k: [(1, 9.0, 12.0), (10, 2.5 + k, 22.0), (20, 1.5 + k, 32.0)] for k in range(2)}
+  a, b = _write_arm(tmp_path / "cached", cached), _write_arm(tmp_path / "fresh", fresh)
+  assert _run(capsys, a, b)[0] == 0
+  equal_time = json.load(open(tmp_path / "cached" / "compare" / "compare_eval_loss.json"))["equal_time"]
+  assert equal_time["seconds"] == 20.0
+  assert equal_time["arms"][0]["values"] == {"0": 2.0, "1": 3.0}
+  assert equal_time["arms"][1]["values"] == {"0": 1.5, "1": 2.5}
+  assert equal_time["arms"][1]["difference"]["mean"] == pytest.approx(-0.5)
 
 
 def test_equal_time_interpolates_each_seed_at_the_time_every_seed_reached(tmp_path, capsys):

@@ -21,10 +21,13 @@ reach p < 0.05), the Wilcoxon signed-rank p.
 Two comparisons:
   equal tokens: at the same number of training tokens (step x data.batch_size x data.seq_len):
     the last evaluation every seed of every arm has, or `--at_tokens`;
-  equal time: at the same training time (`elapsed_s` of the records: wall-clock seconds of
-    training, evaluation left out), each seed's evaluations interpolated linearly: at the
-    time every seed has reached, or `--at_seconds`. Times compare only runs on the same kind
-    of device, trained the same way (a note says when the arms' seeds ran differently).
+  equal time: at the same training time after the first step (`elapsed_s` of the records,
+    wall-clock seconds of training with evaluation left out, less that of step 1, which holds
+    the compilation: in a short run, compile times that differ between arms, or between a
+    fresh compile and a cached one, would otherwise decide it), each seed's evaluations
+    interpolated linearly: at the time every seed has reached, or `--at_seconds`. Times
+    compare only runs on the same kind of device, trained the same way (a note says when the
+    arms' seeds ran differently).
 
 Arms must be evaluated on the same data (the same dataset, eval split, tokenizer, sequence
 length, batch size, eval batches and task) and, for pairs, read the same data order for the
@@ -92,7 +95,7 @@ class Point:
 
   step: int
   tokens: int
-  seconds: float | None  # training time at that step (`elapsed_s`); None: not recorded
+  seconds: float | None  # training time at that step after the first (`elapsed_s`); None: not recorded
   value: float
 
 
@@ -218,9 +221,20 @@ def _records(seed_dir: str, split: str) -> dict[int, dict[str, Any]]:
   return {r["step"]: r for r in sorted(records, key=lambda r: r["step"]) if r.get("split") == split}
 
 
+def _first_step_seconds(seed_dir: str) -> float:
+  """elapsed_s of the seed's step 1, the step that compiles the training program (0 when its
+  record is missing): training times are counted from its end."""
+  return _records(seed_dir, "train").get(1, {}).get("elapsed_s", 0.0)
+
+
+def _after_first_step(seconds: float | None, first_step_seconds: float) -> float | None:
+  return None if seconds is None else seconds - first_step_seconds
+
+
 def _points_from_metrics(seed_dir: str, key: str, tokens_per_step: int) -> list[Point]:
+  first = _first_step_seconds(seed_dir)
   return [
-    Point(step, step * tokens_per_step, record.get("elapsed_s"), float(record[key]))
+    Point(step, step * tokens_per_step, _after_first_step(record.get("elapsed_s"), first), float(record[key]))
     for step, record in _records(seed_dir, "eval").items()
     if key in record
   ]
@@ -248,7 +262,7 @@ def _points_from_results(
       by_step[record["step"]] = record
   if not by_step:
     return [], {}, length
-  seconds = _train_seconds(seed_dir)
+  seconds, first = _train_seconds(seed_dir), _first_step_seconds(seed_dir)
   points, eval_set = [], {}
   for step in sorted(by_step):
     record = by_step[step]
@@ -262,7 +276,7 @@ def _points_from_results(
       length, row = chosen, rows[chosen]
     else:
       row = record["overall"]
-    points.append(Point(step, step * tokens_per_step, seconds.get(step), float(row[key])))
+    points.append(Point(step, step * tokens_per_step, _after_first_step(seconds.get(step), first), float(row[key])))
     settings = {f"{source} {name}": record.get(name) for name in _RESULTS_EVAL_SET[source]}
     if eval_set and settings != eval_set:
       raise CompareError(
@@ -517,7 +531,7 @@ def plot(path: str, arms: list[Arm], metric: str, equal_time: dict[str, Any] | N
       axes[0][1].fill_between(x, low, high, alpha=0.2)
   axes[0][0].set_xlabel("training tokens")
   if equal_time is not None:
-    axes[0][1].set_xlabel("training time (s)")
+    axes[0][1].set_xlabel("training time after the first step (s)")
   for axis in axes[0]:
     axis.set_ylabel(metric)
     axis.grid(True, alpha=0.3)
@@ -595,7 +609,9 @@ def _main(argv: Sequence[str]) -> None:
   tables = [format_comparison(f"{what} at {equal_tokens['tokens']:,} training tokens ({steps}); {kind}", equal_tokens)]
   if equal_time is not None:
     tables.append(
-      format_comparison(f"{what} at {equal_time['seconds']:.1f} s of training (interpolated); {kind}", equal_time)
+      format_comparison(
+        f"{what} at {equal_time['seconds']:.1f} s of training after the first step (interpolated); {kind}", equal_time
+      )
     )
   for note in notes:
     print(f"note: {note}")
