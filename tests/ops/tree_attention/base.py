@@ -32,6 +32,43 @@ xla = jax.jit(functools.partial(tree_attention, implementation="xla", return_lse
 jit_cache_attention = jax.jit(cache_attention, static_argnames="implementation")
 
 
+def jitted_kernel(implementation: str, default_config=None):
+  """`tree_attention(..., implementation=implementation, return_lse=True)` compiled per
+  shape and kernel config (`config=`, default `default_config`)."""
+
+  @functools.partial(jax.jit, static_argnames="config")
+  def run(q, cache_k, cache_v, cache_length, tree_k, tree_v, tree_mask, config=default_config):
+    return tree_attention(
+      q,
+      cache_k,
+      cache_v,
+      cache_length,
+      tree_k,
+      tree_v,
+      tree_mask,
+      implementation=implementation,
+      return_lse=True,
+      kernel_config=config,
+    )
+
+  return run
+
+
+def full_random_inputs(seed: int, batch: int, n: int, heads: int, kv_heads: int, head_dim: int, capacity: int, dtype):
+  """Normal q, a full cache of `capacity` slots and a random tree of n nodes, in `dtype`:
+  the GPU tests' inputs at real sizes (they set the cache lengths themselves)."""
+  keys = jax.random.split(jax.random.key(seed), 5)
+  normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(dtype)
+  return dict(
+    q=normal(keys[0], (batch, n, heads, head_dim)),
+    cache_k=normal(keys[1], (batch, capacity, kv_heads, head_dim)),
+    cache_v=normal(keys[2], (batch, capacity, kv_heads, head_dim)),
+    tree_k=normal(keys[3], (batch, n, kv_heads, head_dim)),
+    tree_v=normal(keys[4], (batch, n, kv_heads, head_dim)),
+    tree_mask=jnp.asarray(numpy_ancestors(random_parents(np.random.default_rng(seed), n))),
+  )
+
+
 jit_masked_tree_attention = jax.jit(masked_tree_attention)
 
 

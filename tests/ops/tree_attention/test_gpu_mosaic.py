@@ -21,28 +21,13 @@ import pytest
 from castle_jax.ops.tree_attention import cache_attention, tree_attention, tree_attention_reference
 from pallas_kernels.tree_attention import TreeAttentionMosaicConfig
 from helpers import rel_err
-from ops.tree_attention.base import numpy_ancestors
+from ops.tree_attention.base import full_random_inputs
 
 pytestmark = pytest.mark.gpu
 
 TOLERANCE = {jnp.float16: 5e-3, jnp.bfloat16: 1e-2}
 # Capacities a multiple of 8 (the kernel needs it) and not of the 64- or 128-slot block.
 HEADROOM = 264
-
-
-def _inputs(seed, batch, n, heads, kv_heads, head_dim, capacity, dtype):
-  keys = jax.random.split(jax.random.key(seed), 6)
-  normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(dtype)
-  rng = np.random.default_rng(seed)
-  parents = np.array([-1] + [rng.integers(0, i) for i in range(1, n)], np.int32)
-  return dict(
-    q=normal(keys[0], (batch, n, heads, head_dim)),
-    cache_k=normal(keys[1], (batch, capacity, kv_heads, head_dim)),
-    cache_v=normal(keys[2], (batch, capacity, kv_heads, head_dim)),
-    tree_k=normal(keys[3], (batch, n, kv_heads, head_dim)),
-    tree_v=normal(keys[4], (batch, n, kv_heads, head_dim)),
-    tree_mask=jnp.asarray(numpy_ancestors(parents)),
-  )
 
 
 def _expected(inputs, lengths):
@@ -72,7 +57,9 @@ def _check(inputs, lengths, dtype, config=None):
 @pytest.mark.parametrize("length", [4096, 16384, 32768])
 def test_llm_verification_shape(length, heads):
   capacity = length + HEADROOM
-  inputs = _inputs(0, batch=2, n=69, heads=heads, kv_heads=8, head_dim=128, capacity=capacity, dtype=jnp.bfloat16)
+  inputs = full_random_inputs(
+    0, batch=2, n=69, heads=heads, kv_heads=8, head_dim=128, capacity=capacity, dtype=jnp.bfloat16
+  )
   lengths = [capacity, length // 2 + 37]
   out, lse = _check(inputs, lengths, jnp.bfloat16)
   triton = jax.jit(functools.partial(tree_attention, implementation="triton", return_lse=True))
@@ -93,12 +80,14 @@ def test_llm_verification_shape(length, heads):
 )
 def test_tilings(config):
   capacity = 16384 + HEADROOM
-  inputs = _inputs(1, batch=2, n=69, heads=32, kv_heads=8, head_dim=128, capacity=capacity, dtype=jnp.bfloat16)
+  inputs = full_random_inputs(
+    1, batch=2, n=69, heads=32, kv_heads=8, head_dim=128, capacity=capacity, dtype=jnp.bfloat16
+  )
   _check(inputs, [capacity, 9001], jnp.bfloat16, config)
 
 
 def test_decoding_step_ragged_rows_and_cache_part():
-  inputs = _inputs(2, batch=3, n=1, heads=32, kv_heads=8, head_dim=128, capacity=5000, dtype=jnp.bfloat16)
+  inputs = full_random_inputs(2, batch=3, n=1, heads=32, kv_heads=8, head_dim=128, capacity=5000, dtype=jnp.bfloat16)
   lengths = jnp.asarray([0, 4999, 37], jnp.int32)
   _check(inputs, lengths, jnp.bfloat16)
   args = (inputs["q"], inputs["cache_k"], inputs["cache_v"], lengths)
@@ -114,5 +103,5 @@ def test_decoding_step_ragged_rows_and_cache_part():
 
 
 def test_float16_at_head_dim_64():
-  inputs = _inputs(3, batch=1, n=69, heads=8, kv_heads=4, head_dim=64, capacity=8192, dtype=jnp.float16)
+  inputs = full_random_inputs(3, batch=1, n=69, heads=8, kv_heads=4, head_dim=64, capacity=8192, dtype=jnp.float16)
   _check(inputs, [8000], jnp.float16)

@@ -17,26 +17,11 @@ import pytest
 from castle_jax.ops.tree_attention import cache_attention, tree_attention, tree_attention_reference
 from pallas_kernels.tree_attention import TreeAttentionTritonConfig
 from helpers import rel_err
-from ops.tree_attention.base import numpy_ancestors
+from ops.tree_attention.base import full_random_inputs
 
 pytestmark = pytest.mark.gpu
 
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}
-
-
-def _inputs(seed, batch, n, heads, kv_heads, head_dim, capacity, dtype):
-  keys = jax.random.split(jax.random.key(seed), 6)
-  normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(dtype)
-  parents = np.array([-1] + [np.random.default_rng(seed).integers(0, i) for i in range(1, n)], np.int32)
-  mask = numpy_ancestors(parents)
-  return dict(
-    q=normal(keys[0], (batch, n, heads, head_dim)),
-    cache_k=normal(keys[1], (batch, capacity, kv_heads, head_dim)),
-    cache_v=normal(keys[2], (batch, capacity, kv_heads, head_dim)),
-    tree_k=normal(keys[3], (batch, n, kv_heads, head_dim)),
-    tree_v=normal(keys[4], (batch, n, kv_heads, head_dim)),
-    tree_mask=jnp.asarray(mask),
-  )
 
 
 def _check(inputs, lengths, dtype, config=None):
@@ -64,13 +49,13 @@ def _check(inputs, lengths, dtype, config=None):
   ids=["default", "small", "large"],
 )
 def test_target_verification_shape(dtype, config):
-  inputs = _inputs(0, batch=2, n=69, heads=8, kv_heads=4, head_dim=64, capacity=16384 + 300, dtype=dtype)
+  inputs = full_random_inputs(0, batch=2, n=69, heads=8, kv_heads=4, head_dim=64, capacity=16384 + 300, dtype=dtype)
   _check(inputs, [16384 + 300, 9000], dtype, config)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_decoding_step_and_ragged_rows(dtype):
-  inputs = _inputs(1, batch=3, n=1, heads=8, kv_heads=4, head_dim=64, capacity=5000, dtype=dtype)
+  inputs = full_random_inputs(1, batch=3, n=1, heads=8, kv_heads=4, head_dim=64, capacity=5000, dtype=dtype)
   lengths = jnp.asarray([0, 4999, 37], jnp.int32)
   _check(inputs, lengths, dtype)
   out, lse = jax.jit(functools.partial(cache_attention, implementation="triton"))(
@@ -85,5 +70,5 @@ def test_decoding_step_and_ragged_rows(dtype):
 
 
 def test_plain_heads_of_128():
-  inputs = _inputs(2, batch=1, n=40, heads=4, kv_heads=4, head_dim=128, capacity=3000, dtype=jnp.bfloat16)
+  inputs = full_random_inputs(2, batch=1, n=40, heads=4, kv_heads=4, head_dim=128, capacity=3000, dtype=jnp.bfloat16)
   _check(inputs, [2999], jnp.bfloat16)

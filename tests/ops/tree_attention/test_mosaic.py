@@ -27,7 +27,7 @@ import pytest
 
 from castle_jax.ops.tree_attention import cache_attention, tree_attention, tree_attention_reference
 from helpers import assert_close, lowered_for_h100
-from ops.tree_attention.base import SPLIT_CONFIGS, make_inputs, upcast
+from ops.tree_attention.base import SPLIT_CONFIGS, jitted_kernel, make_inputs, upcast
 from pallas_kernels.tree_attention import TreeAttentionMosaicConfig, tree_attention_mosaic
 from pallas_kernels.tree_attention.mosaic import shared_memory_bytes
 
@@ -40,20 +40,7 @@ reference = jax.jit(tree_attention_reference)
 H100_SHARED_MEMORY = 227 * 1024
 
 
-@functools.partial(jax.jit, static_argnames="config")
-def mosaic(q, cache_k, cache_v, cache_length, tree_k, tree_v, tree_mask, config=None):
-  return tree_attention(
-    q,
-    cache_k,
-    cache_v,
-    cache_length,
-    tree_k,
-    tree_v,
-    tree_mask,
-    implementation="mosaic",
-    return_lse=True,
-    kernel_config=config,
-  )
+mosaic = jitted_kernel("mosaic")
 
 
 def _check(inputs, config=None, dtype=jnp.bfloat16):

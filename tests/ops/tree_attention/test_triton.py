@@ -23,7 +23,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 from castle_jax.ops.tree_attention import cache_attention, tree_attention, tree_attention_reference
 from pallas_kernels.tree_attention import TreeAttentionTritonConfig, tree_attention_triton
 from helpers import assert_close
-from ops.tree_attention.base import make_inputs, upcast
+from ops.tree_attention.base import jitted_kernel, make_inputs, upcast
 
 pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
 
@@ -33,20 +33,7 @@ SMALL_TILES = TreeAttentionTritonConfig(block_rows=16, block_keys=16, splits=3)
 reference = jax.jit(tree_attention_reference)
 
 
-@functools.partial(jax.jit, static_argnames="config")
-def pallas(q, cache_k, cache_v, cache_length, tree_k, tree_v, tree_mask, config=SMALL_TILES):
-  return tree_attention(
-    q,
-    cache_k,
-    cache_v,
-    cache_length,
-    tree_k,
-    tree_v,
-    tree_mask,
-    implementation="triton",
-    return_lse=True,
-    kernel_config=config,
-  )
+pallas = jitted_kernel("triton", SMALL_TILES)
 
 
 CONFIGS = [
