@@ -20,6 +20,10 @@ from configs import drt_tiny, swa_tiny
 from helpers import tiny_run
 from train.trainer import train
 
+# Its module-scoped fixtures are costly (trained models, compiled steps): one worker runs the
+# whole module under `--dist loadgroup`, so they are built once.
+pytestmark = pytest.mark.xdist_group("test_eval_cli")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 DRT_SETTINGS = {

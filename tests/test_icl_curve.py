@@ -22,6 +22,10 @@ from configs import tiny, tiny_power
 from helpers import tiny_run
 from train.trainer import train
 
+# Its module-scoped fixtures are costly (trained models, compiled steps): one worker runs the
+# whole module under `--dist loadgroup`, so they are built once.
+pytestmark = pytest.mark.xdist_group("test_icl_curve")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # t quantile 0.975 with 1 degree of freedom (statistical tables): the interval of 2 seeds.
 T_975_1 = 12.706204736174707

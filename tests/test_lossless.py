@@ -22,6 +22,10 @@ from castle_jax.models import build_model, longspec_draft
 from castle_jax.workdir import CONFIG_NAME, FROZEN_NAME, params_fingerprint
 from helpers import random_longspec_pair
 
+# Its module-scoped fixtures are costly (trained models, compiled steps): one worker runs the
+# whole module under `--dist loadgroup`, so they are built once.
+pytestmark = pytest.mark.xdist_group("test_lossless")
+
 VOCAB = 12
 TREE = (4, 8)
 SAMPLES = 1500

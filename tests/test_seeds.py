@@ -21,6 +21,10 @@ from train.seeds import check_fits, resume_step_of_seeds, seed_config
 from train.signals import TrainingInterrupted
 from train.trainer import train
 
+# Its module-scoped fixtures are costly (trained models, compiled steps): one worker runs the
+# whole module under `--dist loadgroup`, so they are built once.
+pytestmark = pytest.mark.xdist_group("test_seeds")
+
 # float32 runs of one seed, vmapped or not, differ by rounding only.
 TOLERANCE = dict(rtol=1e-6, atol=1e-6)
 # Adam divides by sqrt(v): where a gradient element is near zero, a rounding difference moves

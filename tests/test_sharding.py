@@ -15,6 +15,10 @@ from train.optimizer import make_optimizer
 from train.state import init_train_state, state_shardings
 from train.step import jit_train_step
 
+# Its module-scoped fixtures are costly (trained models, compiled steps): one worker runs the
+# whole module under `--dist loadgroup`, so they are built once.
+pytestmark = pytest.mark.xdist_group("test_sharding")
+
 MODEL = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, dtype="float32")
 SEQ, BATCH = 16, 16
 

@@ -11,6 +11,10 @@ from castle_jax.inference import generate, speculative_generate
 from castle_jax.inference.speculative import TreeShape, trace_speculation
 from helpers import random_longspec_pair
 
+# Its module-scoped fixtures are costly (trained models, compiled steps): one worker runs the
+# whole module under `--dist loadgroup`, so they are built once.
+pytestmark = pytest.mark.xdist_group("test_speculative_trace")
+
 VOCAB = 8
 TREE = (3, 6, 6)
 
