@@ -221,20 +221,16 @@ def _records(seed_dir: str, split: str) -> dict[int, dict[str, Any]]:
   return {r["step"]: r for r in sorted(records, key=lambda r: r["step"]) if r.get("split") == split}
 
 
-def _first_step_seconds(seed_dir: str) -> float:
-  """elapsed_s of the seed's step 1, the step that compiles the training program (0 when its
-  record is missing): training times are counted from its end."""
-  return _records(seed_dir, "train").get(1, {}).get("elapsed_s", 0.0)
-
-
-def _after_first_step(seconds: float | None, first_step_seconds: float) -> float | None:
-  return None if seconds is None else seconds - first_step_seconds
+def _after_first_step(seconds: float | None, train_seconds: dict[int, float]) -> float | None:
+  """`seconds` (an elapsed_s) counted from the end of step 1, the step that compiles the
+  training program (`train_seconds`: `_train_seconds`; from the start without step 1's)."""
+  return None if seconds is None else seconds - train_seconds.get(1, 0.0)
 
 
 def _points_from_metrics(seed_dir: str, key: str, tokens_per_step: int) -> list[Point]:
-  first = _first_step_seconds(seed_dir)
+  train_seconds = _train_seconds(seed_dir)
   return [
-    Point(step, step * tokens_per_step, _after_first_step(record.get("elapsed_s"), first), float(record[key]))
+    Point(step, step * tokens_per_step, _after_first_step(record.get("elapsed_s"), train_seconds), float(record[key]))
     for step, record in _records(seed_dir, "eval").items()
     if key in record
   ]
@@ -262,7 +258,7 @@ def _points_from_results(
       by_step[record["step"]] = record
   if not by_step:
     return [], {}, length
-  seconds, first = _train_seconds(seed_dir), _first_step_seconds(seed_dir)
+  seconds = _train_seconds(seed_dir)
   points, eval_set = [], {}
   for step in sorted(by_step):
     record = by_step[step]
@@ -276,7 +272,7 @@ def _points_from_results(
       length, row = chosen, rows[chosen]
     else:
       row = record["overall"]
-    points.append(Point(step, step * tokens_per_step, _after_first_step(seconds.get(step), first), float(row[key])))
+    points.append(Point(step, step * tokens_per_step, _after_first_step(seconds.get(step), seconds), float(row[key])))
     settings = {f"{source} {name}": record.get(name) for name in _RESULTS_EVAL_SET[source]}
     if eval_set and settings != eval_set:
       raise CompareError(
