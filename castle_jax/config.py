@@ -162,6 +162,11 @@ class ModelConfig:
     kind = get_attention(self.attention)
     return kind.options.from_kwargs(dict(self.attention_kwargs), self.attention).for_model(self)
 
+  def derived_fields(self) -> dict[str, int]:
+    """The values the fields that 0 means "derive" stand for: {"n_kv_heads": kv_heads,
+    "head_dim": qk_head_dim, "mlp_hidden": ffn_hidden}."""
+    return {"n_kv_heads": self.kv_heads, "head_dim": self.qk_head_dim, "mlp_hidden": self.ffn_hidden}
+
   @property
   def kv_heads(self) -> int:
     return self.n_kv_heads or self.n_heads

@@ -40,22 +40,18 @@ def _flat(mapping: Mapping[str, Any], prefix: str) -> dict[str, Any]:
 
 def _derived_fields_resolved(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[dict, dict]:
   """`saved` and `current` (model sections) with each derived field they set differently
-  (n_kv_heads, head_dim, mlp_hidden: 0 means "derive it") replaced on both sides by the value
-  it derives, so that `head_dim=0` and the head_dim it means are one model. Fields both set
+  (`ModelConfig.derived_fields`: 0 means "derive it") replaced on both sides by the value it
+  derives, so that `head_dim=0` and the head_dim it means are one model. Fields both set
   alike stay as they are (a changed n_heads is one difference, not three); both sections stay
   as they are if one is not a valid ModelConfig (e.g. a section of an older schema)."""
-  saved, current = dict(saved), dict(current)
-  differing = [field for field in ("n_kv_heads", "head_dim", "mlp_hidden") if saved.get(field) != current.get(field)]
-  if not differing:
-    return saved, current
   try:
-    configs = [ModelConfig.from_mapping(saved), ModelConfig.from_mapping(current)]
+    derived = [ModelConfig.from_mapping(saved).derived_fields(), ModelConfig.from_mapping(current).derived_fields()]
   except (TypeError, ValueError):
-    return saved, current
-  for model, config in zip((saved, current), configs):
-    derived = {"n_kv_heads": config.kv_heads, "head_dim": config.qk_head_dim, "mlp_hidden": config.ffn_hidden}
-    model.update({field: derived[field] for field in differing})
-  return saved, current
+    return dict(saved), dict(current)
+  differing = [field for field in derived[0] if saved.get(field) != current.get(field)]
+  return tuple(
+    {**model, **{field: values[field] for field in differing}} for model, values in zip((saved, current), derived)
+  )
 
 
 def model_differences(saved_model: Mapping[str, Any], model_config) -> list[str]:
