@@ -10,7 +10,8 @@ from castle_jax.models import ModelConfig, TransformerLM
 from castle_jax.sharding import LOGICAL_AXIS_RULES
 from helpers import rel_err
 from train.config import base_config
-from train.mesh import make_mesh, resolve_mesh_shape
+from castle_jax.sharding import resolve_mesh_shape
+from train.mesh import make_mesh
 from train.optimizer import make_optimizer
 from train.state import init_train_state, state_shardings
 from train.step import jit_train_step

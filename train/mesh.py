@@ -6,7 +6,7 @@ from typing import Sequence
 
 import jax
 
-from castle_jax.sharding import MESH_AXES, mesh_of, resolve_mesh_shape  # noqa: F401  (resolve_mesh_shape: re-exported)
+from castle_jax.sharding import MESH_AXES, mesh_of
 
 
 def select_devices(num_devices: int) -> list[jax.Device]:
