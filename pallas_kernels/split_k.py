@@ -2,13 +2,25 @@
 
 A kernel that cuts the keys of a row into splits writes, per split, its running max,
 the sum of exp(score - max) and the unnormalized output; the softmax over all keys is
-their LSE-weighted combination. Shared by the CASTLE decoding step and tree attention.
+their LSE-weighted combination. Shared by the CASTLE decoding step and tree attention, as is
+how a row's filled key blocks are shared among the splits (`split_blocks`).
 """
 
 from __future__ import annotations
 
 import jax
+from jax import lax
 import jax.numpy as jnp
+
+
+def split_blocks(filled, split, *, splits: int, block: int):
+  """(first, stop): the blocks of `block` slots that split number `split` of `splits` reads,
+  its share of the ceil(filled / block) blocks that hold the `filled` slots (scalars, traced
+  in a kernel). A split past the filled blocks has stop <= first: no blocks."""
+  total_blocks = lax.div(filled + block - 1, block)
+  per_split = lax.div(total_blocks + splits - 1, splits)
+  first = split * per_split
+  return first, jnp.minimum(first + per_split, total_blocks)
 
 
 def merge_split_states(maxima: jax.Array, sums: jax.Array, accs: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from pallas_kernels.castle.config import CastleDecodeConfig
 from pallas_kernels.castle.triton_kernels import sigmoid, silu
 from pallas_kernels.config_checks import is_power_of_two
-from pallas_kernels.split_k import merge_split_states
+from pallas_kernels.split_k import merge_split_states, split_blocks
 
 # Programs the default split count aims for: ~30 per SM of an H100, so that enough row
 # loads are in flight to saturate memory (measured: 8 splits of 576 heads beat 1-2).
@@ -82,10 +82,7 @@ def _decode_kernel(
   k_u = k_u_ref[...].astype(f32)[None, :]
   v_u = v_u_ref[...].astype(f32)[None, :]
 
-  total_blocks = lax.div(last_row + block_rows, block_rows)
-  per_split = lax.div(total_blocks + splits - 1, splits)
-  first = split * per_split
-  stop = jnp.minimum(first + per_split, total_blocks)
+  first, stop = split_blocks(last_row + 1, split, splits=splits, block=block_rows)
 
   def step(block, carry):
     running_max, running_sum, acc = carry

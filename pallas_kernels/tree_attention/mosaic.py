@@ -58,7 +58,7 @@ import jax.numpy as jnp
 from pallas_kernels.mosaic_common import observe_last_releases, operand_smem, products, register_operand, wgmma_zeros
 from pallas_kernels.mosaic_compiler_params import compiler_params
 from pallas_kernels.mosaic_kernel_cache import share_identical_kernels
-from pallas_kernels.split_k import merge_split_states
+from pallas_kernels.split_k import merge_split_states, split_blocks
 from pallas_kernels.tree_attention.rows import heads_of_rows, rows_of_heads
 from pallas_kernels.tree_attention.config import (
   MOSAIC_TILE_ROWS,
@@ -148,14 +148,6 @@ def unsupported_reason(
   return None
 
 
-def _split_range(length, split, *, splits: int, block_keys: int):
-  """(first block, cache steps) of a split: its share of ceil(length / block_keys) blocks."""
-  total_blocks = lax.div(length + block_keys - 1, block_keys)
-  per_split = lax.div(total_blocks + splits - 1, splits)
-  first = split * per_split
-  return first, jnp.maximum(jnp.minimum(first + per_split, total_blocks) - first, 0)
-
-
 def _kernel(
   lengths_ref,
   q_ref,
@@ -184,7 +176,8 @@ def _kernel(
   warpgroup = lax.axis_index("wg")
   capacity = cache_k_ref.shape[1]
   length = lengths_ref[batch]
-  first, cache_steps = _split_range(length, split, splits=splits, block_keys=block_keys)
+  first, stop = split_blocks(length, split, splits=splits, block=block_keys)
+  cache_steps = jnp.maximum(stop - first, 0)
   is_last_split = split == splits - 1
   num_steps = cache_steps + jnp.where(is_last_split, tree_steps, 0)
 

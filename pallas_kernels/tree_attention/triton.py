@@ -30,7 +30,7 @@ from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 
 from pallas_kernels.config_checks import SMALLEST_TILE, is_power_of_two, next_power_of_two
-from pallas_kernels.split_k import merge_split_states
+from pallas_kernels.split_k import merge_split_states, split_blocks
 from pallas_kernels.tree_attention.rows import heads_of_rows, rows_of_heads
 from pallas_kernels.tree_attention.config import TreeAttentionTritonConfig
 
@@ -97,10 +97,7 @@ def _kernel(
   def scores_of(keys):
     return pltriton.dot(q, keys.astype(operand_dtype), trans_b=True, precision=precision) * scale
 
-  total_blocks = lax.div(length + block_keys - 1, block_keys)
-  per_split = lax.div(total_blocks + splits - 1, splits)
-  first = split * per_split
-  stop = jnp.minimum(first + per_split, total_blocks)
+  first, stop = split_blocks(length, split, splits=splits, block=block_keys)
 
   def cache_step(block, carry):
     slots = block * block_keys + jnp.arange(block_keys)
