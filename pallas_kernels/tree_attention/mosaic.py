@@ -59,7 +59,7 @@ from pallas_kernels.mosaic_common import observe_last_releases, operand_smem, pr
 from pallas_kernels.mosaic_compiler_params import compiler_params
 from pallas_kernels.mosaic_kernel_cache import share_identical_kernels
 from pallas_kernels.split_k import merge_split_states, split_blocks
-from pallas_kernels.tree_attention.rows import heads_of_rows, rows_of_heads
+from pallas_kernels.tree_attention.rows import heads_of_rows, rows_of_heads, tree_mask_rows
 from pallas_kernels.tree_attention.config import (
   MOSAIC_TILE_ROWS,
   PRODUCER_REGISTERS,
@@ -396,7 +396,7 @@ def tree_attention_mosaic(
   tiles = -(-rows // MOSAIC_TILE_ROWS)
   row_groups = -(-tiles // consumers)
   padded_rows = row_groups * consumers * MOSAIC_TILE_ROWS
-  q_rows = jnp.pad(rows_of_heads(q, kv_heads), ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
+  q_rows = rows_of_heads(q, kv_heads, padded_rows)
   lengths = jnp.broadcast_to(jnp.asarray(cache_length, jnp.int32), (batch,))
   if capacity < block_keys:
     # A cache smaller than one block: padded (a copy of under block_keys slots per row).
@@ -410,11 +410,9 @@ def tree_attention_mosaic(
     tree_steps = tree_blocks(n, block_keys)
     padded_nodes = tree_steps * block_keys
     node_padding = ((0, 0), (0, padded_nodes - n), (0, 0), (0, 0))
-    # Row r is node r // group: the node mask repeated per head of the group; padded rows
-    # and nodes are invisible. [batch, tree_steps, padded_rows, block_keys], so that a
-    # consumer's bias of one tree block is one contiguous [64, block_keys] tile.
-    mask = jnp.repeat(jnp.broadcast_to(tree_mask, (batch, n, n)), group, axis=1)
-    mask = jnp.pad(mask, ((0, 0), (0, padded_rows - rows), (0, padded_nodes - n)))
+    # [batch, tree_steps, padded_rows, block_keys], so that a consumer's bias of one tree
+    # block is one contiguous [64, block_keys] tile.
+    mask = tree_mask_rows(tree_mask, batch, group, padded_rows, padded_nodes)
     bias = jnp.where(mask, 0.0, -jnp.inf).astype(_BIAS_DTYPE)
     bias = bias.reshape(batch, padded_rows, tree_steps, block_keys).transpose(0, 2, 1, 3)
     inputs += [jnp.pad(tree_k, node_padding), jnp.pad(tree_v, node_padding), bias]

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.config_checks import SMALLEST_TILE, is_power_of_two, next_power_of_two
 from pallas_kernels.split_k import merge_split_states, split_blocks
-from pallas_kernels.tree_attention.rows import heads_of_rows, rows_of_heads
+from pallas_kernels.tree_attention.rows import heads_of_rows, rows_of_heads, tree_mask_rows
 from pallas_kernels.tree_attention.config import TreeAttentionTritonConfig
 
 # 64-row blocks measured faster than 128 on an H100 (138 rows run as 3 x 64 instead of
@@ -177,7 +177,7 @@ def tree_attention_triton(
   row_blocks = -(-rows // block_rows)
   padded_rows = row_blocks * block_rows
   splits = _splits(row_blocks * batch * kv_heads, capacity, config)
-  q_rows = jnp.pad(rows_of_heads(q, kv_heads), ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
+  q_rows = rows_of_heads(q, kv_heads, padded_rows)
   lengths = jnp.broadcast_to(jnp.asarray(cache_length, jnp.int32), (batch,))
 
   def program(r, s, b, h):
@@ -191,11 +191,7 @@ def tree_attention_triton(
   tree_nodes = 0 if tree_k is None else n
   tree_block = max(SMALLEST_TILE, next_power_of_two(n))
   if tree_nodes:
-    # Row r is node r // group: the node mask repeated per head of the group, padded
-    # with invisible rows and columns to the tiles.
-    mask = jnp.broadcast_to(tree_mask, (batch, n, n))
-    visible = jnp.repeat(mask, heads // kv_heads, axis=1).astype(jnp.int32)
-    visible = jnp.pad(visible, ((0, 0), (0, padded_rows - rows), (0, tree_block - n)))
+    visible = tree_mask_rows(tree_mask, batch, heads // kv_heads, padded_rows, tree_block).astype(jnp.int32)
     tree_spec = pl.BlockSpec((None, n, None, head_dim), lambda r, s, b, h: (b, 0, h, 0))
     in_specs += [tree_spec, tree_spec, pl.BlockSpec((None, block_rows, tree_block), lambda r, s, b, h: (b, r, 0))]
     inputs += [tree_k, tree_v, visible]
