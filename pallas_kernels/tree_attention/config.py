@@ -53,6 +53,8 @@ class TreeAttentionTritonConfig:
 MOSAIC_TILE_ROWS = 64
 # Hopper's register file (64K 32-bit registers per SM) shared by the warpgroups of a program.
 _REGISTERS_PER_THREAD_SLOT = 512
+# Registers per thread of the Mosaic kernel's producer warpgroup: it only issues TMA copies.
+PRODUCER_REGISTERS = 40
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +111,3 @@ class TreeAttentionMosaicConfig:
   def from_string(cls, text: str) -> "TreeAttentionMosaicConfig":
     """From "key=value,..." (`pallas_kernels.config_checks.parse_config`)."""
     return parse_config(cls, text)
-
-
-# Registers per thread of the Mosaic kernel's producer warpgroup: it only issues TMA copies.
-PRODUCER_REGISTERS = 40
