@@ -210,10 +210,12 @@ def load_trained_model(
   workdir = os.path.abspath(workdir)
   if hf.is_hf_model_dir(workdir):
     _refuse_hf_step("--step", step, workdir)
+    abstract = None
     if mesh is not None:
       model_config = hf.hf_model_config(workdir)
-      check_mesh_fits(model_config, abstract_params(build_model(model_config), 8, mesh=mesh), mesh, flag)
-    return TrainedModel(*hf.load_hf_model(workdir, mesh=mesh), HF_STEP)
+      abstract = abstract_params(build_model(model_config), 8, mesh=mesh)
+      check_mesh_fits(model_config, abstract, mesh, flag)
+    return TrainedModel(*hf.load_hf_model(workdir, mesh=mesh, abstract=abstract), HF_STEP)
   config = read_config(workdir)
   model = build_model(ModelConfig.from_mapping(config.model))
   abstract = abstract_params(model, config.data.seq_len, mesh=mesh)

@@ -330,7 +330,12 @@ def run_config(path: str) -> dict[str, Any]:
 
 
 def load_hf_model(
-  path: str, dtype: str = "float32", param_dtype: str | None = None, mesh: jax.sharding.Mesh | None = None
+  path: str,
+  dtype: str = "float32",
+  param_dtype: str | None = None,
+  mesh: jax.sharding.Mesh | None = None,
+  *,
+  abstract: Any | None = None,
 ) -> HFModel:
   """(model, params, tokenizer) of a Hugging Face model directory (module docstring).
 
@@ -340,6 +345,8 @@ def load_hf_model(
     param_dtype: the parameters' dtype (None: dtype).
     mesh: shard the parameters over this mesh by their logical axes, never holding the
       whole model on one device (`load_hf_params`); None: the default device.
+    abstract: the parameters' ShapeDtypeStructs and shardings, when the caller has them
+      (`load_hf_params`; None: derived from the config and `mesh`).
 
   Raises:
     ValueError: a file is missing, the model_type, rope scaling or another setting is not
@@ -348,4 +355,4 @@ def load_hf_model(
   path = os.path.abspath(path)
   tokenizer = load_hf_tokenizer(path, read_hf_config(path))
   model_cfg = hf_model_config(path, dtype, param_dtype)
-  return HFModel(build_model(model_cfg), load_hf_params(path, model_cfg, mesh), tokenizer)
+  return HFModel(build_model(model_cfg), load_hf_params(path, model_cfg, mesh, abstract=abstract), tokenizer)
