@@ -16,11 +16,13 @@ the tree mask (itself and its ancestors, `tree_mask_from_parents`).
     `kernel_config` a `TreeAttentionTritonConfig`.
   - "mosaic": the same on Pallas Mosaic GPU (Hopper: wgmma + TMA), for LLM heads: one
     program reads its cache range once for several 64-row tiles of a KV head's rows
-    (`pallas_kernels/tree_attention/mosaic.py`). bfloat16/float16 inputs of one dtype, head
-    dim 64 or 128, a cache capacity that is a multiple of 8 (or under one key block). Runs in GPU
-    interpret mode on CPU (slow: for tests). `kernel_config` a `TreeAttentionMosaicConfig`.
-    Opt-in only: not yet timed against "triton", so the default never picks it.
-  - None: "triton" on a GPU where it takes the head dim, else "xla"
+    (`pallas_kernels/tree_attention/mosaic.py`). Hopper GPUs, bfloat16/float16 inputs of one
+    dtype, head dim 64 or 128, a cache capacity that is a multiple of 8 (or under one key
+    block). Runs in GPU interpret mode on CPU (slow: for tests). `kernel_config` a
+    `TreeAttentionMosaicConfig`.
+  - None: "mosaic" on a Hopper GPU for the cases where it measured faster than "triton"
+    (`MOSAIC_FASTER_CASES`; the reason it passes over it elsewhere is logged once at INFO),
+    else "triton" on a GPU where it takes the head dim, else "xla"
     (`castle_jax.ops.backend.choose`, logged at debug level).
 
 Inference only: there is no custom VJP, and gradients are neither needed nor tested.
@@ -45,6 +47,7 @@ from castle_jax.ops.backend import Implementation, choose, rejects_renamed_argum
 from castle_jax.sharding import KV_SEQUENCE_HEADS_AXES, SEQUENCE_HEADS_AXES, map_over_shards
 from castle_jax.ops.tree_attention.reference import cache_attention_reference, tree_attention_reference
 from castle_jax.ops.tree_attention.xla import cache_attention as split_cache_attention, hybrid_tree_attention
+from pallas_kernels import device_facts
 from pallas_kernels.tree_attention import (
   TreeAttentionMosaicConfig,
   TreeAttentionTritonConfig,
@@ -55,8 +58,11 @@ from pallas_kernels.tree_attention import (
 )
 
 IMPLEMENTATIONS = ("reference", "xla", "triton", "mosaic")
-# "mosaic" is left out until it is measured faster than "triton": only an explicit choice runs it.
-_DEFAULT_ORDER = ("triton", "xla")
+_DEFAULT_ORDER = ("mosaic", "triton", "xla")
+# (head_dim, dtype name, whether a tree is verified) where "mosaic" measured faster than "triton"
+# (`benchmarks/tree_attention.py`, benchmarks/RESULTS.md "Hybrid tree attention"): LLM heads of
+# 128 verifying a tree. The cache part alone (a decoding step) and heads of 64 stay on Triton.
+MOSAIC_FASTER_CASES = frozenset({(128, "bfloat16", True)})
 # The kernel config type of each kernel implementation (`kernel_config=`).
 KERNEL_CONFIGS = {"triton": TreeAttentionTritonConfig, "mosaic": TreeAttentionMosaicConfig}
 _KERNELS = {"triton": tree_attention_triton, "mosaic": tree_attention_mosaic}
@@ -71,22 +77,46 @@ def _implementations(q: jax.Array, kv_arrays, kernel_config) -> dict[str, Implem
       return None
     return f"the kernel needs a power-of-two head_dim >= 16, got {head_dim} (use implementation='xla')"
 
+  verifies_tree = len(kv_arrays) > 2
+
   def mosaic_unsupported() -> str | None:
-    return mosaic_unsupported_reason(
+    reason = mosaic_unsupported_reason(
       head_dim=head_dim,
       dtype=q.dtype,
       kv_dtypes=[x.dtype for x in kv_arrays],
-      tree_nodes=q.shape[1] if len(kv_arrays) > 2 else 0,
+      tree_nodes=q.shape[1] if verifies_tree else 0,
       capacity=kv_arrays[0].shape[1],
       config=kernel_config if isinstance(kernel_config, TreeAttentionMosaicConfig) else None,
+    )
+    if reason or jax.default_backend() == "cpu":  # on a CPU the kernel runs in interpret mode
+      return reason
+    return device_facts.not_hopper_reason(
+      device_facts.compute_capability(), "the tree attention Mosaic GPU kernel", "use implementation='triton'"
     )
 
   return {
     "reference": Implementation(),
     "xla": Implementation(),
     "triton": Implementation(triton_unsupported, default_backends=("gpu",), config_type=TreeAttentionTritonConfig),
-    "mosaic": Implementation(mosaic_unsupported, default_backends=("gpu",), config_type=TreeAttentionMosaicConfig),
+    "mosaic": Implementation(
+      mosaic_unsupported,
+      default_backends=("gpu",),
+      config_type=TreeAttentionMosaicConfig,
+      default_declines=lambda: mosaic_not_measured_faster(q.dtype, head_dim, verifies_tree),
+    ),
   }
+
+
+def mosaic_not_measured_faster(dtype, head_dim: int, verifies_tree: bool) -> str | None:
+  """None where the Mosaic kernel measured faster than the Triton one, else why the default
+  does not take it."""
+  if (head_dim, jnp.dtype(dtype).name, verifies_tree) in MOSAIC_FASTER_CASES:
+    return None
+  what = "tree verification" if verifies_tree else "the cache part alone"
+  return (
+    f"not measured faster than 'triton' for head_dim {head_dim}, {jnp.dtype(dtype).name}, {what} "
+    "(castle_jax.ops.tree_attention.api.MOSAIC_FASTER_CASES)"
+  )
 
 
 def _kernel(

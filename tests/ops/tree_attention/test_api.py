@@ -1,5 +1,7 @@
 """The public ops `tree_attention` and `cache_attention`: the default implementation (XLA on a
-CPU, logged), bad input named by its argument, a mask shared by the batch, unknown implementations.
+CPU, logged; with the device faked, "mosaic" on a Hopper GPU where it measured faster, else
+"triton"), an explicit "mosaic" off Hopper refused naming why, bad input named by its argument,
+a mask shared by the batch, unknown implementations.
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from castle_jax.ops import backend
 from castle_jax.ops.tree_attention import (
+  api,
   cache_attention,
   tree_attention,
 )
-from helpers import assert_close
+from helpers import AMPERE, HOPPER, assert_close
 from ops.tree_attention.base import _replace, make_inputs, reference, xla
 
 
@@ -28,6 +32,48 @@ def test_default_is_xla_and_logged(caplog):
   assert "tree_attention: implementation=None -> 'xla'" in caplog.text
   chex.assert_shape(out, inputs["q"].shape)
   assert_close(out, reference(**inputs)[0])
+
+
+def _choose(requested=None, heads=32, kv_heads=8, head_dim=128, dtype=jnp.bfloat16, tree=True, capacity=4096):
+  """The implementation the op would pick for inputs of these shapes (69 tree nodes, or the
+  cache part alone)."""
+  n = 69 if tree else 1
+  q = jax.ShapeDtypeStruct((1, n, heads, head_dim), dtype)
+  cache = jax.ShapeDtypeStruct((1, capacity, kv_heads, head_dim), dtype)
+  nodes = jax.ShapeDtypeStruct((1, n, kv_heads, head_dim), dtype)
+  kv_arrays = (cache, cache, nodes, nodes) if tree else (cache, cache)
+  table = api._implementations(q, kv_arrays, None)
+  return backend.choose("tree_attention", requested, table, api._DEFAULT_ORDER)
+
+
+def test_the_default_on_hopper_takes_mosaic_where_it_measured_faster(device):
+  device(HOPPER)
+  assert _choose() == "mosaic"  # LLM heads verifying a tree
+  assert _choose(heads=64) == "mosaic"
+  assert _choose(heads=8, kv_heads=4, head_dim=64) == "triton"  # measured no faster
+  assert _choose(tree=False) == "triton"  # the cache part alone: a decoding step
+  assert _choose(dtype=jnp.float16) == "triton"  # not measured
+  assert _choose(capacity=4100) == "triton"  # a capacity the kernel cannot take
+  assert _choose(dtype=jnp.float32) == "triton"
+  assert _choose("triton") == "triton"  # an explicit choice is not overridden
+
+
+def test_off_hopper_the_default_is_triton_and_mosaic_is_refused(device):
+  for capability in (AMPERE, "10.0"):
+    device(capability)
+    assert _choose() == "triton", capability
+    with pytest.raises(ValueError, match=r"need a Hopper GPU \(compute capability 9.x\).*implementation='triton'"):
+      _choose("mosaic")
+
+
+def test_the_default_logs_once_why_it_passes_over_mosaic(device, caplog):
+  device(HOPPER)
+  backend.log_once.cache_clear()
+  with caplog.at_level(logging.INFO, logger=backend.__name__):
+    for _ in range(2):
+      _choose(tree=False)
+  messages = [record.getMessage() for record in caplog.records if record.levelno == logging.INFO]
+  assert len(messages) == 1 and "the cache part alone" in messages[0], messages
 
 
 @pytest.mark.parametrize(
