@@ -212,6 +212,7 @@ BENCHMARK_CASES = [
     ("castle_attention", ["--impls=pallas"], "--impls: unknown 'pallas'; choose from reference, xla, triton, mosaic"),
     ("icl_curve", [], "--workdirs is required"),
     ("longspec", ["--target_workdir={nowhere}", "--draft={nowhere}"], "{nowhere}/config.json not found"),
+    ("longspec_speed", ["--taus=3.28,0.5"], "--taus: [0.5] below 1: a round emits at least one token"),
     ("multi_gpu", ["--parts=everything"], "--parts: unknown 'everything'"),
     ("power_attention", ["--impls=flash"], "--impls: unknown 'flash'"),
     ("power_decode", ["--bogus=1"], "unrecognized arguments: --bogus=1"),

@@ -1,0 +1,293 @@
+"""LongSpec's cost at LLM scale: one autoregressive decoding step of a target against one
+speculative round (draft a tree, verify it, commit), with random weights.
+
+    python -m benchmarks.longspec_speed --shape=llama3_8b [--batch_sizes=1,4] \
+        [--prompt_lengths=16384,32768,65536] [--taus=3.28,5.33] [--out=longspec_speed.json]
+    python -m benchmarks.longspec_speed --smoke   # tiny shapes, any device (CI)
+
+Latency does not depend on the weights' values, so the models are random: the target a
+Llama-3-8B shape (`--shape=llama3_8b`: its Hugging Face config.json through
+`castle_jax.models.hf.model_config`, as an imported checkpoint gets it: 32 layers, d_model
+4096, 32 query / 8 KV heads of 128, SwiGLU 14336, vocabulary 128256, RoPE theta 500000,
+untied head) in bfloat16, and its one-block LongSpec draft (window 512). Both are
+initialized by a compiled init on the device, so an 8B model never exists on the host.
+
+For every batch size and prompt length, the target's KV caches hold random keys and values
+for the prompt's positions instead of a prefill (a step's cost depends on the cache length,
+not on what it holds; a prefill of a 64K prompt at batch 4 would hold chunk x capacity
+float32 scores and a second copy of the caches), and the draft's ring is prefilled from the
+last window of a random prompt (`_prefill_draft`, as `speculative_generate` does). Then,
+prefill excluded:
+  - AR step: the step that `continue_decoding` scans (one token through the target with
+    its caches, then the greedy next token), jitted on its own with the caches donated so
+    that they update in place;
+  - round: `speculative._round`, what each iteration of `speculative_generate`'s loop runs
+    (less its bookkeeping of the emitted tokens): the draft's tree, default
+    [4,16,16,16,16]; one target forward verifying it with the default tree attention unless
+    --tree_attention; greedy acceptance; the commit to the target's caches and the draft's
+    ring. Jitted the same way.
+Each is called --iters times after two warm-up calls (the first compiles), each call
+dispatched from Python and waited for, and the median time per call is reported.
+
+The speed-up is a projection, not a measurement: tau (tokens per round, which needs trained
+weights) times t_AR / t_round, for each of --taus. The defaults are the paper's tau for
+LLaMA-3.1-8B-Instruct on LCC code completion at T = 0 (3.28; Yang et al., LongSpec, Table 1,
+row "L-8B LongSpec") and our trained `longspec_target_s` pair's tau at 16K, T = 0, tree
+[4,16,16,16,16] (5.33; benchmarks/RESULTS.md, "Speculative decoding on one H100").
+
+A row that the device cannot hold is skipped before it runs (the parameters and the
+caches against the device's memory limit, where the device reports one), and a row that
+fails (e.g. out of memory) is recorded with its error; the others go on. Prints a table
+last and writes every row to --out (JSON).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from castle_jax import command_line as cl
+from castle_jax.eval.cli import format_table
+from castle_jax.inference import speculative
+from castle_jax.inference.sampling import sample_next_token
+from castle_jax.models import build_model, count_parameters, family_of, hf, longspec_draft
+from castle_jax.ops.tree_attention import IMPLEMENTATIONS as TREE_ATTENTION_IMPLEMENTATIONS
+from benchmarks.castle_decode import _cache_bytes, _time_steps
+from benchmarks.timing import error_text, run_meta, write_json
+
+GIB = 2**30
+# Hugging Face config.json fields of each shape (meta-llama/Meta-Llama-3-8B's for llama3_8b).
+SHAPES = {
+  "llama3_8b": {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+  },
+  "tiny": {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 192,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+  },
+}
+# tau defaults (see the module docstring): the paper's Table 1, L-8B LongSpec on LCC (T = 0),
+# and RESULTS.md's longspec_target_s pair at 16K (T = 0, tree [4,16,16,16,16]).
+DEFAULT_TAUS = (3.28, 5.33)
+DRAFT_WINDOW = 512
+
+
+def parse_args(argv):
+  parser = cl.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3_8b", help="the target's shape")
+  parser.add_argument("--batch_sizes", type=cl.positive_int_list, default=[1, 4])
+  parser.add_argument(
+    "--prompt_lengths", type=cl.positive_int_list, default=[16384, 32768, 65536], help="tokens in the caches"
+  )
+  parser.add_argument(
+    "--tree", type=cl.positive_int_list, default=list(speculative.DEFAULT_TREE), help="nodes per draft level"
+  )
+  parser.add_argument(
+    "--tree_attention",
+    choices=TREE_ATTENTION_IMPLEMENTATIONS,
+    default=None,
+    help="the verification's tree attention (default: the op picks for the device)",
+  )
+  parser.add_argument(
+    "--taus",
+    type=cl.number_list,
+    default=list(DEFAULT_TAUS),
+    help="tokens per round for the projected speed-up tau * t_AR / t_round (default: the paper's "
+    "Llama-3.1-8B on LCC, 3.28, and our trained small pair at 16K, 5.33)",
+  )
+  parser.add_argument("--iters", type=cl.positive_int, default=20, help="timed calls per row (after 2 warm-ups)")
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes, 2 timed calls: checks the harness runs")
+  parser.add_argument("--out", type=cl.new_file, default=None, help="write the rows here as JSON (a new file)")
+  args = parser.parse_args(argv)
+  bad = [tau for tau in args.taus if tau < 1]
+  if bad:
+    parser.error(f"--taus: {bad} below 1: a round emits at least one token (tau >= 1)")
+  if len(args.tree) >= DRAFT_WINDOW:
+    parser.error(f"--tree: depth {len(args.tree)} must be below the draft's window ({DRAFT_WINDOW})")
+  if args.smoke:
+    args.shape, args.batch_sizes, args.prompt_lengths, args.iters = "tiny", [2], [64], 2
+  return args
+
+
+def models(shape: str):
+  """(target, target params, draft, draft params): the shape's target in bfloat16 and its
+  one-block LongSpec draft, random weights initialized on the device."""
+  config = hf.model_config(SHAPES[shape], dtype="bfloat16")
+  draft_config = dataclasses.replace(config, family=longspec_draft.FAMILY, family_kwargs=(("window", DRAFT_WINDOW),))
+  built = [build_model(config), build_model(draft_config)]
+  target_params, draft_params = (_random_params(model, seed) for seed, model in enumerate(built))
+  return built[0], target_params, built[1], draft_params
+
+
+def _random_params(model: nn.Module, seed: int):
+  # The key is an argument: closed over, XLA would constant-fold the random init.
+  init = jax.jit(lambda key: nn.unbox(family_of(model).init_variables(model, key, 8)["params"]))
+  return init(jax.random.key(seed))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _random_caches(model, batch: int, capacity: int, key, length):
+  """The model's caches with random keys and values in every slot, `length` of them filled
+  (an int32 scalar, or [batch] for per-row lengths)."""
+  caches = family_of(model).init_cache(model, batch, capacity)
+  keys = jax.random.split(key, 2 * len(caches))
+  return [
+    cache.replace(
+      keys=jax.random.normal(keys[2 * i], cache.keys.shape, cache.keys.dtype),
+      values=jax.random.normal(keys[2 * i + 1], cache.values.shape, cache.values.dtype),
+      length=length,
+    )
+    for i, cache in enumerate(caches)
+  ]
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _autoregressive_step(model, params, state):
+  """`continue_decoding`'s step at temperature 0: state (caches, token int32 [batch],
+  position int32) -> (next token, the next state)."""
+  caches, token, position = state
+  positions = jnp.broadcast_to(position, token.shape)[:, None]
+  logits, caches = family_of(model).decode(model, params, token[:, None], positions, caches)
+  next_token = sample_next_token(logits[:, -1], jax.random.key(0)).astype(jnp.int32)
+  return next_token, (caches, next_token, position + 1)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=6)
+def _speculative_round(target, draft, shape, tree_attention, target_params, draft_params, state):
+  """One round of `speculative_generate`'s loop at temperature 0: state (target caches,
+  draft cache, roots int32 [batch], positions int32 [batch]) -> (tokens kept per row, the
+  next state)."""
+  caches, draft_cache, root, position = state
+  # Temperature 0, top_k 0, top_p 1 (greedy acceptance); every row active.
+  round_state = (caches, draft_cache, root, position, jnp.ones(root.shape, bool), jax.random.key(0))
+  outcome, caches, draft_cache = speculative._round(
+    target, draft, shape, 0.0, 0, 1.0, tree_attention, target_params, draft_params, *round_state
+  )
+  return outcome.kept, (caches, draft_cache, outcome.bonus, position + outcome.kept)
+
+
+def needed_bytes(target, draft, batch: int, capacity: int) -> int:
+  """The parameters (bf16) and the target's caches: what a row holds on the device."""
+  config = target.config
+  params = 2 * (count_parameters(config) + count_parameters(draft.config))
+  caches = 2 * config.n_layers * config.kv_heads * config.qk_head_dim * capacity * batch * 2
+  return params + caches
+
+
+def _memory_limit() -> int | None:
+  try:
+    stats = jax.devices()[0].memory_stats()
+  except Exception:  # not every backend reports it
+    return None
+  return (stats or {}).get("bytes_limit")
+
+
+def measure(args, target, target_params, draft, draft_params, batch: int, length: int) -> dict:
+  """One row: the AR step and the round at `batch` prompts of `length` tokens."""
+  shape = speculative.TreeShape(tuple(args.tree))
+  # Every timed call may commit depth + 1 tokens; the Mosaic kernel takes capacities that
+  # are multiples of 8.
+  capacity = -(-(length + (args.iters + 2) * (shape.depth + 1)) // 256) * 256
+  row = {"batch": batch, "prompt_length": length, "capacity": capacity}
+  needed, limit = needed_bytes(target, draft, batch, capacity), _memory_limit()
+  row["needed_gib"] = needed / GIB
+  if limit is not None and needed > limit:
+    row["error"] = f"skipped: needs {needed / GIB:.1f} GiB of parameters and caches, the device has {limit / GIB:.1f}"
+    return row
+  try:
+    prompt = jnp.asarray(
+      np.random.default_rng(length).integers(0, target.config.vocab_size, (batch, length)), jnp.int32
+    )
+    committed = length - 1  # the prompt's last token is the first token to decode (the root)
+    caches = _random_caches(target, batch, capacity, jax.random.key(1), jnp.int32(committed))
+    row["kv_cache_gib"] = _cache_bytes(caches) / GIB
+    step = functools.partial(_autoregressive_step, target, target_params)
+    row["ar_step_ms"] = _time_steps(step, (caches, prompt[:, -1], jnp.int32(committed)), (), args.iters)
+    del caches
+
+    lengths = np.full(batch, committed, np.int32)
+    caches = _random_caches(target, batch, capacity, jax.random.key(2), jnp.asarray(lengths))
+    draft_cache = speculative._prefill_draft(
+      draft, draft_params, target.config, target_params, prompt[:, :-1], lengths, shape
+    )
+    state = (caches, draft_cache, prompt[:, -1], jnp.asarray(lengths))
+    step = functools.partial(_speculative_round, target, draft, shape, args.tree_attention, target_params, draft_params)
+    row["round_ms"] = _time_steps(step, state, (), args.iters)
+    del caches, draft_cache, state
+  except Exception as e:  # one failing row (e.g. out of memory) must not lose the others
+    row["error"] = error_text(e)
+    return row
+  row["round_over_ar_step"] = row["round_ms"] / row["ar_step_ms"]
+  row["projected_speedup"] = {str(tau): tau / row["round_over_ar_step"] for tau in args.taus}
+  return row
+
+
+def main(argv) -> int:
+  args = parse_args(argv)
+  target, target_params, draft, draft_params = models(args.shape)
+  rows = []
+  for batch in args.batch_sizes:
+    for length in args.prompt_lengths:
+      rows.append(measure(args, target, target_params, draft, draft_params, batch, length))
+      print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+  write_json(
+    args.out,
+    run_meta(**{key: value for key, value in vars(args).items() if key not in ("out", "traceback")}),
+    target_parameters=count_parameters(target.config),
+    draft_parameters=count_parameters(draft.config),
+    rows=rows,
+  )
+  table = []
+  for r in rows:
+    cells = [r["batch"], f"{r['prompt_length']:,}", f"{r['needed_gib']:.1f}"]
+    if "error" in r:
+      table.append(cells + [r["error"]] + [""] * (2 + len(args.taus)))
+      continue
+    cells += [f"{r['ar_step_ms']:.2f}", f"{r['round_ms']:.2f}", f"{r['round_over_ar_step']:.2f}"]
+    table.append(cells + [f"{r['projected_speedup'][str(tau)]:.2f}x" for tau in args.taus])
+  print(
+    f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}, {args.shape} target "
+    f"({count_parameters(target.config):,} parameters, bfloat16) and its one-block draft, tree "
+    f"{','.join(map(str, args.tree))}, tree attention {args.tree_attention or 'default'}, median of {args.iters} "
+    "calls; speed-ups are projections tau * t_AR / t_round, not measurements"
+  )
+  print(
+    format_table(
+      ["batch", "prompt", "params+KV GiB", "AR step ms", "round ms", "round / AR step"]
+      + [f"projection tau={tau:g}" for tau in args.taus],
+      table,
+    )
+  )
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(cl.run(main))
