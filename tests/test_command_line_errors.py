@@ -197,6 +197,10 @@ EVAL_AND_NOTEBOOK_CASES = [
   (("colabs/execute.py", "README.md"), "'README.md' is not a notebook (.ipynb)"),
   (("colabs/execute.py", "--timeout=0"), "argument --timeout: '0' must be an integer >= 1"),
   (("colabs/execute.py", "--in_place", "--output_dir={tmp}"), "--output_dir: not allowed with argument --in_place"),
+  (
+    ("-m", "castle_jax.models.export_pretrained", "--workdir={nowhere}", "--name=x"),
+    "--workdir='{nowhere}' is not a directory",
+  ),
   (("-m", "castle_jax.data.train_tokenizer"), "--output is required"),
   (("-m", "castle_jax.data.train_tokenizer", "--output={file}"), "--output={file}: exists: pass a new file name"),
   (("-m", "castle_jax.data.train_tokenizer", "--output={nowhere}", "--vocab_size=0"), "--vocab_size=0: 0 is not"),

@@ -8,7 +8,8 @@ float16 (half the size; the model computes in float32, and float16 keeps a train
 model's weights to about 3 significant digits), one array per parameter named by its
 "/"-joined Flax path (`block_0/attention/key/kernel`). They are read with
 `importlib.resources`, so they load the same from a checkout and from a pip-installed
-package (Colab).
+package (Colab). `python -m castle_jax.models.export_pretrained --workdir=W --name=N` makes
+one from a training workdir.
 
 The assets:
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import pathlib
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -64,25 +66,33 @@ class PretrainedModel(NamedTuple):
   config: ml_collections.ConfigDict
 
 
-def available_pretrained() -> list[str]:
-  """The names of the shipped assets, sorted."""
-  return sorted(entry.name[: -len(CONFIG_SUFFIX)] for entry in _ASSETS.iterdir() if entry.name.endswith(CONFIG_SUFFIX))
+def _assets(directory: str | None):
+  return _ASSETS if directory is None else pathlib.Path(directory)
 
 
-def load_pretrained(name: str = "drt_tiny_retrieval_topk") -> PretrainedModel:
-  """(model, params, config) of the shipped asset `name` (see the module docstring).
+def available_pretrained(directory: str | None = None) -> list[str]:
+  """The names of the shipped assets (or of those in `directory`), sorted."""
+  return sorted(
+    entry.name[: -len(CONFIG_SUFFIX)] for entry in _assets(directory).iterdir() if entry.name.endswith(CONFIG_SUFFIX)
+  )
+
+
+def load_pretrained(name: str = "drt_tiny_retrieval_topk", directory: str | None = None) -> PretrainedModel:
+  """(model, params, config) of the shipped asset `name` (see the module docstring), or of
+  the asset `name` in `directory` (as `python -m castle_jax.models.export_pretrained` writes one).
 
   Raises:
     ValueError: `name` is not an asset (the message lists the available ones), or its
       parameters do not have the paths and shapes of the model its config builds.
   """
-  available = available_pretrained()
+  assets = _assets(directory)
+  available = available_pretrained(directory)
   if name not in available:
     raise ValueError(f"No pretrained model {name!r}; available: {available}")
-  config = ml_collections.ConfigDict(json.loads(_ASSETS.joinpath(name + CONFIG_SUFFIX).read_text()))
+  config = ml_collections.ConfigDict(json.loads(assets.joinpath(name + CONFIG_SUFFIX).read_text()))
   model = build_model(ModelConfig.from_mapping(config.model))
   expected = traverse_util.flatten_dict(abstract_params(model, config.data.seq_len), sep="/")
-  with _ASSETS.joinpath(name + PARAMS_SUFFIX).open("rb") as f, np.load(f) as stored:
+  with assets.joinpath(name + PARAMS_SUFFIX).open("rb") as f, np.load(f) as stored:
     arrays = {path: stored[path] for path in stored.files}
   missing, unexpected = sorted(set(expected) - set(arrays)), sorted(set(arrays) - set(expected))
   wrong_shapes = [
