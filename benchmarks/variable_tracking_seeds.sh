@@ -15,7 +15,8 @@
 # names, each assigned once). Settings (environment): PYTHON (python3), OUT (must not hold results),
 # RUNS (checkpoints; default a new folder under /tmp), ARMS ("mha_4_heads castle_2_heads"), SEEDS (5),
 # STEPS (20000: the cosine schedule's length), ARM_SECONDS (250), WORKERS (data worker processes per
-# seed: 3), EXAMPLES (scored prompts per seed: 400).
+# seed: 3), EXAMPLES (scored prompts per seed: 400), SOLVED (query accuracy from which a seed's workdir
+# is kept in OUT/solved/<arm>/: 0.9).
 set -u
 PY=${PYTHON:-python3}
 [[ $PY == */* ]] && PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")
@@ -33,6 +34,7 @@ if [ -e "$OUT/summary.txt" ]; then
   echo "ERROR: OUT=$OUT holds the results of an earlier run (never replaced); pass a new OUT" >&2
   exit 2
 fi
+SOLVED=${SOLVED:-0.9}
 RUNS=${RUNS:-$(mktemp -d /tmp/variable_tracking_runs.XXXXXX)}
 mkdir -p "$OUT/logs" "$RUNS"
 say() { echo "[${SECONDS}s] $*" | tee -a "$OUT/summary.txt"; }
@@ -66,6 +68,16 @@ for arm in $ARMS; do
   done
   wait
   say "$arm: $(grep -h 'query accuracy' "$OUT/logs"/tasks_"${arm}"_*.log | sed 's/.*query accuracy \([0-9.]*\).*/\1/' | tr '\n' ' ')"
+  # A seed that solved the task keeps its workdir (config and last checkpoint) in OUT, for
+  # python -m castle_jax.models.export_pretrained.
+  for ((k = 0; k < SEEDS; k++)); do
+    accuracy=$(sed -n 's/.*query accuracy \([0-9.]*\).*/\1/p' "$OUT/logs/tasks_${arm}_$k.log" | head -1)
+    if [ -n "$accuracy" ] && awk -v a="$accuracy" -v t="$SOLVED" 'BEGIN { exit !(a >= t) }'; then
+      mkdir -p "$OUT/solved/$arm"
+      cp -r "$RUNS/$arm/seed_$k" "$OUT/solved/$arm/" && rm -rf "$OUT/solved/$arm/seed_$k/tensorboard"
+      say "$arm seed $k solved the task (query accuracy $accuracy >= $SOLVED): its workdir is in $OUT/solved/$arm/seed_$k"
+    fi
+  done
 done
 # The control's prompts differ from the task's, so each group is compared on its own.
 for group in task control; do
