@@ -1,11 +1,13 @@
 """Every command ends a bad argument in one line `ERROR: ...` naming the argument, the bad
 value and the fix, with exit status 1; `--traceback` shows the full traceback instead.
 
-The cases run as the user runs them, as subprocesses (two at a time): `python -m train`,
-`train.generate`, the evaluation commands, `colabs/execute.py` and every benchmark's CLI.
+The cases run as the user runs them, a command line each: `python -m train`,
+`train.generate`, the evaluation commands, `colabs/execute.py` and every benchmark's CLI,
+each in its own process forked, two at a time, from one that has imported the large
+third-party packages (tests/forked_commands.py) rather than a fresh interpreter that
+would import them again. `--traceback` cases run as plain subprocesses.
 """
 
-import concurrent.futures
 import json
 import os
 import shutil
@@ -13,6 +15,8 @@ import subprocess
 import sys
 
 import pytest
+
+import forked_commands
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = sys.executable
@@ -38,10 +42,13 @@ def _run(command: list[str]) -> subprocess.CompletedProcess:
 
 
 def _run_all(cases, paths) -> list[str]:
-  """Runs every (args, expected text) case two at a time; returns what went wrong."""
-  commands = [_command(args, paths) for args, _ in cases]
-  with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-    results = list(pool.map(_run, commands))
+  """Runs every (args, expected text) case, each in a process forked from one that has
+  imported the third-party packages they share (tests/forked_commands.py); returns what
+  went wrong."""
+  commands = [_command(args, paths)[1:] for args, _ in cases]
+  results, import_stderr = forked_commands.run(commands, ROOT, dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"))
+  # What importing those packages printed, which every command would print too.
+  assert not import_stderr.strip(), import_stderr[-3000:]
   problems = []
   for (args, expected), done in zip(cases, results):
     lines = [line for line in done.stderr.splitlines() if line.strip()]

@@ -21,7 +21,6 @@ arguments. Every problem found is listed, with its file and line, in one failure
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import importlib.util
 import os
@@ -29,9 +28,9 @@ import pathlib
 import re
 import shlex
 import subprocess
-import sys
 from typing import NamedTuple
 
+import forked_commands
 from castle_jax.command_line import UsageError
 from train.command_line import _explain_override, config_argument, load_config_file
 from train.config import base_config
@@ -46,7 +45,7 @@ _ASSIGNMENT = re.compile(r"[A-Za-z_]\w*=")
 _VARIABLE = re.compile(r"\$(\w+)|\$\{(\w+)\}")
 _PYTHON = re.compile(r"(?:.*/)?python(?:\d+(?:\.\d+)?)?")
 _SEPARATORS = ("&&", "||", ";")
-_HELP_TIMEOUT_S = 120
+_HELP_TIMEOUT_S = 300  # all the modules' help
 
 
 class Command(NamedTuple):
@@ -214,18 +213,16 @@ def _uses_absl(module: str) -> bool:
   return "run_absl(" in source or "app.run(" in source
 
 
-def _run_help(module: str) -> tuple[frozenset[str] | None, str]:
-  """(the flags `python -m module` accepts, by its help output, or None; the help text or
-  why it failed)."""
-  absl = _uses_absl(module)
-  command = [sys.executable, "-m", module, "--helpfull" if absl else "--help"]
-  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", COLUMNS="200")
-  try:
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=_HELP_TIMEOUT_S)
-  except subprocess.TimeoutExpired:
-    return None, f"`python -m {module} {command[-1]}` took over {_HELP_TIMEOUT_S} s"
+def _help_flag(module: str) -> str:
+  return "--helpfull" if _uses_absl(module) else "--help"
+
+
+def _read_help(module: str, done: subprocess.CompletedProcess) -> tuple[frozenset[str] | None, str]:
+  """(the flags `python -m module` accepts, by its help output `done`, or None; the help
+  text or why it failed)."""
+  flag = _help_flag(module)
   text = done.stdout + done.stderr
-  if absl:  # `  --flag: help` and `  --[no]flag: help`; absl exits 1 after printing it
+  if flag == "--helpfull":  # `  --flag: help` and `  --[no]flag: help`; absl exits 1 after printing it
     found = re.findall(r"^\s+--(\[no\])?([\w.-]+):", text, re.M)
     flags = {name for _, name in found} | {f"no{name}" for negated, name in found if negated}
   else:  # every option is in the usage block, which ends at the first blank line
@@ -233,7 +230,7 @@ def _run_help(module: str) -> tuple[frozenset[str] | None, str]:
     flags = set(re.findall(r"--([\w-]+)", usage))
   if not flags:
     last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-    return None, f"`python -m {module} {command[-1]}` failed (exit {done.returncode}): {last}"
+    return None, f"`python -m {module} {flag}` failed (exit {done.returncode}): {last}"
   return frozenset(flags), text
 
 
@@ -241,10 +238,15 @@ _help_cache: dict[str, tuple[frozenset[str] | None, str]] = {}
 
 
 def _help(modules) -> dict[str, tuple[frozenset[str] | None, str]]:
-  """The help of each module, each run once per test process, several at a time."""
+  """The help of each module, each run once per test process, from the repository root,
+  each in a process forked from one that has imported the large third-party packages
+  (tests/forked_commands.py), two at a time."""
   todo = sorted(set(modules) - set(_help_cache))
-  with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, min(len(todo), os.cpu_count() or 2))) as pool:
-    _help_cache.update(zip(todo, pool.map(_run_help, todo)))
+  if todo:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", COLUMNS="200")
+    commands = [["-m", module, _help_flag(module)] for module in todo]
+    results, _ = forked_commands.run(commands, str(ROOT), env, timeout=_HELP_TIMEOUT_S)
+    _help_cache.update((module, _read_help(module, done)) for module, done in zip(todo, results))
   return {module: _help_cache[module] for module in modules}
 
 

@@ -8,12 +8,11 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+import forked_commands
 from castle_jax.eval import passkey, perplexity
 from castle_jax.models import registry
 from configs import drt_tiny, swa_tiny
@@ -199,23 +198,12 @@ def test_bad_flags_are_one_error_line(module, flags, message, drt_workdir, tmp_p
 
 @pytest.mark.parametrize("module", ["castle_jax.eval.passkey", "castle_jax.eval.perplexity"])
 def test_command_line_help_and_missing_workdir(module, tmp_path):
-  done = subprocess.run(
-    [sys.executable, "-m", module, "--help"],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=120,
-    env={**os.environ, "PYTHONPATH": ROOT},
+  # Both command lines in processes forked from one that has imported jax and the rest.
+  (helped, done), import_stderr = forked_commands.run(
+    [["-m", module, "--help"], ["-m", module, f"--workdir={tmp_path}"]], ROOT, {**os.environ, "PYTHONPATH": ROOT}
   )
-  assert done.returncode == 0 and "--workdir" in done.stdout and "--lengths" in done.stdout
-  done = subprocess.run(
-    [sys.executable, "-m", module, f"--workdir={tmp_path}"],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=120,
-    env={**os.environ, "PYTHONPATH": ROOT},
-  )
+  assert not import_stderr.strip(), import_stderr  # the imports a command alone would print too
+  assert helped.returncode == 0 and "--workdir" in helped.stdout and "--lengths" in helped.stdout
   assert done.returncode == 1
   assert done.stderr.strip().splitlines() == [
     f"ERROR: {tmp_path}/config.json not found: --workdir must be a training workdir (written by `python -m "
