@@ -34,10 +34,10 @@ def test_default_is_xla_and_logged(caplog):
   assert_close(out, reference(**inputs)[0])
 
 
-def _choose(requested=None, heads=32, kv_heads=8, head_dim=128, dtype=jnp.bfloat16, tree=True, capacity=4096):
-  """The implementation the op would pick for inputs of these shapes (69 tree nodes, or the
+def _choose(requested=None, heads=32, kv_heads=8, head_dim=128, dtype=jnp.bfloat16, tree=True, capacity=4096, nodes=69):
+  """The implementation the op would pick for inputs of these shapes (a tree of `nodes`, or the
   cache part alone)."""
-  n = 69 if tree else 1
+  n = nodes if tree else 1
   q = jax.ShapeDtypeStruct((1, n, heads, head_dim), dtype)
   cache = jax.ShapeDtypeStruct((1, capacity, kv_heads, head_dim), dtype)
   nodes = jax.ShapeDtypeStruct((1, n, kv_heads, head_dim), dtype)
@@ -52,6 +52,8 @@ def test_the_default_on_hopper_takes_mosaic_where_it_measured_faster(device):
   assert _choose(heads=64) == "mosaic"
   assert _choose(heads=8, kv_heads=4, head_dim=64) == "triton"  # measured no faster
   assert _choose(tree=False) == "triton"  # the cache part alone: a decoding step
+  assert _choose(nodes=6) == "triton"  # a chain's few nodes: not measured
+  assert _choose(nodes=64) == "mosaic"
   assert _choose(dtype=jnp.float16) == "triton"  # not measured
   assert _choose(capacity=4100) == "triton"  # a capacity the kernel cannot take
   assert _choose(dtype=jnp.float32) == "triton"
