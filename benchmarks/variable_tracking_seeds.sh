@@ -67,11 +67,15 @@ for arm in $ARMS; do
       --examples="$EXAMPLES" > "$OUT/logs/tasks_${arm}_$k.log" 2>&1 &
   done
   wait
-  say "$arm: $(grep -h 'query accuracy' "$OUT/logs"/tasks_"${arm}"_*.log | sed 's/.*query accuracy \([0-9.]*\).*/\1/' | tr '\n' ' ')"
+  accuracies=()
+  for ((k = 0; k < SEEDS; k++)); do
+    accuracies[k]=$(sed -n 's/.*query accuracy \([0-9.]*\).*/\1/p' "$OUT/logs/tasks_${arm}_$k.log" | head -1)
+  done
+  say "$arm: ${accuracies[*]}"
   # A seed that solved the task keeps its workdir (config and last checkpoint) in OUT, for
   # python -m castle_jax.models.export_pretrained.
   for ((k = 0; k < SEEDS; k++)); do
-    accuracy=$(sed -n 's/.*query accuracy \([0-9.]*\).*/\1/p' "$OUT/logs/tasks_${arm}_$k.log" | head -1)
+    accuracy=${accuracies[k]}
     if [ -n "$accuracy" ] && awk -v a="$accuracy" -v t="$SOLVED" 'BEGIN { exit !(a >= t) }'; then
       mkdir -p "$OUT/solved/$arm"
       cp -r "$RUNS/$arm/seed_$k" "$OUT/solved/$arm/" && rm -rf "$OUT/solved/$arm/seed_$k/tensorboard"
