@@ -80,14 +80,14 @@ def _implementations(q: jax.Array, kv_arrays, kernel_config) -> dict[str, Implem
       return None
     return f"the kernel needs a power-of-two head_dim >= 16, got {head_dim} (use implementation='xla')"
 
-  verifies_tree = len(kv_arrays) > 2
+  tree_nodes = q.shape[1] if len(kv_arrays) > 2 else 0  # 0: the cache part alone
 
   def mosaic_unsupported() -> str | None:
     reason = mosaic_unsupported_reason(
       head_dim=head_dim,
       dtype=q.dtype,
       kv_dtypes=[x.dtype for x in kv_arrays],
-      tree_nodes=q.shape[1] if verifies_tree else 0,
+      tree_nodes=tree_nodes,
       capacity=kv_arrays[0].shape[1],
       config=kernel_config if isinstance(kernel_config, TreeAttentionMosaicConfig) else None,
     )
@@ -105,7 +105,7 @@ def _implementations(q: jax.Array, kv_arrays, kernel_config) -> dict[str, Implem
       mosaic_unsupported,
       default_backends=("gpu",),
       config_type=TreeAttentionMosaicConfig,
-      default_declines=lambda: mosaic_not_measured_faster(q.dtype, head_dim, q.shape[1] if verifies_tree else 0),
+      default_declines=lambda: mosaic_not_measured_faster(q.dtype, head_dim, tree_nodes),
     ),
   }
 
