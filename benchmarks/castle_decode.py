@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -29,24 +27,7 @@ from castle_jax.ops.attention import KVCache
 from castle_jax.ops.attention import causal_mask, masked_attention
 from castle_jax.ops.castle import UQKVCache, decode_step
 from pallas_kernels.castle import CastleDecodeConfig
-from benchmarks.timing import run_meta, write_json
-
-
-def _cache_bytes(cache) -> int:
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
-
-
-def _time_steps(step, cache, token_inputs, iters):
-  for _ in range(2):  # compile and warm up
-    out, cache = step(cache, *token_inputs)
-  jax.block_until_ready(out)
-  times = []
-  for _ in range(iters):
-    start = time.perf_counter()
-    out, cache = step(cache, *token_inputs)
-    jax.block_until_ready(out)
-    times.append(time.perf_counter() - start)
-  return 1e3 * statistics.median(times)
+from benchmarks.timing import median_step_ms, run_meta, tree_bytes, write_json
 
 
 def _filled(shape, dtype, key):
@@ -75,8 +56,8 @@ def castle_row(batch, length, heads, head_dim, window, dtype, iters, implementat
     "implementation": implementation,
     "config": config and dataclasses.asdict(config),
     "heads": heads,
-    "step_ms": _time_steps(step, cache, token, iters),
-    "cache_gib": _cache_bytes(cache) / 2**30,
+    "step_ms": median_step_ms(step, cache, token, iters),
+    "cache_gib": tree_bytes(cache) / 2**30,
   }
 
 
@@ -104,8 +85,8 @@ def mha_row(batch, length, heads, head_dim, dtype, iters):
   return {
     "impl": "mha_kv_cache",
     "heads": heads,
-    "step_ms": _time_steps(jax.jit(step, donate_argnums=0), cache, token, iters),
-    "cache_gib": _cache_bytes(cache) / 2**30,
+    "step_ms": median_step_ms(jax.jit(step, donate_argnums=0), cache, token, iters),
+    "cache_gib": tree_bytes(cache) / 2**30,
   }
 
 

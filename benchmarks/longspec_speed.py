@@ -59,8 +59,7 @@ from castle_jax.inference import speculative
 from castle_jax.inference.sampling import sample_next_token
 from castle_jax.models import build_model, count_parameters, family_of, hf, longspec_draft
 from castle_jax.ops.tree_attention import IMPLEMENTATIONS as TREE_ATTENTION_IMPLEMENTATIONS
-from benchmarks.castle_decode import _cache_bytes, _time_steps
-from benchmarks.timing import error_text, run_meta, write_json
+from benchmarks.timing import error_text, median_step_ms, run_meta, tree_bytes, write_json
 
 GIB = 2**30
 # Hugging Face config.json fields of each shape (meta-llama/Meta-Llama-3-8B's for llama3_8b).
@@ -228,9 +227,9 @@ def measure(args, target, target_params, draft, draft_params, batch: int, length
     )
     committed = length - 1  # the prompt's last token is the first token to decode (the root)
     caches = _random_caches(target, batch, capacity, jax.random.key(1), jnp.int32(committed))
-    row["kv_cache_gib"] = _cache_bytes(caches) / GIB
+    row["kv_cache_gib"] = tree_bytes(caches) / GIB
     step = functools.partial(_autoregressive_step, target, target_params)
-    row["ar_step_ms"] = _time_steps(step, (caches, prompt[:, -1], jnp.int32(committed)), (), args.iters)
+    row["ar_step_ms"] = median_step_ms(step, (caches, prompt[:, -1], jnp.int32(committed)), (), args.iters)
     del caches
 
     lengths = np.full(batch, committed, np.int32)
@@ -240,7 +239,7 @@ def measure(args, target, target_params, draft, draft_params, batch: int, length
     )
     state = (caches, draft_cache, prompt[:, -1], jnp.asarray(lengths))
     step = functools.partial(_speculative_round, target, draft, shape, args.tree_attention, target_params, draft_params)
-    row["round_ms"] = _time_steps(step, state, (), args.iters)
+    row["round_ms"] = median_step_ms(step, state, (), args.iters)
     del caches, draft_cache, state
   except Exception as e:  # one failing row (e.g. out of memory) must not lose the others
     row["error"] = error_text(e)

@@ -18,10 +18,10 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from benchmarks.castle_decode import _cache_bytes, _filled, _time_steps, mha_row
+from benchmarks.castle_decode import _filled, mha_row
 from castle_jax import command_line as cl
 from castle_jax.ops.power import decode_step, init_cache
-from benchmarks.timing import run_meta, write_json
+from benchmarks.timing import median_step_ms, run_meta, tree_bytes, write_json
 
 
 def power_row(batch, length, heads, head_dim, dtype, iters):
@@ -43,8 +43,8 @@ def power_row(batch, length, heads, head_dim, dtype, iters):
     "impl": "power_p2_state",
     "heads": heads,
     "length": length,
-    "step_ms": _time_steps(jax.jit(step, donate_argnums=0), cache, token, iters),
-    "cache_gib": _cache_bytes(cache) / 2**30,
+    "step_ms": median_step_ms(jax.jit(step, donate_argnums=0), cache, token, iters),
+    "cache_gib": tree_bytes(cache) / 2**30,
   }
 
 

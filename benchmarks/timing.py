@@ -99,6 +99,27 @@ def median_ms(fn: Callable, args_sets: Sequence[tuple], iters: int) -> float:
   return 1e3 * statistics.median(times)
 
 
+def median_step_ms(step: Callable, state, extra_inputs: Sequence, iters: int) -> float:
+  """Median wall time in ms of a step that carries its state: (out, state) = step(state,
+  *extra_inputs), each call fed the state the previous one returned (so a step that donates
+  its state updates it in place), after two warm-up calls (the first compiles)."""
+  for _ in range(2):
+    out, state = step(state, *extra_inputs)
+  jax.block_until_ready(out)
+  times = []
+  for _ in range(iters):
+    start = time.perf_counter()
+    out, state = step(state, *extra_inputs)
+    jax.block_until_ready(out)
+    times.append(time.perf_counter() - start)
+  return 1e3 * statistics.median(times)
+
+
+def tree_bytes(tree) -> int:
+  """The bytes of a pytree's arrays (e.g. a decoding cache)."""
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
 def torch_median_ms(fn: Callable[[], object], iters: int, warmup: int = 2) -> float:
   """The same for a PyTorch callable on CUDA (synchronizing after each call)."""
   import torch
