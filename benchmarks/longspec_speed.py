@@ -56,6 +56,7 @@ import numpy as np
 from castle_jax import command_line as cl
 from castle_jax.eval.cli import format_table
 from castle_jax.inference import speculative
+from castle_jax.inference.generate import decode_token
 from castle_jax.inference.sampling import sample_next_token
 from castle_jax.models import build_model, count_parameters, family_of, hf, longspec_draft
 from castle_jax.ops.tree_attention import IMPLEMENTATIONS as TREE_ATTENTION_IMPLEMENTATIONS
@@ -173,9 +174,8 @@ def _autoregressive_step(model, params, state):
   """`continue_decoding`'s step at temperature 0: state (caches, token int32 [batch],
   position int32) -> (next token, the next state)."""
   caches, token, position = state
-  positions = jnp.broadcast_to(position, token.shape)[:, None]
-  logits, caches = family_of(model).decode(model, params, token[:, None], positions, caches)
-  next_token = sample_next_token(logits[:, -1], jax.random.key(0)).astype(jnp.int32)
+  next_token, caches = decode_token(model, params, caches, token, position, jax.random.key(0), sample_next_token)
+  next_token = next_token.astype(jnp.int32)
   return next_token, (caches, next_token, position + 1)
 
 

@@ -127,18 +127,23 @@ def _generate(model, params, prompt, lengths, rng, max_new_tokens, capacity, tem
   return append_new_tokens(prompt, lengths, new_tokens)
 
 
+def decode_token(model, params, caches, token, position, rng, sample):
+  """One autoregressive step: `token` (int32 [B], at `position`, int32 scalar or [B], not
+  yet in the caches) through the model -> (the next token sampled by `sample(logits, rng)`,
+  the caches holding `token`)."""
+  positions = jnp.broadcast_to(position, token.shape)[:, None]
+  logits, caches = family_of(model).decode(model, params, token[:, None], positions, caches)
+  return sample(logits[:, -1], rng), caches
+
+
 def _decode_scan(model, params, caches, token, position, rng, steps: int, sample):
   """`steps` tokens after `token` (int32 [B], at `position`, int32 scalar or [B], not yet in
   the caches), one decode step each: (int32 [B, steps], caches)."""
-  family = family_of(model)
-  batch = token.shape[0]
 
   def step(carry, _):
     token, caches, position, rng = carry
     rng, step_rng = jax.random.split(rng)
-    positions = jnp.broadcast_to(position, (batch,))[:, None]
-    logits, caches = family.decode(model, params, token[:, None], positions, caches)
-    next_token = sample(logits[:, -1], step_rng)
+    next_token, caches = decode_token(model, params, caches, token, position, step_rng, sample)
     return (next_token, caches, position + 1, rng), next_token
 
   (_, caches, _, _), emitted = jax.lax.scan(step, (token, caches, position, rng), None, length=steps)
