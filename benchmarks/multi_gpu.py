@@ -20,7 +20,8 @@ Parts (each in its own try/except: one failure does not lose the others):
                process 1 mid-run (process 0 is then killed too, as a scheduler would),
                relaunch the same command; the resumed loss curve equals an uninterrupted
                2-process run. Needs the data pipeline (grain, tfds).
-  scaling      tokens/s per device of baseline_s, castle_s, power_p2_s (their widths, heads,
+  scaling      tokens/s per device of baseline_s, castle_s, power_p2_s (--presets also takes
+               castle_swl_s and the XL configs baseline_xl, castle_xl, castle_swl_xl) (their widths, heads,
                vocabulary and sequence length; --layers of depth to bound compile time, 0 for
                the preset's) on 1 device and on N devices with the layouts above, the same
                per-device batch (weak scaling; TP splits the N x larger batch's heads).
@@ -51,7 +52,9 @@ from castle_jax.outputs import fresh_directory, refuse_existing, user_cache_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-PRESETS = ("baseline_s", "castle_s", "power_p2_s")
+PRESETS = ("baseline_s", "castle_s", "power_p2_s")  # the default of --presets
+# XL configs at full depth need --tokens_per_device (the configs' batches are the paper's 0.5M tokens).
+SCALING_PRESETS = PRESETS + ("castle_swl_s", "baseline_xl", "castle_xl", "castle_swl_xl")
 
 
 def _choices(*names: str):
@@ -69,7 +72,7 @@ def parse_args(argv=None):
   )
   parser.add_argument("--devices", type=cl.nonnegative_int, default=0, help="N (default: all local devices)")
   parser.add_argument("--attentions", type=_choices("mha", "castle", "power"), default="mha,castle,power")
-  parser.add_argument("--presets", type=_choices(*PRESETS), default=",".join(PRESETS))
+  parser.add_argument("--presets", type=_choices(*SCALING_PRESETS), default=",".join(PRESETS))
   parser.add_argument(
     "--layers",
     type=cl.nonnegative_int,
