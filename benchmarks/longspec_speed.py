@@ -154,19 +154,25 @@ def _random_params(model: nn.Module, seed: int):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _random_layer_cache(model, batch: int, capacity: int, key, length):
+  """One layer's cache (every layer's has the same shapes) with random keys and values in
+  every slot, `length` of them filled."""
+  cache = family_of(model).init_cache(model, batch, capacity)[0]
+  key_key, value_key = jax.random.split(key)
+  return cache.replace(
+    keys=jax.random.normal(key_key, cache.keys.shape, cache.keys.dtype),
+    values=jax.random.normal(value_key, cache.values.shape, cache.values.dtype),
+    length=length,
+  )
+
+
 def _random_caches(model, batch: int, capacity: int, key, length):
   """The model's caches with random keys and values in every slot, `length` of them filled
   (an int32 scalar, or [batch] for per-row lengths)."""
-  caches = family_of(model).init_cache(model, batch, capacity)
-  keys = jax.random.split(key, 2 * len(caches))
-  return [
-    cache.replace(
-      keys=jax.random.normal(keys[2 * i], cache.keys.shape, cache.keys.dtype),
-      values=jax.random.normal(keys[2 * i + 1], cache.values.shape, cache.values.dtype),
-      length=length,
-    )
-    for i, cache in enumerate(caches)
-  ]
+  # One layer's program, run once per layer: one program filling every layer's cache took
+  # minutes to compile on an H100 at 8B shapes, once per row.
+  layers = len(jax.eval_shape(lambda: family_of(model).init_cache(model, batch, capacity)))
+  return [_random_layer_cache(model, batch, capacity, k, length) for k in jax.random.split(key, layers)]
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
