@@ -89,7 +89,7 @@ def measure(
   memory = jax.devices()[0].memory_stats() or {}
   return {
     "device": jax.devices()[0].device_kind,
-    "devices": jax.device_count(),
+    "devices": mesh.devices.size,
     "jax": jax.__version__,
     "attention": model_config.attention,
     "attention_impl": model_config.attention_impl,
@@ -103,8 +103,10 @@ def measure(
     "step_s_max": max(times),
     "warmup_s": warmup_s,
     "tokens_per_s": tokens_per_s,
-    "model_tflops_per_s_per_device": tokens_per_s * flops_per_token / jax.device_count() / 1e12,
-    "mfu": None if peak is None else tokens_per_s * flops_per_token / (peak * jax.device_count()),
+    # Per device of the mesh, which may use fewer devices than the host has (a 1-device row of
+    # the multi-GPU scaling runs beside the N-device rows).
+    "model_tflops_per_s_per_device": tokens_per_s * flops_per_token / mesh.devices.size / 1e12,
+    "mfu": None if peak is None else tokens_per_s * flops_per_token / (peak * mesh.devices.size),
     "peak_bytes_in_use": memory.get("peak_bytes_in_use"),
     "final_loss": float(metrics["loss"]),
     "token_ids": token_ids or model_config.vocab_size,

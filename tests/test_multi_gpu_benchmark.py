@@ -136,3 +136,17 @@ def test_smoke_every_part(tmp_path):
   restart = rows[0]
   assert restart["resumed_from_step"] == max(restart["checkpoints_after_kill"]) < restart["killed_after_step"]
   assert restart["max_loss_rel_diff"] <= 1e-6
+
+
+def test_per_device_rates_count_the_devices_of_the_mesh_not_of_the_host():
+  """A 1-device row of the scaling part runs on a host with 8 devices: its FLOP rate and MFU
+  per device divide by the 1 device it used."""
+  from castle_jax.models import ModelConfig, training_flops_per_token
+
+  args = multi_gpu.parse_args(["--smoke"])
+  for devices, sizes in ((1, (1, 1, 1)), (2, (2, 1, 1))):
+    config = multi_gpu.preset_config("baseline_s", args, sizes, devices, 2)
+    result = synthetic_step.measure(config, steps=1)
+    flops = result["tokens_per_s"] * training_flops_per_token(ModelConfig.from_mapping(config.model), result["seq_len"])
+    assert result["devices"] == devices
+    assert result["model_tflops_per_s_per_device"] == pytest.approx(flops / devices / 1e12, rel=1e-9)
