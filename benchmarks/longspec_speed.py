@@ -52,6 +52,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from castle_jax import command_line as cl
 from castle_jax.eval.cli import format_table
@@ -59,6 +60,9 @@ from castle_jax.inference import speculative
 from castle_jax.inference.generate import decode_token
 from castle_jax.inference.sampling import sample_next_token
 from castle_jax.models import build_model, count_parameters, family_of, hf, longspec_draft
+from castle_jax.models.registry import abstract_params
+from castle_jax.sharding import on_mesh
+from castle_jax.workdir import check_mesh_fits, tensor_parallel_mesh
 from castle_jax.ops.tree_attention import IMPLEMENTATIONS as TREE_ATTENTION_IMPLEMENTATIONS
 from benchmarks.timing import error_text, median_step_ms, run_meta, tree_bytes, write_json
 
@@ -123,6 +127,13 @@ def parse_args(argv):
     help="tokens per round for the projected speed-up tau * t_AR / t_round (default: the paper's "
     "Llama-3.1-8B on LCC, 3.28, and our trained small pair at 16K, 5.33)",
   )
+  parser.add_argument(
+    "--tensor",
+    type=cl.positive_int,
+    default=1,
+    help="tensor-parallel degree: the target's and the draft's heads, MLP width and vocabulary, and the "
+    "caches' key/value heads, split over this many devices (default 1: one device)",
+  )
   parser.add_argument("--iters", type=cl.positive_int, default=20, help="timed calls per row (after 2 warm-ups)")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes, 2 timed calls: checks the harness runs")
   parser.add_argument("--out", type=cl.new_file, default=None, help="write the rows here as JSON (a new file)")
@@ -137,42 +148,54 @@ def parse_args(argv):
   return args
 
 
-def models(shape: str):
+def models(shape: str, mesh: jax.sharding.Mesh | None = None):
   """(target, target params, draft, draft params): the shape's target in bfloat16 and its
-  one-block LongSpec draft, random weights initialized on the device."""
+  one-block LongSpec draft, random weights initialized on the device, or straight into their
+  shards on `mesh` (a tensor-parallel mesh; ValueError naming --tensor when the heads or a
+  width do not divide over it)."""
   config = hf.model_config(SHAPES[shape], dtype="bfloat16")
   draft_config = dataclasses.replace(config, family=longspec_draft.FAMILY, family_kwargs=(("window", DRAFT_WINDOW),))
   built = [build_model(config), build_model(draft_config)]
-  target_params, draft_params = (_random_params(model, seed) for seed, model in enumerate(built))
+  target_params, draft_params = (_random_params(model, seed, mesh) for seed, model in enumerate(built))
   return built[0], target_params, built[1], draft_params
 
 
-def _random_params(model: nn.Module, seed: int):
+def _random_params(model: nn.Module, seed: int, mesh: jax.sharding.Mesh | None):
+  abstract = abstract_params(model, 8, mesh=mesh)
+  if mesh is not None:
+    check_mesh_fits(model.config, abstract, mesh)
   # The key is an argument: closed over, XLA would constant-fold the random init.
-  init = jax.jit(lambda key: nn.unbox(family_of(model).init_variables(model, key, 8)["params"]))
+  init = jax.jit(
+    lambda key: nn.unbox(family_of(model).init_variables(model, key, 8)["params"]),
+    out_shardings=jax.tree.map(lambda leaf: leaf.sharding, abstract),
+  )
   return init(jax.random.key(seed))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _random_layer_cache(model, batch: int, capacity: int, key, length):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _random_layer_cache(model, batch: int, capacity: int, mesh, key, length):
   """One layer's cache (every layer's has the same shapes) with random keys and values in
-  every slot, `length` of them filled."""
+  every slot, `length` of them filled; on `mesh`, split by key/value heads as the model's
+  tensor-parallel attention reads them."""
   cache = family_of(model).init_cache(model, batch, capacity)[0]
   key_key, value_key = jax.random.split(key)
-  return cache.replace(
-    keys=jax.random.normal(key_key, cache.keys.shape, cache.keys.dtype),
-    values=jax.random.normal(value_key, cache.values.shape, cache.values.dtype),
-    length=length,
-  )
+
+  def random(k, like):
+    x = jax.random.normal(k, like.shape, like.dtype)
+    if mesh is None:
+      return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(None, None, "tensor", None)))
+
+  return cache.replace(keys=random(key_key, cache.keys), values=random(value_key, cache.values), length=length)
 
 
-def _random_caches(model, batch: int, capacity: int, key, length):
+def _random_caches(model, batch: int, capacity: int, key, length, mesh=None):
   """The model's caches with random keys and values in every slot, `length` of them filled
   (an int32 scalar, or [batch] for per-row lengths)."""
   # One layer's program, run once per layer: one program filling every layer's cache took
   # minutes to compile on an H100 at 8B shapes, once per row.
   layers = len(jax.eval_shape(lambda: family_of(model).init_cache(model, batch, capacity)))
-  return [_random_layer_cache(model, batch, capacity, k, length) for k in jax.random.split(key, layers)]
+  return [_random_layer_cache(model, batch, capacity, mesh, k, length) for k in jax.random.split(key, layers)]
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
@@ -199,12 +222,13 @@ def _speculative_round(target, draft, shape, tree_attention, target_params, draf
   return outcome.kept, (caches, draft_cache, outcome.bonus, position + outcome.kept)
 
 
-def needed_bytes(target, draft, batch: int, capacity: int) -> int:
-  """The parameters (bf16) and the target's caches: what a row holds on the device."""
+def needed_bytes(target, draft, batch: int, capacity: int, tensor: int = 1) -> int:
+  """The parameters (bf16) and the target's caches: what a row holds on each of `tensor`
+  devices (tensor parallelism splits both)."""
   config = target.config
   params = 2 * (count_parameters(config) + count_parameters(draft.config))
   caches = 2 * config.n_layers * config.kv_heads * config.qk_head_dim * capacity * batch * 2
-  return params + caches
+  return (params + caches) // tensor
 
 
 def _memory_limit() -> int | None:
@@ -215,31 +239,34 @@ def _memory_limit() -> int | None:
   return (stats or {}).get("bytes_limit")
 
 
-def measure(args, target, target_params, draft, draft_params, batch: int, length: int) -> dict:
-  """One row: the AR step and the round at `batch` prompts of `length` tokens."""
+def measure(args, target, target_params, draft, draft_params, batch: int, length: int, mesh=None) -> dict:
+  """One row: the AR step and the round at `batch` prompts of `length` tokens (on `mesh`
+  with tensor parallelism, else one device)."""
   shape = speculative.TreeShape(tuple(args.tree))
   # Every timed call may commit depth + 1 tokens; the Mosaic kernel takes capacities that
   # are multiples of 8.
   capacity = -(-(length + (args.iters + 2) * (shape.depth + 1)) // 256) * 256
   row = {"batch": batch, "prompt_length": length, "capacity": capacity}
-  needed, limit = needed_bytes(target, draft, batch, capacity), _memory_limit()
+  needed, limit = needed_bytes(target, draft, batch, capacity, args.tensor), _memory_limit()
   row["needed_gib"] = needed / GIB
   if limit is not None and needed > limit:
-    row["error"] = f"skipped: needs {needed / GIB:.1f} GiB of parameters and caches, the device has {limit / GIB:.1f}"
+    row["error"] = (
+      f"skipped: needs {needed / GIB:.1f} GiB of parameters and caches per device, the device has {limit / GIB:.1f}"
+    )
     return row
   try:
     prompt = jnp.asarray(
       np.random.default_rng(length).integers(0, target.config.vocab_size, (batch, length)), jnp.int32
     )
     committed = length - 1  # the prompt's last token is the first token to decode (the root)
-    caches = _random_caches(target, batch, capacity, jax.random.key(1), jnp.int32(committed))
+    caches = _random_caches(target, batch, capacity, jax.random.key(1), jnp.int32(committed), mesh)
     row["kv_cache_gib"] = tree_bytes(caches) / GIB
     step = functools.partial(_autoregressive_step, target, target_params)
     row["ar_step_ms"] = median_step_ms(step, (caches, prompt[:, -1], jnp.int32(committed)), (), args.iters)
     del caches
 
     lengths = np.full(batch, committed, np.int32)
-    caches = _random_caches(target, batch, capacity, jax.random.key(2), jnp.asarray(lengths))
+    caches = _random_caches(target, batch, capacity, jax.random.key(2), jnp.asarray(lengths), mesh)
     draft_cache = speculative._prefill_draft(
       draft, draft_params, target.config, target_params, prompt[:, :-1], lengths, shape
     )
@@ -257,12 +284,19 @@ def measure(args, target, target_params, draft, draft_params, batch: int, length
 
 def main(argv) -> int:
   args = parse_args(argv)
-  target, target_params, draft, draft_params = models(args.shape)
-  rows = []
-  for batch in args.batch_sizes:
-    for length in args.prompt_lengths:
-      rows.append(measure(args, target, target_params, draft, draft_params, batch, length))
-      print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+  try:
+    mesh = tensor_parallel_mesh(args.tensor)
+    with on_mesh(mesh):
+      built = models(args.shape, mesh)
+  except ValueError as e:  # a --tensor that the devices or the model's heads do not divide
+    raise cl.UsageError(str(e)) from e
+  target, target_params, draft, draft_params = built
+  with on_mesh(mesh):
+    rows = []
+    for batch in args.batch_sizes:
+      for length in args.prompt_lengths:
+        rows.append(measure(args, target, target_params, draft, draft_params, batch, length, mesh))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
   write_json(
     args.out,
     run_meta(**{key: value for key, value in vars(args).items() if key not in ("out", "traceback")}),
@@ -279,14 +313,15 @@ def main(argv) -> int:
     cells += [f"{r['ar_step_ms']:.2f}", f"{r['round_ms']:.2f}", f"{r['round_over_ar_step']:.2f}"]
     table.append(cells + [f"{r['projected_speedup'][str(tau)]:.2f}x" for tau in args.taus])
   print(
-    f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}, {args.shape} target "
+    f"\n{jax.devices()[0].device_kind}{f' x {args.tensor}, tensor parallel' if args.tensor > 1 else ''}, "
+    f"jax {jax.__version__}, {args.shape} target "
     f"({count_parameters(target.config):,} parameters, bfloat16) and its one-block draft, tree "
     f"{','.join(map(str, args.tree))}, tree attention {args.tree_attention or 'default'}, median of {args.iters} "
     "calls; speed-ups are projections tau * t_AR / t_round, not measurements"
   )
   print(
     format_table(
-      ["batch", "prompt", "params+KV GiB", "AR step ms", "round ms", "round / AR step"]
+      ["batch", "prompt", "params+KV GiB per device", "AR step ms", "round ms", "round / AR step"]
       + [f"projection tau={tau:g}" for tau in args.taus],
       table,
     )

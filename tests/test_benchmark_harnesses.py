@@ -5,7 +5,13 @@ step-against-round harness (`longspec_speed`), with a tiny random target and dra
 
 import json
 
+import jax
+import jax.numpy as jnp
 import pytest
+
+from castle_jax import command_line as cl
+from castle_jax.sharding import on_mesh
+from castle_jax.workdir import tensor_parallel_mesh
 
 from benchmarks import castle_attention, gca_attention, longspec_speed, power_attention, tree_attention
 
@@ -44,3 +50,25 @@ def test_longspec_speed_skips_a_row_the_device_cannot_hold(monkeypatch, capsys):
   monkeypatch.setattr(longspec_speed, "_memory_limit", lambda: 1024)
   assert longspec_speed.main(["--smoke"]) == 0
   assert "skipped: needs" in capsys.readouterr().out.strip().splitlines()[-1]
+
+
+def test_longspec_speed_runs_tensor_parallel_and_refuses_a_split_the_heads_do_not_take(capsys):
+  """On 2 of the 8 CPU devices the target's and the draft's parameters and the caches are
+  split by heads, and the step and the round run; 4 ways does not divide the tiny target's 2
+  key/value heads."""
+  assert longspec_speed.main(["--smoke", "--tensor=2"]) == 0
+  lines = capsys.readouterr().out.strip().splitlines()
+  assert "x 2, tensor parallel" in lines[-4], lines[-4]
+  assert "skipped" not in lines[-1] and "Error" not in lines[-1], lines[-1]
+  with pytest.raises(cl.UsageError, match="--tensor=4 does not divide the model's 4 attention heads and 2 key/value"):
+    longspec_speed.main(["--smoke", "--tensor=4"])
+
+  mesh = tensor_parallel_mesh(2)
+  with on_mesh(mesh):
+    target, target_params, _, draft_params = longspec_speed.models("tiny", mesh)
+    caches = longspec_speed._random_caches(target, 2, 64, jax.random.key(0), jnp.int32(10), mesh)
+  split = lambda x: "tensor" in jax.tree.leaves(tuple(x.sharding.spec))
+  assert any(split(x) for x in jax.tree.leaves(target_params)) and any(split(x) for x in jax.tree.leaves(draft_params))
+  assert all(
+    tuple(c.keys.sharding.spec)[2] == "tensor" and tuple(c.values.sharding.spec)[2] == "tensor" for c in caches
+  )

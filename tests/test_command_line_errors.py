@@ -224,6 +224,7 @@ BENCHMARK_CASES = [
     ("icl_curve", [], "--workdirs is required"),
     ("longspec", ["--target_workdir={nowhere}", "--draft={nowhere}"], "{nowhere}/config.json not found"),
     ("longspec_speed", ["--taus=3.28,0.5"], "--taus: [0.5] below 1: a round emits at least one token"),
+    ("longspec_speed", ["--smoke", "--tensor=64"], "--tensor=64 must divide the"),
     ("multi_gpu", ["--parts=everything"], "--parts: unknown 'everything'"),
     ("power_attention", ["--impls=flash"], "--impls: unknown 'flash'"),
     ("power_decode", ["--bogus=1"], "unrecognized arguments: --bogus=1"),
