@@ -16,7 +16,8 @@
 # RUNS (checkpoints; default a new folder under /tmp), ARMS ("mha_4_heads castle_2_heads"), SEEDS (5),
 # STEPS (20000: the cosine schedule's length), ARM_SECONDS (250), WORKERS (data worker processes per
 # seed: 3), EXAMPLES (scored prompts per seed: 400), SOLVED (query accuracy from which a seed's workdir
-# is kept in OUT/solved/<arm>/: 0.9).
+# is kept in OUT/solved/<arm>/: 0.9). Each arm's best seed is also exported as a package asset
+# (OUT/pretrained/variable_tracking_<arm>.config.json and .npz; castle_jax.models.pretrained).
 set -u
 PY=${PYTHON:-python3}
 [[ $PY == */* ]] && PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")
@@ -82,6 +83,14 @@ for arm in $ARMS; do
       say "$arm seed $k solved the task (query accuracy $accuracy >= $SOLVED): its workdir is in $OUT/solved/$arm/seed_$k"
     fi
   done
+  # The arm's best seed, solved or not, as a package asset (config + float16 parameters) in
+  # OUT/pretrained/variable_tracking_<arm>.*, what castle_jax/assets ships.
+  best=$(for ((k = 0; k < SEEDS; k++)); do echo "${accuracies[k]:--1} $k"; done | sort -g -r | head -1 | cut -d' ' -f2)
+  if [ -n "${accuracies[best]}" ]; then
+    "$PY" -m castle_jax.models.export_pretrained --workdir="$RUNS/$arm/seed_$best" --name="variable_tracking_$arm" \
+      --out_dir="$OUT/pretrained" > "$OUT/logs/export_$arm.log" 2>&1
+    say "$arm: best seed $best (query accuracy ${accuracies[best]}) exported to $OUT/pretrained: exit status $?"
+  fi
 done
 # The control's prompts differ from the task's, so each group is compared on its own.
 for group in task control; do
