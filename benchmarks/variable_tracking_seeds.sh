@@ -11,8 +11,9 @@
 #   SMOKE=1 OUT=/tmp/vt_smoke bash benchmarks/variable_tracking_seeds.sh     # tiny, on a CPU
 #
 # Arms: mha_4_heads (the baseline), castle_2_heads (parameter parity), castle_4_heads (the
-# baseline's heads), and control_<arm> for each: the same statements with no overwrite (twice the
-# names, each assigned once). Settings (environment): PYTHON (python3), OUT (must not hold results),
+# baseline's heads), castle_swl_2_heads (CASTLE-SWL at parameter parity, lookahead window 16),
+# and control_<arm> for each: the same statements with no overwrite (twice the names, each
+# assigned once). Settings (environment): PYTHON (python3), OUT (must not hold results),
 # RUNS (checkpoints; default a new folder under /tmp), ARMS ("mha_4_heads castle_2_heads"), SEEDS (5),
 # STEPS (20000: the cosine schedule's length), ARM_SECONDS (250), WORKERS (data worker processes per
 # seed: 3), EXAMPLES (scored prompts per seed: 400), SOLVED (query accuracy from which a seed's workdir
@@ -50,7 +51,10 @@ for arm in $ARMS; do
     mha_4_heads) model=() ;;
     castle_2_heads) model=(--config.model.attention=castle --config.model.n_heads=2 --config.model.head_dim=32) ;;
     castle_4_heads) model=(--config.model.attention=castle) ;;
-    *) say "ERROR: unknown arm '$arm' (mha_4_heads, castle_2_heads, castle_4_heads, control_<one of them>)"; exit 2 ;;
+    # CASTLE-SWL at parameter parity, lookahead keys over the last 16 tokens (the prompts are 60).
+    castle_swl_2_heads) model=(--config.model.attention=castle_swl --config.model.n_heads=2 --config.model.head_dim=32
+                               "--config.model.attention_kwargs={'lookahead_window': 16}") ;;
+    *) say "ERROR: unknown arm '$arm' (mha_4_heads, castle_2_heads, castle_4_heads, castle_swl_2_heads, control_<one of them>)"; exit 2 ;;
   esac
   if [ "$arm" = "$base" ]; then
     task=(--config.data.variable_tracking.names=4)
