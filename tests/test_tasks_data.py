@@ -160,6 +160,7 @@ def test_answers_are_the_latest_values_by_an_independent_oracle(task, knobs, tok
       np.testing.assert_array_equal(example.measures["distance"], [m[1] for m in measures])
     else:
       np.testing.assert_array_equal(example.measures["distance"], [m[0] for m in measures])
+      np.testing.assert_array_equal(example.measures["order"], np.arange(len(answers)))
     assert (example.measures["distance"] >= full["distance"]).all()
     for q in range(len(answers)):  # token_distance: from the latest value's first token to the answer's
       value_position = example.answer_starts[q] - example.measures["token_distance"][q]

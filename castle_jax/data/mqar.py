@@ -14,7 +14,10 @@ How an example is drawn (knobs under data.mqar, all checked by `Knobs.from_confi
 Measures per query (`TaskExample.measures`), for accuracy by bucket:
 - distance: how many pairs follow the queried pair (>= the `distance` knob; the
   queries before it are not counted);
-- token_distance: tokens from the pair's value to the answer (first token to first token).
+- token_distance: tokens from the pair's value to the answer (first token to first token);
+- order: the query's place among the queries (0: the first). Queries are distinct keys, so a
+  late query can be answered by elimination among the values not yet answered, without
+  recalling anything (the last of `queries` = `pairs` always can): order 0 measures recall.
 """
 
 from __future__ import annotations
@@ -101,5 +104,6 @@ def make_example(text: TaskText, knobs: Knobs, rng: np.random.Generator) -> Task
     measures={
       "distance": (k.pairs - 1 - queried).astype(np.int32),
       "token_distance": (answer_starts - value_starts[queried]).astype(np.int32),
+      "order": np.arange(k.queries, dtype=np.int32),
     },
   )
