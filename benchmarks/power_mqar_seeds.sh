@@ -15,8 +15,9 @@
 #
 # Settings (environment): PYTHON (python3), OUT (runs/power_mqar_seeds; must not hold results yet),
 # RUNS (checkpoints; default a new folder under /tmp), SEEDS (3), STEPS (3000), PAIRS (32), QUERIES (8),
-# HEAD_DIM (8), ARMS ("p2 p4 mha"; the first is the base of the differences), DEADLINE (seconds after
-# the start by which everything has ended: 510), EVAL_RESERVE (seconds kept for scoring: 90),
+# HEAD_DIM (8), LAYOUT (data.mqar.layout: colon, " d:4", or compact, "d4"), ARMS ("p2 p4 mha"; the
+# first is the base of the differences), DEADLINE (seconds after the start by which everything has
+# ended: 510), EVAL_RESERVE (seconds kept for scoring: 90),
 # EXAMPLES (1000), MEM_FRACTION (each training process's share of the GPU memory: 0.2; the scoring
 # processes, one per seed, allocate what they use).
 # Power attention runs its attention form (implementation "reference": the same function as the
@@ -59,11 +60,14 @@ else
   BATCH=64
 fi
 HEAD_DIM=${HEAD_DIM:-8}
-# A key takes 2 bytes with its leading space (a..z), 3 (aa..zz) or 4 (aaa..zzz); then ":" and a digit.
-item=$((PAIRS > 702 ? 6 : PAIRS > 26 ? 5 : 4))
+LAYOUT=${LAYOUT:-colon}
+# A key takes 1 byte (a..z), 2 (aa..zz) or 3 (aaa..zzz), then a digit; "colon" adds a space and ":".
+item=$((PAIRS > 702 ? 4 : PAIRS > 26 ? 3 : 2))
+[ "$LAYOUT" = compact ] || item=$((item + 2))
 SEQ_LEN=$((1 + (PAIRS + QUERIES) * item))
 every=$((STEPS / 5 > 0 ? STEPS / 5 : 1))
 
+case $LAYOUT in colon | compact) ;; *) echo "ERROR: LAYOUT must be colon or compact, got '$LAYOUT'" >&2; exit 2 ;; esac
 for arm in $ARMS; do
   case $arm in p2 | p4 | mha) ;; *) echo "ERROR: ARMS: unknown arm '$arm'; choose from p2 p4 mha" >&2; exit 2 ;; esac
 done
@@ -77,13 +81,14 @@ LOGS=$OUT/logs
 left() { echo $((DEADLINE - (SECONDS - start) - $1)); }
 say() { echo "[$((SECONDS - start))s] $*" | tee -a "$OUT/summary.txt"; }
 say "commit $(git rev-parse HEAD 2>/dev/null || echo unknown); SMOKE=$SMOKE SEEDS=$SEEDS STEPS=$STEPS PAIRS=$PAIRS" \
-  "QUERIES=$QUERIES HEAD_DIM=$HEAD_DIM SEQ_LEN=$SEQ_LEN EXAMPLES=$EXAMPLES RUNS=$RUNS" \
+  "QUERIES=$QUERIES HEAD_DIM=$HEAD_DIM LAYOUT=$LAYOUT SEQ_LEN=$SEQ_LEN EXAMPLES=$EXAMPLES RUNS=$RUNS" \
   "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
 
 width=$((SMOKE == 1 ? 2 * HEAD_DIM : 8 * HEAD_DIM))
 common=(--config=configs/tasks_mqar_tiny.py --config.train.seeds="$SEEDS" --config.model.n_layers=2
         --config.model.d_model="$width" --config.model.n_heads=$((width / HEAD_DIM)) --config.model.head_dim="$HEAD_DIM"
         --config.data.mqar.pairs="$PAIRS" --config.data.mqar.key_vocab="$PAIRS" --config.data.mqar.queries="$QUERIES"
+        --config.data.mqar.layout="$LAYOUT"
         --config.data.seq_len="$SEQ_LEN" --config.data.batch_size="$BATCH" --config.train.steps="$STEPS"
         --config.train.warmup_steps=$((STEPS / 20 > 0 ? STEPS / 20 : 1)) --config.train.log_every="$every"
         --config.train.eval_every="$every" --config.train.eval_batches=4 --config.train.checkpoint_every="$every"

@@ -160,11 +160,44 @@ def test_answers_are_the_latest_values_by_an_independent_oracle(task, knobs, tok
       np.testing.assert_array_equal(example.measures["distance"], [m[1] for m in measures])
     else:
       np.testing.assert_array_equal(example.measures["distance"], [m[0] for m in measures])
+      np.testing.assert_array_equal(example.measures["order"], np.arange(len(answers)))
     assert (example.measures["distance"] >= full["distance"]).all()
     for q in range(len(answers)):  # token_distance: from the latest value's first token to the answer's
       value_position = example.answer_starts[q] - example.measures["token_distance"][q]
       assert tokenizer.decode(example.tokens[value_position : value_position + example.answer_lengths[q]]) == answers[q]
       assert tokenizer.decode(example.tokens[:value_position]).endswith(("=", ":"))
+
+
+@pytest.mark.parametrize("tokenizer_name", ["byte", "bpe"])
+@pytest.mark.parametrize("knobs", [{}, dict(pairs=40, key_vocab=800, queries=9, distance=3, value_vocab=1000)])
+def test_mqar_compact_layout_is_the_colon_prompt_without_space_and_colon(knobs, tokenizer_name, bpe):
+  tokenizer = BYTES if tokenizer_name == "byte" else bpe
+  generators = {
+    layout: task_data.TaskGenerator(
+      "mqar",
+      tokenizer,
+      task_data.parse_knobs("mqar", {**task_data.default_knobs("mqar"), **knobs, "layout": layout}),
+      3,
+    )
+    for layout in ("colon", "compact")
+  }
+  assert generators["compact"].max_prompt_tokens < generators["colon"].max_prompt_tokens
+  for index in range(20):
+    colon, compact = (generators[layout].example("train", index) for layout in ("colon", "compact"))
+    text = tokenizer.decode(compact.tokens)
+    assert text == tokenizer.decode(colon.tokens).replace(" ", "").replace(":", "")
+    np.testing.assert_array_equal(compact.tokens, np.concatenate([[tokenizer.bos_id], tokenizer.encode(text)]))
+    assert len(compact.tokens) <= generators["compact"].max_prompt_tokens
+    for q in range(len(compact.answer_starts)):
+      start, size = compact.answer_starts[q], compact.answer_lengths[q]
+      answer = tokenizer.decode(compact.tokens[start : start + size])
+      assert answer == tokenizer.decode(colon.tokens[colon.answer_starts[q] : colon.answer_starts[q] + size])
+      # The answer directly follows its key's letters, and the first token before it is a letter.
+      assert re.fullmatch(r"[0-9]+", answer) and tokenizer.decode(compact.tokens[start - 1 : start])[-1].isalpha()
+      value = start - compact.measures["token_distance"][q]
+      assert tokenizer.decode(compact.tokens[value : value + size]) == answer
+    for name in ("distance", "order"):
+      np.testing.assert_array_equal(compact.measures[name], colon.measures[name])
 
 
 def test_overwrite_rate_is_the_fraction_of_reassignments():
@@ -341,6 +374,7 @@ MQAR_ERRORS = [
   (dict(distance=16), "distance must be an int in [0, 15]"),
   (dict(queries=0), "queries must be an int in [1, 16] (at most pairs - distance = 16 - 0), got 0"),
   (dict(queries=5, distance=12), "queries must be an int in [1, 4] (at most pairs - distance = 16 - 12), got 5"),
+  (dict(layout="spaced"), "layout must be one of ('colon', 'compact'), got 'spaced'"),
 ]
 ERRORS = [("variable_tracking", k, m) for k, m in VARIABLE_TRACKING_ERRORS] + [("mqar", k, m) for k, m in MQAR_ERRORS]
 

@@ -103,13 +103,21 @@ def test_results_by_bucket_add_up(workdir):
     model, params, tokenizer, "variable_tracking", {**KNOBS, "overwrite_rate": 0.0, "assignments": 6}, examples=5
   )
   assert [b["bucket"] for b in control["by"]["overwrites"]] == ["0"]
-  assert set(tasks.evaluate_task(model, params, tokenizer, "mqar", examples=2)["by"]) == {"distance", "token_distance"}
+  mqar = tasks.evaluate_task(model, params, tokenizer, "mqar", {"pairs": 6, "queries": 6}, examples=3)
+  assert set(mqar["by"]) == {"distance", "token_distance", "order"}
+  # Each query order is its own bucket: the first query is the one elimination cannot answer.
+  assert [b["bucket"] for b in mqar["by"]["order"]] == [str(q) for q in range(6)]
+  first = [r for r in mqar["per_query"] if r["query"] == 0]
+  assert mqar["by"]["order"][0]["query_accuracy"] == pytest.approx(
+    np.mean([r["correct_tokens"] == r["answer_tokens"] for r in first])
+  )
 
 
 def test_buckets():
   labels = [tasks.bucket_of("distance", v)[1] for v in (0, 1, 2, 3, 4, 7, 8, 100)]
   assert labels == ["0", "1", "2-3", "2-3", "4-7", "4-7", "8-15", "64-127"]
   assert [tasks.bucket_of("overwrites", v)[1] for v in (0, 1, 5, 12)] == ["0", "1", "5", "12"]
+  assert [tasks.bucket_of("order", v)[1] for v in (0, 1, 5, 12)] == ["0", "1", "5", "12"]
 
 
 def test_bad_python_arguments(workdir):

@@ -49,12 +49,12 @@ def value_text(value: int, value_vocab: int) -> str:
 
 
 class TaskText:
-  """Token ids of a task's pieces under one tokenizer: names[i] = encode(" " + name_text(i)),
-  values[v] = encode(value_text(v, value_vocab)), punctuation[c] = encode(c)."""
+  """Token ids of a task's pieces under one tokenizer: names[i] = encode(name_prefix +
+  name_text(i)), values[v] = encode(value_text(v, value_vocab)), punctuation[c] = encode(c)."""
 
-  def __init__(self, tokenizer: Tokenizer, name_vocab: int, value_vocab: int, punctuation: str):
+  def __init__(self, tokenizer: Tokenizer, name_vocab: int, value_vocab: int, punctuation: str, name_prefix: str = " "):
     self.bos_id, self.pad_id = tokenizer.bos_id, tokenizer.pad_id
-    self.names = [tokenizer.encode(" " + name_text(i)).astype(np.int32) for i in range(name_vocab)]
+    self.names = [tokenizer.encode(name_prefix + name_text(i)).astype(np.int32) for i in range(name_vocab)]
     self.values = [tokenizer.encode(value_text(v, value_vocab)).astype(np.int32) for v in range(value_vocab)]
     self.punctuation = {c: tokenizer.encode(c).astype(np.int32) for c in punctuation}
     self.max_name_tokens = max(len(ids) for ids in self.names)

@@ -4,8 +4,10 @@ overwrites, multi-query associative recall; docs/tasks.md).
 Every answer is scored under teacher forcing: token accuracy (greedy prediction of each
 answer token), query accuracy (every token of the answer right) and the answer loss
 (mean negative log-likelihood per answer token, nats), overall and per bucket of each
-query's measures: for variable tracking the overwrite count of the queried name, and for
-both tasks the distance in assignments (pairs) and in tokens (log2 buckets).
+query's measures: for variable tracking the overwrite count of the queried name, for MQAR
+the query's order (0: the first, the one that elimination among the values already answered
+cannot give), and for both tasks the distance in assignments (pairs) and in tokens (log2
+buckets).
 
 The examples are those of the split "heldout" under `--seed`, which neither training
 (data.train_split) nor its evaluation (data.eval_split) reads. The knobs are the task's
@@ -106,8 +108,9 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def bucket_of(measure: str, value: int) -> tuple[int, str]:
-  """(sort key, label): overwrite counts as they are; distances in log2 buckets 0, 1, 2-3, 4-7, ..."""
-  if measure == "overwrites" or value < 2:
+  """(sort key, label): overwrite counts and query orders as they are; distances in log2
+  buckets 0, 1, 2-3, 4-7, ..."""
+  if measure in ("overwrites", "order") or value < 2:
     return value, str(value)
   low = 1 << (value.bit_length() - 1)
   return low, f"{low}-{2 * low - 1}"
