@@ -52,40 +52,14 @@ if _CHEAP_COMPILES and jax.default_backend() != "cpu":
   os.environ.pop("JAX_DISABLE_MOST_OPTIMIZATIONS")
 
 
-@pytest.hookimpl(trylast=True)  # after xdist's hook, which may have named the group already
 def pytest_collection_modifyitems(config, items):
-  if getattr(config.option, "loadgroup", False):  # set in xdist's workers by `--dist loadgroup`
-    _send_groups_to_xdist(items)
+  del config
   if jax.default_backend() == "gpu":
     return
   skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip_gpu)
-
-
-def _send_groups_to_xdist(items):
-  """Puts each test's `xdist_group` in its node id, where `--dist loadgroup` reads it.
-
-  pytest-xdist 3.8 writes the `@group` suffix to `item._nodeid`, which pytest 9.2, whose node
-  ids are structured (`item._id`), no longer reads: every test would go to the workers on its
-  own and each would build the module fixtures that the groups exist to share.
-
-  A test without a group gets its module's: a module's tests then run in one process, which
-  traces, lowers and compiles the programs they share once (the persistent compilation cache
-  keeps only compiles, and only those above its minimum time).
-  """
-  from _pytest.nodeid import NodeId
-
-  for item in items:
-    nodeid = item.nodeid
-    if nodeid.rfind("@") > nodeid.rfind("]") or not hasattr(item, "_id"):
-      continue  # an xdist that names groups itself, or a pytest that reads `_nodeid`
-    names = sorted(
-      {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
-    )
-    group = "_".join(names) or nodeid.split("::")[0]
-    item._id = NodeId.parse(f"{nodeid}@{group}")
 
 
 @pytest.fixture
