@@ -556,13 +556,16 @@ def test_a_draft_trains_against_its_frozen_target_and_decodes_through_the_workdi
   train(long_config)
 
   draft = load_draft(long_config.workdir, target)
-  prompt = jnp.asarray(target.tokenizer.encode("def main(x):\n    return"), jnp.int32)[None]
+  text = "def main(x):\n    return"
+  prompt = jnp.asarray([target.tokenizer.bos_id, *target.tokenizer.encode(text)], jnp.int32)[None]
   expected = generate(target.model, target.params, prompt, max_new_tokens=24)
   spoken = speculative_generate(
     target.model, target.params, draft.model, draft.params, prompt, max_new_tokens=24, tree=(2, 4, 4)
   )
   np.testing.assert_array_equal(spoken.tokens, expected)
 
+  # The decoding above (the command puts the BOS first), whose compiled programs the command
+  # finds in the compilation cache.
   command = [
     sys.executable,
     "-m",
@@ -570,16 +573,16 @@ def test_a_draft_trains_against_its_frozen_target_and_decodes_through_the_workdi
     f"--workdir={target_config.workdir}",
     f"--draft_workdir={long_config.workdir}",
     "--temperature=0",
-    "--max_new_tokens=12",
-    "--tree=2,4",
-    "--prompt=def ",
+    "--max_new_tokens=24",
+    "--tree=2,4,4",
+    f"--prompt={text}",
   ]
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   ran = subprocess.run(
     command, cwd=root, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": root}
   )
   assert ran.returncode == 0, ran.stderr[-2000:]
-  assert "# speculative: draft step 2, tree [2, 4]: tau" in ran.stdout
+  assert "# speculative: draft step 2, tree [2, 4, 4]: tau" in ran.stdout
   with pytest.raises(ValueError, match="holds a 'transformer' model, not a 'longspec_draft' draft"):
     load_draft(target_config.workdir, target)
   other_target = TrainedModel(target.model, jax.tree.map(lambda x: x + 1.0, target.params), target.tokenizer, 8)

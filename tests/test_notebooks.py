@@ -39,7 +39,10 @@ SLOW_NOTEBOOKS = ("longspec", "castle_kernels", "castle_lookahead_keys", "power_
 # Shorter runs where a long one only repeats what a short one executes (the committed
 # outputs show the full runs): values for names that the notebook's cell tagged
 # "parameters" assigns, set in a cell inserted after it (papermill's convention).
-TEST_PARAMETERS = {"train_and_sample": {"STEPS": 40}}
+TEST_PARAMETERS = {
+  "train_and_sample": {"STEPS": 10, "CASTLE_STEPS": 5},
+  "gca_retrieval": {"LONG_PROMPT_TOKENS": 2_048},
+}
 
 
 def _with_parameters(notebook: nbformat.NotebookNode, values: dict) -> nbformat.NotebookNode:
