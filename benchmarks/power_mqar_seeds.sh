@@ -23,7 +23,8 @@
 # Power attention runs its attention form (implementation "reference": the same function as the
 # recurrent state, exact for any p, and cheap at 201 tokens); softmax attention runs on XLA; float32.
 # Written to OUT: <arm>/seeds.json, <arm>/seed_<k>/{config.json,metrics.jsonl,eval/*.json},
-# compare_query_accuracy/ and compare_answer_loss/ (castle_jax.eval.compare), logs/, summary.txt.
+# compare_query_accuracy/, compare_answer_loss/ and compare_first_query/ (the first query's accuracy,
+# which elimination cannot give; castle_jax.eval.compare), logs/, summary.txt.
 # An arm that fails does not sink the others: the arms scored are those whose seeds all hold a
 # checkpoint step that the arms kept before them (in ARMS order) hold too, and those of them whose
 # every seed was scored are compared (differences to the first of them). summary.txt ends with a line
@@ -203,6 +204,11 @@ if [ ${#compared[@]} -gt 0 ]; then
     (cd "$OUT" && PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" JAX_PLATFORMS=cpu timeout 60 "$PY" -m castle_jax.eval.compare \
       "${compared[@]}" --results=tasks --metric="$metric" --output="compare_$metric") 2>&1 | tee -a "$OUT/summary.txt"
   done
+  # Recall proper: the first query of each prompt, which elimination among the values already
+  # answered cannot give (docs/reproduction.md).
+  (cd "$OUT" && PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" JAX_PLATFORMS=cpu timeout 60 "$PY" -m castle_jax.eval.compare \
+    "${compared[@]}" --results=tasks --metric=query_accuracy --bucket=order:0 --output=compare_first_query) 2>&1 \
+    | tee -a "$OUT/summary.txt"
 fi
 troubled=0
 for arm in $ARMS; do

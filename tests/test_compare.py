@@ -247,6 +247,44 @@ def test_results_files_of_the_tasks_command_must_be_of_the_same_task(tmp_path, c
   assert status == 1 and f"{arms[2]} and {arms[0]} are evaluated on different data (tasks knobs" in err
 
 
+def test_tasks_results_compare_in_one_bucket_of_a_measure(tmp_path, capsys):
+  """--bucket=order:0 reads the first queries' row, whose difference here has the other sign
+  from the overall one; a measure or bucket the results lack is one error line."""
+  arms = []
+  for name, overall, first in (("A", [0.9, 0.8], [0.5, 0.4]), ("B", [0.7, 0.6], [0.7, 0.8])):
+    path = _write_arm(tmp_path / name, _final([1.0, 2.0]))
+    for k in range(2):
+      os.makedirs(os.path.join(path, f"seed_{k}", "eval"))
+      record = {"eval": "tasks", "step": 20, "time": "2025-01-01", "task": "mqar", "examples": 50, "seed": 0}
+      record["knobs"] = {"pairs": 4, "queries": 4, "layout": "compact"}
+      scores = lambda a: {"query_accuracy": a, "token_accuracy": a, "answer_loss": 2.0 - a}
+      record["overall"] = scores(overall[k])
+      record["by"] = {"order": [{"bucket": "0", **scores(first[k])}, {"bucket": "1", **scores(1.0)}]}
+      with open(os.path.join(path, f"seed_{k}", "eval", "tasks_mqar_step20.json"), "w") as f:
+        json.dump(record, f)
+    arms.append(path)
+  status, _, err = _run(capsys, arms[0], arms[1], "--results=tasks")
+  assert status == 0, err
+  record = json.load(open(tmp_path / "A" / "compare" / "compare_query_accuracy.json"))
+  assert record["equal_tokens"]["arms"][1]["difference"]["mean"] == pytest.approx(-0.2)
+  status, out, err = _run(capsys, arms[0], arms[1], "--results=tasks", "--bucket=order:0")
+  assert status == 0, err
+  assert "query_accuracy in bucket order:0" in out
+  record = json.load(open(tmp_path / "A" / "compare" / "compare_query_accuracy-2.json"))
+  assert record["bucket"] == "order:0"
+  assert record["equal_tokens"]["arms"][1]["difference"]["mean"] == pytest.approx(0.3)
+  for argv, expected in (
+    (["--bucket=order:7"], "--bucket=order:7: the tasks results of step 20 in"),
+    (["--bucket=distance:0"], "have no measure 'distance'; they have ['order']"),
+    (["--bucket=order"], "--bucket=order: pass MEASURE:LABEL, e.g. --bucket=order:0"),
+  ):
+    status, _, err = _run(capsys, arms[0], arms[1], "--results=tasks", *argv)
+    lines = err.strip().splitlines()
+    assert status == 1 and len(lines) == 1 and expected in lines[0], err
+  status, _, err = _run(capsys, arms[0], arms[1], "--bucket=order:0")
+  assert status == 1 and "--bucket applies to --results=tasks, not to --results=metrics" in err
+
+
 @pytest.fixture()
 def paths(tmp_path):
   final = _final([1.0, 2.0])

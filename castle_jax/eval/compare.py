@@ -3,7 +3,7 @@ different configs, evaluated on the same data.
 
     python -m castle_jax.eval.compare runs/baseline runs/castle [runs/C ...] [--metric=eval_loss]
         [--at_tokens=N] [--at_seconds=S] [--results=metrics|perplexity|passkey|tasks --length=L]
-        [--unpaired] [--output=DIR]
+        [--bucket=MEASURE:LABEL] [--unpaired] [--output=DIR]
 
 Each arm is the workdir of a run of several seeds; seed k is read from `<arm>/seed_<k>/`. The
 values compared are each seed's evaluations: by default the eval records of its
@@ -11,7 +11,8 @@ metrics.jsonl (`--metric` eval_loss, perplexity or bits_per_byte), or with `--re
 results files of an evaluation command in `<arm>/seed_<k>/eval/` (perplexity: `--metric`
 eval_loss, perplexity or bits_per_byte at context `--length`; passkey: first_token or
 all_tokens accuracy at `--length`; tasks: query_accuracy, token_accuracy or answer_loss of
-`castle_jax.eval.tasks`, overall). For each arm: the mean over its seeds and its 95%
+`castle_jax.eval.tasks`, overall, or in one bucket of a measure with `--bucket`, e.g.
+`--bucket=order:0`: MQAR's first queries, which elimination cannot answer). For each arm: the mean over its seeds and its 95%
 interval (t distribution). For each later arm: the difference to the first arm, paired by
 seed index (seed k of every arm read the same data in the same order and is evaluated on the
 same data: `train.seeds` gives seed k the same seeds in every config): its mean, 95%
@@ -242,11 +243,12 @@ def _train_seconds(seed_dir: str) -> dict[int, float]:
 
 
 def _points_from_results(
-  seed_dir: str, source: str, key: str, length: int | None, tokens_per_step: int
+  seed_dir: str, source: str, key: str, length: int | None, tokens_per_step: int, bucket: tuple[str, str] | None = None
 ) -> tuple[list[Point], dict[str, Any], int]:
   """The seed's evaluations in its `<source>_step<N>*.json` files (`tasks_<task>_step<N>*.json`
   for the mechanism tasks; the newest file of each step), what defines their data, and the
-  length read (None for the tasks)."""
+  length read (None for the tasks). `bucket` (measure, label): the tasks' row of that bucket
+  instead of the overall one."""
   by_step = {}
   pattern = "tasks_*_step*.json" if source == "tasks" else f"{source}_step*.json"
   for path in glob.glob(os.path.join(seed_dir, "eval", pattern)):
@@ -270,6 +272,8 @@ def _points_from_results(
           f"--length={chosen}: {source} results of step {step} in {seed_dir}/eval have lengths {sorted(rows)} only"
         )
       length, row = chosen, rows[chosen]
+    elif bucket is not None:
+      row = _bucket_row(record, bucket, seed_dir, step)
     else:
       row = record["overall"]
     points.append(Point(step, step * tokens_per_step, _after_first_step(seconds.get(step), seconds), float(row[key])))
@@ -284,9 +288,28 @@ def _points_from_results(
   return points, eval_set, length
 
 
-def load_arm(name: str, source: str, metric: str, length: int | None = None) -> tuple[Arm, int | None]:
+def _bucket_row(record: dict[str, Any], bucket: tuple[str, str], seed_dir: str, step: int) -> dict[str, Any]:
+  measure, label = bucket
+  buckets = record.get("by", {})
+  if measure not in buckets:
+    raise CompareError(
+      f"--bucket={measure}:{label}: the tasks results of step {step} in {seed_dir}/eval have no measure "
+      f"{measure!r}; they have {sorted(buckets)}"
+    )
+  rows = {row["bucket"]: row for row in buckets[measure]}
+  if label not in rows:
+    raise CompareError(
+      f"--bucket={measure}:{label}: the tasks results of step {step} in {seed_dir}/eval have {measure} buckets "
+      f"{list(rows)} only"
+    )
+  return rows[label]
+
+
+def load_arm(
+  name: str, source: str, metric: str, length: int | None = None, bucket: tuple[str, str] | None = None
+) -> tuple[Arm, int | None]:
   """The seeds and evaluations of the arm in workdir `name`; (arm, the context length read,
-  for --results)."""
+  for --results). `bucket`: with source "tasks", (measure, label) of the bucket to read."""
   workdir = os.path.abspath(name)
   problem = _arm_error(name)
   if problem:
@@ -305,7 +328,7 @@ def load_arm(name: str, source: str, metric: str, length: int | None = None) -> 
     if source == "metrics":
       points, results_set = _points_from_metrics(seed_dir, key, tokens_per_step), {}
     else:
-      points, results_set, length = _points_from_results(seed_dir, source, key, length, tokens_per_step)
+      points, results_set, length = _points_from_results(seed_dir, source, key, length, tokens_per_step, bucket)
     if not points:
       continue
     arm.seeds[index], arm.configs[index] = points, config
@@ -556,6 +579,12 @@ def _main(argv: Sequence[str]) -> None:
     "--at_tokens", type=command_line.positive_int, default=None, help="tokens (default: the last common)"
   )
   parser.add_argument("--at_seconds", type=float, default=None, help="training seconds (default: the last common)")
+  parser.add_argument(
+    "--bucket",
+    default=None,
+    metavar="MEASURE:LABEL",
+    help="--results=tasks: one bucket of a measure instead of all queries, e.g. order:0 (MQAR's first queries)",
+  )
   parser.add_argument("--unpaired", action="store_true", help="compare arms that are not paired (Welch's t test)")
   parser.add_argument("--output", default=None, help="a directory (default: <first arm>/compare/)")
   args = parser.parse_args(argv)
@@ -566,13 +595,21 @@ def _main(argv: Sequence[str]) -> None:
     )
   if args.length is not None and args.results not in _BY_LENGTH:
     raise CompareError(f"--length applies to --results=perplexity or passkey, not to --results={args.results}")
+  bucket = None
+  if args.bucket is not None:
+    if args.results != "tasks":
+      raise CompareError(f"--bucket applies to --results=tasks, not to --results={args.results}")
+    measure, colon, label = args.bucket.partition(":")
+    if not (measure and colon and label):
+      raise CompareError(f"--bucket={args.bucket}: pass MEASURE:LABEL, e.g. --bucket=order:0")
+    bucket = (measure, label)
   workdirs = [os.path.abspath(w) for w in args.arms]
   repeated = sorted({w for w in workdirs if workdirs.count(w) > 1})
   if repeated:
     raise CompareError(f"{repeated[0]} is given twice: name each arm once")
   arms, length = [], args.length
   for name in args.arms:
-    arm, length = load_arm(name, args.results, metric, length)
+    arm, length = load_arm(name, args.results, metric, length, bucket)
     arms.append(arm)
   paired = check_comparable(arms, args.unpaired)
   equal_tokens = at_tokens(arms, paired, args.at_tokens)
@@ -582,6 +619,7 @@ def _main(argv: Sequence[str]) -> None:
     "compare": metric,
     "results": args.results,
     "length": length,
+    "bucket": args.bucket,
     "paired": paired,
     "level": LEVEL,
     "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -599,7 +637,9 @@ def _main(argv: Sequence[str]) -> None:
   )
   plotted = plot(stem + ".png", arms, metric, equal_time)
   print(f"wrote {stem}.json" + (f" and {plotted}" if plotted else ""))
-  what = f"{metric}" + (f" at length {length:,}" if length else "")
+  what = (
+    f"{metric}" + (f" at length {length:,}" if length else "") + (f" in bucket {args.bucket}" if args.bucket else "")
+  )
   kind = "paired by seed index" if paired else "unpaired (Welch's t test)"
   steps = ", ".join(f"{name} step {step}" for name, step in equal_tokens["steps"].items())
   tables = [format_comparison(f"{what} at {equal_tokens['tokens']:,} training tokens ({steps}); {kind}", equal_tokens)]
