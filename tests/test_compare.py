@@ -44,6 +44,14 @@ def _write_arm(path, evaluations, *, seeds=None, mode="vmap", data=None, untrain
   return str(path)
 
 
+def _write_eval(arm, seed, name, record):
+  """An evaluation command's results file `name` in seed `seed`'s eval/ of `arm`."""
+  directory = os.path.join(arm, f"seed_{seed}", "eval")
+  os.makedirs(directory, exist_ok=True)
+  with open(os.path.join(directory, name), "w") as f:
+    json.dump(record, f)
+
+
 def _final(values, step=20, seconds=20.0):
   """One evaluation per seed at `step`, plus one at step 10."""
   return {k: [(10, v + 1.0, seconds / 2), (step, v, seconds)] for k, v in enumerate(values)}
@@ -187,12 +195,10 @@ def test_results_files_of_the_perplexity_command(tmp_path, capsys):
   for name, losses in (("A", [2.0, 3.0]), ("B", [1.0, 2.5])):
     path = _write_arm(tmp_path / name, _final(losses))
     for k, loss in enumerate(losses):
-      os.makedirs(os.path.join(path, f"seed_{k}", "eval"))
       for suffix, shift in (("", 9.0), ("-2", 0.0)):  # the newer of two evaluations of step 20
         rows = [{"length": n, "loss": loss + shift + n / 100, "perplexity": 1.0, "bits_per_byte": 1.0} for n in (8, 16)]
         record = {"eval": "perplexity", "step": 20, "time": f"2025-01-0{2 if suffix else 1}", "windows": 2}
-        with open(os.path.join(path, f"seed_{k}", "eval", f"perplexity_step20{suffix}.json"), "w") as f:
-          json.dump({**record, "results": rows}, f)
+        _write_eval(path, k, f"perplexity_step20{suffix}.json", {**record, "results": rows})
     arms.append(path)
   status, out, err = _run(capsys, *arms, "--results=perplexity", "--length=8", "--output", tmp_path / "out")
   assert status == 0, err
@@ -209,12 +215,10 @@ def test_results_files_of_the_passkey_command_must_be_of_the_same_prompts(tmp_pa
   for name, accuracies, examples in (("A", [0.5, 0.6], 10), ("B", [0.7, 0.9], 10), ("C", [0.7, 0.9], 20)):
     path = _write_arm(tmp_path / name, _final([1.0, 2.0]))
     for k, accuracy in enumerate(accuracies):
-      os.makedirs(os.path.join(path, f"seed_{k}", "eval"))
       record = {"eval": "passkey", "step": 20, "time": "2025-01-01", "examples": examples, "digits": 5, "seed": 0}
       record.update(depths="even", align_to=0, top_k=None)
       record["results"] = [{"length": 64, "first_token": 1.0, "all_tokens": accuracy}]
-      with open(os.path.join(path, f"seed_{k}", "eval", "passkey_step20.json"), "w") as f:
-        json.dump(record, f)
+      _write_eval(path, k, "passkey_step20.json", record)
     arms.append(path)
   status, out, err = _run(capsys, arms[0], arms[1], "--results=passkey")
   assert status == 0, err
@@ -230,12 +234,10 @@ def test_results_files_of_the_tasks_command_must_be_of_the_same_task(tmp_path, c
   for name, accuracies, rate in (("A", [0.2, 0.3], 0.5), ("B", [0.4, 0.6], 0.5), ("C", [0.4, 0.6], 0.0)):
     path = _write_arm(tmp_path / name, _final([1.0, 2.0]))
     for k, accuracy in enumerate(accuracies):
-      os.makedirs(os.path.join(path, f"seed_{k}", "eval"))
       record = {"eval": "tasks", "step": 20, "time": "2025-01-01", "task": "variable_tracking", "examples": 50}
       record.update(seed=0, knobs={**knobs, "overwrite_rate": rate})
       record["overall"] = {"query_accuracy": accuracy, "token_accuracy": accuracy, "answer_loss": 2.0 - accuracy}
-      with open(os.path.join(path, f"seed_{k}", "eval", "tasks_variable_tracking_step20.json"), "w") as f:
-        json.dump(record, f)
+      _write_eval(path, k, "tasks_variable_tracking_step20.json", record)
     arms.append(path)
   status, out, err = _run(capsys, arms[0], arms[1], "--results=tasks")
   assert status == 0, err
@@ -254,14 +256,12 @@ def test_tasks_results_compare_in_one_bucket_of_a_measure(tmp_path, capsys):
   for name, overall, first in (("A", [0.9, 0.8], [0.5, 0.4]), ("B", [0.7, 0.6], [0.7, 0.8])):
     path = _write_arm(tmp_path / name, _final([1.0, 2.0]))
     for k in range(2):
-      os.makedirs(os.path.join(path, f"seed_{k}", "eval"))
       record = {"eval": "tasks", "step": 20, "time": "2025-01-01", "task": "mqar", "examples": 50, "seed": 0}
       record["knobs"] = {"pairs": 4, "queries": 4, "layout": "compact"}
       scores = lambda a: {"query_accuracy": a, "token_accuracy": a, "answer_loss": 2.0 - a}
       record["overall"] = scores(overall[k])
       record["by"] = {"order": [{"bucket": "0", **scores(first[k])}, {"bucket": "1", **scores(1.0)}]}
-      with open(os.path.join(path, f"seed_{k}", "eval", "tasks_mqar_step20.json"), "w") as f:
-        json.dump(record, f)
+      _write_eval(path, k, "tasks_mqar_step20.json", record)
     arms.append(path)
   status, _, err = _run(capsys, arms[0], arms[1], "--results=tasks")
   assert status == 0, err
