@@ -29,6 +29,18 @@ The assets:
     --top_k=4` on the second stage: all five digits right in 20 of 20 prompts at 128K
     tokens, 13 of 20 at 1M, 0 of 4 at 4M (retrieval does not hold up past about 1M
     tokens yet).
+
+  variable_tracking_mha_4_heads, variable_tracking_castle_2_heads,
+  variable_tracking_castle_swl_2_heads: 4-layer byte-level models (d_model 128, ~0.8M
+    parameters) trained on variable tracking with overwrites (4 names, 8 assignments, 4
+    queries, 60-token prompts; docs/tasks.md): standard attention with 4 heads of 32, and
+    CASTLE and CASTLE-SWL (lookahead window 16) with 2 heads of 32 at parameter parity. Each
+    is the best of 8 seeds of 5,000 steps on one H100 (benchmarks/variable_tracking_seeds.sh,
+    docs/reproduction.md): query accuracy on 400 fresh prompts 0.566, 0.864 and 0.489
+    (chance 0.10). None solved the task; they are there to be scored on variants of it:
+
+      python -m castle_jax.eval.tasks --pretrained=variable_tracking_castle_2_heads \\
+          --output=vt.json --config.data.variable_tracking.overwrite_rate=0.9
 """
 
 from __future__ import annotations
