@@ -9,10 +9,13 @@ Latency does not depend on the weights' values, so the models are random: the ta
 Llama-3-8B shape (`--shape=llama3_8b`: its Hugging Face config.json through
 `castle_jax.models.hf.model_config`, as an imported checkpoint gets it: 32 layers, d_model
 4096, 32 query / 8 KV heads of 128, SwiGLU 14336, vocabulary 128256, RoPE theta 500000,
-untied head) in bfloat16, and its one-block LongSpec draft (window 512). Both are
-initialized by a compiled init on the device, so an 8B model never exists on the host.
+untied head) in bfloat16, and its one-block LongSpec draft (window 512). Their parameters
+are filled on the device, leaf by leaf, with a hash of each value's index (uniform, the
+config's init_std), not by the models' initializers: an 8B model never exists on the host,
+and no random number generator is compiled per parameter (a compiled `model.init` holds a
+threefry hash for each of the target's 291 parameters, each its own kernel for XLA).
 
-For every batch size and prompt length, the target's KV caches hold random keys and values
+For every batch size and prompt length, the target's KV caches hold hashed keys and values
 for the prompt's positions instead of a prefill (a step's cost depends on the cache length,
 not on what it holds; a prefill of a 64K prompt at batch 4 would hold chunk x capacity
 float32 scores and a second copy of the caches), and the draft's ring is prefilled from the
@@ -35,10 +38,12 @@ LLaMA-3.1-8B-Instruct on LCC code completion at T = 0 (3.28; Yang et al., LongSp
 row "L-8B LongSpec") and our trained `longspec_target_s` pair's tau at 16K, T = 0, tree
 [4,16,16,16,16] (5.33; benchmarks/RESULTS.md, "Speculative decoding on one H100").
 
-A row that the device cannot hold is skipped before it runs (the parameters and the
-caches against the device's memory limit, where the device reports one), and a row that
-fails (e.g. out of memory) is recorded with its error; the others go on. Prints a table
-last and writes every row to --out (JSON).
+Progress goes to stderr as it happens, each line with the seconds since the start: the
+parameters filled, and per row the caches filled, each program's first call (its
+compilation), each median and the row's JSON. A row that the device cannot hold is skipped
+before it runs (the parameters and the caches against the device's memory limit, where the
+device reports one), and a row that fails (e.g. out of memory) is recorded with its error;
+the others go on. Prints a table last and writes every row to --out (JSON).
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ import dataclasses
 import functools
 import json
 import sys
+import time
+from typing import Callable
 
 import flax.linen as nn
 import jax
@@ -148,54 +155,93 @@ def parse_args(argv):
   return args
 
 
-def models(shape: str, mesh: jax.sharding.Mesh | None = None):
+def models(shape: str, mesh: jax.sharding.Mesh | None = None, progress: Callable[[str], None] | None = None):
   """(target, target params, draft, draft params): the shape's target in bfloat16 and its
-  one-block LongSpec draft, random weights initialized on the device, or straight into their
-  shards on `mesh` (a tensor-parallel mesh; ValueError naming --tensor when the heads or a
-  width do not divide over it)."""
+  one-block LongSpec draft, their parameters hashed on the device (`_random_params`), or
+  straight into their shards on `mesh` (a tensor-parallel mesh; ValueError naming --tensor
+  when the heads or a width do not divide over it)."""
+  progress = progress or (lambda message: None)
   config = hf.model_config(SHAPES[shape], dtype="bfloat16")
   draft_config = dataclasses.replace(config, family=longspec_draft.FAMILY, family_kwargs=(("window", DRAFT_WINDOW),))
   built = [build_model(config), build_model(draft_config)]
-  target_params, draft_params = (_random_params(model, seed, mesh) for seed, model in enumerate(built))
-  return built[0], target_params, built[1], draft_params
+  params = []
+  for seed, (name, model) in enumerate(zip(("target", "draft"), built)):
+    progress(f"filling the {name}'s {count_parameters(model.config):,} parameters on the device")
+    params.append(jax.block_until_ready(_random_params(model, seed, mesh)))
+    progress(f"{name}'s parameters filled ({tree_bytes(params[-1]) / GIB:.2f} GiB)")
+  return built[0], params[0], built[1], params[1]
 
 
-def _random_params(model: nn.Module, seed: int, mesh: jax.sharding.Mesh | None):
-  abstract = abstract_params(model, 8, mesh=mesh)
-  if mesh is not None:
-    check_mesh_fits(model.config, abstract, mesh)
-  # The key is an argument: closed over, XLA would constant-fold the random init.
-  init = jax.jit(
-    lambda key: nn.unbox(family_of(model).init_variables(model, key, 8)["params"]),
-    out_shardings=jax.tree.map(lambda leaf: leaf.sharding, abstract),
-  )
-  return init(jax.random.key(seed))
+def _hashed_uniform(shape: tuple[int, ...], dtype, seed) -> jax.Array:
+  """Values uniform in [-1, 1) from a hash (lowbias32) of each element's flat index and
+  `seed` (uint32): a few integer operations fused into one pass over the output, where
+  `jax.random` compiles a threefry hash per call (one program filling 64 cache arrays so
+  took minutes to compile on an H100). The flat index is summed from per-dimension iotas so that a sharded output is
+  computed in place, shard by shard."""
+  index = jnp.zeros(shape, jnp.uint32)
+  stride = 1
+  for dim in reversed(range(len(shape))):
+    index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, dim) * jnp.uint32(stride % 2**32)
+    stride *= shape[dim]
+  x = index ^ (seed.astype(jnp.uint32) * jnp.uint32(0x9E3779B9))
+  x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
+  x = (x ^ (x >> 15)) * jnp.uint32(0x846CA68B)
+  x = x ^ (x >> 16)
+  return ((x >> 8).astype(jnp.float32) * 2.0**-23 - 1.0).astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _random_layer_cache(model, batch: int, capacity: int, mesh, key, length):
-  """One layer's cache (every layer's has the same shapes) with random keys and values in
-  every slot, `length` of them filled; on `mesh`, split by key/value heads as the model's
-  tensor-parallel attention reads them."""
+def _hashed_leaf(shape, dtype, sharding, scale: float, seed):
+  x = _hashed_uniform(shape, dtype, seed) * jnp.asarray(scale, dtype)
+  if isinstance(sharding, NamedSharding):
+    x = jax.lax.with_sharding_constraint(x, sharding)
+  return x
+
+
+def _random_params(model: nn.Module, seed: int, mesh: jax.sharding.Mesh | None):
+  """The model's parameters, each leaf uniform with the config's init_std, on the device
+  (in their shards on `mesh`)."""
+  abstract = abstract_params(model, 8, mesh=mesh)
+  if mesh is not None:
+    check_mesh_fits(model.config, abstract, mesh)
+  # One program per distinct leaf shape (a handful), each run per leaf with its own seed:
+  # one program for the whole model compiles a hash per leaf, hundreds at 32 layers.
+  leaves, treedef = jax.tree.flatten(abstract)
+  scale = 3**0.5 * model.config.init_std
+  filled = [
+    _hashed_leaf(leaf.shape, leaf.dtype, leaf.sharding, scale, np.uint32(seed * len(leaves) + i))
+    for i, leaf in enumerate(leaves)
+  ]
+  return jax.tree.unflatten(treedef, filled)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _random_layer_cache(model, batch: int, capacity: int, mesh, seed, length):
+  """One layer's cache (every layer's has the same shapes) with hashed keys and values
+  (uniform in [-1, 1)) in every slot, `length` of them filled; on `mesh`, split by
+  key/value heads as the model's tensor-parallel attention reads them."""
   cache = family_of(model).init_cache(model, batch, capacity)[0]
-  key_key, value_key = jax.random.split(key)
 
   def random(k, like):
-    x = jax.random.normal(k, like.shape, like.dtype)
+    x = _hashed_uniform(like.shape, like.dtype, k)
     if mesh is None:
       return x
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(None, None, "tensor", None)))
 
-  return cache.replace(keys=random(key_key, cache.keys), values=random(value_key, cache.values), length=length)
+  keys, values = random(2 * seed, cache.keys), random(2 * seed + 1, cache.values)
+  return cache.replace(keys=keys, values=values, length=length)
 
 
-def _random_caches(model, batch: int, capacity: int, key, length, mesh=None):
-  """The model's caches with random keys and values in every slot, `length` of them filled
-  (an int32 scalar, or [batch] for per-row lengths)."""
+def _random_caches(model, batch: int, capacity: int, seed: int, length, mesh=None):
+  """The model's caches with hashed keys and values in every slot (`seed` picks them),
+  `length` of them filled (an int32 scalar, or [batch] for per-row lengths)."""
   # One layer's program, run once per layer: one program filling every layer's cache took
   # minutes to compile on an H100 at 8B shapes, once per row.
   layers = len(jax.eval_shape(lambda: family_of(model).init_cache(model, batch, capacity)))
-  return [_random_layer_cache(model, batch, capacity, mesh, k, length) for k in jax.random.split(key, layers)]
+  return [
+    _random_layer_cache(model, batch, capacity, mesh, np.uint32(seed * layers + layer), length)
+    for layer in range(layers)
+  ]
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
@@ -239,9 +285,33 @@ def _memory_limit() -> int | None:
   return (stats or {}).get("bytes_limit")
 
 
-def measure(args, target, target_params, draft, draft_params, batch: int, length: int, mesh=None) -> dict:
+class Progress:
+  """Prints progress lines to stderr at once, each with the seconds since it was made: at
+  the 8B shape minutes can pass before the first row, and a run stopped by a timeout should
+  still show how far it got."""
+
+  def __init__(self):
+    self.start = time.perf_counter()
+
+  def __call__(self, message: str) -> None:
+    print(f"[{time.perf_counter() - self.start:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def measure(
+  args,
+  target,
+  target_params,
+  draft,
+  draft_params,
+  batch: int,
+  length: int,
+  mesh=None,
+  progress: Callable[[str], None] | None = None,
+) -> dict:
   """One row: the AR step and the round at `batch` prompts of `length` tokens (on `mesh`
-  with tensor parallelism, else one device)."""
+  with tensor parallelism, else one device); what it is doing goes to `progress`."""
+  progress = progress or (lambda message: None)
+  where = f"batch {batch}, prompt {length:,}:"
   shape = speculative.TreeShape(tuple(args.tree))
   # Every timed call may commit depth + 1 tokens; the Mosaic kernel takes capacities that
   # are multiples of 8.
@@ -254,25 +324,42 @@ def measure(args, target, target_params, draft, draft_params, batch: int, length
       f"skipped: needs {needed / GIB:.1f} GiB of parameters and caches per device, the device has {limit / GIB:.1f}"
     )
     return row
+
+  def time_calls(name: str, key: str, step, state) -> None:
+    """row[key + "_ms"]: the median call of `step`; row[key + "_first_call_s"]: its first
+    call, compilation included."""
+
+    def first_call(seconds):
+      row[f"{key}_first_call_s"] = seconds
+      progress(f"{where} {name} compiled and run once in {seconds:.1f}s; timing {args.iters} calls")
+
+    progress(f"{where} {name}: compiling (its first call)")
+    row[f"{key}_ms"] = median_step_ms(step, state, (), args.iters, first_call)
+    progress(f"{where} {name}: {row[f'{key}_ms']:.2f} ms per call (median)")
+
   try:
     prompt = jnp.asarray(
       np.random.default_rng(length).integers(0, target.config.vocab_size, (batch, length)), jnp.int32
     )
     committed = length - 1  # the prompt's last token is the first token to decode (the root)
-    caches = _random_caches(target, batch, capacity, jax.random.key(1), jnp.int32(committed), mesh)
+    progress(f"{where} filling the target's caches (capacity {capacity:,})")
+    caches = jax.block_until_ready(_random_caches(target, batch, capacity, 1, jnp.int32(committed), mesh))
     row["kv_cache_gib"] = tree_bytes(caches) / GIB
+    progress(f"{where} caches filled ({row['kv_cache_gib']:.2f} GiB)")
     step = functools.partial(_autoregressive_step, target, target_params)
-    row["ar_step_ms"] = median_step_ms(step, (caches, prompt[:, -1], jnp.int32(committed)), (), args.iters)
+    time_calls("AR step", "ar_step", step, (caches, prompt[:, -1], jnp.int32(committed)))
     del caches
 
     lengths = np.full(batch, committed, np.int32)
-    caches = _random_caches(target, batch, capacity, jax.random.key(2), jnp.asarray(lengths), mesh)
+    progress(f"{where} filling the target's caches again and the draft's ring")
+    caches = _random_caches(target, batch, capacity, 2, jnp.asarray(lengths), mesh)
     draft_cache = speculative._prefill_draft(
       draft, draft_params, target.config, target_params, prompt[:, :-1], lengths, shape
     )
+    jax.block_until_ready((caches, draft_cache))
     state = (caches, draft_cache, prompt[:, -1], jnp.asarray(lengths))
     step = functools.partial(_speculative_round, target, draft, shape, args.tree_attention, target_params, draft_params)
-    row["round_ms"] = median_step_ms(step, state, (), args.iters)
+    time_calls("round", "round", step, state)
     del caches, draft_cache, state
   except Exception as e:  # one failing row (e.g. out of memory) must not lose the others
     row["error"] = error_text(e)
@@ -284,10 +371,15 @@ def measure(args, target, target_params, draft, draft_params, batch: int, length
 
 def main(argv) -> int:
   args = parse_args(argv)
+  progress = Progress()
+  progress(
+    f"{args.shape} target and its draft on {jax.devices()[0].device_kind}"
+    f"{f' x {args.tensor}, tensor parallel' if args.tensor > 1 else ''}, jax {jax.__version__}"
+  )
   try:
     mesh = tensor_parallel_mesh(args.tensor)
     with on_mesh(mesh):
-      built = models(args.shape, mesh)
+      built = models(args.shape, mesh, progress)
   except ValueError as e:  # a --tensor that the devices or the model's heads do not divide
     raise cl.UsageError(str(e)) from e
   target, target_params, draft, draft_params = built
@@ -295,8 +387,8 @@ def main(argv) -> int:
     rows = []
     for batch in args.batch_sizes:
       for length in args.prompt_lengths:
-        rows.append(measure(args, target, target_params, draft, draft_params, batch, length, mesh))
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        rows.append(measure(args, target, target_params, draft, draft_params, batch, length, mesh, progress))
+        progress(json.dumps(rows[-1]))
   write_json(
     args.out,
     run_meta(**{key: value for key, value in vars(args).items() if key not in ("out", "traceback")}),

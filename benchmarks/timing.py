@@ -99,12 +99,19 @@ def median_ms(fn: Callable, args_sets: Sequence[tuple], iters: int) -> float:
   return 1e3 * statistics.median(times)
 
 
-def median_step_ms(step: Callable, state, extra_inputs: Sequence, iters: int) -> float:
+def median_step_ms(
+  step: Callable, state, extra_inputs: Sequence, iters: int, first_call: Callable[[float], None] | None = None
+) -> float:
   """Median wall time in ms of a step that carries its state: (out, state) = step(state,
   *extra_inputs), each call fed the state the previous one returned (so a step that donates
-  its state updates it in place), after two warm-up calls (the first compiles)."""
-  for _ in range(2):
+  its state updates it in place), after two warm-up calls (the first compiles).
+  `first_call`, if given, gets the seconds the first call took, its compilation included."""
+  for warmup in range(2):
+    start = time.perf_counter()
     out, state = step(state, *extra_inputs)
+    if warmup == 0 and first_call is not None:
+      jax.block_until_ready(out)
+      first_call(time.perf_counter() - start)
   jax.block_until_ready(out)
   times = []
   for _ in range(iters):

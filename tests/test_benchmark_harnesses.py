@@ -4,6 +4,7 @@ next to the standard-attention baseline, and the table is printed. So does LongS
 step-against-round harness (`longspec_speed`), with a tiny random target and draft."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -37,11 +38,34 @@ def test_smoke_run_times_every_implementation(harness, rows, capsys):
 def test_longspec_speed_smoke_run_times_a_step_and_a_round(tmp_path, capsys):
   out = tmp_path / "speed.json"
   assert longspec_speed.main(["--smoke", f"--out={out}"]) == 0
-  lines = capsys.readouterr().out.strip().splitlines()
+  captured = capsys.readouterr()
+  lines = captured.out.strip().splitlines()
   assert "projection tau=3.28" in lines[-3] and "projection tau=5.33" in lines[-3], lines[-3]
   (row,) = json.loads(out.read_text())["rows"]
   assert "error" not in row, row
   assert row["ar_step_ms"] > 0 and row["round_ms"] > 0
+  assert row["ar_step_first_call_s"] > 0 and row["round_first_call_s"] > 0
+  # Progress on stderr as it goes, each line stamped with the seconds since the start: the
+  # parameters, the caches, each program's first call (its compilation), each median, the row.
+  progress = captured.err.strip().splitlines()
+  assert all(re.match(r"\[ *\d+\.\d+s\] ", line) for line in progress), progress
+  expected = [
+    "filling the target's",
+    "target's parameters filled",
+    "draft's parameters filled",
+    "batch 2, prompt 64: filling the target's caches",
+    "AR step: compiling",
+    "AR step compiled and run once",
+    "AR step: ",
+    "round: compiling",
+    "round compiled and run once",
+    "round: ",
+    '"batch": 2',
+  ]
+  at = 0
+  for text in expected:
+    at = next((i for i in range(at, len(progress)) if text in progress[i]), None)
+    assert at is not None, f"no {text!r} in order in\n" + "\n".join(progress)
   ratio = row["ar_step_ms"] / row["round_ms"]
   assert row["projected_speedup"] == {"3.28": pytest.approx(3.28 * ratio), "5.33": pytest.approx(5.33 * ratio)}
 
@@ -66,9 +90,27 @@ def test_longspec_speed_runs_tensor_parallel_and_refuses_a_split_the_heads_do_no
   mesh = tensor_parallel_mesh(2)
   with on_mesh(mesh):
     target, target_params, _, draft_params = longspec_speed.models("tiny", mesh)
-    caches = longspec_speed._random_caches(target, 2, 64, jax.random.key(0), jnp.int32(10), mesh)
+    caches = longspec_speed._random_caches(target, 2, 64, 0, jnp.int32(10), mesh)
   split = lambda x: "tensor" in jax.tree.leaves(tuple(x.sharding.spec))
   assert any(split(x) for x in jax.tree.leaves(target_params)) and any(split(x) for x in jax.tree.leaves(draft_params))
   assert all(
     tuple(c.keys.sharding.spec)[2] == "tensor" and tuple(c.values.sharding.spec)[2] == "tensor" for c in caches
   )
+
+
+def test_longspec_speed_hashed_fill_is_uniform_and_the_same_in_shards():
+  """The parameters' and caches' fill: uniform in [-1, 1), different per seed, and the same
+  values whether one device or a tensor-parallel mesh holds them."""
+  x = longspec_speed._hashed_uniform((64, 4, 32), jnp.float32, jnp.uint32(3))
+  assert -1 <= float(x.min()) and float(x.max()) < 1
+  assert abs(float(x.mean())) < 0.05 and abs(float(x.std()) - 3**-0.5) < 0.02
+  assert not jnp.array_equal(x, longspec_speed._hashed_uniform((64, 4, 32), jnp.float32, jnp.uint32(4)))
+  target, params, _, _ = longspec_speed.models("tiny")
+  mesh = tensor_parallel_mesh(2)
+  with on_mesh(mesh):
+    _, sharded, _, _ = longspec_speed.models("tiny", mesh)
+  assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(params))
+  values = jnp.concatenate([leaf.ravel().astype(jnp.float32) for leaf in jax.tree.leaves(params)])
+  assert float(jnp.std(values)) == pytest.approx(target.config.init_std, rel=0.05)
+  for one, split in zip(jax.tree.leaves(params), jax.tree.leaves(sharded)):
+    assert jnp.array_equal(one, jax.device_get(split))
