@@ -2,35 +2,63 @@
 # Does a larger power-attention state recall more? Multi-query associative recall (docs/tasks.md)
 # with gated power attention at p = 2 and p = 4 (this library takes even powers only: the weights
 # must be positive to be normalized, so p = 1 does not exist here). With heads of 8, a p = 2 head keeps
-# D = C(9, 2) = 36 expanded keys (324 numbers with the normalizer), about as many as the 32 pairs of a
-# prompt; p = 4 keeps D = C(11, 4) = 330 (2,970 numbers), near full attention's KV cache at the end of
-# the 201-token prompt (3,216 numbers per head). Full softmax attention (`mha`) runs beside them as the
-# check that the task is learnable at this budget. Each arm: SEEDS vmapped seeds, trained at once as
-# separate processes sharing the GPU; then every seed is scored at the newest checkpoint step all seeds
-# hold, on 1000 held-out prompts (castle_jax.eval.tasks), and castle_jax.eval.compare puts the arms side
-# by side (query accuracy and answer loss, paired by seed, differences to p = 2).
+# D = C(9, 2) = 36 expanded keys (324 numbers with the normalizer), about as many as the 32 pairs of the
+# last stage; p = 4 keeps D = C(11, 4) = 330 (2,970 numbers), near full attention's KV cache at the end
+# of a 32-pair prompt (192 tokens). Full softmax attention (`mha`) runs beside them as the check that
+# the task is learned at this budget.
+#
+# The pairs are reached by stages: in CPU probes full attention did not learn 8 pairs from scratch in
+# 1,500 steps, but learned them in 250 steps starting from a model that had learned 4, and 16 from that
+# one in 500 (docs/reproduction.md). So each arm trains STAGES in order, stage 1 from random parameters
+# and every later stage from the previous stage's final parameters (train.init_from: seed k from seed k
+# of the same arm), every key queried (queries = pairs: the most answers per prompt; recall is read from
+# the first query, which elimination cannot answer), each stage with its own step count and the shortest
+# seq_len its pairs allow. The model is the same at every stage (init_from needs equal shapes), so its
+# width is set once, for the last stage's pairs: N_HEADS heads of HEAD_DIM. The keys are drawn from the
+# same KEY_VOCAB keys at every stage, so the last stage brings more pairs per prompt, not keys the model
+# never saw. Each arm: SEEDS vmapped seeds, the arms trained at once as separate processes sharing the
+# GPU; then every seed is scored at the last stage's pairs, at the newest checkpoint step of the last
+# stage that all seeds hold, on EXAMPLES held-out prompts (castle_jax.eval.tasks), and
+# castle_jax.eval.compare puts the arms side by side (query accuracy and answer loss, paired by seed,
+# differences to p = 2). Earlier stages are not scored (a scoring process per seed and stage would cost
+# the GPU budget); their eval answer loss per seed is in summary.txt and their metrics.jsonl.
 #
 #   OUT=results bash benchmarks/power_mqar_seeds.sh
 #   SMOKE=1 OUT=/tmp/mqar_smoke bash benchmarks/power_mqar_seeds.sh      # tiny shapes on a CPU
 #
 # Settings (environment): PYTHON (python3), OUT (runs/power_mqar_seeds; must not hold results yet),
-# RUNS (checkpoints; default a new folder under /tmp), SEEDS (3), STEPS (3000), PAIRS (32), QUERIES (8),
-# HEAD_DIM (8), LAYOUT (data.mqar.layout: colon, " d:4", or compact, "d4"), ARMS ("p2 p4 mha"; the
-# first is the base of the differences), DEADLINE (seconds after the start by which everything has
-# ended: 510), EVAL_RESERVE (seconds kept for scoring: 90),
-# EXAMPLES (1000), MEM_FRACTION (each training process's share of the GPU memory: 0.2; the scoring
-# processes, one per seed, allocate what they use).
+# RUNS (checkpoints; default a new folder under /tmp), SEEDS (3), STAGES (pairs per stage: "4 8 16 32"),
+# STAGE_STEPS (steps per stage, one number for every stage or one per stage: "1000 300 500 700"; in the
+# CPU probes 4 pairs from scratch reached eval answer loss 0.03 by step 500, 8 from 4 and 16 from 8
+# were at 0.01 or below by step 250), STAGE_START (30; see Time below), KEY_VOCAB (max(26, the largest
+# stage's pairs)), HEAD_DIM (8), N_HEADS (8), BATCH (128: no run with 32 or 64 prompts per step learned
+# the lookup in the probes, 128 did), LAYOUT (data.mqar.layout: compact, "d4", the default, or colon,
+# " d:4", which full attention did not learn in the probes: kept to test exactly that), ARMS ("p2 p4
+# mha"; the first is the base of the differences), DEADLINE (seconds after the start by which
+# everything has ended: 510), EVAL_RESERVE (seconds kept for scoring: 90), EXAMPLES (1000), MEM_FRACTION
+# (each training process's share of the GPU memory: 0.2; the scoring processes, one per seed, allocate
+# what they use). PAIRS, QUERIES and STEPS of the one-stage version are refused with an error naming
+# what replaced them, since a run meant for 32 pairs or 10,000 steps would otherwise run the defaults.
+# Time: training has until DEADLINE - EVAL_RESERVE. When a stage starts it gets STAGE_START seconds for
+# starting (importing, compiling: 30; paid by every stage, however few its steps) plus its share of the
+# time left after the starts of it and the later stages, in proportion to its STAGE_STEPS among theirs.
+# So a stage that finishes early leaves its time to the later ones, and one stopped at its limit (it
+# saves a checkpoint of the step it stopped at, from which the next stage starts) leaves theirs
+# untouched, but for the seconds its checkpoint takes after the stop.
 # Power attention runs its attention form (implementation "reference": the same function as the
-# recurrent state, exact for any p, and cheap at 201 tokens); softmax attention runs on XLA; float32.
-# Written to OUT: <arm>/seeds.json, <arm>/seed_<k>/{config.json,metrics.jsonl,eval/*.json},
-# compare_query_accuracy/, compare_answer_loss/ and compare_first_query/ (the first query's accuracy,
-# which elimination cannot give; castle_jax.eval.compare), logs/, summary.txt.
-# An arm that fails does not sink the others: the arms scored are those whose seeds all hold a
-# checkpoint step that the arms kept before them (in ARMS order) hold too, and those of them whose
-# every seed was scored are compared (differences to the first of them). summary.txt ends with a line
-# "ARM <arm>: ..." for each arm whose training failed (with its log's last line) or that was left out
-# of the scoring or the comparison, and why. Exit status 0 only when every arm trained, was scored and
-# was compared.
+# recurrent state, exact for any p, and cheap at these lengths); softmax attention runs on XLA; float32.
+# Written to OUT: <arm>/seeds.json, <arm>/seed_<k>/{config.json,metrics.jsonl,eval/*.json} (the last
+# stage), stages/<arm>/stage<i>_pairs<P>/seed_<k>/{config.json,metrics.jsonl} (every stage; config.json
+# names the train.init_from a stage started from), compare_query_accuracy/, compare_answer_loss/ and
+# compare_first_query/ (the first query's accuracy, which elimination cannot give;
+# castle_jax.eval.compare), logs/ (train_<arm>_stage<i>.log per stage), summary.txt.
+# An arm that fails does not sink the others: a stage that fails or leaves a seed without a checkpoint
+# ends its arm (the later stages are not run); the arms scored are those whose last stage's seeds all
+# hold a checkpoint step that the arms kept before them (in ARMS order) hold too, and those of them
+# whose every seed was scored are compared (differences to the first of them). summary.txt ends with a
+# line "ARM <arm>: ..." for each arm whose training failed (with its log's last line) or that was left
+# out of the scoring or the comparison, and why. Exit status 0 only when every arm trained every stage,
+# was scored and was compared (a stage stopped at its time limit counts as trained); 2 for bad settings.
 set -u
 start=$SECONDS
 PY=${PYTHON:-python3}
@@ -41,37 +69,77 @@ cd "$(dirname "$0")/.." || exit 1  # the repository root: python -m train, confi
 RUNS=${RUNS:-}
 ARMS=${ARMS:-p2 p4 mha}
 MEM_FRACTION=${MEM_FRACTION:-0.2}
+for old in PAIRS QUERIES STEPS; do
+  if [ -n "${!old:-}" ]; then
+    echo "ERROR: $old is no longer read: the pairs come in stages, each querying all its pairs; set STAGES" \
+      "(pairs per stage) and STAGE_STEPS (steps per stage)" >&2
+    exit 2
+  fi
+done
 if [ "$SMOKE" = 1 ]; then
   SEEDS=${SEEDS:-2}
-  STEPS=${STEPS:-4}
-  PAIRS=${PAIRS:-8}
-  QUERIES=${QUERIES:-2}
+  STAGES=${STAGES:-2 4}
+  STAGE_STEPS=${STAGE_STEPS:-4}
+  N_HEADS=${N_HEADS:-2}
   EXAMPLES=${EXAMPLES:-32}
   DEADLINE=${DEADLINE:-900}
   EVAL_RESERVE=${EVAL_RESERVE:-300}
-  BATCH=4
+  BATCH=${BATCH:-4}
+  STAGE_START=${STAGE_START:-60}
 else
   SEEDS=${SEEDS:-3}
-  STEPS=${STEPS:-3000}
-  PAIRS=${PAIRS:-32}
-  QUERIES=${QUERIES:-8}
+  STAGES=${STAGES:-4 8 16 32}
+  STAGE_STEPS=${STAGE_STEPS:-1000 300 500 700}
+  N_HEADS=${N_HEADS:-8}
   EXAMPLES=${EXAMPLES:-1000}
   DEADLINE=${DEADLINE:-510}
   EVAL_RESERVE=${EVAL_RESERVE:-90}
-  BATCH=64
+  BATCH=${BATCH:-128}
+  STAGE_START=${STAGE_START:-30}
 fi
 HEAD_DIM=${HEAD_DIM:-8}
-LAYOUT=${LAYOUT:-colon}
-# A key takes 1 byte (a..z), 2 (aa..zz) or 3 (aaa..zzz), then a digit; "colon" adds a space and ":".
-item=$((PAIRS > 702 ? 4 : PAIRS > 26 ? 3 : 2))
-[ "$LAYOUT" = compact ] || item=$((item + 2))
-SEQ_LEN=$((1 + (PAIRS + QUERIES) * item))
-every=$((STEPS / 5 > 0 ? STEPS / 5 : 1))
+LAYOUT=${LAYOUT:-compact}
 
 case $LAYOUT in colon | compact) ;; *) echo "ERROR: LAYOUT must be colon or compact, got '$LAYOUT'" >&2; exit 2 ;; esac
 for arm in $ARMS; do
   case $arm in p2 | p4 | mha) ;; *) echo "ERROR: ARMS: unknown arm '$arm'; choose from p2 p4 mha" >&2; exit 2 ;; esac
 done
+read -r -a pairs_of <<< "$STAGES"
+read -r -a steps_of <<< "$STAGE_STEPS"
+n=${#pairs_of[@]}
+is_count() { [[ $1 =~ ^[1-9][0-9]*$ ]]; }
+[ "$n" -gt 0 ] || { echo "ERROR: STAGES is empty; give the pairs of each stage, e.g. '4 8 16 32'" >&2; exit 2; }
+largest=0
+for p in "${pairs_of[@]}"; do
+  is_count "$p" || { echo "ERROR: STAGES='$STAGES': '$p' is not a positive number of pairs" >&2; exit 2; }
+  [ "$p" -gt "$largest" ] && largest=$p
+done
+[ ${#steps_of[@]} = 1 ] && for ((i = 1; i < n; i++)); do steps_of[i]=${steps_of[0]}; done
+if [ ${#steps_of[@]} != "$n" ]; then
+  echo "ERROR: STAGE_STEPS='$STAGE_STEPS' gives ${#steps_of[@]} step counts for $n stages (STAGES='$STAGES'):" \
+    "give one, or one per stage" >&2
+  exit 2
+fi
+if ! is_count "$STAGE_START" && [ "$STAGE_START" != 0 ]; then
+  echo "ERROR: STAGE_START='$STAGE_START' is not a number of seconds" >&2
+  exit 2
+fi
+for s in "${steps_of[@]}"; do
+  is_count "$s" || { echo "ERROR: STAGE_STEPS='$STAGE_STEPS': '$s' is not a positive step count" >&2; exit 2; }
+done
+KEY_VOCAB=${KEY_VOCAB:-$((largest > 26 ? largest : 26))}
+if ! is_count "$KEY_VOCAB" || [ "$KEY_VOCAB" -lt "$largest" ]; then
+  echo "ERROR: KEY_VOCAB='$KEY_VOCAB' must be a number of keys at least the largest stage's $largest pairs" >&2
+  exit 2
+fi
+# A key takes 1 byte (a..z), 2 (aa..zz) or 3 (aaa..zzz), its value 1 digit; "colon" adds a space and ":".
+item=$((KEY_VOCAB > 702 ? 4 : KEY_VOCAB > 26 ? 3 : 2))
+[ "$LAYOUT" = compact ] || item=$((item + 2))
+# The longest prompt is BOS and 2 x pairs items; the inputs leave out its last token.
+seq_len_of() { echo $((2 * $1 * item)); }
+stage_name() { echo "stage$(($1 + 1))_pairs${pairs_of[$1]}"; }
+last=$(stage_name $((n - 1)))
+
 if [ -e "$OUT/summary.txt" ] || [ -e "$OUT/logs" ]; then
   echo "ERROR: OUT=$OUT holds the results of an earlier run (never replaced); pass a new OUT" >&2
   exit 2
@@ -81,65 +149,136 @@ mkdir -p "$OUT/logs" "$RUNS"
 LOGS=$OUT/logs
 left() { echo $((DEADLINE - (SECONDS - start) - $1)); }
 say() { echo "[$((SECONDS - start))s] $*" | tee -a "$OUT/summary.txt"; }
-say "commit $(git rev-parse HEAD 2>/dev/null || echo unknown); SMOKE=$SMOKE SEEDS=$SEEDS STEPS=$STEPS PAIRS=$PAIRS" \
-  "QUERIES=$QUERIES HEAD_DIM=$HEAD_DIM LAYOUT=$LAYOUT SEQ_LEN=$SEQ_LEN EXAMPLES=$EXAMPLES RUNS=$RUNS" \
-  "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+say "commit $(git rev-parse HEAD 2>/dev/null || echo unknown); SMOKE=$SMOKE SEEDS=$SEEDS STAGES='$STAGES'" \
+  "STAGE_STEPS='${steps_of[*]}' KEY_VOCAB=$KEY_VOCAB HEAD_DIM=$HEAD_DIM N_HEADS=$N_HEADS BATCH=$BATCH LAYOUT=$LAYOUT" \
+  "seq_len $(for ((i = 0; i < n; i++)); do printf '%s ' "$(seq_len_of "${pairs_of[i]}")"; done)EXAMPLES=$EXAMPLES" \
+  "RUNS=$RUNS $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
 
-width=$((SMOKE == 1 ? 2 * HEAD_DIM : 8 * HEAD_DIM))
+width=$((N_HEADS * HEAD_DIM))
 common=(--config=configs/tasks_mqar_tiny.py --config.train.seeds="$SEEDS" --config.model.n_layers=2
-        --config.model.d_model="$width" --config.model.n_heads=$((width / HEAD_DIM)) --config.model.head_dim="$HEAD_DIM"
-        --config.data.mqar.pairs="$PAIRS" --config.data.mqar.key_vocab="$PAIRS" --config.data.mqar.queries="$QUERIES"
-        --config.data.mqar.layout="$LAYOUT"
-        --config.data.seq_len="$SEQ_LEN" --config.data.batch_size="$BATCH" --config.train.steps="$STEPS"
-        --config.train.warmup_steps=$((STEPS / 20 > 0 ? STEPS / 20 : 1)) --config.train.log_every="$every"
-        --config.train.eval_every="$every" --config.train.eval_batches=4 --config.train.checkpoint_every="$every"
-        --config.train.keep_checkpoints=10 --config.train.progress_bar=False)
-budget=$(left "$EVAL_RESERVE")
-say "training arms '$ARMS' with $SEEDS seeds each, at most ${budget}s"
-declare -A pids
-for arm in $ARMS; do
+        --config.model.d_model="$width" --config.model.n_heads="$N_HEADS" --config.model.head_dim="$HEAD_DIM"
+        --config.data.mqar.key_vocab="$KEY_VOCAB" --config.data.mqar.layout="$LAYOUT"
+        --config.data.batch_size="$BATCH" --config.train.eval_batches=4 --config.train.keep_checkpoints=10
+        --config.train.progress_bar=False)
+# The newest eval loss of each seed of a stage's workdir: "seed 0 1.234 at step 500; ...".
+eval_losses() {
+  "$PY" - "$1" "$SEEDS" << 'EOF'
+import json, os, sys
+top, seeds, parts = sys.argv[1], int(sys.argv[2]), []
+for k in range(seeds):
+  newest = None
+  try:
+    with open(os.path.join(top, f"seed_{k}", "metrics.jsonl")) as f:
+      for line in f:
+        record = json.loads(line)
+        if record.get("split") == "eval" and "loss" in record:
+          newest = record
+  except (OSError, ValueError):
+    pass
+  parts.append(f"seed {k} " + (f"{newest['loss']:.3f} at step {newest['step']}" if newest else "none"))
+print("; ".join(parts))
+EOF
+}
+# Every seed of a stage's workdir holds a checkpoint (what the next stage starts from).
+all_seeds_hold_a_checkpoint() {
+  local k
+  for ((k = 0; k < SEEDS; k++)); do
+    compgen -G "$1/seed_$k/checkpoints/[0-9]*" > /dev/null || return 1
+  done
+}
+# One arm's stages in order, in the background; its verdict ("ok" or what went wrong) goes to
+# logs/train_<arm>.verdict, since a background job cannot set the caller's variables.
+train_arm() {
+  local arm=$1 i j steps_left time_left stepping share status what previous="" top name log verdict=ok attention command
   case $arm in
     p2 | p4) attention=(--config.model.attention=power "--config.model.attention_kwargs={'p': ${arm#p}}"
                         --config.model.attention_impl=reference) ;;
     mha) attention=(--config.model.attention_impl=xla) ;;
   esac
-  command=("$PY" -m train --workdir="$RUNS/$arm" "${common[@]}" "${attention[@]}")
-  printf '%q ' "${command[@]}" >> "$LOGS/commands.txt"
-  echo >> "$LOGS/commands.txt"
-  XLA_PYTHON_CLIENT_MEM_FRACTION=$MEM_FRACTION timeout -s TERM -k 20 "$budget" "${command[@]}" \
-    > "$LOGS/train_$arm.log" 2>&1 &
+  for ((i = 0; i < n; i++)); do
+    name=$(stage_name "$i")
+    top=$RUNS/$arm/$name
+    log=$LOGS/train_${arm}_stage$((i + 1)).log
+    steps_left=0
+    for ((j = i; j < n; j++)); do steps_left=$((steps_left + steps_of[j])); done
+    time_left=$(left "$EVAL_RESERVE")
+    stepping=$((time_left - STAGE_START * (n - i)))
+    if [ "$stepping" -gt 0 ]; then
+      share=$((STAGE_START + stepping * steps_of[i] / steps_left))
+    else
+      share=$((time_left / (n - i)))
+    fi
+    if [ "$share" -lt 1 ]; then
+      verdict="$name got no time (DEADLINE=$DEADLINE, EVAL_RESERVE=$EVAL_RESERVE): not run, nor the stages after it"
+      break
+    fi
+    local steps=${steps_of[i]} every=$((steps_of[i] / 5 > 0 ? steps_of[i] / 5 : 1)) pairs=${pairs_of[i]}
+    command=("$PY" -m train --workdir="$top" "${common[@]}" "${attention[@]}"
+             --config.data.mqar.pairs="$pairs" --config.data.mqar.queries="$pairs"
+             --config.data.seq_len="$(seq_len_of "$pairs")" --config.train.steps="$steps"
+             --config.train.warmup_steps=$((steps / 20 > 0 ? steps / 20 : 1)) --config.train.log_every="$every"
+             --config.train.eval_every="$every" --config.train.checkpoint_every="$every"
+             ${previous:+--config.train.init_from="$previous"})
+    { printf '%q ' "${command[@]}"; echo; } >> "$LOGS/commands_$arm.txt"
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$MEM_FRACTION timeout -s TERM -k 20 "$share" "${command[@]}" > "$log" 2>&1
+    status=$?
+    case $status in
+      0) what="finished" ;;
+      124) what="stopped at its time limit" ;;
+      137) what="killed after its time limit" ;;
+      *) what="FAILED" ;;
+    esac
+    say "train $arm $name ($steps steps${previous:+, from $(basename "$previous")}, at most ${share}s): exit status" \
+      "$status ($what); eval loss $(eval_losses "$top"); last line: $(grep -v '^\s*$' "$log" | tail -1)"
+    if [ "$what" = FAILED ]; then
+      verdict="training FAILED in $name (exit status $status, logs/$(basename "$log"))"
+      verdict+=": $(grep -v '^\s*$' "$log" | tail -1)"
+      break
+    fi
+    if ! all_seeds_hold_a_checkpoint "$top"; then
+      verdict="$name left a seed without a checkpoint ($what, logs/$(basename "$log")):"
+      verdict+=" the stages after it were not run"
+      break
+    fi
+    previous=$top
+  done
+  echo "$verdict" > "$LOGS/train_$arm.verdict"
+}
+say "training arms '$ARMS' with $SEEDS seeds each, stages of ${STAGES// /, } pairs," \
+  "until $(left "$EVAL_RESERVE")s from now"
+declare -A pids
+for arm in $ARMS; do
+  train_arm "$arm" &
   pids[$arm]=$!
 done
 declare -A trouble  # arm -> what went wrong with it (said plainly at the end of summary.txt)
 for arm in $ARMS; do
   wait "${pids[$arm]}"
-  status=$?
-  case $status in 0) what="finished" ;; 124) what="stopped at the time limit" ;; 137) what="killed after the time limit" ;; *) what="FAILED" ;; esac
-  last=$(grep -v '^\s*$' "$LOGS/train_$arm.log" | tail -1)
-  say "train $arm: exit status $status ($what); last line: $last"
-  [ "$what" = FAILED ] && trouble[$arm]="training FAILED (exit status $status, logs/train_$arm.log): $last"
+  verdict=$(cat "$LOGS/train_$arm.verdict" 2> /dev/null || echo "its stages ended without a verdict")
+  [ "$verdict" = ok ] || trouble[$arm]=$verdict
 done
 
-# The arms to score: in ARMS order, each arm whose seeds all hold a checkpoint step in common with
-# each other and with the arms kept before it; all are scored at the newest step they all hold (arms
-# stop at different steps). Printed: that step, then a line per arm: "<arm> keep" or "<arm> drop <why>".
-decisions=$("$PY" - "$RUNS" "$SEEDS" $ARMS << 'EOF'
+# The arms to score: in ARMS order, each arm whose last stage's seeds all hold a checkpoint step in
+# common with each other and with the arms kept before it; all are scored at the newest step they all
+# hold (arms stop at different steps). Printed: that step, then a line per arm: "<arm> keep" or
+# "<arm> drop <why>".
+decisions=$("$PY" - "$RUNS" "$last" "$SEEDS" $ARMS << 'EOF'
 import os, re, sys
-runs, seeds, arms = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+runs, stage, seeds, arms = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
 common, kept, lines = None, [], []
 for arm in arms:
   held = []
   for k in range(seeds):
-    directory = os.path.join(runs, arm, f"seed_{k}", "checkpoints")
+    directory = os.path.join(runs, arm, stage, f"seed_{k}", "checkpoints")
     names = os.listdir(directory) if os.path.isdir(directory) else []
     held.append({int(n) for n in names if re.fullmatch(r"[0-9]+", n)})
   empty = [str(k) for k, steps in enumerate(held) if not steps]
   shared = set.intersection(*held)
   if empty:
     which = f"seed {empty[0]} (of {seeds}) holds" if len(empty) == 1 else f"seeds {', '.join(empty)} (of {seeds}) hold"
-    lines.append(f"{arm} drop {which} no checkpoint")
+    lines.append(f"{arm} drop {which} no checkpoint of {stage}")
   elif not shared:
-    lines.append(f"{arm} drop its seeds hold no checkpoint step in common")
+    lines.append(f"{arm} drop its seeds hold no checkpoint step of {stage} in common")
   elif common is not None and not common & shared:
     lines.append(f"{arm} drop none of its checkpoint steps {sorted(shared)} is held by {' '.join(kept)}")
   else:
@@ -160,17 +299,17 @@ while read -r arm verdict why; do
   fi
 done < <(tail -n +2 <<< "$decisions")
 if [ ${#kept[@]} = 0 ]; then
-  say "ERROR: no arm has a checkpoint step that all its seeds hold (logs/train_*.log)"
+  say "ERROR: no arm has a checkpoint step of $last that all its seeds hold (logs/train_*.log)"
   for arm in $ARMS; do say "ARM $arm: ${trouble[$arm]:-}"; done
   exit 1
 fi
 budget=$(left 15)
-say "scoring every seed of '${kept[*]}' at step $step on $EXAMPLES held-out prompts, at most ${budget}s"
+say "scoring every seed of '${kept[*]}' ($last) at step $step on $EXAMPLES held-out prompts, at most ${budget}s"
 declare -A scoring
 for arm in "${kept[@]}"; do
   for k in $(seq 0 $((SEEDS - 1))); do
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s TERM -k 5 "$budget" "$PY" -m castle_jax.eval.tasks \
-      --workdir="$RUNS/$arm/seed_$k" --step="$step" --examples="$EXAMPLES" > "$LOGS/tasks_${arm}_seed_$k.log" 2>&1 &
+      --workdir="$RUNS/$arm/$last/seed_$k" --step="$step" --examples="$EXAMPLES" > "$LOGS/tasks_${arm}_seed_$k.log" 2>&1 &
     scoring[$arm/$k]=$!
   done
 done
@@ -189,17 +328,24 @@ say "scoring: every seed scored for '${compared[*]}'"
 
 for arm in $ARMS; do
   mkdir -p "$OUT/$arm"
-  cp "$RUNS/$arm/seeds.json" "$OUT/$arm/" 2> /dev/null
+  cp "$RUNS/$arm/$last/seeds.json" "$OUT/$arm/" 2> /dev/null
   for k in $(seq 0 $((SEEDS - 1))); do
     mkdir -p "$OUT/$arm/seed_$k"
-    cp -r "$RUNS/$arm/seed_$k/config.json" "$RUNS/$arm/seed_$k/metrics.jsonl" "$RUNS/$arm/seed_$k/eval" \
-      "$OUT/$arm/seed_$k/" 2> /dev/null
+    cp -r "$RUNS/$arm/$last/seed_$k/config.json" "$RUNS/$arm/$last/seed_$k/metrics.jsonl" \
+      "$RUNS/$arm/$last/seed_$k/eval" "$OUT/$arm/seed_$k/" 2> /dev/null
+    for ((i = 0; i < n; i++)); do
+      name=$(stage_name "$i")
+      [ -d "$RUNS/$arm/$name/seed_$k" ] || continue
+      mkdir -p "$OUT/stages/$arm/$name/seed_$k"
+      cp "$RUNS/$arm/$name/seed_$k/config.json" "$RUNS/$arm/$name/seed_$k/metrics.jsonl" \
+        "$OUT/stages/$arm/$name/seed_$k/" 2> /dev/null
+    done
   done
 done
 # Compared from inside OUT, so that the tables name the arms by their folder names.
 root=$(pwd)
 if [ ${#compared[@]} -gt 0 ]; then
-  say "comparing '${compared[*]}' at step $step$([ ${#compared[@]} -gt 1 ] && echo " (differences to ${compared[0]})")"
+  say "comparing '${compared[*]}' ($last) at step $step$([ ${#compared[@]} -gt 1 ] && echo " (differences to ${compared[0]})")"
   for metric in query_accuracy answer_loss; do
     (cd "$OUT" && PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" JAX_PLATFORMS=cpu timeout 60 "$PY" -m castle_jax.eval.compare \
       "${compared[@]}" --results=tasks --metric="$metric" --output="compare_$metric") 2>&1 | tee -a "$OUT/summary.txt"
@@ -218,5 +364,5 @@ for arm in $ARMS; do
   fi
 done
 say "done; results in $OUT"
-# Success only when every arm trained, was scored and was compared.
+# Success only when every arm trained every stage, was scored and was compared.
 [ -d "$OUT/compare_query_accuracy" ] && [ "$troubled" = 0 ]

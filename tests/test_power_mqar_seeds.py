@@ -1,0 +1,83 @@
+"""benchmarks/power_mqar_seeds.sh trains its stages in order, each later stage of an arm from
+the previous stage's seeds (seed k from seed k), scores and compares the arms at the last
+stage's pairs; bad settings and training failures are said plainly."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "power_mqar_seeds.sh")
+
+
+def _run(tmp_path, python=sys.executable, timeout=900, **settings):
+  env = {**os.environ, "PYTHON": python, "OUT": str(tmp_path / "out"), "RUNS": str(tmp_path / "runs"), **settings}
+  # One CPU device per process, as on a machine without the test suite's fake devices.
+  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
+  return subprocess.run(["bash", SCRIPT], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow  # about 75 s on one CPU core: 4 training and 4 scoring processes
+def test_smoke_run_trains_stage_two_from_stage_one_and_compares_at_its_pairs(tmp_path):
+  done = _run(tmp_path, SMOKE="1", ARMS="p2 mha")
+  out, runs = tmp_path / "out", tmp_path / "runs"
+  summary = (out / "summary.txt").read_text()
+  assert done.returncode == 0, summary + done.stderr
+  for arm in ("p2", "mha"):
+    assert f"train {arm} stage1_pairs2 (4 steps, at most" in summary
+    assert f"train {arm} stage2_pairs4 (4 steps, from stage1_pairs2, at most" in summary
+    for k in range(2):
+      config = json.loads((out / "stages" / arm / "stage2_pairs4" / f"seed_{k}" / "config.json").read_text())
+      assert config["train"]["init_from"] == str(runs / arm / "stage1_pairs2" / f"seed_{k}")
+      mqar = config["data"]["mqar"]
+      assert (mqar["pairs"], mqar["queries"], config["data"]["seq_len"]) == (4, 4, 16)
+      first = json.loads((out / "stages" / arm / "stage1_pairs2" / f"seed_{k}" / "config.json").read_text())
+      assert not first["train"].get("init_from") and first["data"]["mqar"]["pairs"] == 2
+      with open(out / arm / f"seed_{k}" / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+      assert [r["source_step"] for r in records if r["split"] == "init_from"] == [4]
+      (scored,) = glob.glob(str(out / arm / f"seed_{k}" / "eval" / "tasks_mqar_step4*.json"))
+      with open(scored) as f:
+        assert json.load(f)["knobs"]["pairs"] == 4
+  for folder in ("compare_query_accuracy", "compare_answer_loss", "compare_first_query"):
+    assert (out / folder).is_dir(), folder
+  assert "ARM " not in summary
+  again = _run(tmp_path, SMOKE="1")
+  assert again.returncode == 2 and "holds the results of an earlier run" in again.stderr
+
+
+@pytest.mark.parametrize(
+  "settings, message",
+  [
+    (dict(STEPS="3000"), "STEPS is no longer read: the pairs come in stages"),
+    (dict(PAIRS="32"), "PAIRS is no longer read"),
+    (dict(STAGES="4 8", STAGE_STEPS="10 20 30"), "STAGE_STEPS='10 20 30' gives 3 step counts for 2 stages"),
+    (dict(STAGES="4 x"), "STAGES='4 x': 'x' is not a positive number of pairs"),
+    (dict(STAGES="4 32", KEY_VOCAB="26"), "KEY_VOCAB='26' must be a number of keys at least the largest stage's 32"),
+    (dict(LAYOUT="spaced"), "LAYOUT must be colon or compact"),
+    (dict(STAGE_START="soon"), "STAGE_START='soon' is not a number of seconds"),
+  ],
+)
+def test_bad_settings_are_one_error_line_before_anything_runs(tmp_path, settings, message):
+  done = _run(tmp_path, python="false", SMOKE="1", **settings)
+  assert done.returncode == 2 and done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+  assert not (tmp_path / "out").exists()
+
+
+def test_an_arm_whose_first_stage_fails_runs_no_later_stage_and_is_named(tmp_path):
+  """A Python that fails every command: each arm stops at its first stage, and the summary
+  ends with why, arm by arm; the exit status says the run failed."""
+  fake = tmp_path / "python"
+  fake.write_text("#!/usr/bin/env bash\necho 'no such model' >&2\nexit 3\n")
+  fake.chmod(0o755)
+  done = _run(tmp_path, python=str(fake), timeout=120, SMOKE="1", ARMS="p2 mha")
+  summary = (tmp_path / "out" / "summary.txt").read_text()
+  assert done.returncode == 1, summary
+  for arm in ("p2", "mha"):
+    why = f"training FAILED in stage1_pairs2 (exit status 3, logs/train_{arm}_stage1.log): no such model"
+    assert f"ARM {arm}: {why}" in summary
+    assert not (tmp_path / "out" / "logs" / f"train_{arm}_stage2.log").exists()
