@@ -372,12 +372,12 @@ def measure(
 def main(argv) -> int:
   args = parse_args(argv)
   progress = Progress()
-  progress(
-    f"{args.shape} target and its draft on {jax.devices()[0].device_kind}"
-    f"{f' x {args.tensor}, tensor parallel' if args.tensor > 1 else ''}, jax {jax.__version__}"
-  )
   try:
     mesh = tensor_parallel_mesh(args.tensor)
+    progress(
+      f"{args.shape} target and its draft on {jax.devices()[0].device_kind}"
+      f"{f' x {args.tensor}, tensor parallel' if args.tensor > 1 else ''}, jax {jax.__version__}"
+    )
     with on_mesh(mesh):
       built = models(args.shape, mesh, progress)
   except ValueError as e:  # a --tensor that the devices or the model's heads do not divide

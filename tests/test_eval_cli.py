@@ -173,7 +173,7 @@ def test_perplexity_cli_on_swa_skips_lengths_the_split_cannot_fill(tmp_path, std
     (
       passkey,
       ["--pretrained=drt_tiny"],
-      "argument --pretrained: invalid choice: 'drt_tiny' (choose from 'drt_tiny_retrieval_topk')",
+      "argument --pretrained: invalid choice: 'drt_tiny' (choose from 'drt_tiny_retrieval_topk', ",
     ),
     (passkey, ["--pretrained=drt_tiny_retrieval_topk", "--step=3"], "--step must be left out with --pretrained"),
     (passkey, ["--workdir={missing}"], "config.json not found: --workdir must be a training workdir (written by"),
