@@ -192,6 +192,8 @@ def _hashed_uniform(shape: tuple[int, ...], dtype, seed) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def _hashed_leaf(shape, dtype, sharding, scale: float, seed):
+  """`_hashed_uniform` times `scale`, computed in the shards of `sharding` when it is a
+  NamedSharding (a parameter's or a cache's on a tensor-parallel mesh)."""
   x = _hashed_uniform(shape, dtype, seed) * jnp.asarray(scale, dtype)
   if isinstance(sharding, NamedSharding):
     x = jax.lax.with_sharding_constraint(x, sharding)
@@ -221,14 +223,9 @@ def _random_layer_cache(model, batch: int, capacity: int, mesh, seed, length):
   (uniform in [-1, 1)) in every slot, `length` of them filled; on `mesh`, split by
   key/value heads as the model's tensor-parallel attention reads them."""
   cache = family_of(model).init_cache(model, batch, capacity)[0]
-
-  def random(k, like):
-    x = _hashed_uniform(like.shape, like.dtype, k)
-    if mesh is None:
-      return x
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(None, None, "tensor", None)))
-
-  keys, values = random(2 * seed, cache.keys), random(2 * seed + 1, cache.values)
+  sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec(None, None, "tensor", None))
+  keys = _hashed_leaf(cache.keys.shape, cache.keys.dtype, sharding, 1.0, 2 * seed)
+  values = _hashed_leaf(cache.values.shape, cache.values.dtype, sharding, 1.0, 2 * seed + 1)
   return cache.replace(keys=keys, values=values, length=length)
 
 
