@@ -9,6 +9,7 @@
 # equal training time where the seeds' times overlap.
 #
 #   OUT=results bash benchmarks/lm_seeds.sh                     # 4 GPUs: seeds 0-3, one per GPU
+#   SEEDS=5 SEED_LIST="3 4" OUT=r34 bash benchmarks/lm_seeds.sh # 4 GPUs: 2 seeds x 2 arms, a run per GPU
 #   GPUS=2 SEED_LIST="0 1" OUT=r01 bash benchmarks/lm_seeds.sh  # 2 GPUs: half the seeds per call
 #   GPUS=1 SEED_LIST="2" OUT=r2 bash benchmarks/lm_seeds.sh     # 1 GPU: one seed per call
 #   SMOKE=1 OUT=/tmp/smoke bash benchmarks/lm_seeds.sh          # tiny shapes, XLA attention, on a CPU
@@ -138,11 +139,18 @@ if command -v nvidia-smi > /dev/null; then
 fi
 
 end_at=$((start + DEADLINE - END_RESERVE))
-# The jobs of GPU g, "arm:seed" in order: the seeds at positions g, g + GPUS, ... of SEED_LIST, both
-# arms of each, the first arm alternating with the GPU and the seed.
+# The jobs of GPU g, "arm:seed" in order: one run per GPU when there are GPUs enough for all of them;
+# otherwise the seeds at positions g, g + GPUS, ... of SEED_LIST, both arms of each, the first arm
+# alternating with the GPU and the seed.
 jobs_of() {
   local g=$1 position=0 k first second
   read -r -a arms <<< "$ARMS"
+  read -r -a seeds <<< "$SEED_LIST"
+  if [ $((${#arms[@]} * ${#seeds[@]})) -le "$GPUS" ]; then
+    # GPUs enough for every run at once: run j (seed-major) on GPU j.
+    [ "$g" -lt $((${#arms[@]} * ${#seeds[@]})) ] && echo "${arms[$((g % ${#arms[@]}))]}:${seeds[$((g / ${#arms[@]}))]}"
+    return 0
+  fi
   for k in $SEED_LIST; do
     if [ $((position % GPUS)) = "$g" ]; then
       for a in $(seq 0 $((${#arms[@]} - 1))); do
