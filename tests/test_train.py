@@ -3,6 +3,7 @@
 import copy
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -232,6 +233,10 @@ def test_a_smoke_run_clips_the_warm_up_and_reports_its_start_and_its_checkpoint(
   assert banner["devices"] == f"{jax.device_count()} x cpu in 1 process(es); mesh data 8 x fsdp 1 x tensor 1"
   assert banner["workdir"] == config.workdir and banner["start"] == "fresh (random parameters, seed 0)"
   assert banner["schedule"].startswith("2 steps of 8 x 32 tokens, learning rate 0.003 (warm-up 2), log every 1")
+  ready = lines[5].split(maxsplit=1)
+  assert ready[0] == "ready" and re.fullmatch(
+    r"[\d.]+s after the start: model and mesh [\d.]+s, data [\d.]+s, parameters [\d.]+s, other [\d.]+s", ready[1]
+  ), lines[5]
   checkpoint = os.path.join(config.workdir, "checkpoints", "2")
   assert lines[-1] == f"Finished step 2 of 2; saved checkpoint {checkpoint}"
 

@@ -45,6 +45,7 @@ from castle_jax.models import family_of
 from castle_jax.sharding import LOGICAL_AXIS_RULES
 from castle_jax.workdir import seed_workdir, seeds_record
 from train.config import validate_keys
+from train.phases import PhaseClock
 from train.run_checks import clip_warmup, validate_train_config
 from train.run_files import check_layout, claim_for_fresh_run, write_run_files, write_seeds_record
 from train.signals import StopSignals
@@ -236,6 +237,7 @@ def _train_vmapped(
   """Trains `runs` (seeds of the run of `seeds` seeds in `top`) vmapped in one step."""
   first, count = runs[0], len(runs)
   t = first.config.train
+  clock = PhaseClock()
   locks, checkpointers, iterators, writers = [], [], [], []
   try:
     for run in runs:
@@ -247,17 +249,20 @@ def _train_vmapped(
       stack.enter_context(jax.set_mesh(first.mesh))
       stack.enter_context(nn.logical_axis_rules(LOGICAL_AXIS_RULES))
       abstract_state, shardings = state_shardings(first.model, first.tx, first.mesh, first.config.data.seq_len)
-      for run in runs:
-        d = run.config.data
-        iterators.append(make_lm_iterator(d, run.tokenizer, split=d.train_split, shuffle=True, prefetch=d.prefetch))
+      with clock.phase("data"):
+        for run in runs:
+          d = run.config.data
+          iterators.append(make_lm_iterator(d, run.tokenizer, split=d.train_split, shuffle=True, prefetch=d.prefetch))
       step = resume_step_of_seeds(t, checkpointers)
       states, init_sources = [], []
-      for run, checkpointer, iterator in zip(runs, checkpointers, iterators):
-        state, resumed_step, init_source = restore_or_init(
-          run, checkpointer, abstract_state, shardings, iterator, step=step
-        )
-        states.append(state)
-        init_sources.append(init_source)
+      with clock.phase("parameters"):
+        for run, checkpointer, iterator in zip(runs, checkpointers, iterators):
+          state, resumed_step, init_source = restore_or_init(
+            run, checkpointer, abstract_state, shardings, iterator, step=step
+          )
+          states.append(state)
+          init_sources.append(init_source)
+        jax.block_until_ready(states)
       for run in runs:
         write_run_files(run.workdir, run.config)
       write_seeds_record(top, seeds=seeds, seeds_mode="vmap")
@@ -278,7 +283,11 @@ def _train_vmapped(
       seeds_line = (
         f"{count}{which}, vmapped in one step; seed k in {seed_workdir(top, '<k>')} (seed = data.shuffle_seed = k)"
       )
-      report_line(startup_banner(dataclasses.replace(first, workdir=top), abstract_state, start, None, seeds_line))
+      report_line(
+        startup_banner(
+          dataclasses.replace(first, workdir=top), abstract_state, start, None, seeds_line, ready=clock.describe()
+        )
+      )
       state = stack_states(states, shardings)
       del states
       outputs = [

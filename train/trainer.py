@@ -60,6 +60,7 @@ from train.metrics import (
   read_metrics,
 )
 from train.optimizer import make_optimizer
+from train.phases import PhaseClock
 from train.resume_checks import (
   ConfigMismatchError,
   check_init_from,
@@ -319,11 +320,17 @@ def describe_start(
 
 
 def startup_banner(
-  run: Run, abstract_state: TrainState, start: str, frozen: FrozenParams | None, seeds: str | None = None
+  run: Run,
+  abstract_state: TrainState,
+  start: str,
+  frozen: FrozenParams | None,
+  seeds: str | None = None,
+  ready: str | None = None,
 ) -> str:
   """What is about to run: model and parameters, devices and mesh, workdir, where the
-  parameters come from (`start`, e.g. `describe_start`), the schedule, and `seeds` (a run of
-  several seeds: how they run, where each one's workdir is)."""
+  parameters come from (`start`, e.g. `describe_start`), the schedule, `seeds` (a run of
+  several seeds: how they run, where each one's workdir is) and `ready` (where the start-up's
+  time went: `PhaseClock.describe`)."""
   m, t, d = run.model_config, run.config.train, run.config.data
   parameters = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_state.params))
   mesh = " x ".join(f"{axis} {size}" for axis, size in run.mesh.shape.items())
@@ -340,6 +347,8 @@ def startup_banner(
   ]
   if seeds is not None:
     lines.append(f"seeds     {seeds}")
+  if ready is not None:
+    lines.append(f"ready     {ready}")
   return "\n".join(lines)
 
 
@@ -707,7 +716,9 @@ def train(
     from train.seeds import train_seeds  # it builds on this module
 
     return train_seeds(config, after_step=after_step)
-  run = build_run(config)
+  clock = PhaseClock()
+  with clock.phase("model and mesh"):
+    run = build_run(config)
   config = run.config  # with the settings build_run adjusted (a clipped warm-up)
   lock, checkpointer = open_workdir(run)
   writer = train_iter = None
@@ -718,10 +729,13 @@ def train(
       stack.enter_context(nn.logical_axis_rules(LOGICAL_AXIS_RULES))
       abstract_state, shardings = state_shardings(run.model, run.tx, run.mesh, config.data.seq_len)
       frozen = load_frozen_params(run)
-      train_iter = make_lm_iterator(
-        config.data, run.tokenizer, split=config.data.train_split, shuffle=True, prefetch=config.data.prefetch
-      )
-      state, resumed_step, init_source = restore_or_init(run, checkpointer, abstract_state, shardings, train_iter)
+      with clock.phase("data"):
+        train_iter = make_lm_iterator(
+          config.data, run.tokenizer, split=config.data.train_split, shuffle=True, prefetch=config.data.prefetch
+        )
+      with clock.phase("parameters"):
+        state, resumed_step, init_source = restore_or_init(run, checkpointer, abstract_state, shardings, train_iter)
+        jax.block_until_ready(state)
       write_run_files(run.workdir, config)
       writer = open_metrics(run.workdir, resumed_step)
       if init_source is not None:  # config.json names the workdir; this record, the step used
@@ -736,7 +750,7 @@ def train(
           )
         write_frozen_record(run.workdir, source=frozen.workdir, step=frozen.step, fingerprint=frozen.fingerprint)
       start = describe_start(checkpointer, resumed_step, init_source, config.seed)
-      report_line(startup_banner(run, abstract_state, start, frozen))
+      report_line(startup_banner(run, abstract_state, start, frozen, ready=clock.describe()))
       output = RunOutput(writer, checkpointer, resumed_elapsed(run.workdir, resumed_step))
       logger = StepLogger(run, [output], int(jax.device_get(state.step)), resumed_step)
       io = one_run_io(run, shardings, train_iter, checkpointer, logger, None if frozen is None else frozen.params)
