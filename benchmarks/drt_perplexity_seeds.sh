@@ -112,13 +112,11 @@ done
 wait
 
 # The largest checkpoint step that every seed of every arm holds.
-common_step=$(
-  for arm in "${arm_list[@]}"; do
-    for seed in $(seq 0 $((SEEDS - 1))); do
-      echo "$arm $seed $(ls "$RUNS/$arm/seed_$seed/checkpoints" 2> /dev/null | grep -E '^[0-9]+$' | tr '\n' ' ')"
-    done
-  done | awk '{ runs++; for (i = 3; i <= NF; i++) held[$i]++ } END { best = 0; for (s in held) if (held[s] == runs && s + 0 > best) best = s + 0; print best }'
-)
+seed_dirs=()
+for arm in "${arm_list[@]}"; do
+  for seed in $(seq 0 $((SEEDS - 1))); do seed_dirs+=("$RUNS/$arm/seed_$seed"); done
+done
+common_step=$(JAX_PLATFORMS=cpu "$PY" -m castle_jax.eval.common_step "${seed_dirs[@]}" 2> "$OUT/logs/common_step.log")
 if [ "$common_step" -gt 0 ] 2> /dev/null; then
   say "evaluating every seed at step $common_step, the largest that every seed of every arm reached"
   for i in "${!arm_list[@]}"; do
@@ -126,7 +124,7 @@ if [ "$common_step" -gt 0 ] 2> /dev/null; then
   done
   wait
 else
-  say "ERROR: no checkpoint step that every seed of every arm holds; nothing evaluated"
+  say "ERROR: no checkpoint step that every seed of every arm holds; nothing evaluated: $(tail -1 "$OUT/logs/common_step.log")"
 fi
 
 # What must survive: each arm's seeds.json, each seed's config, metrics and perplexity results.

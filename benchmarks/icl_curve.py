@@ -52,14 +52,14 @@ import ml_collections
 import numpy as np
 from absl import flags, logging
 
-from castle_jax.checkpoints import Checkpointer, CheckpointError
+from castle_jax.checkpoints import CheckpointError
 from castle_jax.command_line import UsageError, own_flags_parser, run_absl
 from castle_jax.data.pipeline import get_data_source
 from castle_jax.eval import cli
+from castle_jax.eval.common_step import checkpoint_steps, common_checkpoint_step
 from castle_jax.eval.compare import LEVEL, mean_interval, paired_difference
 from castle_jax.outputs import fresh_directory, refuse_existing, user_cache_dir
 from castle_jax.workdir import (
-  CHECKPOINTS_DIR,
   CONFIG_NAME,
   load_trained_model,
   saved_config,
@@ -237,18 +237,6 @@ def run_name(arm: str, seed: int | None) -> str:
   return arm if seed is None else f"{arm}/seed_{seed}"
 
 
-def checkpoint_steps(workdir: str) -> list[int]:
-  """The checkpoint steps a run holds (none without a checkpoints folder)."""
-  directory = os.path.join(workdir, CHECKPOINTS_DIR)
-  if not os.path.isdir(directory):
-    return []
-  checkpointer = Checkpointer(directory, read_only=True)
-  try:
-    return checkpointer.all_steps()
-  finally:
-    checkpointer.close()
-
-
 def choose_steps(runs: dict[str, str], step: str | None) -> dict[str, int | None]:
   """{run name: the step to evaluate (None: its newest)} for --step (None, 'common' or an int)."""
   if step is None:
@@ -263,15 +251,10 @@ def choose_steps(runs: dict[str, str], step: str | None) -> dict[str, int | None
       if number not in steps:
         raise UsageError(f"--step={step}: {name} ({workdir}) has no checkpoint of step {number}; it has {steps}")
     return dict.fromkeys(runs, number)
-  held = {name: set(checkpoint_steps(workdir)) for name, workdir in runs.items()}
-  for name, steps in held.items():
-    if not steps:
-      raise UsageError(f"--step=common: {name} ({runs[name]}) has no checkpoints")
-  common = set.intersection(*held.values())
-  if not common:
-    listed = "; ".join(f"{name}: {sorted(steps)}" for name, steps in held.items())
-    raise UsageError(f"--step=common: no checkpoint step is held by every run ({listed})")
-  return dict.fromkeys(runs, max(common))
+  try:
+    return dict.fromkeys(runs, common_checkpoint_step(runs))
+  except UsageError as e:
+    raise UsageError(f"--step=common: {e}") from None
 
 
 # --- statistics and output --------------------------------------------------------------------------

@@ -167,14 +167,14 @@ for arm in $ARMS; do
 done
 # Seeds stopped by the time limit stop at different steps: every draft is evaluated at the
 # newest checkpoint step all of them hold, so that each pair compares equal training.
-common=$(for seed_dir in "${seed_dirs[@]}"; do ls "$seed_dir/checkpoints"; done | grep -E '^[0-9]+$' | sort -n | uniq -c \
-  | awk -v n=${#seed_dirs[@]} '$1 == n { step = $2 } END { print step }')
+common=
+[ ${#seed_dirs[@]} -gt 0 ] && common=$(JAX_PLATFORMS=cpu "$PY" -m castle_jax.eval.common_step "${seed_dirs[@]}" 2> "$LOGS/common_step.log")
 step_flag=()
 if [ -n "$common" ]; then
   step_flag=(--draft_step="$common")
   say "evaluating every draft at step $common, the newest checkpoint every draft holds"
 elif [ ${#seed_dirs[@]} -gt 0 ]; then
-  say "WARNING: no checkpoint step common to every draft: each is evaluated at its newest"
+  say "WARNING: no checkpoint step common to every draft: each is evaluated at its newest ($(tail -1 "$LOGS/common_step.log"))"
 fi
 
 # 3. tau of every draft, one process per prompt length (each loads the target and every draft).

@@ -262,16 +262,13 @@ done
 # common with each other and with the arms kept before it; all are scored at the newest step they all
 # hold (arms stop at different steps). Printed: that step, then a line per arm: "<arm> keep" or
 # "<arm> drop <why>".
-decisions=$("$PY" - "$RUNS" "$last" "$SEEDS" $ARMS << 'EOF'
-import os, re, sys
+decisions=$(JAX_PLATFORMS=cpu "$PY" - "$RUNS" "$last" "$SEEDS" $ARMS << 'EOF'
+import os, sys
+from castle_jax.eval.common_step import checkpoint_steps
 runs, stage, seeds, arms = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
 common, kept, lines = None, [], []
 for arm in arms:
-  held = []
-  for k in range(seeds):
-    directory = os.path.join(runs, arm, stage, f"seed_{k}", "checkpoints")
-    names = os.listdir(directory) if os.path.isdir(directory) else []
-    held.append({int(n) for n in names if re.fullmatch(r"[0-9]+", n)})
+  held = [set(checkpoint_steps(os.path.join(runs, arm, stage, f"seed_{k}"))) for k in range(seeds)]
   empty = [str(k) for k, steps in enumerate(held) if not steps]
   shared = set.intersection(*held)
   if empty:
