@@ -379,6 +379,79 @@ def test_per_row_cache_appends_equal_one_row_appends():
     np.testing.assert_array_equal(grown.positions[row], one.positions)
 
 
+@pytest.mark.parametrize("values", ["distinct", "tied", "tied_with_minus_infinity"])
+def test_best_children_are_the_top_k_of_the_flattened_scores(values):
+  """The two-step selection of a level's children picks what one top_k over the flattened
+  [nodes x V] scores picks, in the same order, ties (equal cumulative log-probabilities,
+  -inf for masked tokens) to the lower node, then the lower token."""
+  from castle_jax.inference.speculative import _best_children
+
+  rng = np.random.default_rng(0)
+  for batch, size, vocab, width in [(1, 1, 9, 4), (2, 4, 7, 16), (1, 16, 50, 16), (3, 3, 2, 5), (1, 2, 1, 2)]:
+    scores = rng.normal(size=(batch, size, vocab))
+    if values != "distinct":
+      scores = rng.integers(0, 3, size=scores.shape).astype(float)
+    if values == "tied_with_minus_infinity":
+      scores[rng.random(scores.shape) < 0.5] = -np.inf
+    scores = jnp.asarray(scores, jnp.float32)
+    best, flat = jax.lax.top_k(scores.reshape(batch, -1), width)
+    got = _best_children(scores, width)
+    for name, value, expected in zip(("scores", "nodes", "tokens"), got, (best, flat // vocab, flat % vocab)):
+      np.testing.assert_array_equal(value, expected, err_msg=f"{name} of {batch}x{size}x{vocab}, top {width}")
+      assert value.dtype == expected.dtype, name
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_no_top_k_of_a_round_is_longer_than_the_vocabulary(temperature):
+  """A round of a 128K-vocabulary model (lowered for abstract inputs, never run) selects
+  with top_k rows of at most V elements: a row over a tree level's flattened nodes x V
+  scores (here 16 x 128256, over 2^20) goes through XLA's GPU splitting of long top-k rows,
+  which can blow the compile up; CPU runs of small vocabularies never show it."""
+  import re
+
+  from castle_jax.inference import speculative
+  from castle_jax.inference.generate import prefill_caches
+
+  vocab, batch, capacity = 128256, 1, 64
+  config = _target_config(vocab_size=vocab, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1)
+  target, draft = build_model(config), build_model(_draft_config(config))
+  target_params = jax.eval_shape(
+    lambda: nn.unbox(target.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  )
+  draft_params = jax.eval_shape(lambda: nn.unbox(longspec_draft.init_variables(draft, jax.random.key(1), 8)["params"]))
+  shape = TreeShape((4, 16, 16))
+  rows = jax.ShapeDtypeStruct((batch,), jnp.int32)
+  empty = jnp.zeros((batch, 0), jnp.int32)
+  caches = jax.eval_shape(
+    lambda: [c.replace(length=jnp.zeros((batch,), jnp.int32)) for c in prefill_caches(target, None, empty, capacity)]
+  )
+  draft_cache = jax.eval_shape(
+    lambda: speculative._prefill_draft(draft, None, config, None, empty, np.zeros(batch, np.int32), shape)
+  )
+  lowered = speculative._traced_round.lower(
+    target,
+    draft,
+    shape,
+    temperature,
+    50,
+    1.0,
+    None,
+    target_params,
+    draft_params,
+    caches,
+    draft_cache,
+    rows,
+    rows,
+    jax.ShapeDtypeStruct((batch,), jnp.bool_),
+    jax.eval_shape(lambda: jax.random.key(0)),
+  )
+  rows_of_top_k = [
+    int(dims.split("x")[-1]) for dims in re.findall(r"chlo\.top_k\(.*?: tensor<([0-9x]+)x", lowered.as_text())
+  ]
+  assert rows_of_top_k, "the round has no top_k left to check: update this test"
+  assert max(rows_of_top_k) <= vocab, f"top_k rows of {sorted(set(rows_of_top_k))} elements, vocabulary {vocab}"
+
+
 def test_draft_decoding_equals_its_training_forward(pair):
   """The draft's drafting forward (ring + tree slots, cross-attention over the target's
   cache) at the root equals its training forward with shift 1 at the same position,

@@ -684,18 +684,39 @@ def _draft_tree(
       method=LongSpecDraft.draft,
     )
     log_probs = jax.nn.log_softmax(draft_logits(target_config, target_params, out), axis=-1)  # [batch, size, V]
-    scores = (cumulative[:, :, None] + log_probs).reshape(batch, -1)
     width = shape.widths[level]
-    cumulative, flat = jax.lax.top_k(scores, width)  # [batch, width]
-    vocab = log_probs.shape[-1]
-    child_parents = (start + flat // vocab).astype(jnp.int32)
+    cumulative, child_parents, child_tokens = _best_children(cumulative[:, :, None] + log_probs, width)
+    child_parents = start + child_parents
     child_start = shape.level_start(level + 1)
     children = jnp.arange(child_start, child_start + width)
-    tokens = tokens.at[:, children].set((flat % vocab).astype(jnp.int32))
+    tokens = tokens.at[:, children].set(child_tokens)
     parents = parents.at[:, children].set(child_parents)
     parent_rows = jnp.take_along_axis(ancestors, child_parents[:, :, None], axis=1)  # [batch, width, nodes]
     ancestors = ancestors.at[:, children].set(parent_rows | (children[:, None] == jnp.arange(nodes)))
   return tokens, parents, ancestors, draft_cache
+
+
+def _best_children(scores, width: int):
+  """The `width` best (node, token) pairs of scores float32 [batch, size, V], best first,
+  ties to the lower flat index node * V + token, as `jax.lax.top_k` over the flattened
+  scores orders them. -> (scores float32 [batch, width], node int32 [batch, width] (0 ..
+  size - 1), token int32 [batch, width]).
+
+  Each node's top `width` tokens first, then the top `width` of those candidates, so that
+  no top_k row is longer than V: XLA's GPU compiler splits top-k rows of 2^20 elements or
+  more into batches, which blows its compile time and memory up for some such lengths, and
+  the flattened size x V scores of a tree level are one (16 nodes of a 128K vocabulary:
+  2,052,096 elements; the round of a Llama-3-8B-shaped pair did not finish compiling).
+  The result is the same, ties included: an element of the global top-n is in its node's
+  top-n, and the candidates hold equal scores in flat order (nodes in order, each node's
+  tokens in order), which top_k's lower-index-first tie-break then keeps.
+  """
+  batch, _, vocab = scores.shape
+  per_node = min(width, vocab)
+  node_best, node_tokens = jax.lax.top_k(scores, per_node)  # [batch, size, per_node]
+  best, picked = jax.lax.top_k(node_best.reshape(batch, -1), width)
+  tokens = jnp.take_along_axis(node_tokens.reshape(batch, -1), picked, axis=1)
+  return best, (picked // per_node).astype(jnp.int32), tokens.astype(jnp.int32)
 
 
 def _path_to(ancestors, node, depth: int):
