@@ -37,7 +37,9 @@
 # mha"; the first is the base of the differences), DEADLINE (seconds after the start by which
 # everything has ended: 510), EVAL_RESERVE (seconds kept for scoring: 90), EXAMPLES (1000), MEM_FRACTION
 # (each training process's share of the GPU memory: 0.2; the scoring processes, one per seed, allocate
-# what they use). PAIRS, QUERIES and STEPS of the one-stage version are refused with an error naming
+# what they use), WORKERS (data.worker_count, grain processes drawing each training process's prompts:
+# 4, SMOKE 0: drawn in the training process, the prompts of 3 seeds x 128 per step took longer than
+# an H100's step of these models). PAIRS, QUERIES and STEPS of the one-stage version are refused with an error naming
 # what replaced them, since a run meant for 32 pairs or 10,000 steps would otherwise run the defaults.
 # Time: training has until DEADLINE - EVAL_RESERVE. When a stage starts it gets STAGE_START seconds for
 # starting (importing, compiling: 30; paid by every stage, however few its steps) plus its share of the
@@ -86,6 +88,7 @@ if [ "$SMOKE" = 1 ]; then
   EVAL_RESERVE=${EVAL_RESERVE:-300}
   BATCH=${BATCH:-4}
   STAGE_START=${STAGE_START:-60}
+  WORKERS=${WORKERS:-0}
 else
   SEEDS=${SEEDS:-3}
   STAGES=${STAGES:-4 8 16 32}
@@ -96,6 +99,7 @@ else
   EVAL_RESERVE=${EVAL_RESERVE:-90}
   BATCH=${BATCH:-128}
   STAGE_START=${STAGE_START:-30}
+  WORKERS=${WORKERS:-4}
 fi
 HEAD_DIM=${HEAD_DIM:-8}
 LAYOUT=${LAYOUT:-compact}
@@ -151,6 +155,7 @@ left() { echo $((DEADLINE - (SECONDS - start) - $1)); }
 say() { echo "[$((SECONDS - start))s] $*" | tee -a "$OUT/summary.txt"; }
 say "commit $(git rev-parse HEAD 2>/dev/null || echo unknown); SMOKE=$SMOKE SEEDS=$SEEDS STAGES='$STAGES'" \
   "STAGE_STEPS='${steps_of[*]}' KEY_VOCAB=$KEY_VOCAB HEAD_DIM=$HEAD_DIM N_HEADS=$N_HEADS BATCH=$BATCH LAYOUT=$LAYOUT" \
+  "WORKERS=$WORKERS" \
   "seq_len $(for ((i = 0; i < n; i++)); do printf '%s ' "$(seq_len_of "${pairs_of[i]}")"; done)EXAMPLES=$EXAMPLES" \
   "RUNS=$RUNS $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
 
@@ -159,7 +164,7 @@ common=(--config=configs/tasks_mqar_tiny.py --config.train.seeds="$SEEDS" --conf
         --config.model.d_model="$width" --config.model.n_heads="$N_HEADS" --config.model.head_dim="$HEAD_DIM"
         --config.data.mqar.key_vocab="$KEY_VOCAB" --config.data.mqar.layout="$LAYOUT"
         --config.data.batch_size="$BATCH" --config.train.eval_batches=4 --config.train.keep_checkpoints=10
-        --config.train.progress_bar=False)
+        --config.data.worker_count="$WORKERS" --config.train.progress_bar=False)
 # The newest eval loss of each seed of a stage's workdir: "seed 0 1.234 at step 500; ...".
 eval_losses() {
   "$PY" - "$1" "$SEEDS" << 'EOF'
