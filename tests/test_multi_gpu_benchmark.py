@@ -57,7 +57,10 @@ def test_float32_equivalence_passes_and_finds_planted_sharding_defects(monkeypat
   assert all(ok and err < 1e-5 for ok, err, _ in clean.values()), clean
 
   kernels = power_api.power_attention_triton
-  for axis, caught in ((2, {"tp"}), (0, {"dp", "fsdp"})):
+  # The defects against one layout that splits batch rows and one that splits heads: FSDP
+  # splits the rows as DP does, and the clean run above checked it.
+  monkeypatch.setattr(multi_gpu, "layouts", lambda n: {"dp": (n, 1, 1), "tp": (1, 1, n)})
+  for axis, caught in ((2, {"tp"}), (0, {"dp"})):
 
     def defective(q, k, v, log_g, axis=axis, **options):
       return kernels(q, k, v, jnp.broadcast_to(jnp.mean(log_g, axis=axis, keepdims=True), log_g.shape), **options)
