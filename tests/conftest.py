@@ -53,13 +53,27 @@ if _CHEAP_COMPILES and jax.default_backend() != "cpu":
 
 
 def pytest_collection_modifyitems(config, items):
-  del config
+  if config.getoption("loadgroup", default=False):
+    _name_xdist_groups(items)
   if jax.default_backend() == "gpu":
     return
   skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip_gpu)
+
+
+def _name_xdist_groups(items):
+  """Appends "@<group>" to the test ids of `xdist_group` tests, which is how `--dist
+  loadgroup` keeps a group on one worker (so a module's costly fixtures are built once):
+  pytest-xdist 3.8 writes the suffix into `item._nodeid`, which pytest 9 no longer reads
+  (an item's id is `item._id`), so without this the groups are spread like any test."""
+  from _pytest.nodeid import coerce_node_id
+
+  for item in items:
+    groups = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
+    if groups and not item.nodeid.endswith("@" + "_".join(sorted(groups))):
+      item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(sorted(groups))}")
 
 
 @pytest.fixture
