@@ -96,7 +96,11 @@ def test_vmapped_seeds_equal_separate_runs_across_a_signal_and_a_crash(
   results = train(config)
   out, _ = capfd.readouterr()
   assert f"start     resumed from step 4 ({top}/seed_*/checkpoints/4)" in out
-  assert re.search(r"^ready     [\d.]+s after the start: data [\d.]+s, parameters [\d.]+s, other [\d.]+s$", out, re.M)
+  assert re.search(
+    r"^ready     [\d.]+s after the start: model and mesh [\d.]+s, data [\d.]+s, parameters [\d.]+s, other [\d.]+s$",
+    out,
+    re.M,
+  )
   assert out.strip().splitlines()[-1] == f"Finished step 8 of 8; saved checkpoints {top}/seed_*/checkpoints/8 (2 seeds)"
   assert json.load(open(os.path.join(top, "seeds.json"))) == {"seeds": 2, "seeds_mode": "vmap"}
 

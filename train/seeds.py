@@ -133,7 +133,9 @@ def train_seeds(config: ml_collections.ConfigDict, *, after_step: Callable[[int]
   # Processes training other indices of this run may hold the workdir at the same time: each
   # process then locks (and applies the resume rules to) its own seeds' workdirs only.
   shared = config.train.get("seed_indices") is not None
-  first = build_run(seed_config(config, indices[0]))  # checks every other setting; writes nothing
+  clock = PhaseClock()  # the vmapped run's banner; a sequential seed's train() keeps its own
+  with clock.phase("model and mesh"):
+    first = build_run(seed_config(config, indices[0]))  # checks every other setting; writes nothing
   if note:
     note_line(note)
   t = config.train
@@ -161,7 +163,7 @@ def train_seeds(config: ml_collections.ConfigDict, *, after_step: Callable[[int]
         results.append(train(seed_config(config, index), after_step=after_step))
       return results
     runs = [dataclasses.replace(first, config=seed_config(config, k), workdir=seed_workdir(top, k)) for k in indices]
-    return _train_vmapped(runs, top, after_step, t.seeds)
+    return _train_vmapped(runs, top, after_step, t.seeds, clock)
   finally:
     if lock is not None:
       lock.release()
@@ -232,12 +234,12 @@ def _stacked(batches: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 
 
 def _train_vmapped(
-  runs: list[Run], top: str, after_step: Callable[[int], None] | None, seeds: int
+  runs: list[Run], top: str, after_step: Callable[[int], None] | None, seeds: int, clock: PhaseClock
 ) -> list[TrainResult]:
-  """Trains `runs` (seeds of the run of `seeds` seeds in `top`) vmapped in one step."""
+  """Trains `runs` (seeds of the run of `seeds` seeds in `top`) vmapped in one step; `clock`
+  has timed the start-up so far, for the banner."""
   first, count = runs[0], len(runs)
   t = first.config.train
-  clock = PhaseClock()
   locks, checkpointers, iterators, writers = [], [], [], []
   try:
     for run in runs:
