@@ -2,7 +2,7 @@
 speculative round (draft a tree, verify it, commit), with random weights.
 
     python -m benchmarks.longspec_speed --shape=llama3_8b [--batch_sizes=1,4] \
-        [--prompt_lengths=16384,32768,65536] [--taus=3.28,5.33] [--out=longspec_speed.json]
+        [--prompt_lengths=16384,32768,65536] [--taus=3.28,5.33] [--profile] [--out=longspec_speed.json]
     python -m benchmarks.longspec_speed --smoke   # tiny shapes, any device (CI)
 
 Latency does not depend on the weights' values, so the models are random: the target a
@@ -30,7 +30,9 @@ prefill excluded:
     --tree_attention; greedy acceptance; the commit to the target's caches and the draft's
     ring. Jitted the same way.
 Each is called --iters times after two warm-up calls (the first compiles), each call
-dispatched from Python and waited for, and the median time per call is reported.
+dispatched from Python and waited for, and the median time per call is reported, with the
+fastest and slowest call beside it. With --profile, 3 more calls of each are traced and the
+row records the device time per call of the 12 kernels that take the most.
 
 The speed-up is a projection, not a measurement: tau (tokens per round, which needs trained
 weights) times t_AR / t_round, for each of --taus. The defaults are the paper's tau for
@@ -51,7 +53,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import statistics
 import sys
+import tempfile
 import time
 from typing import Callable
 
@@ -71,7 +75,8 @@ from castle_jax.models.registry import abstract_params
 from castle_jax.sharding import on_mesh
 from castle_jax.workdir import check_mesh_fits, tensor_parallel_mesh
 from castle_jax.ops.tree_attention import IMPLEMENTATIONS as TREE_ATTENTION_IMPLEMENTATIONS
-from benchmarks.timing import error_text, median_step_ms, run_meta, tree_bytes, write_json
+from benchmarks.synthetic_step import device_time_by_op
+from benchmarks.timing import error_text, run_meta, step_times, tree_bytes, write_json
 
 GIB = 2**30
 # Hugging Face config.json fields of each shape (meta-llama/Meta-Llama-3-8B's for llama3_8b).
@@ -109,6 +114,8 @@ SHAPES = {
 # and RESULTS.md's longspec_target_s pair at 16K (T = 0, tree [4,16,16,16,16]).
 DEFAULT_TAUS = (3.28, 5.33)
 DRAFT_WINDOW = 512
+PROFILED_CALLS = 3
+PROFILED_OPS = 12  # the kernels recorded per program, largest first
 
 
 def parse_args(argv):
@@ -142,6 +149,11 @@ def parse_args(argv):
     "caches' key/value heads, split over this many devices (default 1: one device)",
   )
   parser.add_argument("--iters", type=cl.positive_int, default=20, help="timed calls per row (after 2 warm-ups)")
+  parser.add_argument(
+    "--profile",
+    action="store_true",
+    help=f"trace {PROFILED_CALLS} more calls of each program and record its GPU time by kernel (row key <program>_ops_ms)",
+  )
   parser.add_argument("--smoke", action="store_true", help="tiny shapes, 2 timed calls: checks the harness runs")
   parser.add_argument("--out", type=cl.new_file, default=None, help="write the rows here as JSON (a new file)")
   args = parser.parse_args(argv)
@@ -265,6 +277,19 @@ def _speculative_round(target, draft, shape, tree_attention, target_params, draf
   return outcome.kept, (caches, draft_cache, outcome.bonus, position + outcome.kept)
 
 
+def _profile(step, state) -> dict[str, float]:
+  """Device milliseconds per call of the PROFILED_OPS kernels that take the most, over
+  PROFILED_CALLS traced calls of `step` (an empty dict where the trace has no device lines,
+  e.g. on a CPU)."""
+  with tempfile.TemporaryDirectory(prefix="longspec_speed_trace_") as directory:
+    with jax.profiler.trace(directory):
+      for _ in range(PROFILED_CALLS):
+        out, state = step(state)
+        jax.block_until_ready(out)
+    ops = device_time_by_op(directory, top=PROFILED_OPS)
+  return {name: ms / PROFILED_CALLS for _, name, ms, _ in ops}
+
+
 def needed_bytes(target, draft, batch: int, capacity: int, tensor: int = 1) -> int:
   """The parameters (bf16) and the target's caches: what a row holds on each of `tensor`
   devices (tensor parallelism splits both)."""
@@ -323,16 +348,25 @@ def measure(
     return row
 
   def time_calls(name: str, key: str, step, state) -> None:
-    """row[key + "_ms"]: the median call of `step`; row[key + "_first_call_s"]: its first
-    call, compilation included."""
+    """row[key + "_ms"]: the median call of `step`, row[key + "_ms_range"]: the fastest and
+    slowest; row[key + "_first_call_s"]: its first call, compilation included; with
+    --profile, row[key + "_ops_ms"]: device time per call by kernel."""
 
     def first_call(seconds):
       row[f"{key}_first_call_s"] = seconds
       progress(f"{where} {name} compiled and run once in {seconds:.1f}s; timing {args.iters} calls")
 
     progress(f"{where} {name}: compiling (its first call)")
-    row[f"{key}_ms"] = median_step_ms(step, state, (), args.iters, first_call)
-    progress(f"{where} {name}: {row[f'{key}_ms']:.2f} ms per call (median)")
+    times, state = step_times(step, state, (), args.iters, first_call)
+    row[f"{key}_ms"] = 1e3 * statistics.median(times)
+    row[f"{key}_ms_range"] = [1e3 * min(times), 1e3 * max(times)]
+    progress(
+      f"{where} {name}: {row[f'{key}_ms']:.2f} ms per call (median; {1e3 * min(times):.2f}-{1e3 * max(times):.2f})"
+    )
+    if args.profile:
+      row[f"{key}_ops_ms"] = _profile(step, state)
+      top = ", ".join(f"{op[:40]} {ms:.3f}" for op, ms in list(row[f"{key}_ops_ms"].items())[:5])
+      progress(f"{where} {name}: device ms per call by kernel: {top or 'none in the trace (a CPU has none)'}")
 
   try:
     prompt = jnp.asarray(

@@ -99,13 +99,14 @@ def median_ms(fn: Callable, args_sets: Sequence[tuple], iters: int) -> float:
   return 1e3 * statistics.median(times)
 
 
-def median_step_ms(
+def step_times(
   step: Callable, state, extra_inputs: Sequence, iters: int, first_call: Callable[[float], None] | None = None
-) -> float:
-  """Median wall time in ms of a step that carries its state: (out, state) = step(state,
-  *extra_inputs), each call fed the state the previous one returned (so a step that donates
-  its state updates it in place), after two warm-up calls (the first compiles).
-  `first_call`, if given, gets the seconds the first call took, its compilation included."""
+) -> tuple[list[float], object]:
+  """(seconds of each of `iters` calls, the state after them) of a step that carries its
+  state: (out, state) = step(state, *extra_inputs), each call fed the state the previous one
+  returned (so a step that donates its state updates it in place), after two warm-up calls
+  (the first compiles). `first_call`, if given, gets the seconds the first call took, its
+  compilation included."""
   for warmup in range(2):
     start = time.perf_counter()
     out, state = step(state, *extra_inputs)
@@ -119,7 +120,14 @@ def median_step_ms(
     out, state = step(state, *extra_inputs)
     jax.block_until_ready(out)
     times.append(time.perf_counter() - start)
-  return 1e3 * statistics.median(times)
+  return times, state
+
+
+def median_step_ms(
+  step: Callable, state, extra_inputs: Sequence, iters: int, first_call: Callable[[float], None] | None = None
+) -> float:
+  """Median wall time in ms of `step_times`' calls."""
+  return 1e3 * statistics.median(step_times(step, state, extra_inputs, iters, first_call)[0])
 
 
 def tree_bytes(tree) -> int:

@@ -68,6 +68,28 @@ def test_longspec_speed_smoke_run_times_a_step_and_a_round(tmp_path, capsys):
     assert at is not None, f"no {text!r} in order in\n" + "\n".join(progress)
   ratio = row["ar_step_ms"] / row["round_ms"]
   assert row["projected_speedup"] == {"3.28": pytest.approx(3.28 * ratio), "5.33": pytest.approx(5.33 * ratio)}
+  for key in ("ar_step", "round"):
+    fastest, slowest = row[f"{key}_ms_range"]
+    assert 0 < fastest <= row[f"{key}_ms"] <= slowest
+    assert f"{key}_ops_ms" not in row  # only with --profile
+
+
+def test_longspec_speed_profile_records_device_time_per_call_by_kernel(monkeypatch, tmp_path, capsys):
+  traced = []
+
+  def kernels_of_the_trace(directory, top):
+    traced.append((directory, top))
+    return [("stream", "gemm", 6.0, 9), ("stream", "tree_attention", 3.0, 3)]
+
+  monkeypatch.setattr(longspec_speed, "device_time_by_op", kernels_of_the_trace)
+  out = tmp_path / "speed.json"
+  assert longspec_speed.main(["--smoke", "--profile", f"--out={out}"]) == 0
+  (row,) = json.loads(out.read_text())["rows"]
+  calls = longspec_speed.PROFILED_CALLS
+  for key in ("ar_step", "round"):
+    assert row[f"{key}_ops_ms"] == {"gemm": pytest.approx(6.0 / calls), "tree_attention": pytest.approx(3.0 / calls)}
+  assert [top for _, top in traced] == [longspec_speed.PROFILED_OPS] * 2
+  assert "round: device ms per call by kernel: gemm 2.000, tree_attention 1.000" in capsys.readouterr().err
 
 
 def test_longspec_speed_skips_a_row_the_device_cannot_hold(monkeypatch, capsys):
