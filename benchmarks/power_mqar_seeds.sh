@@ -14,9 +14,9 @@
 # of the same arm), every key queried (queries = pairs: the most answers per prompt; recall is read from
 # the first query, which elimination cannot answer), each stage with its own step count and the shortest
 # seq_len its pairs allow. The model is the same at every stage (init_from needs equal shapes), so its
-# width is set once, for the last stage's pairs: N_HEADS heads of HEAD_DIM. The keys are drawn from the
-# same KEY_VOCAB keys at every stage, so the last stage brings more pairs per prompt, not keys the model
-# never saw. Each arm: SEEDS vmapped seeds, the arms trained at once as separate processes sharing the
+# width is set once, for the last stage's pairs: N_HEADS heads of HEAD_DIM in a stream of D_MODEL. The
+# keys are drawn from the same KEY_VOCAB keys at every stage, so the last stage brings more pairs per
+# prompt, not keys the model never saw. Each arm: SEEDS vmapped seeds, the arms trained at once as separate processes sharing the
 # GPU; then every seed is scored at the last stage's pairs, at the newest checkpoint step of the last
 # stage that all seeds hold, on EXAMPLES held-out prompts (castle_jax.eval.tasks), and
 # castle_jax.eval.compare puts the arms side by side (query accuracy and answer loss, paired by seed,
@@ -33,9 +33,10 @@
 # 0.03), 8 from 4 and 16 from 8 were at 0.01 or below by step 250; with this script's 8 heads of 8 it
 # learned 4 pairs between steps 750 and 1,500; on a GPU with a first stage of 1,500 steps 2 of 3 seeds of
 # p = 2 and of p = 4 had not learned 4 pairs, while a CPU run of p = 2 with 3,000 steps had every seed
-# below 0.01), STAGE_START (30; see Time below), KEY_VOCAB (max(26, the largest
-# stage's pairs)), HEAD_DIM (8), N_HEADS (8), BATCH (128: no run with 32 or 64 prompts per step learned
-# the lookup in the probes, 128 did), LAYOUT (data.mqar.layout: compact, "d4", the default, or colon,
+# below 0.01), STAGE_START (30; see Time below), KEY_VOCAB (max(26, the largest stage's pairs)), HEAD_DIM
+# (8), N_HEADS (8), D_MODEL (N_HEADS x HEAD_DIM; set wider to size the power state, N_HEADS x
+# C(HEAD_DIM + p - 1, p) expanded keys per layer, apart from the model's width), BATCH (128: no run with
+# 32 or 64 prompts per step learned the lookup in the probes, 128 did), LAYOUT (data.mqar.layout: compact, "d4", the default, or colon,
 # " d:4", which full attention did not learn in the probes: kept to test exactly that), ARMS ("p2 p4
 # mha"; the first is the base of the differences), DEADLINE (seconds after the start by which
 # everything has ended: 510), EVAL_RESERVE (seconds kept for scoring: 90), EXAMPLES (1000), MEM_FRACTION
@@ -105,6 +106,7 @@ else
   WORKERS=${WORKERS:-4}
 fi
 HEAD_DIM=${HEAD_DIM:-8}
+D_MODEL=${D_MODEL:-$((N_HEADS * HEAD_DIM))}
 LAYOUT=${LAYOUT:-compact}
 
 case $LAYOUT in colon | compact) ;; *) echo "ERROR: LAYOUT must be colon or compact, got '$LAYOUT'" >&2; exit 2 ;; esac
@@ -131,6 +133,9 @@ if ! is_count "$STAGE_START" && [ "$STAGE_START" != 0 ]; then
   echo "ERROR: STAGE_START='$STAGE_START' is not a number of seconds" >&2
   exit 2
 fi
+for value in "$N_HEADS" "$HEAD_DIM" "$D_MODEL"; do
+  is_count "$value" || { echo "ERROR: N_HEADS, HEAD_DIM and D_MODEL must be positive numbers, got '$N_HEADS', '$HEAD_DIM', '$D_MODEL'" >&2; exit 2; }
+done
 for s in "${steps_of[@]}"; do
   is_count "$s" || { echo "ERROR: STAGE_STEPS='$STAGE_STEPS': '$s' is not a positive step count" >&2; exit 2; }
 done
@@ -157,14 +162,13 @@ LOGS=$OUT/logs
 left() { echo $((DEADLINE - (SECONDS - start) - $1)); }
 say() { echo "[$((SECONDS - start))s] $*" | tee -a "$OUT/summary.txt"; }
 say "commit $(git rev-parse HEAD 2>/dev/null || echo unknown); SMOKE=$SMOKE SEEDS=$SEEDS STAGES='$STAGES'" \
-  "STAGE_STEPS='${steps_of[*]}' KEY_VOCAB=$KEY_VOCAB HEAD_DIM=$HEAD_DIM N_HEADS=$N_HEADS BATCH=$BATCH LAYOUT=$LAYOUT" \
+  "STAGE_STEPS='${steps_of[*]}' KEY_VOCAB=$KEY_VOCAB HEAD_DIM=$HEAD_DIM N_HEADS=$N_HEADS D_MODEL=$D_MODEL BATCH=$BATCH LAYOUT=$LAYOUT" \
   "WORKERS=$WORKERS" \
   "seq_len $(for ((i = 0; i < n; i++)); do printf '%s ' "$(seq_len_of "${pairs_of[i]}")"; done)EXAMPLES=$EXAMPLES" \
   "RUNS=$RUNS $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
 
-width=$((N_HEADS * HEAD_DIM))
 common=(--config=configs/tasks_mqar_tiny.py --config.train.seeds="$SEEDS" --config.model.n_layers=2
-        --config.model.d_model="$width" --config.model.n_heads="$N_HEADS" --config.model.head_dim="$HEAD_DIM"
+        --config.model.d_model="$D_MODEL" --config.model.n_heads="$N_HEADS" --config.model.head_dim="$HEAD_DIM"
         --config.data.mqar.key_vocab="$KEY_VOCAB" --config.data.mqar.layout="$LAYOUT"
         --config.data.batch_size="$BATCH" --config.train.eval_batches=4 --config.train.keep_checkpoints=10
         --config.data.worker_count="$WORKERS" --config.train.progress_bar=False)

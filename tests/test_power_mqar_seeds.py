@@ -23,7 +23,7 @@ def _run(tmp_path, python=sys.executable, timeout=900, **settings):
 
 @pytest.mark.slow  # about 75 s on one CPU core: 4 training and 4 scoring processes
 def test_smoke_run_trains_stage_two_from_stage_one_and_compares_at_its_pairs(tmp_path):
-  done = _run(tmp_path, SMOKE="1", ARMS="p2 mha")
+  done = _run(tmp_path, SMOKE="1", ARMS="p2 mha", D_MODEL="32")  # wider than its 2 heads of 8
   out, runs = tmp_path / "out", tmp_path / "runs"
   summary = (out / "summary.txt").read_text()
   assert done.returncode == 0, summary + done.stderr
@@ -35,6 +35,8 @@ def test_smoke_run_trains_stage_two_from_stage_one_and_compares_at_its_pairs(tmp
       assert config["train"]["init_from"] == str(runs / arm / "stage1_pairs2" / f"seed_{k}")
       mqar = config["data"]["mqar"]
       assert (mqar["pairs"], mqar["queries"], config["data"]["seq_len"]) == (4, 4, 16)
+      model = config["model"]
+      assert (model["d_model"], model["n_heads"], model["head_dim"]) == (32, 2, 8)
       first = json.loads((out / "stages" / arm / "stage1_pairs2" / f"seed_{k}" / "config.json").read_text())
       assert not first["train"].get("init_from") and first["data"]["mqar"]["pairs"] == 2
       with open(out / arm / f"seed_{k}" / "metrics.jsonl") as f:
@@ -60,6 +62,7 @@ def test_smoke_run_trains_stage_two_from_stage_one_and_compares_at_its_pairs(tmp
     (dict(STAGES="4 32", KEY_VOCAB="26"), "KEY_VOCAB='26' must be a number of keys at least the largest stage's 32"),
     (dict(LAYOUT="spaced"), "LAYOUT must be colon or compact"),
     (dict(STAGE_START="soon"), "STAGE_START='soon' is not a number of seconds"),
+    (dict(D_MODEL="wide"), "N_HEADS, HEAD_DIM and D_MODEL must be positive numbers, got '2', '8', 'wide'"),
   ],
 )
 def test_bad_settings_are_one_error_line_before_anything_runs(tmp_path, settings, message):
