@@ -23,6 +23,11 @@ from castle_jax.ops.tree_attention import tree_mask_from_parents
 from castle_jax.workdir import load_frozen_params
 from helpers import random_longspec_pair
 
+# Its tests share a module-scoped random pair and the programs compiled for it (the target's
+# and the draft's decoding at the same shapes): one worker runs the whole module under
+# `--dist loadgroup`, so they are built and traced once.
+pytestmark = pytest.mark.xdist_group("test_longspec")
+
 VOCAB = 8
 
 
