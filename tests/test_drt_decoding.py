@@ -19,6 +19,10 @@ from castle_jax.models.drt import DRT, DRTOptions
 from castle_jax.models.drt_decoding import HOST_MEMORY_KIND, DRTStream, HostChunkMemory, piece_layout, to_host
 from castle_jax.ops.attention import WindowKVCache
 
+# Its tests share a module-scoped model and the forward passes compiled for it: one worker
+# runs the whole module under `--dist loadgroup`, so they are built and traced once.
+pytestmark = pytest.mark.xdist_group("test_drt_decoding")
+
 CONFIG = ModelConfig(
   family="drt",
   vocab_size=64,

@@ -23,6 +23,11 @@ from castle_jax.ops.tree_attention import tree_mask_from_parents
 from castle_jax.workdir import load_frozen_params
 from helpers import random_longspec_pair
 
+# Its tests share a module-scoped random pair and the programs compiled for it (the target's
+# and the draft's decoding at the same shapes): one worker runs the whole module under
+# `--dist loadgroup`, so they are built and traced once.
+pytestmark = pytest.mark.xdist_group("test_longspec")
+
 VOCAB = 8
 
 
@@ -226,33 +231,21 @@ def _ragged_prompts(lengths, seed):
   return [np.asarray(_prompt(length, seed=seed + i))[0].tolist() for i, length in enumerate(lengths)]
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_prompts_of_different_lengths_decode_as_each_row_alone(pair, padded):
+@pytest.fixture(scope="module")
+def ragged_rows_and_result(pair):
+  """Greedy speculative decoding of a batch of the prompts of RAGGED_LENGTHS, given as a
+  list of rows: (rows, result)."""
+  target, target_params, draft, draft_params = pair
+  rows = _ragged_prompts(RAGGED_LENGTHS, seed=30)
+  return rows, speculative_generate(target, target_params, draft, draft_params, rows, max_new_tokens=20, tree=(4, 8, 8))
+
+
+def test_prompts_of_different_lengths_decode_as_each_row_alone(pair, ragged_rows_and_result):
   """Greedy: each row of a batch of prompts of lengths 5, 9 and 13 emits the target's greedy
   decoding of that prompt alone, and drafts exactly as speculative decoding of it alone does
   (the same tokens per round: the pad columns reach neither the target nor the draft)."""
   target, target_params, draft, draft_params = pair
-  rows = _ragged_prompts(RAGGED_LENGTHS, seed=30)
-  if padded:
-    # An int [batch, 13] prompt whose pad columns hold tokens: prompt_lengths says where rows end.
-    prompt = np.array(_rows_prompt(3, 13, seed=40))
-    for i, row in enumerate(rows):
-      prompt[i, : len(row)] = row
-    call = lambda: speculative_generate(
-      target,
-      target_params,
-      draft,
-      draft_params,
-      prompt,
-      prompt_lengths=RAGGED_LENGTHS,
-      max_new_tokens=20,
-      tree=(4, 8, 8),
-    )
-  else:
-    call = lambda: speculative_generate(
-      target, target_params, draft, draft_params, rows, max_new_tokens=20, tree=(4, 8, 8)
-    )
-  result = call()
+  rows, result = ragged_rows_and_result
   tokens = np.asarray(result.tokens)
   assert tokens.shape == (3, 13 + 20)
   np.testing.assert_array_equal(result.prompt_lengths, RAGGED_LENGTHS)
@@ -272,6 +265,31 @@ def test_prompts_of_different_lengths_decode_as_each_row_alone(pair, padded):
     )
   np.testing.assert_array_equal(result.row_tokens_per_round.sum(axis=1), [20, 20, 20])
   assert result.mean_accepted > 1.0
+
+
+def test_a_padded_prompt_with_prompt_lengths_decodes_as_the_list_of_rows(pair, ragged_rows_and_result):
+  """An int [batch, 13] prompt whose pad columns hold tokens, with prompt_lengths saying where
+  rows end, decodes exactly as the same rows given as a list (which the test above checks
+  row by row against each prompt alone): the pad columns reach neither model."""
+  target, target_params, draft, draft_params = pair
+  rows, unpadded = ragged_rows_and_result
+  prompt = np.array(_rows_prompt(3, 13, seed=40))
+  for i, row in enumerate(rows):
+    prompt[i, : len(row)] = row
+  result = speculative_generate(
+    target, target_params, draft, draft_params, prompt, prompt_lengths=RAGGED_LENGTHS, max_new_tokens=20, tree=(4, 8, 8)
+  )
+  np.testing.assert_array_equal(result.prompt_lengths, RAGGED_LENGTHS)
+  np.testing.assert_array_equal(result.tokens, unpadded.tokens)
+  np.testing.assert_array_equal(result.new_tokens, unpadded.new_tokens)
+  np.testing.assert_array_equal(result.row_rounds, unpadded.row_rounds)
+  np.testing.assert_array_equal(result.row_tokens_per_round, unpadded.row_tokens_per_round)
+  for i, row in enumerate(rows):
+    length = int(unpadded.caches[0].length[i])
+    assert int(result.caches[0].length[i]) == length
+    np.testing.assert_allclose(
+      result.caches[-1].keys[i, :length], unpadded.caches[-1].keys[i, :length], atol=2e-5, rtol=2e-5
+    )
 
 
 def test_prompts_of_different_lengths_sample_as_in_an_equal_length_batch(pair):
