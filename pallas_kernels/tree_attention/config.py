@@ -66,7 +66,9 @@ class TreeAttentionMosaicConfig:
   tile's softmax state in registers, and a producer warpgroup that streams the program's
   range of cache blocks (then the tree's keys) through a ring of `stages` shared-memory
   buffers that all consumers read: the cache is read once per program, not once per tile.
-  A KV head with more tiles than `consumers` takes several programs (row groups).
+  A KV head with more tiles than `consumers` takes several programs (row groups). The
+  kernel's tiling when none is given depends on the shapes (`mosaic.default_config`); the
+  defaults below are its fallback.
 
   Attributes:
     block_keys: cache slots per step (64 or 128: the N side of the score wgmma).

@@ -96,6 +96,34 @@ def shared_memory_bytes(head_dim: int, tree_nodes: int, dtype, config: TreeAtten
   return ring + query + config.consumers * (max(bias, staging) + 2 * tile * 4)
 
 
+# The default tilings, in order of preference: the first whose buffers fit shared memory.
+# Three consumers with a 2-deep ring measured faster than two with a 3-deep ring at 32/8 and
+# 64/8 heads of 128 with a 69-node tree (benchmarks/RESULTS.md, hybrid tree attention); a large
+# tree's mask bias leaves no room for three.
+_PREFERRED_CONFIGS = (TreeAttentionMosaicConfig(consumers=3, stages=2), TreeAttentionMosaicConfig())
+
+
+def default_config(*, head_dim: int, heads_per_kv_head: int, tree_nodes: int, dtype) -> TreeAttentionMosaicConfig:
+  """The tiling the kernel runs when none is given.
+
+  Three consumers only pay when a KV head's rows fill more than two 64-row tiles (fewer would
+  leave a consumer on padding rows); otherwise, and when three do not fit shared memory, the
+  dataclass's defaults.
+
+  Args:
+    head_dim: the last axis of q.
+    heads_per_kv_head: query heads sharing one KV head.
+    tree_nodes: n for `tree_attention`, 0 for the cache part alone.
+    dtype: q's dtype.
+  """
+  rows = max(tree_nodes, 1) * heads_per_kv_head
+  if rows > 2 * MOSAIC_TILE_ROWS:
+    for config in _PREFERRED_CONFIGS:
+      if shared_memory_bytes(head_dim, tree_nodes, dtype, config) <= SHARED_MEMORY_LIMIT:
+        return config
+  return _PREFERRED_CONFIGS[-1]
+
+
 def unsupported_reason(
   *,
   head_dim: int,
@@ -366,7 +394,7 @@ def tree_attention_mosaic(
     cache_length: int32 scalar or [batch], filled slots (may be traced).
     tree_k, tree_v: [batch, n, kv_heads, head_dim] in q's dtype, or None (the cache part alone).
     tree_mask: bool [batch, n, n] or [n, n]; [i, j] True iff node i sees node j.
-    config: tiling; default `TreeAttentionMosaicConfig()`.
+    config: tiling; default `default_config(...)` for these shapes.
     interpret: run in Pallas GPU interpret mode (CPU tests).
 
   Returns:
@@ -376,10 +404,12 @@ def tree_attention_mosaic(
   Raises:
     ValueError: a dtype, head dim or tree the kernel does not take (naming it and the fix).
   """
-  config = config or TreeAttentionMosaicConfig()
   batch, n, heads, head_dim = q.shape
   _, capacity, kv_heads, _ = cache_k.shape
   tree_nodes = 0 if tree_k is None else n
+  config = config or default_config(
+    head_dim=head_dim, heads_per_kv_head=heads // kv_heads, tree_nodes=tree_nodes, dtype=q.dtype
+  )
   reason = unsupported_reason(
     head_dim=head_dim,
     dtype=q.dtype,

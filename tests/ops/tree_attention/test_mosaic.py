@@ -29,7 +29,7 @@ from castle_jax.ops.tree_attention import cache_attention, tree_attention, tree_
 from helpers import assert_close, lowered_for_h100
 from ops.tree_attention.base import SPLIT_CONFIGS, jitted_kernel, make_inputs, upcast
 from pallas_kernels.tree_attention import TreeAttentionMosaicConfig, tree_attention_mosaic
-from pallas_kernels.tree_attention.mosaic import shared_memory_bytes
+from pallas_kernels.tree_attention.mosaic import SHARED_MEMORY_LIMIT, default_config, shared_memory_bytes
 
 pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
 
@@ -231,12 +231,13 @@ def test_config_checks_name_the_field(fields, match):
 @pytest.mark.parametrize(
   "n, heads, kv_heads, config, with_tree",
   [
+    (69, 32, 8, None, True),
     (69, 32, 8, TreeAttentionMosaicConfig(), True),
     (69, 64, 8, TreeAttentionMosaicConfig(consumers=3, stages=2), True),
     (69, 32, 8, TreeAttentionMosaicConfig(block_keys=128, stages=2), True),
-    (1, 32, 8, TreeAttentionMosaicConfig(), False),
+    (1, 32, 8, None, False),
   ],
-  ids=["32/8 heads", "64/8 heads, 3 consumers", "blocks of 128", "cache part, n=1"],
+  ids=["32/8 heads, default", "32/8 heads, 2 consumers", "64/8 heads, 3 consumers", "blocks of 128", "cache part, n=1"],
 )
 def test_lowers_for_an_h100(n, heads, kv_heads, config, with_tree, monkeypatch):
   """The LLM verification shapes (head dim 128, a 16K cache whose capacity is not a multiple
@@ -263,12 +264,33 @@ def test_lowers_for_an_h100(n, heads, kv_heads, config, with_tree, monkeypatch):
   assert text.count("custom_call @mosaic_gpu") == 1
   assert 0 < allocations[-1] <= H100_SHARED_MEMORY
   # The kernel's own estimate (which its check compares with the limit) is within alignment.
-  assert allocations[-1] - shared_memory_bytes(128, n if with_tree else 0, dtype, config) <= 1024
+  tree_nodes = n if with_tree else 0
+  config = config or default_config(
+    head_dim=128, heads_per_kv_head=heads // kv_heads, tree_nodes=tree_nodes, dtype=dtype
+  )
+  assert allocations[-1] - shared_memory_bytes(128, tree_nodes, dtype, config) <= 1024
+
+
+@pytest.mark.parametrize(
+  "n, group, head_dim, expected",
+  [
+    (69, 4, 128, TreeAttentionMosaicConfig(consumers=3, stages=2)),  # Llama-3-8B: 276 rows, 5 tiles
+    (69, 8, 128, TreeAttentionMosaicConfig(consumers=3, stages=2)),
+    (32, 4, 128, TreeAttentionMosaicConfig()),  # 128 rows: two tiles, a third consumer would idle
+    (1, 4, 128, TreeAttentionMosaicConfig()),  # the cache part alone
+    (300, 4, 128, TreeAttentionMosaicConfig()),  # five tree blocks of mask bias: three do not fit
+  ],
+  ids=["32/8 heads", "64/8 heads", "two tiles", "cache part", "large tree"],
+)
+def test_default_config_takes_three_consumers_where_they_fill_and_fit(n, group, head_dim, expected):
+  config = default_config(head_dim=head_dim, heads_per_kv_head=group, tree_nodes=n, dtype=jnp.bfloat16)
+  assert config == expected
+  assert shared_memory_bytes(head_dim, n, jnp.bfloat16, config) <= SHARED_MEMORY_LIMIT
 
 
 @pytest.mark.slow
 def test_llm_heads_in_interpret_mode():
-  """32 query / 8 KV heads of 128 and a 69-node tree (276 rows per KV head: 3 row groups of
-  2 tiles) over a 264-slot cache, with the default tiling."""
+  """32 query / 8 KV heads of 128 and a 69-node tree (276 rows per KV head: 2 row groups of
+  3 tiles) over a 264-slot cache, with the default tiling."""
   inputs = make_inputs(47, batch=1, n=69, heads=32, kv_heads=8, head_dim=128, capacity=264, cache_length=[250])
   _check(_bf16(inputs))
