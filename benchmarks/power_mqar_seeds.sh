@@ -46,7 +46,9 @@
 # an H100's step of these models). PAIRS, QUERIES and STEPS of the one-stage version are refused with an error naming
 # what replaced them, since a run meant for 32 pairs or 10,000 steps would otherwise run the defaults.
 # Time: training has until DEADLINE - EVAL_RESERVE. When a stage starts it gets STAGE_START seconds for
-# starting (importing, compiling: 30; paid by every stage, however few its steps) plus its share of the
+# starting (importing, compiling, the data workers' first batch: 30; paid by every stage, however few its
+# steps; with three of these runs on one host, 9 training processes and their 36 data workers, a stage
+# waited 20-36 s for its first batch, so raise it when runs share a host) plus its share of the
 # time left after the starts of it and the later stages, in proportion to its STAGE_STEPS among theirs.
 # So a stage that finishes early leaves its time to the later ones, and one stopped at its limit (it
 # saves a checkpoint of the step it stopped at, from which the next stage starts) leaves theirs
