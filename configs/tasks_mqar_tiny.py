@@ -10,7 +10,7 @@ In the colon layout (" d:4") or with 32 prompts per step the same model did not 
 in 1,500-3,000 steps. More pairs are learned by stages: a run with pairs=8, queries=8,
 seq_len=32 started from this one (`--config.train.init_from=<its workdir>`) reached 1.000 in 250
 steps, where 8 pairs from scratch stayed at 0.26 on the first query after 1,500.
-`benchmarks/power_mqar_seeds.sh` trains such stages for several attentions and seeds.
+`benchmarks/mqar_seeds.sh` trains such stages for several attentions and seeds.
 """
 
 from configs.tiny import get_config as tiny_config

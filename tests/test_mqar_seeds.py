@@ -1,4 +1,4 @@
-"""benchmarks/power_mqar_seeds.sh trains its stages in order, each later stage of an arm from
+"""benchmarks/mqar_seeds.sh trains its stages in order, each later stage of an arm from
 the previous stage's seeds (seed k from seed k), scores and compares the arms at the last
 stage's pairs; bad settings and training failures are said plainly."""
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "benchmarks", "power_mqar_seeds.sh")
+SCRIPT = os.path.join(ROOT, "benchmarks", "mqar_seeds.sh")
 
 
 def _run(tmp_path, python=sys.executable, timeout=900, **settings):
@@ -21,9 +21,9 @@ def _run(tmp_path, python=sys.executable, timeout=900, **settings):
   return subprocess.run(["bash", SCRIPT], env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.slow  # about 75 s on one CPU core: 4 training and 4 scoring processes
+@pytest.mark.slow  # about 2 minutes on one CPU core: 6 training and 6 scoring processes
 def test_smoke_run_trains_stage_two_from_stage_one_and_compares_at_its_pairs(tmp_path):
-  done = _run(tmp_path, SMOKE="1", ARMS="p2 mha", D_MODEL="32")  # wider than its 2 heads of 8
+  done = _run(tmp_path, SMOKE="1", ARMS="p2 mha castle", D_MODEL="32")  # wider than its 2 heads of 8
   out, runs = tmp_path / "out", tmp_path / "runs"
   summary = (out / "summary.txt").read_text()
   assert done.returncode == 0, summary + done.stderr
@@ -45,6 +45,9 @@ def test_smoke_run_trains_stage_two_from_stage_one_and_compares_at_its_pairs(tmp
       (scored,) = glob.glob(str(out / arm / f"seed_{k}" / "eval" / "tasks_mqar_step4*.json"))
       with open(scored) as f:
         assert json.load(f)["knobs"]["pairs"] == 4
+  for k in range(2):
+    castle = json.loads((out / "stages" / "castle" / "stage2_pairs4" / f"seed_{k}" / "config.json").read_text())
+    assert (castle["model"]["attention"], castle["model"]["n_heads"]) == ("castle", 1)  # parameter parity
   for folder in ("compare_query_accuracy", "compare_answer_loss", "compare_first_query"):
     assert (out / folder).is_dir(), folder
   assert "ARM " not in summary
@@ -63,6 +66,8 @@ def test_smoke_run_trains_stage_two_from_stage_one_and_compares_at_its_pairs(tmp
     (dict(LAYOUT="spaced"), "LAYOUT must be colon or compact"),
     (dict(STAGE_START="soon"), "STAGE_START='soon' is not a number of seconds"),
     (dict(D_MODEL="wide"), "N_HEADS, HEAD_DIM and D_MODEL must be positive numbers, got '2', '8', 'wide'"),
+    (dict(ARMS="p2 gca"), "ARMS: unknown arm 'gca'; choose from p2 p4 mha castle castle_swl"),
+    (dict(ARMS="mha castle_swl", N_HEADS="3"), "N_HEADS=3 is odd: the castle arms take half of it"),
   ],
 )
 def test_bad_settings_are_one_error_line_before_anything_runs(tmp_path, settings, message):

@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# Does a larger power-attention state recall more? Multi-query associative recall (docs/tasks.md)
-# with gated power attention at p = 2 and p = 4 (this library takes even powers only: the weights
-# must be positive to be normalized, so p = 1 does not exist here). With heads of 8, a p = 2 head keeps
-# D = C(9, 2) = 36 expanded keys (324 numbers with the normalizer), about as many as the 32 pairs of the
-# last stage; p = 4 keeps D = C(11, 4) = 330 (2,970 numbers), near full attention's KV cache at the end
-# of a 32-pair prompt (192 tokens). Full softmax attention (`mha`) runs beside them as the check that
-# the task is learned at this budget.
+# Multi-query associative recall (docs/tasks.md) over seeds, by stages of more pairs, for several
+# attentions at once. Two questions, by the arms chosen:
+# - Does a larger power-attention state recall more? Gated power attention at p = 2 and p = 4 (this
+#   library takes even powers only: the weights must be positive to be normalized, so p = 1 does not
+#   exist here). With heads of 8, a p = 2 head keeps D = C(9, 2) = 36 expanded keys (324 numbers with
+#   the normalizer), about as many as the 32 pairs of the last stage; p = 4 keeps D = C(11, 4) = 330
+#   (2,970 numbers), near full attention's KV cache at the end of a 32-pair prompt (192 tokens).
+# - Do CASTLE's lookahead keys change recall? CASTLE and CASTLE-SWL (lookahead keys over the last 16
+#   tokens) with half of N_HEADS heads, at parameter parity with full attention's N_HEADS (each CASTLE
+#   head has a second set of key and value projections).
+# Full softmax attention (`mha`) runs beside them as the baseline and the check that the task is
+# learned at this budget.
 #
 # The pairs are reached by stages: in CPU probes full attention did not learn 8 pairs from scratch in
 # 1,500 steps, but learned them in 250 steps starting from a model that had learned 4, and 16 from that
@@ -23,10 +28,11 @@
 # differences to p = 2). Earlier stages are not scored (a scoring process per seed and stage would cost
 # the GPU budget); their eval answer loss per seed is in summary.txt and their metrics.jsonl.
 #
-#   OUT=results bash benchmarks/power_mqar_seeds.sh
-#   SMOKE=1 OUT=/tmp/mqar_smoke bash benchmarks/power_mqar_seeds.sh      # tiny shapes on a CPU
+#   OUT=results bash benchmarks/mqar_seeds.sh                        # p2 p4 mha
+#   ARMS="mha castle castle_swl" OUT=results_castle bash benchmarks/mqar_seeds.sh
+#   SMOKE=1 OUT=/tmp/mqar_smoke bash benchmarks/mqar_seeds.sh      # tiny shapes on a CPU
 #
-# Settings (environment): PYTHON (python3), OUT (runs/power_mqar_seeds; must not hold results yet),
+# Settings (environment): PYTHON (python3), OUT (runs/mqar_seeds; must not hold results yet),
 # RUNS (checkpoints; default a new folder under /tmp), SEEDS (3), STAGES (pairs per stage: "4 8 16 32"),
 # STAGE_STEPS (steps per stage, one number for every stage or one per stage: "3000 300 500 700"; in the
 # CPU probes full attention with 4 heads of 16 learned 4 pairs from scratch by step 500 (eval answer loss
@@ -38,7 +44,8 @@
 # C(HEAD_DIM + p - 1, p) expanded keys per layer, apart from the model's width), BATCH (128: no run with
 # 32 or 64 prompts per step learned the lookup in the probes, 128 did), LAYOUT (data.mqar.layout: compact, "d4", the default, or colon,
 # " d:4", which full attention did not learn in the probes: kept to test exactly that), ARMS ("p2 p4
-# mha"; the first is the base of the differences), DEADLINE (seconds after the start by which
+# mha"; any of p2 p4 mha castle castle_swl; the first is the base of the differences; castle arms need an
+# even N_HEADS), DEADLINE (seconds after the start by which
 # everything has ended: 510), EVAL_RESERVE (seconds kept for scoring: 90), EXAMPLES (1000), MEM_FRACTION
 # (each training process's share of the GPU memory: 0.2; the scoring processes, one per seed, allocate
 # what they use), WORKERS (data.worker_count, grain processes drawing each training process's prompts:
@@ -72,7 +79,7 @@ start=$SECONDS
 PY=${PYTHON:-python3}
 [[ $PY == */* ]] && PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")  # kept valid after the cd below
 SMOKE=${SMOKE:-0}
-OUT=$(realpath -m "${OUT:-runs/power_mqar_seeds}")
+OUT=$(realpath -m "${OUT:-runs/mqar_seeds}")
 cd "$(dirname "$0")/.." || exit 1  # the repository root: python -m train, configs/
 RUNS=${RUNS:-}
 ARMS=${ARMS:-p2 p4 mha}
@@ -113,7 +120,10 @@ LAYOUT=${LAYOUT:-compact}
 
 case $LAYOUT in colon | compact) ;; *) echo "ERROR: LAYOUT must be colon or compact, got '$LAYOUT'" >&2; exit 2 ;; esac
 for arm in $ARMS; do
-  case $arm in p2 | p4 | mha) ;; *) echo "ERROR: ARMS: unknown arm '$arm'; choose from p2 p4 mha" >&2; exit 2 ;; esac
+  case $arm in
+    p2 | p4 | mha | castle | castle_swl) ;;
+    *) echo "ERROR: ARMS: unknown arm '$arm'; choose from p2 p4 mha castle castle_swl" >&2; exit 2 ;;
+  esac
 done
 read -r -a pairs_of <<< "$STAGES"
 read -r -a steps_of <<< "$STAGE_STEPS"
@@ -138,6 +148,10 @@ fi
 for value in "$N_HEADS" "$HEAD_DIM" "$D_MODEL"; do
   is_count "$value" || { echo "ERROR: N_HEADS, HEAD_DIM and D_MODEL must be positive numbers, got '$N_HEADS', '$HEAD_DIM', '$D_MODEL'" >&2; exit 2; }
 done
+if [[ " $ARMS " == *" castle"* ]] && ((N_HEADS % 2)); then
+  echo "ERROR: N_HEADS=$N_HEADS is odd: the castle arms take half of it (parameter parity with mha); give an even N_HEADS" >&2
+  exit 2
+fi
 for s in "${steps_of[@]}"; do
   is_count "$s" || { echo "ERROR: STAGE_STEPS='$STAGE_STEPS': '$s' is not a positive step count" >&2; exit 2; }
 done
@@ -208,6 +222,9 @@ train_arm() {
     p2 | p4) attention=(--config.model.attention=power "--config.model.attention_kwargs={'p': ${arm#p}}"
                         --config.model.attention_impl=reference) ;;
     mha) attention=(--config.model.attention_impl=xla) ;;
+    castle) attention=(--config.model.attention=castle --config.model.n_heads=$((N_HEADS / 2))) ;;
+    castle_swl) attention=(--config.model.attention=castle_swl --config.model.n_heads=$((N_HEADS / 2))
+                           "--config.model.attention_kwargs={'lookahead_window': 16}") ;;
   esac
   for ((i = 0; i < n; i++)); do
     name=$(stage_name "$i")
