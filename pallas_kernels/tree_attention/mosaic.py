@@ -13,7 +13,9 @@ softmax state in registers, and one producer warpgroup that streams the split's 
 blocks, then (last split only) the tree's key blocks, through a `stages`-deep ring of
 shared-memory K and V buffers with TMA. Every consumer reads every buffer, so a row group
 reads its cache range once, whatever its number of tiles; 276 rows (69 nodes x 4 heads)
-take 3 row groups of 2 tiles, against 5 row blocks of the Triton kernel. Per step and
+take 5 tiles in 2 row groups of 3 consumers (by default), against 5 row blocks of the Triton
+kernel. A consumer whose tile holds only padding rows (the last group's third, there) runs no
+products: it only releases each ring slot as it is filled. Per step and
 consumer: S = Q K^T (wgmma, shared x shared^T), the online softmax in float32 and base 2,
 then out += P V (wgmma, P from registers). K and V have separate barriers, so the score
 product waits only for K; a buffer is refilled once every consumer has released it.
@@ -189,9 +191,12 @@ def _kernel(
   consumers: int,
   consumer_registers: int,
   tree_steps: int,
+  tiles: int,
+  row_groups: int,
   interpreted: bool,
 ):
-  """One program: `consumers` 64-row tiles of one (batch, KV head), one split of the cache."""
+  """One program: `consumers` 64-row tiles of one (batch, KV head), one split of the cache;
+  of the KV head's `tiles` tiles (rows with queries), a last row group's consumers past them idle."""
   if tree_steps:
     tree_k_ref, tree_v_ref, bias_ref, *refs = refs
   acc_ref, max_ref, sum_ref, query_smem, key_ring, value_ring, outputs, row_states, probs_staging, barriers = refs
@@ -246,10 +251,30 @@ def _kernel(
 
     observe_last_releases([key_free, value_free], num_steps, stages)
 
-  @pl.when(warpgroup < consumers)
+  def _tile_index():
+    return row_group * consumers + warpgroup
+
+  if row_groups * consumers > tiles:
+
+    @pl.when((warpgroup < consumers) & (_tile_index() >= tiles))
+    def _idle_consumer():
+      # A tile of padding rows only: no products, but the ring's slots are refilled once every
+      # consumer has released them, so it releases each one as it is filled.
+      @pl.loop(0, num_steps)
+      def _release(index):
+        slot = lax.rem(index, stages)
+        plgpu.barrier_wait(key_full.at[slot])
+        plgpu.barrier_arrive(key_free.at[slot])
+        plgpu.barrier_wait(value_full.at[slot])
+        plgpu.barrier_arrive(value_free.at[slot])
+
+      plgpu.barrier_arrive(tree_done)
+      plgpu.barrier_wait(tree_done)
+
+  @pl.when((warpgroup < consumers) & (_tile_index() < tiles))
   def _consumer():
     plgpu.set_max_registers(consumer_registers, action="increase")
-    tile = row_group * consumers + warpgroup
+    tile = _tile_index()
     rows = pl.ds(tile * MOSAIC_TILE_ROWS, MOSAIC_TILE_ROWS)
     query = query_smem.at[warpgroup]
     bias = bias_smem.at[warpgroup]
@@ -456,6 +481,8 @@ def tree_attention_mosaic(
     consumers=consumers,
     consumer_registers=config.consumer_registers,
     tree_steps=tree_steps,
+    tiles=tiles,
+    row_groups=row_groups,
     interpreted=interpret,
   )
   state = jax.ShapeDtypeStruct((splits, batch, kv_heads, padded_rows), jnp.float32)

@@ -77,6 +77,12 @@ CASES = {
     dict(n=20, heads=8, kv_heads=2, cache_length=[129, 64]),
     TreeAttentionMosaicConfig(consumers=3, stages=2, splits=2),
   ),
+  # 8 query heads per KV head, 20 nodes: 160 rows, 3 tiles in 2 row groups of two consumers,
+  # the second consumer of the last group idle (padding rows only).
+  "an idle consumer in the last row group": (
+    dict(n=20, heads=16, kv_heads=2, cache_length=[129, 64]),
+    TreeAttentionMosaicConfig(consumers=2, splits=2),
+  ),
   # A tree of 70 nodes: two tree blocks of 64 keys, or one of 128.
   "two tree blocks": (dict(n=70, heads=2, kv_heads=1, cache_length=[200, 5]), TreeAttentionMosaicConfig(splits=2)),
   "blocks of 128": (
