@@ -258,6 +258,8 @@ def _kernel(
 
     @pl.when((warpgroup < consumers) & (_tile_index() >= tiles))
     def _idle_consumer():
+      # The same register split as the busy consumers': every warpgroup of the program runs it.
+      plgpu.set_max_registers(consumer_registers, action="increase")
       # A tile of padding rows only: no products, but the ring's slots are refilled once every
       # consumer has released them, so it releases each one as it is filled.
       @pl.loop(0, num_steps)
