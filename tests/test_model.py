@@ -43,7 +43,8 @@ VARIANTS = {
   "power_p4_gqa_tspow": dict(
     attention="power",
     n_kv_heads=2,
-    attention_kwargs=(("chunk_size", 3), ("d_tile", 4), ("expansion", "tspow"), ("p", 4)),
+    # With the authors' LayerNorm on each head's output: decoding and prefill must apply it too.
+    attention_kwargs=(("chunk_size", 3), ("d_tile", 4), ("expansion", "tspow"), ("output_norm", "layernorm"), ("p", 4)),
   ),
 }
 
@@ -249,6 +250,7 @@ def test_bad_castle_options_are_reported(bad, match):
     (dict(scale=-1.0), "model.attention_kwargs.scale"),
     (dict(gating="yes"), "model.attention_kwargs.gating must be True or False"),
     (dict(gating=False, gate_bias=1.0), "gate_bias has no effect with gating=False"),
+    (dict(output_norm="rmsnorm"), r"model.attention_kwargs.output_norm must be one of \(None, 'layernorm'\)"),
     (dict(degree=2), r"Unknown model.attention_kwargs \['degree'\]"),
   ],
 )
@@ -298,6 +300,22 @@ def test_icl_configs_compare_equal_decoding_states(preset):
   }
   assert make("power").data == make("swa").data == make("mha").data
   assert make("power").train == make("swa").train == make("mha").train
+
+
+def test_power_output_norm_is_a_layernorm_of_each_head_output():
+  """output_norm="layernorm": every head's output is centred and scaled over its head dim by
+  one scale and bias shared by the heads, before W_O."""
+  from castle_jax.layers.norms import LayerNorm
+
+  model, params = _model(**VARIANTS["power_p4_gqa_tspow"])
+  norm = params["block_0"]["attention"]["output_norm"]
+  assert norm["scale"].shape == norm["bias"].shape == (model.config.qk_head_dim,)
+  assert "output_norm" not in _model(**VARIANTS["power"])[1]["block_0"]["attention"]
+  x = jax.random.normal(jax.random.key(1), (2, 3, 4, 8)) * 5.0 + 2.0
+  scale, bias = jnp.linspace(0.5, 2.0, 8), jnp.linspace(-1.0, 1.0, 8)
+  got = LayerNorm().apply({"params": {"scale": scale, "bias": bias}}, x)
+  mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+  np.testing.assert_allclose(got, (x - mean) / np.sqrt(var + 1e-5) * scale + bias, rtol=1e-5, atol=1e-5)
 
 
 def test_power_cache_size_does_not_depend_on_capacity():

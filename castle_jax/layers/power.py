@@ -15,8 +15,10 @@ attention into (it changes only the attention layer) and in the authors' trainin
 code. The rotation is applied before the expansion, so prefill, decoding and training
 see the same rotated vectors and agree exactly.
 
-The authors' training code also applies a per-head LayerNorm to the attention output;
-the paper does not mention it, and it is not used here.
+Output normalization: the authors' training code applies a LayerNorm over each head's
+attention output (one scale and bias shared by the heads) before W_O; the paper does not
+mention it (its FLA-based models normalize the output too). `output_norm="layernorm"`
+adds it; the default (None) leaves the output as the paper's formula gives it.
 
 Options (`model.attention_kwargs`, `PowerOptions`):
   p: even power (default 2);
@@ -30,6 +32,7 @@ Options (`model.attention_kwargs`, `PowerOptions`):
     only sets the magnitude of the numbers);
   gating: learn per-head gates (default True); False drops W_g and never forgets;
   gate_bias: the constant added before log_sigmoid (default None: 6.906768);
+  output_norm: None (default) or "layernorm" (see Output normalization above);
   kernel_config: the Triton kernels' tiles, "block_t=64,block_q=64,..."
     (`PowerTritonConfig` fields) or None for the default.
 """
@@ -51,6 +54,7 @@ from castle_jax.layers.options import (
   option_error,
   reject_sliding_window,
 )
+from castle_jax.layers.norms import LayerNorm
 from castle_jax.layers.shared import mean_visible_keys, output_projection, projection, rotary_qkv
 from castle_jax.ops.power import EXPANSIONS, PowerCache, append_tokens, expanded_dim, init_cache, power_attention
 from castle_jax.ops.power.api import KERNEL_CONFIGS, resolve
@@ -64,6 +68,7 @@ if TYPE_CHECKING:  # layers read the config's attributes only; castle_jax.config
 
 # log(0.999 / 0.001): the gate is 0.999 at initialization (authors' training code).
 DEFAULT_GATE_BIAS = 6.906768
+OUTPUT_NORMS = (None, "layernorm")
 
 
 def _checked(name: str, check):
@@ -86,6 +91,7 @@ class PowerOptions(AttentionOptions):
   scale: float | None = None
   gating: bool = True
   gate_bias: float | None = None
+  output_norm: str | None = None
   kernel_config: PowerTritonConfig | str | None = None
 
   def __post_init__(self):
@@ -101,6 +107,8 @@ class PowerOptions(AttentionOptions):
       raise option_error("gate_bias", f"must be a float, got {self.gate_bias!r}")
     if self.gate_bias is not None and not self.gating:
       raise ValueError("model.attention_kwargs.gate_bias has no effect with gating=False; drop one of them")
+    if self.output_norm not in OUTPUT_NORMS:
+      raise option_error("output_norm", f"must be one of {OUTPUT_NORMS}, got {self.output_norm!r}")
 
   @property
   def bias(self) -> float:
@@ -137,7 +145,8 @@ def param_count(config: ModelConfig) -> int:
   head_dim = config.qk_head_dim
   projections = 2 * config.d_model * (config.n_heads + config.kv_heads) * head_dim
   gate = config.d_model * config.kv_heads if config.options.gating else 0
-  return projections + gate
+  output_norm = 2 * head_dim if config.options.output_norm else 0
+  return projections + gate + output_norm
 
 
 def training_chunk_size(config: ModelConfig, seq_len: int) -> int:
@@ -214,4 +223,6 @@ class PowerAttention(nn.Module):
       out = power_attention(q, k, v, log_g, **op_options)
     else:
       out, cache = append_tokens(cache, q, k, v, log_g, **op_options)
+    if options.output_norm == "layernorm":
+      out = LayerNorm(dtype=cfg.compute_dtype, param_dtype=cfg.weights_dtype, name="output_norm")(out)
     return output_projection(cfg, out), cache
