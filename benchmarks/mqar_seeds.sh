@@ -44,8 +44,8 @@
 # C(HEAD_DIM + p - 1, p) expanded keys per layer, apart from the model's width), BATCH (128: no run with
 # 32 or 64 prompts per step learned the lookup in the probes, 128 did), LAYOUT (data.mqar.layout: compact, "d4", the default, or colon,
 # " d:4", which full attention did not learn in the probes: kept to test exactly that), ARMS ("p2 p4
-# mha"; any of p2 p4 mha castle castle_swl; the first is the base of the differences; castle arms need an
-# even N_HEADS), DEADLINE (seconds after the start by which
+# mha"; any of p2 p4 mha castle castle_swl, and p2_norm p4_norm: power attention with the authors' LayerNorm
+# on each head's output; the first is the base of the differences; castle arms need an even N_HEADS), DEADLINE (seconds after the start by which
 # everything has ended: 510), EVAL_RESERVE (seconds kept for scoring: 90), EXAMPLES (1000), MEM_FRACTION
 # (each training process's share of the GPU memory: 0.2; the scoring processes, one per seed, allocate
 # what they use), WORKERS (data.worker_count, grain processes drawing each training process's prompts:
@@ -121,8 +121,8 @@ LAYOUT=${LAYOUT:-compact}
 case $LAYOUT in colon | compact) ;; *) echo "ERROR: LAYOUT must be colon or compact, got '$LAYOUT'" >&2; exit 2 ;; esac
 for arm in $ARMS; do
   case $arm in
-    p2 | p4 | mha | castle | castle_swl) ;;
-    *) echo "ERROR: ARMS: unknown arm '$arm'; choose from p2 p4 mha castle castle_swl" >&2; exit 2 ;;
+    p2 | p4 | p2_norm | p4_norm | mha | castle | castle_swl) ;;
+    *) echo "ERROR: ARMS: unknown arm '$arm'; choose from p2 p4 p2_norm p4_norm mha castle castle_swl" >&2; exit 2 ;;
   esac
 done
 read -r -a pairs_of <<< "$STAGES"
@@ -221,6 +221,9 @@ train_arm() {
   case $arm in
     p2 | p4) attention=(--config.model.attention=power "--config.model.attention_kwargs={'p': ${arm#p}}"
                         --config.model.attention_impl=reference) ;;
+    p2_norm | p4_norm) p=${arm#p}
+      attention=(--config.model.attention=power "--config.model.attention_kwargs={'p': ${p%_norm}, 'output_norm': 'layernorm'}"
+                 --config.model.attention_impl=reference) ;;
     mha) attention=(--config.model.attention_impl=xla) ;;
     castle) attention=(--config.model.attention=castle --config.model.n_heads=$((N_HEADS / 2))) ;;
     castle_swl) attention=(--config.model.attention=castle_swl --config.model.n_heads=$((N_HEADS / 2))

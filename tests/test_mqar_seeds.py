@@ -21,9 +21,9 @@ def _run(tmp_path, python=sys.executable, timeout=900, **settings):
   return subprocess.run(["bash", SCRIPT], env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.slow  # about 2 minutes on one CPU core: 6 training and 6 scoring processes
+@pytest.mark.slow  # about 3 minutes on one CPU core: 8 training and 8 scoring processes
 def test_smoke_run_trains_stage_two_from_stage_one_and_compares_at_its_pairs(tmp_path):
-  done = _run(tmp_path, SMOKE="1", ARMS="p2 mha castle", D_MODEL="32")  # wider than its 2 heads of 8
+  done = _run(tmp_path, SMOKE="1", ARMS="p2 mha castle p2_norm", D_MODEL="32")  # wider than its 2 heads of 8
   out, runs = tmp_path / "out", tmp_path / "runs"
   summary = (out / "summary.txt").read_text()
   assert done.returncode == 0, summary + done.stderr
@@ -48,6 +48,8 @@ def test_smoke_run_trains_stage_two_from_stage_one_and_compares_at_its_pairs(tmp
   for k in range(2):
     castle = json.loads((out / "stages" / "castle" / "stage2_pairs4" / f"seed_{k}" / "config.json").read_text())
     assert (castle["model"]["attention"], castle["model"]["n_heads"]) == ("castle", 1)  # parameter parity
+    normed = json.loads((out / "stages" / "p2_norm" / "stage2_pairs4" / f"seed_{k}" / "config.json").read_text())
+    assert normed["model"]["attention_kwargs"] == {"p": 2, "output_norm": "layernorm"}
   for folder in ("compare_query_accuracy", "compare_answer_loss", "compare_first_query"):
     assert (out / folder).is_dir(), folder
   assert "ARM " not in summary
@@ -66,7 +68,7 @@ def test_smoke_run_trains_stage_two_from_stage_one_and_compares_at_its_pairs(tmp
     (dict(LAYOUT="spaced"), "LAYOUT must be colon or compact"),
     (dict(STAGE_START="soon"), "STAGE_START='soon' is not a number of seconds"),
     (dict(D_MODEL="wide"), "N_HEADS, HEAD_DIM and D_MODEL must be positive numbers, got '2', '8', 'wide'"),
-    (dict(ARMS="p2 gca"), "ARMS: unknown arm 'gca'; choose from p2 p4 mha castle castle_swl"),
+    (dict(ARMS="p2 gca"), "ARMS: unknown arm 'gca'; choose from p2 p4 p2_norm p4_norm mha castle castle_swl"),
     (dict(ARMS="mha castle_swl", N_HEADS="3"), "N_HEADS=3 is odd: the castle arms take half of it"),
   ],
 )
