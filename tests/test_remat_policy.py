@@ -69,7 +69,7 @@ def test_drt_blocks_save_the_gca_residuals():
     family="drt",
     vocab_size=64,
     d_model=32,
-    n_layers=4,
+    n_layers=2,
     n_heads=4,
     n_kv_heads=2,
     dtype="float32",
