@@ -14,6 +14,10 @@ from helpers import TINY_RUN_SETTINGS
 from train.metrics import read_metrics
 from train.trainer import train
 
+# Its module-scoped fixture is costly (the 2x2x2 run every case resumes): one worker runs the
+# whole module under `--dist loadgroup`, so it is trained once.
+pytestmark = pytest.mark.xdist_group("test_mesh_checkpoints")
+
 STEPS = TINY_RUN_SETTINGS["train.steps"]
 SAVED = TINY_RUN_SETTINGS["train.checkpoint_every"]  # the checkpoint resumed from
 

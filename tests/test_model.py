@@ -115,7 +115,16 @@ def test_greedy_generate_matches_parallel_argmax(variant):
   np.testing.assert_array_equal(jnp.argmax(logits[:, 4:-1], -1), out[:, 5:])
 
 
-KV_CACHE_VARIANTS = ["gqa_qkv_bias_llama3_rope", "gqa_window", "mha", "untied_mqa"]
+# Rows of different lengths reach the KV cache (per-row lengths, the window's ring) and the
+# positions (RoPE, scaled or not); head grouping and the output embedding are the same code for
+# every row. The default suite runs grouped heads with and without a window; the plain and
+# single-KV-head models run with -m slow.
+KV_CACHE_VARIANTS = [
+  "gqa_qkv_bias_llama3_rope",
+  "gqa_window",
+  pytest.param("mha", marks=pytest.mark.slow),
+  pytest.param("untied_mqa", marks=pytest.mark.slow),
+]
 
 
 @pytest.mark.parametrize("variant", KV_CACHE_VARIANTS)

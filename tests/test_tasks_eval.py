@@ -20,6 +20,10 @@ from castle_jax.workdir import load_trained_model
 from configs import tasks_variable_tracking_tiny
 from train.trainer import train
 
+# Its module-scoped fixtures are costly (the trained model most tests score): one worker runs
+# the whole module under `--dist loadgroup`, so it is trained once.
+pytestmark = pytest.mark.xdist_group("test_tasks_eval")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KNOBS = dict(names=6, assignments=10, overwrite_rate=0.5, queries=3)
 

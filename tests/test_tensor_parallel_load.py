@@ -5,13 +5,12 @@ heads: N=2) and a training workdir of 4 heads (N=2 and 4)."""
 
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
 
+import forked_commands
 from castle_jax.eval import passkey, perplexity
 from castle_jax.sharding import on_mesh
 from castle_jax.workdir import load_draft, load_trained_model, tensor_parallel_mesh
@@ -58,10 +57,12 @@ def _passkey(workdir, tensor, data_dir, tmp_path):
   return [[e["first_token"], e["all_tokens"]] for e in json.loads(output.read_text())["results"][0]["per_example"]]
 
 
-def _command(*args):
+def _commands(*command_lines):
+  """A CompletedProcess for each `python *args` in `command_lines`, on 8 CPU devices."""
   flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
   env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
-  return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  results, _ = forked_commands.run([list(args) for args in command_lines], ROOT, env, timeout=300)
+  return results
 
 
 @pytest.fixture(scope="module")
@@ -130,17 +131,17 @@ def test_a_draft_decodes_speculatively_on_the_targets_mesh(stdlib_data_dir, tmp_
 def test_the_generate_command_with_tensor_prints_the_one_device_tokens():
   target, alone = _decode(HF_DIR, 1)
   args = ["-m", "train.generate", f"--workdir={HF_DIR}", f"--prompt={PROMPT}", "--max_new_tokens=8", "--temperature=0"]
-  ran = _command(*args, "--tensor=2")
-  assert ran.returncode == 0, ran.stderr[-2000:]
-  assert ran.stdout.splitlines()[-1] == target.tokenizer.decode(alone[1:])
-  ran = _command(*args, "--tensor=3")
-  assert ran.returncode == 1
-  assert (
-    ran.stderr.strip().splitlines()[-1] == "ERROR: --tensor=3 must divide the 8 devices (cpu): pass one of 1, 2, 4, 8"
+  # The three command lines run in processes forked from one that has imported jax and the
+  # other large packages once (tests/forked_commands.py), not in three fresh interpreters.
+  decoded, indivisible, too_many = _commands(*([*args, f"--tensor={tensor}"] for tensor in (2, 3, 4)))
+  assert decoded.returncode == 0, decoded.stderr[-2000:]
+  assert decoded.stdout.splitlines()[-1] == target.tokenizer.decode(alone[1:])
+  assert indivisible.returncode == 1
+  assert indivisible.stderr.strip().splitlines()[-1] == (
+    "ERROR: --tensor=3 must divide the 8 devices (cpu): pass one of 1, 2, 4, 8"
   )
-  ran = _command(*args, "--tensor=4")
-  assert ran.returncode == 1
-  assert ran.stderr.strip().splitlines()[-1] == (
+  assert too_many.returncode == 1
+  assert too_many.stderr.strip().splitlines()[-1] == (
     "ERROR: --tensor=4 does not divide the model's 4 attention heads and 2 key/value heads: pass --tensor=1 or "
     "--tensor=2"
   )
