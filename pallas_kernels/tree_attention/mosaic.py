@@ -260,6 +260,7 @@ def _kernel(
     def _idle_consumer():
       # The same register split as the busy consumers': every warpgroup of the program runs it.
       plgpu.set_max_registers(consumer_registers, action="increase")
+
       # A tile of padding rows only: no products, but the ring's slots are refilled once every
       # consumer has released them, so it releases each one as it is filled.
       @pl.loop(0, num_steps)
