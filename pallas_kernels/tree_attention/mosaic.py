@@ -251,12 +251,11 @@ def _kernel(
 
     observe_last_releases([key_free, value_free], num_steps, stages)
 
-  def _tile_index():
-    return row_group * consumers + warpgroup
+  tile = row_group * consumers + warpgroup  # the consumers' tile (the producer's is past them)
 
   if row_groups * consumers > tiles:
 
-    @pl.when((warpgroup < consumers) & (_tile_index() >= tiles))
+    @pl.when((warpgroup < consumers) & (tile >= tiles))
     def _idle_consumer():
       # The same register split as the busy consumers': every warpgroup of the program runs it.
       plgpu.set_max_registers(consumer_registers, action="increase")
@@ -274,10 +273,9 @@ def _kernel(
       plgpu.barrier_arrive(tree_done)
       plgpu.barrier_wait(tree_done)
 
-  @pl.when((warpgroup < consumers) & (_tile_index() < tiles))
+  @pl.when((warpgroup < consumers) & (tile < tiles))
   def _consumer():
     plgpu.set_max_registers(consumer_registers, action="increase")
-    tile = _tile_index()
     rows = pl.ds(tile * MOSAIC_TILE_ROWS, MOSAIC_TILE_ROWS)
     query = query_smem.at[warpgroup]
     bias = bias_smem.at[warpgroup]
