@@ -359,10 +359,8 @@ def measure(
     progress(f"{where} {name}: compiling (its first call)")
     times, state = step_times(step, state, (), args.iters, first_call)
     row[f"{key}_ms"] = 1e3 * statistics.median(times)
-    row[f"{key}_ms_range"] = [1e3 * min(times), 1e3 * max(times)]
-    progress(
-      f"{where} {name}: {row[f'{key}_ms']:.2f} ms per call (median; {1e3 * min(times):.2f}-{1e3 * max(times):.2f})"
-    )
+    fastest, slowest = row[f"{key}_ms_range"] = [1e3 * min(times), 1e3 * max(times)]
+    progress(f"{where} {name}: {row[f'{key}_ms']:.2f} ms per call (median; {fastest:.2f}-{slowest:.2f})")
     if args.profile:
       row[f"{key}_ops_ms"] = _profile(step, state)
       top = ", ".join(f"{op[:40]} {ms:.3f}" for op, ms in list(row[f"{key}_ops_ms"].items())[:5])
