@@ -217,12 +217,13 @@ all_seeds_hold_a_checkpoint() {
 # One arm's stages in order, in the background; its verdict ("ok" or what went wrong) goes to
 # logs/train_<arm>.verdict, since a background job cannot set the caller's variables.
 train_arm() {
-  local arm=$1 i j steps_left time_left stepping share status what previous="" top name log verdict=ok attention command
+  local arm=$1 i j steps_left time_left stepping share status what previous="" top name log verdict=ok attention command power kwargs
   case $arm in
-    p2 | p4) attention=(--config.model.attention=power "--config.model.attention_kwargs={'p': ${arm#p}}"
-                        --config.model.attention_impl=reference) ;;
-    p2_norm | p4_norm) p=${arm#p}
-      attention=(--config.model.attention=power "--config.model.attention_kwargs={'p': ${p%_norm}, 'output_norm': 'layernorm'}"
+    p2 | p4 | p2_norm | p4_norm)
+      power=${arm#p}
+      kwargs="'p': ${power%_norm}"
+      [[ $arm == *_norm ]] && kwargs+=", 'output_norm': 'layernorm'"
+      attention=(--config.model.attention=power "--config.model.attention_kwargs={$kwargs}"
                  --config.model.attention_impl=reference) ;;
     mha) attention=(--config.model.attention_impl=xla) ;;
     castle) attention=(--config.model.attention=castle --config.model.n_heads=$((N_HEADS / 2))) ;;
