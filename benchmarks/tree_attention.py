@@ -48,6 +48,9 @@ from castle_jax.ops.tree_attention import (
 from benchmarks.timing import error_text, implementations_to_time, kernel_configs, median_ms, smoke_mode
 
 
+ROWS = ("read", "dense", "tree", "decode")
+
+
 def parse_args(argv):
   parser = cl.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--lengths", type=cl.positive_int_list, default="4096,16384,32768", help="filled cache slots")
@@ -74,6 +77,13 @@ def parse_args(argv):
     type=cl.parsed_by(lambda text: kernel_configs(text, KERNEL_CONFIGS), "';'-separated 'impl:key=value,...'"),
     default="",
     help="extra tilings, ';'-separated 'triton:key=value,...' or 'mosaic:key=value,...' (a row each)",
+  )
+  parser.add_argument(
+    "--rows",
+    type=cl.choice_list(ROWS),
+    default=",".join(ROWS),
+    help="which rows to time: the K/V read, dense masked attention, the implementations on the tree, "
+    "single-token steps (the dense rows take most of a run's time at long caches)",
   )
   parser.add_argument("--smoke", action="store_true", help="tiny shapes, one timed call: checks the harness runs")
   parser.add_argument("--out", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")
@@ -160,7 +170,8 @@ def main(argv) -> int:
       + jnp.sum(k[:, :length] * x[0, 0, 0, 0], dtype=jnp.float32)
       + jnp.sum(v[:, :length] * x[0, 0, 0, 0], dtype=jnp.float32)
     )
-    record("read", length, 0, "read K,V (bandwidth)", chain(read), (q_one, list(zip(cache_k, cache_v))), cache_bytes)
+    if "read" in args.rows:
+      record("read", length, 0, "read K,V (bandwidth)", chain(read), (q_one, list(zip(cache_k, cache_v))), cache_bytes)
 
     slots = jnp.arange(capacity + n)
     dense_mask = jnp.concatenate([jnp.broadcast_to(slots[None, :capacity] < length, (n, capacity)), mask], axis=1)
@@ -171,10 +182,14 @@ def main(argv) -> int:
       return masked_attention(q, keys_all, values_all, jnp.broadcast_to(dense_mask, (b, n, capacity + n)))
 
     tree_inputs = (q_tree, list(zip(cache_k, cache_v, tree_k, tree_v)))
-    record("tree", length, n, "dense masked [cache ; tree]", chain(dense), tree_inputs, cache_bytes)
-    for name, impl, config in [(impl, impl, None) for impl in impls] + [
-      (f"{impl} {config}", impl, config) for impl in impls for config in configs.get(impl, ())
-    ]:
+    if "dense" in args.rows:
+      record("tree", length, n, "dense masked [cache ; tree]", chain(dense), tree_inputs, cache_bytes)
+    for name, impl, config in (
+      []
+      if "tree" not in args.rows
+      else [(impl, impl, None) for impl in impls]
+      + [(f"{impl} {config}", impl, config) for impl in impls for config in configs.get(impl, ())]
+    ):
       attend = functools.partial(
         lambda q, ck, cv, tk, tv, impl, config: tree_attention(
           q, ck, cv, filled, tk, tv, mask, implementation=impl, kernel_config=config
@@ -184,6 +199,8 @@ def main(argv) -> int:
       )
       record("tree", length, n, name, chain(attend), tree_inputs, cache_bytes)
 
+    if "decode" not in args.rows:
+      continue
     one_inputs = (q_one, list(zip(cache_k, cache_v)))
     step_mask = jnp.broadcast_to(jnp.arange(capacity)[None, None, :] < length, (b, 1, capacity))
     record(

@@ -35,6 +35,19 @@ def test_smoke_run_times_every_implementation(harness, rows, capsys):
     assert "Error" not in line, line
 
 
+def test_tree_attention_rows_time_only_the_rows_asked(tmp_path):
+  out = tmp_path / "rows.json"
+  assert tree_attention.main(["--smoke", "--rows=tree", "--impls=xla", f"--out={out}"]) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert [(row["kind"], row["name"]) for row in rows] == [("tree", "xla")]
+
+
+def test_tree_attention_rejects_an_unknown_row(capsys):
+  with pytest.raises(SystemExit):
+    tree_attention.main(["--smoke", "--rows=tree,sparse"])
+  assert "sparse" in capsys.readouterr().err
+
+
 def test_longspec_speed_smoke_run_times_a_step_and_a_round(tmp_path, capsys):
   out = tmp_path / "speed.json"
   assert longspec_speed.main(["--smoke", f"--out={out}"]) == 0

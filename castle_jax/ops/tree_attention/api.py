@@ -21,8 +21,9 @@ the tree mask (itself and its ancestors, `tree_mask_from_parents`).
     block). Runs in GPU interpret mode on CPU (slow: for tests). `kernel_config` a
     `TreeAttentionMosaicConfig`.
   - None: "mosaic" on a Hopper GPU for the cases where it measured faster than "triton"
-    (`MOSAIC_FASTER_CASES`, trees of `MOSAIC_MIN_TREE_NODES` or more; the reason it passes
-    over it elsewhere is logged once at INFO),
+    (`MOSAIC_FASTER_CASES`: head dim, dtype and cache capacity; trees of
+    `MOSAIC_MIN_TREE_NODES` or more; the reason it passes over it elsewhere is logged
+    once at INFO),
     else "triton" on a GPU where it takes the head dim, else "xla"
     (`castle_jax.ops.backend.choose`, logged at debug level).
 
@@ -60,11 +61,12 @@ from pallas_kernels.tree_attention import (
 
 IMPLEMENTATIONS = ("reference", "xla", "triton", "mosaic")
 _DEFAULT_ORDER = ("mosaic", "triton", "xla")
-# (head_dim, dtype name) where "mosaic" measured faster than "triton" verifying a tree of at least
-# MOSAIC_MIN_TREE_NODES nodes (`benchmarks/tree_attention.py`, benchmarks/RESULTS.md "Hybrid tree
-# attention": LongSpec's 69-node tree): LLM heads of 128. Smaller trees (not measured), the cache
-# part alone (a decoding step) and heads of 64 stay on Triton.
-MOSAIC_FASTER_CASES = frozenset({(128, "bfloat16")})
+# (head_dim, dtype name) -> the smallest cache capacity from which "mosaic" measured faster than
+# "triton" verifying a tree of at least MOSAIC_MIN_TREE_NODES nodes (`benchmarks/tree_attention.py`,
+# benchmarks/RESULTS.md "Hybrid tree attention": LongSpec's 69-node tree). LLM heads of 128 at
+# every capacity; heads of 64 from 32K slots (at 8/4 heads it was slower up to 8K and level at 16K).
+# Smaller trees (not measured), the cache part alone (a decoding step) and other cases stay on Triton.
+MOSAIC_FASTER_CASES = {(128, "bfloat16"): 0, (64, "bfloat16"): 32768}
 MOSAIC_MIN_TREE_NODES = 64
 # The kernel config type of each kernel implementation (`kernel_config=`).
 KERNEL_CONFIGS = {"triton": TreeAttentionTritonConfig, "mosaic": TreeAttentionMosaicConfig}
@@ -105,20 +107,21 @@ def _implementations(q: jax.Array, kv_arrays, kernel_config) -> dict[str, Implem
       mosaic_unsupported,
       default_backends=("gpu",),
       config_type=TreeAttentionMosaicConfig,
-      default_declines=lambda: mosaic_not_measured_faster(q.dtype, head_dim, tree_nodes),
+      default_declines=lambda: mosaic_not_measured_faster(q.dtype, head_dim, tree_nodes, kv_arrays[0].shape[1]),
     ),
   }
 
 
-def mosaic_not_measured_faster(dtype, head_dim: int, tree_nodes: int) -> str | None:
+def mosaic_not_measured_faster(dtype, head_dim: int, tree_nodes: int, capacity: int) -> str | None:
   """None where the Mosaic kernel measured faster than the Triton one, else why the default
   does not take it; `tree_nodes` 0 for the cache part alone."""
-  if (head_dim, jnp.dtype(dtype).name) in MOSAIC_FASTER_CASES and tree_nodes >= MOSAIC_MIN_TREE_NODES:
+  from_capacity = MOSAIC_FASTER_CASES.get((head_dim, jnp.dtype(dtype).name))
+  if from_capacity is not None and tree_nodes >= MOSAIC_MIN_TREE_NODES and capacity >= from_capacity:
     return None
   what = f"a tree of {tree_nodes} nodes" if tree_nodes else "the cache part alone"
   return (
-    f"not measured faster than 'triton' for head_dim {head_dim}, {jnp.dtype(dtype).name}, {what} "
-    "(castle_jax.ops.tree_attention.api.MOSAIC_FASTER_CASES, MOSAIC_MIN_TREE_NODES)"
+    f"not measured faster than 'triton' for head_dim {head_dim}, {jnp.dtype(dtype).name}, {what}, "
+    f"a cache of {capacity} slots (castle_jax.ops.tree_attention.api.MOSAIC_FASTER_CASES, MOSAIC_MIN_TREE_NODES)"
   )
 
 

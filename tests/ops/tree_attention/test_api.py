@@ -50,7 +50,8 @@ def test_the_default_on_hopper_takes_mosaic_where_it_measured_faster(device):
   device(HOPPER)
   assert _choose() == "mosaic"  # LLM heads verifying a tree
   assert _choose(heads=64) == "mosaic"
-  assert _choose(heads=8, kv_heads=4, head_dim=64) == "triton"  # measured no faster
+  assert _choose(heads=8, kv_heads=4, head_dim=64) == "triton"  # measured no faster at 4K-16K
+  assert _choose(heads=8, kv_heads=4, head_dim=64, capacity=32768) == "mosaic"  # faster from 32K
   assert _choose(tree=False) == "triton"  # the cache part alone: a decoding step
   assert _choose(nodes=6) == "triton"  # a chain's few nodes: not measured
   assert _choose(nodes=64) == "mosaic"
