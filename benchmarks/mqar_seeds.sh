@@ -48,14 +48,15 @@
 # on each head's output; the first is the base of the differences; castle arms need an even N_HEADS), DEADLINE (seconds after the start by which
 # everything has ended: 510), EVAL_RESERVE (seconds kept for scoring: 90), EXAMPLES (1000), MEM_FRACTION
 # (each training process's share of the GPU memory: 0.2; the scoring processes, one per seed, allocate
-# what they use), WORKERS (data.worker_count, grain processes drawing each training process's prompts:
-# 4, SMOKE 0: drawn in the training process, the prompts of 3 seeds x 128 per step took longer than
-# an H100's step of these models). PAIRS, QUERIES and STEPS of the one-stage version are refused with an error naming
+# what they use), WORKERS (data.worker_count, grain processes drawing each seed's prompts, so
+# ARMS x SEEDS x WORKERS processes in all: 1, SMOKE 0; drawn in the training process, the prompts of 3
+# seeds x 128 per step took longer than an H100's step of these models, and with 3 workers per seed
+# the later stages' workers of 3 arms x 5 seeds took over a minute to start on a 16-core host). PAIRS, QUERIES and STEPS of the one-stage version are refused with an error naming
 # what replaced them, since a run meant for 32 pairs or 10,000 steps would otherwise run the defaults.
 # Time: training has until DEADLINE - EVAL_RESERVE. When a stage starts it gets STAGE_START seconds for
 # starting (importing, compiling, the data workers' first batch: 30; paid by every stage, however few its
-# steps; with three of these runs on one host, 9 training processes and their 36 data workers, a stage
-# waited 20-36 s for its first batch, so raise it when runs share a host) plus its share of the
+# steps; a stage waits longer for its first batch the more data workers start at once on the host, so
+# raise it when runs share a host) plus its share of the
 # time left after the starts of it and the later stages, in proportion to its STAGE_STEPS among theirs.
 # So a stage that finishes early leaves its time to the later ones, and one stopped at its limit (it
 # saves a checkpoint of the step it stopped at, from which the next stage starts) leaves theirs
@@ -112,7 +113,7 @@ else
   EVAL_RESERVE=${EVAL_RESERVE:-90}
   BATCH=${BATCH:-128}
   STAGE_START=${STAGE_START:-30}
-  WORKERS=${WORKERS:-4}
+  WORKERS=${WORKERS:-1}
 fi
 HEAD_DIM=${HEAD_DIM:-8}
 D_MODEL=${D_MODEL:-$((N_HEADS * HEAD_DIM))}
