@@ -51,7 +51,7 @@
 # what they use), WORKERS (data.worker_count, grain processes drawing each seed's prompts, so
 # ARMS x SEEDS x WORKERS processes in all: 1, SMOKE 0; drawn in the training process, the prompts of 3
 # seeds x 128 per step took longer than an H100's step of these models, and with 3 workers per seed
-# the later stages' workers of 3 arms x 5 seeds took over a minute to start on a 16-core host). PAIRS, QUERIES and STEPS of the one-stage version are refused with an error naming
+# the later stages' workers of 3 arms x 5 seeds did not start within STAGE_START on a 16-core host). PAIRS, QUERIES and STEPS of the one-stage version are refused with an error naming
 # what replaced them, since a run meant for 32 pairs or 10,000 steps would otherwise run the defaults.
 # Time: training has until DEADLINE - EVAL_RESERVE. When a stage starts it gets STAGE_START seconds for
 # starting (importing, compiling, the data workers' first batch: 30; paid by every stage, however few its
