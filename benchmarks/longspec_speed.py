@@ -152,7 +152,8 @@ def parse_args(argv):
   parser.add_argument(
     "--profile",
     action="store_true",
-    help=f"trace {PROFILED_CALLS} more calls of each program and record its GPU time by kernel (row key <program>_ops_ms)",
+    help=f"trace {PROFILED_CALLS} more calls of each program and record its GPU time by kernel, summed and the "
+    "launches (row keys <program>_ops_ms, _device_ms, _kernels)",
   )
   parser.add_argument("--smoke", action="store_true", help="tiny shapes, 2 timed calls: checks the harness runs")
   parser.add_argument("--out", type=cl.new_file, default=None, help="write the rows here as JSON (a new file)")
@@ -277,17 +278,26 @@ def _speculative_round(target, draft, shape, tree_attention, target_params, draf
   return outcome.kept, (caches, draft_cache, outcome.bonus, position + outcome.kept)
 
 
-def _profile(step, state) -> dict[str, float]:
-  """Device milliseconds per call of the PROFILED_OPS kernels that take the most, over
-  PROFILED_CALLS traced calls of `step` (an empty dict where the trace has no device lines,
-  e.g. on a CPU)."""
+def _profile(step, state) -> dict:
+  """Over PROFILED_CALLS traced calls of `step`, per call: "ops_ms", device milliseconds of
+  the PROFILED_OPS kernels that take the most; "device_ms", the sum over every kernel (below
+  the call's wall time by the gaps between kernels, launch latency above all; above it where
+  kernels of several streams overlap); "kernels", the kernel launches. Empty where the trace
+  has no device lines (a CPU)."""
   with tempfile.TemporaryDirectory(prefix="longspec_speed_trace_") as directory:
     with jax.profiler.trace(directory):
       for _ in range(PROFILED_CALLS):
         out, state = step(state)
         jax.block_until_ready(out)
-    ops = device_time_by_op(directory, top=PROFILED_OPS)
-  return {name: ms / PROFILED_CALLS for _, name, ms, _ in ops}
+    # The "XLA Modules" line, where a trace has one, spans the ops it runs: not summed.
+    ops = [op for op in device_time_by_op(directory, top=None) if op[0] != "XLA Modules"]
+  if not ops:
+    return {}
+  return {
+    "ops_ms": {name: ms / PROFILED_CALLS for _, name, ms, _ in ops[:PROFILED_OPS]},
+    "device_ms": sum(ms for _, _, ms, _ in ops) / PROFILED_CALLS,
+    "kernels": sum(count for *_, count in ops) / PROFILED_CALLS,
+  }
 
 
 def needed_bytes(target, draft, batch: int, capacity: int, tensor: int = 1) -> int:
@@ -350,7 +360,8 @@ def measure(
   def time_calls(name: str, key: str, step, state) -> None:
     """row[key + "_ms"]: the median call of `step`, row[key + "_ms_range"]: the fastest and
     slowest; row[key + "_first_call_s"]: its first call, compilation included; with
-    --profile, row[key + "_ops_ms"]: device time per call by kernel."""
+    --profile, row[key + "_ops_ms"]: device time per call by kernel, row[key + "_device_ms"]
+    and row[key + "_kernels"]: every kernel's time summed and the launches, per call."""
 
     def first_call(seconds):
       row[f"{key}_first_call_s"] = seconds
@@ -362,9 +373,18 @@ def measure(
     fastest, slowest = row[f"{key}_ms_range"] = [1e3 * min(times), 1e3 * max(times)]
     progress(f"{where} {name}: {row[f'{key}_ms']:.2f} ms per call (median; {fastest:.2f}-{slowest:.2f})")
     if args.profile:
-      row[f"{key}_ops_ms"] = _profile(step, state)
-      top = ", ".join(f"{op[:40]} {ms:.3f}" for op, ms in list(row[f"{key}_ops_ms"].items())[:5])
-      progress(f"{where} {name}: device ms per call by kernel: {top or 'none in the trace (a CPU has none)'}")
+      profile = _profile(step, state)
+      if not profile:
+        progress(f"{where} {name}: no kernels in the trace (a CPU has none)")
+      else:
+        row[f"{key}_ops_ms"] = profile["ops_ms"]
+        row[f"{key}_device_ms"] = profile["device_ms"]
+        row[f"{key}_kernels"] = profile["kernels"]
+        top = ", ".join(f"{op[:40]} {ms:.3f}" for op, ms in list(profile["ops_ms"].items())[:5])
+        progress(
+          f"{where} {name}: device time per call {profile['device_ms']:.2f} ms in {profile['kernels']:.0f} kernels "
+          f"(wall {row[f'{key}_ms']:.2f} ms); by kernel: {top}"
+        )
 
   try:
     prompt = jnp.asarray(

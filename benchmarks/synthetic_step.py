@@ -113,8 +113,9 @@ def measure(
   }
 
 
-def device_time_by_op(profile_dir: str, top: int = 25) -> list[tuple[str, str, float, int]]:
-  """(line, op or kernel name, total ms, count) of the device planes of a trace, largest first.
+def device_time_by_op(profile_dir: str, top: int | None = 25) -> list[tuple[str, str, float, int]]:
+  """(line, op or kernel name, total ms, count) of the device planes of a trace, largest first
+  (the `top` largest; None: all).
 
   Reads the "XLA Ops"/"XLA Modules" lines where the trace has them; traces from the CUDA
   plugin of jax 0.11.2 have only per-stream lines ("Stream #N(...)") of kernel names.

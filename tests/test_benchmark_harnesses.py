@@ -100,8 +100,25 @@ def test_longspec_speed_profile_records_device_time_per_call_by_kernel(monkeypat
   calls = longspec_speed.PROFILED_CALLS
   for key in ("ar_step", "round"):
     assert row[f"{key}_ops_ms"] == {"gemm": pytest.approx(6.0 / calls), "tree_attention": pytest.approx(3.0 / calls)}
-  assert [top for _, top in traced] == [longspec_speed.PROFILED_OPS] * 2
-  assert "round: device ms per call by kernel: gemm 2.000, tree_attention 1.000" in capsys.readouterr().err
+    assert row[f"{key}_device_ms"] == pytest.approx(9.0 / calls)
+    assert row[f"{key}_kernels"] == pytest.approx(12 / calls)
+  assert [top for _, top in traced] == [None] * 2  # every kernel, for the sums
+  assert re.search(
+    r"round: device time per call 3\.00 ms in 4 kernels \(wall [0-9.]+ ms\); by kernel: gemm 2\.000, tree_attention 1\.000",
+    capsys.readouterr().err,
+  )
+
+
+def test_longspec_speed_profile_sums_kernels_but_not_the_modules_spanning_them(monkeypatch, tmp_path):
+  def trace_with_module_line(directory, top):
+    return [("XLA Modules", "jit_step", 30.0, 3), ("XLA Ops", "gemm", 6.0, 9), ("XLA Ops", "tree_attention", 3.0, 3)]
+
+  monkeypatch.setattr(longspec_speed, "device_time_by_op", trace_with_module_line)
+  out = tmp_path / "speed.json"
+  assert longspec_speed.main(["--smoke", "--profile", f"--out={out}"]) == 0
+  (row,) = json.loads(out.read_text())["rows"]
+  assert row["ar_step_device_ms"] == pytest.approx(9.0 / longspec_speed.PROFILED_CALLS)
+  assert list(row["ar_step_ops_ms"]) == ["gemm", "tree_attention"]
 
 
 def test_longspec_speed_skips_a_row_the_device_cannot_hold(monkeypatch, capsys):
