@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 
-def compute_dtype(dtype) -> jnp.dtype:
+def math_dtype(dtype) -> jnp.dtype:
   """The dtype the math runs in: at least float32 (bf16 inputs are upcast)."""
   return jnp.promote_types(dtype, jnp.float32)
 

@@ -37,7 +37,7 @@ import numpy as np
 from castle_jax.ops.backend import Implementation, choose, rejects_renamed_arguments
 from castle_jax.ops.castle.api import implementations
 from castle_jax.ops.castle.xla import DEFAULT_BLOCK_SIZE, castle_blockwise_prefill
-from castle_jax.ops.numerics import compute_dtype, score_scale
+from castle_jax.ops.numerics import math_dtype, score_scale
 from castle_jax.ops.castle.common import (
   attend_with_lookahead_keys,
   lookahead_visible,
@@ -319,7 +319,7 @@ def decode_step(
   in_bounds = position < capacity
   checkify.debug_check(in_bounds, _overflow_message(capacity))
 
-  dtype = compute_dtype(jnp.promote_types(q_u.dtype, cache.lookahead_keys.dtype))
+  dtype = math_dtype(jnp.promote_types(q_u.dtype, cache.lookahead_keys.dtype))
   implementation = _decode_implementation(implementation, cache, dtype, kernel_config)
   # CASTLE's update touches every cached row: the kernel fuses it with attending.
   fused_update = implementation == "triton" and cache.window is None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from castle_jax.ops.numerics import compute_dtype, score_scale
+from castle_jax.ops.numerics import math_dtype, score_scale
 from castle_jax.ops.castle.common import (
   attend_with_lookahead_keys,
   combined_scores,
@@ -29,7 +29,7 @@ _PRECISION = jax.lax.Precision.HIGHEST
 
 
 def _upcast(*arrays: jax.Array) -> tuple[jax.Array, ...]:
-  dtype = compute_dtype(arrays[0].dtype)
+  dtype = math_dtype(arrays[0].dtype)
   return tuple(x.astype(dtype) for x in arrays)
 
 

@@ -36,7 +36,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from castle_jax.ops.numerics import compute_dtype, score_scale
+from castle_jax.ops.numerics import math_dtype, score_scale
 from castle_jax.ops.castle.common import (
   combined_scores,
   lookahead_visible,
@@ -365,7 +365,7 @@ def _prepare(inputs, window, block_size):
   seq = inputs[0].shape[1]
   # Short sequences need no more than one block.
   block_size = min(block_size, seq)
-  dtype = compute_dtype(inputs[0].dtype)
+  dtype = math_dtype(inputs[0].dtype)
   return tuple(_to_blocks(x, block_size, dtype) for x in inputs)
 
 

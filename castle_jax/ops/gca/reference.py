@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from castle_jax.ops.numerics import compute_dtype
+from castle_jax.ops.numerics import math_dtype
 from castle_jax.ops.gca.common import gather_chunks, softmax_one, validate_inputs
 
 
@@ -40,7 +40,7 @@ def gca_reference(
   """
   query_len, group = validate_inputs(q, chunk_k, chunk_v, chunk_weights, chunk_indices)
   batch, seq, heads, head_dim = q.shape
-  dtype = compute_dtype(q.dtype)
+  dtype = math_dtype(q.dtype)
   scale = head_dim**-0.5 if scale is None else scale
   query_chunks = chunk_indices.shape[1]
   queries = q.reshape(batch, query_chunks, query_len, heads, head_dim).astype(dtype)

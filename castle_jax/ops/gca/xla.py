@@ -25,7 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from castle_jax.ops.numerics import compute_dtype
+from castle_jax.ops.numerics import math_dtype
 from castle_jax.ops.gca.common import gather_chunks, log_normalizer_one, validate_inputs
 from pallas_kernels.residuals import keep_for_backward
 
@@ -60,7 +60,7 @@ def _slot_output(probs, values):
 
 
 def _forward(queries, chunk_k, chunk_v, chunk_weights, chunk_indices, scale):
-  dtype = compute_dtype(queries.dtype)
+  dtype = math_dtype(queries.dtype)
   queries32 = queries.astype(dtype)
   weights = chunk_weights.astype(dtype)
 
@@ -93,7 +93,7 @@ def _scatter_add(total, indices, update):
 
 def _gca_bwd(scale, residuals, d_out):
   queries, chunk_k, chunk_v, chunk_weights, chunk_indices, lse = residuals
-  dtype = compute_dtype(queries.dtype)
+  dtype = math_dtype(queries.dtype)
   queries32 = queries.astype(dtype)
   weights = chunk_weights.astype(dtype)
   d_out = d_out.astype(dtype)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from castle_jax.ops.backend import Implementation, choose, rejects_renamed_arguments
 from castle_jax.ops.power.api import power_attention
 from castle_jax.ops.power.xla import empty_state
-from castle_jax.ops.numerics import compute_dtype
+from castle_jax.ops.numerics import math_dtype
 from castle_jax.ops.power.common import (
   PowerState,
   attend,
@@ -135,7 +135,7 @@ def power_attention_recurrent(
 def _recurrent_form(q, k, v, log_g, initial_state, *, p, scale, expansion, d_tile):
   batch, seq, heads, head_dim = q.shape
   kv_heads, value_dim = k.shape[2], v.shape[3]
-  dtype = compute_dtype(q.dtype)
+  dtype = math_dtype(q.dtype)
   if log_g is None:
     log_g = jnp.zeros((batch, seq, kv_heads), dtype)
   if initial_state is None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from castle_jax.ops.numerics import compute_dtype
+from castle_jax.ops.numerics import math_dtype
 from castle_jax.ops.power.common import (
   PowerState,
   attend,
@@ -33,7 +33,7 @@ _PRECISION = jax.lax.Precision.HIGHEST
 
 def _prepare(q, k, v, log_g):
   """Upcasts to the compute dtype; q grouped to [B, T, H_kv, group, d]; G = cumsum(log_g)."""
-  dtype = compute_dtype(q.dtype)
+  dtype = math_dtype(q.dtype)
   q, k, v = (x.astype(dtype) for x in (q, k, v))
   cumulative = None if log_g is None else jnp.cumsum(log_g.astype(dtype), axis=1)
   return group_queries(q, k.shape[2]), k, v, cumulative

@@ -35,7 +35,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from castle_jax.ops.numerics import compute_dtype
+from castle_jax.ops.numerics import math_dtype
 from castle_jax.ops.power.common import (
   DEFAULT_CHUNK_SIZE,
   PowerState,
@@ -140,7 +140,7 @@ def power_attention_chunked(
 def _chunked_form(q, k, v, log_g, initial_state, *, p, scale, chunk, expansion, d_tile):
   batch, seq, heads, head_dim = q.shape
   kv_heads, value_dim = k.shape[2], v.shape[3]
-  dtype = compute_dtype(q.dtype)
+  dtype = math_dtype(q.dtype)
   num_chunks = -(-seq // chunk)
   padding = num_chunks * chunk - seq
 
