@@ -149,6 +149,11 @@ def main(argv) -> int:
     records.append(row)
     print(json.dumps(row), flush=True)
 
+  # (row name, implementation, kernel config) of each tree row: the defaults, then the extra tilings.
+  tree_rows = []
+  if "tree" in args.rows:
+    tree_rows = [(impl, impl, None) for impl in impls]
+    tree_rows += [(f"{impl} {config}", impl, config) for impl in impls for config in configs.get(impl, ())]
   for length in lengths:
     capacity = length + args.headroom
     keys = jax.random.split(jax.random.key(length), 6)
@@ -184,12 +189,7 @@ def main(argv) -> int:
     tree_inputs = (q_tree, list(zip(cache_k, cache_v, tree_k, tree_v)))
     if "dense" in args.rows:
       record("tree", length, n, "dense masked [cache ; tree]", chain(dense), tree_inputs, cache_bytes)
-    for name, impl, config in (
-      []
-      if "tree" not in args.rows
-      else [(impl, impl, None) for impl in impls]
-      + [(f"{impl} {config}", impl, config) for impl in impls for config in configs.get(impl, ())]
-    ):
+    for name, impl, config in tree_rows:
       attend = functools.partial(
         lambda q, ck, cv, tk, tv, impl, config: tree_attention(
           q, ck, cv, filled, tk, tv, mask, implementation=impl, kernel_config=config
