@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from castle_jax.ops.castle import castle_attention, castle_parallel, init_cache, prefill
-from helpers import rel_err
+from helpers import lowered_for_h100, rel_err
 from pallas_kernels.castle import CastleTritonConfig, castle_attention_triton, common, triton, triton_kernels
 
 SHAPE = (2, 45, 3, 24)  # 45 tokens: a ragged last block; head dim 24 padded to 32
@@ -161,3 +161,16 @@ def test_prefill_with_the_kernel_fills_the_same_cache(window):
   assert int(filled.length) == 20
   # The lookahead keys are not trivially zero, so the comparison can fail.
   assert float(jnp.abs(filled.lookahead_keys).max()) > 0.1
+
+
+@pytest.mark.parametrize("window", [None, 48])
+def test_forward_and_backward_lower_for_an_h100(window):
+  # Interpret mode never builds Triton IR, so what the Triton lowering rejects shows only here or
+  # on a GPU. Default tiles, bf16, 300 tokens (a ragged last block) of 2 heads of 64.
+  inputs = tuple(jax.ShapeDtypeStruct((1, 300, 2, 64), jnp.bfloat16) for _ in range(6))
+
+  def loss(*args):
+    return jnp.sum(castle_attention_triton(*args, scale=0.125, window=window, interpret=False).astype(jnp.float32))
+
+  text = lowered_for_h100(jax.grad(loss, argnums=range(6)), inputs)
+  assert "castle_forward" in text and "castle_backward" in text
