@@ -38,6 +38,22 @@ def test_embedding_matches_embed_forward_and_accumulates_gradient_in_float32():
   assert relative_error(_table_gradient(flax_embed, params, tokens, cotangent)) > 1e-3
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (1,), ()])
+def test_one_token_is_looked_up_as_any_other(shape):
+  # One token takes its own path (a gather of two rows, so XLA keeps it a gather on a table
+  # split over devices); its row and its gradient must be the plain lookup's.
+  module = Embedding(num_embeddings=16, features=4, dtype=jnp.float32)
+  params = module.init(jax.random.key(0), jnp.zeros((2, 3), jnp.int32))
+  table = params["params"]["embedding"]
+  token = jnp.full(shape, 5, jnp.int32)
+  out = module.apply(params, token)
+  assert out.shape == (*shape, 4)
+  np.testing.assert_array_equal(out.reshape(4), table[5])
+  cotangent = jnp.arange(4.0).reshape(*shape, 4) + 1.0
+  gradient = _table_gradient(module, params, token, cotangent)
+  np.testing.assert_array_equal(gradient, jnp.zeros_like(table).at[5].set(cotangent.reshape(4)))
+
+
 def test_embedding_rejects_float_inputs():
   with pytest.raises(ValueError, match="integer token ids"):
     Embedding(num_embeddings=8, features=4).init(jax.random.key(0), jnp.zeros((2, 3), jnp.float32))

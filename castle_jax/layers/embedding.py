@@ -33,6 +33,13 @@ class Embedding(nn.Embed):
     """inputs: int [...] -> [..., features] in `dtype`."""
     if not jnp.issubdtype(inputs.dtype, jnp.integer):
       raise ValueError(f"Embedding inputs must be integer token ids, got dtype {inputs.dtype}")
+    if inputs.size == 1:
+      # XLA's GPU compiler turns a gather of one row into a dynamic slice before it partitions
+      # the program, and a dynamic slice of a table split over the vocabulary gathers the whole
+      # table onto every device (1 GiB per decoding step for Llama-3-8B on two GPUs); a gather of
+      # two rows stays a gather, which each device answers from its own rows.
+      twice = jnp.broadcast_to(inputs.reshape(1), (2,))
+      return jnp.take(self.embedding, twice, axis=0)[:1].reshape(*inputs.shape, -1).astype(self.dtype)
     return jnp.take(self.embedding, inputs, axis=0).astype(self.dtype)
 
 
