@@ -742,34 +742,40 @@ def _accept_sampling(shape: TreeShape, tokens, parents, logits, rng, temperature
   """Multi-candidate acceptance (see the module docstring): at the current node, each child
   in order is accepted with probability p(child) under the residual target distribution
   p, else p(child) := 0 and p is renormalized; no child accepted (or a leaf): the bonus is
-  drawn from p. -> (path, kept, bonus)."""
+  drawn from p. -> (path, kept, bonus).
+
+  Each level is decided at once, not child by child: a child is tried only after every
+  earlier candidate was rejected, so its residual probability is p(child) / (1 - the mass of
+  the earlier candidates' tokens), and the first child whose draw falls below that is the one
+  the one-by-one rule accepts. A token repeated among the candidates has no mass left the
+  second time."""
   probabilities = jax.nn.softmax(filtered_logits(logits, temperature, top_k, top_p), axis=-1)  # [nodes, V]
   node = jnp.int32(0)
   stopped = jnp.bool_(False)
   path = jnp.zeros((shape.depth + 1,), jnp.int32)
   residual = probabilities[0]
+  level_rngs = jax.random.split(rng, shape.depth + 1)
   for level in range(1, shape.depth + 1):
     start, width = shape.level_start(level), shape.widths[level - 1]
-
-    def try_child(i, state):
-      chosen, residual, rng = state
-      child = start + i
-      rng, draw_rng = jax.random.split(rng)
-      candidate = (parents[child] == node) & (chosen < 0) & ~stopped
-      p = residual[tokens[child]]
-      accept = candidate & (jax.random.uniform(draw_rng) < p)
-      reject = candidate & ~accept
-      zeroed = residual.at[tokens[child]].set(0.0)
-      zeroed = zeroed / jnp.maximum(jnp.sum(zeroed), 1e-30)
-      residual = jnp.where(reject, zeroed, residual)
-      return jnp.where(accept, child, chosen), residual, rng
-
-    chosen, residual, rng = jax.lax.fori_loop(0, width, try_child, (jnp.int32(-1), residual, rng))
-    advanced = (chosen >= 0) & ~stopped
+    children = start + jnp.arange(width)
+    child_tokens = tokens[children]
+    order = jnp.arange(width)
+    earlier = order[None, :] < order[:, None]  # [i, j]: j is tried before i
+    candidate = (parents[children] == node) & ~stopped
+    repeated = jnp.any(earlier & candidate[None, :] & (child_tokens[None, :] == child_tokens[:, None]), axis=1)
+    mass = jnp.where(candidate & ~repeated, residual[child_tokens], 0.0)
+    left = jnp.sum(residual) - (jnp.cumsum(mass) - mass)  # the residual's mass when child i is tried
+    accept = candidate & (jax.random.uniform(level_rngs[level], (width,)) * left < mass)
+    advanced = jnp.any(accept)
+    first = jnp.argmax(accept)
+    chosen = children[first]
+    # Stopping here: every candidate was rejected, so the bonus's distribution lacks their tokens.
+    rejected = candidate & ~advanced
+    stopping_residual = residual.at[child_tokens].multiply(jnp.where(rejected, 0.0, 1.0))
     node = jnp.where(advanced, chosen, node)
     path = path.at[level].set(jnp.where(advanced, chosen, 0))
-    residual = jnp.where(advanced, probabilities[jnp.maximum(chosen, 0)], residual)
+    residual = jnp.where(advanced, probabilities[chosen], stopping_residual)
     stopped = stopped | ~advanced
   kept = 1 + jnp.sum(path[1:] > 0, dtype=jnp.int32)
-  bonus = jax.random.categorical(rng, jnp.log(jnp.maximum(residual, 0.0)))
+  bonus = jax.random.categorical(level_rngs[0], jnp.log(jnp.maximum(residual, 0.0)))
   return path, kept, bonus.astype(jnp.int32)
