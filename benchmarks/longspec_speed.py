@@ -2,7 +2,7 @@
 speculative round (draft a tree, verify it, commit), with random weights.
 
     python -m benchmarks.longspec_speed --shape=llama3_8b [--batch_sizes=1,4] \
-        [--prompt_lengths=16384,32768,65536] [--taus=3.28,5.33] [--profile] [--out=longspec_speed.json]
+        [--prompt_lengths=16384,32768,65536] [--taus=3.28,5.33] [--temperature=1] [--profile] [--out=longspec_speed.json]
     python -m benchmarks.longspec_speed --smoke   # tiny shapes, any device (CI)
 
 Latency does not depend on the weights' values, so the models are random: the target a
@@ -29,6 +29,8 @@ prefill excluded:
     [4,16,16,16,16]; one target forward verifying it with the default tree attention unless
     --tree_attention; greedy acceptance; the commit to the target's caches and the draft's
     ring. Jitted the same way.
+With --temperature above 0 the step samples and the round runs the multi-candidate acceptance
+instead of the greedy one (the taus to project with are then the sampling ones).
 Each is called --iters times after two warm-up calls (the first compiles), each call
 dispatched from Python and waited for, and the median time per call is reported, with the
 fastest and slowest call beside it. With --profile, 3 more calls of each are traced and the
@@ -148,6 +150,13 @@ def parse_args(argv):
     help="tensor-parallel degree: the target's and the draft's heads, MLP width and vocabulary, and the "
     "caches' key/value heads, split over this many devices (default 1: one device)",
   )
+  parser.add_argument(
+    "--temperature",
+    type=float,
+    default=0.0,
+    help="sampling temperature of the AR step and the round (default 0: greedy; above 0 the round runs the "
+    "multi-candidate acceptance and the step samples)",
+  )
   parser.add_argument("--iters", type=cl.positive_int, default=20, help="timed calls per row (after 2 warm-ups)")
   parser.add_argument(
     "--profile",
@@ -161,6 +170,8 @@ def parse_args(argv):
   bad = [tau for tau in args.taus if tau < 1]
   if bad:
     parser.error(f"--taus: {bad} below 1: a round emits at least one token (tau >= 1)")
+  if args.temperature < 0:
+    parser.error(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
   if len(args.tree) >= DRAFT_WINDOW:
     parser.error(f"--tree: depth {len(args.tree)} must be below the draft's window ({DRAFT_WINDOW})")
   if args.smoke:
@@ -254,26 +265,27 @@ def _random_caches(model, batch: int, capacity: int, seed: int, length, mesh=Non
   ]
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _autoregressive_step(model, params, state):
-  """`continue_decoding`'s step at temperature 0: state (caches, token int32 [batch],
-  position int32) -> (next token, the next state)."""
+@functools.partial(jax.jit, static_argnums=(0, 3), donate_argnums=2)
+def _autoregressive_step(model, params, state, temperature: float = 0.0):
+  """`continue_decoding`'s step: state (caches, token int32 [batch], position int32) -> (next
+  token, the next state); greedy at temperature 0, else sampled (every call from one key)."""
   caches, token, position = state
-  next_token, caches = decode_token(model, params, caches, token, position, jax.random.key(0), sample_next_token)
+  sample = functools.partial(sample_next_token, temperature=temperature)
+  next_token, caches = decode_token(model, params, caches, token, position, jax.random.key(0), sample)
   next_token = next_token.astype(jnp.int32)
   return next_token, (caches, next_token, position + 1)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=6)
-def _speculative_round(target, draft, shape, tree_attention, target_params, draft_params, state):
-  """One round of `speculative_generate`'s loop at temperature 0: state (target caches,
-  draft cache, roots int32 [batch], positions int32 [batch]) -> (tokens kept per row, the
-  next state)."""
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=7)
+def _speculative_round(target, draft, shape, tree_attention, temperature, target_params, draft_params, state):
+  """One round of `speculative_generate`'s loop: state (target caches, draft cache, roots
+  int32 [batch], positions int32 [batch]) -> (tokens kept per row, the next state); greedy
+  acceptance at temperature 0, else the multi-candidate rule (every call from one key)."""
   caches, draft_cache, root, position = state
-  # Temperature 0, top_k 0, top_p 1 (greedy acceptance); every row active.
+  # No top-k or top-p filter; every row active.
   round_state = (caches, draft_cache, root, position, jnp.ones(root.shape, bool), jax.random.key(0))
   outcome, caches, draft_cache = speculative._round(
-    target, draft, shape, 0.0, 0, 1.0, tree_attention, target_params, draft_params, *round_state
+    target, draft, shape, temperature, 0, 1.0, tree_attention, target_params, draft_params, *round_state
   )
   return outcome.kept, (caches, draft_cache, outcome.bonus, position + outcome.kept)
 
@@ -348,7 +360,7 @@ def measure(
   # Every timed call may commit depth + 1 tokens; the Mosaic kernel takes capacities that
   # are multiples of 8.
   capacity = -(-(length + (args.iters + 2) * (shape.depth + 1)) // 256) * 256
-  row = {"batch": batch, "prompt_length": length, "capacity": capacity}
+  row = {"batch": batch, "prompt_length": length, "temperature": args.temperature, "capacity": capacity}
   needed, limit = needed_bytes(target, draft, batch, capacity, args.tensor), _memory_limit()
   row["needed_gib"] = needed / GIB
   if limit is not None and needed > limit:
@@ -395,7 +407,7 @@ def measure(
     caches = jax.block_until_ready(_random_caches(target, batch, capacity, 1, jnp.int32(committed), mesh))
     row["kv_cache_gib"] = tree_bytes(caches) / GIB
     progress(f"{where} caches filled ({row['kv_cache_gib']:.2f} GiB)")
-    step = functools.partial(_autoregressive_step, target, target_params)
+    step = lambda state: _autoregressive_step(target, target_params, state, args.temperature)
     time_calls("AR step", "ar_step", step, (caches, prompt[:, -1], jnp.int32(committed)))
     del caches
 
@@ -407,7 +419,9 @@ def measure(
     )
     jax.block_until_ready((caches, draft_cache))
     state = (caches, draft_cache, prompt[:, -1], jnp.asarray(lengths))
-    step = functools.partial(_speculative_round, target, draft, shape, args.tree_attention, target_params, draft_params)
+    step = functools.partial(
+      _speculative_round, target, draft, shape, args.tree_attention, args.temperature, target_params, draft_params
+    )
     time_calls("round", "round", step, state)
     del caches, draft_cache, state
   except Exception as e:  # one failing row (e.g. out of memory) must not lose the others
@@ -457,7 +471,8 @@ def main(argv) -> int:
     f"\n{jax.devices()[0].device_kind}{f' x {args.tensor}, tensor parallel' if args.tensor > 1 else ''}, "
     f"jax {jax.__version__}, {args.shape} target "
     f"({count_parameters(target.config):,} parameters, bfloat16) and its one-block draft, tree "
-    f"{','.join(map(str, args.tree))}, tree attention {args.tree_attention or 'default'}, median of {args.iters} "
+    f"{','.join(map(str, args.tree))}, tree attention {args.tree_attention or 'default'}, temperature "
+    f"{args.temperature:g}, median of {args.iters} "
     "calls; speed-ups are projections tau * t_AR / t_round, not measurements"
   )
   print(

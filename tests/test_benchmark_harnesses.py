@@ -121,6 +121,17 @@ def test_longspec_speed_profile_sums_kernels_but_not_the_modules_spanning_them(m
   assert list(row["ar_step_ops_ms"]) == ["gemm", "tree_attention"]
 
 
+def test_longspec_speed_times_sampling_rounds_at_a_temperature(tmp_path, capsys):
+  out = tmp_path / "speed.json"
+  assert longspec_speed.main(["--smoke", "--temperature=1", f"--out={out}"]) == 0
+  (row,) = json.loads(out.read_text())["rows"]
+  assert "error" not in row, row
+  assert row["temperature"] == 1.0 and row["ar_step_ms"] > 0 and row["round_ms"] > 0
+  assert "temperature 1," in capsys.readouterr().out
+  with pytest.raises(cl.UsageError, match=r"--temperature must be >= 0 \(0 is greedy\), got -1.0"):
+    longspec_speed.main(["--smoke", "--temperature=-1"])
+
+
 def test_longspec_speed_skips_a_row_the_device_cannot_hold(monkeypatch, capsys):
   monkeypatch.setattr(longspec_speed, "_memory_limit", lambda: 1024)
   assert longspec_speed.main(["--smoke"]) == 0
