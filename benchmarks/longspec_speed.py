@@ -265,8 +265,8 @@ def _random_caches(model, batch: int, capacity: int, seed: int, length, mesh=Non
   ]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3), donate_argnums=2)
-def _autoregressive_step(model, params, state, temperature: float = 0.0):
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
+def _autoregressive_step(model, temperature: float, params, state):
   """`continue_decoding`'s step: state (caches, token int32 [batch], position int32) -> (next
   token, the next state); greedy at temperature 0, else sampled (every call from one key)."""
   caches, token, position = state
@@ -407,7 +407,7 @@ def measure(
     caches = jax.block_until_ready(_random_caches(target, batch, capacity, 1, jnp.int32(committed), mesh))
     row["kv_cache_gib"] = tree_bytes(caches) / GIB
     progress(f"{where} caches filled ({row['kv_cache_gib']:.2f} GiB)")
-    step = lambda state: _autoregressive_step(target, target_params, state, args.temperature)
+    step = functools.partial(_autoregressive_step, target, args.temperature, target_params)
     time_calls("AR step", "ar_step", step, (caches, prompt[:, -1], jnp.int32(committed)))
     del caches
 
