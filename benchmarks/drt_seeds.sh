@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Passkey retrieval over several seeds of the tiny DRT recipe, against the random-retriever
-# control, on one GPU within a time budget (docs/reproduction.md, GCA / DRT):
-#   1. stage 1, configs/drt_tiny_retrieval.py, SEEDS seeds vmapped in one process. It reads
+# control, on one or more GPUs within a time budget (docs/reproduction.md, GCA / DRT):
+#   1. stage 1, configs/drt_tiny_retrieval.py, SEEDS seeds vmapped in one process per GPU (each
+#      GPU its share of the seeds: train.seed_indices, one workdir). It reads
 #      every earlier chunk (top_k 17 of 17 chunks), where a learned and a random retriever
 #      read the same set, so both arms share it;
 #   2. stage 2, configs/drt_tiny_retrieval_topk.py from stage 1 (train.init_from: seed k from
 #      seed k), two processes at once: retriever "learned" (the recipe) and "random" (the
-#      control: top-4 drawn uniformly among the earlier chunks, GCA still learned);
+#      control: top-4 drawn uniformly among the earlier chunks, GCA still learned), arm i on
+#      GPU i mod GPUS;
 #   3. python -m castle_jax.eval.passkey --top_k=4 on every seed of both arms, every
-#      (arm, seed) at once, one process and one JSON per length;
+#      (arm, seed) at once (spread over the GPUs), one process and one JSON per length;
 #   4. a summary: per arm and length, how many seeds reach THRESHOLD all-digit accuracy.
 # Each stage stops at its time limit (SIGTERM saves a checkpoint, the next stage starts from
 # it) and the whole script ends by BUDGET_SECONDS, keeping what it has: metrics.jsonl and
@@ -29,6 +31,9 @@
 # be new each call. On a machine that stays up between calls, RUNS can stay in place; else
 # carry it (checkpoints of the tiny model: a few MB per seed).
 #
+# GPUS: the GPUs to use (default: those nvidia-smi lists; 1 without one). Stage 1 needs the same
+# GPUS in every call of a chain (each process resumes its own seeds from their newest checkpoint).
+#
 # STAGE1_STEPS and STAGE2_STEPS are the schedules' lengths (default the recipe's: 16,000 and
 # 5,000; the time limits usually stop the runs first, as the time limit stopped the run that
 # produced the shipped model at step ~13,600). EVALS: length:examples pairs (all the prompts of
@@ -40,6 +45,12 @@ OUT=$(realpath -m "${OUT:-runs/drt_seeds_results}")
 RUNS=$(realpath -m "${RUNS:-runs/drt_seeds}")
 cd "$(dirname "$0")/.." || exit 1  # the repository root: python -m train, configs/
 SEEDS=${SEEDS:-4}
+if [ -z "${GPUS:-}" ]; then
+  GPUS=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU')
+  [ "$GPUS" -ge 1 ] 2> /dev/null || GPUS=1
+fi
+[[ $GPUS =~ ^[1-9][0-9]*$ ]] || { echo "ERROR: GPUS=$GPUS: pass a number of GPUs >= 1" >&2; exit 2; }
+[[ $SEEDS =~ ^[1-9][0-9]*$ ]] || { echo "ERROR: SEEDS=$SEEDS: pass a number of seeds >= 1" >&2; exit 2; }
 THRESHOLD=${THRESHOLD:-0.9}
 START=$(date +%s)
 if [ "${SMOKE:-0}" = 1 ]; then
@@ -93,34 +104,50 @@ collect() {  # workdir name: keep each seed's metrics.jsonl and config.json unde
     cp "$workdir/seed_$seed/metrics.jsonl" "$workdir/seed_$seed/config.json" "$OUT/$name/seed_$seed/" 2>/dev/null
   done
 }
-train_stage() {  # seconds workdir log config [flags...]: exit status 0 (done) or 124 (stopped at its limit)
-  local seconds=$1 workdir=$2 log=$3 config=$4; shift 4
+train_stage() {  # seconds workdir log gpu config [flags...]: exit status 0 (done) or 124 (stopped at its limit)
+  local seconds=$1 workdir=$2 log=$3 gpu=$4 config=$5; shift 5
   if [ "$seconds" -lt 40 ]; then note "$(basename "$workdir"): no time left"; return 1; fi
   # SIGTERM saves the step in flight (every seed) and exits; KILL only if that hangs.
-  timeout -k 15 -s TERM "$((seconds - 20))" "$PY" -m train --config="$config" --workdir="$workdir" \
-      --config.train.seeds="$SEEDS" --config.train.progress_bar=False "$@" > "$OUT/logs/$log.log" 2>&1
+  CUDA_VISIBLE_DEVICES=$gpu timeout -k 15 -s TERM "$((seconds - 20))" "$PY" -m train --config="$config" \
+      --workdir="$workdir" --config.train.seeds="$SEEDS" --config.train.progress_bar=False "$@" > "$OUT/logs/$log.log" 2>&1
   local status=$?
-  note "$(basename "$workdir"): exit status $status (124: stopped at the time limit after saving)"
+  note "$log: exit status $status (124: stopped at the time limit after saving)"
   tail -n 3 "$OUT/logs/$log.log"
   return "$status"
 }
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
   "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tail -n 1; } > "$OUT/device.txt"
-note "start: $SEEDS seeds, budget ${BUDGET_SECONDS}s, evals $EVALS"
+note "start: $SEEDS seeds on $GPUS GPU(s), budget ${BUDGET_SECONDS}s, evals $EVALS"
 
 wanted() { [[ $STAGES == *" $1 "* ]]; }
 later=0  # seconds kept for the parts after stage 1
 wanted 2 && later=$((later + STAGE2_SECONDS))
 wanted eval && later=$((later + EVAL_SECONDS))
 
-# 1. Stage 1, shared by both arms. The GPU holds one process: most of its memory.
+# 1. Stage 1, shared by both arms. Each GPU holds one process (its seeds): most of its memory.
 stage1=0
 if wanted 1; then
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.5
-  train_stage "$(limit "$STAGE1_SECONDS" "$later")" "$RUNS/stage1" stage1 configs/drt_tiny_retrieval.py \
-      --config.train.steps="$STAGE1_STEPS" "${stage1_size[@]}" "$@"
-  stage1=$?
+  seconds=$(limit "$STAGE1_SECONDS" "$later")
+  processes=$(( GPUS < SEEDS ? GPUS : SEEDS ))
+  pids=()
+  for gpu in $(seq 0 $((processes - 1))); do
+    indices=()
+    for seed in $(seq "$gpu" "$processes" $((SEEDS - 1))); do indices+=("$seed"); done
+    share=() log=stage1
+    if [ "$processes" -gt 1 ]; then
+      share=(--config.train.seed_indices="($(IFS=,; echo "${indices[*]}"),)") log=stage1_gpu$gpu
+    fi
+    train_stage "$seconds" "$RUNS/stage1" "$log" "$gpu" configs/drt_tiny_retrieval.py \
+        --config.train.steps="$STAGE1_STEPS" "${share[@]}" "${stage1_size[@]}" "$@" &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do  # 0 if every process finished, 124 if one stopped at the limit, else its failure
+    wait "$pid"
+    status=$?
+    if [ "$status" != 0 ] && { [ "$stage1" = 0 ] || [ "$stage1" = 124 ]; }; then stage1=$status; fi
+  done
 elif [ ! -d "$RUNS/stage1" ]; then
   stage1=1
   note "STAGES has no 1 and $RUNS/stage1 does not exist"
@@ -134,36 +161,40 @@ elif [ "$stage1" = 0 ] || [ "$stage1" = 124 ]; then
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.3
   seconds=$(limit "$STAGE2_SECONDS" "$EVAL_SECONDS")
   kwargs="'chunk_size': 31, 'top_k': 4, 'retrieval_groups': 1, 'encoder_layers': 1, 'gca_output': 'residual'"
+  lane=0
   for arm in $ARMS; do
-    train_stage "$seconds" "$RUNS/stage2_$arm" "stage2_$arm" configs/drt_tiny_retrieval_topk.py \
+    gpu=$((lane++ % GPUS))  # counted here: a background command's expansions happen in its subshell
+    train_stage "$seconds" "$RUNS/stage2_$arm" "stage2_$arm" "$gpu" configs/drt_tiny_retrieval_topk.py \
         --config.train.init_from="$RUNS/stage1" --config.train.steps="$STAGE2_STEPS" \
         --config.model.family_kwargs="{$kwargs, 'retriever': '$arm'}" "${stage2_size[@]}" "$@" &
   done
   wait
   for arm in $ARMS; do collect "$RUNS/stage2_$arm" "stage2_$arm"; done
 else
-  note "stage 1 failed (exit status $stage1): no stage 2, no evaluation; see $OUT/logs/stage1.log"
+  note "stage 1 failed (exit status $stage1): no stage 2, no evaluation; see $OUT/logs/stage1*.log"
 fi
 
 # 3. Evaluation: one lane per (arm, seed), all at once; in a lane the lengths in order, each
 #    length one process (a JSON per length survives a later length's time limit).
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.08
-evaluate_lane() {  # arm seed
-  local arm=$1 seed=$2 pair length examples seconds workdir="$RUNS/stage2_$1/seed_$2"
+evaluate_lane() {  # arm seed gpu
+  local arm=$1 seed=$2 gpu=$3 pair length examples seconds workdir="$RUNS/stage2_$1/seed_$2"
   for pair in $(echo "$EVALS" | tr , ' '); do
     length=${pair%%:*} examples=${pair##*:}
     seconds=$(left)
     if [ "$seconds" -lt 20 ]; then note "eval $arm seed $seed length $length: no time left"; return; fi
-    timeout -k 5 "$seconds" "$PY" -m castle_jax.eval.passkey --workdir="$workdir" --top_k=4 \
+    CUDA_VISIBLE_DEVICES=$gpu timeout -k 5 "$seconds" "$PY" -m castle_jax.eval.passkey --workdir="$workdir" --top_k=4 \
         --lengths="$length" --examples="$examples" --batch_size=$((examples < EVAL_BATCH ? examples : EVAL_BATCH)) \
         --output="$OUT/passkey/${arm}_seed${seed}_${length}.json" > "$OUT/logs/eval_${arm}_seed${seed}_${length}.log" 2>&1
     note "eval $arm seed $seed length $length: exit status $?"
   done
 }
 if wanted eval; then
+  lane=0
   for arm in $ARMS; do
     for seed in $(seq 0 $((SEEDS - 1))); do
-      [ -d "$RUNS/stage2_$arm/seed_$seed/checkpoints" ] && evaluate_lane "$arm" "$seed" &
+      gpu=$((lane++ % GPUS))
+      [ -d "$RUNS/stage2_$arm/seed_$seed/checkpoints" ] && evaluate_lane "$arm" "$seed" "$gpu" &
     done
   done
   wait
