@@ -316,7 +316,7 @@ def test_a_run_of_several_seeds_and_a_single_run_never_share_a_workdir(tiny_run_
 
 
 def test_init_from_a_run_of_several_seeds_starts_seed_k_from_its_seed_k(
-  tmp_path, stdlib_data_dir, finished_tiny_run, seed_one_run
+  tmp_path, stdlib_data_dir, finished_tiny_run, seed_one_run, capsys
 ):
   """Vmapped seeds fine-tuned from a run of two seeds: seed k starts from the source's seed k
   (seed 1 equals a single run started from the source's seed_1) and records it; a source
@@ -340,6 +340,15 @@ def test_init_from_a_run_of_several_seeds_starts_seed_k_from_its_seed_k(
     assert _records(str(seed_dir), split="init_from")[0]["source_step"] == 8
   ours, theirs = _records(str(tmp_path / "fine_tune" / "seed_1")), _records(alone.workdir)
   np.testing.assert_allclose([ours[s]["loss"] for s in (1, 2)], [theirs[s]["loss"] for s in (1, 2)], **TOLERANCE)
+
+  # A process of only some seeds names each by its index, not by its place in the process.
+  only_one = tiny_run(
+    tiny, str(tmp_path / "only_one"), stdlib_data_dir, **overrides, **{"train.seeds": 2, "train.seed_indices": (1,)}
+  )
+  capsys.readouterr()
+  train(only_one)
+  printed = "".join(capsys.readouterr())
+  assert f"seed 1: parameters of step 8 of {source / 'seed_1'}" in printed, printed
 
   more = tiny_run(tiny, str(tmp_path / "three"), stdlib_data_dir, **overrides, **{"train.seeds": 3})
   with pytest.raises(ValueError, match=r"holds a run of 2 seeds and seed k starts from its seed k: train.seeds=3"):

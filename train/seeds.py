@@ -276,7 +276,9 @@ def _train_vmapped(
         start = f"resumed from step {resumed_step} ({os.path.join(top, 'seed_*', 'checkpoints', str(resumed_step))})"
       elif init_sources[0] is not None:
         start = (
-          "; ".join(f"seed {k}: parameters of {source.describe()}" for k, source in enumerate(init_sources))
+          "; ".join(
+            f"seed {run.config.seed}: parameters of {source.describe()}" for run, source in zip(runs, init_sources)
+          )
           + " (train.init_from)"
         )
       else:
