@@ -6,9 +6,9 @@
 #      every earlier chunk (top_k 17 of 17 chunks), where a learned and a random retriever
 #      read the same set, so both arms share it;
 #   2. stage 2, configs/drt_tiny_retrieval_topk.py from stage 1 (train.init_from: seed k from
-#      seed k), two processes at once: retriever "learned" (the recipe) and "random" (the
-#      control: top-4 drawn uniformly among the earlier chunks, GCA still learned), arm i on
-#      GPU i mod GPUS;
+#      seed k), both arms at once: retriever "learned" (the recipe) and "random" (the control:
+#      top-4 drawn uniformly among the earlier chunks, GCA still learned); on one GPU a process
+#      per arm, on several a process per (arm, seed) spread over them;
 #   3. python -m castle_jax.eval.passkey --top_k=4 on every seed of both arms, every
 #      (arm, seed) at once (spread over the GPUs), one process and one JSON per length;
 #   4. a summary: per arm and length, how many seeds reach THRESHOLD all-digit accuracy.
@@ -29,7 +29,7 @@
 # STAGES="1 2 eval" (the default). CONTINUE=1 resumes every stage from its newest checkpoint
 # in RUNS (a finished stage returns at once) instead of refusing a RUNS that holds one; OUT must
 # be new each call. On a machine that stays up between calls, RUNS can stay in place; else
-# carry it (checkpoints of the tiny model: a few MB per seed).
+# carry it (a checkpoint of the tiny model: 12 MB per seed with its optimizer state).
 #
 # GPUS: the GPUs to use (default: those nvidia-smi lists; 1 without one). Stage 1 needs the same
 # GPUS in every call of a chain (each process resumes its own seeds from their newest checkpoint).
@@ -121,6 +121,12 @@ train_stage() {  # seconds workdir log gpu config [flags...]: exit status 0 (don
 note "start: $SEEDS seeds on $GPUS GPU(s), budget ${BUDGET_SECONDS}s, evals $EVALS"
 
 wanted() { [[ $STAGES == *" $1 "* ]]; }
+share_of() {  # share processes: the train.seed_indices flag of seeds share, share + processes, ... (none for one process)
+  local share=$1 processes=$2 indices=()
+  [ "$processes" -gt 1 ] || return 0
+  for seed in $(seq "$share" "$processes" $((SEEDS - 1))); do indices+=("$seed"); done
+  echo "--config.train.seed_indices=($(IFS=,; echo "${indices[*]}"),)"
+}
 later=0  # seconds kept for the parts after stage 1
 wanted 2 && later=$((later + STAGE2_SECONDS))
 wanted eval && later=$((later + EVAL_SECONDS))
@@ -133,14 +139,10 @@ if wanted 1; then
   processes=$(( GPUS < SEEDS ? GPUS : SEEDS ))
   pids=()
   for gpu in $(seq 0 $((processes - 1))); do
-    indices=()
-    for seed in $(seq "$gpu" "$processes" $((SEEDS - 1))); do indices+=("$seed"); done
-    share=() log=stage1
-    if [ "$processes" -gt 1 ]; then
-      share=(--config.train.seed_indices="($(IFS=,; echo "${indices[*]}"),)") log=stage1_gpu$gpu
-    fi
+    log=stage1
+    [ "$processes" -gt 1 ] && log=stage1_gpu$gpu
     train_stage "$seconds" "$RUNS/stage1" "$log" "$gpu" configs/drt_tiny_retrieval.py \
-        --config.train.steps="$STAGE1_STEPS" "${share[@]}" "${stage1_size[@]}" "$@" &
+        --config.train.steps="$STAGE1_STEPS" $(share_of "$gpu" "$processes") "${stage1_size[@]}" "$@" &
     pids+=($!)
   done
   for pid in "${pids[@]}"; do  # 0 if every process finished, 124 if one stopped at the limit, else its failure
@@ -161,12 +163,21 @@ elif [ "$stage1" = 0 ] || [ "$stage1" = 124 ]; then
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.3
   seconds=$(limit "$STAGE2_SECONDS" "$EVAL_SECONDS")
   kwargs="'chunk_size': 31, 'top_k': 4, 'retrieval_groups': 1, 'encoder_layers': 1, 'gca_output': 'residual'"
+  # One GPU: a process per arm, its seeds vmapped. Several: a process per (arm, seed), spread
+  # over the GPUs (a tiny DRT's step of one seed is several times faster than its share of a
+  # vmapped step of four).
+  processes=1
+  [ "$GPUS" -gt 1 ] && processes=$SEEDS
   lane=0
   for arm in $ARMS; do
-    gpu=$((lane++ % GPUS))  # counted here: a background command's expansions happen in its subshell
-    train_stage "$seconds" "$RUNS/stage2_$arm" "stage2_$arm" "$gpu" configs/drt_tiny_retrieval_topk.py \
-        --config.train.init_from="$RUNS/stage1" --config.train.steps="$STAGE2_STEPS" \
-        --config.model.family_kwargs="{$kwargs, 'retriever': '$arm'}" "${stage2_size[@]}" "$@" &
+    for share in $(seq 0 $((processes - 1))); do
+      gpu=$((lane++ % GPUS))  # counted here: a background command's expansions happen in its subshell
+      log=stage2_$arm
+      [ "$processes" -gt 1 ] && log=stage2_${arm}_seed$share
+      train_stage "$seconds" "$RUNS/stage2_$arm" "$log" "$gpu" configs/drt_tiny_retrieval_topk.py \
+          --config.train.init_from="$RUNS/stage1" --config.train.steps="$STAGE2_STEPS" $(share_of "$share" "$processes") \
+          --config.model.family_kwargs="{$kwargs, 'retriever': '$arm'}" "${stage2_size[@]}" "$@" &
+    done
   done
   wait
   for arm in $ARMS; do collect "$RUNS/stage2_$arm" "stage2_$arm"; done
