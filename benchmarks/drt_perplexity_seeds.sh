@@ -23,7 +23,7 @@
 # the corpus; default a new folder under /tmp), ARMS ("learned random swa"), SEEDS (3), STEPS
 # (1200 steps of 4 x 16,380 tokens: 78.6M tokens per seed; the cosine schedule's length),
 # ARM_SECONDS (450), LENGTHS (16384,65536: the training length and 4 times it), WINDOWS (32
-# windows per length), GPUS (the GPUs nvidia-smi lists; arms beyond it share GPUs), SOURCE_DIR
+# windows per length), GPUS (those of CUDA_VISIBLE_DEVICES, else those nvidia-smi lists; benchmarks/gpus.sh; arms beyond it share GPUs), SOURCE_DIR
 # (the corpus: the Python sources of PYTHON's site-packages). Extra arguments go to every
 # training run.
 set -u
@@ -32,10 +32,7 @@ PY=${PYTHON:-python3}
 OUT=$(realpath -m "${OUT:-runs/drt_perplexity_seeds}")
 cd "$(dirname "$0")/.." || exit 1  # the repository root: python -m train, configs/
 ARMS=${ARMS:-learned random swa}
-if [ -z "${GPUS:-}" ]; then
-  GPUS=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU')
-  [ "$GPUS" -ge 1 ] 2> /dev/null || GPUS=1
-fi
+source benchmarks/gpus.sh  # GPU_IDS, GPUS, gpu_of
 if [ "${SMOKE:-0}" = 1 ]; then
   SEEDS=${SEEDS:-2} STEPS=${STEPS:-8} ARM_SECONDS=${ARM_SECONDS:-400} LENGTHS=${LENGTHS:-512,1024} WINDOWS=${WINDOWS:-2}
   SOURCE_DIR=${SOURCE_DIR:-$("$PY" -c 'import json, os; print(os.path.dirname(json.__file__))')}
@@ -107,7 +104,7 @@ read -r -a arm_list <<< "$ARMS"
 # Arms that share a GPU split its memory.
 (( ${#arm_list[@]} > GPUS )) && export XLA_PYTHON_CLIENT_MEM_FRACTION=$(awk -v n="$(( (${#arm_list[@]} + GPUS - 1) / GPUS ))" 'BEGIN { printf "%.2f", 0.9 / n }')
 for i in "${!arm_list[@]}"; do
-  train_arm "${arm_list[$i]}" $((i % GPUS)) &
+  train_arm "${arm_list[$i]}" "$(gpu_of "$i")" &
 done
 wait
 
@@ -120,7 +117,7 @@ common_step=$(JAX_PLATFORMS=cpu "$PY" -m castle_jax.eval.common_step "${seed_dir
 if [ "$common_step" -gt 0 ] 2> /dev/null; then
   say "evaluating every seed at step $common_step, the largest that every seed of every arm reached"
   for i in "${!arm_list[@]}"; do
-    evaluate_arm "${arm_list[$i]}" $((i % GPUS)) "$common_step" &
+    evaluate_arm "${arm_list[$i]}" "$(gpu_of "$i")" "$common_step" &
   done
   wait
 else

@@ -31,8 +31,9 @@
 # be new each call. On a machine that stays up between calls, RUNS can stay in place; else
 # carry it (a checkpoint of the tiny model: 12 MB per seed with its optimizer state).
 #
-# GPUS: the GPUs to use (default: those nvidia-smi lists; 1 without one). Stage 1 needs the same
-# GPUS in every call of a chain (each process resumes its own seeds from their newest checkpoint).
+# GPUS: the GPUs to use (default: those of CUDA_VISIBLE_DEVICES, else those nvidia-smi lists; 1
+# without one; benchmarks/gpus.sh). Stage 1 needs the same GPUS in every call of a chain (each
+# process resumes its own seeds from their newest checkpoint).
 #
 # STAGE1_STEPS and STAGE2_STEPS are the schedules' lengths (default the recipe's: 16,000 and
 # 5,000; the time limits usually stop the runs first, as the time limit stopped the run that
@@ -45,11 +46,7 @@ OUT=$(realpath -m "${OUT:-runs/drt_seeds_results}")
 RUNS=$(realpath -m "${RUNS:-runs/drt_seeds}")
 cd "$(dirname "$0")/.." || exit 1  # the repository root: python -m train, configs/
 SEEDS=${SEEDS:-4}
-if [ -z "${GPUS:-}" ]; then
-  GPUS=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU')
-  [ "$GPUS" -ge 1 ] 2> /dev/null || GPUS=1
-fi
-[[ $GPUS =~ ^[1-9][0-9]*$ ]] || { echo "ERROR: GPUS=$GPUS: pass a number of GPUs >= 1" >&2; exit 2; }
+source benchmarks/gpus.sh  # GPU_IDS, GPUS, gpu_of
 [[ $SEEDS =~ ^[1-9][0-9]*$ ]] || { echo "ERROR: SEEDS=$SEEDS: pass a number of seeds >= 1" >&2; exit 2; }
 THRESHOLD=${THRESHOLD:-0.9}
 START=$(date +%s)
@@ -104,11 +101,11 @@ collect() {  # workdir name: keep each seed's metrics.jsonl and config.json unde
     cp "$workdir/seed_$seed/metrics.jsonl" "$workdir/seed_$seed/config.json" "$OUT/$name/seed_$seed/" 2>/dev/null
   done
 }
-train_stage() {  # seconds workdir log gpu config [flags...]: exit status 0 (done) or 124 (stopped at its limit)
-  local seconds=$1 workdir=$2 log=$3 gpu=$4 config=$5; shift 5
+train_stage() {  # seconds workdir log lane config [flags...]: exit status 0 (done) or 124 (stopped at its limit)
+  local seconds=$1 workdir=$2 log=$3 lane=$4 config=$5; shift 5
   if [ "$seconds" -lt 40 ]; then note "$(basename "$workdir"): no time left"; return 1; fi
   # SIGTERM saves the step in flight (every seed) and exits; KILL only if that hangs.
-  CUDA_VISIBLE_DEVICES=$gpu timeout -k 15 -s TERM "$((seconds - 20))" "$PY" -m train --config="$config" \
+  CUDA_VISIBLE_DEVICES=$(gpu_of "$lane") timeout -k 15 -s TERM "$((seconds - 20))" "$PY" -m train --config="$config" \
       --workdir="$workdir" --config.train.seeds="$SEEDS" --config.train.progress_bar=False "$@" > "$OUT/logs/$log.log" 2>&1
   local status=$?
   note "$log: exit status $status (124: stopped at the time limit after saving)"
@@ -138,11 +135,11 @@ if wanted 1; then
   seconds=$(limit "$STAGE1_SECONDS" "$later")
   processes=$(( GPUS < SEEDS ? GPUS : SEEDS ))
   pids=()
-  for gpu in $(seq 0 $((processes - 1))); do
+  for lane in $(seq 0 $((processes - 1))); do
     log=stage1
-    [ "$processes" -gt 1 ] && log=stage1_gpu$gpu
-    train_stage "$seconds" "$RUNS/stage1" "$log" "$gpu" configs/drt_tiny_retrieval.py \
-        --config.train.steps="$STAGE1_STEPS" $(share_of "$gpu" "$processes") "${stage1_size[@]}" "$@" &
+    [ "$processes" -gt 1 ] && log=stage1_gpu$lane
+    train_stage "$seconds" "$RUNS/stage1" "$log" "$lane" configs/drt_tiny_retrieval.py \
+        --config.train.steps="$STAGE1_STEPS" $(share_of "$lane" "$processes") "${stage1_size[@]}" "$@" &
     pids+=($!)
   done
   for pid in "${pids[@]}"; do  # 0 if every process finished, 124 if one stopped at the limit, else its failure
@@ -171,12 +168,12 @@ elif [ "$stage1" = 0 ] || [ "$stage1" = 124 ]; then
   lane=0
   for arm in $ARMS; do
     for share in $(seq 0 $((processes - 1))); do
-      gpu=$((lane++ % GPUS))  # counted here: a background command's expansions happen in its subshell
       log=stage2_$arm
       [ "$processes" -gt 1 ] && log=stage2_${arm}_seed$share
-      train_stage "$seconds" "$RUNS/stage2_$arm" "$log" "$gpu" configs/drt_tiny_retrieval_topk.py \
+      train_stage "$seconds" "$RUNS/stage2_$arm" "$log" "$lane" configs/drt_tiny_retrieval_topk.py \
           --config.train.init_from="$RUNS/stage1" --config.train.steps="$STAGE2_STEPS" $(share_of "$share" "$processes") \
           --config.model.family_kwargs="{$kwargs, 'retriever': '$arm'}" "${stage2_size[@]}" "$@" &
+      lane=$((lane + 1))
     done
   done
   wait
@@ -188,13 +185,13 @@ fi
 # 3. Evaluation: one lane per (arm, seed), all at once; in a lane the lengths in order, each
 #    length one process (a JSON per length survives a later length's time limit).
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.08
-evaluate_lane() {  # arm seed gpu
-  local arm=$1 seed=$2 gpu=$3 pair length examples seconds workdir="$RUNS/stage2_$1/seed_$2"
+evaluate_lane() {  # arm seed lane
+  local arm=$1 seed=$2 lane=$3 pair length examples seconds workdir="$RUNS/stage2_$1/seed_$2"
   for pair in $(echo "$EVALS" | tr , ' '); do
     length=${pair%%:*} examples=${pair##*:}
     seconds=$(left)
     if [ "$seconds" -lt 20 ]; then note "eval $arm seed $seed length $length: no time left"; return; fi
-    CUDA_VISIBLE_DEVICES=$gpu timeout -k 5 "$seconds" "$PY" -m castle_jax.eval.passkey --workdir="$workdir" --top_k=4 \
+    CUDA_VISIBLE_DEVICES=$(gpu_of "$lane") timeout -k 5 "$seconds" "$PY" -m castle_jax.eval.passkey --workdir="$workdir" --top_k=4 \
         --lengths="$length" --examples="$examples" --batch_size=$((examples < EVAL_BATCH ? examples : EVAL_BATCH)) \
         --output="$OUT/passkey/${arm}_seed${seed}_${length}.json" > "$OUT/logs/eval_${arm}_seed${seed}_${length}.log" 2>&1
     note "eval $arm seed $seed length $length: exit status $?"
@@ -204,8 +201,8 @@ if wanted eval; then
   lane=0
   for arm in $ARMS; do
     for seed in $(seq 0 $((SEEDS - 1))); do
-      gpu=$((lane++ % GPUS))
-      [ -d "$RUNS/stage2_$arm/seed_$seed/checkpoints" ] && evaluate_lane "$arm" "$seed" "$gpu" &
+      [ -d "$RUNS/stage2_$arm/seed_$seed/checkpoints" ] && evaluate_lane "$arm" "$seed" "$lane" &
+      lane=$((lane + 1))
     done
   done
   wait

@@ -23,7 +23,7 @@
 #
 # Settings (environment): PYTHON (python3), OUT (runs/lm_seeds; must not hold results yet; receives
 # lm_seeds.tar.gz and a copy of summary.txt), RUNS (checkpoints and the corpus; default a new folder
-# under /tmp, not archived), GPUS (the GPUs nvidia-smi lists; 1 without one), SEEDS (the seeds per
+# under /tmp, not archived), GPUS (those of CUDA_VISIBLE_DEVICES, else those nvidia-smi lists; 1 without one; benchmarks/gpus.sh), SEEDS (the seeds per
 # arm: 4), SEED_LIST (the seed indices this call trains: all), ARMS ("baseline_s castle_swl_s"; the
 # first is the base of the differences), STEPS (320 steps of 32 x 2048 tokens: 21.0M tokens per
 # seed), WARMUP (STEPS / 10), EVAL_EVERY (STEPS / 8), EVAL_BATCHES (32 batches: 2.1M held-out
@@ -45,10 +45,7 @@ RUNS=${RUNS:-}
 SEEDS=${SEEDS:-4}
 SEED_LIST=${SEED_LIST:-$(seq -s ' ' 0 $((SEEDS - 1)))}
 ARMS=${ARMS:-baseline_s castle_swl_s}
-if [ -z "${GPUS:-}" ]; then
-  GPUS=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU')
-  [ "$GPUS" -ge 1 ] 2> /dev/null || GPUS=1
-fi
+source benchmarks/gpus.sh  # GPU_IDS, GPUS, gpu_of
 if [ "$SMOKE" = 1 ]; then
   # Tiny shapes on a CPU: float32 (the CPU's fast type), the XLA attention, a small directory of
   # Python sources as the corpus (the same code path as site-packages), the same layout of runs.
@@ -92,7 +89,6 @@ for k in $SEED_LIST; do
     exit 2
   }
 done
-[[ $GPUS =~ ^[1-9][0-9]*$ ]] || { echo "ERROR: GPUS=$GPUS: pass a number of GPUs >= 1" >&2; exit 2; }
 if [ -e "$OUT/lm_seeds.tar.gz" ] || [ -e "$OUT/summary.txt" ]; then
   echo "ERROR: OUT=$OUT holds the results of an earlier run (never replaced); pass a new OUT" >&2
   exit 2
@@ -179,9 +175,9 @@ run_gpu() {
              --config.train.eval_every="$EVAL_EVERY" --config.train.eval_batches="$EVAL_BATCHES"
              --config.train.checkpoint_every=0 --config.train.progress_bar=False)
     [ "$SMOKE" = 1 ] && command+=("${heads[@]}")
-    echo "gpu $g, at most ${left}s: CUDA_VISIBLE_DEVICES=$g ${command[*]}" >> "$LOGS/commands.txt"
+    echo "gpu $g, at most ${left}s: CUDA_VISIBLE_DEVICES=$(gpu_of "$g") ${command[*]}" >> "$LOGS/commands.txt"
     say "gpu $g: $arm seed $k, at most ${left}s"
-    CUDA_VISIBLE_DEVICES=$g timeout -s TERM -k 20 "$left" "${command[@]}" > "$LOGS/train_${arm}_seed_$k.log" 2>&1
+    CUDA_VISIBLE_DEVICES=$(gpu_of "$g") timeout -s TERM -k 20 "$left" "${command[@]}" > "$LOGS/train_${arm}_seed_$k.log" 2>&1
     status=$?
     case $status in 0) what="finished" ;; 124 | 143) what="stopped at its time limit" ;; 137) what="killed after its time limit" ;; *) what="FAILED" ;; esac
     say "gpu $g: $arm seed $k: exit status $status ($what); last line: $(grep -v '^\s*$' "$LOGS/train_${arm}_seed_$k.log" | tail -1)"

@@ -51,7 +51,9 @@
 # what they use), WORKERS (data.worker_count, grain processes drawing each seed's prompts, so
 # ARMS x SEEDS x WORKERS processes in all: 1, SMOKE 0; drawn in the training process, the prompts of 3
 # seeds x 128 per step took longer than an H100's step of these models, and with 3 workers per seed
-# the later stages' workers of 3 arms x 5 seeds did not start within STAGE_START on a 16-core host). PAIRS, QUERIES and STEPS of the one-stage version are refused with an error naming
+# the later stages' workers of 3 arms x 5 seeds did not start within STAGE_START on a 16-core host), GPUS
+# (those of CUDA_VISIBLE_DEVICES, else those nvidia-smi lists, 1 without one; benchmarks/gpus.sh: arm i
+# trains on the i-th mod GPUS, and the scoring processes are spread likewise). PAIRS, QUERIES and STEPS of the one-stage version are refused with an error naming
 # what replaced them, since a run meant for 32 pairs or 10,000 steps would otherwise run the defaults.
 # Time: training has until DEADLINE - EVAL_RESERVE. When a stage starts it gets STAGE_START seconds for
 # starting (importing, compiling, the data workers' first batch: 30; paid by every stage, however few its
@@ -85,6 +87,7 @@ cd "$(dirname "$0")/.." || exit 1  # the repository root: python -m train, confi
 RUNS=${RUNS:-}
 ARMS=${ARMS:-p2 p4 mha}
 MEM_FRACTION=${MEM_FRACTION:-0.2}
+source benchmarks/gpus.sh  # GPU_IDS, GPUS, gpu_of
 for old in PAIRS QUERIES STEPS; do
   if [ -n "${!old:-}" ]; then
     echo "ERROR: $old is no longer read: the pairs come in stages, each querying all its pairs; set STAGES" \
@@ -256,7 +259,8 @@ train_arm() {
              --config.train.eval_every="$every" --config.train.checkpoint_every="$every"
              ${previous:+--config.train.init_from="$previous"})
     { printf '%q ' "${command[@]}"; echo; } >> "$LOGS/commands_$arm.txt"
-    XLA_PYTHON_CLIENT_MEM_FRACTION=$MEM_FRACTION timeout -s TERM -k 20 "$share" "${command[@]}" > "$log" 2>&1
+    CUDA_VISIBLE_DEVICES=$(gpu_of "$lane") XLA_PYTHON_CLIENT_MEM_FRACTION=$MEM_FRACTION timeout -s TERM -k 20 "$share" "${command[@]}" \
+      > "$log" 2>&1
     status=$?
     case $status in
       0) what="finished" ;;
@@ -283,9 +287,11 @@ train_arm() {
 say "training arms '$ARMS' with $SEEDS seeds each, stages of ${STAGES// /, } pairs," \
   "until $(left "$EVAL_RESERVE")s from now"
 declare -A pids
+lane=0
 for arm in $ARMS; do
-  train_arm "$arm" &
+  train_arm "$arm" &  # on lane $lane, the value it had when the arm's subshell started
   pids[$arm]=$!
+  lane=$((lane + 1))
 done
 declare -A trouble  # arm -> what went wrong with it (said plainly at the end of summary.txt)
 for arm in $ARMS; do
@@ -339,11 +345,13 @@ fi
 budget=$(left 15)
 say "scoring every seed of '${kept[*]}' ($last) at step $step on $EXAMPLES held-out prompts, at most ${budget}s"
 declare -A scoring
+lane=0
 for arm in "${kept[@]}"; do
   for k in $(seq 0 $((SEEDS - 1))); do
-    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s TERM -k 5 "$budget" "$PY" -m castle_jax.eval.tasks \
+    CUDA_VISIBLE_DEVICES=$(gpu_of "$lane") XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s TERM -k 5 "$budget" "$PY" -m castle_jax.eval.tasks \
       --workdir="$RUNS/$arm/$last/seed_$k" --step="$step" --examples="$EXAMPLES" > "$LOGS/tasks_${arm}_seed_$k.log" 2>&1 &
     scoring[$arm/$k]=$!
+    lane=$((lane + 1))
   done
 done
 compared=()

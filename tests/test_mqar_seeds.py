@@ -70,6 +70,7 @@ def test_smoke_run_trains_stage_two_from_stage_one_and_compares_at_its_pairs(tmp
     (dict(D_MODEL="wide"), "N_HEADS, HEAD_DIM and D_MODEL must be positive numbers, got '2', '8', 'wide'"),
     (dict(ARMS="p2 gca"), "ARMS: unknown arm 'gca'; choose from p2 p4 p2_norm p4_norm mha castle castle_swl"),
     (dict(ARMS="mha castle_swl", N_HEADS="3"), "N_HEADS=3 is odd: the castle arms take half of it"),
+    (dict(GPUS="0"), "GPUS=0: pass a number of GPUs >= 1"),
   ],
 )
 def test_bad_settings_are_one_error_line_before_anything_runs(tmp_path, settings, message):
@@ -91,3 +92,21 @@ def test_an_arm_whose_first_stage_fails_runs_no_later_stage_and_is_named(tmp_pat
     why = f"training FAILED in stage1_pairs2 (exit status 3, logs/train_{arm}_stage1.log): no such model"
     assert f"ARM {arm}: {why}" in summary
     assert not (tmp_path / "out" / "logs" / f"train_{arm}_stage2.log").exists()
+
+
+@pytest.mark.parametrize(
+  "settings, expected",
+  [
+    ({"GPUS": "2", "CUDA_VISIBLE_DEVICES": ""}, ["0", "1", "0"]),
+    ({"CUDA_VISIBLE_DEVICES": "4,6"}, ["4", "6", "4"]),  # started on some GPUs: stays on them
+  ],
+)
+def test_arms_train_on_the_gpus_in_turn(tmp_path, settings, expected):
+  """Arm i trains on the i-th GPU (mod GPUS): CUDA_VISIBLE_DEVICES of its processes."""
+  fake = tmp_path / "python"
+  fake.write_text('#!/usr/bin/env bash\necho "on GPU $CUDA_VISIBLE_DEVICES" >&2\nexit 3\n')
+  fake.chmod(0o755)
+  _run(tmp_path, python=str(fake), timeout=120, SMOKE="1", ARMS="p2 mha castle", **settings)
+  logs = tmp_path / "out" / "logs"
+  for arm, gpu in zip(("p2", "mha", "castle"), expected):
+    assert (logs / f"train_{arm}_stage1.log").read_text().strip() == f"on GPU {gpu}", arm
