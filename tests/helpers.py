@@ -73,6 +73,27 @@ def tiny_run(config_module, workdir: str, data_dir: str, **overrides):
   return c
 
 
+def run_seed_script(name: str, tmp_path, *, python: str | None = None, timeout: int = 900, **settings):
+  """Runs benchmarks/<name> with bash, OUT and RUNS under tmp_path, PYTHON (this interpreter by
+  default) and `settings` as environment variables; the CompletedProcess (output captured)."""
+  import os
+  import subprocess
+  import sys
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {
+    **os.environ,
+    "PYTHON": python or sys.executable,
+    "OUT": str(tmp_path / "out"),
+    "RUNS": str(tmp_path / "runs"),
+    **settings,
+  }
+  # One CPU device per process, as on a machine without the test suite's fake devices.
+  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
+  script = os.path.join(root, "benchmarks", name)
+  return subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=timeout)
+
+
 class Interrupt(Exception):
   """Raised from a training callback to stop a run between steps."""
 

@@ -4,26 +4,14 @@ given (on a CPU the processes share it); bad settings are one line each."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "benchmarks", "drt_seeds.sh")
+from helpers import run_seed_script
 
 
-def _run(tmp_path, timeout=900, **settings):
-  env = {
-    **os.environ,
-    "PYTHON": sys.executable,
-    "OUT": str(tmp_path / "out"),
-    "RUNS": str(tmp_path / "runs"),
-    **settings,
-  }
-  # One CPU device per process, as on a machine without the test suite's fake devices.
-  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
-  return subprocess.run(["bash", SCRIPT], env=env, capture_output=True, text=True, timeout=timeout)
+def _run(tmp_path, **settings):
+  return run_seed_script("drt_seeds.sh", tmp_path, **settings)
 
 
 @pytest.mark.parametrize(

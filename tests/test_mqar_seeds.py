@@ -4,21 +4,14 @@ stage's pairs; bad settings and training failures are said plainly."""
 
 import glob
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "benchmarks", "mqar_seeds.sh")
+from helpers import run_seed_script
 
 
-def _run(tmp_path, python=sys.executable, timeout=900, **settings):
-  env = {**os.environ, "PYTHON": python, "OUT": str(tmp_path / "out"), "RUNS": str(tmp_path / "runs"), **settings}
-  # One CPU device per process, as on a machine without the test suite's fake devices.
-  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
-  return subprocess.run(["bash", SCRIPT], env=env, capture_output=True, text=True, timeout=timeout)
+def _run(tmp_path, **settings):
+  return run_seed_script("mqar_seeds.sh", tmp_path, **settings)
 
 
 @pytest.mark.slow  # about 3 minutes on one CPU core: 8 training and 8 scoring processes
