@@ -220,8 +220,8 @@ all_seeds_hold_a_checkpoint() {
 }
 # One arm's stages in order, in the background; its verdict ("ok" or what went wrong) goes to
 # logs/train_<arm>.verdict, since a background job cannot set the caller's variables.
-train_arm() {
-  local arm=$1 i j steps_left time_left stepping share status what previous="" top name log verdict=ok attention command power kwargs
+train_arm() {  # arm lane
+  local arm=$1 lane=$2 i j steps_left time_left stepping share status what previous="" top name log verdict=ok attention command power kwargs
   case $arm in
     p2 | p4 | p2_norm | p4_norm)
       power=${arm#p}
@@ -289,7 +289,7 @@ say "training arms '$ARMS' with $SEEDS seeds each, stages of ${STAGES// /, } pai
 declare -A pids
 lane=0
 for arm in $ARMS; do
-  train_arm "$arm" &  # on lane $lane, the value it had when the arm's subshell started
+  train_arm "$arm" "$lane" &
   pids[$arm]=$!
   lane=$((lane + 1))
 done
