@@ -6,6 +6,7 @@ not fit a 3-D logical sharding annotation; this creates the kernel in its real s
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import flax.linen as nn
@@ -40,7 +41,17 @@ class Linear(nn.Module):
     if len(self.axes) != len(shape):
       raise ValueError(f"Linear {self.name}: {len(self.axes)} axis names {self.axes} for a kernel of shape {shape}")
     kernel = self.param("kernel", with_axes(nn.initializers.normal(self.init_std), self.axes), shape, self.param_dtype)
-    y = jnp.tensordot(x.astype(self.dtype), kernel.astype(self.dtype), axes=self.contract_dims)
+    x = x.astype(self.dtype)
+    leading = x.shape[: x.ndim - self.contract_dims]
+    if math.prod(leading) == 1:
+      # One token (batch-1 decoding): XLA's GPU compiler rewrites a vector-matrix product with a
+      # small matrix into an elementwise multiply, which writes the whole product, and a reduction
+      # that reads it back; a product of two equal rows stays a matrix product.
+      contracted = x.shape[len(leading) :]
+      rows = jnp.broadcast_to(x.reshape(1, *contracted), (2, *contracted))
+      y = jnp.tensordot(rows, kernel.astype(self.dtype), axes=self.contract_dims)[0].reshape(*leading, *self.features)
+    else:
+      y = jnp.tensordot(x, kernel.astype(self.dtype), axes=self.contract_dims)
     if self.use_bias:
       bias_axes = tuple(self.axes[self.contract_dims :])
       bias = self.param("bias", with_axes(nn.initializers.zeros, bias_axes), tuple(self.features), self.param_dtype)
