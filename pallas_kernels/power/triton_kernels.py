@@ -23,8 +23,14 @@ costs two K = 16 products per block (a quarter of a state product each) but keep
 tile in the layout the products use: the alternatives (a [rows, A, 16] outer product
 reshaped to [rows, W], or gathered column loads) go through shared memory or uncoalesced
 loads on every block. The backward maps gradients of phi's columns back to x's features
-with the transposed selections (to [rows, 16]) and a 0/1 placement into x's d columns
-(the [rows, 16] partial sums are rounded once to the product dtype for it).
+with the transposed selections.
+
+Up to head dim 64 (`unrolls_tile_pairs`) the query-state and state-gradient kernels unroll
+the tile pairs in Python: each pair's x_t E_tile is built once for its a-groups, and dx
+has one float32 [rows, 16] accumulator per tile, known when the pair is traced. Larger heads
+loop over the row blocks, reading each block's tiles from tables, and place each block's
+[rows, 16] feature gradients into dx's d columns with a 0/1 placement product (rounded once
+to the product dtype for it).
 Sums over phi's columns (normalizers) accumulate elementwise in a [rows, W] tile and are
 reduced once at the end.
 
@@ -84,13 +90,24 @@ def _precision(dtype):
   return lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
-def _selectors(first_col, width: int, dtype):
-  """0/1 matrices [16, width]: x_s E_group repeats x_s[:, first_col % 16 + c // 16], x_t E_tile is x_t[:, c % 16]."""
+def _group_selector(offset, width: int, dtype):
+  """0/1 matrix [16, width]: x_s E_group repeats x_s[:, offset + c // 16] in column c (offset: the
+  a-group's first feature within its tile)."""
   feature = lax.broadcasted_iota(jnp.int32, (FEATURE_TILE, width), 0)
   column = lax.broadcasted_iota(jnp.int32, (FEATURE_TILE, width), 1)
-  group = jnp.where(feature == first_col % FEATURE_TILE + column // FEATURE_TILE, 1.0, 0.0).astype(dtype)
-  tile = jnp.where(feature == column % FEATURE_TILE, 1.0, 0.0).astype(dtype)
-  return group, tile
+  return jnp.where(feature == offset + column // FEATURE_TILE, 1.0, 0.0).astype(dtype)
+
+
+def _tile_selector(width: int, dtype):
+  """0/1 matrix [16, width]: x_t E_tile is x_t[:, c % 16] in column c (the same for every row block)."""
+  feature = lax.broadcasted_iota(jnp.int32, (FEATURE_TILE, width), 0)
+  column = lax.broadcasted_iota(jnp.int32, (FEATURE_TILE, width), 1)
+  return jnp.where(feature == column % FEATURE_TILE, 1.0, 0.0).astype(dtype)
+
+
+def _selectors(first_col, width: int, dtype):
+  """(E_group, E_tile) of a row block whose a-group starts at column first_col."""
+  return _group_selector(first_col % FEATURE_TILE, width, dtype), _tile_selector(width, dtype)
 
 
 def _tile_columns(x_ref, rows, first_col, tile_col):
@@ -115,6 +132,17 @@ def _placement(start, head_dim: int, dtype):
   feature = lax.broadcasted_iota(jnp.int32, (FEATURE_TILE, head_dim), 0)
   column = lax.broadcasted_iota(jnp.int32, (FEATURE_TILE, head_dim), 1)
   return jnp.where(column == start + feature, 1.0, 0.0).astype(dtype)
+
+
+# Tile pairs a kernel unrolls at most (d <= 64): the unrolled code grows with the
+# C(d / 16 + 1, 2) pairs (36 at d = 128) and its compile time with it (benchmarks/RESULTS.md),
+# so larger heads loop over row blocks with their tiles' offsets read from tables.
+MAX_UNROLLED_PAIRS = 10
+
+
+def unrolls_tile_pairs(head_dim: int) -> bool:
+  """Whether the query-state and state-gradient kernels unroll the tile pairs for this head dim."""
+  return len(tile_pairs(head_dim)) <= MAX_UNROLLED_PAIRS
 
 
 def _compiler_params(config: PowerTritonConfig):
@@ -212,8 +240,37 @@ def update_state(
 # Query state + intra-chunk attention + normalization: one program per (query block, batch * head).
 
 
-def _query_state_products(tables, x_ref, state_ref, normalizer_ref, *, row_group: int, precision):
-  """phi(x) S [rows, d_v] and phi(x) . z [rows] for the program's rows x_ref [rows, d]."""
+def _query_state_products_unrolled(x_ref, state_ref, normalizer_ref, *, row_group: int, precision):
+  """phi(x) S [rows, d_v] and phi(x) . z [rows] for the program's rows x_ref [rows, d].
+
+  The tile pairs (s, t) are a Python loop, so that each pair's x_t E_tile factor (with the
+  pair's weight) is built once for its a-groups; only the a-groups are a loop on the device."""
+  rows, head_dim = x_ref.shape
+  dtype = x_ref.dtype
+  width = row_group * FEATURE_TILE
+  groups = FEATURE_TILE // row_group
+  tile_selector = _tile_selector(width, dtype)
+  x_tiles = [x_ref[:, pl.ds(start, FEATURE_TILE)] for start in range(0, head_dim, FEATURE_TILE)]
+  carry = (jnp.zeros((rows, state_ref.shape[-1]), jnp.float32), jnp.zeros((rows, width), jnp.float32))
+  for pair, (s, t, weight) in enumerate(tile_pairs(head_dim)):
+    tile_factor = jnp.dot(x_tiles[t], tile_selector, precision=precision, preferred_element_type=jnp.float32) * weight
+
+    def step(a, carry, pair=pair, s=s, tile_factor=tile_factor):
+      product, dot_normalizer = carry
+      group_selector = _group_selector(a * row_group, width, dtype)
+      phi = jnp.dot(x_tiles[s], group_selector, precision=precision, preferred_element_type=jnp.float32) * tile_factor
+      block_rows = pl.ds((pair * groups + a) * width, width)
+      state = state_ref[block_rows, :]
+      product += jnp.dot(phi.astype(state.dtype), state, precision=precision, preferred_element_type=jnp.float32)
+      return product, dot_normalizer + phi * normalizer_ref[block_rows][None, :]
+
+    carry = lax.fori_loop(0, groups, step, carry)
+  product, dot_normalizer = carry
+  return product, jnp.sum(dot_normalizer, axis=1)
+
+
+def _query_state_products_looped(tables, x_ref, state_ref, normalizer_ref, *, row_group: int, precision):
+  """`_query_state_products_unrolled` as one loop over the row blocks (any head dim)."""
   first_col_ref, tile_col_ref, weight_ref = tables
   rows = x_ref.shape[0]
   width = row_group * FEATURE_TILE
@@ -273,9 +330,12 @@ def _query_state_attention_kernel(
   g_q = g_ref[pl.ds(q_start, block_q)]
 
   if with_state:
-    numerator, denominator = _query_state_products(
-      (first_col_ref, tile_col_ref, weight_ref), q_ref, *state_refs, row_group=row_group, precision=precision
-    )
+    if unrolls_tile_pairs(q_ref.shape[-1]):
+      products = _query_state_products_unrolled(q_ref, *state_refs, row_group=row_group, precision=precision)
+    else:
+      tables = (first_col_ref, tile_col_ref, weight_ref)
+      products = _query_state_products_looped(tables, q_ref, *state_refs, row_group=row_group, precision=precision)
+    numerator, denominator = products
     discount = jnp.exp(g_q)
     numerator *= discount[:, None]
     denominator *= discount
@@ -388,6 +448,104 @@ def query_state_attention(
 # Backward: gradients through a state product, and the intra-chunk attention.
 
 
+def _state_gradient_unrolled(
+  x_ref, cotangent, cotangent_normalizer, state_ref, normalizer_ref, *, with_product, row_group, precision
+):
+  """dx as (first column, x tile, dx tile) pieces of 16 columns, and phi(x) S (with_product).
+
+  The tile pairs (s, t) are a Python loop, so each pair's two tiles of dx are accumulators of
+  their own ([rows, 16] each) and the pair's x_t E_tile factor is built once for its a-groups;
+  only the a-groups of a pair are a loop on the device."""
+  rows, head_dim = x_ref.shape
+  dtype = x_ref.dtype
+  width = row_group * FEATURE_TILE
+  groups = FEATURE_TILE // row_group
+  tile_selector = _tile_selector(width, dtype)
+  x_tiles = [x_ref[:, pl.ds(start, FEATURE_TILE)] for start in range(0, head_dim, FEATURE_TILE)]
+  dx_tiles = [jnp.zeros((rows, FEATURE_TILE), jnp.float32) for _ in x_tiles]
+  product = jnp.zeros((rows, state_ref.shape[-1] if with_product else FEATURE_TILE), jnp.float32)
+
+  for pair, (s, t, weight) in enumerate(tile_pairs(head_dim)):
+    tile_factor = jnp.dot(x_tiles[t], tile_selector, precision=precision, preferred_element_type=jnp.float32)
+
+    def step(a, carry, pair=pair, s=s, t=t, weight=weight, tile_factor=tile_factor):
+      dx_s, dx_t, product = carry
+      group_selector = _group_selector(a * row_group, width, dtype)
+      group_factor = jnp.dot(x_tiles[s], group_selector, precision=precision, preferred_element_type=jnp.float32)
+      block_rows = pl.ds((pair * groups + a) * width, width)
+      state = state_ref[block_rows, :]  # [W, d_v]
+      m = jnp.dot(cotangent, state.T, precision=precision, preferred_element_type=jnp.float32)
+      m = (m + cotangent_normalizer[:, None] * normalizer_ref[block_rows][None, :]) * weight
+      # d/dx of sum_c m_c (x_s E_group)_c (x_t E_tile)_c, through the transposed selections to
+      # each tile's 16 features.
+      dx_s += jnp.dot(
+        (m * tile_factor).astype(dtype), group_selector.T, precision=precision, preferred_element_type=jnp.float32
+      )
+      d_t = jnp.dot(
+        (m * group_factor).astype(dtype), tile_selector.T, precision=precision, preferred_element_type=jnp.float32
+      )
+      if s == t:
+        dx_s += d_t
+      else:
+        dx_t += d_t
+      if with_product:
+        phi = (group_factor * tile_factor * weight).astype(state.dtype)
+        product += jnp.dot(phi, state, precision=precision, preferred_element_type=jnp.float32)
+      return dx_s, dx_t, product
+
+    # On the diagonal (s = t) both terms go to dx_s; the second accumulator is a placeholder.
+    dx_t_init = dx_tiles[t] if s != t else jnp.zeros((rows, FEATURE_TILE), jnp.float32)
+    dx_tiles[s], dx_t, product = lax.fori_loop(0, groups, step, (dx_tiles[s], dx_t_init, product))
+    if s != t:
+      dx_tiles[t] = dx_t
+  return [(index * FEATURE_TILE, x, dx) for index, (x, dx) in enumerate(zip(x_tiles, dx_tiles))], product
+
+
+def _state_gradient_looped(
+  tables, x_ref, cotangent, cotangent_normalizer, state_ref, normalizer_ref, *, with_product, row_group, precision
+):
+  """`_state_gradient_unrolled` as one loop over the row blocks (any head dim): each block's
+  [rows, 16] feature gradients go to dx's d columns through a 0/1 placement product."""
+  first_col_ref, tile_col_ref, weight_ref = tables
+  rows, head_dim = x_ref.shape
+  dtype = x_ref.dtype
+  width = row_group * FEATURE_TILE
+  every_row = pl.ds(0, rows)
+
+  def step(block, carry):
+    dx, product = carry
+    first_col, tile_col = first_col_ref[block], tile_col_ref[block]
+    selectors = _selectors(first_col, width, dtype)
+    group, tile = _factors(_tile_columns(x_ref, every_row, first_col, tile_col), selectors, precision)
+    block_rows = pl.ds(block * width, width)
+    state = state_ref[block_rows, :]  # [W, d_v]
+    weight = weight_ref[block]
+    m = jnp.dot(cotangent, state.T, precision=precision, preferred_element_type=jnp.float32)
+    m = (m + cotangent_normalizer[:, None] * normalizer_ref[block_rows][None, :]) * weight
+    for factor, selector, start in (
+      (tile, selectors[0], first_col // FEATURE_TILE * FEATURE_TILE),
+      (group, selectors[1], tile_col),
+    ):
+      d_features = jnp.dot(
+        (m * factor).astype(dtype), selector.T, precision=precision, preferred_element_type=jnp.float32
+      )
+      dx += jnp.dot(
+        d_features.astype(dtype),
+        _placement(start, head_dim, dtype),
+        precision=precision,
+        preferred_element_type=jnp.float32,
+      )
+    if with_product:
+      phi = (group * tile * weight).astype(state.dtype)
+      product += jnp.dot(phi, state, precision=precision, preferred_element_type=jnp.float32)
+    return dx, product
+
+  value_dim = state_ref.shape[-1] if with_product else FEATURE_TILE
+  init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.zeros((rows, value_dim), jnp.float32))
+  dx, product = lax.fori_loop(0, first_col_ref.shape[0], step, init)
+  return [(0, x_ref[...], dx)], product
+
+
 def _state_gradient_kernel(
   first_col_ref,
   tile_col_ref,
@@ -404,50 +562,19 @@ def _state_gradient_kernel(
   precision,
 ):
   """dx and phi(x) . M for M_i = S c_i + z c^z_i; optionally phi(x) S."""
-  rows, head_dim = x_ref.shape
-  dtype = x_ref.dtype
-  width = row_group * FEATURE_TILE
-  every_row = pl.ds(0, rows)
-  cotangent = cotangent_ref[...]
-  cotangent_normalizer = cotangent_normalizer_ref[...]
-
-  def step(block, carry):
-    dx, product = carry
-    first_col, tile_col = first_col_ref[block], tile_col_ref[block]
-    selectors = _selectors(first_col, width, dtype)
-    group, tile = _factors(_tile_columns(x_ref, every_row, first_col, tile_col), selectors, precision)
-    block_rows = pl.ds(block * width, width)
-    state = state_ref[block_rows, :]  # [W, d_v]
-    weight = weight_ref[block]
-    m = jnp.dot(cotangent, state.T, precision=precision, preferred_element_type=jnp.float32)
-    m = (m + cotangent_normalizer[:, None] * normalizer_ref[block_rows][None, :]) * weight
-    # d/dx of sum_c m_c (x_s E_group)_c (x_t E_tile)_c: through the transposed selections
-    # to each tile's 16 features, then a 0/1 placement into x's d columns.
-    for factor, selector, start in (
-      (tile, selectors[0], first_col // FEATURE_TILE * FEATURE_TILE),
-      (group, selectors[1], tile_col),
-    ):
-      d_features = jnp.dot(
-        (m * factor).astype(dtype), selector.T, precision=precision, preferred_element_type=jnp.float32
-      )
-      dx += jnp.dot(
-        d_features.astype(dtype),
-        _placement(start, head_dim, dtype),
-        precision=precision,
-        preferred_element_type=jnp.float32,
-      )
-    if product_refs:
-      phi = (group * tile * weight).astype(state.dtype)
-      product += jnp.dot(phi, state, precision=precision, preferred_element_type=jnp.float32)
-    return dx, product
-
-  value_dim = state_ref.shape[-1] if product_refs else FEATURE_TILE
-  init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.zeros((rows, value_dim), jnp.float32))
-  dx, product = lax.fori_loop(0, first_col_ref.shape[0], step, init)
-  dx_ref[...] = dx
+  inputs = (x_ref, cotangent_ref[...], cotangent_normalizer_ref[...], state_ref, normalizer_ref)
+  options = dict(with_product=bool(product_refs), row_group=row_group, precision=precision)
+  if unrolls_tile_pairs(x_ref.shape[-1]):
+    pieces, product = _state_gradient_unrolled(*inputs, **options)
+  else:
+    pieces, product = _state_gradient_looped((first_col_ref, tile_col_ref, weight_ref), *inputs, **options)
   # phi(x) . M is a homogeneous quadratic in x, so x . d/dx = 2 phi(x) . M (Euler): no
   # running sum over phi's columns needed.
-  phi_dot_ref[...] = 0.5 * jnp.sum(x_ref[...].astype(jnp.float32) * dx, axis=1)
+  phi_dot = jnp.zeros((x_ref.shape[0],), jnp.float32)
+  for start, x, dx in pieces:
+    dx_ref[:, pl.ds(start, dx.shape[1])] = dx
+    phi_dot += jnp.sum(x.astype(jnp.float32) * dx, axis=1)
+  phi_dot_ref[...] = 0.5 * phi_dot
   if product_refs:
     product_refs[0][...] = product
 

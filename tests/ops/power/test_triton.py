@@ -93,6 +93,21 @@ def test_entry_point_with_states_in_another_layout_and_length_one():
   )
 
 
+@pytest.fixture(params=["unrolled", "looped"])
+def tile_pair_loop(request, monkeypatch):
+  """Runs a test with the tile pairs unrolled (as for head dims <= 64) and as a loop over the
+  row blocks (as for larger heads), at the tests' head dim."""
+  if request.param == "looped":
+    monkeypatch.setattr(triton_kernels, "MAX_UNROLLED_PAIRS", 0)
+  assert triton_kernels.unrolls_tile_pairs(D_HEAD) == (request.param == "unrolled")
+  return request.param
+
+
+def test_head_dims_up_to_64_unroll_the_tile_pairs():
+  assert [triton_kernels.unrolls_tile_pairs(d) for d in (16, 32, 64, 128)] == [True, True, True, False]
+
+
+@pytest.mark.usefixtures("tile_pair_loop")
 def test_gradients_match_the_definition():
   inputs = _inputs(3, seq=40)
   initial = _state(4, expansion="tspow", d_tile=16)
@@ -313,6 +328,7 @@ def test_triton_default_chunk_follows_the_sequence(monkeypatch):
   assert seen["chunk_size"] == 128
 
 
+@pytest.mark.usefixtures("tile_pair_loop")
 def test_forward_and_backward_lower_for_an_h100():
   # Interpret mode never builds Triton IR: a construct the Triton lowering rejects (an integer
   # remainder inside nested loops is one) shows only here or on a GPU. Grouped heads, two chunks.
