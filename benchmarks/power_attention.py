@@ -233,7 +233,8 @@ def main(argv) -> int:
     "--breakdown_seq_lens",
     type=cl.optional_positive_int_list,
     default="",
-    help="comma list of lengths at which to also time each Pallas kernel alone (at the first chunk size)",
+    help="comma list of lengths at which to also time each Pallas kernel alone (at the first chunk size), "
+    "once per triton kernel config",
   )
   parser.add_argument("--no_gating", action="store_true")
   parser.add_argument("--iters", type=cl.positive_int, default=10)
@@ -304,9 +305,11 @@ def main(argv) -> int:
   breakdown = []
   if "triton" in impls:
     for seq in args.breakdown_seq_lens:
-      breakdown += kernel_breakdown(
-        args.tokens // seq, seq, args.heads, args.head_dim, min(chunks[0], seq), dtype, args.iters
-      )
+      for spec, config in args.kernel_configs.get("triton", [("", None)]):
+        kernels = kernel_breakdown(
+          args.tokens // seq, seq, args.heads, args.head_dim, min(chunks[0], seq), dtype, args.iters, config
+        )
+        breakdown += [row | {"config": spec or "default"} for row in kernels]
 
   for row in rows:
     if "error" in row:
@@ -343,10 +346,10 @@ def main(argv) -> int:
     ],
   )
   if breakdown:
-    print(f"\n{'kernel (alone)':<24}{'B x T':>13}{'chunk':>7}{'ms':>9}{'TF/s or GB/s':>14}")
+    print(f"\n{'kernel (alone)':<24}{'B x T':>13}{'chunk':>7}{'ms':>9}{'TF/s or GB/s':>14}  config")
     for r in breakdown:
       rate = f"{r['tflops']:.1f} TF/s" if "tflops" in r else f"{r['gb_per_s']:.0f} GB/s"
-      print(f"{r['kernel']:<24}{r['batch']:>5} x {r['seq']:<6}{r['chunk']:>7}{r['ms']:>9.3f}{rate:>14}")
+      print(f"{r['kernel']:<24}{r['batch']:>5} x {r['seq']:<6}{r['chunk']:>7}{r['ms']:>9.3f}{rate:>14}  {r['config']}")
   return 0
 
 
