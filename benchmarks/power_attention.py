@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from castle_jax import command_line as cl
 from castle_jax.ops.attention import causal_attention
 from castle_jax.ops.power import IMPLEMENTATIONS, KERNEL_CONFIGS, power_attention
-from pallas_kernels.power import default_triton_config, triton_discumsum, triton_kernels
+from pallas_kernels.power import default_triton_config, triton, triton_discumsum, triton_kernels
 from benchmarks import timing
 
 
@@ -165,7 +165,7 @@ def kernel_breakdown(batch, seq, heads, head_dim, chunk, dtype, iters, config=No
     ),
     (
       "attention_backward",
-      lambda: triton_kernels.attention_backward(x, x, w, g, w, r, **mha, **opts),
+      lambda: triton.in_chunk_attention_backward(x, x, w, g, w, r, **mha, **opts),
       5 * (chunk + 1) * head_dim * tokens,
     ),
   ]

@@ -25,7 +25,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.power import triton_discumsum, triton_kernels
+from pallas_kernels import device_facts
+from pallas_kernels.power import mosaic_attention_backward, triton_discumsum, triton_kernels
 from pallas_kernels.power.config import FEATURE_TILE, PowerTritonConfig, default_triton_config
 from pallas_kernels.residuals import keep_for_backward
 
@@ -211,6 +212,31 @@ def _output_cotangents(d_out, out_folded, denominator, length):
   return d_num, d_den
 
 
+def in_chunk_attention_backward(q, k, v, g, d_num, d_den, *, heads, kv_heads, chunk, config, interpret):
+  """The in-chunk attention's gradients (`triton_kernels.attention_backward`'s contract) through the
+  kernels `config.attention_backward` names, where they apply."""
+  if config.attention_backward == "mosaic":
+    reason = mosaic_attention_backward.unsupported_reason(
+      head_dim=q.shape[-1], value_dim=v.shape[-1], dtype=q.dtype, chunk=chunk
+    )
+    if reason is None and (interpret or device_facts.is_hopper(device_facts.compute_capability())):
+      return mosaic_attention_backward.attention_backward(
+        q,
+        k,
+        v,
+        g,
+        d_num,
+        d_den,
+        heads=heads,
+        kv_heads=kv_heads,
+        chunk=chunk,
+        interpret=interpret,
+      )
+  return triton_kernels.attention_backward(
+    q, k, v, g, d_num, d_den, heads=heads, kv_heads=kv_heads, chunk=chunk, config=config, interpret=interpret
+  )
+
+
 def _log_gate_gradient(d_g, d_totals, chunk):
   """Gradient of the log-gates [BH, T] from those of G [BH, T] (the cumulative sum within each
   chunk) and of each chunk's total [BH, n] (G's last entry)."""
@@ -274,7 +300,7 @@ def _backward(q, k, v, log_g, state, normalizer, residuals, cotangents, *, scale
   dv = dv_product * decay[..., None]
 
   # Intra-chunk attention.
-  dq_att, dg_q_att, dk_att, dv_att, dg_k_att = triton_kernels.attention_backward(
+  dq_att, dg_q_att, dk_att, dv_att, dg_k_att = in_chunk_attention_backward(
     q_folded, k_folded, v_folded, g, d_num.astype(dtype), d_den, heads=heads, kv_heads=kv_heads, **options
   )
   dq = (dq + dq_att) * scale
@@ -356,7 +382,7 @@ def _power_attention_form_bwd(scale, chunk, config, interpret, saved, d_out):
   kv_heads = k.shape[2]
   q_folded, k_folded, v_folded = _fold_inputs(q, k, v, scale, chunk)
   d_num, d_den = _output_cotangents(d_out, out_folded, denominator, chunk)
-  dq, dg_q, dk, dv, dg_k = triton_kernels.attention_backward(
+  dq, dg_q, dk, dv, dg_k = in_chunk_attention_backward(
     q_folded,
     k_folded,
     v_folded,

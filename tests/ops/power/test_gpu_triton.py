@@ -40,9 +40,15 @@ def _initial_state(seed, batch, kv_heads, head_dim):
   return PowerState(jnp.einsum("bhtD,bhte->bhDe", phi, v), jnp.sum(phi, axis=2))
 
 
-def _run(impl, chunk, inputs, cotangent, initial_state):
+def _run(impl, chunk, inputs, cotangent, initial_state, kernel_config=None):
   attention = functools.partial(
-    power_attention, chunk_size=chunk, implementation=impl, expansion="tspow", d_tile=16, initial_state=initial_state
+    power_attention,
+    chunk_size=chunk,
+    implementation=impl,
+    expansion="tspow",
+    d_tile=16,
+    initial_state=initial_state,
+    kernel_config=kernel_config,
   )
   _, state = jax.jit(functools.partial(attention, return_final_state=True))(*inputs)
   # Without the state a sequence within one chunk runs the attention form alone.
@@ -82,3 +88,16 @@ def test_compiled_kernels_match_the_chunked_form(head_dim, seq, chunk, heads, kv
   assert rel_err(state.normalizer, expected_state.normalizer) < tolerance
   for name, g, e in zip(("q", "k", "v", "log_g"), grads, expected_grads):
     assert rel_err(g, e) < tolerance, name
+
+
+@pytest.mark.parametrize("head_dim, seq, chunk, heads, kv_heads", [(64, 2048, 1024, 6, 2), (128, 1000, 256, 2, 1)])
+def test_mosaic_attention_backward_matches_the_chunked_form(head_dim, seq, chunk, heads, kv_heads):
+  """The in-chunk attention's backward on the Mosaic GPU kernels (bf16, Hopper)."""
+  from pallas_kernels.power import PowerTritonConfig
+
+  inputs, cotangent = _inputs(head_dim + seq + 1, 2, seq, heads, kv_heads, head_dim, jnp.bfloat16)
+  with jax.default_matmul_precision("highest"):
+    expected = _run("xla", chunk, tuple(x.astype(jnp.float32) for x in inputs), cotangent, None)
+  ours = _run("triton", chunk, inputs, cotangent, None, PowerTritonConfig(attention_backward="mosaic"))
+  for name, g, e in zip(("q", "k", "v", "log_g"), ours[2], expected[2]):
+    assert rel_err(g, e) < 2e-2, name

@@ -1,0 +1,373 @@
+"""Backward of power attention's in-chunk attention as Pallas Mosaic GPU (Hopper: wgmma + TMA) kernels.
+
+The math is the Triton `triton_kernels.attention_backward`'s. Within each chunk, with q already
+scaled, G the cumulative log-gate and causal i >= j:
+
+  s_ij = q_i . k_j,   decay_ij = e^{G_i - G_j},   A_ij = s_ij^2 decay_ij
+  dA_ij = dN_i . v_j + dden_i,   dS_ij = 2 s_ij decay_ij dA_ij
+  dq_i = sum_j dS_ij k_j,   dk_j = sum_i dS_ij q_i,   dv_j = sum_i A_ij dN_i
+  dG_i (query side) = sum_j A_ij dA_ij,   dG_j (key side) = -sum_i A_ij dA_ij
+
+Two kernels, one warpgroup per program, each streaming the other side's 64-row tiles through
+a `stages`-deep ring of shared-memory buffers with TMA (the GCA Mosaic kernels' schedule):
+
+- queries: one program per (batch * head, 64-row query tile) walks the key tiles of its chunk
+  up to its own (the diagonal tile masked): S = Q K^T and dP = dN V^T issued together, then
+  dQ += dS K with dS from registers;
+- keys: one program per (batch * kv head, 64-row key tile) walks, for each query head of the
+  kv head, the query tiles from its own to the chunk's end, in the transposed frame (keys as
+  rows, so that dK and dV are wgmma accumulators): S^T = K Q^T and dP^T = V dN^T together,
+  then dV += A^T dN and dK += dS^T Q together.
+
+Each gradient is written once, by one program: no atomics. GPU interpret mode (CPU) stages
+the register operands through shared memory and adds the products after the wgmma
+(`pallas_kernels.mosaic_common`); the H100 lowering test covers the GPU variant.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from pallas_kernels.gca.mosaic_tiles import launch_grid, products_together
+from pallas_kernels.mosaic_common import operand_smem, register_operand, wgmma_zeros
+from pallas_kernels.mosaic_kernel_cache import share_identical_kernels
+
+TILE = 64  # rows of every tile: one warpgroup's wgmma rows
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
+DEFAULT_STAGES = 2
+
+
+def unsupported_reason(*, head_dim: int, value_dim: int, dtype, chunk: int, stages: int = DEFAULT_STAGES) -> str | None:
+  """Why the kernels cannot take these sizes (naming the argument and the fix), or None."""
+  if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+    return (
+      f"the Mosaic in-chunk attention backward takes {[jnp.dtype(d).name for d in SUPPORTED_DTYPES]} (wgmma's "
+      f"16-bit operands), got {jnp.dtype(dtype).name}; use the Triton kernel"
+    )
+  for name, size in (("head_dim", head_dim), ("value_dim", value_dim)):
+    if size not in SUPPORTED_HEAD_DIMS:
+      return f"the Mosaic in-chunk attention backward takes {name} in {SUPPORTED_HEAD_DIMS}, got {size}; use the Triton kernel"
+  if chunk % TILE:
+    return f"the Mosaic in-chunk attention backward needs a chunk that is a multiple of {TILE}, got {chunk}"
+  if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+    return f"stages must be an int >= 1 (ring depth), got {stages!r}"
+  return None
+
+
+def _decay(g_rows, g_cols, row_start, col_start, *, queries_on_rows: bool):
+  """e^{G_query - G_key} where the query is at or after the key, else 0; float32 [64, 64] in the
+  WGMMA layout. `g_rows` / `g_cols`: the rows' and columns' log-gates, already broadcast."""
+  rows = row_start + plgpu.broadcasted_iota(jnp.int32, (TILE, TILE), 0, layout=plgpu.Layout.WGMMA)
+  cols = col_start + plgpu.broadcasted_iota(jnp.int32, (TILE, TILE), 1, layout=plgpu.Layout.WGMMA)
+  causal = rows >= cols if queries_on_rows else cols >= rows
+  exponent = g_rows - g_cols if queries_on_rows else g_cols - g_rows
+  # Past the causal edge the exponent can be positive and overflow: select before exponentiating.
+  return jnp.where(causal, jnp.exp(jnp.where(causal, exponent, 0.0)), 0.0)
+
+
+def _broadcast(vector, axis: int):
+  """A [64] vector as a [64, 64] tile, constant along `axis`."""
+  return lax.broadcast_in_dim(vector, (TILE, TILE), [1 - axis])
+
+
+def _queries_kernel(
+  q_ref,
+  k_ref,
+  v_ref,
+  g_ref,
+  d_num_ref,
+  d_den_ref,
+  dq_ref,
+  dg_ref,
+  query_smem,
+  d_num_smem,
+  vectors_smem,
+  key_ring,
+  value_ring,
+  g_ring,
+  dq_staging,
+  d_scores_staging,
+  input_barrier,
+  step_barriers,
+  *,
+  heads: int,
+  group: int,
+  tiles_per_chunk: int,
+  stages: int,
+  interpreted: bool,
+):
+  """One program: dQ and the query side's dG of one 64-row query tile of one (batch, head)."""
+  batch_head = lax.axis_index("batch_head")
+  query_tile = lax.axis_index("query_tile")
+  batch_kv_head = lax.div(batch_head, heads) * (heads // group) + lax.div(lax.rem(batch_head, heads), group)
+  rows = pl.ds(query_tile * TILE, TILE)
+  first_key_tile = lax.div(query_tile, tiles_per_chunk) * tiles_per_chunk
+  num_steps = query_tile - first_key_tile + 1
+  dtype = query_smem.dtype
+  g_smem, d_den_smem = vectors_smem
+
+  plgpu.copy_gmem_to_smem(q_ref.at[batch_head, rows], query_smem, input_barrier)
+  plgpu.copy_gmem_to_smem(d_num_ref.at[batch_head, rows], d_num_smem, input_barrier)
+  plgpu.copy_gmem_to_smem(g_ref.at[batch_kv_head, rows], g_smem, input_barrier)
+  plgpu.copy_gmem_to_smem(d_den_ref.at[batch_head, rows], d_den_smem, input_barrier)
+
+  def load(step):
+    stage = lax.rem(step, stages)
+    keys = pl.ds((first_key_tile + step) * TILE, TILE)
+    barrier = step_barriers.at[stage]
+    plgpu.copy_gmem_to_smem(k_ref.at[batch_kv_head, keys], key_ring.at[stage], barrier)
+    plgpu.copy_gmem_to_smem(v_ref.at[batch_kv_head, keys], value_ring.at[stage], barrier)
+    plgpu.copy_gmem_to_smem(g_ref.at[batch_kv_head, keys], g_ring.at[stage], barrier)
+
+  for step in range(stages):
+    step = jnp.int32(step)
+    pl.when(step < num_steps)(functools.partial(load, step))
+  plgpu.barrier_wait(input_barrier)
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  column_layout = plgpu.Layout.WGMMA.reduce(0)
+  g_queries = _broadcast(plgpu.load(g_smem, layout=row_layout), 1)
+  d_den = _broadcast(plgpu.load(d_den_smem, layout=row_layout), 1)
+
+  def step_body(step, carry):
+    dq, dg = carry
+    stage = lax.rem(step, stages)
+    plgpu.barrier_wait(step_barriers.at[stage])
+    keys, values = key_ring.at[stage], value_ring.at[stage]
+    scores, d_weights = products_together([(query_smem, keys.T), (d_num_smem, values.T)], shape=(TILE, TILE))
+    g_keys = _broadcast(plgpu.load(g_ring.at[stage], layout=column_layout), 0)
+    decay = _decay(g_queries, g_keys, query_tile * TILE, (first_key_tile + step) * TILE, queries_on_rows=True)
+    d_weights = d_weights + d_den
+    weights = scores * scores * decay
+    dg = dg + jnp.sum(weights * d_weights, axis=1)
+    d_scores = register_operand((2.0 * scores * decay * d_weights).astype(dtype), d_scores_staging)
+    (dq,) = products_together([(d_scores, keys)], inits=(dq,), in_place=not interpreted)
+    pl.when(step + stages < num_steps)(functools.partial(load, step + stages))
+    return dq, dg
+
+  head_dim = query_smem.shape[-1]
+  dg_init = plgpu.layout_cast(jnp.zeros((TILE,), jnp.float32), row_layout)
+  dq, dg = lax.fori_loop(0, num_steps, step_body, (wgmma_zeros((TILE, head_dim)), dg_init))
+  dq_staging[...] = dq
+  g_smem[...] = dg
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(dq_staging, dq_ref.at[batch_head, rows])
+  plgpu.copy_smem_to_gmem(g_smem, dg_ref.at[batch_head, rows])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _keys_kernel(
+  q_ref,
+  k_ref,
+  v_ref,
+  g_ref,
+  d_num_ref,
+  d_den_ref,
+  dk_ref,
+  dv_ref,
+  dg_ref,
+  key_smem,
+  value_smem,
+  g_smem,
+  query_ring,
+  d_num_ring,
+  g_ring,
+  d_den_ring,
+  dk_staging,
+  dv_staging,
+  operand_staging,
+  input_barrier,
+  step_barriers,
+  *,
+  group: int,
+  tiles_per_chunk: int,
+  stages: int,
+  interpreted: bool,
+):
+  """One program: dK, dV and the key side's dG of one 64-row key tile of one (batch, kv head)."""
+  batch_kv_head = lax.axis_index("batch_kv_head")
+  key_tile = lax.axis_index("key_tile")
+  rows = pl.ds(key_tile * TILE, TILE)
+  last_query_tile = (lax.div(key_tile, tiles_per_chunk) + 1) * tiles_per_chunk
+  query_tiles = last_query_tile - key_tile
+  num_steps = group * query_tiles
+  dtype = key_smem.dtype
+
+  plgpu.copy_gmem_to_smem(k_ref.at[batch_kv_head, rows], key_smem, input_barrier)
+  plgpu.copy_gmem_to_smem(v_ref.at[batch_kv_head, rows], value_smem, input_barrier)
+  plgpu.copy_gmem_to_smem(g_ref.at[batch_kv_head, rows], g_smem, input_barrier)
+
+  def step_tile(step):
+    """(batch * head, first query row) of a step: head-major, then query tiles."""
+    head = batch_kv_head * group + lax.div(step, query_tiles)
+    return head, (key_tile + lax.rem(step, query_tiles)) * TILE
+
+  def load(step):
+    stage = lax.rem(step, stages)
+    head, start = step_tile(step)
+    queries = pl.ds(start, TILE)
+    barrier = step_barriers.at[stage]
+    plgpu.copy_gmem_to_smem(q_ref.at[head, queries], query_ring.at[stage], barrier)
+    plgpu.copy_gmem_to_smem(d_num_ref.at[head, queries], d_num_ring.at[stage], barrier)
+    plgpu.copy_gmem_to_smem(g_ref.at[batch_kv_head, queries], g_ring.at[stage], barrier)
+    plgpu.copy_gmem_to_smem(d_den_ref.at[head, queries], d_den_ring.at[stage], barrier)
+
+  for step in range(stages):
+    step = jnp.int32(step)
+    pl.when(step < num_steps)(functools.partial(load, step))
+  plgpu.barrier_wait(input_barrier)
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  column_layout = plgpu.Layout.WGMMA.reduce(0)
+  g_keys = _broadcast(plgpu.load(g_smem, layout=row_layout), 1)
+  weights_staging, d_scores_staging = operand_staging
+
+  def step_body(step, carry):
+    dk, dv, dg = carry
+    stage = lax.rem(step, stages)
+    _, query_start = step_tile(step)
+    plgpu.barrier_wait(step_barriers.at[stage])
+    queries, d_num = query_ring.at[stage], d_num_ring.at[stage]
+    scores_t, d_weights_t = products_together([(key_smem, queries.T), (value_smem, d_num.T)], shape=(TILE, TILE))
+    by_query = lambda ring: _broadcast(plgpu.load(ring.at[stage], layout=column_layout), 0)
+    decay_t = _decay(g_keys, by_query(g_ring), key_tile * TILE, query_start, queries_on_rows=False)
+    d_weights_t = d_weights_t + by_query(d_den_ring)
+    weights_t = scores_t * scores_t * decay_t
+    dg = dg - jnp.sum(weights_t * d_weights_t, axis=1)
+    d_scores_t = register_operand((2.0 * scores_t * decay_t * d_weights_t).astype(dtype), d_scores_staging)
+    weights_t = register_operand(weights_t.astype(dtype), weights_staging)
+    dv, dk = products_together([(weights_t, d_num), (d_scores_t, queries)], inits=(dv, dk), in_place=not interpreted)
+    pl.when(step + stages < num_steps)(functools.partial(load, step + stages))
+    return dk, dv, dg
+
+  head_dim, value_dim = key_smem.shape[-1], value_smem.shape[-1]
+  dg_init = plgpu.layout_cast(jnp.zeros((TILE,), jnp.float32), row_layout)
+  init = (wgmma_zeros((TILE, head_dim)), wgmma_zeros((TILE, value_dim)), dg_init)
+  dk, dv, dg = lax.fori_loop(0, num_steps, step_body, init)
+  dk_staging[...] = dk
+  dv_staging[...] = dv
+  g_smem[...] = dg
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(dk_staging, dk_ref.at[batch_kv_head, rows])
+  plgpu.copy_smem_to_gmem(dv_staging, dv_ref.at[batch_kv_head, rows])
+  plgpu.copy_smem_to_gmem(g_smem, dg_ref.at[batch_kv_head, rows])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def attention_backward(
+  q, k, v, g, d_num, d_den, *, heads: int, kv_heads: int, chunk: int, stages: int = DEFAULT_STAGES, interpret=False
+):
+  """Gradients of the in-chunk attention sum_j A_ij [v_j, 1]: `triton_kernels.attention_backward`'s contract.
+
+  Args:
+    q: [B * heads, T, d] (scaled); k: [B * kv_heads, T, d]; v: [B * kv_heads, T, d_v]; bf16 or f16.
+    g: [B * kv_heads, T] float32 cumulative log-gates within each chunk.
+    d_num: [B * heads, T, d_v] numerator cotangents in q's dtype; d_den: [B * heads, T] float32.
+    chunk: the chunk length, a multiple of 64 dividing T.
+    stages: depth of the rings of streamed tiles.
+    interpret: run in Pallas GPU interpret mode (CPU; slow, for tests).
+
+  Returns:
+    dq [B * heads, T, d], dG from the query side [B * heads, T], dk [B * kv_heads, T, d],
+    dv [B * kv_heads, T, d_v], dG from the key side [B * kv_heads, T]; all float32.
+
+  Raises:
+    ValueError: sizes or a dtype the kernels do not take (naming the argument).
+  """
+  length, head_dim = q.shape[1:]
+  value_dim = v.shape[-1]
+  reason = unsupported_reason(head_dim=head_dim, value_dim=value_dim, dtype=q.dtype, chunk=chunk, stages=stages)
+  if reason:
+    raise ValueError(reason)
+  if length % chunk or k.dtype != q.dtype or v.dtype != q.dtype or d_num.dtype != q.dtype:
+    raise ValueError(
+      f"T ({length}) must be a multiple of chunk ({chunk}) and k, v, d_num in q's dtype {q.dtype}; got "
+      f"{k.dtype}, {v.dtype}, {d_num.dtype}"
+    )
+  share_identical_kernels()
+  return _kernels(
+    q, k, v, g, d_num, d_den, heads=heads, kv_heads=kv_heads, chunk=chunk, stages=stages, interpret=interpret
+  )
+
+
+# Jitted, so that a model's layers, which call it with equal shapes, share one traced program
+# (`pallas_kernels.castle.mosaic` says why).
+@functools.partial(jax.jit, static_argnames=("heads", "kv_heads", "chunk", "stages", "interpret"))
+def _kernels(q, k, v, g, d_num, d_den, *, heads, kv_heads, chunk, stages, interpret):
+  bhq, length, head_dim = q.shape
+  bhk, value_dim = k.shape[0], v.shape[-1]
+  group = heads // kv_heads
+  interpreted = interpret
+  interpret = plgpu.InterpretGPUParams() if interpreted else None
+  dtype = q.dtype
+  tiles_per_chunk = chunk // TILE
+  tiles = length // TILE
+  g = g.astype(jnp.float32)
+  d_den = d_den.astype(jnp.float32)
+  staging = lambda: operand_smem((TILE, TILE), dtype) if interpreted else None
+  vector = lambda: plgpu.SMEM((TILE,), jnp.float32)
+  ring = lambda width, dt: operand_smem((stages, TILE, width), dt)
+  step_barriers = lambda arrivals: plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages)
+
+  queries_call = launch_grid(
+    functools.partial(
+      _queries_kernel,
+      heads=heads,
+      group=group,
+      tiles_per_chunk=tiles_per_chunk,
+      stages=stages,
+      interpreted=interpreted,
+    ),
+    (jax.ShapeDtypeStruct((bhq, length, head_dim), jnp.float32), jax.ShapeDtypeStruct((bhq, length), jnp.float32)),
+    [
+      operand_smem((TILE, head_dim), dtype),  # the query tile
+      operand_smem((TILE, value_dim), dtype),  # its dN
+      (vector(), vector()),  # its log-gates (then dG's staging) and dden
+      ring(head_dim, dtype),  # K tiles
+      ring(value_dim, dtype),  # V tiles
+      plgpu.SMEM((stages, TILE), jnp.float32),  # the key tiles' log-gates
+      operand_smem((TILE, head_dim), jnp.float32),  # dQ's staging
+      staging(),  # dS (interpret mode only)
+      plgpu.Barrier(num_arrivals=4),
+      step_barriers(3),
+    ],
+    grid=(bhq, tiles),
+    grid_names=("batch_head", "query_tile"),
+    interpret=interpret,
+  )
+  dq, dg_q = queries_call(q, k, v, g, d_num, d_den)
+
+  keys_call = launch_grid(
+    functools.partial(
+      _keys_kernel, group=group, tiles_per_chunk=tiles_per_chunk, stages=stages, interpreted=interpreted
+    ),
+    (
+      jax.ShapeDtypeStruct((bhk, length, head_dim), jnp.float32),
+      jax.ShapeDtypeStruct((bhk, length, value_dim), jnp.float32),
+      jax.ShapeDtypeStruct((bhk, length), jnp.float32),
+    ),
+    [
+      operand_smem((TILE, head_dim), dtype),  # the key tile
+      operand_smem((TILE, value_dim), dtype),  # its values
+      vector(),  # its log-gates, then dG's staging
+      ring(head_dim, dtype),  # Q tiles
+      ring(value_dim, dtype),  # dN tiles
+      plgpu.SMEM((stages, TILE), jnp.float32),  # the query tiles' log-gates
+      plgpu.SMEM((stages, TILE), jnp.float32),  # their dden
+      operand_smem((TILE, head_dim), jnp.float32),  # dK's staging
+      operand_smem((TILE, value_dim), jnp.float32),  # dV's staging
+      (staging(), staging()),  # A^T, dS^T (interpret mode only)
+      plgpu.Barrier(num_arrivals=3),
+      step_barriers(4),
+    ],
+    grid=(bhk, tiles),
+    grid_names=("batch_kv_head", "key_tile"),
+    interpret=interpret,
+  )
+  dk, dv, dg_k = keys_call(q, k, v, g, d_num, d_den)
+  return dq, dg_q, dk, dv, dg_k

@@ -1,0 +1,151 @@
+"""The Mosaic GPU backward of power attention's in-chunk attention on CPU: GPU interpret mode runs
+the same kernel code (TMA copies, barriers, wgmma), and the Mosaic lowering for an H100 runs on CPU.
+
+Against the gradients jax takes of the in-chunk attention written from its definition in float32
+(numerator sum_j A_ij v_j and denominator sum_j A_ij, A_ij = (q_i . k_j)^2 e^{G_i - G_j} within a
+chunk, causal), and against the Triton kernel in interpret mode; grouped heads, two chunks of two
+tiles each, head dims 64 and 128, a ring shallower than a program's steps, and bad input.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import mosaic_kernels_lowered_for_h100, rel_err
+from pallas_kernels.power import PowerTritonConfig, mosaic_attention_backward, triton_kernels
+
+pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
+
+B, HQ, HKV, CHUNK = 1, 4, 2, 128
+
+
+def _inputs(seed, seq, head_dim, value_dim, dtype=jnp.bfloat16):
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  q = (normal(B * HQ, seq, head_dim) * head_dim**-0.5).astype(dtype)
+  k = normal(B * HKV, seq, head_dim).astype(dtype)
+  v = normal(B * HKV, seq, value_dim).astype(dtype)
+  log_g = -np.logaddexp(0.0, -(2.0 + rng.standard_normal((B * HKV, seq // CHUNK, CHUNK))))
+  g = jnp.asarray(np.cumsum(log_g, axis=-1).reshape(B * HKV, seq), jnp.float32)
+  d_num = normal(B * HQ, seq, value_dim).astype(dtype)
+  d_den = normal(B * HQ, seq)
+  return q, k, v, g, d_num, d_den
+
+
+def _in_chunk_attention(q, k, v, g):
+  """(numerator [BHq, T, d_v], denominator [BHq, T]) from the definition, float32."""
+  group = q.shape[0] // k.shape[0]
+  expand = lambda x: jnp.repeat(x, group, axis=0)
+  k, v, g = expand(k), expand(v), expand(g)
+  seq = q.shape[1]
+  position = jnp.arange(seq)
+  allowed = (position[:, None] >= position[None, :]) & (position[:, None] // CHUNK == position[None, :] // CHUNK)
+  exponent = jnp.where(allowed, g[:, :, None] - g[:, None, :], 0.0)
+  weights = jnp.einsum("bid,bjd->bij", q, k) ** 2 * jnp.where(allowed, jnp.exp(exponent), 0.0)
+  return jnp.einsum("bij,bje->bie", weights, v), jnp.sum(weights, axis=-1)
+
+
+def _reference(q, k, v, g, d_num, d_den):
+  """(dq, dk, dv, dG) float32; dG summed over both sides, per kv head."""
+  f32 = lambda x: x.astype(jnp.float32)
+  _, vjp = jax.vjp(_in_chunk_attention, f32(q), f32(k), f32(v), g)
+  return vjp((f32(d_num), d_den))
+
+
+def _mosaic(*inputs, stages=2):
+  return mosaic_attention_backward.attention_backward(
+    *inputs, heads=HQ, kv_heads=HKV, chunk=CHUNK, stages=stages, interpret=True
+  )
+
+
+def _log_gate_gradient(dg_q, dg_k):
+  return dg_q.reshape(B * HKV, HQ // HKV, -1).sum(axis=1) + dg_k
+
+
+@pytest.mark.parametrize("head_dim, value_dim, stages", [(64, 64, 2), (128, 64, 1)])
+def test_matches_the_definition(head_dim, value_dim, stages):
+  inputs = _inputs(0, 2 * CHUNK, head_dim, value_dim)
+  dq, dg_q, dk, dv, dg_k = jax.jit(functools.partial(_mosaic, stages=stages))(*inputs)
+  expected_dq, expected_dk, expected_dv, expected_dg = _reference(*inputs)
+  assert rel_err(dq, expected_dq) < 1e-2
+  assert rel_err(dk, expected_dk) < 1e-2
+  assert rel_err(dv, expected_dv) < 1e-2
+  assert rel_err(_log_gate_gradient(dg_q, dg_k), expected_dg) < 1e-2
+
+
+def test_matches_the_triton_kernel():
+  inputs = _inputs(1, 2 * CHUNK, 64, 64)
+  ours = jax.jit(_mosaic)(*inputs)
+  config = PowerTritonConfig(block_t=64, block_q=64, block_k=64, grad_block=64)
+  theirs = jax.jit(
+    functools.partial(
+      triton_kernels.attention_backward, heads=HQ, kv_heads=HKV, chunk=CHUNK, config=config, interpret=True
+    )
+  )(*inputs)
+  for name, a, b in zip(("dq", "dg_q", "dk", "dv", "dg_k"), ours, theirs):
+    assert rel_err(a, b) < 1e-2, name
+
+
+def test_lowers_for_an_h100():
+  inputs = _inputs(2, 2 * CHUNK, 64, 64)
+  call = functools.partial(mosaic_attention_backward.attention_backward, heads=HQ, kv_heads=HKV, chunk=CHUNK)
+  assert mosaic_kernels_lowered_for_h100([call], inputs) == [2]
+
+
+@pytest.mark.parametrize(
+  "change, match",
+  [
+    (dict(dtype=jnp.float32), "16-bit operands"),
+    (dict(head_dim=32), "head_dim in"),
+    (dict(chunk=96), "multiple of 64"),
+    (dict(stages=0), "stages must be"),
+  ],
+)
+def test_bad_input(change, match):
+  sizes = dict(head_dim=64, value_dim=64, dtype=jnp.bfloat16, chunk=CHUNK, stages=2) | change
+  assert match in mosaic_attention_backward.unsupported_reason(**sizes)
+  inputs = _inputs(3, 2 * CHUNK, sizes["head_dim"], 64, sizes["dtype"])
+  with pytest.raises(ValueError, match=match):
+    mosaic_attention_backward.attention_backward(
+      *inputs, heads=HQ, kv_heads=HKV, chunk=sizes["chunk"], stages=sizes["stages"]
+    )
+
+
+def test_the_op_takes_it_from_the_kernel_config(monkeypatch):
+  """power_attention_triton with attention_backward="mosaic": the Mosaic kernels run and the
+  gradients agree with the Triton kernels'; with float32 inputs (unsupported) the Triton kernel runs."""
+  from pallas_kernels.power import power_attention_triton
+
+  calls = []
+  kernels = mosaic_attention_backward.attention_backward
+  monkeypatch.setattr(
+    mosaic_attention_backward, "attention_backward", lambda *a, **kw: calls.append(1) or kernels(*a, **kw)
+  )
+  rng = np.random.default_rng(4)
+  seq = 200  # not a multiple of the chunk: padded
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  q, k, v = normal(B, seq, HQ, 64), normal(B, seq, HKV, 64), normal(B, seq, HKV, 64)
+  log_g = jnp.asarray(-np.logaddexp(0.0, -(2.0 + rng.standard_normal((B, seq, HKV)))), jnp.float32)
+  cotangent = normal(B, seq, HQ, 64)
+
+  def grads(config, dtype):
+    def loss(q, k, v, log_g):
+      out, _ = power_attention_triton(q, k, v, log_g, scale=0.125, chunk_size=CHUNK, config=config)
+      return jnp.sum(out.astype(jnp.float32) * cotangent)
+
+    return jax.jit(jax.grad(loss, argnums=range(4)))(q.astype(dtype), k.astype(dtype), v.astype(dtype), log_g)
+
+  mosaic = PowerTritonConfig(attention_backward="mosaic")
+  ours = grads(mosaic, jnp.bfloat16)
+  assert calls
+  theirs = grads(PowerTritonConfig(), jnp.bfloat16)
+  for name, a, b in zip(("q", "k", "v", "log_g"), ours, theirs):
+    assert rel_err(a.astype(jnp.float32), b.astype(jnp.float32)) < 2e-2, name
+  calls.clear()
+  grads(mosaic, jnp.float32)
+  assert not calls
+  with pytest.raises(ValueError, match="attention_backward must be one of"):
+    PowerTritonConfig(attention_backward="cudnn")
