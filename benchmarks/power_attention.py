@@ -150,7 +150,7 @@ def kernel_breakdown(batch, seq, heads, head_dim, chunk, dtype, iters, config=No
     ("update_state", lambda: triton_kernels.update_state(x, w, r, **opts), 2 * dim * head_dim * tokens),
     (
       "query_state_attention",
-      lambda: triton_kernels.query_state_attention(x, x, w, g, state, normalizer, **mha, **opts),
+      lambda: triton.in_chunk_attention_forward(x, x, w, g, state, normalizer, **mha, **opts),
       (2 * dim * head_dim + 2 * (chunk + 1) * head_dim) * tokens,
     ),
     (

@@ -10,7 +10,7 @@ from pallas_kernels.config_checks import check_int_fields, parse_config
 # whose tensor-core products are well shaped). D = C(d / 16 + 1, 2) * 256.
 FEATURE_TILE = 16
 
-ATTENTION_BACKWARDS = ("triton", "mosaic")
+IN_CHUNK_ATTENTIONS = ("triton", "mosaic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,9 +28,10 @@ class PowerTritonConfig:
     grad_block: rows per program of the state-gradient kernel (up to 3.5 products' worth of
       tensor work per row block of phi, so more registers per row than the forward).
     grad_num_warps: warps of the state-gradient kernel.
-    attention_backward: the in-chunk attention's backward kernels: "triton", or "mosaic" (Mosaic
-      GPU, `pallas_kernels.power.mosaic_attention_backward`) where those apply (a Hopper GPU or
-      interpret mode, bf16/f16, head and value dims 64 or 128), else the Triton kernel.
+    in_chunk_attention: the kernels of the attention within each chunk, forward and backward:
+      "triton", or "mosaic" (Mosaic GPU, `pallas_kernels.power.mosaic_attention`) where those
+      apply (a Hopper GPU or interpret mode, bf16/f16, head and value dims 64 or 128), else the
+      Triton kernels.
   """
 
   block_t: int = 64
@@ -41,19 +42,19 @@ class PowerTritonConfig:
   num_stages: int = 3
   grad_block: int = 64
   grad_num_warps: int = 4
-  attention_backward: str = "triton"
+  in_chunk_attention: str = "triton"
 
   def __post_init__(self):
-    not_sizes = ("num_stages", "attention_backward")
+    not_sizes = ("num_stages", "in_chunk_attention")
     check_int_fields(
       self,
       power_of_two=tuple(f.name for f in dataclasses.fields(self) if f.name not in not_sizes),
       tiles=("block_t", "block_q", "block_k", "grad_block"),
-      skip=("attention_backward",),
+      skip=("in_chunk_attention",),
     )
-    if self.attention_backward not in ATTENTION_BACKWARDS:
+    if self.in_chunk_attention not in IN_CHUNK_ATTENTIONS:
       raise ValueError(
-        f"PowerTritonConfig.attention_backward must be one of {ATTENTION_BACKWARDS}, got {self.attention_backward!r}"
+        f"PowerTritonConfig.in_chunk_attention must be one of {IN_CHUNK_ATTENTIONS}, got {self.in_chunk_attention!r}"
       )
     if self.row_group > FEATURE_TILE:
       raise ValueError(f"PowerTritonConfig.row_group must be <= {FEATURE_TILE}, got {self.row_group}")

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import device_facts
-from pallas_kernels.power import mosaic_attention_backward, triton_discumsum, triton_kernels
+from pallas_kernels.power import mosaic_attention, triton_discumsum, triton_kernels
 from pallas_kernels.power.config import FEATURE_TILE, PowerTritonConfig, default_triton_config
 from pallas_kernels.residuals import keep_for_backward
 
@@ -159,7 +159,7 @@ def _forward(q, k, v, log_g, state, normalizer, *, scale, chunk, config, interpr
     state_dtype=q.dtype,
     interpret=interpret,
   )
-  out_folded, denominator = triton_kernels.query_state_attention(
+  out_folded, denominator = in_chunk_attention_forward(
     q_folded,
     k_folded,
     v_folded,
@@ -212,26 +212,47 @@ def _output_cotangents(d_out, out_folded, denominator, length):
   return d_num, d_den
 
 
+def _mosaic_in_chunk_attention(q, v, *, chunk, config, interpret) -> bool:
+  """Whether the attention within chunks runs on the Mosaic GPU kernels: asked for by
+  `config.in_chunk_attention` and they apply (sizes, dtype, a Hopper GPU or interpret mode)."""
+  if config.in_chunk_attention != "mosaic":
+    return False
+  reason = mosaic_attention.unsupported_reason(head_dim=q.shape[-1], value_dim=v.shape[-1], dtype=q.dtype, chunk=chunk)
+  return reason is None and (interpret or device_facts.is_hopper(device_facts.compute_capability()))
+
+
+def in_chunk_attention_forward(q, k, v, g, state, normalizer, *, heads, kv_heads, chunk, config, interpret):
+  """Normalized outputs and denominators (`triton_kernels.query_state_attention`'s contract), the
+  attention within chunks through the kernels `config.in_chunk_attention` names, where they apply."""
+  options = dict(heads=heads, kv_heads=kv_heads, chunk=chunk)
+  if not _mosaic_in_chunk_attention(q, v, chunk=chunk, config=config, interpret=interpret):
+    return triton_kernels.query_state_attention(
+      q, k, v, g, state, normalizer, config=config, interpret=interpret, **options
+    )
+  states = ()
+  if state is not None:
+    states = triton_kernels.query_state_attention(
+      q, k, v, g, state, normalizer, config=config, interpret=interpret, with_attention=False, **options
+    )
+  return mosaic_attention.attention_forward(q, k, v, g, *states, interpret=interpret, **options)
+
+
 def in_chunk_attention_backward(q, k, v, g, d_num, d_den, *, heads, kv_heads, chunk, config, interpret):
   """The in-chunk attention's gradients (`triton_kernels.attention_backward`'s contract) through the
-  kernels `config.attention_backward` names, where they apply."""
-  if config.attention_backward == "mosaic":
-    reason = mosaic_attention_backward.unsupported_reason(
-      head_dim=q.shape[-1], value_dim=v.shape[-1], dtype=q.dtype, chunk=chunk
+  kernels `config.in_chunk_attention` names, where they apply."""
+  if _mosaic_in_chunk_attention(q, v, chunk=chunk, config=config, interpret=interpret):
+    return mosaic_attention.attention_backward(
+      q,
+      k,
+      v,
+      g,
+      d_num,
+      d_den,
+      heads=heads,
+      kv_heads=kv_heads,
+      chunk=chunk,
+      interpret=interpret,
     )
-    if reason is None and (interpret or device_facts.is_hopper(device_facts.compute_capability())):
-      return mosaic_attention_backward.attention_backward(
-        q,
-        k,
-        v,
-        g,
-        d_num,
-        d_den,
-        heads=heads,
-        kv_heads=kv_heads,
-        chunk=chunk,
-        interpret=interpret,
-      )
   return triton_kernels.attention_backward(
     q, k, v, g, d_num, d_den, heads=heads, kv_heads=kv_heads, chunk=chunk, config=config, interpret=interpret
   )
@@ -348,7 +369,7 @@ def _attention_form_forward(q, k, v, log_g, *, scale, chunk, config, interpret):
   batch, seq, heads, _ = q.shape
   q_folded, k_folded, v_folded = _fold_inputs(q, k, v, scale, chunk)
   g, _ = _chunk_gates(_fold(log_g, chunk), chunk)
-  out_folded, denominator = triton_kernels.query_state_attention(
+  out_folded, denominator = in_chunk_attention_forward(
     q_folded,
     k_folded,
     v_folded,

@@ -321,6 +321,7 @@ def _query_state_attention_kernel(
   block_k: int,
   row_group: int,
   with_state: bool,
+  with_attention: bool,
   precision,
 ):
   state_refs, (out_ref, denominator_ref) = refs[:-2], refs[-2:]
@@ -342,6 +343,10 @@ def _query_state_attention_kernel(
   else:
     numerator = jnp.zeros((block_q, v_ref.shape[-1]), jnp.float32)
     denominator = jnp.zeros((block_q,), jnp.float32)
+  if not with_attention:
+    out_ref[...] = numerator
+    denominator_ref[...] = denominator
+    return
   q = q_ref[...]
 
   def step(j, carry):
@@ -382,6 +387,7 @@ def query_state_attention(
   chunk: int,
   config: PowerTritonConfig,
   interpret: bool,
+  with_attention: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
   """Normalized outputs from the incoming chunk states plus the intra-chunk attention.
 
@@ -393,9 +399,14 @@ def query_state_attention(
       dtype), or None: no state enters any chunk (the attention form alone).
     normalizer: [B * kv_heads, n, D] float32, or None with state None.
 
+    with_attention: False leaves out the intra-chunk attention and the normalization (with a
+      state only): then the states' numerators e^{G_i} phi(q_i) S and denominators, float32.
+
   Returns:
     outputs [B * heads, T, d_v] in q's dtype and the denominators [B * heads, T] float32.
   """
+  if not (with_attention or state is not None):
+    raise ValueError("query_state_attention(with_attention=False) needs a state")
   bhq, length, head_dim = q.shape
   value_dim = v.shape[-1]
   block_q = config.block_q
@@ -417,6 +428,7 @@ def query_state_attention(
     block_k=config.block_k,
     row_group=config.row_group,
     with_state=with_state,
+    with_attention=with_attention,
     precision=_precision(q.dtype),
   )
   return pl.pallas_call(
@@ -435,12 +447,14 @@ def query_state_attention(
       pl.BlockSpec((None, block_q), lambda i, b: (b, i)),
     ],
     out_shape=[
-      jax.ShapeDtypeStruct((bhq, length, value_dim), q.dtype),
+      jax.ShapeDtypeStruct((bhq, length, value_dim), q.dtype if with_attention else jnp.float32),
       jax.ShapeDtypeStruct((bhq, length), jnp.float32),
     ],
     compiler_params=_compiler_params(config),
     interpret=interpret,
-    name="power_query_state_attention" if with_state else "power_attention_form",
+    name=("power_query_state_attention" if with_attention else "power_query_state")
+    if with_state
+    else "power_attention_form",
   )(*tables, q, k, v, g, *state_args)
 
 

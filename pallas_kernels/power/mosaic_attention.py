@@ -77,6 +77,90 @@ def _broadcast(vector, axis: int):
   return lax.broadcast_in_dim(vector, (TILE, TILE), [1 - axis])
 
 
+def _forward_kernel(
+  q_ref,
+  k_ref,
+  v_ref,
+  g_ref,
+  *refs,
+  heads: int,
+  group: int,
+  tiles_per_chunk: int,
+  stages: int,
+  with_state: bool,
+  interpreted: bool,
+):
+  """One program: the normalized outputs and denominators of one 64-row query tile of one (batch, head)."""
+  if with_state:
+    state_numerator_ref, state_denominator_ref, *refs = refs
+  (out_ref, denominator_ref, query_smem, vectors_smem, numerator_smem, out_smem, key_ring, value_ring, g_ring) = refs[
+    :9
+  ]
+  weights_staging, input_barrier, step_barriers = refs[9:]
+  batch_head = lax.axis_index("batch_head")
+  query_tile = lax.axis_index("query_tile")
+  batch_kv_head = lax.div(batch_head, heads) * (heads // group) + lax.div(lax.rem(batch_head, heads), group)
+  rows = pl.ds(query_tile * TILE, TILE)
+  first_key_tile = lax.div(query_tile, tiles_per_chunk) * tiles_per_chunk
+  num_steps = query_tile - first_key_tile + 1
+  dtype = query_smem.dtype
+  g_smem, denominator_smem = vectors_smem
+
+  plgpu.copy_gmem_to_smem(q_ref.at[batch_head, rows], query_smem, input_barrier)
+  plgpu.copy_gmem_to_smem(g_ref.at[batch_kv_head, rows], g_smem, input_barrier)
+  if with_state:
+    plgpu.copy_gmem_to_smem(state_numerator_ref.at[batch_head, rows], numerator_smem, input_barrier)
+    plgpu.copy_gmem_to_smem(state_denominator_ref.at[batch_head, rows], denominator_smem, input_barrier)
+
+  def load(step):
+    stage = lax.rem(step, stages)
+    keys = pl.ds((first_key_tile + step) * TILE, TILE)
+    barrier = step_barriers.at[stage]
+    plgpu.copy_gmem_to_smem(k_ref.at[batch_kv_head, keys], key_ring.at[stage], barrier)
+    plgpu.copy_gmem_to_smem(v_ref.at[batch_kv_head, keys], value_ring.at[stage], barrier)
+    plgpu.copy_gmem_to_smem(g_ref.at[batch_kv_head, keys], g_ring.at[stage], barrier)
+
+  for step in range(stages):
+    step = jnp.int32(step)
+    pl.when(step < num_steps)(functools.partial(load, step))
+  plgpu.barrier_wait(input_barrier)
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  column_layout = plgpu.Layout.WGMMA.reduce(0)
+  g_queries = _broadcast(plgpu.load(g_smem, layout=row_layout), 1)
+  value_dim = value_ring.shape[-1]
+  if with_state:
+    numerator = plgpu.load(numerator_smem, layout=plgpu.Layout.WGMMA)
+    denominator = plgpu.load(denominator_smem, layout=row_layout)
+  else:
+    numerator = wgmma_zeros((TILE, value_dim))
+    denominator = plgpu.layout_cast(jnp.zeros((TILE,), jnp.float32), row_layout)
+
+  def step_body(step, carry):
+    numerator, denominator = carry
+    stage = lax.rem(step, stages)
+    plgpu.barrier_wait(step_barriers.at[stage])
+    keys, values = key_ring.at[stage], value_ring.at[stage]
+    (scores,) = products_together([(query_smem, keys.T)], shape=(TILE, TILE))
+    g_keys = _broadcast(plgpu.load(g_ring.at[stage], layout=column_layout), 0)
+    decay = _decay(g_queries, g_keys, query_tile * TILE, (first_key_tile + step) * TILE, queries_on_rows=True)
+    weights = scores * scores * decay
+    denominator = denominator + jnp.sum(weights, axis=1)
+    weights = register_operand(weights.astype(dtype), weights_staging)
+    (numerator,) = products_together([(weights, values)], inits=(numerator,), in_place=not interpreted)
+    pl.when(step + stages < num_steps)(functools.partial(load, step + stages))
+    return numerator, denominator
+
+  numerator, denominator = lax.fori_loop(0, num_steps, step_body, (numerator, denominator))
+  zero = denominator == 0.0
+  inverse = jnp.where(zero, 0.0, 1.0 / jnp.where(zero, 1.0, denominator))
+  out_smem[...] = (numerator * lax.broadcast_in_dim(inverse, numerator.shape, [0])).astype(out_smem.dtype)
+  denominator_smem[...] = denominator
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(out_smem, out_ref.at[batch_head, rows])
+  plgpu.copy_smem_to_gmem(denominator_smem, denominator_ref.at[batch_head, rows])
+  plgpu.wait_smem_to_gmem(0)
+
+
 def _queries_kernel(
   q_ref,
   k_ref,
@@ -259,6 +343,94 @@ def _keys_kernel(
   plgpu.wait_smem_to_gmem(0)
 
 
+def attention_forward(
+  q,
+  k,
+  v,
+  g,
+  state_numerator=None,
+  state_denominator=None,
+  *,
+  heads: int,
+  kv_heads: int,
+  chunk: int,
+  stages: int = DEFAULT_STAGES,
+  interpret=False,
+):
+  """The normalized outputs: `triton_kernels.query_state_attention`'s contract, with the states' part
+  computed beforehand (`triton_kernels.query_state_attention(..., with_attention=False)`).
+
+  Args:
+    q: [B * heads, T, d] (scaled); k: [B * kv_heads, T, d]; v: [B * kv_heads, T, d_v]; bf16 or f16.
+    g: [B * kv_heads, T] float32 cumulative log-gates within each chunk.
+    state_numerator: [B * heads, T, d_v] float32, e^{G_i} phi(q_i) S, or None (no state: the
+      attention form); state_denominator: [B * heads, T] float32, e^{G_i} phi(q_i) . z, with it.
+    chunk, stages, interpret: as `attention_backward`.
+
+  Returns:
+    outputs [B * heads, T, d_v] in q's dtype and the denominators [B * heads, T] float32.
+
+  Raises:
+    ValueError: sizes or a dtype the kernel does not take (naming the argument).
+  """
+  _check(q, k, v, chunk=chunk, stages=stages)
+  share_identical_kernels()
+  states = () if state_numerator is None else (state_numerator, state_denominator.astype(jnp.float32))
+  return _forward(q, k, v, g, *states, heads=heads, kv_heads=kv_heads, chunk=chunk, stages=stages, interpret=interpret)
+
+
+def _check(q, k, v, *, chunk, stages):
+  length, head_dim = q.shape[1:]
+  value_dim = v.shape[-1]
+  reason = unsupported_reason(head_dim=head_dim, value_dim=value_dim, dtype=q.dtype, chunk=chunk, stages=stages)
+  if reason:
+    raise ValueError(reason)
+  if length % chunk or k.dtype != q.dtype or v.dtype != q.dtype:
+    raise ValueError(
+      f"T ({length}) must be a multiple of chunk ({chunk}) and k, v in q's dtype {q.dtype}; got {k.dtype}, {v.dtype}"
+    )
+
+
+def _ring(stages, width, dtype):
+  return operand_smem((stages, TILE, width), dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("heads", "kv_heads", "chunk", "stages", "interpret"))
+def _forward(q, k, v, g, *states, heads, kv_heads, chunk, stages, interpret):
+  bhq, length, head_dim = q.shape
+  value_dim = v.shape[-1]
+  dtype = q.dtype
+  with_state = bool(states)
+  call = launch_grid(
+    functools.partial(
+      _forward_kernel,
+      heads=heads,
+      group=heads // kv_heads,
+      tiles_per_chunk=chunk // TILE,
+      stages=stages,
+      with_state=with_state,
+      interpreted=interpret,
+    ),
+    (jax.ShapeDtypeStruct((bhq, length, value_dim), dtype), jax.ShapeDtypeStruct((bhq, length), jnp.float32)),
+    [
+      operand_smem((TILE, head_dim), dtype),  # the query tile
+      (plgpu.SMEM((TILE,), jnp.float32), plgpu.SMEM((TILE,), jnp.float32)),  # its log-gates; the denominators
+      operand_smem((TILE, value_dim), jnp.float32),  # the states' numerator
+      operand_smem((TILE, value_dim), dtype),  # the outputs' staging
+      _ring(stages, head_dim, dtype),  # K tiles
+      _ring(stages, value_dim, dtype),  # V tiles
+      plgpu.SMEM((stages, TILE), jnp.float32),  # the key tiles' log-gates
+      operand_smem((TILE, TILE), dtype) if interpret else None,  # A (interpret mode only)
+      plgpu.Barrier(num_arrivals=4 if with_state else 2),
+      plgpu.Barrier(num_arrivals=3, num_barriers=stages),
+    ],
+    grid=(bhq, length // TILE),
+    grid_names=("batch_head", "query_tile"),
+    interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )
+  return call(q, k, v, g.astype(jnp.float32), *states)
+
+
 def attention_backward(
   q, k, v, g, d_num, d_den, *, heads: int, kv_heads: int, chunk: int, stages: int = DEFAULT_STAGES, interpret=False
 ):
@@ -279,16 +451,9 @@ def attention_backward(
   Raises:
     ValueError: sizes or a dtype the kernels do not take (naming the argument).
   """
-  length, head_dim = q.shape[1:]
-  value_dim = v.shape[-1]
-  reason = unsupported_reason(head_dim=head_dim, value_dim=value_dim, dtype=q.dtype, chunk=chunk, stages=stages)
-  if reason:
-    raise ValueError(reason)
-  if length % chunk or k.dtype != q.dtype or v.dtype != q.dtype or d_num.dtype != q.dtype:
-    raise ValueError(
-      f"T ({length}) must be a multiple of chunk ({chunk}) and k, v, d_num in q's dtype {q.dtype}; got "
-      f"{k.dtype}, {v.dtype}, {d_num.dtype}"
-    )
+  _check(q, k, v, chunk=chunk, stages=stages)
+  if d_num.dtype != q.dtype:
+    raise ValueError(f"d_num must be in q's dtype {q.dtype}, got {d_num.dtype}")
   share_identical_kernels()
   return _kernels(
     q, k, v, g, d_num, d_den, heads=heads, kv_heads=kv_heads, chunk=chunk, stages=stages, interpret=interpret
@@ -311,7 +476,7 @@ def _kernels(q, k, v, g, d_num, d_den, *, heads, kv_heads, chunk, stages, interp
   d_den = d_den.astype(jnp.float32)
   staging = lambda: operand_smem((TILE, TILE), dtype) if interpreted else None
   vector = lambda: plgpu.SMEM((TILE,), jnp.float32)
-  ring = lambda width, dt: operand_smem((stages, TILE, width), dt)
+  ring = functools.partial(_ring, stages)
   step_barriers = lambda arrivals: plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages)
 
   queries_call = launch_grid(
