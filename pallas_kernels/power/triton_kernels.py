@@ -398,7 +398,6 @@ def query_state_attention(
     state: [B * kv_heads, n, D, d_v], the state before each chunk (cast to the product
       dtype), or None: no state enters any chunk (the attention form alone).
     normalizer: [B * kv_heads, n, D] float32, or None with state None.
-
     with_attention: False leaves out the intra-chunk attention and the normalization (with a
       state only): then the states' numerators e^{G_i} phi(q_i) S and denominators, float32.
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import mosaic_kernels_lowered_for_h100, rel_err
+from helpers import lowered_for_h100, mosaic_kernels_lowered_for_h100, rel_err
 from pallas_kernels.power import PowerTritonConfig, mosaic_attention, triton_kernels
 
 pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
@@ -182,3 +182,25 @@ def test_the_op_takes_it_from_the_kernel_config(monkeypatch, seq, return_final_s
   assert not calls
   with pytest.raises(ValueError, match="in_chunk_attention must be one of"):
     PowerTritonConfig(in_chunk_attention="cudnn")
+
+
+def test_the_op_lowers_for_an_h100_with_it(monkeypatch):
+  """Forward and backward of the op on a Hopper GPU with in_chunk_attention="mosaic": the Triton
+  states' kernel without the attention, and the three Mosaic kernels."""
+  from pallas_kernels import device_facts
+  from pallas_kernels.power import power_attention_triton
+
+  monkeypatch.setattr(device_facts, "compute_capability", lambda: "9.0")
+  rng = np.random.default_rng(7)
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+  q, k, v = normal(B, 256, HQ, 64), normal(B, 256, HKV, 64), normal(B, 256, HKV, 64)
+  log_g = jnp.asarray(-np.logaddexp(0.0, -(2.0 + rng.standard_normal((B, 256, HKV)))), jnp.float32)
+  config = PowerTritonConfig(in_chunk_attention="mosaic")
+
+  def loss(q, k, v, log_g):
+    out, _ = power_attention_triton(q, k, v, log_g, scale=0.125, chunk_size=CHUNK, config=config, interpret=False)
+    return jnp.sum(out.astype(jnp.float32))
+
+  text = lowered_for_h100(jax.grad(loss, argnums=range(4)), (q, k, v, log_g))
+  assert "power_query_state" in text and "power_query_state_attention" not in text
+  assert text.count("custom_call @mosaic_gpu") == 3
