@@ -147,7 +147,7 @@ def kernel_breakdown(batch, seq, heads, head_dim, chunk, dtype, iters, config=No
   opts = dict(chunk=chunk, config=config, interpret=False)
   mha = dict(heads=heads, kv_heads=heads)
   cases = [
-    ("update_state", lambda: triton_kernels.update_state(x, w, r, **opts), 2 * dim * head_dim * tokens),
+    ("update_state", lambda: triton.update_state(x, w, r, **opts), 2 * dim * head_dim * tokens),
     (
       "query_state_attention",
       lambda: triton.in_chunk_attention_forward(x, x, w, g, state, normalizer, **mha, **opts),

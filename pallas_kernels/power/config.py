@@ -10,7 +10,7 @@ from pallas_kernels.config_checks import check_int_fields, parse_config
 # whose tensor-core products are well shaped). D = C(d / 16 + 1, 2) * 256.
 FEATURE_TILE = 16
 
-IN_CHUNK_ATTENTIONS = ("triton", "mosaic")
+KERNEL_CHOICES = ("triton", "mosaic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +32,11 @@ class PowerTritonConfig:
       "triton", or "mosaic" (Mosaic GPU, `pallas_kernels.power.mosaic_attention`) where those
       apply (a Hopper GPU or interpret mode, bf16/f16, head and value dims 64 or 128), else the
       Triton kernels.
+    update_state: the per-chunk states' kernel: "triton", or "mosaic"
+      (`pallas_kernels.power.mosaic_update_state`) where it applies (as for in_chunk_attention).
+    query_state: the states' part of the outputs: "triton", or "mosaic"
+      (`pallas_kernels.power.mosaic_query_state`) where it applies; "mosaic" needs
+      in_chunk_attention="mosaic" (the Triton query kernel computes both parts at once).
   """
 
   block_t: int = 64
@@ -43,18 +48,25 @@ class PowerTritonConfig:
   grad_block: int = 64
   grad_num_warps: int = 4
   in_chunk_attention: str = "triton"
+  update_state: str = "triton"
+  query_state: str = "triton"
 
   def __post_init__(self):
-    not_sizes = ("num_stages", "in_chunk_attention")
+    choices = ("in_chunk_attention", "update_state", "query_state")
+    not_sizes = ("num_stages", *choices)
     check_int_fields(
       self,
       power_of_two=tuple(f.name for f in dataclasses.fields(self) if f.name not in not_sizes),
       tiles=("block_t", "block_q", "block_k", "grad_block"),
-      skip=("in_chunk_attention",),
+      skip=choices,
     )
-    if self.in_chunk_attention not in IN_CHUNK_ATTENTIONS:
+    for name in choices:
+      if getattr(self, name) not in KERNEL_CHOICES:
+        raise ValueError(f"PowerTritonConfig.{name} must be one of {KERNEL_CHOICES}, got {getattr(self, name)!r}")
+    if self.query_state == "mosaic" and self.in_chunk_attention != "mosaic":
       raise ValueError(
-        f"PowerTritonConfig.in_chunk_attention must be one of {IN_CHUNK_ATTENTIONS}, got {self.in_chunk_attention!r}"
+        "PowerTritonConfig(query_state='mosaic') needs in_chunk_attention='mosaic' (the Triton query kernel "
+        "computes the states' part and the attention together); set both"
       )
     if self.row_group > FEATURE_TILE:
       raise ValueError(f"PowerTritonConfig.row_group must be <= {FEATURE_TILE}, got {self.row_group}")

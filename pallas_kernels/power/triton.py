@@ -5,7 +5,7 @@ entry point, folds heads into the batch, zero-pads the sequence to a multiple of
 chunk size (zero keys and zero log-gates change neither real outputs nor the final
 state), and runs per chunk:
 
-  1. `triton_kernels.update_state`: each chunk's own state dS_c = phi(K_c)^T diag(e^{G_c,last - G}) V_c
+  1. `update_state` (Triton or Mosaic GPU): each chunk's own state dS_c = phi(K_c)^T diag(e^{G_c,last - G}) V_c
      and normalizer dz_c;
   2. `triton_discumsum.discumsum` (one launch walking the chunks): the state entering chunk c,
      S_c = e^{G_{c-1},last} S_{c-1} + dS_{c-1};
@@ -26,7 +26,13 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import device_facts
-from pallas_kernels.power import mosaic_attention, triton_discumsum, triton_kernels
+from pallas_kernels.power import (
+  mosaic_attention,
+  mosaic_query_state,
+  mosaic_update_state,
+  triton_discumsum,
+  triton_kernels,
+)
 from pallas_kernels.power.config import FEATURE_TILE, PowerTritonConfig, default_triton_config
 from pallas_kernels.residuals import keep_for_backward
 
@@ -146,7 +152,7 @@ def _forward(q, k, v, log_g, state, normalizer, *, scale, chunk, config, interpr
   q_folded, k_folded, v_folded = _fold_inputs(q, k, v, scale, length)
   g, totals = _chunk_gates(_fold(log_g, length), chunk)
   decay = _key_decay(g, totals, chunk)
-  chunk_states, chunk_normalizers = triton_kernels.update_state(
+  chunk_states, chunk_normalizers = update_state(
     k_folded, _weighted(v_folded, decay, q.dtype), decay, chunk=chunk, config=config, interpret=interpret
   )
   dim = chunk_states.shape[2]
@@ -212,13 +218,26 @@ def _output_cotangents(d_out, out_folded, denominator, length):
   return d_num, d_den
 
 
-def _mosaic_in_chunk_attention(q, v, *, chunk, config, interpret) -> bool:
-  """Whether the attention within chunks runs on the Mosaic GPU kernels: asked for by
-  `config.in_chunk_attention` and they apply (sizes, dtype, a Hopper GPU or interpret mode)."""
-  if config.in_chunk_attention != "mosaic":
+def _runs_on_mosaic(choice: str, module, x, w, *, chunk, interpret) -> bool:
+  """Whether a config's kernel `choice` ("triton" or "mosaic") runs `module`'s Mosaic GPU kernels on
+  rows x [.., d] and w [.., d_v]: asked for, and they apply (sizes, dtype, a Hopper GPU or
+  interpret mode)."""
+  if choice != "mosaic":
     return False
-  reason = mosaic_attention.unsupported_reason(head_dim=q.shape[-1], value_dim=v.shape[-1], dtype=q.dtype, chunk=chunk)
+  reason = module.unsupported_reason(head_dim=x.shape[-1], value_dim=w.shape[-1], dtype=x.dtype, chunk=chunk)
   return reason is None and (interpret or device_facts.is_hopper(device_facts.compute_capability()))
+
+
+def _mosaic_in_chunk_attention(q, v, *, chunk, config, interpret) -> bool:
+  return _runs_on_mosaic(config.in_chunk_attention, mosaic_attention, q, v, chunk=chunk, interpret=interpret)
+
+
+def update_state(x, w, u, *, chunk, config, interpret):
+  """Each chunk's state and normalizer (`triton_kernels.update_state`'s contract) through the kernel
+  `config.update_state` names, where it applies."""
+  if _runs_on_mosaic(config.update_state, mosaic_update_state, x, w, chunk=chunk, interpret=interpret):
+    return mosaic_update_state.update_state(x, w, u, chunk=chunk, interpret=interpret)
+  return triton_kernels.update_state(x, w, u, chunk=chunk, config=config, interpret=interpret)
 
 
 def in_chunk_attention_forward(q, k, v, g, state, normalizer, *, heads, kv_heads, chunk, config, interpret):
@@ -230,7 +249,11 @@ def in_chunk_attention_forward(q, k, v, g, state, normalizer, *, heads, kv_heads
       q, k, v, g, state, normalizer, config=config, interpret=interpret, **options
     )
   states = ()
-  if state is not None:
+  if state is not None and _runs_on_mosaic(
+    config.query_state, mosaic_query_state, q, v, chunk=chunk, interpret=interpret
+  ):
+    states = mosaic_query_state.query_state(q, g, state, normalizer, interpret=interpret, **options)
+  elif state is not None:
     states = triton_kernels.query_state_attention(
       q, k, v, g, state, normalizer, config=config, interpret=interpret, with_attention=False, **options
     )
@@ -293,7 +316,7 @@ def _backward(q, k, v, log_g, state, normalizer, residuals, cotangents, *, scale
     kv_heads=kv_heads,
     **options,
   )
-  query_states, query_normalizers = triton_kernels.update_state(q_folded, weighted_d_num, d_den_discounted, **options)
+  query_states, query_normalizers = update_state(q_folded, weighted_d_num, d_den_discounted, **options)
   d_own, d_own_normalizer, d_totals, d_initial, d_initial_normalizer = _reverse_states_entering_chunks(
     _sum_over_group(query_states, group),
     _sum_over_group(query_normalizers, group),

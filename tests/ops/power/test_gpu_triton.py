@@ -91,14 +91,21 @@ def test_compiled_kernels_match_the_chunked_form(head_dim, seq, chunk, heads, kv
 
 
 @pytest.mark.parametrize("head_dim, seq, chunk, heads, kv_heads", [(64, 2048, 1024, 6, 2), (128, 1000, 256, 2, 1)])
-def test_mosaic_in_chunk_attention_matches_the_chunked_form(head_dim, seq, chunk, heads, kv_heads):
-  """The in-chunk attention on the Mosaic GPU kernels (bf16, Hopper): outputs and gradients."""
+def test_mosaic_kernels_match_the_chunked_form(head_dim, seq, chunk, heads, kv_heads):
+  """Every part that can on the Mosaic GPU kernels (bf16, Hopper): outputs, final state, gradients."""
   from pallas_kernels.power import PowerTritonConfig
 
   inputs, cotangent = _inputs(head_dim + seq + 1, 2, seq, heads, kv_heads, head_dim, jnp.bfloat16)
   with jax.default_matmul_precision("highest"):
     expected = _run("xla", chunk, tuple(x.astype(jnp.float32) for x in inputs), cotangent, None)
-  ours = _run("triton", chunk, inputs, cotangent, None, PowerTritonConfig(in_chunk_attention="mosaic"))
+  ours = _run(
+    "triton",
+    chunk,
+    inputs,
+    cotangent,
+    None,
+    PowerTritonConfig(in_chunk_attention="mosaic", update_state="mosaic", query_state="mosaic"),
+  )
   (out, state, grads), (expected_out, expected_state, expected_grads) = ours, expected
   assert rel_err(out, expected_out) < 2e-2
   assert rel_err(state.state, expected_state.state) < 2e-2
