@@ -155,12 +155,12 @@ def kernel_breakdown(batch, seq, heads, head_dim, chunk, dtype, iters, config=No
     ),
     (
       "state_gradient(queries)",
-      lambda: triton_kernels.state_gradient(x, w, r, state, normalizer, **mha, **opts),
+      lambda: triton.state_gradient(x, w, r, state, normalizer, **mha, **opts),
       2 * dim * head_dim * tokens,
     ),
     (
       "state_gradient(keys)",
-      lambda: triton_kernels.state_gradient(x, w, r, state, normalizer, **mha, with_product=True, **opts),
+      lambda: triton.state_gradient(x, w, r, state, normalizer, **mha, with_product=True, **opts),
       4 * dim * head_dim * tokens,
     ),
     (

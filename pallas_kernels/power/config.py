@@ -37,6 +37,8 @@ class PowerTritonConfig:
     query_state: the states' part of the outputs: "triton", or "mosaic"
       (`pallas_kernels.power.mosaic_query_state`) where it applies; "mosaic" needs
       in_chunk_attention="mosaic" (the Triton query kernel computes both parts at once).
+    state_gradient: the gradients through the state products: "triton", or "mosaic"
+      (`pallas_kernels.power.mosaic_state_gradient`) where it applies.
   """
 
   block_t: int = 64
@@ -50,9 +52,10 @@ class PowerTritonConfig:
   in_chunk_attention: str = "triton"
   update_state: str = "triton"
   query_state: str = "triton"
+  state_gradient: str = "triton"
 
   def __post_init__(self):
-    choices = ("in_chunk_attention", "update_state", "query_state")
+    choices = ("in_chunk_attention", "update_state", "query_state", "state_gradient")
     not_sizes = ("num_stages", *choices)
     check_int_fields(
       self,

@@ -29,6 +29,7 @@ from pallas_kernels import device_facts
 from pallas_kernels.power import (
   mosaic_attention,
   mosaic_query_state,
+  mosaic_state_gradient,
   mosaic_update_state,
   triton_discumsum,
   triton_kernels,
@@ -228,6 +229,15 @@ def _runs_on_mosaic(choice: str, module, x, w, *, chunk, interpret) -> bool:
   return reason is None and (interpret or device_facts.is_hopper(device_facts.compute_capability()))
 
 
+def state_gradient(x, cotangent, cotangent_normalizer, state, normalizer, *, chunk, config, interpret, **options):
+  """Gradients through a state product (`triton_kernels.state_gradient`'s contract) through the
+  kernel `config.state_gradient` names, where it applies; `options`: heads, kv_heads, with_product."""
+  inputs = (x, cotangent, cotangent_normalizer, state, normalizer)
+  if _runs_on_mosaic(config.state_gradient, mosaic_state_gradient, x, cotangent, chunk=chunk, interpret=interpret):
+    return mosaic_state_gradient.state_gradient(*inputs, chunk=chunk, interpret=interpret, **options)
+  return triton_kernels.state_gradient(*inputs, chunk=chunk, config=config, interpret=interpret, **options)
+
+
 def _mosaic_in_chunk_attention(q, v, *, chunk, config, interpret) -> bool:
   return _runs_on_mosaic(config.in_chunk_attention, mosaic_attention, q, v, chunk=chunk, interpret=interpret)
 
@@ -306,7 +316,7 @@ def _backward(q, k, v, log_g, state, normalizer, residuals, cotangents, *, scale
   discount = jnp.exp(_expand_to_q_heads(g, group))
   weighted_d_num = _weighted(d_num, discount, dtype)
   d_den_discounted = d_den * discount
-  dq, dg_q = triton_kernels.state_gradient(
+  dq, dg_q = state_gradient(
     q_folded,
     weighted_d_num,
     d_den_discounted,
@@ -330,7 +340,7 @@ def _backward(q, k, v, log_g, state, normalizer, residuals, cotangents, *, scale
 
   # Each chunk's own state sum_j r_j phi(k_j) [v_j, 1], r_j = e^{total - G_j}.
   decay = _key_decay(g, totals, chunk)
-  dk, d_log_decay, dv_product = triton_kernels.state_gradient(
+  dk, d_log_decay, dv_product = state_gradient(
     k_folded,
     _weighted(v_folded, decay, dtype),
     decay,

@@ -104,7 +104,9 @@ def test_mosaic_kernels_match_the_chunked_form(head_dim, seq, chunk, heads, kv_h
     inputs,
     cotangent,
     None,
-    PowerTritonConfig(in_chunk_attention="mosaic", update_state="mosaic", query_state="mosaic"),
+    PowerTritonConfig(
+      in_chunk_attention="mosaic", update_state="mosaic", query_state="mosaic", state_gradient="mosaic"
+    ),
   )
   (out, state, grads), (expected_out, expected_state, expected_grads) = ours, expected
   assert rel_err(out, expected_out) < 2e-2

@@ -124,17 +124,20 @@ def test_the_op_takes_it_from_the_kernel_config(monkeypatch):
 
 def test_the_op_lowers_for_an_h100_with_every_mosaic_kernel(monkeypatch):
   """Forward and backward with every part that can on Mosaic GPU: two update-state kernels, the
-  states' part of the outputs and three attention kernels."""
+  states' part of the outputs, three attention kernels and two state-gradient kernels."""
   from pallas_kernels import device_facts
   from pallas_kernels.power import power_attention_triton
 
   monkeypatch.setattr(device_facts, "compute_capability", lambda: "9.0")
-  config = PowerTritonConfig(update_state="mosaic", in_chunk_attention="mosaic", query_state="mosaic")
+  config = PowerTritonConfig(
+    update_state="mosaic", in_chunk_attention="mosaic", query_state="mosaic", state_gradient="mosaic"
+  )
 
   def loss(q, k, v, log_g):
     out, _ = power_attention_triton(q, k, v, log_g, scale=0.125, chunk_size=CHUNK, config=config, interpret=False)
     return jnp.sum(out.astype(jnp.float32))
 
   text = lowered_for_h100(jax.grad(loss, argnums=range(4)), _op_inputs(6, 256))
-  assert "power_update_state" not in text and "power_query_state" not in text
-  assert text.count("custom_call @mosaic_gpu") == 6
+  for triton_kernel in ("power_update_state", "power_query_state", "power_state_gradient", "power_attention_d"):
+    assert triton_kernel not in text, triton_kernel
+  assert text.count("custom_call @mosaic_gpu") == 8
