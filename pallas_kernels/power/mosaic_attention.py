@@ -37,28 +37,39 @@ import jax.numpy as jnp
 from pallas_kernels.gca.mosaic_tiles import launch_grid, products_together
 from pallas_kernels.mosaic_common import operand_smem, register_operand, wgmma_zeros
 from pallas_kernels.mosaic_kernel_cache import share_identical_kernels
+from pallas_kernels.power import mosaic_tiles
+from pallas_kernels.power.mosaic_tiles import DEFAULT_STAGES, TILE, Ring, check_inputs, kv_head
 
-TILE = 64  # rows of every tile: one warpgroup's wgmma rows
-SUPPORTED_HEAD_DIMS = (64, 128)
-SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
-DEFAULT_STAGES = 2
+KERNELS = "the Mosaic in-chunk attention kernels"
+
+# Why the kernels cannot take given sizes (naming the argument and the fix), or None.
+unsupported_reason = functools.partial(mosaic_tiles.unsupported_reason, KERNELS)
 
 
-def unsupported_reason(*, head_dim: int, value_dim: int, dtype, chunk: int, stages: int = DEFAULT_STAGES) -> str | None:
-  """Why the kernels cannot take these sizes (naming the argument and the fix), or None."""
-  if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
-    return (
-      f"the Mosaic in-chunk attention backward takes {[jnp.dtype(d).name for d in SUPPORTED_DTYPES]} (wgmma's "
-      f"16-bit operands), got {jnp.dtype(dtype).name}; use the Triton kernel"
+class _QueryTile:
+  """A query-tile program's coordinates (the forward's and the queries-side backward's) and the
+  ring of its chunk's key tiles up to its own: K, V and their log-gates."""
+
+  def __init__(
+    self, k_ref, v_ref, g_ref, buffers, barriers, *, heads: int, group: int, tiles_per_chunk: int, stages: int
+  ):
+    self.batch_head = lax.axis_index("batch_head")
+    self.tile = lax.axis_index("query_tile")
+    self.batch_kv_head = kv_head(self.batch_head, heads=heads, group=group)
+    self.rows = pl.ds(self.tile * TILE, TILE)
+    self.first_key_tile = lax.div(self.tile, tiles_per_chunk) * tiles_per_chunk
+    self.num_steps = self.tile - self.first_key_tile + 1
+    keys = lambda step: pl.ds(self.key_start(step), TILE)
+    self.ring = Ring(
+      lambda step: tuple(ref.at[self.batch_kv_head, keys(step)] for ref in (k_ref, v_ref, g_ref)),
+      buffers,
+      barriers,
+      num_steps=self.num_steps,
+      stages=stages,
     )
-  for name, size in (("head_dim", head_dim), ("value_dim", value_dim)):
-    if size not in SUPPORTED_HEAD_DIMS:
-      return f"the Mosaic in-chunk attention backward takes {name} in {SUPPORTED_HEAD_DIMS}, got {size}; use the Triton kernel"
-  if chunk % TILE:
-    return f"the Mosaic in-chunk attention backward needs a chunk that is a multiple of {TILE}, got {chunk}"
-  if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-    return f"stages must be an int >= 1 (ring depth), got {stages!r}"
-  return None
+
+  def key_start(self, step):
+    return (self.first_key_tile + step) * TILE
 
 
 def _decay(g_rows, g_cols, row_start, col_start, *, queries_on_rows: bool):
@@ -83,10 +94,7 @@ def _forward_kernel(
   v_ref,
   g_ref,
   *refs,
-  heads: int,
-  group: int,
-  tiles_per_chunk: int,
-  stages: int,
+  program_options: dict,
   with_state: bool,
   interpreted: bool,
 ):
@@ -97,12 +105,8 @@ def _forward_kernel(
     :9
   ]
   weights_staging, input_barrier, step_barriers = refs[9:]
-  batch_head = lax.axis_index("batch_head")
-  query_tile = lax.axis_index("query_tile")
-  batch_kv_head = lax.div(batch_head, heads) * (heads // group) + lax.div(lax.rem(batch_head, heads), group)
-  rows = pl.ds(query_tile * TILE, TILE)
-  first_key_tile = lax.div(query_tile, tiles_per_chunk) * tiles_per_chunk
-  num_steps = query_tile - first_key_tile + 1
+  program = _QueryTile(k_ref, v_ref, g_ref, (key_ring, value_ring, g_ring), step_barriers, **program_options)
+  batch_head, batch_kv_head, rows = program.batch_head, program.batch_kv_head, program.rows
   dtype = query_smem.dtype
   g_smem, denominator_smem = vectors_smem
 
@@ -111,18 +115,7 @@ def _forward_kernel(
   if with_state:
     plgpu.copy_gmem_to_smem(state_numerator_ref.at[batch_head, rows], numerator_smem, input_barrier)
     plgpu.copy_gmem_to_smem(state_denominator_ref.at[batch_head, rows], denominator_smem, input_barrier)
-
-  def load(step):
-    stage = lax.rem(step, stages)
-    keys = pl.ds((first_key_tile + step) * TILE, TILE)
-    barrier = step_barriers.at[stage]
-    plgpu.copy_gmem_to_smem(k_ref.at[batch_kv_head, keys], key_ring.at[stage], barrier)
-    plgpu.copy_gmem_to_smem(v_ref.at[batch_kv_head, keys], value_ring.at[stage], barrier)
-    plgpu.copy_gmem_to_smem(g_ref.at[batch_kv_head, keys], g_ring.at[stage], barrier)
-
-  for step in range(stages):
-    step = jnp.int32(step)
-    pl.when(step < num_steps)(functools.partial(load, step))
+  program.ring.start()
   plgpu.barrier_wait(input_barrier)
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   column_layout = plgpu.Layout.WGMMA.reduce(0)
@@ -137,20 +130,19 @@ def _forward_kernel(
 
   def step_body(step, carry):
     numerator, denominator = carry
-    stage = lax.rem(step, stages)
-    plgpu.barrier_wait(step_barriers.at[stage])
+    stage = program.ring.wait(step)
     keys, values = key_ring.at[stage], value_ring.at[stage]
     (scores,) = products_together([(query_smem, keys.T)], shape=(TILE, TILE))
     g_keys = _broadcast(plgpu.load(g_ring.at[stage], layout=column_layout), 0)
-    decay = _decay(g_queries, g_keys, query_tile * TILE, (first_key_tile + step) * TILE, queries_on_rows=True)
+    decay = _decay(g_queries, g_keys, program.tile * TILE, program.key_start(step), queries_on_rows=True)
     weights = scores * scores * decay
     denominator = denominator + jnp.sum(weights, axis=1)
     weights = register_operand(weights.astype(dtype), weights_staging)
     (numerator,) = products_together([(weights, values)], inits=(numerator,), in_place=not interpreted)
-    pl.when(step + stages < num_steps)(functools.partial(load, step + stages))
+    program.ring.refill(step)
     return numerator, denominator
 
-  numerator, denominator = lax.fori_loop(0, num_steps, step_body, (numerator, denominator))
+  numerator, denominator = lax.fori_loop(0, program.num_steps, step_body, (numerator, denominator))
   zero = denominator == 0.0
   inverse = jnp.where(zero, 0.0, 1.0 / jnp.where(zero, 1.0, denominator))
   out_smem[...] = (numerator * lax.broadcast_in_dim(inverse, numerator.shape, [0])).astype(out_smem.dtype)
@@ -181,19 +173,12 @@ def _queries_kernel(
   input_barrier,
   step_barriers,
   *,
-  heads: int,
-  group: int,
-  tiles_per_chunk: int,
-  stages: int,
+  program_options: dict,
   interpreted: bool,
 ):
   """One program: dQ and the query side's dG of one 64-row query tile of one (batch, head)."""
-  batch_head = lax.axis_index("batch_head")
-  query_tile = lax.axis_index("query_tile")
-  batch_kv_head = lax.div(batch_head, heads) * (heads // group) + lax.div(lax.rem(batch_head, heads), group)
-  rows = pl.ds(query_tile * TILE, TILE)
-  first_key_tile = lax.div(query_tile, tiles_per_chunk) * tiles_per_chunk
-  num_steps = query_tile - first_key_tile + 1
+  program = _QueryTile(k_ref, v_ref, g_ref, (key_ring, value_ring, g_ring), step_barriers, **program_options)
+  batch_head, batch_kv_head, rows = program.batch_head, program.batch_kv_head, program.rows
   dtype = query_smem.dtype
   g_smem, d_den_smem = vectors_smem
 
@@ -201,18 +186,7 @@ def _queries_kernel(
   plgpu.copy_gmem_to_smem(d_num_ref.at[batch_head, rows], d_num_smem, input_barrier)
   plgpu.copy_gmem_to_smem(g_ref.at[batch_kv_head, rows], g_smem, input_barrier)
   plgpu.copy_gmem_to_smem(d_den_ref.at[batch_head, rows], d_den_smem, input_barrier)
-
-  def load(step):
-    stage = lax.rem(step, stages)
-    keys = pl.ds((first_key_tile + step) * TILE, TILE)
-    barrier = step_barriers.at[stage]
-    plgpu.copy_gmem_to_smem(k_ref.at[batch_kv_head, keys], key_ring.at[stage], barrier)
-    plgpu.copy_gmem_to_smem(v_ref.at[batch_kv_head, keys], value_ring.at[stage], barrier)
-    plgpu.copy_gmem_to_smem(g_ref.at[batch_kv_head, keys], g_ring.at[stage], barrier)
-
-  for step in range(stages):
-    step = jnp.int32(step)
-    pl.when(step < num_steps)(functools.partial(load, step))
+  program.ring.start()
   plgpu.barrier_wait(input_barrier)
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   column_layout = plgpu.Layout.WGMMA.reduce(0)
@@ -221,23 +195,22 @@ def _queries_kernel(
 
   def step_body(step, carry):
     dq, dg = carry
-    stage = lax.rem(step, stages)
-    plgpu.barrier_wait(step_barriers.at[stage])
+    stage = program.ring.wait(step)
     keys, values = key_ring.at[stage], value_ring.at[stage]
     scores, d_weights = products_together([(query_smem, keys.T), (d_num_smem, values.T)], shape=(TILE, TILE))
     g_keys = _broadcast(plgpu.load(g_ring.at[stage], layout=column_layout), 0)
-    decay = _decay(g_queries, g_keys, query_tile * TILE, (first_key_tile + step) * TILE, queries_on_rows=True)
+    decay = _decay(g_queries, g_keys, program.tile * TILE, program.key_start(step), queries_on_rows=True)
     d_weights = d_weights + d_den
     weights = scores * scores * decay
     dg = dg + jnp.sum(weights * d_weights, axis=1)
     d_scores = register_operand((2.0 * scores * decay * d_weights).astype(dtype), d_scores_staging)
     (dq,) = products_together([(d_scores, keys)], inits=(dq,), in_place=not interpreted)
-    pl.when(step + stages < num_steps)(functools.partial(load, step + stages))
+    program.ring.refill(step)
     return dq, dg
 
   head_dim = query_smem.shape[-1]
   dg_init = plgpu.layout_cast(jnp.zeros((TILE,), jnp.float32), row_layout)
-  dq, dg = lax.fori_loop(0, num_steps, step_body, (wgmma_zeros((TILE, head_dim)), dg_init))
+  dq, dg = lax.fori_loop(0, program.num_steps, step_body, (wgmma_zeros((TILE, head_dim)), dg_init))
   dq_staging[...] = dq
   g_smem[...] = dg
   plgpu.commit_smem()
@@ -292,19 +265,18 @@ def _keys_kernel(
     head = batch_kv_head * group + lax.div(step, query_tiles)
     return head, (key_tile + lax.rem(step, query_tiles)) * TILE
 
-  def load(step):
-    stage = lax.rem(step, stages)
+  def sources(step):
     head, start = step_tile(step)
     queries = pl.ds(start, TILE)
-    barrier = step_barriers.at[stage]
-    plgpu.copy_gmem_to_smem(q_ref.at[head, queries], query_ring.at[stage], barrier)
-    plgpu.copy_gmem_to_smem(d_num_ref.at[head, queries], d_num_ring.at[stage], barrier)
-    plgpu.copy_gmem_to_smem(g_ref.at[batch_kv_head, queries], g_ring.at[stage], barrier)
-    plgpu.copy_gmem_to_smem(d_den_ref.at[head, queries], d_den_ring.at[stage], barrier)
+    return (
+      q_ref.at[head, queries],
+      d_num_ref.at[head, queries],
+      g_ref.at[batch_kv_head, queries],
+      d_den_ref.at[head, queries],
+    )
 
-  for step in range(stages):
-    step = jnp.int32(step)
-    pl.when(step < num_steps)(functools.partial(load, step))
+  ring = Ring(sources, (query_ring, d_num_ring, g_ring, d_den_ring), step_barriers, num_steps=num_steps, stages=stages)
+  ring.start()
   plgpu.barrier_wait(input_barrier)
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   column_layout = plgpu.Layout.WGMMA.reduce(0)
@@ -313,9 +285,8 @@ def _keys_kernel(
 
   def step_body(step, carry):
     dk, dv, dg = carry
-    stage = lax.rem(step, stages)
     _, query_start = step_tile(step)
-    plgpu.barrier_wait(step_barriers.at[stage])
+    stage = ring.wait(step)
     queries, d_num = query_ring.at[stage], d_num_ring.at[stage]
     scores_t, d_weights_t = products_together([(key_smem, queries.T), (value_smem, d_num.T)], shape=(TILE, TILE))
     by_query = lambda ring: _broadcast(plgpu.load(ring.at[stage], layout=column_layout), 0)
@@ -326,7 +297,7 @@ def _keys_kernel(
     d_scores_t = register_operand((2.0 * scores_t * decay_t * d_weights_t).astype(dtype), d_scores_staging)
     weights_t = register_operand(weights_t.astype(dtype), weights_staging)
     dv, dk = products_together([(weights_t, d_num), (d_scores_t, queries)], inits=(dv, dk), in_place=not interpreted)
-    pl.when(step + stages < num_steps)(functools.partial(load, step + stages))
+    ring.refill(step)
     return dk, dv, dg
 
   head_dim, value_dim = key_smem.shape[-1], value_smem.shape[-1]
@@ -373,22 +344,15 @@ def attention_forward(
   Raises:
     ValueError: sizes or a dtype the kernel does not take (naming the argument).
   """
-  _check(q, k, v, chunk=chunk, stages=stages)
+  check_inputs(KERNELS, q, value_dim=v.shape[-1], chunk=chunk, stages=stages, k=k, v=v)
   share_identical_kernels()
   states = () if state_numerator is None else (state_numerator, state_denominator.astype(jnp.float32))
   return _forward(q, k, v, g, *states, heads=heads, kv_heads=kv_heads, chunk=chunk, stages=stages, interpret=interpret)
 
 
-def _check(q, k, v, *, chunk, stages):
-  length, head_dim = q.shape[1:]
-  value_dim = v.shape[-1]
-  reason = unsupported_reason(head_dim=head_dim, value_dim=value_dim, dtype=q.dtype, chunk=chunk, stages=stages)
-  if reason:
-    raise ValueError(reason)
-  if length % chunk or k.dtype != q.dtype or v.dtype != q.dtype:
-    raise ValueError(
-      f"T ({length}) must be a multiple of chunk ({chunk}) and k, v in q's dtype {q.dtype}; got {k.dtype}, {v.dtype}"
-    )
+def _program_options(heads: int, kv_heads: int, chunk: int, stages: int) -> dict:
+  """The static options of a `_QueryTile` program."""
+  return dict(heads=heads, group=heads // kv_heads, tiles_per_chunk=chunk // TILE, stages=stages)
 
 
 def _ring(stages, width, dtype):
@@ -404,10 +368,7 @@ def _forward(q, k, v, g, *states, heads, kv_heads, chunk, stages, interpret):
   call = launch_grid(
     functools.partial(
       _forward_kernel,
-      heads=heads,
-      group=heads // kv_heads,
-      tiles_per_chunk=chunk // TILE,
-      stages=stages,
+      program_options=_program_options(heads, kv_heads, chunk, stages),
       with_state=with_state,
       interpreted=interpret,
     ),
@@ -451,9 +412,7 @@ def attention_backward(
   Raises:
     ValueError: sizes or a dtype the kernels do not take (naming the argument).
   """
-  _check(q, k, v, chunk=chunk, stages=stages)
-  if d_num.dtype != q.dtype:
-    raise ValueError(f"d_num must be in q's dtype {q.dtype}, got {d_num.dtype}")
+  check_inputs(KERNELS, q, value_dim=v.shape[-1], chunk=chunk, stages=stages, k=k, v=v, d_num=d_num)
   share_identical_kernels()
   return _kernels(
     q, k, v, g, d_num, d_den, heads=heads, kv_heads=kv_heads, chunk=chunk, stages=stages, interpret=interpret
@@ -481,12 +440,7 @@ def _kernels(q, k, v, g, d_num, d_den, *, heads, kv_heads, chunk, stages, interp
 
   queries_call = launch_grid(
     functools.partial(
-      _queries_kernel,
-      heads=heads,
-      group=group,
-      tiles_per_chunk=tiles_per_chunk,
-      stages=stages,
-      interpreted=interpreted,
+      _queries_kernel, program_options=_program_options(heads, kv_heads, chunk, stages), interpreted=interpreted
     ),
     (jax.ShapeDtypeStruct((bhq, length, head_dim), jnp.float32), jax.ShapeDtypeStruct((bhq, length), jnp.float32)),
     [

@@ -30,10 +30,23 @@ import jax.numpy as jnp
 from pallas_kernels.gca.mosaic_tiles import launch_grid, products_together
 from pallas_kernels.mosaic_common import operand_smem, register_operand, wgmma_zeros
 from pallas_kernels.mosaic_kernel_cache import share_identical_kernels
-from pallas_kernels.power.config import FEATURE_TILE
-from pallas_kernels.power.mosaic_update_state import DEFAULT_STAGES, TILE, row_blocks, unsupported_reason
+from pallas_kernels.power import mosaic_tiles
+from pallas_kernels.power.mosaic_tiles import (
+  DEFAULT_STAGES,
+  TILE,
+  check_inputs,
+  kv_head,
+  row_blocks,
+  state_block_ring,
+  store_selections,
+)
 
 __all__ = ["query_state", "unsupported_reason"]
+
+KERNEL = "the Mosaic query-state kernel"
+
+# Why the kernel cannot take given sizes (naming the argument and the fix), or None.
+unsupported_reason = functools.partial(mosaic_tiles.unsupported_reason, KERNEL)
 
 
 def _kernel(
@@ -65,48 +78,41 @@ def _kernel(
   """One program: the states' numerator and denominator of one 64-row query tile of one (batch, head)."""
   batch_head = lax.axis_index("batch_head")
   query_tile = lax.axis_index("query_tile")
-  batch_kv_head = lax.div(batch_head, heads) * (heads // group) + lax.div(lax.rem(batch_head, heads), group)
+  batch_kv_head = kv_head(batch_head, heads=heads, group=group)
   chunk = lax.div(query_tile, tiles_per_chunk)
   rows = pl.ds(query_tile * TILE, TILE)
   dtype = query_smem.dtype
-  head_dim = query_smem.shape[-1]
 
   plgpu.copy_gmem_to_smem(q_ref.at[batch_head, rows], query_smem, input_barrier)
   plgpu.copy_gmem_to_smem(g_ref.at[batch_kv_head, rows], g_smem, input_barrier)
-
-  def load(block):
-    stage = lax.rem(block, stages)
-    features = pl.ds(block * TILE, TILE)
-    barrier = block_barriers.at[stage]
-    plgpu.copy_gmem_to_smem(state_ref.at[batch_kv_head, chunk, features], state_ring.at[stage], barrier)
-    plgpu.copy_gmem_to_smem(normalizer_ref.at[batch_kv_head, chunk, features], normalizer_ring.at[stage], barrier)
-
-  for block in range(min(stages, num_blocks)):
-    load(jnp.int32(block))
+  ring = state_block_ring(
+    state_ref,
+    normalizer_ref,
+    (state_ring, normalizer_ring),
+    block_barriers,
+    batch_kv_head=batch_kv_head,
+    chunk=chunk,
+    num_blocks=num_blocks,
+    stages=stages,
+  )
+  ring.start()
   plgpu.barrier_wait(input_barrier)
-
-  # Selections [d, 64]: feature f of x goes to column c of the group / tile factor.
-  feature = plgpu.broadcasted_iota(jnp.int32, (head_dim, TILE), 0, layout=plgpu.Layout.WGMMA)
-  column = plgpu.broadcasted_iota(jnp.int32, (head_dim, TILE), 1, layout=plgpu.Layout.WGMMA)
-  select_group_smem, select_tile_smem = selections_smem
 
   def block_body(block, carry):
     numerator, dot_normalizer = carry
-    stage = lax.rem(block, stages)
-    first_col, tile_col = columns_ref[block, 0], columns_ref[block, 1]
-    select_group_smem[...] = jnp.where(feature == first_col + column // FEATURE_TILE, 1.0, 0.0).astype(dtype)
-    select_tile_smem[...] = jnp.where(feature == tile_col + column % FEATURE_TILE, 1.0, 0.0).astype(dtype)
-    plgpu.commit_smem()
+    select_group_smem, select_tile_smem = store_selections(
+      selections_smem, columns_ref[block, 0], columns_ref[block, 1], dtype=dtype
+    )
     group_factor, tile_factor = products_together(
       [(query_smem, select_group_smem), (query_smem, select_tile_smem)], shape=(TILE, TILE)
     )
     phi = group_factor * tile_factor * weights_ref[block]
-    plgpu.barrier_wait(block_barriers.at[stage])
+    stage = ring.wait(block)
     z = plgpu.load(normalizer_ring.at[stage], layout=plgpu.Layout.WGMMA.reduce(0))
     dot_normalizer = dot_normalizer + phi * lax.broadcast_in_dim(z, phi.shape, [1])
     phi = register_operand(phi.astype(dtype), phi_staging)
     (numerator,) = products_together([(phi, state_ring.at[stage])], inits=(numerator,), in_place=not interpreted)
-    pl.when(block + stages < num_blocks)(functools.partial(load, block + stages))
+    ring.refill(block)
     return numerator, dot_normalizer
 
   value_dim = state_ring.shape[-1]
@@ -141,15 +147,7 @@ def query_state(
   Raises:
     ValueError: sizes or a dtype the kernel does not take (naming the argument).
   """
-  length, head_dim = q.shape[1:]
-  value_dim = state.shape[-1]
-  reason = unsupported_reason(head_dim=head_dim, value_dim=value_dim, dtype=q.dtype, chunk=chunk, stages=stages)
-  if reason:
-    raise ValueError(reason)
-  if length % chunk or state.dtype != q.dtype:
-    raise ValueError(
-      f"T ({length}) must be a multiple of chunk ({chunk}) and state in q's dtype {q.dtype}; got {state.dtype}"
-    )
+  check_inputs(KERNEL, q, value_dim=state.shape[-1], chunk=chunk, stages=stages, state=state)
   share_identical_kernels()
   return _query_state(
     q,

@@ -32,10 +32,23 @@ import jax.numpy as jnp
 from pallas_kernels.gca.mosaic_tiles import launch_grid, products_together
 from pallas_kernels.mosaic_common import accumulate_products, operand_smem, register_operand, wgmma_zeros
 from pallas_kernels.mosaic_kernel_cache import share_identical_kernels
-from pallas_kernels.power.config import FEATURE_TILE
-from pallas_kernels.power.mosaic_update_state import DEFAULT_STAGES, TILE, row_blocks, unsupported_reason
+from pallas_kernels.power import mosaic_tiles
+from pallas_kernels.power.mosaic_tiles import (
+  DEFAULT_STAGES,
+  TILE,
+  check_inputs,
+  kv_head,
+  row_blocks,
+  state_block_ring,
+  store_selections,
+)
 
 __all__ = ["state_gradient", "unsupported_reason"]
+
+KERNEL = "the Mosaic state-gradient kernel"
+
+# Why the kernel cannot take given sizes (naming the argument and the fix), or None.
+unsupported_reason = functools.partial(mosaic_tiles.unsupported_reason, KERNEL)
 
 
 def _kernel(
@@ -63,7 +76,7 @@ def _kernel(
   input_barrier, block_barriers = barriers
   batch_head = lax.axis_index("batch_head")
   tile = lax.axis_index("row_tile")
-  batch_kv_head = lax.div(batch_head, heads) * (heads // group) + lax.div(lax.rem(batch_head, heads), group)
+  batch_kv_head = kv_head(batch_head, heads=heads, group=group)
   chunk = lax.div(tile, tiles_per_chunk)
   rows = pl.ds(tile * TILE, TILE)
   dtype = x_smem.dtype
@@ -73,34 +86,30 @@ def _kernel(
   plgpu.copy_gmem_to_smem(x_ref.at[batch_head, rows], x_smem, input_barrier)
   plgpu.copy_gmem_to_smem(cotangent_ref.at[batch_head, rows], cotangent_smem, input_barrier)
   plgpu.copy_gmem_to_smem(cotangent_normalizer_ref.at[batch_head, rows], cotangent_normalizer_smem, input_barrier)
-
-  def load(block):
-    stage = lax.rem(block, stages)
-    features = pl.ds(block * TILE, TILE)
-    barrier = block_barriers.at[stage]
-    plgpu.copy_gmem_to_smem(state_ref.at[batch_kv_head, chunk, features], state_ring.at[stage], barrier)
-    plgpu.copy_gmem_to_smem(normalizer_ref.at[batch_kv_head, chunk, features], normalizer_ring.at[stage], barrier)
-
-  for block in range(min(stages, num_blocks)):
-    load(jnp.int32(block))
+  ring = state_block_ring(
+    state_ref,
+    normalizer_ref,
+    (state_ring, normalizer_ring),
+    block_barriers,
+    batch_kv_head=batch_kv_head,
+    chunk=chunk,
+    num_blocks=num_blocks,
+    stages=stages,
+  )
+  ring.start()
   plgpu.barrier_wait(input_barrier)
 
-  feature = plgpu.broadcasted_iota(jnp.int32, (head_dim, TILE), 0, layout=plgpu.Layout.WGMMA)
-  column = plgpu.broadcasted_iota(jnp.int32, (head_dim, TILE), 1, layout=plgpu.Layout.WGMMA)
-  select_group_smem, select_tile_smem = selections_smem
   cotangent_normalizer = plgpu.load(cotangent_normalizer_smem, layout=plgpu.Layout.WGMMA.reduce(1))
   by_row = lambda vector: lax.broadcast_in_dim(vector, (TILE, TILE), [0])
   d_tile_staging, d_group_staging, phi_staging = operand_staging
 
   def block_body(block, carry):
     dx, product = carry
-    stage = lax.rem(block, stages)
-    first_col, tile_col = columns_ref[block, 0], columns_ref[block, 1]
     weight = weights_ref[block]
-    select_group_smem[...] = jnp.where(feature == first_col + column // FEATURE_TILE, 1.0, 0.0).astype(dtype)
-    select_tile_smem[...] = jnp.where(feature == tile_col + column % FEATURE_TILE, 1.0, 0.0).astype(dtype)
-    plgpu.commit_smem()
-    plgpu.barrier_wait(block_barriers.at[stage])
+    select_group_smem, select_tile_smem = store_selections(
+      selections_smem, columns_ref[block, 0], columns_ref[block, 1], dtype=dtype
+    )
+    stage = ring.wait(block)
     state = state_ring.at[stage]
     group_factor, tile_factor, m = products_together(
       [(x_smem, select_group_smem), (x_smem, select_tile_smem), (cotangent_smem, state.T)], shape=(TILE, TILE)
@@ -117,7 +126,7 @@ def _kernel(
       accumulators.append(product)
     sums = accumulate_products(pair_groups, tuple(accumulators), init_in_place=not interpreted)
     dx, product = sums[0], (sums[1] if with_product else None)
-    pl.when(block + stages < num_blocks)(functools.partial(load, block + stages))
+    ring.refill(block)
     return dx, product
 
   value_dim = state_ring.shape[-1]
@@ -169,16 +178,7 @@ def state_gradient(
   Raises:
     ValueError: sizes or a dtype the kernel does not take (naming the argument).
   """
-  length, head_dim = x.shape[1:]
-  value_dim = state.shape[-1]
-  reason = unsupported_reason(head_dim=head_dim, value_dim=value_dim, dtype=x.dtype, chunk=chunk, stages=stages)
-  if reason:
-    raise ValueError(reason)
-  if length % chunk or state.dtype != x.dtype or cotangent.dtype != x.dtype:
-    raise ValueError(
-      f"T ({length}) must be a multiple of chunk ({chunk}) and state and cotangent in x's dtype {x.dtype}; got "
-      f"{state.dtype} and {cotangent.dtype}"
-    )
+  check_inputs(KERNEL, x, value_dim=state.shape[-1], chunk=chunk, stages=stages, state=state, cotangent=cotangent)
   share_identical_kernels()
   return _state_gradient(
     x,

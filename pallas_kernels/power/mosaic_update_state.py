@@ -39,43 +39,13 @@ import jax.numpy as jnp
 from pallas_kernels.gca.mosaic_tiles import launch_grid, products_together
 from pallas_kernels.mosaic_common import operand_smem, register_operand, wgmma_zeros
 from pallas_kernels.mosaic_kernel_cache import share_identical_kernels
-from pallas_kernels.power.config import FEATURE_TILE
-from pallas_kernels.power.triton_kernels import tile_pairs
+from pallas_kernels.power import mosaic_tiles
+from pallas_kernels.power.mosaic_tiles import DEFAULT_STAGES, TILE, Ring, check_inputs, row_blocks, selections
 
-TILE = 64  # tokens per streamed tile, and expanded features per program
-SUPPORTED_HEAD_DIMS = (64, 128)
-SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
-DEFAULT_STAGES = 2
+KERNEL = "the Mosaic update-state kernel"
 
-
-def unsupported_reason(*, head_dim: int, value_dim: int, dtype, chunk: int, stages: int = DEFAULT_STAGES) -> str | None:
-  """Why the kernel cannot take these sizes (naming the argument and the fix), or None."""
-  if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
-    return (
-      f"the Mosaic update-state kernel takes {[jnp.dtype(d).name for d in SUPPORTED_DTYPES]} (wgmma's 16-bit "
-      f"operands), got {jnp.dtype(dtype).name}; use the Triton kernel"
-    )
-  for name, size in (("head_dim", head_dim), ("value_dim", value_dim)):
-    if size not in SUPPORTED_HEAD_DIMS:
-      return f"the Mosaic update-state kernel takes {name} in {SUPPORTED_HEAD_DIMS}, got {size}; use the Triton kernel"
-  if chunk % TILE:
-    return f"the Mosaic update-state kernel needs a chunk that is a multiple of {TILE}, got {chunk}"
-  if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-    return f"stages must be an int >= 1 (ring depth), got {stages!r}"
-  return None
-
-
-def row_blocks(head_dim: int):
-  """int32 [blocks, 2] (first column of the a-group, first column of tile t) and float32 [blocks]
-  weights of the 64-feature row blocks of phi, in the tspow layout's order."""
-  groups = FEATURE_TILE * FEATURE_TILE // TILE  # a-groups of a tile pair
-  rows = TILE // FEATURE_TILE  # features a per a-group
-  columns, weights = [], []
-  for s, t, weight in tile_pairs(head_dim):
-    for group in range(groups):
-      columns.append((s * FEATURE_TILE + group * rows, t * FEATURE_TILE))
-      weights.append(weight)
-  return jnp.asarray(columns, jnp.int32), jnp.asarray(weights, jnp.float32)
+# Why the kernel cannot take given sizes (naming the argument and the fix), or None.
+unsupported_reason = functools.partial(mosaic_tiles.unsupported_reason, KERNEL)
 
 
 def _kernel(
@@ -106,29 +76,27 @@ def _kernel(
   weight = weights_ref[block]
   head_dim = x_ring.shape[-1]
   dtype = x_ring.dtype
-
-  def load(step):
-    stage = lax.rem(step, stages)
-    tokens = pl.ds((chunk * tiles + step) * TILE, TILE)
-    barrier = step_barriers.at[stage]
-    plgpu.copy_gmem_to_smem(x_ref.at[batch_head, tokens], x_ring.at[stage], barrier)
-    plgpu.copy_gmem_to_smem(w_ref.at[batch_head, tokens], w_ring.at[stage], barrier)
-    plgpu.copy_gmem_to_smem(u_ref.at[batch_head, tokens], u_ring.at[stage], barrier)
-
-  for step in range(min(stages, tiles)):
-    load(jnp.int32(step))
-
-  feature = plgpu.broadcasted_iota(jnp.int32, (TILE, head_dim), 0, layout=plgpu.Layout.WGMMA)
-  column = plgpu.broadcasted_iota(jnp.int32, (TILE, head_dim), 1, layout=plgpu.Layout.WGMMA)
-  selection = lambda picked: jnp.where(column == picked, 1.0, 0.0).astype(dtype)
+  tokens = lambda step: pl.ds((chunk * tiles + step) * TILE, TILE)
+  ring = Ring(
+    lambda step: (
+      x_ref.at[batch_head, tokens(step)],
+      w_ref.at[batch_head, tokens(step)],
+      u_ref.at[batch_head, tokens(step)],
+    ),
+    (x_ring, w_ring, u_ring),
+    step_barriers,
+    num_steps=tiles,
+    stages=stages,
+  )
+  ring.start()
   group_staging, tile_staging, phi_staging = operand_staging
-  select_group = register_operand(selection(first_col + feature // FEATURE_TILE), group_staging)
-  select_tile = register_operand(selection(tile_col + feature % FEATURE_TILE), tile_staging)
+  select_group, select_tile = selections(first_col, tile_col, (TILE, head_dim), features_axis=1, dtype=dtype)
+  select_group = register_operand(select_group, group_staging)
+  select_tile = register_operand(select_tile, tile_staging)
 
   def step_body(step, carry):
     state, normalizer = carry
-    stage = lax.rem(step, stages)
-    plgpu.barrier_wait(step_barriers.at[stage])
+    stage = ring.wait(step)
     x = x_ring.at[stage]
     group, tile = products_together([(select_group, x.T), (select_tile, x.T)], shape=(TILE, TILE))
     phi = group * tile
@@ -136,7 +104,7 @@ def _kernel(
     normalizer = normalizer + jnp.sum(phi * lax.broadcast_in_dim(u, phi.shape, [1]), axis=1)
     phi = register_operand(phi.astype(dtype), phi_staging)
     (state,) = products_together([(phi, w_ring.at[stage])], inits=(state,), in_place=not interpreted)
-    pl.when(step + stages < tiles)(functools.partial(load, step + stages))
+    ring.refill(step)
     return state, normalizer
 
   value_dim = w_ring.shape[-1]
@@ -170,13 +138,7 @@ def update_state(x, w, u, *, chunk: int, stages: int = DEFAULT_STAGES, interpret
   Raises:
     ValueError: sizes or a dtype the kernel does not take (naming the argument).
   """
-  _, length, head_dim = x.shape
-  value_dim = w.shape[-1]
-  reason = unsupported_reason(head_dim=head_dim, value_dim=value_dim, dtype=x.dtype, chunk=chunk, stages=stages)
-  if reason:
-    raise ValueError(reason)
-  if length % chunk or w.dtype != x.dtype:
-    raise ValueError(f"T ({length}) must be a multiple of chunk ({chunk}) and w in x's dtype {x.dtype}; got {w.dtype}")
+  check_inputs(KERNEL, x, value_dim=w.shape[-1], chunk=chunk, stages=stages, w=w)
   share_identical_kernels()
   return _update_state(x, w, u.astype(jnp.float32), chunk=chunk, stages=stages, interpret=interpret)
 

@@ -88,7 +88,7 @@ def test_bad_input():
     mosaic_query_state.query_state(
       q.astype(jnp.float32), g, state.astype(jnp.float32), normalizer, heads=HQ, kv_heads=HKV, chunk=CHUNK
     )
-  with pytest.raises(ValueError, match="state in q's dtype"):
+  with pytest.raises(ValueError, match="state must be in the rows' dtype"):
     mosaic_query_state.query_state(q, g, state.astype(jnp.float16), normalizer, heads=HQ, kv_heads=HKV, chunk=CHUNK)
 
 

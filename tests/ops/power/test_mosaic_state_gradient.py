@@ -100,7 +100,7 @@ def test_bad_input():
   call = functools.partial(mosaic_state_gradient.state_gradient, heads=HQ, kv_heads=HKV, chunk=CHUNK)
   with pytest.raises(ValueError, match="16-bit operands"):
     call(x.astype(jnp.float32), cotangent, cotangent_normalizer, state, normalizer)
-  with pytest.raises(ValueError, match="state and cotangent in x's dtype"):
+  with pytest.raises(ValueError, match="cotangent must be in the rows' dtype"):
     call(x, cotangent.astype(jnp.float16), cotangent_normalizer, state, normalizer)
 
 
