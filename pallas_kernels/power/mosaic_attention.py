@@ -1,18 +1,22 @@
-"""Backward of power attention's in-chunk attention as Pallas Mosaic GPU (Hopper: wgmma + TMA) kernels.
+"""Power attention's in-chunk attention as Pallas Mosaic GPU (Hopper: wgmma + TMA) kernels, forward
+and backward.
 
-The math is the Triton `triton_kernels.attention_backward`'s. Within each chunk, with q already
-scaled, G the cumulative log-gate and causal i >= j:
+The math is the Triton kernels' (`triton_kernels.query_state_attention`, `attention_backward`).
+Within each chunk, with q already scaled, G the cumulative log-gate and causal i >= j:
 
   s_ij = q_i . k_j,   decay_ij = e^{G_i - G_j},   A_ij = s_ij^2 decay_ij
+  y_i = (N_i + sum_j A_ij v_j) / (den_i + sum_j A_ij)   (N, den: the states' part, or 0)
   dA_ij = dN_i . v_j + dden_i,   dS_ij = 2 s_ij decay_ij dA_ij
   dq_i = sum_j dS_ij k_j,   dk_j = sum_i dS_ij q_i,   dv_j = sum_i A_ij dN_i
   dG_i (query side) = sum_j A_ij dA_ij,   dG_j (key side) = -sum_i A_ij dA_ij
 
-Two kernels, one warpgroup per program, each streaming the other side's 64-row tiles through
+Three kernels, one warpgroup per program, each streaming the other side's 64-row tiles through
 a `stages`-deep ring of shared-memory buffers with TMA (the GCA Mosaic kernels' schedule):
 
-- queries: one program per (batch * head, 64-row query tile) walks the key tiles of its chunk
-  up to its own (the diagonal tile masked): S = Q K^T and dP = dN V^T issued together, then
+- forward: one program per (batch * head, 64-row query tile) walks the key tiles of its chunk
+  up to its own (the diagonal tile masked): S = Q K^T, then the numerator += A V with A from
+  registers, starting from the states' part, and normalizes at the end;
+- queries: the same walk for the backward: S = Q K^T and dP = dN V^T issued together, then
   dQ += dS K with dS from registers;
 - keys: one program per (batch * kv head, 64-row key tile) walks, for each query head of the
   kv head, the query tiles from its own to the chunk's end, in the transposed frame (keys as
