@@ -178,7 +178,8 @@ def test_the_op_takes_it_from_the_kernel_config(monkeypatch, seq, return_final_s
   for name, a, b in zip(("out", "q", "k", "v", "log_g"), ours, theirs):
     assert rel_err(a.astype(jnp.float32), b.astype(jnp.float32)) < 2e-2, name
   calls.clear()
-  run(mosaic, jnp.float32)
+  f32 = lambda x: x.astype(jnp.float32)
+  power_attention_triton(f32(q), f32(k), f32(v), log_g, scale=0.125, chunk_size=CHUNK, config=mosaic)
   assert not calls
   with pytest.raises(ValueError, match="in_chunk_attention must be one of"):
     PowerTritonConfig(in_chunk_attention="cudnn")
