@@ -15,7 +15,8 @@ KERNEL_CHOICES = ("triton", "mosaic")
 
 @dataclasses.dataclass(frozen=True)
 class PowerTritonConfig:
-  """Block sizes, warps and pipeline stages of the power-attention kernels.
+  """Block sizes, warps and pipeline stages of the power-attention kernels, and the parts that run
+  on Mosaic GPU kernels instead.
 
   Attributes:
     block_t: tokens per step of the update-state reduction over a chunk.
