@@ -42,7 +42,7 @@ from pallas_kernels.gca.mosaic_tiles import launch_grid, products_together
 from pallas_kernels.mosaic_common import operand_smem, register_operand, wgmma_zeros
 from pallas_kernels.mosaic_kernel_cache import share_identical_kernels
 from pallas_kernels.power import mosaic_tiles
-from pallas_kernels.power.mosaic_tiles import DEFAULT_STAGES, TILE, Ring, check_inputs, kv_head
+from pallas_kernels.power.mosaic_tiles import DEFAULT_STAGES, TILE, Ring, check_inputs, kv_head, store_tiles
 
 KERNELS = "the Mosaic in-chunk attention kernels"
 
@@ -149,12 +149,13 @@ def _forward_kernel(
   numerator, denominator = lax.fori_loop(0, program.num_steps, step_body, (numerator, denominator))
   zero = denominator == 0.0
   inverse = jnp.where(zero, 0.0, 1.0 / jnp.where(zero, 1.0, denominator))
-  out_smem[...] = (numerator * lax.broadcast_in_dim(inverse, numerator.shape, [0])).astype(out_smem.dtype)
-  denominator_smem[...] = denominator
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(out_smem, out_ref.at[batch_head, rows])
-  plgpu.copy_smem_to_gmem(denominator_smem, denominator_ref.at[batch_head, rows])
-  plgpu.wait_smem_to_gmem(0)
+  out = (numerator * lax.broadcast_in_dim(inverse, numerator.shape, [0])).astype(out_smem.dtype)
+  store_tiles(
+    [
+      (out, out_smem, out_ref.at[batch_head, rows]),
+      (denominator, denominator_smem, denominator_ref.at[batch_head, rows]),
+    ]
+  )
 
 
 def _queries_kernel(
@@ -215,12 +216,7 @@ def _queries_kernel(
   head_dim = query_smem.shape[-1]
   dg_init = plgpu.layout_cast(jnp.zeros((TILE,), jnp.float32), row_layout)
   dq, dg = lax.fori_loop(0, program.num_steps, step_body, (wgmma_zeros((TILE, head_dim)), dg_init))
-  dq_staging[...] = dq
-  g_smem[...] = dg
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(dq_staging, dq_ref.at[batch_head, rows])
-  plgpu.copy_smem_to_gmem(g_smem, dg_ref.at[batch_head, rows])
-  plgpu.wait_smem_to_gmem(0)
+  store_tiles([(dq, dq_staging, dq_ref.at[batch_head, rows]), (dg, g_smem, dg_ref.at[batch_head, rows])])
 
 
 def _keys_kernel(
@@ -308,14 +304,13 @@ def _keys_kernel(
   dg_init = plgpu.layout_cast(jnp.zeros((TILE,), jnp.float32), row_layout)
   init = (wgmma_zeros((TILE, head_dim)), wgmma_zeros((TILE, value_dim)), dg_init)
   dk, dv, dg = lax.fori_loop(0, num_steps, step_body, init)
-  dk_staging[...] = dk
-  dv_staging[...] = dv
-  g_smem[...] = dg
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(dk_staging, dk_ref.at[batch_kv_head, rows])
-  plgpu.copy_smem_to_gmem(dv_staging, dv_ref.at[batch_kv_head, rows])
-  plgpu.copy_smem_to_gmem(g_smem, dg_ref.at[batch_kv_head, rows])
-  plgpu.wait_smem_to_gmem(0)
+  store_tiles(
+    [
+      (dk, dk_staging, dk_ref.at[batch_kv_head, rows]),
+      (dv, dv_staging, dv_ref.at[batch_kv_head, rows]),
+      (dg, g_smem, dg_ref.at[batch_kv_head, rows]),
+    ]
+  )
 
 
 def attention_forward(

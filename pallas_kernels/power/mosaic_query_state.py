@@ -39,6 +39,7 @@ from pallas_kernels.power.mosaic_tiles import (
   row_blocks,
   state_block_ring,
   store_selections,
+  store_tiles,
 )
 
 __all__ = ["query_state", "unsupported_reason"]
@@ -119,12 +120,16 @@ def _kernel(
   init = (wgmma_zeros((TILE, value_dim)), wgmma_zeros((TILE, TILE)))
   numerator, dot_normalizer = lax.fori_loop(0, num_blocks, block_body, init)
   discount = jnp.exp(plgpu.load(g_smem, layout=plgpu.Layout.WGMMA.reduce(1)))
-  numerator_staging[...] = numerator * lax.broadcast_in_dim(discount, numerator.shape, [0])
-  g_smem[...] = jnp.sum(dot_normalizer, axis=1) * discount
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(numerator_staging, numerator_ref.at[batch_head, rows])
-  plgpu.copy_smem_to_gmem(g_smem, denominator_ref.at[batch_head, rows])
-  plgpu.wait_smem_to_gmem(0)
+  store_tiles(
+    [
+      (
+        numerator * lax.broadcast_in_dim(discount, numerator.shape, [0]),
+        numerator_staging,
+        numerator_ref.at[batch_head, rows],
+      ),
+      (jnp.sum(dot_normalizer, axis=1) * discount, g_smem, denominator_ref.at[batch_head, rows]),
+    ]
+  )
 
 
 def query_state(

@@ -41,6 +41,7 @@ from pallas_kernels.power.mosaic_tiles import (
   row_blocks,
   state_block_ring,
   store_selections,
+  store_tiles,
 )
 
 __all__ = ["state_gradient", "unsupported_reason"]
@@ -133,16 +134,13 @@ def _kernel(
   init = (wgmma_zeros((TILE, head_dim)), wgmma_zeros((TILE, value_dim)) if with_product else None)
   dx, product = lax.fori_loop(0, num_blocks, block_body, init)
   x = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-  phi_dot_smem[...] = 0.5 * jnp.sum(x * dx, axis=1)
-  dx_staging[...] = dx
+  tiles = [
+    (dx, dx_staging, dx_ref.at[batch_head, rows]),
+    (0.5 * jnp.sum(x * dx, axis=1), phi_dot_smem, phi_dot_ref.at[batch_head, rows]),
+  ]
   if with_product:
-    product_staging[...] = product
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(dx_staging, dx_ref.at[batch_head, rows])
-  plgpu.copy_smem_to_gmem(phi_dot_smem, phi_dot_ref.at[batch_head, rows])
-  if with_product:
-    plgpu.copy_smem_to_gmem(product_staging, product_ref.at[batch_head, rows])
-  plgpu.wait_smem_to_gmem(0)
+    tiles.append((product, product_staging, product_ref.at[batch_head, rows]))
+  store_tiles(tiles)
 
 
 def state_gradient(

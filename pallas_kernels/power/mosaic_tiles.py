@@ -103,6 +103,17 @@ class Ring:
     pl.when(step + self.stages < self.num_steps)(functools.partial(self._load, step + self.stages))
 
 
+def store_tiles(tiles):
+  """gmem = value for each (value, staging, gmem): written into the shared-memory staging
+  buffers, committed once, copied out by TMA and waited for (a program's epilogue)."""
+  for value, staging, _ in tiles:
+    staging[...] = value
+  plgpu.commit_smem()
+  for _, staging, gmem in tiles:
+    plgpu.copy_smem_to_gmem(staging, gmem)
+  plgpu.wait_smem_to_gmem(0)
+
+
 def state_block_ring(state_ref, normalizer_ref, buffers, barriers, *, batch_kv_head, chunk, num_blocks, stages):
   """The ring of a chunk's state and normalizer, one 64-feature row block of phi a step."""
   features = lambda block: pl.ds(block * TILE, TILE)

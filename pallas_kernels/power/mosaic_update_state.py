@@ -40,7 +40,15 @@ from pallas_kernels.gca.mosaic_tiles import launch_grid, products_together
 from pallas_kernels.mosaic_common import operand_smem, register_operand, wgmma_zeros
 from pallas_kernels.mosaic_kernel_cache import share_identical_kernels
 from pallas_kernels.power import mosaic_tiles
-from pallas_kernels.power.mosaic_tiles import DEFAULT_STAGES, TILE, Ring, check_inputs, row_blocks, selections
+from pallas_kernels.power.mosaic_tiles import (
+  DEFAULT_STAGES,
+  TILE,
+  Ring,
+  check_inputs,
+  row_blocks,
+  selections,
+  store_tiles,
+)
 
 KERNEL = "the Mosaic update-state kernel"
 
@@ -111,13 +119,13 @@ def _kernel(
   normalizer = plgpu.layout_cast(jnp.zeros((TILE,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
   state, normalizer = lax.fori_loop(0, tiles, step_body, (wgmma_zeros((TILE, value_dim)), normalizer))
   # The block's weight (sqrt(2) off the diagonal) is applied once, to the sums.
-  state_staging[...] = state * weight
-  normalizer_staging[...] = normalizer * weight
-  plgpu.commit_smem()
   rows = pl.ds(block * TILE, TILE)
-  plgpu.copy_smem_to_gmem(state_staging, state_ref.at[batch_head, chunk, rows])
-  plgpu.copy_smem_to_gmem(normalizer_staging, normalizer_ref.at[batch_head, chunk, rows])
-  plgpu.wait_smem_to_gmem(0)
+  store_tiles(
+    [
+      (state * weight, state_staging, state_ref.at[batch_head, chunk, rows]),
+      (normalizer * weight, normalizer_staging, normalizer_ref.at[batch_head, chunk, rows]),
+    ]
+  )
 
 
 def update_state(x, w, u, *, chunk: int, stages: int = DEFAULT_STAGES, interpret: bool = False):
