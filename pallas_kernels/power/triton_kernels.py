@@ -240,6 +240,14 @@ def update_state(
 # Query state + intra-chunk attention + normalization: one program per (query block, batch * head).
 
 
+def _unrolled_operands(x_ref, row_group: int):
+  """What the unrolled kernels share: the row block's width W, the a-groups per tile pair, E_tile
+  [16, W] and x's 16-column tiles."""
+  width = row_group * FEATURE_TILE
+  tiles = [x_ref[:, pl.ds(start, FEATURE_TILE)] for start in range(0, x_ref.shape[1], FEATURE_TILE)]
+  return width, FEATURE_TILE // row_group, _tile_selector(width, x_ref.dtype), tiles
+
+
 def _query_state_products_unrolled(x_ref, state_ref, normalizer_ref, *, row_group: int, precision):
   """phi(x) S [rows, d_v] and phi(x) . z [rows] for the program's rows x_ref [rows, d].
 
@@ -247,10 +255,7 @@ def _query_state_products_unrolled(x_ref, state_ref, normalizer_ref, *, row_grou
   pair's weight) is built once for its a-groups; only the a-groups are a loop on the device."""
   rows, head_dim = x_ref.shape
   dtype = x_ref.dtype
-  width = row_group * FEATURE_TILE
-  groups = FEATURE_TILE // row_group
-  tile_selector = _tile_selector(width, dtype)
-  x_tiles = [x_ref[:, pl.ds(start, FEATURE_TILE)] for start in range(0, head_dim, FEATURE_TILE)]
+  width, groups, tile_selector, x_tiles = _unrolled_operands(x_ref, row_group)
   carry = (jnp.zeros((rows, state_ref.shape[-1]), jnp.float32), jnp.zeros((rows, width), jnp.float32))
   for pair, (s, t, weight) in enumerate(tile_pairs(head_dim)):
     tile_factor = jnp.dot(x_tiles[t], tile_selector, precision=precision, preferred_element_type=jnp.float32) * weight
@@ -471,10 +476,7 @@ def _state_gradient_unrolled(
   only the a-groups of a pair are a loop on the device."""
   rows, head_dim = x_ref.shape
   dtype = x_ref.dtype
-  width = row_group * FEATURE_TILE
-  groups = FEATURE_TILE // row_group
-  tile_selector = _tile_selector(width, dtype)
-  x_tiles = [x_ref[:, pl.ds(start, FEATURE_TILE)] for start in range(0, head_dim, FEATURE_TILE)]
+  width, groups, tile_selector, x_tiles = _unrolled_operands(x_ref, row_group)
   dx_tiles = [jnp.zeros((rows, FEATURE_TILE), jnp.float32) for _ in x_tiles]
   product = jnp.zeros((rows, state_ref.shape[-1] if with_product else FEATURE_TILE), jnp.float32)
 
