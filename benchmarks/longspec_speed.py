@@ -57,7 +57,6 @@ import functools
 import json
 import statistics
 import sys
-import tempfile
 import time
 from typing import Callable
 
@@ -77,7 +76,7 @@ from castle_jax.models.registry import abstract_params
 from castle_jax.sharding import on_mesh
 from castle_jax.workdir import check_mesh_fits, tensor_parallel_mesh
 from castle_jax.ops.tree_attention import IMPLEMENTATIONS as TREE_ATTENTION_IMPLEMENTATIONS
-from benchmarks.synthetic_step import device_time_by_op
+from benchmarks import synthetic_step
 from benchmarks.timing import error_text, run_meta, step_times, tree_bytes, write_json
 
 GIB = 2**30
@@ -291,25 +290,14 @@ def _speculative_round(target, draft, shape, tree_attention, temperature, target
 
 
 def _profile(step, state) -> dict:
-  """Over PROFILED_CALLS traced calls of `step`, per call: "ops_ms", device milliseconds of
-  the PROFILED_OPS kernels that take the most; "device_ms", the sum over every kernel (below
-  the call's wall time by the gaps between kernels, launch latency above all; above it where
-  kernels of several streams overlap); "kernels", the kernel launches. Empty where the trace
-  has no device lines (a CPU)."""
-  with tempfile.TemporaryDirectory(prefix="longspec_speed_trace_") as directory:
-    with jax.profiler.trace(directory):
-      for _ in range(PROFILED_CALLS):
-        out, state = step(state)
-        jax.block_until_ready(out)
-    # The "XLA Modules" line, where a trace has one, spans the ops it runs: not summed.
-    ops = [op for op in device_time_by_op(directory, top=None) if op[0] != "XLA Modules"]
-  if not ops:
-    return {}
-  return {
-    "ops_ms": {name: ms / PROFILED_CALLS for _, name, ms, _ in ops[:PROFILED_OPS]},
-    "device_ms": sum(ms for _, _, ms, _ in ops) / PROFILED_CALLS,
-    "kernels": sum(count for *_, count in ops) / PROFILED_CALLS,
-  }
+  """`kernel_times_per_call` of PROFILED_CALLS calls of `step` (its PROFILED_OPS largest kernels)."""
+
+  def run_once():
+    nonlocal state
+    out, state = step(state)
+    jax.block_until_ready(out)
+
+  return synthetic_step.kernel_times_per_call(run_once, PROFILED_CALLS, PROFILED_OPS)
 
 
 def needed_bytes(target, draft, batch: int, capacity: int, tensor: int = 1) -> int:

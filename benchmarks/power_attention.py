@@ -310,6 +310,8 @@ def main(argv) -> int:
           args.tokens // seq, seq, args.heads, args.head_dim, min(chunks[0], seq), dtype, args.iters, config
         )
         breakdown += [row | {"config": spec or "default"} for row in kernels]
+        for row in breakdown[-len(kernels) :]:
+          print(json.dumps(row), file=sys.stderr, flush=True)
 
   for row in rows:
     if "error" in row:

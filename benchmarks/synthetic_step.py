@@ -8,7 +8,9 @@ import collections
 import glob
 import os
 import statistics
+import tempfile
 import time
+from typing import Callable
 
 import flax.linen as nn
 import jax
@@ -140,6 +142,27 @@ def device_time_by_op(profile_dir: str, top: int | None = 25) -> list[tuple[str,
     print(f"no device op lines in the trace; planes/lines found: {sorted((p.name, ln.name) for p, ln in lines)[:40]}")
   rows = sorted(((label, n, ms, c) for (label, n), (ms, c) in totals.items()), key=lambda r: -r[2])
   return rows[:top]
+
+
+def kernel_times_per_call(run_once: Callable[[], None], calls: int, top: int) -> dict:
+  """Traces `calls` runs of `run_once` (each blocks until its outputs are ready) and returns,
+  per call: "ops_ms", device milliseconds of the `top` kernels that take the most; "device_ms",
+  the sum over every kernel (below the wall time by the gaps between kernels, above it where
+  kernels of several streams overlap); "kernels", the launches. Empty where the trace has no
+  device lines (a CPU)."""
+  with tempfile.TemporaryDirectory(prefix="kernel_times_") as directory:
+    with jax.profiler.trace(directory):
+      for _ in range(calls):
+        run_once()
+    # The "XLA Modules" line, where a trace has one, spans the ops it runs: not summed.
+    ops = [op for op in device_time_by_op(directory, top=None) if op[0] != "XLA Modules"]
+  if not ops:
+    return {}
+  return {
+    "ops_ms": {name: ms / calls for _, name, ms, _ in ops[:top]},
+    "device_ms": sum(ms for _, _, ms, _ in ops) / calls,
+    "kernels": sum(count for *_, count in ops) / calls,
+  }
 
 
 def _union_ns(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:

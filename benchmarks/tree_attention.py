@@ -3,6 +3,7 @@
 
     python -m benchmarks.tree_attention --lengths=4096,16384,32768 --nodes=69 [--impls=xla,triton] \
         --kernel_configs="triton:block_keys=64;triton:block_rows=64,block_keys=64" --out=tree_attention.json
+    python -m benchmarks.tree_attention --rows=tree --impls=mosaic --profile   # device time by kernel
     python -m benchmarks.tree_attention --smoke   # tiny shapes, any device (CI)
 
 Each row times one compiled function that runs `--repeats` passes over `--layers`
@@ -45,10 +46,13 @@ from castle_jax.ops.tree_attention import (
   tree_attention,
   tree_mask_from_parents,
 )
+from benchmarks import synthetic_step
 from benchmarks.timing import error_text, implementations_to_time, kernel_configs, median_ms, smoke_mode
 
 
 ROWS = ("read", "dense", "tree", "decode")
+PROFILED_RUNS = 2
+PROFILED_KERNELS = 8  # recorded per row, largest first
 
 
 def parse_args(argv):
@@ -84,6 +88,12 @@ def parse_args(argv):
     default=",".join(ROWS),
     help="which rows to time: the K/V read, dense masked attention, the implementations on the tree, "
     "single-token steps (the dense rows take most of a run's time at long caches)",
+  )
+  parser.add_argument(
+    "--profile",
+    action="store_true",
+    help=f"trace {PROFILED_RUNS} more runs of each tree row and record its device time per call by kernel "
+    "(row keys kernel_us, device_us, kernels): the kernel itself against the XLA work around it",
   )
   parser.add_argument("--smoke", action="store_true", help="tiny shapes, one timed call: checks the harness runs")
   parser.add_argument("--out", type=cl.new_file, default=None, help="write the results here as JSON (a new file)")
@@ -123,6 +133,21 @@ def _chain(attend, repeats: int):
   return jax.jit(run)
 
 
+def _kernel_times(fn, fn_args, *, calls: int) -> dict:
+  """Device time per call of the op (one of `calls` in a run of `fn`): "kernel_us" by kernel,
+  the PROFILED_KERNELS largest; "device_us", every kernel summed; "kernels", the launches."""
+  times = synthetic_step.kernel_times_per_call(
+    lambda: jax.block_until_ready(fn(*fn_args)), PROFILED_RUNS, PROFILED_KERNELS
+  )
+  if not times:
+    return {}
+  return {
+    "kernel_us": {name: 1e3 * ms / calls for name, ms in times["ops_ms"].items()},
+    "device_us": 1e3 * times["device_ms"] / calls,
+    "kernels": times["kernels"] / calls,
+  }
+
+
 def main(argv) -> int:
   args = parse_args(argv)
   dtype = jnp.dtype(args.dtype)
@@ -144,6 +169,8 @@ def main(argv) -> int:
         "ms_per_layer": ms,
         "gb_per_s": bytes_read / ms / 1e6,
       }
+      if args.profile and kind == "tree":
+        row.update(_kernel_times(fn, fn_args, calls=layers * args.repeats))
     except Exception as e:  # one failing row must not lose the others
       row = {"kind": kind, "length": length, "nodes": nodes, "name": name, "error": error_text(e)}
     records.append(row)

@@ -14,7 +14,7 @@ from castle_jax import command_line as cl
 from castle_jax.sharding import on_mesh
 from castle_jax.workdir import tensor_parallel_mesh
 
-from benchmarks import castle_attention, gca_attention, longspec_speed, power_attention, tree_attention
+from benchmarks import castle_attention, gca_attention, longspec_speed, power_attention, synthetic_step, tree_attention
 
 
 @pytest.mark.parametrize(
@@ -40,6 +40,20 @@ def test_tree_attention_rows_time_only_the_rows_asked(tmp_path):
   assert tree_attention.main(["--smoke", "--rows=tree", "--impls=xla", f"--out={out}"]) == 0
   rows = json.loads(out.read_text())["rows"]
   assert [(row["kind"], row["name"]) for row in rows] == [("tree", "xla")]
+
+
+def test_tree_attention_profile_records_device_time_per_call_by_kernel(monkeypatch, tmp_path):
+  def kernels_of_the_trace(directory, top):
+    return [("stream", "tree_kernel", 8.0, 4), ("stream", "merge", 2.0, 4)]
+
+  monkeypatch.setattr(synthetic_step, "device_time_by_op", kernels_of_the_trace)
+  out = tmp_path / "tree.json"
+  assert tree_attention.main(["--smoke", "--rows=tree", "--impls=xla", "--profile", f"--out={out}"]) == 0
+  (row,) = json.loads(out.read_text())["rows"]
+  calls = tree_attention.PROFILED_RUNS * 2 * 1  # the smoke run's layers x repeats per run
+  assert row["kernel_us"] == {"tree_kernel": pytest.approx(8e3 / calls), "merge": pytest.approx(2e3 / calls)}
+  assert row["device_us"] == pytest.approx(10e3 / calls)
+  assert row["kernels"] == pytest.approx(8 / calls)
 
 
 def test_tree_attention_rejects_an_unknown_row():
@@ -93,7 +107,7 @@ def test_longspec_speed_profile_records_device_time_per_call_by_kernel(monkeypat
     traced.append((directory, top))
     return [("stream", "gemm", 6.0, 9), ("stream", "tree_attention", 3.0, 3)]
 
-  monkeypatch.setattr(longspec_speed, "device_time_by_op", kernels_of_the_trace)
+  monkeypatch.setattr(synthetic_step, "device_time_by_op", kernels_of_the_trace)
   out = tmp_path / "speed.json"
   assert longspec_speed.main(["--smoke", "--profile", f"--out={out}"]) == 0
   (row,) = json.loads(out.read_text())["rows"]
@@ -113,7 +127,7 @@ def test_longspec_speed_profile_sums_kernels_but_not_the_modules_spanning_them(m
   def trace_with_module_line(directory, top):
     return [("XLA Modules", "jit_step", 30.0, 3), ("XLA Ops", "gemm", 6.0, 9), ("XLA Ops", "tree_attention", 3.0, 3)]
 
-  monkeypatch.setattr(longspec_speed, "device_time_by_op", trace_with_module_line)
+  monkeypatch.setattr(synthetic_step, "device_time_by_op", trace_with_module_line)
   out = tmp_path / "speed.json"
   assert longspec_speed.main(["--smoke", "--profile", f"--out={out}"]) == 0
   (row,) = json.loads(out.read_text())["rows"]

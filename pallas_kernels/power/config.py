@@ -10,7 +10,10 @@ from pallas_kernels.config_checks import check_int_fields, parse_config
 # whose tensor-core products are well shaped). D = C(d / 16 + 1, 2) * 256.
 FEATURE_TILE = 16
 
-KERNEL_CHOICES = ("triton", "mosaic")
+KERNEL_CHOICES = ("auto", "triton", "mosaic")
+# Head (and value) dims at which "auto" runs the Mosaic GPU kernels on a Hopper GPU: where they
+# measured faster than the Triton kernels (benchmarks/RESULTS.md, power attention).
+AUTO_MOSAIC_HEAD_DIMS = (64,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,16 +33,19 @@ class PowerTritonConfig:
       tensor work per row block of phi, so more registers per row than the forward).
     grad_num_warps: warps of the state-gradient kernel.
     in_chunk_attention: the kernels of the attention within each chunk, forward and backward:
-      "triton", or "mosaic" (Mosaic GPU, `pallas_kernels.power.mosaic_attention`) where those
+      "triton"; "mosaic" (Mosaic GPU, `pallas_kernels.power.mosaic_attention`) where those
       apply (a Hopper GPU or interpret mode, bf16/f16, head and value dims 64 or 128), else the
-      Triton kernels.
-    update_state: the per-chunk states' kernel: "triton", or "mosaic"
-      (`pallas_kernels.power.mosaic_update_state`) where it applies (as for in_chunk_attention).
-    query_state: the states' part of the outputs: "triton", or "mosaic"
-      (`pallas_kernels.power.mosaic_query_state`) where it applies; "mosaic" needs
-      in_chunk_attention="mosaic" (the Triton query kernel computes both parts at once).
-    state_gradient: the gradients through the state products: "triton", or "mosaic"
-      (`pallas_kernels.power.mosaic_state_gradient`) where it applies.
+      Triton kernels; or "auto" (the default): Mosaic GPU on a Hopper GPU where they apply and
+      measured faster (head and value dims in `AUTO_MOSAIC_HEAD_DIMS`), else Triton (so also
+      Triton in interpret mode).
+    update_state: the per-chunk states' kernel, chosen as in_chunk_attention
+      (`pallas_kernels.power.mosaic_update_state`).
+    query_state: the states' part of the outputs, chosen as in_chunk_attention
+      (`pallas_kernels.power.mosaic_query_state`) when the in-chunk attention runs on Mosaic
+      GPU (the Triton query kernel computes both parts at once); "mosaic" needs
+      in_chunk_attention="mosaic".
+    state_gradient: the gradients through the state products, chosen as in_chunk_attention
+      (`pallas_kernels.power.mosaic_state_gradient`).
   """
 
   block_t: int = 64
@@ -50,10 +56,10 @@ class PowerTritonConfig:
   num_stages: int = 3
   grad_block: int = 64
   grad_num_warps: int = 4
-  in_chunk_attention: str = "triton"
-  update_state: str = "triton"
-  query_state: str = "triton"
-  state_gradient: str = "triton"
+  in_chunk_attention: str = "auto"
+  update_state: str = "auto"
+  query_state: str = "auto"
+  state_gradient: str = "auto"
 
   def __post_init__(self):
     choices = ("in_chunk_attention", "update_state", "query_state", "state_gradient")

@@ -34,7 +34,7 @@ from pallas_kernels.power import (
   triton_discumsum,
   triton_kernels,
 )
-from pallas_kernels.power.config import FEATURE_TILE, PowerTritonConfig, default_triton_config
+from pallas_kernels.power.config import AUTO_MOSAIC_HEAD_DIMS, FEATURE_TILE, PowerTritonConfig, default_triton_config
 from pallas_kernels.residuals import keep_for_backward
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -220,13 +220,17 @@ def _output_cotangents(d_out, out_folded, denominator, length):
 
 
 def _runs_on_mosaic(choice: str, module, x, w, *, chunk, interpret) -> bool:
-  """Whether a config's kernel `choice` ("triton" or "mosaic") runs `module`'s Mosaic GPU kernels on
-  rows x [.., d] and w [.., d_v]: asked for, and they apply (sizes, dtype, a Hopper GPU or
-  interpret mode)."""
-  if choice != "mosaic":
+  """Whether a config's kernel `choice` ("auto", "triton" or "mosaic", `PowerTritonConfig`) runs
+  `module`'s Mosaic GPU kernels on rows x [.., d] and w [.., d_v]."""
+  if choice == "triton":
     return False
-  reason = module.unsupported_reason(head_dim=x.shape[-1], value_dim=w.shape[-1], dtype=x.dtype, chunk=chunk)
-  return reason is None and (interpret or device_facts.is_hopper(device_facts.compute_capability()))
+  head_dim, value_dim = x.shape[-1], w.shape[-1]
+  if module.unsupported_reason(head_dim=head_dim, value_dim=value_dim, dtype=x.dtype, chunk=chunk):
+    return False
+  on_hopper = device_facts.is_hopper(device_facts.compute_capability())
+  if choice == "mosaic":
+    return interpret or on_hopper
+  return not interpret and on_hopper and head_dim in AUTO_MOSAIC_HEAD_DIMS and value_dim in AUTO_MOSAIC_HEAD_DIMS
 
 
 def state_gradient(x, cotangent, cotangent_normalizer, state, normalizer, *, chunk, config, interpret, **options):

@@ -196,7 +196,9 @@ def test_the_op_lowers_for_an_h100_with_it(monkeypatch):
   normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
   q, k, v = normal(B, 256, HQ, 64), normal(B, 256, HKV, 64), normal(B, 256, HKV, 64)
   log_g = jnp.asarray(-np.logaddexp(0.0, -(2.0 + rng.standard_normal((B, 256, HKV)))), jnp.float32)
-  config = PowerTritonConfig(in_chunk_attention="mosaic")
+  config = PowerTritonConfig(
+    in_chunk_attention="mosaic", update_state="triton", query_state="triton", state_gradient="triton"
+  )
 
   def loss(q, k, v, log_g):
     out, _ = power_attention_triton(q, k, v, log_g, scale=0.125, chunk_size=CHUNK, config=config, interpret=False)

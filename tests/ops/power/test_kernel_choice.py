@@ -1,0 +1,92 @@
+"""Which kernels `PowerTritonConfig`'s "auto" choices run: the Mosaic GPU kernels on a Hopper GPU
+for bf16/f16 heads in `AUTO_MOSAIC_HEAD_DIMS`, the Triton kernels elsewhere (another GPU, float32,
+other head dims, interpret mode); an explicit "triton" or "mosaic" wins.
+
+The op is lowered for an H100 on CPU (the compute capability patched), and the Mosaic GPU kernel
+calls in its forward and backward are counted: 8 with every part on Mosaic GPU (two update-state
+kernels, the states' part of the outputs, three attention kernels, two state-gradient kernels).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import lowered_for_h100
+from pallas_kernels import device_facts
+from pallas_kernels.power import PowerTritonConfig, power_attention_triton, triton_kernels
+from pallas_kernels.power.config import AUTO_MOSAIC_HEAD_DIMS
+
+CHUNK = 128
+EVERY_PART_ON_MOSAIC = 8
+TRITON = dict(in_chunk_attention="triton", update_state="triton", query_state="triton", state_gradient="triton")
+
+
+def _inputs(head_dim, dtype, seq=256, heads=4, kv_heads=2):
+  rng = np.random.default_rng(head_dim)
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+  log_g = jnp.asarray(-np.logaddexp(0.0, -(2.0 + rng.standard_normal((1, seq, kv_heads)))), jnp.float32)
+  return (
+    normal(1, seq, heads, head_dim),
+    normal(1, seq, kv_heads, head_dim),
+    normal(1, seq, kv_heads, head_dim),
+    log_g,
+  )
+
+
+def _mosaic_kernels(config, inputs, capability="9.0", monkeypatch=None):
+  monkeypatch.setattr(device_facts, "compute_capability", lambda: capability)
+
+  def loss(q, k, v, log_g):
+    out, _ = power_attention_triton(q, k, v, log_g, scale=0.125, chunk_size=CHUNK, config=config, interpret=False)
+    return jnp.sum(out.astype(jnp.float32))
+
+  return lowered_for_h100(jax.grad(loss, argnums=range(4)), inputs).count("custom_call @mosaic_gpu")
+
+
+def test_auto_runs_mosaic_on_hopper_at_the_measured_head_dims(monkeypatch):
+  assert AUTO_MOSAIC_HEAD_DIMS, "no head dim runs the Mosaic kernels by default"
+  head_dim = AUTO_MOSAIC_HEAD_DIMS[0]
+  assert PowerTritonConfig().in_chunk_attention == "auto"
+  assert _mosaic_kernels(PowerTritonConfig(), _inputs(head_dim, jnp.bfloat16), monkeypatch=monkeypatch) == (
+    EVERY_PART_ON_MOSAIC
+  )
+
+
+@pytest.mark.parametrize(
+  "case, head_dim, dtype, capability, config",
+  [
+    ("an A100", 64, jnp.bfloat16, "8.0", {}),
+    ("float32", 64, jnp.float32, "9.0", {}),
+    ("explicit triton", 64, jnp.bfloat16, "9.0", TRITON),
+    *[("an unmeasured head dim", d, jnp.bfloat16, "9.0", {}) for d in (128,) if d not in AUTO_MOSAIC_HEAD_DIMS],
+  ],
+)
+def test_auto_runs_triton_elsewhere(monkeypatch, case, head_dim, dtype, capability, config):
+  inputs = _inputs(head_dim, dtype)
+  assert _mosaic_kernels(PowerTritonConfig(**config), inputs, capability, monkeypatch) == 0, case
+
+
+def test_explicit_mosaic_parts_run_alone(monkeypatch):
+  """One part asked for on Mosaic GPU, the others pinned to Triton: only that part's kernels."""
+  inputs = _inputs(64, jnp.bfloat16)
+  parts = {"update_state": 2, "state_gradient": 2, "in_chunk_attention": 3}
+  for part, kernels in parts.items():
+    config = PowerTritonConfig(**{**TRITON, part: "mosaic"})
+    assert _mosaic_kernels(config, inputs, monkeypatch=monkeypatch) == kernels, part
+
+
+def test_auto_runs_triton_in_interpret_mode(monkeypatch):
+  """Interpret mode (CPU tests) keeps the Triton kernels under "auto", even on a patched Hopper."""
+  monkeypatch.setattr(device_facts, "compute_capability", lambda: "9.0")
+  calls = []
+  original = triton_kernels.update_state
+  monkeypatch.setattr(triton_kernels, "update_state", lambda *a, **k: calls.append(1) or original(*a, **k))
+  q, k, v, log_g = _inputs(64, jnp.bfloat16)
+  power_attention_triton(q, k, v, log_g, scale=0.125, chunk_size=CHUNK, config=PowerTritonConfig(), interpret=True)
+  assert calls
+
+
+def test_bad_choice_names_the_field_and_the_choices():
+  with pytest.raises(ValueError, match=r"state_gradient must be one of \('auto', 'triton', 'mosaic'\), got 'fast'"):
+    PowerTritonConfig(state_gradient="fast")
