@@ -11,9 +11,17 @@ from pallas_kernels.config_checks import check_int_fields, parse_config
 FEATURE_TILE = 16
 
 KERNEL_CHOICES = ("auto", "triton", "mosaic")
-# Head (and value) dims at which "auto" runs the Mosaic GPU kernels on a Hopper GPU: where they
-# measured faster than the Triton kernels (benchmarks/RESULTS.md, power attention).
-AUTO_MOSAIC_HEAD_DIMS = (64,)
+# Per part, the head (and value) dims at which "auto" runs the Mosaic GPU kernels on a Hopper GPU:
+# where they measured faster than the Triton kernels in the whole op (benchmarks/RESULTS.md, power
+# attention). The state gradient's two calls count apart: the queries' and the keys' (which also
+# makes phi(K) S).
+AUTO_MOSAIC_HEAD_DIMS = {
+  "in_chunk_attention": (64, 128),
+  "update_state": (64,),
+  "query_state": (64,),
+  "state_gradient_queries": (),
+  "state_gradient_keys": (64,),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +44,8 @@ class PowerTritonConfig:
       "triton"; "mosaic" (Mosaic GPU, `pallas_kernels.power.mosaic_attention`) where those
       apply (a Hopper GPU or interpret mode, bf16/f16, head and value dims 64 or 128), else the
       Triton kernels; or "auto" (the default): Mosaic GPU on a Hopper GPU where they apply and
-      measured faster (head and value dims in `AUTO_MOSAIC_HEAD_DIMS`), else Triton (so also
-      Triton in interpret mode).
+      measured faster (head and value dims in `AUTO_MOSAIC_HEAD_DIMS[part]`), else Triton (so
+      also Triton in interpret mode).
     update_state: the per-chunk states' kernel, chosen as in_chunk_attention
       (`pallas_kernels.power.mosaic_update_state`).
     query_state: the states' part of the outputs, chosen as in_chunk_attention
@@ -45,7 +53,8 @@ class PowerTritonConfig:
       GPU (the Triton query kernel computes both parts at once); "mosaic" needs
       in_chunk_attention="mosaic".
     state_gradient: the gradients through the state products, chosen as in_chunk_attention
-      (`pallas_kernels.power.mosaic_state_gradient`).
+      (`pallas_kernels.power.mosaic_state_gradient`); "auto" decides for the queries' and the
+      keys' call apart.
   """
 
   block_t: int = 64

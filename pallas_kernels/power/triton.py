@@ -219,9 +219,9 @@ def _output_cotangents(d_out, out_folded, denominator, length):
   return d_num, d_den
 
 
-def _runs_on_mosaic(choice: str, module, x, w, *, chunk, interpret) -> bool:
+def _runs_on_mosaic(choice: str, module, x, w, *, chunk, interpret, part: str) -> bool:
   """Whether a config's kernel `choice` ("auto", "triton" or "mosaic", `PowerTritonConfig`) runs
-  `module`'s Mosaic GPU kernels on rows x [.., d] and w [.., d_v]."""
+  `module`'s Mosaic GPU kernels on rows x [.., d] and w [.., d_v]; "auto" by `part`'s measured dims."""
   if choice == "triton":
     return False
   head_dim, value_dim = x.shape[-1], w.shape[-1]
@@ -230,26 +230,34 @@ def _runs_on_mosaic(choice: str, module, x, w, *, chunk, interpret) -> bool:
   on_hopper = device_facts.is_hopper(device_facts.compute_capability())
   if choice == "mosaic":
     return interpret or on_hopper
-  return not interpret and on_hopper and head_dim in AUTO_MOSAIC_HEAD_DIMS and value_dim in AUTO_MOSAIC_HEAD_DIMS
+  faster = AUTO_MOSAIC_HEAD_DIMS[part]
+  return not interpret and on_hopper and head_dim in faster and value_dim in faster
 
 
 def state_gradient(x, cotangent, cotangent_normalizer, state, normalizer, *, chunk, config, interpret, **options):
   """Gradients through a state product (`triton_kernels.state_gradient`'s contract) through the
   kernel `config.state_gradient` names, where it applies; `options`: heads, kv_heads, with_product."""
   inputs = (x, cotangent, cotangent_normalizer, state, normalizer)
-  if _runs_on_mosaic(config.state_gradient, mosaic_state_gradient, x, cotangent, chunk=chunk, interpret=interpret):
+  part = "state_gradient_keys" if options.get("with_product") else "state_gradient_queries"
+  if _runs_on_mosaic(
+    config.state_gradient, mosaic_state_gradient, x, cotangent, chunk=chunk, interpret=interpret, part=part
+  ):
     return mosaic_state_gradient.state_gradient(*inputs, chunk=chunk, interpret=interpret, **options)
   return triton_kernels.state_gradient(*inputs, chunk=chunk, config=config, interpret=interpret, **options)
 
 
 def _mosaic_in_chunk_attention(q, v, *, chunk, config, interpret) -> bool:
-  return _runs_on_mosaic(config.in_chunk_attention, mosaic_attention, q, v, chunk=chunk, interpret=interpret)
+  return _runs_on_mosaic(
+    config.in_chunk_attention, mosaic_attention, q, v, chunk=chunk, interpret=interpret, part="in_chunk_attention"
+  )
 
 
 def update_state(x, w, u, *, chunk, config, interpret):
   """Each chunk's state and normalizer (`triton_kernels.update_state`'s contract) through the kernel
   `config.update_state` names, where it applies."""
-  if _runs_on_mosaic(config.update_state, mosaic_update_state, x, w, chunk=chunk, interpret=interpret):
+  if _runs_on_mosaic(
+    config.update_state, mosaic_update_state, x, w, chunk=chunk, interpret=interpret, part="update_state"
+  ):
     return mosaic_update_state.update_state(x, w, u, chunk=chunk, interpret=interpret)
   return triton_kernels.update_state(x, w, u, chunk=chunk, config=config, interpret=interpret)
 
@@ -264,7 +272,7 @@ def in_chunk_attention_forward(q, k, v, g, state, normalizer, *, heads, kv_heads
     )
   states = ()
   if state is not None and _runs_on_mosaic(
-    config.query_state, mosaic_query_state, q, v, chunk=chunk, interpret=interpret
+    config.query_state, mosaic_query_state, q, v, chunk=chunk, interpret=interpret, part="query_state"
   ):
     states = mosaic_query_state.query_state(q, g, state, normalizer, interpret=interpret, **options)
   elif state is not None:

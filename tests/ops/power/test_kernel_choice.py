@@ -1,10 +1,11 @@
-"""Which kernels `PowerTritonConfig`'s "auto" choices run: the Mosaic GPU kernels on a Hopper GPU
-for bf16/f16 heads in `AUTO_MOSAIC_HEAD_DIMS`, the Triton kernels elsewhere (another GPU, float32,
-other head dims, interpret mode); an explicit "triton" or "mosaic" wins.
+"""Which kernels `PowerTritonConfig`'s "auto" choices run: per part, the Mosaic GPU kernels on a
+Hopper GPU for bf16/f16 heads in `AUTO_MOSAIC_HEAD_DIMS[part]`, the Triton kernels elsewhere
+(another GPU, float32, other head dims, interpret mode); an explicit "triton" or "mosaic" wins.
 
 The op is lowered for an H100 on CPU (the compute capability patched), and the Mosaic GPU kernel
-calls in its forward and backward are counted: 8 with every part on Mosaic GPU (two update-state
-kernels, the states' part of the outputs, three attention kernels, two state-gradient kernels).
+calls in its forward and backward are counted: two update-state kernels (the keys' chunk states,
+the queries' in the backward), the states' part of the outputs, three attention kernels
+(forward, queries' and keys' backward), two state-gradient kernels (queries', keys').
 """
 
 import jax
@@ -15,10 +16,8 @@ import pytest
 from helpers import lowered_for_h100
 from pallas_kernels import device_facts
 from pallas_kernels.power import PowerTritonConfig, power_attention_triton, triton_kernels
-from pallas_kernels.power.config import AUTO_MOSAIC_HEAD_DIMS
 
 CHUNK = 128
-EVERY_PART_ON_MOSAIC = 8
 TRITON = dict(in_chunk_attention="triton", update_state="triton", query_state="triton", state_gradient="triton")
 
 
@@ -44,26 +43,28 @@ def _mosaic_kernels(config, inputs, capability="9.0", monkeypatch=None):
   return lowered_for_h100(jax.grad(loss, argnums=range(4)), inputs).count("custom_call @mosaic_gpu")
 
 
-def test_auto_runs_mosaic_on_hopper_at_the_measured_head_dims(monkeypatch):
-  assert AUTO_MOSAIC_HEAD_DIMS, "no head dim runs the Mosaic kernels by default"
-  head_dim = AUTO_MOSAIC_HEAD_DIMS[0]
+@pytest.mark.parametrize(
+  "head_dim, kernels",
+  [
+    (64, 7),  # every part but the queries' state gradient
+    (128, 3),  # the in-chunk attention alone
+  ],
+)
+def test_auto_runs_the_parts_measured_faster_on_mosaic(monkeypatch, head_dim, kernels):
   assert PowerTritonConfig().in_chunk_attention == "auto"
-  assert _mosaic_kernels(PowerTritonConfig(), _inputs(head_dim, jnp.bfloat16), monkeypatch=monkeypatch) == (
-    EVERY_PART_ON_MOSAIC
-  )
+  assert _mosaic_kernels(PowerTritonConfig(), _inputs(head_dim, jnp.bfloat16), monkeypatch=monkeypatch) == kernels
 
 
 @pytest.mark.parametrize(
-  "case, head_dim, dtype, capability, config",
+  "case, dtype, capability, config",
   [
-    ("an A100", 64, jnp.bfloat16, "8.0", {}),
-    ("float32", 64, jnp.float32, "9.0", {}),
-    ("explicit triton", 64, jnp.bfloat16, "9.0", TRITON),
-    *[("an unmeasured head dim", d, jnp.bfloat16, "9.0", {}) for d in (128,) if d not in AUTO_MOSAIC_HEAD_DIMS],
+    ("an A100", jnp.bfloat16, "8.0", {}),
+    ("float32", jnp.float32, "9.0", {}),
+    ("explicit triton", jnp.bfloat16, "9.0", TRITON),
   ],
 )
-def test_auto_runs_triton_elsewhere(monkeypatch, case, head_dim, dtype, capability, config):
-  inputs = _inputs(head_dim, dtype)
+def test_auto_runs_triton_elsewhere(monkeypatch, case, dtype, capability, config):
+  inputs = _inputs(64, dtype)
   assert _mosaic_kernels(PowerTritonConfig(**config), inputs, capability, monkeypatch) == 0, case
 
 
