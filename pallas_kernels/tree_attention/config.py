@@ -77,8 +77,7 @@ class TreeAttentionMosaicConfig:
       accumulator in registers, and three with the producer fill the register file).
     splits: programs along the cache per (batch, KV head, row group); None: as many as
       keep the programs within `target_programs` (at least 1), each with at least 2 blocks
-      of a full cache, and fewer for a last row group with fewer busy tiles, in proportion
-      (`mosaic.split_counts`).
+      of a full cache.
     target_programs: what the default split count aims for: one program fills an SM's
       shared memory, so the H100's 132 SMs run one wave of them.
   """

@@ -8,16 +8,14 @@ sum, unnormalized output) merged in XLA by `merge_split_states`.
 Schedule, for LLM heads (e.g. 32 query / 8 KV heads of 128, trees of ~69 nodes): the
 nodes times the heads sharing a KV head are the query rows of that KV head (row r = node
 r // group, head r % group), cut into 64-row tiles (one wgmma's rows). One program per
-(batch, KV head, row group, split) runs `consumers` warpgroups, each owning one tile's
+(batch, KV head, split, row group) runs `consumers` warpgroups, each owning one tile's
 softmax state in registers, and one producer warpgroup that streams the split's cache
 blocks, then (last split only) the tree's key blocks, through a `stages`-deep ring of
 shared-memory K and V buffers with TMA. Every consumer reads every buffer, so a row group
 reads its cache range once, whatever its number of tiles; 276 rows (69 nodes x 4 heads)
 take 5 tiles in 2 row groups of 3 consumers (by default), against 5 row blocks of the Triton
 kernel. A consumer whose tile holds only padding rows (the last group's third, there) runs no
-products: it only releases each ring slot as it is filled, and the last group's programs take
-proportionally longer ranges of the cache (`split_counts`: 9 splits of the first group, 6 of
-the second, there), so that the programs end together. Per step and
+products: it only releases each ring slot as it is filled. Per step and
 consumer: S = Q K^T (wgmma, shared x shared^T), the online softmax in float32 and base 2,
 then out += P V (wgmma, P from registers). K and V have separate barriers, so the score
 product waits only for K; a buffer is refilled once every consumer has released it.
@@ -180,18 +178,6 @@ def unsupported_reason(
   return None
 
 
-def _program_work(program, *, row_groups: int, splits: int, last_group_splits: int):
-  """(row group, split, the group's splits) of a KV head's program number `program`: first the
-  full row groups' programs, the groups of one split launched together (they read the same cache
-  range at the same time), then the last group's `last_group_splits` programs."""
-  full_groups = row_groups - 1
-  in_full_group = program < full_groups * splits
-  divisor = max(full_groups, 1)
-  row_group = jnp.where(in_full_group, lax.rem(program, divisor), full_groups)
-  split = jnp.where(in_full_group, lax.div(program, divisor), program - full_groups * splits)
-  return row_group, split, jnp.where(in_full_group, splits, last_group_splits)
-
-
 def _kernel(
   lengths_ref,
   q_ref,
@@ -201,7 +187,6 @@ def _kernel(
   scale: float,
   block_keys: int,
   splits: int,
-  last_group_splits: int,
   stages: int,
   consumers: int,
   consumer_registers: int,
@@ -219,15 +204,14 @@ def _kernel(
   bias_smem, staging_smem = outputs
   batch = lax.axis_index("batch")
   kv_head = lax.axis_index("kv_head")
-  row_group, split, group_splits = _program_work(
-    lax.axis_index("program"), row_groups=row_groups, splits=splits, last_group_splits=last_group_splits
-  )
+  split = lax.axis_index("split")
+  row_group = lax.axis_index("row_group")
   warpgroup = lax.axis_index("wg")
   capacity = cache_k_ref.shape[1]
   length = lengths_ref[batch]
-  first, stop = split_blocks(length, split, splits=group_splits, block=block_keys)
+  first, stop = split_blocks(length, split, splits=splits, block=block_keys)
   cache_steps = jnp.maximum(stop - first, 0)
-  is_last_split = split == group_splits - 1
+  is_last_split = split == splits - 1
   num_steps = cache_steps + jnp.where(is_last_split, tree_steps, 0)
 
   def cache_start(block):
@@ -402,36 +386,14 @@ def _scratch(*, head_dim: int, dtype, tree_steps: int, config: TreeAttentionMosa
   ]
 
 
-def split_counts(
-  *, batch_kv_heads: int, tiles: int, capacity: int, config: TreeAttentionMosaicConfig
-) -> tuple[int, int]:
-  """(splits of each full row group, splits of the last row group) along the cache.
-
-  A last row group with fewer busy tiles than `consumers` has fewer products per key, so its
-  programs take proportionally longer ranges of the cache: every program then has about the same
-  work, and the wave of programs ends together. At most `target_programs` programs in all (one
-  fills an SM's shared memory, so programs past the SMs would run as a second, mostly idle wave),
-  each full group's program with at least 2 blocks of a full cache; `config.splits`, when set, for
-  every group.
-  """
+def _splits(other_programs: int, capacity: int, config: TreeAttentionMosaicConfig) -> int:
   if config.splits is not None:
-    return config.splits, config.splits
-  consumers = config.consumers
-  row_groups = -(-tiles // consumers)
-  last_busy = tiles - (row_groups - 1) * consumers
+    return config.splits
+  # Rounded down: a program fills an SM's shared memory, so programs past `target_programs`
+  # (the SMs) would run as a second, mostly idle wave.
+  by_occupancy = config.target_programs // other_programs
   by_length = max(1, capacity // (2 * config.block_keys))
-  for splits in range(by_length, 0, -1):
-    last = splits if row_groups == 1 else max(1, min(splits, round(splits * last_busy / consumers)))
-    if batch_kv_heads * ((row_groups - 1) * splits + last) <= config.target_programs:
-      return splits, last
-  return 1, 1
-
-
-def _valid_splits(splits: int, last_group_splits: int, padded_rows: int, last_group_rows: int) -> jax.Array:
-  """bool [splits, padded_rows]: which split slots of each row a program wrote (the last row
-  group's rows have `last_group_splits`)."""
-  rows_splits = jnp.where(jnp.arange(padded_rows) >= padded_rows - last_group_rows, last_group_splits, splits)
-  return jnp.arange(splits)[:, None] < rows_splits[None, :]
+  return max(1, min(by_occupancy, by_length))
 
 
 def tree_attention_mosaic(
@@ -497,9 +459,7 @@ def tree_attention_mosaic(
     padding = ((0, 0), (0, block_keys - capacity), (0, 0), (0, 0))
     cache_k, cache_v = jnp.pad(cache_k, padding), jnp.pad(cache_v, padding)
     capacity = block_keys
-  splits, last_group_splits = split_counts(
-    batch_kv_heads=batch * kv_heads, tiles=tiles, capacity=capacity, config=config
-  )
+  splits = _splits(batch * kv_heads * row_groups, capacity, config)
   inputs = [lengths, q_rows, cache_k, cache_v]
   tree_steps = 0
   if tree_nodes:
@@ -518,7 +478,6 @@ def tree_attention_mosaic(
     scale=head_dim**-0.5,
     block_keys=block_keys,
     splits=splits,
-    last_group_splits=last_group_splits,
     stages=config.stages,
     consumers=consumers,
     consumer_registers=config.consumer_registers,
@@ -536,8 +495,9 @@ def tree_attention_mosaic(
     scratch_types=_scratch(
       head_dim=head_dim, dtype=q.dtype, tree_steps=tree_steps, config=config, interpreted=interpret
     ),
-    grid=(batch, kv_heads, (row_groups - 1) * splits + last_group_splits),
-    grid_names=("batch", "kv_head", "program"),
+    # The row groups launch fastest: programs in flight at once read the same cache range.
+    grid=(batch, kv_heads, splits, row_groups),
+    grid_names=("batch", "kv_head", "split", "row_group"),
     num_threads=consumers + 1,
     thread_name="wg",
     # Row maxima and sums reduce a WGMMA tile along its columns, within a warp: the 2 KB of
@@ -545,11 +505,5 @@ def tree_attention_mosaic(
     compiler_params=compiler_params(warp_local_reductions=True),
     interpret=plgpu.InterpretGPUParams() if interpret else None,
   )(*inputs)
-  if last_group_splits < splits:
-    # The last row group's rows have fewer split slots; the others hold no written value.
-    valid = _valid_splits(splits, last_group_splits, padded_rows, consumers * MOSAIC_TILE_ROWS)[:, None, None]
-    maxima = jnp.where(valid, maxima, -jnp.inf)
-    sums = jnp.where(valid, sums, 0.0)
-    accs = jnp.where(valid[..., None], accs, 0.0)
   out, lse = merge_split_states(maxima, sums, accs)
   return heads_of_rows(out, n, heads).astype(q.dtype), heads_of_rows(lse, n, heads)

@@ -29,7 +29,7 @@ from castle_jax.ops.tree_attention import cache_attention, tree_attention, tree_
 from helpers import assert_close, lowered_for_h100
 from ops.tree_attention.base import SPLIT_CONFIGS, jitted_kernel, make_inputs, upcast
 from pallas_kernels.tree_attention import TreeAttentionMosaicConfig, tree_attention_mosaic
-from pallas_kernels.tree_attention.mosaic import SHARED_MEMORY_LIMIT, default_config, shared_memory_bytes, split_counts
+from pallas_kernels.tree_attention.mosaic import SHARED_MEMORY_LIMIT, default_config, shared_memory_bytes
 
 pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
 
@@ -83,12 +83,6 @@ CASES = {
     dict(n=20, heads=16, kv_heads=2, cache_length=[129, 64]),
     TreeAttentionMosaicConfig(consumers=2, splits=2),
   ),
-  # The same 3 tiles with 4 splits of the full group's program and 2 (twice as long) of the
-  # last group's, whose one busy tile has half the products per key.
-  "a last row group with longer splits": (
-    dict(n=20, heads=16, kv_heads=2, cache_length=[300, 77], capacity=512),
-    TreeAttentionMosaicConfig(consumers=2, target_programs=24),
-  ),
   # A tree of 70 nodes: two tree blocks of 64 keys, or one of 128.
   "two tree blocks": (dict(n=70, heads=2, kv_heads=1, cache_length=[200, 5]), TreeAttentionMosaicConfig(splits=2)),
   "blocks of 128": (
@@ -104,26 +98,6 @@ CASES = {
 def test_kernel_matches_reference(case):
   shape, config = CASES[case]
   _check(make_inputs(40, **{"head_dim": 64, "capacity": 200, "dtype": jnp.bfloat16, **shape}), config)
-
-
-def test_split_counts_give_every_program_about_the_same_products():
-  llama = dict(batch_kv_heads=8, tiles=5, capacity=17408)  # 32/8 heads x 69 nodes: 276 rows, 5 tiles
-  # 3 consumers: groups of 3 and 2 busy tiles, 9 and 6 splits (120 programs; 9 and 9 would be 144).
-  assert split_counts(**llama, config=TreeAttentionMosaicConfig(consumers=3, stages=2)) == (9, 6)
-  # 2 consumers: groups of 2, 2 and 1 busy tiles, 6, 6 and 3 splits.
-  assert split_counts(**llama, config=TreeAttentionMosaicConfig(block_keys=128, consumers=2, stages=2)) == (6, 3)
-  # 64/8 heads: 9 tiles in 3 full groups; one group: every split counts for it.
-  assert split_counts(batch_kv_heads=8, tiles=9, capacity=17408, config=TreeAttentionMosaicConfig(consumers=3)) == (
-    5,
-    5,
-  )
-  assert split_counts(batch_kv_heads=8, tiles=2, capacity=17408, config=TreeAttentionMosaicConfig(consumers=3)) == (
-    16,
-    16,
-  )
-  # At least 2 blocks of a full cache per program; an explicit count for every group.
-  assert split_counts(batch_kv_heads=1, tiles=5, capacity=256, config=TreeAttentionMosaicConfig(consumers=3)) == (2, 1)
-  assert split_counts(**llama, config=TreeAttentionMosaicConfig(consumers=3, splits=4)) == (4, 4)
 
 
 def test_float16_and_head_dim_128():
