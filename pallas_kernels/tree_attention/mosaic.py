@@ -13,9 +13,9 @@ softmax state in registers, and one producer warpgroup that streams the split's 
 blocks, then (last split only) the tree's key blocks, through a `stages`-deep ring of
 shared-memory K and V buffers with TMA. Every consumer reads every buffer, so a row group
 reads its cache range once, whatever its number of tiles; 276 rows (69 nodes x 4 heads)
-take 5 tiles in 2 row groups of 3 consumers (by default), against 5 row blocks of the Triton
-kernel. A consumer whose tile holds only padding rows (the last group's third, there) runs no
-products: it only releases each ring slot as it is filled. Per step and
+take 5 tiles in 3 row groups of 2 consumers with 128-key blocks (by default; `default_config`),
+against 5 row blocks of the Triton kernel. A consumer whose tile holds only padding rows (the
+last group's second, there) runs no products: it only releases each ring slot as it is filled. Per step and
 consumer: S = Q K^T (wgmma, shared x shared^T), the online softmax in float32 and base 2,
 then out += P V (wgmma, P from registers). K and V have separate barriers, so the score
 product waits only for K; a buffer is refilled once every consumer has released it.
@@ -103,14 +103,21 @@ def shared_memory_bytes(head_dim: int, tree_nodes: int, dtype, config: TreeAtten
 # 64/8 heads of 128 with a 69-node tree (benchmarks/RESULTS.md, hybrid tree attention); a large
 # tree's mask bias leaves no room for three.
 _PREFERRED_CONFIGS = (TreeAttentionMosaicConfig(consumers=3, stages=2), TreeAttentionMosaicConfig())
+# Two consumers with 128-key blocks (232 registers each instead of 152) per row group cost about
+# two thirds of three with 64-key blocks at heads of 128: faster where they need at most 1.5x the
+# row groups (32/8 heads x 69 nodes: 5 tiles in 3 groups against 2), slower beyond (64/8: 9 tiles
+# in 5 groups against 3) and at heads of 64 (benchmarks/RESULTS.md, hybrid tree attention).
+_WIDE_KEY_BLOCKS = TreeAttentionMosaicConfig(block_keys=128, consumers=2, stages=2)
+_WIDE_KEY_BLOCKS_HEAD_DIM = 128
 
 
 def default_config(*, head_dim: int, heads_per_kv_head: int, tree_nodes: int, dtype) -> TreeAttentionMosaicConfig:
   """The tiling the kernel runs when none is given.
 
   Three consumers only pay when a KV head's rows fill more than two 64-row tiles (fewer would
-  leave a consumer on padding rows); otherwise, and when three do not fit shared memory, the
-  dataclass's defaults.
+  leave a consumer on padding rows); at head dim 128, two with 128-key blocks instead where they
+  need at most 1.5x the row groups of three; otherwise, and when these do not fit shared memory,
+  the dataclass's defaults.
 
   Args:
     head_dim: the last axis of q.
@@ -120,6 +127,14 @@ def default_config(*, head_dim: int, heads_per_kv_head: int, tree_nodes: int, dt
   """
   rows = max(tree_nodes, 1) * heads_per_kv_head
   if rows > 2 * MOSAIC_TILE_ROWS:
+    tiles = -(-rows // MOSAIC_TILE_ROWS)
+    wide = _WIDE_KEY_BLOCKS
+    if (
+      head_dim == _WIDE_KEY_BLOCKS_HEAD_DIM
+      and 2 * -(-tiles // wide.consumers) <= 3 * -(-tiles // 3)
+      and shared_memory_bytes(head_dim, tree_nodes, dtype, wide) <= SHARED_MEMORY_LIMIT
+    ):
+      return wide
     for config in _PREFERRED_CONFIGS:
       if shared_memory_bytes(head_dim, tree_nodes, dtype, config) <= SHARED_MEMORY_LIMIT:
         return config

@@ -240,10 +240,16 @@ def test_config_checks_name_the_field(fields, match):
     (69, 32, 8, None, True),
     (69, 32, 8, TreeAttentionMosaicConfig(), True),
     (69, 64, 8, TreeAttentionMosaicConfig(consumers=3, stages=2), True),
-    (69, 32, 8, TreeAttentionMosaicConfig(block_keys=128, stages=2), True),
+    (69, 32, 8, TreeAttentionMosaicConfig(consumers=3, stages=2), True),
     (1, 32, 8, None, False),
   ],
-  ids=["32/8 heads, default", "32/8 heads, 2 consumers", "64/8 heads, 3 consumers", "blocks of 128", "cache part, n=1"],
+  ids=[
+    "32/8 heads, default (blocks of 128)",
+    "32/8 heads, 2 consumers",
+    "64/8 heads, 3 consumers",
+    "32/8 heads, 3 consumers",
+    "cache part, n=1",
+  ],
 )
 def test_lowers_for_an_h100(n, heads, kv_heads, config, with_tree, monkeypatch):
   """The LLM verification shapes (head dim 128, a 16K cache whose capacity is not a multiple
@@ -280,13 +286,15 @@ def test_lowers_for_an_h100(n, heads, kv_heads, config, with_tree, monkeypatch):
 @pytest.mark.parametrize(
   "n, group, head_dim, expected",
   [
-    (69, 4, 128, TreeAttentionMosaicConfig(consumers=3, stages=2)),  # Llama-3-8B: 276 rows, 5 tiles
-    (69, 8, 128, TreeAttentionMosaicConfig(consumers=3, stages=2)),
+    # Llama-3-8B: 276 rows, 5 tiles: 3 row groups of two consumers against 2 of three.
+    (69, 4, 128, TreeAttentionMosaicConfig(block_keys=128, consumers=2, stages=2)),
+    (69, 8, 128, TreeAttentionMosaicConfig(consumers=3, stages=2)),  # 9 tiles: 5 row groups against 3
+    (69, 2, 64, TreeAttentionMosaicConfig(consumers=3, stages=2)),  # heads of 64: three
     (32, 4, 128, TreeAttentionMosaicConfig()),  # 128 rows: two tiles, a third consumer would idle
     (1, 4, 128, TreeAttentionMosaicConfig()),  # the cache part alone
     (300, 4, 128, TreeAttentionMosaicConfig()),  # five tree blocks of mask bias: three do not fit
   ],
-  ids=["32/8 heads", "64/8 heads", "two tiles", "cache part", "large tree"],
+  ids=["32/8 heads", "64/8 heads", "heads of 64", "two tiles", "cache part", "large tree"],
 )
 def test_default_config_takes_three_consumers_where_they_fill_and_fit(n, group, head_dim, expected):
   config = default_config(head_dim=head_dim, heads_per_kv_head=group, tree_nodes=n, dtype=jnp.bfloat16)
@@ -296,7 +304,7 @@ def test_default_config_takes_three_consumers_where_they_fill_and_fit(n, group, 
 
 @pytest.mark.slow
 def test_llm_heads_in_interpret_mode():
-  """32 query / 8 KV heads of 128 and a 69-node tree (276 rows per KV head: 2 row groups of
-  3 tiles) over a 264-slot cache, with the default tiling."""
+  """32 query / 8 KV heads of 128 and a 69-node tree (276 rows per KV head: 3 row groups of
+  2 tiles) over a 264-slot cache, with the default tiling."""
   inputs = make_inputs(47, batch=1, n=69, heads=32, kv_heads=8, head_dim=128, capacity=264, cache_length=[250])
   _check(_bf16(inputs))
