@@ -295,6 +295,15 @@ def main(argv) -> int:
             )
             row = measure_jax(f"{impl}[c={chunk}{';' + spec if spec else ''}]", fn, *shape, dtype, args.iters, gated)
             row["chunk"] = chunk
+            if impl == "triton":
+              parts = triton.parts_on_mosaic(
+                config or default_triton_config(),
+                head_dim=args.head_dim,
+                value_dim=args.head_dim,
+                dtype=dtype,
+                chunk=min(chunk, seq),
+              )
+              row["mosaic_parts"] = ",".join(parts) or "none"
             if "error" not in row:
               row["fwd_flops"] = power_forward_flops(*shape, chunk)
             rows.append(row)
@@ -345,6 +354,7 @@ def main(argv) -> int:
       (f"{baseline} / this", "base_over_this_fwd_bwd", ".2f"),
       ("authors' best / this", "authors_best_over_this_fwd_bwd", ".2f"),
       timing.PEAK_COLUMN,
+      ("on Mosaic GPU", "mosaic_parts", ""),
     ],
   )
   if breakdown:

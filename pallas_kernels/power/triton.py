@@ -234,6 +234,28 @@ def _runs_on_mosaic(choice: str, module, x, w, *, chunk, interpret, part: str) -
   return not interpret and on_hopper and head_dim in faster and value_dim in faster
 
 
+def parts_on_mosaic(
+  config: PowerTritonConfig, *, head_dim: int, value_dim: int, dtype, chunk: int, interpret: bool | None = None
+) -> tuple[str, ...]:
+  """The parts of the op (`AUTO_MOSAIC_HEAD_DIMS`' names) that run Mosaic GPU kernels under `config`
+  on this device, for heads of `head_dim` / `value_dim` in `dtype` and chunks of `chunk`
+  (`interpret` as for `power_attention_triton`: None means on CPU)."""
+  if interpret is None:
+    interpret = jax.default_backend() == "cpu"
+  x = jax.ShapeDtypeStruct((1, chunk, head_dim), dtype)
+  w = jax.ShapeDtypeStruct((1, chunk, value_dim), dtype)
+  mosaic = functools.partial(_runs_on_mosaic, x=x, w=w, chunk=chunk, interpret=interpret)
+  attention = mosaic(config.in_chunk_attention, mosaic_attention, part="in_chunk_attention")
+  runs = {
+    "in_chunk_attention": attention,
+    "update_state": mosaic(config.update_state, mosaic_update_state, part="update_state"),
+    "query_state": attention and mosaic(config.query_state, mosaic_query_state, part="query_state"),
+    "state_gradient_queries": mosaic(config.state_gradient, mosaic_state_gradient, part="state_gradient_queries"),
+    "state_gradient_keys": mosaic(config.state_gradient, mosaic_state_gradient, part="state_gradient_keys"),
+  }
+  return tuple(part for part, on_mosaic in runs.items() if on_mosaic)
+
+
 def state_gradient(x, cotangent, cotangent_normalizer, state, normalizer, *, chunk, config, interpret, **options):
   """Gradients through a state product (`triton_kernels.state_gradient`'s contract) through the
   kernel `config.state_gradient` names, where it applies; `options`: heads, kv_heads, with_product."""

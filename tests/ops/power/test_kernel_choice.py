@@ -88,6 +88,27 @@ def test_auto_runs_triton_in_interpret_mode(monkeypatch):
   assert calls
 
 
+def test_parts_on_mosaic_names_what_runs(monkeypatch):
+  from pallas_kernels.power.triton import parts_on_mosaic
+
+  monkeypatch.setattr(device_facts, "compute_capability", lambda: "9.0")
+  parts = lambda config, head_dim=64, dtype=jnp.bfloat16, interpret=False: parts_on_mosaic(
+    config, head_dim=head_dim, value_dim=head_dim, dtype=dtype, chunk=CHUNK, interpret=interpret
+  )
+  assert parts(PowerTritonConfig()) == ("in_chunk_attention", "update_state", "query_state", "state_gradient_keys")
+  assert parts(PowerTritonConfig(), head_dim=128) == ("in_chunk_attention",)
+  assert parts(PowerTritonConfig(), dtype=jnp.float32) == ()
+  assert parts(PowerTritonConfig(), interpret=True) == ()
+  # The states' part follows the in-chunk attention onto Triton.
+  assert parts(PowerTritonConfig(in_chunk_attention="triton")) == ("update_state", "state_gradient_keys")
+  every = PowerTritonConfig(
+    in_chunk_attention="mosaic", update_state="mosaic", query_state="mosaic", state_gradient="mosaic"
+  )
+  assert len(parts(every, interpret=True)) == 5
+  monkeypatch.setattr(device_facts, "compute_capability", lambda: "8.0")
+  assert parts(PowerTritonConfig()) == parts(every) == ()
+
+
 def test_bad_choice_names_the_field_and_the_choices():
   with pytest.raises(ValueError, match=r"state_gradient must be one of \('auto', 'triton', 'mosaic'\), got 'fast'"):
     PowerTritonConfig(state_gradient="fast")
