@@ -106,32 +106,40 @@ _PREFERRED_CONFIGS = (TreeAttentionMosaicConfig(consumers=3, stages=2), TreeAtte
 # Two consumers with 128-key blocks (232 registers each instead of 152) per row group cost about
 # two thirds of three with 64-key blocks at heads of 128: faster where they need at most 1.5x the
 # row groups (32/8 heads x 69 nodes: 5 tiles in 3 groups against 2), slower beyond (64/8: 9 tiles
-# in 5 groups against 3) and at heads of 64 (benchmarks/RESULTS.md, hybrid tree attention).
+# in 5 groups against 3) and at heads of 64 (benchmarks/RESULTS.md, hybrid tree attention). Measured
+# at batch 1, where each row group still had 5 splits; with few splits (larger batches) their extra
+# row group leaves SMs idle, so they need room for at least this many.
 _WIDE_KEY_BLOCKS = TreeAttentionMosaicConfig(block_keys=128, consumers=2, stages=2)
 _WIDE_KEY_BLOCKS_HEAD_DIM = 128
+_WIDE_KEY_BLOCKS_MIN_SPLITS = 4
 
 
-def default_config(*, head_dim: int, heads_per_kv_head: int, tree_nodes: int, dtype) -> TreeAttentionMosaicConfig:
+def default_config(
+  *, head_dim: int, heads_per_kv_head: int, tree_nodes: int, dtype, batch_kv_heads: int = 1
+) -> TreeAttentionMosaicConfig:
   """The tiling the kernel runs when none is given.
 
   Three consumers only pay when a KV head's rows fill more than two 64-row tiles (fewer would
   leave a consumer on padding rows); at head dim 128, two with 128-key blocks instead where they
-  need at most 1.5x the row groups of three; otherwise, and when these do not fit shared memory,
-  the dataclass's defaults.
+  need at most 1.5x the row groups of three and still get 4 splits each; otherwise, and when these
+  do not fit shared memory, the dataclass's defaults.
 
   Args:
     head_dim: the last axis of q.
     heads_per_kv_head: query heads sharing one KV head.
     tree_nodes: n for `tree_attention`, 0 for the cache part alone.
     dtype: q's dtype.
+    batch_kv_heads: batch size times KV heads (the programs per split and row group).
   """
   rows = max(tree_nodes, 1) * heads_per_kv_head
   if rows > 2 * MOSAIC_TILE_ROWS:
     tiles = -(-rows // MOSAIC_TILE_ROWS)
     wide = _WIDE_KEY_BLOCKS
+    wide_groups = -(-tiles // wide.consumers)
     if (
       head_dim == _WIDE_KEY_BLOCKS_HEAD_DIM
-      and 2 * -(-tiles // wide.consumers) <= 3 * -(-tiles // 3)
+      and 2 * wide_groups <= 3 * -(-tiles // 3)
+      and batch_kv_heads * wide_groups * _WIDE_KEY_BLOCKS_MIN_SPLITS <= wide.target_programs
       and shared_memory_bytes(head_dim, tree_nodes, dtype, wide) <= SHARED_MEMORY_LIMIT
     ):
       return wide
@@ -449,7 +457,11 @@ def tree_attention_mosaic(
   _, capacity, kv_heads, _ = cache_k.shape
   tree_nodes = 0 if tree_k is None else n
   config = config or default_config(
-    head_dim=head_dim, heads_per_kv_head=heads // kv_heads, tree_nodes=tree_nodes, dtype=q.dtype
+    head_dim=head_dim,
+    heads_per_kv_head=heads // kv_heads,
+    tree_nodes=tree_nodes,
+    dtype=q.dtype,
+    batch_kv_heads=batch * kv_heads,
   )
   reason = unsupported_reason(
     head_dim=head_dim,

@@ -278,7 +278,7 @@ def test_lowers_for_an_h100(n, heads, kv_heads, config, with_tree, monkeypatch):
   # The kernel's own estimate (which its check compares with the limit) is within alignment.
   tree_nodes = n if with_tree else 0
   config = config or default_config(
-    head_dim=128, heads_per_kv_head=heads // kv_heads, tree_nodes=tree_nodes, dtype=dtype
+    head_dim=128, heads_per_kv_head=heads // kv_heads, tree_nodes=tree_nodes, dtype=dtype, batch_kv_heads=kv_heads
   )
   assert allocations[-1] - shared_memory_bytes(128, tree_nodes, dtype, config) <= 1024
 
@@ -297,9 +297,20 @@ def test_lowers_for_an_h100(n, heads, kv_heads, config, with_tree, monkeypatch):
   ids=["32/8 heads", "64/8 heads", "heads of 64", "two tiles", "cache part", "large tree"],
 )
 def test_default_config_takes_three_consumers_where_they_fill_and_fit(n, group, head_dim, expected):
-  config = default_config(head_dim=head_dim, heads_per_kv_head=group, tree_nodes=n, dtype=jnp.bfloat16)
+  config = default_config(
+    head_dim=head_dim, heads_per_kv_head=group, tree_nodes=n, dtype=jnp.bfloat16, batch_kv_heads=8
+  )
   assert config == expected
   assert shared_memory_bytes(head_dim, n, jnp.bfloat16, config) <= SHARED_MEMORY_LIMIT
+
+
+def test_default_config_keeps_three_consumers_where_two_would_get_few_splits():
+  """32/8 heads x 69 nodes: two consumers need 3 row groups; at batch 4 (32 KV heads in all) they
+  would get 1 split each, so three consumers (2 row groups, 2 splits) stay."""
+  llama = dict(head_dim=128, heads_per_kv_head=4, tree_nodes=69, dtype=jnp.bfloat16)
+  assert default_config(**llama, batch_kv_heads=8).consumers == 2
+  assert default_config(**llama, batch_kv_heads=16) == TreeAttentionMosaicConfig(consumers=3, stages=2)
+  assert default_config(**llama, batch_kv_heads=32) == TreeAttentionMosaicConfig(consumers=3, stages=2)
 
 
 @pytest.mark.slow
