@@ -15,6 +15,8 @@ KERNEL_CHOICES = ("auto", "triton", "mosaic")
 # where they measured faster than the Triton kernels in the whole op (benchmarks/RESULTS.md, power
 # attention). The state gradient's two calls count apart: the queries' and the keys' (which also
 # makes phi(K) S).
+# Measured in bf16 only; float16 runs the Triton kernels unless a part asks for "mosaic".
+AUTO_MOSAIC_DTYPE = "bfloat16"
 AUTO_MOSAIC_HEAD_DIMS = {
   "in_chunk_attention": (64, 128),
   "update_state": (64,),
@@ -44,8 +46,8 @@ class PowerTritonConfig:
       "triton"; "mosaic" (Mosaic GPU, `pallas_kernels.power.mosaic_attention`) where those
       apply (a Hopper GPU or interpret mode, bf16/f16, head and value dims 64 or 128), else the
       Triton kernels; or "auto" (the default): Mosaic GPU on a Hopper GPU where they apply and
-      measured faster (head and value dims in `AUTO_MOSAIC_HEAD_DIMS[part]`), else Triton (so
-      also Triton in interpret mode).
+      measured faster (bf16, head and value dims in `AUTO_MOSAIC_HEAD_DIMS[part]`), else Triton
+      (so also Triton in interpret mode).
     update_state: the per-chunk states' kernel, chosen as in_chunk_attention
       (`pallas_kernels.power.mosaic_update_state`).
     query_state: the states' part of the outputs, chosen as in_chunk_attention

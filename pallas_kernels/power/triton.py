@@ -34,7 +34,13 @@ from pallas_kernels.power import (
   triton_discumsum,
   triton_kernels,
 )
-from pallas_kernels.power.config import AUTO_MOSAIC_HEAD_DIMS, FEATURE_TILE, PowerTritonConfig, default_triton_config
+from pallas_kernels.power.config import (
+  AUTO_MOSAIC_DTYPE,
+  AUTO_MOSAIC_HEAD_DIMS,
+  FEATURE_TILE,
+  PowerTritonConfig,
+  default_triton_config,
+)
 from pallas_kernels.residuals import keep_for_backward
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -231,7 +237,8 @@ def _runs_on_mosaic(choice: str, module, x, w, *, chunk, interpret, part: str) -
   if choice == "mosaic":
     return interpret or on_hopper
   faster = AUTO_MOSAIC_HEAD_DIMS[part]
-  return not interpret and on_hopper and head_dim in faster and value_dim in faster
+  measured = jnp.dtype(x.dtype) == jnp.dtype(AUTO_MOSAIC_DTYPE) and head_dim in faster and value_dim in faster
+  return not interpret and on_hopper and measured
 
 
 def parts_on_mosaic(

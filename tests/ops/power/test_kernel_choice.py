@@ -1,6 +1,6 @@
 """Which kernels `PowerTritonConfig`'s "auto" choices run: per part, the Mosaic GPU kernels on a
-Hopper GPU for bf16/f16 heads in `AUTO_MOSAIC_HEAD_DIMS[part]`, the Triton kernels elsewhere
-(another GPU, float32, other head dims, interpret mode); an explicit "triton" or "mosaic" wins.
+Hopper GPU for bf16 heads in `AUTO_MOSAIC_HEAD_DIMS[part]`, the Triton kernels elsewhere (another
+GPU, float32 or float16, other head dims, interpret mode); an explicit "triton" or "mosaic" wins.
 
 The op is lowered for an H100 on CPU (the compute capability patched), and the Mosaic GPU kernel
 calls in its forward and backward are counted: two update-state kernels (the keys' chunk states,
@@ -60,6 +60,7 @@ def test_auto_runs_the_parts_measured_faster_on_mosaic(monkeypatch, head_dim, ke
   [
     ("an A100", jnp.bfloat16, "8.0", {}),
     ("float32", jnp.float32, "9.0", {}),
+    ("float16 (not measured)", jnp.float16, "9.0", {}),
     ("explicit triton", jnp.bfloat16, "9.0", TRITON),
   ],
 )
