@@ -57,6 +57,8 @@ class PowerTritonConfig:
     state_gradient: the gradients through the state products, chosen as in_chunk_attention
       (`pallas_kernels.power.mosaic_state_gradient`); "auto" decides for the queries' and the
       keys' call apart.
+    mosaic_stages: depth of the Mosaic GPU kernels' rings (the tiles or state blocks loaded
+      ahead of the products).
   """
 
   block_t: int = 64
@@ -71,10 +73,11 @@ class PowerTritonConfig:
   update_state: str = "auto"
   query_state: str = "auto"
   state_gradient: str = "auto"
+  mosaic_stages: int = 2
 
   def __post_init__(self):
     choices = ("in_chunk_attention", "update_state", "query_state", "state_gradient")
-    not_sizes = ("num_stages", *choices)
+    not_sizes = ("num_stages", "mosaic_stages", *choices)
     check_int_fields(
       self,
       power_of_two=tuple(f.name for f in dataclasses.fields(self) if f.name not in not_sizes),

@@ -271,7 +271,9 @@ def state_gradient(x, cotangent, cotangent_normalizer, state, normalizer, *, chu
   if _runs_on_mosaic(
     config.state_gradient, mosaic_state_gradient, x, cotangent, chunk=chunk, interpret=interpret, part=part
   ):
-    return mosaic_state_gradient.state_gradient(*inputs, chunk=chunk, interpret=interpret, **options)
+    return mosaic_state_gradient.state_gradient(
+      *inputs, chunk=chunk, stages=config.mosaic_stages, interpret=interpret, **options
+    )
   return triton_kernels.state_gradient(*inputs, chunk=chunk, config=config, interpret=interpret, **options)
 
 
@@ -287,7 +289,7 @@ def update_state(x, w, u, *, chunk, config, interpret):
   if _runs_on_mosaic(
     config.update_state, mosaic_update_state, x, w, chunk=chunk, interpret=interpret, part="update_state"
   ):
-    return mosaic_update_state.update_state(x, w, u, chunk=chunk, interpret=interpret)
+    return mosaic_update_state.update_state(x, w, u, chunk=chunk, stages=config.mosaic_stages, interpret=interpret)
   return triton_kernels.update_state(x, w, u, chunk=chunk, config=config, interpret=interpret)
 
 
@@ -303,12 +305,16 @@ def in_chunk_attention_forward(q, k, v, g, state, normalizer, *, heads, kv_heads
   if state is not None and _runs_on_mosaic(
     config.query_state, mosaic_query_state, q, v, chunk=chunk, interpret=interpret, part="query_state"
   ):
-    states = mosaic_query_state.query_state(q, g, state, normalizer, interpret=interpret, **options)
+    states = mosaic_query_state.query_state(
+      q, g, state, normalizer, stages=config.mosaic_stages, interpret=interpret, **options
+    )
   elif state is not None:
     states = triton_kernels.query_state_attention(
       q, k, v, g, state, normalizer, config=config, interpret=interpret, with_attention=False, **options
     )
-  return mosaic_attention.attention_forward(q, k, v, g, *states, interpret=interpret, **options)
+  return mosaic_attention.attention_forward(
+    q, k, v, g, *states, stages=config.mosaic_stages, interpret=interpret, **options
+  )
 
 
 def in_chunk_attention_backward(q, k, v, g, d_num, d_den, *, heads, kv_heads, chunk, config, interpret):
@@ -325,6 +331,7 @@ def in_chunk_attention_backward(q, k, v, g, d_num, d_den, *, heads, kv_heads, ch
       heads=heads,
       kv_heads=kv_heads,
       chunk=chunk,
+      stages=config.mosaic_stages,
       interpret=interpret,
     )
   return triton_kernels.attention_backward(

@@ -110,6 +110,40 @@ def test_parts_on_mosaic_names_what_runs(monkeypatch):
   assert parts(PowerTritonConfig()) == parts(every) == ()
 
 
+def test_mosaic_stages_reach_every_mosaic_kernel(monkeypatch):
+  """`mosaic_stages` is the ring depth of each Mosaic GPU kernel the op calls, forward and backward
+  (traced with every part on Mosaic GPU in interpret mode; nothing runs)."""
+  from pallas_kernels.power import mosaic_attention, mosaic_query_state, mosaic_state_gradient, mosaic_update_state
+
+  seen = {}
+  for module, name in [
+    (mosaic_update_state, "update_state"),
+    (mosaic_query_state, "query_state"),
+    (mosaic_attention, "attention_forward"),
+    (mosaic_attention, "attention_backward"),
+    (mosaic_state_gradient, "state_gradient"),
+  ]:
+    original = getattr(module, name)
+
+    def recording(*args, original=original, name=name, **kwargs):
+      seen.setdefault(name, set()).add(kwargs["stages"])
+      return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, recording)
+  config = PowerTritonConfig(
+    in_chunk_attention="mosaic", update_state="mosaic", query_state="mosaic", state_gradient="mosaic", mosaic_stages=3
+  )
+
+  def loss(q, k, v, log_g):
+    out, _ = power_attention_triton(q, k, v, log_g, scale=0.125, chunk_size=CHUNK, config=config, interpret=True)
+    return jnp.sum(out.astype(jnp.float32))
+
+  jax.eval_shape(jax.grad(loss, argnums=range(4)), *_inputs(64, jnp.bfloat16))
+  assert seen == {name: {3} for name in seen} and len(seen) == 5, seen
+  with pytest.raises(ValueError, match=r"PowerTritonConfig.mosaic_stages must be an int >= 1, got 0"):
+    PowerTritonConfig(mosaic_stages=0)
+
+
 def test_bad_choice_names_the_field_and_the_choices():
   with pytest.raises(ValueError, match=r"state_gradient must be one of \('auto', 'triton', 'mosaic'\), got 'fast'"):
     PowerTritonConfig(state_gradient="fast")
