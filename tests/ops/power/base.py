@@ -19,6 +19,15 @@ from castle_jax.ops.power import (
 from helpers import rel_err
 
 
+# Sizes the Mosaic GPU kernels refuse (each a change to bf16 heads of 64 and chunks of 128),
+# and a piece of the one-line reason (`pallas_kernels.power.mosaic_tiles.unsupported_reason`).
+MOSAIC_BAD_SIZES = [
+  (dict(dtype=jnp.float32), "16-bit operands"),
+  (dict(head_dim=32), "head_dim in"),
+  (dict(chunk=96), "multiple of 64"),
+  (dict(stages=0), "stages must be"),
+]
+
 # batch, seq, q heads, kv heads, head_dim, value_dim: GQA with group 3, odd sizes.
 B, T, HQ, HKV, D_HEAD, D_VALUE = 2, 11, 6, 2, 8, 6
 

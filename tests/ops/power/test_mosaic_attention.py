@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from helpers import lowered_for_h100, mosaic_kernels_lowered_for_h100, rel_err
+from ops.power.base import MOSAIC_BAD_SIZES
 from pallas_kernels.power import PowerTritonConfig, mosaic_attention, triton_kernels
 
 pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
@@ -123,15 +124,7 @@ def test_lowers_for_an_h100():
   assert mosaic_kernels_lowered_for_h100([forward, lambda *a: forward(*a, *state_parts)], inputs[:4]) == [1, 1]
 
 
-@pytest.mark.parametrize(
-  "change, match",
-  [
-    (dict(dtype=jnp.float32), "16-bit operands"),
-    (dict(head_dim=32), "head_dim in"),
-    (dict(chunk=96), "multiple of 64"),
-    (dict(stages=0), "stages must be"),
-  ],
-)
+@pytest.mark.parametrize("change, match", MOSAIC_BAD_SIZES)
 def test_bad_input(change, match):
   sizes = dict(head_dim=64, value_dim=64, dtype=jnp.bfloat16, chunk=CHUNK, stages=2) | change
   assert match in mosaic_attention.unsupported_reason(**sizes)

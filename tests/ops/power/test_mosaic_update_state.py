@@ -15,6 +15,7 @@ import pytest
 
 from castle_jax.ops.power import expand
 from helpers import lowered_for_h100, mosaic_kernels_lowered_for_h100, rel_err
+from ops.power.base import MOSAIC_BAD_SIZES
 from pallas_kernels.power import PowerTritonConfig, mosaic_update_state, triton_kernels
 
 pytestmark = pytest.mark.usefixtures("full_float32_matmuls")
@@ -65,15 +66,7 @@ def test_lowers_for_an_h100():
   assert mosaic_kernels_lowered_for_h100([call], _inputs(2, 2 * CHUNK, 64, 64)) == [1]
 
 
-@pytest.mark.parametrize(
-  "change, match",
-  [
-    (dict(dtype=jnp.float32), "16-bit operands"),
-    (dict(head_dim=32), "head_dim in"),
-    (dict(chunk=96), "multiple of 64"),
-    (dict(stages=0), "stages must be"),
-  ],
-)
+@pytest.mark.parametrize("change, match", MOSAIC_BAD_SIZES)
 def test_bad_input(change, match):
   sizes = dict(head_dim=64, value_dim=64, dtype=jnp.bfloat16, chunk=CHUNK, stages=2) | change
   assert match in mosaic_update_state.unsupported_reason(**sizes)
