@@ -225,19 +225,18 @@ def _output_cotangents(d_out, out_folded, denominator, length):
   return d_num, d_den
 
 
-def _runs_on_mosaic(choice: str, module, x, w, *, chunk, interpret, part: str) -> bool:
+def _runs_on_mosaic(choice: str, module, *, head_dim, value_dim, dtype, chunk, interpret, part: str) -> bool:
   """Whether a config's kernel `choice` ("auto", "triton" or "mosaic", `PowerTritonConfig`) runs
-  `module`'s Mosaic GPU kernels on rows x [.., d] and w [.., d_v]; "auto" by `part`'s measured dims."""
+  `module`'s Mosaic GPU kernels; "auto" by `part`'s measured dims."""
   if choice == "triton":
     return False
-  head_dim, value_dim = x.shape[-1], w.shape[-1]
-  if module.unsupported_reason(head_dim=head_dim, value_dim=value_dim, dtype=x.dtype, chunk=chunk):
+  if module.unsupported_reason(head_dim=head_dim, value_dim=value_dim, dtype=dtype, chunk=chunk):
     return False
   on_hopper = device_facts.is_hopper(device_facts.compute_capability())
   if choice == "mosaic":
     return interpret or on_hopper
   faster = AUTO_MOSAIC_HEAD_DIMS[part]
-  measured = jnp.dtype(x.dtype) == jnp.dtype(AUTO_MOSAIC_DTYPE) and head_dim in faster and value_dim in faster
+  measured = jnp.dtype(dtype) == jnp.dtype(AUTO_MOSAIC_DTYPE) and head_dim in faster and value_dim in faster
   return not interpret and on_hopper and measured
 
 
@@ -246,16 +245,17 @@ def parts_on_mosaic(
 ) -> tuple[str, ...]:
   """The parts of the op (`AUTO_MOSAIC_HEAD_DIMS`' names) that run Mosaic GPU kernels under `config`
   on this device, for heads of `head_dim` / `value_dim` in `dtype` and chunks of `chunk`
-  (`interpret` as for `power_attention_triton`: None means on CPU)."""
+  (`interpret` as for `power_attention_triton`: None means on CPU). The kernels' dispatch asks it."""
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
-  x = jax.ShapeDtypeStruct((1, chunk, head_dim), dtype)
-  w = jax.ShapeDtypeStruct((1, chunk, value_dim), dtype)
-  mosaic = functools.partial(_runs_on_mosaic, x=x, w=w, chunk=chunk, interpret=interpret)
+  mosaic = functools.partial(
+    _runs_on_mosaic, head_dim=head_dim, value_dim=value_dim, dtype=dtype, chunk=chunk, interpret=interpret
+  )
   attention = mosaic(config.in_chunk_attention, mosaic_attention, part="in_chunk_attention")
   runs = {
     "in_chunk_attention": attention,
     "update_state": mosaic(config.update_state, mosaic_update_state, part="update_state"),
+    # The Triton query kernel computes the states' part and the attention together.
     "query_state": attention and mosaic(config.query_state, mosaic_query_state, part="query_state"),
     "state_gradient_queries": mosaic(config.state_gradient, mosaic_state_gradient, part="state_gradient_queries"),
     "state_gradient_keys": mosaic(config.state_gradient, mosaic_state_gradient, part="state_gradient_keys"),
@@ -263,32 +263,28 @@ def parts_on_mosaic(
   return tuple(part for part, on_mosaic in runs.items() if on_mosaic)
 
 
+def _on_mosaic(part: str, x, w, *, chunk, config, interpret) -> bool:
+  """Whether `part` runs on Mosaic GPU for rows x [.., d] and w [.., d_v] (`parts_on_mosaic`)."""
+  dims = dict(head_dim=x.shape[-1], value_dim=w.shape[-1], dtype=x.dtype, chunk=chunk, interpret=interpret)
+  return part in parts_on_mosaic(config, **dims)
+
+
 def state_gradient(x, cotangent, cotangent_normalizer, state, normalizer, *, chunk, config, interpret, **options):
   """Gradients through a state product (`triton_kernels.state_gradient`'s contract) through the
   kernel `config.state_gradient` names, where it applies; `options`: heads, kv_heads, with_product."""
   inputs = (x, cotangent, cotangent_normalizer, state, normalizer)
   part = "state_gradient_keys" if options.get("with_product") else "state_gradient_queries"
-  if _runs_on_mosaic(
-    config.state_gradient, mosaic_state_gradient, x, cotangent, chunk=chunk, interpret=interpret, part=part
-  ):
+  if _on_mosaic(part, x, cotangent, chunk=chunk, config=config, interpret=interpret):
     return mosaic_state_gradient.state_gradient(
       *inputs, chunk=chunk, stages=config.mosaic_stages, interpret=interpret, **options
     )
   return triton_kernels.state_gradient(*inputs, chunk=chunk, config=config, interpret=interpret, **options)
 
 
-def _mosaic_in_chunk_attention(q, v, *, chunk, config, interpret) -> bool:
-  return _runs_on_mosaic(
-    config.in_chunk_attention, mosaic_attention, q, v, chunk=chunk, interpret=interpret, part="in_chunk_attention"
-  )
-
-
 def update_state(x, w, u, *, chunk, config, interpret):
   """Each chunk's state and normalizer (`triton_kernels.update_state`'s contract) through the kernel
   `config.update_state` names, where it applies."""
-  if _runs_on_mosaic(
-    config.update_state, mosaic_update_state, x, w, chunk=chunk, interpret=interpret, part="update_state"
-  ):
+  if _on_mosaic("update_state", x, w, chunk=chunk, config=config, interpret=interpret):
     return mosaic_update_state.update_state(x, w, u, chunk=chunk, stages=config.mosaic_stages, interpret=interpret)
   return triton_kernels.update_state(x, w, u, chunk=chunk, config=config, interpret=interpret)
 
@@ -297,14 +293,13 @@ def in_chunk_attention_forward(q, k, v, g, state, normalizer, *, heads, kv_heads
   """Normalized outputs and denominators (`triton_kernels.query_state_attention`'s contract), the
   attention within chunks through the kernels `config.in_chunk_attention` names, where they apply."""
   options = dict(heads=heads, kv_heads=kv_heads, chunk=chunk)
-  if not _mosaic_in_chunk_attention(q, v, chunk=chunk, config=config, interpret=interpret):
+  choice = dict(chunk=chunk, config=config, interpret=interpret)
+  if not _on_mosaic("in_chunk_attention", q, v, **choice):
     return triton_kernels.query_state_attention(
       q, k, v, g, state, normalizer, config=config, interpret=interpret, **options
     )
   states = ()
-  if state is not None and _runs_on_mosaic(
-    config.query_state, mosaic_query_state, q, v, chunk=chunk, interpret=interpret, part="query_state"
-  ):
+  if state is not None and _on_mosaic("query_state", q, v, **choice):
     states = mosaic_query_state.query_state(
       q, g, state, normalizer, stages=config.mosaic_stages, interpret=interpret, **options
     )
@@ -320,7 +315,7 @@ def in_chunk_attention_forward(q, k, v, g, state, normalizer, *, heads, kv_heads
 def in_chunk_attention_backward(q, k, v, g, d_num, d_den, *, heads, kv_heads, chunk, config, interpret):
   """The in-chunk attention's gradients (`triton_kernels.attention_backward`'s contract) through the
   kernels `config.in_chunk_attention` names, where they apply."""
-  if _mosaic_in_chunk_attention(q, v, chunk=chunk, config=config, interpret=interpret):
+  if _on_mosaic("in_chunk_attention", q, v, chunk=chunk, config=config, interpret=interpret):
     return mosaic_attention.attention_backward(
       q,
       k,
