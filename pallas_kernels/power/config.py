@@ -11,12 +11,12 @@ from pallas_kernels.config_checks import check_int_fields, parse_config
 FEATURE_TILE = 16
 
 KERNEL_CHOICES = ("auto", "triton", "mosaic")
+# Measured in bf16 only; float16 runs the Triton kernels unless a part asks for "mosaic".
+AUTO_MOSAIC_DTYPE = "bfloat16"
 # Per part, the head (and value) dims at which "auto" runs the Mosaic GPU kernels on a Hopper GPU:
 # where they measured faster than the Triton kernels in the whole op (benchmarks/RESULTS.md, power
 # attention). The state gradient's two calls count apart: the queries' and the keys' (which also
 # makes phi(K) S).
-# Measured in bf16 only; float16 runs the Triton kernels unless a part asks for "mosaic".
-AUTO_MOSAIC_DTYPE = "bfloat16"
 AUTO_MOSAIC_HEAD_DIMS = {
   "in_chunk_attention": (64, 128),
   "update_state": (64,),

@@ -134,12 +134,12 @@ def default_config(
   rows = max(tree_nodes, 1) * heads_per_kv_head
   if rows > 2 * MOSAIC_TILE_ROWS:
     tiles = -(-rows // MOSAIC_TILE_ROWS)
-    wide = _WIDE_KEY_BLOCKS
-    wide_groups = -(-tiles // wide.consumers)
+    row_groups = lambda config: -(-tiles // config.consumers)
+    wide, three = _WIDE_KEY_BLOCKS, _PREFERRED_CONFIGS[0]
     if (
       head_dim == _WIDE_KEY_BLOCKS_HEAD_DIM
-      and 2 * wide_groups <= 3 * -(-tiles // 3)
-      and batch_kv_heads * wide_groups * _WIDE_KEY_BLOCKS_MIN_SPLITS <= wide.target_programs
+      and row_groups(wide) <= 1.5 * row_groups(three)
+      and batch_kv_heads * row_groups(wide) * _WIDE_KEY_BLOCKS_MIN_SPLITS <= wide.target_programs
       and shared_memory_bytes(head_dim, tree_nodes, dtype, wide) <= SHARED_MEMORY_LIMIT
     ):
       return wide
