@@ -33,7 +33,7 @@ def _inputs(head_dim, dtype, seq=256, heads=4, kv_heads=2):
   )
 
 
-def _mosaic_kernels(config, inputs, capability="9.0", monkeypatch=None):
+def _mosaic_kernels(monkeypatch, config, inputs, capability="9.0"):
   monkeypatch.setattr(device_facts, "compute_capability", lambda: capability)
 
   def loss(q, k, v, log_g):
@@ -52,7 +52,7 @@ def _mosaic_kernels(config, inputs, capability="9.0", monkeypatch=None):
 )
 def test_auto_runs_the_parts_measured_faster_on_mosaic(monkeypatch, head_dim, kernels):
   assert PowerTritonConfig().in_chunk_attention == "auto"
-  assert _mosaic_kernels(PowerTritonConfig(), _inputs(head_dim, jnp.bfloat16), monkeypatch=monkeypatch) == kernels
+  assert _mosaic_kernels(monkeypatch, PowerTritonConfig(), _inputs(head_dim, jnp.bfloat16)) == kernels
 
 
 @pytest.mark.parametrize(
@@ -66,7 +66,7 @@ def test_auto_runs_the_parts_measured_faster_on_mosaic(monkeypatch, head_dim, ke
 )
 def test_auto_runs_triton_elsewhere(monkeypatch, case, dtype, capability, config):
   inputs = _inputs(64, dtype)
-  assert _mosaic_kernels(PowerTritonConfig(**config), inputs, capability, monkeypatch) == 0, case
+  assert _mosaic_kernels(monkeypatch, PowerTritonConfig(**config), inputs, capability) == 0, case
 
 
 def test_explicit_mosaic_parts_run_alone(monkeypatch):
@@ -75,7 +75,7 @@ def test_explicit_mosaic_parts_run_alone(monkeypatch):
   parts = {"update_state": 2, "state_gradient": 2, "in_chunk_attention": 3}
   for part, kernels in parts.items():
     config = PowerTritonConfig(**{**TRITON, part: "mosaic"})
-    assert _mosaic_kernels(config, inputs, monkeypatch=monkeypatch) == kernels, part
+    assert _mosaic_kernels(monkeypatch, config, inputs) == kernels, part
 
 
 def test_auto_runs_triton_in_interpret_mode(monkeypatch):
